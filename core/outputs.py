@@ -1,0 +1,29 @@
+"""What the engine hands back to its callers after each step."""
+
+from __future__ import annotations
+
+import attrs
+
+
+@attrs.define
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    logprobs: list[list] = attrs.Factory(list)  # per new token: [logprob, [[id, logprob], ...]]
+
+
+@attrs.define
+class Completion:
+    """A finished request, as `Engine.generate` returns it."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    logprobs: list[list] = attrs.Factory(list)

@@ -1,0 +1,68 @@
+"""A request as the engine core tracks it: tokens so far, progress through the KV cache."""
+
+from __future__ import annotations
+
+import enum
+
+from memstep.core.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    def __init__(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, step: int
+    ):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.arrival_step = step
+        self.output_token_ids: list[int] = []
+        self.output_logprobs: list[dict[int, float]] = []
+        self.num_computed = 0  # tokens whose K/V are in the cache
+        self.status = Status.WAITING
+        self.finish_reason: str | None = None
+        self.num_preemptions = 0
+        self.num_proposed = 0
+        self.num_accepted = 0
+        self.text_len_checked = 0  # output text already searched for stop strings
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_at(self, start: int, stop: int) -> list[int]:
+        prompt = self.prompt_token_ids
+        if stop <= len(prompt):
+            return prompt[start:stop]
+        return (prompt + self.output_token_ids)[start:stop]
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens still to feed before the next sample (1 when decoding)."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.num_uncomputed == 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def preempt(self) -> None:
+        self.num_computed = 0
+        self.status = Status.WAITING
+        self.num_preemptions += 1

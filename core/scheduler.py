@@ -1,0 +1,119 @@
+"""Continuous batching: which requests run this step, and how many tokens each feeds.
+
+Running requests go first (decodes, then the rest of chunked prefills), then waiting ones join
+while `max_num_seqs` and `max_num_batched_tokens` allow.  When pages run out the newest running
+request is preempted by recompute: its pages are freed and it waits to be prefilled again.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import attrs
+
+from memstep.core.block_manager import BlockManager
+from memstep.core.config import EngineConfig
+from memstep.core.request import Request, Status
+
+
+@attrs.define
+class Scheduled:
+    request: Request
+    num_tokens: int  # tokens of the request fed this step (excluding drafts)
+    num_drafts: int = 0  # lookahead slots reserved for speculative drafts
+
+    @property
+    def samples(self) -> bool:
+        return self.request.num_computed + self.num_tokens == self.request.num_tokens
+
+
+@attrs.define
+class StepBatch:
+    kind: str
+    seqs: list[Scheduled]
+    preempted: list[str]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens + s.num_drafts for s in self.seqs)
+
+
+class Scheduler:
+    def __init__(self, cfg: EngineConfig, blocks: BlockManager, max_model_len: int):
+        self.cfg = cfg
+        self.blocks = blocks
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, request: Request) -> None:
+        """Forget a finished or aborted request and free its pages."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.blocks.free(request.request_id)
+
+    def schedule(self) -> StepBatch:
+        budget = self.cfg.max_num_batched_tokens
+        seqs: list[Scheduled] = []
+        preempted: list[str] = []
+        for req in list(self.running):
+            if req.status is not Status.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(req.num_uncomputed, budget)
+            if n == 0:
+                break
+            if not self._reserve(req, req.num_computed + n, preempted):
+                continue
+            seqs.append(Scheduled(req, n))
+            budget -= n
+        while self.waiting and len(self.running) < self.cfg.max_num_seqs and budget > 0:
+            req = self.waiting[0]
+            n = min(req.num_uncomputed, budget)
+            if not self.blocks.ensure(req.request_id, req.num_computed + n):
+                break
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            seqs.append(Scheduled(req, n))
+            budget -= n
+        kind = "spec" if self.cfg.spec_enabled_for(len(seqs)) else "no_spec"
+        if kind == "spec":
+            for s in seqs:
+                s.num_drafts = self._draft_slots(s)
+        return StepBatch(kind, seqs, preempted)
+
+    def _reserve(self, req: Request, num_tokens: int, preempted: list[str]) -> bool:
+        """Pages for `num_tokens` of `req`, preempting the newest running requests if needed."""
+        while not self.blocks.ensure(req.request_id, num_tokens):
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.blocks.free(req.request_id)
+        req.preempt()
+        self.waiting.appendleft(req)
+
+    def _draft_slots(self, s: Scheduled) -> int:
+        req = s.request
+        if not (s.samples and req.is_decoding):
+            return 0
+        left = min(
+            req.params.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens
+        )
+        k = max(0, min(self.cfg.num_speculative_tokens, left - 1))
+        if k and not self.blocks.ensure(req.request_id, req.num_tokens + k):
+            return 0
+        return k

@@ -1,0 +1,276 @@
+"""The one codec for every registered record: msgpack bytes <-> plain maps <-> attrs records.
+
+A record travels as a msgpack map ``{"t": ClassName, <field>: <value>, ...}``; a field typed as
+another record (or a list or dict of them) nests the same kind of map.  Pickle is never used.
+
+Decoding trusts nothing.  Every field is checked against the class annotations (int, float,
+str, bool, bytes, ``X | None``, ``list``, ``list[X]``, ``dict``, ``dict[str, X]`` and registered
+records), and any malformation raises `CodecError` naming the class and field.  Each class's
+field spec is compiled once, on first use, so classes registered later are handled the same way.
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import msgpack
+from memstep.events.types import REGISTRY
+
+MAX_RECORD_BYTES = 64 * 1024 * 1024  # payloads above this are refused before unpacking
+
+# (value, where) -> checked value; `where` names the field for error messages.
+Decoder = Callable[[Any, str], Any]
+# value -> plain msgpack value; None where the value is plain already.
+Encoder = Callable[[Any], Any] | None
+
+
+class CodecError(ValueError):
+    """Raised for any input that is not a well-formed registered record."""
+
+
+@attrs.frozen
+class _Spec:
+    """What the codec needs to know about one record class, computed once."""
+
+    decoders: tuple[tuple[str, str, Decoder], ...]  # (field, "Class.field", decoder)
+    encoders: tuple[tuple[str, Encoder], ...]
+    names: frozenset[str]
+
+
+_SPECS: dict[type, _Spec] = {}
+
+
+# --- public API ----------------------------------------------------------------------------
+
+
+def encode(rec: object) -> bytes:
+    """Encode a registered record as msgpack bytes."""
+    obj = to_obj(rec)
+    try:
+        return msgpack.packb(obj, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as e:  # e.g. an int beyond 64 bits
+        raise CodecError(f"{type(rec).__name__}: cannot encode: {e}") from e
+
+
+def decode(data: bytes) -> object:
+    """Decode msgpack bytes into a registered record; raise CodecError on any malformation."""
+    if len(data) > MAX_RECORD_BYTES:
+        raise CodecError(f"record of {len(data)} bytes exceeds the {MAX_RECORD_BYTES} byte limit")
+    try:
+        # unpackb caps every str/bin/array/map length at len(data) and nesting at 1024 levels.
+        obj = msgpack.unpackb(data, raw=False, use_list=True, strict_map_key=True)
+    except (ValueError, TypeError, msgpack.UnpackException) as e:
+        raise CodecError(f"not a msgpack record: {e}") from e
+    return from_obj(obj)
+
+
+def to_obj(rec: object) -> dict[str, Any]:
+    """Turn a registered record into a plain map ``{"t": ClassName, field: value, ...}``."""
+    cls = type(rec)
+    if REGISTRY.get(cls.__name__) is not cls:
+        raise CodecError(f"{cls.__name__} is not a registered record")
+    obj: dict[str, Any] = {"t": cls.__name__}
+    for name, encoder in _spec(cls).encoders:
+        value = getattr(rec, name)
+        obj[name] = value if encoder is None else encoder(value)
+    return obj
+
+
+def from_obj(obj: object) -> object:
+    """Build a registered record from a plain map, validating every field strictly."""
+    try:
+        return _record_from_obj(obj, "", None)
+    except RecursionError as e:  # only reachable through self-nesting record classes
+        raise CodecError("record nested too deeply") from e
+
+
+# --- decoding ------------------------------------------------------------------------------
+
+
+def _record_from_obj(obj: Any, where: str, expected: type | None) -> object:
+    if type(obj) is not dict:
+        raise CodecError(f"{where}expected a record map, got {type(obj).__name__}")
+    type_name = obj.get("t")
+    if type_name is None:
+        raise CodecError(f"{where}record map has no 't' (type name) key")
+    cls = REGISTRY.get(type_name) if type(type_name) is str else None
+    if cls is None:
+        raise CodecError(f"{where}unknown record type {type_name!r}")
+    if expected is not None and cls is not expected:
+        raise CodecError(f"{where}expected a {expected.__name__} record, got {type_name}")
+    spec = _spec(cls)
+    if len(obj) != len(spec.names) + 1:
+        _raise_key_mismatch(obj, cls, spec, where)
+    kwargs = {}
+    for name, label, decoder in spec.decoders:
+        try:
+            value = obj[name]
+        except KeyError:
+            _raise_key_mismatch(obj, cls, spec, where)
+        kwargs[name] = decoder(value, where + label)
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:  # a validator on the class refused the values
+        raise CodecError(f"{where}{type_name}: {e}") from e
+
+
+def _raise_key_mismatch(obj: dict, cls: type, spec: _Spec, where: str) -> typing.NoReturn:
+    missing = sorted(spec.names - obj.keys())
+    if missing:
+        raise CodecError(f"{where}{cls.__name__}: missing field {missing[0]!r}")
+    extra = [key for key in obj if key != "t" and key not in spec.names]
+    raise CodecError(f"{where}{cls.__name__}: unexpected field {extra[0]!r}")
+
+
+def _mismatch(where: str, expected: str, value: Any) -> CodecError:
+    return CodecError(f"{where}: expected {expected}, got {type(value).__name__}")
+
+
+def _exact(tp: type) -> Decoder:
+    def check(value: Any, where: str) -> Any:
+        if type(value) is not tp:  # `type is`, so a bool is never accepted as an int
+            raise _mismatch(where, tp.__name__, value)
+        return value
+
+    return check
+
+
+def _float(value: Any, where: str) -> float:
+    if type(value) is float:
+        return value
+    if type(value) is int:
+        return float(value)
+    raise _mismatch(where, "float", value)
+
+
+def _optional(inner: Decoder) -> Decoder:
+    def check(value: Any, where: str) -> Any:
+        return None if value is None else inner(value, where)
+
+    return check
+
+
+def _list_of_exact(tp: type) -> Decoder:
+    allowed = {tp}
+
+    def check(value: Any, where: str) -> Any:
+        if type(value) is not list:
+            raise _mismatch(where, f"list[{tp.__name__}]", value)
+        if not set(map(type, value)) <= allowed:  # a C-speed scan of long token lists
+            i = next(i for i, item in enumerate(value) if type(item) is not tp)
+            raise _mismatch(f"{where}[{i}]", tp.__name__, value[i])
+        return value
+
+    return check
+
+
+def _list_of(inner: Decoder) -> Decoder:
+    def check(value: Any, where: str) -> Any:
+        if type(value) is not list:
+            raise _mismatch(where, "list", value)
+        return [inner(item, f"{where}[{i}]") for i, item in enumerate(value)]
+
+    return check
+
+
+def _dict_of(inner: Decoder) -> Decoder:
+    def check(value: Any, where: str) -> Any:
+        if type(value) is not dict:
+            raise _mismatch(where, "dict", value)
+        for key in value:
+            if type(key) is not str:
+                raise CodecError(f"{where}: expected str keys, got {type(key).__name__}")
+        return {key: inner(item, f"{where}[{key!r}]") for key, item in value.items()}
+
+    return check
+
+
+def _nested(cls: type) -> Decoder:
+    def check(value: Any, where: str) -> Any:
+        return _record_from_obj(value, where + ": ", cls)
+
+    return check
+
+
+_EXACT_TYPES = (int, str, bool, bytes)
+_DECODERS: dict[Any, Decoder] = {tp: _exact(tp) for tp in (*_EXACT_TYPES, list, dict)}
+_DECODERS[float] = _float
+
+
+def _decoder(tp: Any) -> Decoder:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp in _DECODERS:
+        return _DECODERS[tp]
+    if _is_optional(origin, args):
+        return _optional(_decoder(_not_none(args)))
+    if origin is list and args[0] in _EXACT_TYPES:
+        return _list_of_exact(args[0])
+    if origin is list:
+        return _list_of(_decoder(args[0]))
+    if origin is dict and args[0] is str:
+        return _dict_of(_decoder(args[1]))
+    if _is_record(tp):
+        return _nested(tp)
+    raise TypeError(f"the record codec cannot handle annotation {tp!r}")
+
+
+# --- encoding ------------------------------------------------------------------------------
+
+
+def _encoder(tp: Any) -> Encoder:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if _is_record(tp):
+        return to_obj
+    if _is_optional(origin, args):
+        return _map_encoder(_encoder(_not_none(args)), lambda f, v: None if v is None else f(v))
+    if origin is list:
+        return _map_encoder(_encoder(args[0]), lambda f, v: [f(x) for x in v])
+    if origin is dict:
+        return _map_encoder(_encoder(args[1]), lambda f, v: {k: f(x) for k, x in v.items()})
+    return None
+
+
+def _map_encoder(inner: Encoder, apply: Callable[[Callable[[Any], Any], Any], Any]) -> Encoder:
+    """Lift the encoder of an element to its container; None stays None (nothing to encode)."""
+    if inner is None:
+        return None
+    return lambda value: apply(inner, value)
+
+
+# --- specs ---------------------------------------------------------------------------------
+
+
+def _spec(cls: type) -> _Spec:
+    spec = _SPECS.get(cls)
+    if spec is None:
+        spec = _SPECS[cls] = _build_spec(cls)
+    return spec
+
+
+def _build_spec(cls: type) -> _Spec:
+    hints = typing.get_type_hints(cls)  # resolves the string annotations
+    names = [field.name for field in attrs.fields(cls)]
+    if "t" in names:
+        raise TypeError(f"{cls.__name__}: a record field may not be named 't'")
+    return _Spec(
+        decoders=tuple((n, f"{cls.__name__}.{n}", _decoder(hints[n])) for n in names),
+        encoders=tuple((n, _encoder(hints[n])) for n in names),
+        names=frozenset(names),
+    )
+
+
+def _is_record(tp: Any) -> bool:
+    return isinstance(tp, type) and REGISTRY.get(tp.__name__) is tp
+
+
+def _is_optional(origin: Any, args: tuple[Any, ...]) -> bool:
+    is_union = origin is types.UnionType or origin is typing.Union
+    return is_union and len(args) == 2 and type(None) in args
+
+
+def _not_none(args: tuple[Any, ...]) -> Any:
+    return args[0] if args[1] is type(None) else args[1]

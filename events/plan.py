@@ -1,0 +1,61 @@
+"""Messages between the engine core and the executor: what to run, and what came of it."""
+
+from __future__ import annotations
+
+from memstep.events.types import LeakSuspected, MemoryReport, StateEntered, StateExited, record
+
+
+@record
+class SeqPlan:
+    request_id: str
+    start_pos: int  # position of token_ids[0]; 0 means the executor forgets older history
+    token_ids: list[int]  # tokens fed this step
+    block_table: list[int]
+    samples: bool  # the last fed token's logits are sampled
+    num_drafts: int  # speculative lookahead slots reserved for this request
+    prompt_len: int
+    params: dict  # SamplingParams.to_dict()
+
+
+@record
+class StepPlan:
+    step: int
+    kind: str
+    seqs: list[SeqPlan]
+    finished: list[str]  # requests whose executor-side state must be dropped
+
+
+@record
+class SeqResult:
+    request_id: str
+    token_ids: list[int]  # tokens appended to the request this step
+    logprobs: list[list]  # per token: [chosen_logprob, [[token_id, logprob], ...top-N]]
+    num_proposed: int
+    num_accepted: int
+
+
+@record
+class StepResult:
+    step: int
+    kind: str
+    seqs: list[SeqResult]
+    memory: MemoryReport
+    exited: list[StateExited]  # the exit hook that ran before this step, if the kind changed
+    entered: list[StateEntered]  # then the enter hook of this step's kind
+    leaks: list[LeakSuspected]
+
+
+@record
+class PhaseRequest:
+    """Ask the executor to enter an engine phase (profile, warmup, capture, serve, shutdown)."""
+
+    phase: str
+    step: int
+
+
+@record
+class PhaseReply:
+    phase: str
+    info: dict  # phase-specific figures, e.g. the memory plan after profile
+    exited: list[StateExited]
+    entered: list[StateEntered]

@@ -1,0 +1,118 @@
+"""Paged attention over a flattened token batch, in plain torch (Triton decode on CUDA).
+
+The KV cache of one layer is `[num_blocks, block_size, num_kv_heads, head_dim]`; a sequence's
+token at position p lives at `cache[block_table[p // block_size], p % block_size]`.
+Sequences are attended in groups: all short queries (decode, speculative verify) in one padded
+batch, each long prefill chunk on its own, so padding never multiplies prefill work.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+SHORT_QUERY = 8  # queries up to this many tokens share one padded attention call
+
+
+@attrs.frozen
+class AttnGroup:
+    token_index: torch.Tensor  # [B, Q] rows of the flattened batch (padding points at row 0)
+    q_valid: torch.Tensor  # [B, Q] False on padding
+    block_tables: torch.Tensor  # [B, NB] page ids covering the longest context in the group
+    mask: torch.Tensor  # [B, 1, Q, L] True where query may attend key
+    seq_lens: torch.Tensor  # [B] int32 context length after this step
+    is_decode: bool  # every query is one token: the Triton decode kernel applies
+
+
+@attrs.frozen
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    slot_mapping: torch.Tensor  # [T] flat KV slot of each token
+    groups: tuple[AttnGroup, ...]
+    num_tokens: int
+
+
+def build_group(
+    starts: list[int],
+    q_lens: list[int],
+    ctx_lens: list[int],
+    tables: list[list[int]],
+    block_size: int,
+    device: torch.device,
+) -> AttnGroup:
+    """One attention group; seq i's queries are rows starts[i]..+q_lens[i] at the end of ctx."""
+    b, q = len(starts), max(q_lens)
+    nb = max((c + block_size - 1) // block_size for c in ctx_lens)
+    index = torch.zeros(b, q, dtype=torch.long)
+    table = torch.zeros(b, nb, dtype=torch.long)
+    q_pos = torch.full((b, q), -1, dtype=torch.long)
+    for i, (start, n, ctx, row) in enumerate(zip(starts, q_lens, ctx_lens, tables, strict=True)):
+        index[i, :n] = torch.arange(start, start + n)
+        q_pos[i, :n] = torch.arange(ctx - n, ctx)
+        used = (ctx + block_size - 1) // block_size
+        table[i, :used] = torch.tensor(row[:used], dtype=torch.long)
+    k_pos = torch.arange(nb * block_size)
+    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (q_pos[:, :, None] >= 0)
+    # padded query rows attend key 0 so that softmax stays finite; their output is dropped
+    mask[:, :, 0] |= q_pos < 0
+    return AttnGroup(
+        token_index=index.to(device),
+        q_valid=(q_pos >= 0).to(device),
+        block_tables=table.to(device),
+        mask=mask[:, None].to(device),
+        seq_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=device),
+        is_decode=q == 1,
+    )
+
+
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+) -> None:
+    # k, v: [T, KVH, D]; the cache viewed flat is [num_blocks * block_size, KVH, D]
+    kvh, d = k_cache.shape[-2:]
+    k_cache.view(-1, kvh, d).index_copy_(0, slots, k)
+    v_cache.view(-1, kvh, d).index_copy_(0, slots, v)
+
+
+def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    # cache[block_tables]: [B, NB, BS, KVH, D] -> [B, KVH, NB * BS, D]
+    b, nb = block_tables.shape
+    pages = cache[block_tables]
+    return pages.reshape(b, nb * cache.shape[1], *cache.shape[2:]).transpose(1, 2)
+
+
+def torch_group_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: AttnGroup, scale: float
+) -> torch.Tensor:
+    """q: [T, H, D] for the whole batch; returns [B, Q, H, D] for this group's queries."""
+    qg = q[group.token_index].transpose(1, 2)  # [B, H, Q, D]
+    k = gather_kv(k_cache, group.block_tables)
+    v = gather_kv(v_cache, group.block_tables)
+    out = F.scaled_dot_product_attention(
+        qg, k, v, attn_mask=group.mask, scale=scale, enable_gqa=k.shape[1] != qg.shape[1]
+    )
+    return out.transpose(1, 2)
+
+
+def attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: ForwardBatch,
+    scale: float,
+    decode_kernel=None,
+) -> torch.Tensor:
+    """Attention for every token of the batch; q: [T, H, D] -> [T, H, D]."""
+    out = torch.empty_like(q)
+    for group in batch.groups:
+        if group.is_decode and decode_kernel is not None:
+            rows = group.token_index[:, 0]
+            out[rows] = decode_kernel(
+                q[rows], k_cache, v_cache, group.block_tables, group.seq_lens, scale
+            )
+            continue
+        res = torch_group_attention(q, k_cache, v_cache, group, scale)
+        out[group.token_index[group.q_valid]] = res[group.q_valid]
+    return out

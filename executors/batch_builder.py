@@ -1,0 +1,48 @@
+"""Turn a step plan's sequences into one flattened `ForwardBatch` for the model."""
+
+from __future__ import annotations
+
+import torch
+
+from memstep.events.plan import SeqPlan
+from memstep.executors.attention import SHORT_QUERY, AttnGroup, ForwardBatch, build_group
+
+
+def slots_for(table: list[int], start: int, n: int, block_size: int) -> list[int]:
+    return [table[p // block_size] * block_size + p % block_size for p in range(start, start + n)]
+
+
+def build_batch(
+    feeds: list[tuple[SeqPlan, list[int]]], block_size: int, device: torch.device
+) -> tuple[ForwardBatch, list[int]]:
+    """`feeds` pairs each sequence with the tokens it feeds (its plan's, plus any drafts).
+
+    Returns the batch and, per sequence, the row of its last fed token."""
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    short: list[tuple[int, int, int, list[int]]] = []
+    groups: list[AttnGroup] = []
+    last_rows: list[int] = []
+    for seq, tokens in feeds:
+        start_row, n = len(ids), len(tokens)
+        ids.extend(tokens)
+        positions.extend(range(seq.start_pos, seq.start_pos + n))
+        slots.extend(slots_for(seq.block_table, seq.start_pos, n, block_size))
+        last_rows.append(start_row + n - 1)
+        item = (start_row, n, seq.start_pos + n, seq.block_table)
+        if n <= SHORT_QUERY:
+            short.append(item)
+        else:
+            groups.append(build_group(*map(lambda x: [x], item), block_size, device))
+    if short:
+        starts, q_lens, ctx, tables = (list(col) for col in zip(*short, strict=True))
+        groups.insert(0, build_group(starts, q_lens, ctx, tables, block_size, device))
+    batch = ForwardBatch(
+        input_ids=torch.tensor(ids, dtype=torch.long, device=device),
+        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        groups=tuple(groups),
+        num_tokens=len(ids),
+    )
+    return batch, last_rows

@@ -1,0 +1,110 @@
+"""The profile phase: how much memory each part of the engine takes, and how many KV pages fit.
+
+Measured once at start-up from a worst-case dummy forward (every token budget in one prefill);
+returned as a value, never written into the config.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+
+from memstep.core.config import EngineConfig
+from memstep.events.plan import SeqPlan
+from memstep.executors.arena import nbytes_of
+from memstep.executors.batch_builder import build_batch
+from memstep.executors.model_config import ModelConfig
+from memstep.states.kinds import KINDS, KindEnv
+
+
+@attrs.frozen
+class MemoryPlan:
+    weights_bytes: int
+    activation_peak_bytes: int
+    sampler_bytes: int
+    kind_buffer_bytes: dict  # kind -> bytes of its buffers
+    arena_bytes: int
+    kv_page_bytes: int
+    num_kv_blocks: int
+    predicted_peak_bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+
+def _kv_page_bytes(cfg: EngineConfig, model: ModelConfig, dtype: torch.dtype, layers: int) -> int:
+    return 2 * layers * nbytes_of((cfg.block_size, model.num_kv_heads, model.head_dim), dtype)
+
+
+def _activation_peak(cfg: EngineConfig, model_cfg: ModelConfig, model, dtype, device) -> int:
+    """Peak bytes of one forward of `max_num_batched_tokens` tokens (measured on CUDA)."""
+    t = cfg.max_num_batched_tokens
+    if device.type != "cuda":
+        per_token = model_cfg.hidden_size * 6 + model_cfg.intermediate_size * 3
+        per_token += model_cfg.head_dim * (model_cfg.num_heads + 2 * model_cfg.num_kv_heads)
+        return t * per_token * torch.empty((), dtype=dtype).element_size()
+    pages = (t + cfg.block_size - 1) // cfg.block_size
+    shape = (pages, cfg.block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
+    kv = [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(model_cfg.num_layers)
+    ]
+    seq = SeqPlan("profile", 0, [0] * t, list(range(pages)), True, 0, t, {})
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    with torch.inference_mode():
+        batch, last = build_batch([(seq, seq.token_ids)], cfg.block_size, device)
+        hidden = model.forward(batch, kv)
+        model.logits(hidden[last])
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del kv, hidden
+    torch.cuda.empty_cache()
+    return peak
+
+
+def plan_memory(
+    cfg: EngineConfig, model_cfg: ModelConfig, model, dtype: torch.dtype, device: torch.device
+) -> MemoryPlan:
+    weights = sum(t.numel() * t.element_size() for t in model.w.values())
+    rows = cfg.max_num_seqs * (cfg.num_lookahead_slots + 1)
+    sampler = rows * model_cfg.vocab_size * (4 + 4 + 8) + rows * 4
+    activation = _activation_peak(cfg, model_cfg, model, dtype, device)
+    page = _kv_page_bytes(cfg, model_cfg, dtype, model_cfg.num_layers)
+    draft_page = 0
+    if cfg.speculative_method == "draft":
+        draft_page = _kv_page_bytes(cfg, model_cfg, dtype, min(cfg.draft_layers, model_cfg.num_layers))
+    max_len = cfg.max_model_len or model_cfg.max_context
+    wanted = cfg.max_num_seqs * ((max_len + cfg.block_size - 1) // cfg.block_size + 1)
+    if cfg.num_kv_blocks is not None:
+        blocks = cfg.num_kv_blocks
+    elif device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        fixed = weights + activation + sampler
+        fixed += _kind_bytes(cfg, model_cfg, dtype, 1, exclude_draft_kv=True)
+        blocks = int((total * cfg.memory_utilization - fixed) // (page + draft_page))
+    else:
+        blocks = min(cfg.cpu_kv_cache_bytes // (page + draft_page), wanted)
+    if blocks < 1:
+        raise MemoryError("no memory left for the KV cache; lower max_num_batched_tokens")
+    kinds = _kind_table(cfg, model_cfg, dtype, blocks)
+    arena = max(kinds.values(), default=0) + 256 * max(1, len(kinds))
+    kv = blocks * page
+    predicted = weights + activation + sampler + arena + kv
+    return MemoryPlan(weights, activation, sampler, kinds, arena, page, blocks, predicted)
+
+
+def _kind_table(cfg: EngineConfig, model_cfg: ModelConfig, dtype, blocks: int) -> dict:
+    env = KindEnv(cfg, model_cfg, dtype, blocks)
+    return {name: sum(b.nbytes for b in cls(env).buffers()) for name, cls in KINDS.items()}
+
+
+def _kind_bytes(cfg, model_cfg, dtype, blocks: int, exclude_draft_kv: bool) -> int:
+    env = KindEnv(cfg, model_cfg, dtype, blocks)
+    return max(
+        sum(b.nbytes for b in cls(env).buffers() if not (exclude_draft_kv and b.name == "draft_kv"))
+        for cls in KINDS.values()
+    )

@@ -1,0 +1,26 @@
+"""Counter-based randomness: one uniform number per (request seed, token position, stream).
+
+A token therefore never depends on which other requests share its batch, and replay is exact.
+"""
+
+from __future__ import annotations
+
+MASK64 = (1 << 64) - 1
+
+SAMPLE = 0  # the token sampled at a position
+ACCEPT = 1  # speculative acceptance test at a position
+DRAFT = 2  # a draft model's own sample at a position
+
+
+def _mix(x: int) -> int:
+    # splitmix64 finaliser
+    x = (x + 0x9E3779B97F4A7C15) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
+
+
+def uniform(seed: int, position: int, stream: int = SAMPLE) -> float:
+    """A float in [0, 1) fixed by its three keys."""
+    x = _mix(_mix(_mix(seed & MASK64) ^ position) ^ (stream * 0xD1B54A32D192ED03 & MASK64))
+    return (x >> 11) * (1.0 / (1 << 53))

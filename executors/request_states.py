@@ -1,0 +1,43 @@
+"""What the executor remembers about each running request between steps: its tokens.
+
+The core sends only the tokens fed each step; the executor appends them here so that penalties
+and proposers can see the whole sequence.  `forget` is called for every finished request.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from memstep.core.sampling_params import SamplingParams
+from memstep.events.plan import SeqPlan
+
+
+@attrs.define
+class RequestState:
+    tokens: list[int]
+    prompt_len: int
+    params: SamplingParams
+
+
+class RequestStates:
+    def __init__(self) -> None:
+        self._states: dict[str, RequestState] = {}
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def __getitem__(self, request_id: str) -> RequestState:
+        return self._states[request_id]
+
+    def update(self, seq: SeqPlan) -> RequestState:
+        state = self._states.get(seq.request_id)
+        if state is None or seq.start_pos == 0:
+            params = SamplingParams.from_dict(seq.params)
+            state = RequestState([], seq.prompt_len, params)
+            self._states[seq.request_id] = state
+        del state.tokens[seq.start_pos :]
+        state.tokens.extend(seq.token_ids)
+        return state
+
+    def forget(self, request_id: str) -> None:
+        self._states.pop(request_id, None)

@@ -1,0 +1,127 @@
+"""Turn logits into tokens: penalties, temperature, top-k, top-p, min-p, seeded sampling.
+
+Every large intermediate (probabilities, sorted probabilities, their order, the CDF) lives in a
+buffer allocated once for the largest batch the sampler will see, so serving never asks the
+allocator for new memory (the sampler-fragmentation incident).  Sampling is by inverse CDF with a
+counter-based uniform per (seed, position), so it is batch-independent.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import attrs
+import torch
+
+from memstep.core.sampling_params import SamplingParams
+from memstep.executors.random_stream import SAMPLE, uniform
+
+
+@attrs.frozen
+class Row:
+    """One row of logits to sample: whose, at which position, with which history."""
+
+    params: SamplingParams
+    position: int  # position of the token being chosen
+    history: list[int]  # prompt + output tokens before this position (for penalties)
+    prompt_len: int
+
+
+class Sampler:
+    def __init__(self, max_rows: int, vocab_size: int, device: torch.device):
+        self.max_rows = max_rows
+        self.vocab_size = vocab_size
+        f32 = dict(dtype=torch.float32, device=device)
+        self.probs = torch.zeros(max_rows, vocab_size, **f32)
+        self.sorted = torch.zeros(max_rows, vocab_size, **f32)
+        self.order = torch.zeros(max_rows, vocab_size, dtype=torch.long, device=device)
+        self.uniforms = torch.zeros(max_rows, **f32)
+
+    @property
+    def nbytes(self) -> int:
+        bufs = (self.probs, self.sorted, self.order, self.uniforms)
+        return sum(b.numel() * b.element_size() for b in bufs)
+
+    def distribution(self, logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+        """The filtered distribution each row samples from, in `self.probs[:R]` ([R, V])."""
+        r = len(rows)
+        assert r <= self.max_rows, f"{r} rows > sampler capacity {self.max_rows}"
+        for i, row in enumerate(rows):
+            if row.params.has_penalties:
+                apply_penalties(logits[i], row)
+        probs = self.probs[:r]
+        temps = [row.params.temperature or 1.0 for row in rows]
+        torch.div(logits, torch.tensor(temps, device=logits.device)[:, None], out=probs)
+        torch.softmax(probs, dim=-1, out=probs)
+        for i, row in enumerate(rows):
+            p = row.params
+            if p.is_greedy:
+                top = int(torch.argmax(logits[i]))
+                probs[i].zero_()
+                probs[i, top] = 1.0
+                continue
+            if p.min_p > 0.0:
+                probs[i].masked_fill_(probs[i] < p.min_p * probs[i].max(), 0.0)
+            if p.top_k > 0 and p.top_k < self.vocab_size:
+                kth = torch.topk(probs[i], p.top_k).values[-1]
+                probs[i].masked_fill_(probs[i] < kth, 0.0)
+            if p.top_p < 1.0:
+                self._top_p(i, p.top_p)
+        return probs
+
+    def _top_p(self, i: int, top_p: float) -> None:
+        vals, order = self.sorted[i], self.order[i]
+        torch.sort(self.probs[i], descending=True, out=(vals, order))
+        total = vals.sum()
+        torch.cumsum(vals, dim=0, out=vals)
+        # keep the smallest prefix whose mass reaches top_p (always at least one token)
+        cut = int(torch.searchsorted(vals, top_p * total)) + 1
+        self.probs[i].index_fill_(0, order[cut:], 0.0)
+
+    def sample(self, probs: torch.Tensor, rows: list[Row], stream: int = SAMPLE) -> list[int]:
+        """One token per row by inverse CDF, with the row's counter-based uniform."""
+        r = len(rows)
+        u = self.uniforms[:r]
+        u.copy_(torch.tensor([uniform(row.params.seed, row.position, stream) for row in rows]))
+        return inverse_cdf(probs, u, self.sorted[:r])
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor, scratch: torch.Tensor) -> list[int]:
+    """Token i of each row where the running mass first exceeds u * total; probs: [R, V]."""
+    torch.cumsum(probs, dim=-1, out=scratch)
+    target = u[:, None] * scratch[:, -1:]
+    idx = torch.searchsorted(scratch, target, right=True).clamp_(max=probs.shape[-1] - 1)
+    tokens = idx[:, 0].tolist()
+    # a zero-probability token can only be hit through rounding at the very end of the CDF
+    for i, tok in enumerate(tokens):
+        if probs[i, tok] <= 0:
+            tokens[i] = int(torch.nonzero(probs[i])[-1])
+    return tokens
+
+
+def apply_penalties(logits: torch.Tensor, row: Row) -> None:
+    """Repetition (prompt + output), presence and frequency (output only), in place."""
+    p = row.params
+    if p.repetition_penalty != 1.0 and row.history:
+        seen = torch.tensor(sorted(set(row.history)), device=logits.device)
+        vals = logits[seen]
+        logits[seen] = torch.where(
+            vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
+        )
+    output = row.history[row.prompt_len :]
+    if output and (p.presence_penalty or p.frequency_penalty):
+        counts = Counter(output)
+        ids = torch.tensor(list(counts), device=logits.device)
+        freq = torch.tensor(list(counts.values()), dtype=logits.dtype, device=logits.device)
+        logits[ids] -= p.frequency_penalty * freq + p.presence_penalty
+
+
+def top_logprobs(logits: torch.Tensor, tokens: list[int], n: int) -> list[list]:
+    """[chosen logprob, [[id, logprob] x n]] for each row, from the raw model logits."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    out: list[list] = []
+    for i, tok in enumerate(tokens):
+        top = torch.topk(logp[i], n) if n else None
+        pairs = [] if top is None else [[int(t), float(v)] for v, t in zip(*top, strict=True)]
+        out.append([float(logp[i, tok]), pairs])
+    return out

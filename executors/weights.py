@@ -1,0 +1,145 @@
+"""Load a model's tensors into memstep's layout: fused qkv and gate_up, [out, in] matrices.
+
+Names: `embed`, `norm`, `lm_head` (absent when tied), and per layer `layers.{i}.attn_norm`,
+`.wqkv`, `.wo`, `.mlp_norm`, `.w_gate_up`, `.w_down`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from memstep.core.model_source import ModelError, ModelSource, read_gguf
+from memstep.executors.model_config import ModelConfig
+
+Weights = dict[str, torch.Tensor]
+
+_GGUF_LAYER = {
+    "attn_norm": "attn_norm.weight",
+    "q": "attn_q.weight",
+    "k": "attn_k.weight",
+    "v": "attn_v.weight",
+    "wo": "attn_output.weight",
+    "mlp_norm": "ffn_norm.weight",
+    "gate": "ffn_gate.weight",
+    "up": "ffn_up.weight",
+    "w_down": "ffn_down.weight",
+}
+_HF_LAYER = {
+    "attn_norm": "input_layernorm.weight",
+    "q": "self_attn.q_proj.weight",
+    "k": "self_attn.k_proj.weight",
+    "v": "self_attn.v_proj.weight",
+    "wo": "self_attn.o_proj.weight",
+    "mlp_norm": "post_attention_layernorm.weight",
+    "gate": "mlp.gate_proj.weight",
+    "up": "mlp.up_proj.weight",
+    "w_down": "mlp.down_proj.weight",
+}
+
+
+def unpermute_rotary(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's interleaved rotary layout: per head, pairs (2i, 2i+1) back to halves."""
+    out, inp = w.shape
+    head_dim = out // num_heads
+    return w.reshape(num_heads, head_dim // 2, 2, inp).transpose(1, 2).reshape(out, inp)
+
+
+def _fuse_layers(raw: dict[str, torch.Tensor], cfg: ModelConfig, prefix_of) -> Weights:
+    weights: Weights = {}
+    for i in range(cfg.num_layers):
+        get = lambda key, i=i: raw.pop(prefix_of(i, key))  # noqa: E731
+        p = f"layers.{i}."
+        weights[p + "attn_norm"] = get("attn_norm")
+        weights[p + "wqkv"] = torch.cat([get("q"), get("k"), get("v")], dim=0)
+        weights[p + "wo"] = get("wo")
+        weights[p + "mlp_norm"] = get("mlp_norm")
+        weights[p + "w_gate_up"] = torch.cat([get("gate"), get("up")], dim=0)
+        weights[p + "w_down"] = get("w_down")
+    return weights
+
+
+def _load_gguf(path: Path, cfg: ModelConfig) -> Weights:
+    from gguf import quants
+
+    reader = read_gguf(path)
+    raw: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        try:
+            array = quants.dequantize(t.data, t.tensor_type)
+        except Exception as exc:
+            raise ModelError(f"cannot dequantize {t.name} in {path.name}: {exc}") from exc
+        raw[t.name] = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+    for i in range(cfg.num_layers):
+        raw[f"blk.{i}.attn_q.weight"] = unpermute_rotary(raw[f"blk.{i}.attn_q.weight"], cfg.num_heads)
+        key = f"blk.{i}.attn_k.weight"
+        raw[key] = unpermute_rotary(raw[key], cfg.num_kv_heads)
+    try:
+        weights = _fuse_layers(raw, cfg, lambda i, k: f"blk.{i}.{_GGUF_LAYER[k]}")
+        weights["embed"] = raw.pop("token_embd.weight")
+        weights["norm"] = raw.pop("output_norm.weight")
+        if not cfg.tie_embeddings:
+            weights["lm_head"] = raw.pop("output.weight")
+    except KeyError as exc:
+        raise ModelError(f"{path.name} lacks tensor {exc}; not a complete Llama GGUF") from exc
+    return weights
+
+
+def _load_hf(folder: Path, cfg: ModelConfig) -> Weights:
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelError(f"{folder} has no *.safetensors files")
+    raw: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            raw.update(load_file(str(file)))
+        except Exception as exc:
+            raise ModelError(f"cannot read {file.name}: {exc}") from exc
+    raw = {k.removeprefix("model."): v.float() for k, v in raw.items()}
+    try:
+        weights = _fuse_layers(raw, cfg, lambda i, k: f"layers.{i}.{_HF_LAYER[k]}")
+        weights["embed"] = raw.pop("embed_tokens.weight")
+        weights["norm"] = raw.pop("norm.weight")
+        if not cfg.tie_embeddings:
+            weights["lm_head"] = raw.pop("lm_head.weight")
+    except KeyError as exc:
+        raise ModelError(f"{folder} lacks tensor {exc}; not a complete Llama checkpoint") from exc
+    return weights
+
+
+def _random(cfg: ModelConfig, seed: int, dtype: torch.dtype, device: torch.device) -> Weights:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    h, d = cfg.hidden_size, cfg.head_dim
+
+    def normal(*shape: int, std: float = 0.02) -> torch.Tensor:
+        t = torch.empty(*shape, dtype=dtype, device=device)
+        return t.normal_(0.0, std, generator=gen)
+
+    weights: Weights = {"embed": normal(cfg.vocab_size, h), "norm": torch.ones(h, dtype=dtype, device=device)}
+    if not cfg.tie_embeddings:
+        weights["lm_head"] = normal(cfg.vocab_size, h)
+    qkv_out = d * (cfg.num_heads + 2 * cfg.num_kv_heads)
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        weights[p + "attn_norm"] = torch.ones(h, dtype=dtype, device=device)
+        weights[p + "wqkv"] = normal(qkv_out, h)
+        weights[p + "wo"] = normal(h, cfg.num_heads * d)
+        weights[p + "mlp_norm"] = torch.ones(h, dtype=dtype, device=device)
+        weights[p + "w_gate_up"] = normal(2 * cfg.intermediate_size, h)
+        weights[p + "w_down"] = normal(h, cfg.intermediate_size)
+    return weights
+
+
+def load_weights(
+    source: ModelSource, cfg: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> Weights:
+    """Every tensor of the model in `dtype` on `device`; random: weights are made there."""
+    if source.kind == "random":
+        return _random(cfg, source.seed, dtype, device)
+    assert source.path is not None
+    loaded = _load_gguf(source.path, cfg) if source.kind == "gguf" else _load_hf(source.path, cfg)
+    return {k: v.to(device=device, dtype=dtype).contiguous() for k, v in loaded.items()}

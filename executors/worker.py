@@ -1,0 +1,215 @@
+"""The executor's worker: owns the model, the KV cache, the arena, the sampler and the kinds.
+
+It applies what the core decided: phase changes (profile, warmup, capture, shutdown), kind
+transitions (exit hook of the previous kind, enter hook of the next), and each step plan, and
+answers with sampled tokens and a real memory report.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import structlog
+import torch
+
+from memstep.core.config import EngineConfig
+from memstep.core.model_source import resolve
+from memstep.core.sampling_params import SamplingParams
+from memstep.events.plan import PhaseReply, SeqPlan, SeqResult, StepPlan, StepResult
+from memstep.events.types import MemoryReport, StateEntered, StateExited
+from memstep.executors import memory
+from memstep.executors.arena import Arena
+from memstep.executors.batch_builder import build_batch
+from memstep.executors.leak_detector import LeakDetector
+from memstep.executors.llama import LlamaModel
+from memstep.executors.memory_plan import MemoryPlan, plan_memory
+from memstep.executors.request_states import RequestStates
+from memstep.executors.sampler import Row, Sampler, top_logprobs
+from memstep.executors.weights import load_weights
+from memstep.states import table
+from memstep.states.kinds import KindEnv, StepKind, StepOutputs, make_kinds
+
+log = structlog.get_logger("memstep.executor")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pick_device(cfg: EngineConfig) -> torch.device:
+    if cfg.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(cfg.device)
+
+
+def pick_dtype(cfg: EngineConfig, device: torch.device) -> torch.dtype:
+    if cfg.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[cfg.dtype]
+
+
+class Worker:
+    def __init__(self, cfg: EngineConfig, max_model_len: int):
+        self.cfg = cfg
+        self.max_model_len = max_model_len
+        self.device = pick_device(cfg)
+        self.dtype = pick_dtype(cfg, self.device)
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        self.source = resolve(cfg.model, cfg.seed)
+        from memstep.core.model_source import model_config
+
+        self.model_cfg = model_config(self.source)
+        self.weights = load_weights(self.source, self.model_cfg, self.dtype, self.device)
+        self.model = LlamaModel(self.model_cfg, self.weights, max_model_len + 16, self._kernel())
+        self.state = "boot"
+        self.requests = RequestStates()
+        self.detector = LeakDetector()
+        self.plan: MemoryPlan | None = None
+        self.kinds: dict[str, StepKind] = {}
+        self.spec = None
+        self.meter = memory.LiveTensorMeter()
+
+    def _kernel(self):
+        if self.device.type != "cuda":
+            return None
+        from memstep.executors.kernels import paged_decode_attention
+
+        return paged_decode_attention
+
+    # --- phases ----------------------------------------------------------------------------
+
+    def enter_phase(self, phase: str, step: int) -> PhaseReply:
+        exited, entered = self._move(phase, step)
+        info: dict = {}
+        if phase == "profile":
+            info = self._profile()
+        elif phase == "warmup":
+            info = self._warmup()
+        elif phase == "capture":
+            self.meter.freeze()  # start-up objects are done; measure only what serving creates
+        elif phase == "shutdown":
+            self.requests = RequestStates()
+        return PhaseReply(phase, info, exited, entered)
+
+    def _profile(self) -> dict:
+        self.plan = plan_memory(self.cfg, self.model_cfg, self.model, self.dtype, self.device)
+        env = KindEnv(self.cfg, self.model_cfg, self.dtype, self.plan.num_kv_blocks)
+        self.kinds = make_kinds(env)
+        self.arena = Arena(self.plan.arena_bytes, self.device)
+        shape = (self.plan.num_kv_blocks, self.cfg.block_size)
+        shape += (self.model_cfg.num_kv_heads, self.model_cfg.head_dim)
+        self.kv = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(self.model_cfg.num_layers)
+        ]
+        rows = self.cfg.max_num_seqs * (self.cfg.num_lookahead_slots + 1)
+        self.sampler = Sampler(rows, self.model_cfg.vocab_size, self.device)
+        if self.cfg.is_speculative:
+            from memstep.executors.spec_decode import SpecDecoder
+
+            self.spec = SpecDecoder(self)
+        info = self.plan.to_dict()
+        log.info("memory plan", **info)
+        return info
+
+    def _warmup(self) -> dict:
+        """Run the model and the sampler at every batch size serving will see."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        params = SamplingParams(temperature=0.7, top_p=0.9, top_k=50, min_p=0.01).to_dict()
+        for rows in range(1, self.sampler.max_rows + 1):
+            logits = torch.zeros(rows, self.model_cfg.vocab_size, device=self.device)
+            sp = SamplingParams.from_dict(params)
+            sample_rows = [Row(sp, 0, [], 0) for _ in range(rows)]
+            self.sampler.sample(self.sampler.distribution(logits, sample_rows), sample_rows)
+        info: dict = {}
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            info["measured_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
+        return info
+
+    # --- transitions -----------------------------------------------------------------------
+
+    def _move(self, target: str, step: int) -> tuple[list[StateExited], list[StateEntered]]:
+        source = self.state
+        table.check(source, target)
+        exited: list[StateExited] = []
+        entered: list[StateEntered] = []
+        if source == target:
+            return exited, entered
+        if source in self.kinds:
+            released = self.kinds[source].exit(self.arena, step)
+            gc.collect()  # a reference cycle must not pass for a leak; a live reference does
+            exited.append(StateExited(step, source, released, self.arena.ledger()))
+            self._pending_leaks = LeakDetector.held_after_exit(
+                step, source, self.arena.check_released()
+            )
+        self.state = target
+        if target in self.kinds:
+            claimed = self.kinds[target].enter(self.arena, step)
+            entered.append(StateEntered(step, target, claimed, self.arena.ledger()))
+        return exited, entered
+
+    # --- steps -----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        self._pending_leaks = []
+        exited, entered = self._move(plan.kind, plan.step)
+        for request_id in plan.finished:
+            self.requests.forget(request_id)
+            if self.spec is not None:
+                self.spec.forget(request_id)
+        for seq in plan.seqs:
+            self.requests.update(seq)
+        if plan.kind == "spec" and self.spec is not None:
+            results, hidden = self.spec.run(plan)
+        else:
+            results, hidden = self._run_plain(plan.seqs)
+        self.kinds[plan.kind].after_step(StepOutputs(hidden, hidden.shape[0]))
+        del hidden
+        mem = self._measure()
+        leaks = self._pending_leaks + self.detector.observe(plan.step, plan.kind, mem)
+        return StepResult(plan.step, plan.kind, results, mem, exited, entered, leaks)
+
+    def forward(self, feeds: list[tuple[SeqPlan, list[int]]]) -> tuple[torch.Tensor, list[int]]:
+        batch, last_rows = build_batch(feeds, self.cfg.block_size, self.device)
+        return self.model.forward(batch, self.kv), last_rows
+
+    def sample_rows(self, seqs: list[SeqPlan]) -> list[Row]:
+        rows = []
+        for seq in seqs:
+            state = self.requests[seq.request_id]
+            rows.append(Row(state.params, len(state.tokens), state.tokens, state.prompt_len))
+        return rows
+
+    def _run_plain(self, seqs: list[SeqPlan]) -> tuple[list[SeqResult], torch.Tensor]:
+        hidden, last_rows = self.forward([(seq, seq.token_ids) for seq in seqs])
+        sampled = [seq for seq in seqs if seq.samples]
+        picked = [row for seq, row in zip(seqs, last_rows, strict=True) if seq.samples]
+        h = hidden[picked]
+        if not sampled:
+            return [], h
+        logits = self.model.logits(h)
+        rows = self.sample_rows(sampled)
+        want_logprobs = max(row.params.logprobs for row in rows)
+        raw = logits.clone() if want_logprobs else None
+        tokens = self.sampler.sample(self.sampler.distribution(logits, rows), rows)
+        logprobs = top_logprobs(raw, tokens, want_logprobs) if raw is not None else None
+        results = []
+        for i, (seq, tok) in enumerate(zip(sampled, tokens, strict=True)):
+            lp = [logprobs[i]] if logprobs is not None and rows[i].params.logprobs else []
+            results.append(SeqResult(seq.request_id, [tok], lp, 0, 0))
+        return results, h
+
+    def _measure(self) -> MemoryReport:
+        figures = memory.measure(self.device, self.meter)
+        used = 0  # pages in use are the core's knowledge; it fills this in
+        return MemoryReport(
+            live_bytes=figures["live_bytes"],
+            reserved_bytes=figures["reserved_bytes"],
+            num_segments=figures["num_segments"],
+            num_allocs=figures["num_allocs"],
+            arena_claimed_bytes=self.arena.claimed_bytes,
+            kv_pages_used=used,
+        )

@@ -1,0 +1,139 @@
+"""Serving step kinds: the buffers each owns, and the hooks that claim and release them.
+
+A kind's buffers are claimed from the arena by `enter` and released by `exit`; anything a kind
+keeps between steps is either one of those buffers or per-request state dropped by `exit`.
+The executor calls `exit(previous)` then `enter(next)` whenever the step kind changes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import attrs
+import torch
+
+from memstep.core.config import EngineConfig
+from memstep.executors.arena import Arena, nbytes_of
+from memstep.executors.model_config import ModelConfig
+
+
+@attrs.frozen
+class BufferSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return nbytes_of(self.shape, self.dtype)
+
+
+@attrs.frozen
+class KindEnv:
+    """What a kind needs to size its buffers."""
+
+    cfg: EngineConfig
+    model: ModelConfig
+    dtype: torch.dtype
+    num_kv_blocks: int
+
+
+@attrs.define
+class StepOutputs:
+    """What a step produced that a kind's `after_step` hook may look at."""
+
+    hidden: torch.Tensor  # [R, hidden] final hidden states of the sampled rows
+    num_rows: int
+
+
+class StepKind:
+    name: ClassVar[str] = "?"
+
+    def __init__(self, env: KindEnv):
+        self.env = env
+        self.held: dict[str, torch.Tensor] = {}
+
+    def buffers(self) -> list[BufferSpec]:
+        return []
+
+    def enter(self, arena: Arena, step: int) -> int:
+        """Claim every buffer; the bytes claimed."""
+        for spec in self.buffers():
+            self.held[spec.name] = arena.claim(self.name, spec.name, spec.shape, spec.dtype, step)
+        self.on_enter()
+        return sum(spec.nbytes for spec in self.buffers())
+
+    def exit(self, arena: Arena, step: int) -> int:
+        """Drop per-request state and release every buffer; the bytes released."""
+        self.on_exit()
+        released = 0
+        for name in list(self.held):
+            released += arena.release(self.name, name, self.held.pop(name))
+        return released
+
+    def on_enter(self) -> None:
+        pass
+
+    def on_exit(self) -> None:
+        pass
+
+    def after_step(self, outputs: StepOutputs) -> None:
+        pass
+
+
+class NoSpec(StepKind):
+    """Plain steps: prefill chunks and single-token decodes; owns nothing between steps."""
+
+    name = "no_spec"
+
+
+class Spec(StepKind):
+    """Speculative steps: owns the draft tokens, their probabilities and the draft KV cache.
+
+    `draft_len[request_id]` is how many of a request's tokens the draft KV holds; it is dropped
+    on exit with the draft KV itself, so re-entering `spec` rebuilds the draft state from the
+    request's tokens instead of trusting anything stale.
+    """
+
+    name = "spec"
+
+    def __init__(self, env: KindEnv):
+        super().__init__(env)
+        self.draft_len: dict[str, int] = {}
+
+    def buffers(self) -> list[BufferSpec]:
+        cfg, model = self.env.cfg, self.env.model
+        k, rows = cfg.num_speculative_tokens, cfg.max_num_seqs
+        specs = [
+            BufferSpec("draft_tokens", (rows, k), torch.long),
+            BufferSpec("draft_probs", (rows, k, model.vocab_size), torch.float32),
+        ]
+        if cfg.speculative_method == "draft":
+            layers = min(cfg.draft_layers, model.num_layers)
+            shape = (2, layers, self.env.num_kv_blocks, cfg.block_size, model.num_kv_heads, model.head_dim)
+            specs.append(BufferSpec("draft_kv", shape, self.env.dtype))
+        return specs
+
+    def on_exit(self) -> None:
+        self.draft_len.clear()
+
+    def forget(self, request_id: str) -> None:
+        self.draft_len.pop(request_id, None)
+
+
+KINDS: dict[str, type[StepKind]] = {"no_spec": NoSpec, "spec": Spec}
+
+
+def make_kinds(env: KindEnv) -> dict[str, StepKind]:
+    from memstep.states.planted import PLANTS
+
+    kinds: dict[str, StepKind] = {name: cls(env) for name, cls in KINDS.items()}
+    plant = env.cfg.debug_plant_leak
+    if plant is not None:
+        kind_name, cls = PLANTS[plant]
+        kinds[kind_name] = cls(env)
+    return kinds
+
+
+def describe(kinds: dict[str, StepKind]) -> dict[str, Any]:
+    return {name: {b.name: b.nbytes for b in kind.buffers()} for name, kind in kinds.items()}

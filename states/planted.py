@@ -1,0 +1,42 @@
+"""Deliberate leaks, for proving that the leak checks fire (`debug_plant_leak` in the config).
+
+Each reproduces one production incident.  They are chosen by config so that a log recorded with
+a plant replays with the same plant and the same leak report.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from memstep.states.kinds import NoSpec, StepKind, StepOutputs
+
+
+class NoSpecKeepsHiddenStates(NoSpec):
+    """The speculative worker's bug: on the path where speculation is disabled by batch size,
+    `previous_hidden_states` is kept on `self` (growing each step) and never given back."""
+
+    def __init__(self, env):
+        super().__init__(env)
+        self.previous_hidden_states: list[torch.Tensor] = []
+
+    def after_step(self, outputs: StepOutputs) -> None:
+        self.previous_hidden_states.append(outputs.hidden.clone())
+
+
+class SamplerScratchPerStep(NoSpec):
+    """The sampler-fragmentation bug: scratch for the sampler allocated per step at the batch
+    size of the step, outside any persistent buffer, and kept by a cache that never shrinks."""
+
+    def __init__(self, env):
+        super().__init__(env)
+        self.scratch: list[torch.Tensor] = []
+
+    def after_step(self, outputs: StepOutputs) -> None:
+        vocab = self.env.model.vocab_size
+        self.scratch.append(torch.empty(outputs.num_rows, vocab, device=outputs.hidden.device))
+
+
+PLANTS: dict[str, tuple[str, type[StepKind]]] = {
+    "no_spec_hidden_states": ("no_spec", NoSpecKeepsHiddenStates),
+    "sampler_scratch": ("no_spec", SamplerScratchPerStep),
+}

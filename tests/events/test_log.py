@@ -1,0 +1,332 @@
+"""The event log file: real files written, cut, corrupted and read back."""
+
+from __future__ import annotations
+
+import struct
+import tracemalloc
+import warnings
+import zlib
+from datetime import datetime
+from pathlib import Path
+
+import attrs
+import memstep
+import msgpack
+import pytest
+from memstep.events import codec
+from memstep.events.log import (
+    FORMAT_VERSION,
+    MAGIC,
+    LogFormatError,
+    LogReader,
+    LogWriter,
+    log_parts,
+    read_log,
+)
+from memstep.events.types import (
+    EngineStarted,
+    MemoryReport,
+    RequestAdded,
+    StepFinished,
+    StepPlanned,
+)
+
+HEADER = {"config": {"max_batch": 4, "page_size": 16}, "model_identity": "random:tiny:seed=0"}
+MEMORY = MemoryReport(
+    live_bytes=1 << 20,
+    reserved_bytes=2 << 20,
+    num_segments=2,
+    num_allocs=0,
+    arena_claimed_bytes=0,
+    kv_pages_used=1,
+)
+
+
+def step_records(num_steps: int, prompt_len: int = 5) -> list[object]:
+    """A plausible engine run: start, one request, then a plan and a result per step."""
+    records: list[object] = [
+        EngineStarted(memstep_version="0.1.0", config=HEADER["config"], model_identity="m"),
+        RequestAdded(
+            step=0,
+            request_id="r0",
+            prompt_token_ids=list(range(prompt_len)),
+            params={"max_tokens": num_steps},
+            arrival_time=0.0,
+        ),
+    ]
+    for step in range(num_steps):
+        records.append(StepPlanned(step=step, kind="decode", batch=[["r0", 1]], num_tokens=1))
+        records.append(
+            StepFinished(
+                step=step,
+                kind="decode",
+                sampled=[["r0", [step]]],
+                num_proposed=0,
+                num_accepted=0,
+                memory=MEMORY,
+            )
+        )
+    return records
+
+
+RECORDS = step_records(3)
+
+
+def write_log(path: Path, records: list[object], rotate_bytes: int | None = None) -> LogWriter:
+    with LogWriter(path, HEADER, rotate_bytes=rotate_bytes) as writer:
+        for rec in records:
+            writer.append(rec)
+    return writer
+
+
+def frame_starts(path: Path, records: list[object]) -> list[int]:
+    """Byte offset where each record's frame starts, plus the end of the last one."""
+    end = path.stat().st_size - sum(8 + len(codec.encode(rec)) for rec in records)
+    starts = [end]
+    for rec in records:
+        end += 8 + len(codec.encode(rec))
+        starts.append(end)
+    return starts
+
+
+def read_quietly(path: Path):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        header, records, problem = read_log(path)
+    return header, records, problem, caught
+
+
+# --- writing and reading -------------------------------------------------------------------
+
+
+def test_round_trip(tmp_path):
+    path = tmp_path / "run.log"
+    write_log(path, RECORDS)
+    header, records, problem = read_log(path)
+    assert records == RECORDS
+    assert problem is None
+    assert header["format_version"] == FORMAT_VERSION
+    assert header["memstep_version"] == memstep.__version__
+    assert datetime.fromisoformat(header["created"]).tzinfo is not None
+    assert {k: header[k] for k in HEADER} == HEADER
+
+
+def test_file_layout_is_magic_version_header_then_crc_frames(tmp_path):
+    path = tmp_path / "run.log"
+    write_log(path, RECORDS[:1])
+    data = path.read_bytes()
+    assert data[:8] == MAGIC == b"MEMSTEP\x00"
+    assert struct.unpack_from("<H", data, 8) == (1,)
+    header_len, header_crc = struct.unpack_from("<II", data, 10)
+    header_payload = data[18 : 18 + header_len]
+    assert zlib.crc32(header_payload) == header_crc
+    assert msgpack.unpackb(header_payload)["model_identity"] == HEADER["model_identity"]
+    rec_len, rec_crc = struct.unpack_from("<II", data, 18 + header_len)
+    payload = data[26 + header_len :]
+    assert len(payload) == rec_len and zlib.crc32(payload) == rec_crc
+    assert payload == codec.encode(RECORDS[0])
+
+
+def test_reader_can_iterate_twice(tmp_path):
+    path = tmp_path / "run.log"
+    write_log(path, RECORDS)
+    with LogReader(path) as reader:
+        assert list(reader) == RECORDS
+        assert list(reader) == RECORDS
+        assert reader.problem is None
+
+
+def test_flush_makes_records_visible_to_a_reader(tmp_path):
+    path = tmp_path / "run.log"
+    with LogWriter(path, HEADER) as writer:
+        writer.append(RECORDS[0])
+        writer.flush()
+        assert read_log(path)[1] == RECORDS[:1]
+
+
+def test_reader_streams_instead_of_loading_the_file(tmp_path):
+    path = tmp_path / "big.log"
+    prompt = RECORDS[1]
+    with LogWriter(path, HEADER) as writer:
+        for i in range(1000):
+            writer.append(attrs.evolve(prompt, request_id=f"r{i}", prompt_token_ids=[i] * 1000))
+    assert path.stat().st_size > 2_500_000
+    tracemalloc.start()
+    with LogReader(path) as reader:
+        num_records = sum(1 for _ in reader)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert num_records == 1000
+    assert peak < 1_000_000  # a few records at a time, never the whole file
+
+
+def test_writer_refuses_reserved_header_keys(tmp_path):
+    with pytest.raises(ValueError, match="reserved"):
+        LogWriter(tmp_path / "run.log", {"format_version": 7})
+
+
+def test_writer_never_overwrites(tmp_path):
+    path = tmp_path / "run.log"
+    write_log(path, RECORDS)
+    with pytest.raises(FileExistsError):
+        LogWriter(path, HEADER)
+    assert read_log(path)[1] == RECORDS
+
+
+# --- damaged files -------------------------------------------------------------------------
+
+
+def test_truncation_at_every_offset_keeps_the_intact_prefix(tmp_path):
+    path = tmp_path / "run.log"
+    write_log(path, RECORDS)
+    data = path.read_bytes()
+    starts = frame_starts(path, RECORDS)
+    cut_path = tmp_path / "cut.log"
+    for cut in range(starts[-4], len(data) + 1):  # through the last three records
+        cut_path.write_bytes(data[:cut])
+        header, records, problem, caught = read_quietly(cut_path)
+        num_intact = sum(1 for end in starts[1:] if end <= cut)
+        assert records == RECORDS[:num_intact], cut
+        if cut in starts:
+            assert problem is None and not caught, cut
+        else:
+            assert problem is not None and problem.kind == "torn", cut
+            assert problem.offset == starts[num_intact], cut
+            assert len(caught) == 1 and "torn" in str(caught[0].message), cut
+
+
+@pytest.mark.parametrize("cut", [0, 5, 8, 9, 10, 17, 20])
+def test_truncated_preamble_is_a_format_error(tmp_path, cut):
+    path = tmp_path / "run.log"
+    write_log(path, RECORDS)
+    path.write_bytes(path.read_bytes()[:cut])
+    with pytest.raises(LogFormatError):
+        read_log(path)
+
+
+def test_flipped_payload_byte_is_corrupt_and_keeps_the_prefix(tmp_path):
+    path = tmp_path / "run.log"
+    write_log(path, RECORDS)
+    data = path.read_bytes()
+    starts = frame_starts(path, RECORDS)
+    bad_index = 3
+    for position in range(starts[bad_index] + 8, starts[bad_index + 1]):
+        damaged = bytearray(data)
+        damaged[position] ^= 0x40
+        path.write_bytes(bytes(damaged))
+        header, records, problem, caught = read_quietly(path)
+        assert records == RECORDS[:bad_index], position
+        assert problem is not None and problem.kind == "corrupt", position
+        assert problem.offset == starts[bad_index], position
+        assert len(caught) == 1, position
+
+
+def append_raw_frame(path: Path, payload: bytes, length: int | None = None) -> None:
+    with open(path, "ab") as f:
+        f.write(struct.pack("<II", len(payload) if length is None else length, zlib.crc32(payload)))
+        f.write(payload)
+
+
+def test_well_framed_garbage_is_undecodable(tmp_path):
+    path = tmp_path / "run.log"
+    write_log(path, RECORDS)
+    end = path.stat().st_size
+    append_raw_frame(path, msgpack.packb({"t": "NotARecord"}))
+    append_raw_frame(path, codec.encode(RECORDS[0]))  # never reached
+    header, records, problem, caught = read_quietly(path)
+    assert records == RECORDS
+    assert problem is not None and problem.kind == "undecodable" and problem.offset == end
+    assert "NotARecord" in problem.message
+
+
+def test_absurd_frame_length_is_corrupt(tmp_path):
+    path = tmp_path / "run.log"
+    write_log(path, RECORDS)
+    append_raw_frame(path, b"x", length=0xFFFF_FFFF)
+    header, records, problem, caught = read_quietly(path)
+    assert records == RECORDS
+    assert problem is not None and problem.kind == "corrupt"
+
+
+def test_wrong_magic_is_a_format_error(tmp_path):
+    path = tmp_path / "run.log"
+    write_log(path, RECORDS)
+    path.write_bytes(b"NOTMEMST" + path.read_bytes()[8:])
+    with pytest.raises(LogFormatError, match="not a memstep log"):
+        LogReader(path)
+
+
+@pytest.mark.parametrize(
+    ("version", "match"),
+    [
+        (2, r"^log format version 2 is newer than this memstep supports \(1\); upgrade memstep$"),
+        (0, "version 0 does not exist"),
+    ],
+)
+def test_unsupported_version_is_a_format_error(tmp_path, version, match):
+    path = tmp_path / "run.log"
+    write_log(path, RECORDS)
+    data = bytearray(path.read_bytes())
+    data[8:10] = struct.pack("<H", version)
+    path.write_bytes(bytes(data))
+    with pytest.raises(LogFormatError, match=match):
+        read_log(path)
+
+
+def test_corrupt_header_is_a_format_error(tmp_path):
+    path = tmp_path / "run.log"
+    write_log(path, RECORDS)
+    data = bytearray(path.read_bytes())
+    data[20] ^= 0x01  # inside the header payload
+    path.write_bytes(bytes(data))
+    with pytest.raises(LogFormatError, match="unreadable header"):
+        read_log(path)
+
+
+# --- rotation ------------------------------------------------------------------------------
+
+
+def test_rotation_writes_parts_that_read_back_in_order(tmp_path):
+    path = tmp_path / "run.log"
+    records = step_records(20)
+    writer = write_log(path, records, rotate_bytes=1024)
+    parts = list(log_parts(path))
+    assert len(parts) >= 3
+    assert parts == writer.parts == [path] + [Path(f"{path}.{i}") for i in range(1, len(parts))]
+    assert all(part.stat().st_size <= 1024 for part in parts)
+    per_part = []
+    for part in parts:
+        with LogReader(part) as reader:
+            assert reader.header == read_log(path)[0]
+            per_part.extend(reader)
+    assert per_part == records
+    assert read_log(path)[1:] == (records, None)
+
+
+def test_a_record_larger_than_rotate_bytes_gets_a_part_of_its_own(tmp_path):
+    path = tmp_path / "run.log"
+    writer = write_log(path, RECORDS, rotate_bytes=1)
+    assert len(writer.parts) == len(RECORDS)
+    assert read_log(path)[1] == RECORDS
+
+
+def test_torn_middle_part_stops_the_whole_log(tmp_path):
+    path = tmp_path / "run.log"
+    records = step_records(20)
+    writer = write_log(path, records, rotate_bytes=1024)
+    first_two = [list(LogReader(part)) for part in writer.parts[:2]]
+    middle = writer.parts[1]
+    middle.write_bytes(middle.read_bytes()[:-3])
+    header, read, problem, caught = read_quietly(path)
+    assert read == first_two[0] + first_two[1][:-1]
+    assert problem is not None and problem.kind == "torn" and str(middle) in problem.message
+
+
+def test_part_from_another_log_is_refused(tmp_path):
+    path = tmp_path / "run.log"
+    write_log(path, RECORDS)
+    with LogWriter(tmp_path / "other.log", {"model_identity": "other"}) as other:
+        other.append(RECORDS[0])
+    (tmp_path / "other.log").rename(f"{path}.1")
+    with pytest.raises(LogFormatError, match="header differs"):
+        read_log(path)

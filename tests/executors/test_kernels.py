@@ -1,0 +1,313 @@
+"""Triton kernels against their plain-torch references.
+
+Without CUDA the kernels run in Triton's interpreter. Triton 3.x picks interpreter or compiler
+when `@triton.jit` runs, that is when triton.language and the kernel modules are imported, so
+TRITON_INTERPRET must be set before anything imports triton: this module sets it at import, and
+`test_interpreter_flag_precedes_triton_import` fails if another module imported triton first.
+The variable then stays set for the session on CPU-only machines, where it only makes Triton
+kernels imported later runnable.
+"""
+
+import os
+import sys
+
+import pytest
+import torch
+
+_IS_INTERPRETED = not torch.cuda.is_available()
+_TRITON_IMPORTED_TOO_EARLY = (
+    _IS_INTERPRETED and "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
+)
+if _IS_INTERPRETED:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from memstep.executors.kernels import (  # noqa: E402
+    DecodeWorkspace,
+    fused_add_rmsnorm,
+    fused_add_rmsnorm_reference,
+    paged_attention_reference,
+    paged_decode_attention,
+    rmsnorm,
+    rmsnorm_reference,
+    triton_available,
+    use_split_k,
+)
+
+needs_triton = pytest.mark.skipif(
+    not triton_available() or _TRITON_IMPORTED_TOO_EARLY,
+    reason="needs CUDA, or TRITON_INTERPRET=1 set before triton is imported",
+)
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def test_interpreter_flag_precedes_triton_import():
+    assert not _TRITON_IMPORTED_TOO_EARLY, (
+        "triton was imported before TRITON_INTERPRET=1 was set, so its kernels cannot run "
+        "interpreted; set the variable in the environment or in tests/conftest.py"
+    )
+
+
+def make_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype, device, generator=None):
+    """Random K/V caches whose pages are handed out in shuffled order.
+
+    Returns k_cache, v_cache, block_tables, seq_lens. Slots past a sequence's end and the page
+    that unused table entries point at hold NaN, so any read the kernel should mask shows up.
+    """
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    max_blocks = max(max(blocks_per_seq), 1)
+    num_blocks = sum(blocks_per_seq) + 2  # + one spare + the poison page
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=generator).to(device=device, dtype=dtype)
+    v_cache = torch.randn(shape, generator=generator).to(device=device, dtype=dtype)
+    poison_page = num_blocks - 1
+    pages = torch.randperm(num_blocks - 1, generator=generator).tolist()
+    block_tables = torch.full((len(seq_lens), max_blocks), poison_page, dtype=torch.int32)
+    for seq, (seq_len, num_pages) in enumerate(zip(seq_lens, blocks_per_seq, strict=True)):
+        seq_pages = [pages.pop() for _ in range(num_pages)]
+        block_tables[seq, :num_pages] = torch.tensor(seq_pages, dtype=torch.int32)
+        if seq_len % block_size:
+            for cache in (k_cache, v_cache):
+                cache[seq_pages[-1], seq_len % block_size :] = float("nan")
+    for cache in (k_cache, v_cache):
+        cache[poison_page] = float("nan")
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
+    return k_cache, v_cache, block_tables.to(device), seq_lens_t.to(device)
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
+
+
+@needs_triton
+@pytest.mark.parametrize("split", [False, True], ids=["unsplit", "split"])
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("group_size", [1, 3])
+def test_paged_decode_matches_reference(group_size, block_size, split):
+    generator = torch.Generator().manual_seed(group_size * 100 + block_size)
+    num_kv_heads, head_dim = 2, 32
+    # ragged: a single token, an exact page multiple, and 150 tokens: several 64-token tiles
+    # unsplit, two 128-token partitions of two tiles each split
+    seq_lens = [1, 2 * block_size, 150, 5]
+    k_cache, v_cache, block_tables, seq_lens_t = make_paged_kv(
+        seq_lens, block_size, num_kv_heads, head_dim, torch.float32, DEVICE, generator
+    )
+    q = torch.randn(len(seq_lens), num_kv_heads * group_size, head_dim, generator=generator)
+    q = q.to(DEVICE)
+    max_context_len = block_tables.shape[1] * block_size
+    workspace = DecodeWorkspace.allocate(4, q.shape[1], head_dim, max_context_len, DEVICE, 128)
+    out = torch.full_like(q, float("nan"))
+
+    result = paged_decode_attention(
+        q, k_cache, v_cache, block_tables, seq_lens_t, 0.17, out, workspace, split
+    )
+
+    expected = paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens_t, 0.17)
+    assert result is out
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("split", [False, True], ids=["unsplit", "split"])
+def test_paged_decode_pads_head_dim_and_large_groups(split):
+    generator = torch.Generator().manual_seed(7)
+    seq_lens = [19, 3]
+    k_cache, v_cache, block_tables, seq_lens_t = make_paged_kv(
+        seq_lens, 8, 1, 24, torch.float32, DEVICE, generator
+    )
+    q = torch.randn(2, 20, 24, generator=generator).to(DEVICE)  # group of 20 > 16 rows
+    workspace = DecodeWorkspace.allocate(2, 20, 24, 24, DEVICE, partition_size=16)
+
+    out = paged_decode_attention(
+        q, k_cache, v_cache, block_tables, seq_lens_t, 0.2, workspace=workspace, split=split
+    )
+
+    expected = paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens_t, 0.2)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("split", [False, True], ids=["unsplit", "split"])
+def test_paged_decode_writes_zeros_for_empty_padding_slots(split):
+    generator = torch.Generator().manual_seed(3)
+    k_cache, v_cache, block_tables, seq_lens_t = make_paged_kv(
+        [20, 0], 4, 1, 16, torch.float32, DEVICE, generator
+    )
+    q = torch.randn(2, 2, 16, generator=generator).to(DEVICE)
+    out = torch.full_like(q, float("nan"))
+    workspace = DecodeWorkspace.allocate(2, 2, 16, 20, DEVICE, partition_size=16)
+
+    paged_decode_attention(
+        q, k_cache, v_cache, block_tables, seq_lens_t, 0.25, out, workspace, split
+    )
+
+    expected = paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens_t, 0.25)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@needs_triton
+def test_use_split_k_only_when_the_grid_is_too_small():
+    assert use_split_k(num_seqs=1, num_kv_heads=8, max_context_len=4096, num_sms=132)
+    assert not use_split_k(num_seqs=64, num_kv_heads=8, max_context_len=4096, num_sms=132)
+    assert not use_split_k(num_seqs=1, num_kv_heads=8, max_context_len=256, num_sms=132)
+
+
+@needs_triton
+def test_workspace_too_small_is_rejected():
+    k_cache, v_cache, block_tables, seq_lens_t = make_paged_kv(
+        [40], 4, 1, 16, torch.float32, DEVICE
+    )
+    q = torch.randn(1, 1, 16, device=DEVICE)
+    workspace = DecodeWorkspace.allocate(1, 1, 16, 16, DEVICE, partition_size=16)
+
+    with pytest.raises(ValueError, match="partitions"):
+        paged_decode_attention(
+            q, k_cache, v_cache, block_tables, seq_lens_t, 1.0, workspace=workspace, split=True
+        )
+
+
+@needs_triton
+def test_heads_not_a_multiple_of_kv_heads_are_rejected():
+    k_cache, v_cache, block_tables, seq_lens_t = make_paged_kv([4], 4, 2, 16, torch.float32, DEVICE)
+    q = torch.randn(1, 3, 16, device=DEVICE)
+
+    with pytest.raises(ValueError, match="multiple"):
+        paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens_t, 1.0)
+
+
+@needs_triton
+@pytest.mark.parametrize("shape", [(3, 40), (2, 3, 64)])
+def test_rmsnorm_matches_reference(shape):
+    generator = torch.Generator().manual_seed(11)
+    x = torch.randn(shape, generator=generator).to(DEVICE)
+    weight = torch.randn(shape[-1], generator=generator).to(DEVICE)
+    out = torch.full_like(x, float("nan"))
+
+    result = rmsnorm(x, weight, 1e-6, out=out)
+
+    assert result is out
+    torch.testing.assert_close(out, rmsnorm_reference(x, weight, 1e-6), atol=1e-5, rtol=1e-5)
+
+
+@needs_triton
+def test_rmsnorm_reads_strided_rows():
+    generator = torch.Generator().manual_seed(12)
+    wide = torch.randn(4, 96, generator=generator).to(DEVICE)
+    x = wide[:, :48]  # row stride 96
+    weight = torch.randn(48, generator=generator).to(DEVICE)
+
+    out = rmsnorm(x, weight, 1e-5)
+
+    torch.testing.assert_close(out, rmsnorm_reference(x, weight, 1e-5), atol=1e-5, rtol=1e-5)
+
+
+@needs_triton
+def test_fused_add_rmsnorm_updates_residual_and_matches_reference():
+    generator = torch.Generator().manual_seed(13)
+    x = torch.randn(5, 80, generator=generator).to(DEVICE)
+    residual = torch.randn(5, 80, generator=generator).to(DEVICE)
+    weight = torch.randn(80, generator=generator).to(DEVICE)
+    expected_residual = residual.clone()
+
+    out = fused_add_rmsnorm(x, residual, weight, 1e-6)
+
+    expected = fused_add_rmsnorm_reference(x, expected_residual, weight, 1e-6)
+    torch.testing.assert_close(residual, expected_residual, atol=0, rtol=0)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+# Realistic sizes: Llama-3.1-8B attention (32 query heads, 8 KV heads, head_dim 128), bf16.
+
+
+def make_llama_decode_batch(seq_lens, generator, block_size=16):
+    batch = len(seq_lens)
+    k_cache, v_cache, block_tables, seq_lens_t = make_paged_kv(
+        seq_lens, block_size, 8, 128, torch.bfloat16, "cuda", generator
+    )
+    q = torch.randn(batch, 32, 128, generator=generator).to("cuda", torch.bfloat16)
+    return q, k_cache, v_cache, block_tables, seq_lens_t
+
+
+@needs_triton
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("split", [None, False, True], ids=["heuristic", "unsplit", "split"])
+@pytest.mark.parametrize("max_seq_len", [128, 4096])
+@pytest.mark.parametrize("batch", [1, 7, 64, 256])
+def test_paged_decode_bf16_llama_sizes(batch, max_seq_len, split):
+    generator = torch.Generator().manual_seed(batch * 10_000 + max_seq_len)
+    ragged_lens = torch.randint(1, max_seq_len + 1, (batch,), generator=generator).tolist()
+    ragged_lens[0] = max_seq_len
+    q, k_cache, v_cache, block_tables, seq_lens = make_llama_decode_batch(ragged_lens, generator)
+    scale = 128**-0.5
+
+    out = paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, split=split)
+
+    expected = paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    assert out.isfinite().all()
+    assert relative_error(out, expected) < 1e-2
+    torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
+
+
+@needs_triton
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("split", [False, True], ids=["unsplit", "split"])
+def test_paged_decode_replays_in_a_cuda_graph(split):
+    generator = torch.Generator().manual_seed(5)
+    max_batch, max_seq_len, scale = 8, 1024, 128**-0.5
+    # full tables, so any later seq_len up to max_seq_len has real pages
+    q, k_cache, v_cache, block_tables, seq_lens = make_llama_decode_batch(
+        [max_seq_len] * max_batch, generator
+    )
+    out = torch.empty_like(q)
+    workspace = DecodeWorkspace.allocate(max_batch, 32, 128, max_seq_len, "cuda")
+
+    def decode():
+        paged_decode_attention(
+            q, k_cache, v_cache, block_tables, seq_lens, scale, out, workspace, split
+        )
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        decode()  # warmup: compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode()
+
+    # new contents in the captured buffers, including a padding slot with seq_len 0
+    q.copy_(torch.randn(q.shape, generator=generator).to(q))
+    new_lens = torch.randint(1, max_seq_len + 1, (max_batch,), generator=generator)
+    new_lens[-1] = 0
+    seq_lens.copy_(new_lens.to(seq_lens))
+    block_tables.copy_(block_tables.flip(0))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+
+    expected = paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    assert out.isfinite().all()
+    assert relative_error(out, expected) < 1e-2
+    torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
+
+
+@needs_triton
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("num_rows", [1, 256])
+def test_fused_add_rmsnorm_bf16_llama_sizes(num_rows):
+    generator = torch.Generator().manual_seed(num_rows)
+    x = torch.randn(num_rows, 4096, generator=generator).to("cuda", torch.bfloat16)
+    residual = torch.randn(num_rows, 4096, generator=generator).to("cuda", torch.bfloat16)
+    weight = torch.rand(4096, generator=generator).to("cuda", torch.bfloat16)
+    expected_residual = residual.clone()
+
+    out = fused_add_rmsnorm(x, residual, weight, 1e-5)
+
+    expected = fused_add_rmsnorm_reference(x, expected_residual, weight, 1e-5)
+    torch.testing.assert_close(residual, expected_residual, atol=0, rtol=0)
+    torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
