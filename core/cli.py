@@ -17,14 +17,14 @@ from memstep.core.logging import setup_logging
 from memstep.core.model_source import ModelError
 from memstep.core.sampling_params import InvalidRequest
 
-COMMANDS = {
-    "generate": "memstep.core.generate_cmd",
-    "serve": "memstep.core.serve_cmd",
-    "bench": "memstep.core.bench_cmd",
-    "scenario": "memstep.core.scenario_cmd",
-    "replay": "memstep.replay.replay_cmd",
-    "inspect": "memstep.replay.inspect_cmd",
-    "plot": "memstep.replay.plot_cmd",
+COMMANDS = {  # name -> (module, one-line help); a module is imported only when its command runs
+    "generate": ("memstep.core.generate_cmd", "generate a completion for one prompt"),
+    "serve": ("memstep.core.serve_cmd", "serve the ZMQ client API"),
+    "bench": ("memstep.core.bench_cmd", "benchmarks: offline, serve"),
+    "scenario": ("memstep.core.scenario_cmd", "run a memory-incident scenario"),
+    "replay": ("memstep.replay.replay_cmd", "replay an event log and compare"),
+    "inspect": ("memstep.replay.inspect_cmd", "summarise an event log"),
+    "plot": ("memstep.replay.plot_cmd", "plot memory over steps from an event log"),
 }
 
 
@@ -58,21 +58,24 @@ def config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
     return EngineConfig(**values)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="memstep", description=__doc__)
     parser.add_argument("--log-format", choices=["console", "json"], default="console")
     parser.add_argument("--log-level", default="warning")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, module_name in COMMANDS.items():
-        module = importlib.import_module(module_name)
-        p = sub.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0])
-        module.add_arguments(p)
-        p.set_defaults(run=module.run)
+    for name, (module_name, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text)
+        if name == command:
+            module = importlib.import_module(module_name)
+            module.add_arguments(p)
+            p.set_defaults(run=module.run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if a in COMMANDS), None)
+    args = build_parser(command).parse_args(argv)
     setup_logging(args.log_format, args.log_level)
     try:
         return int(args.run(args) or 0)

@@ -45,6 +45,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -104,6 +105,7 @@ class Scheduler:
         self.running.remove(req)
         self.blocks.free(req.request_id)
         req.preempt()
+        self.num_preemptions += 1
         self.waiting.appendleft(req)
 
     def _draft_slots(self, s: Scheduled) -> int:

@@ -71,7 +71,7 @@ def _load_gguf(path: Path, cfg: ModelConfig) -> Weights:
             array = quants.dequantize(t.data, t.tensor_type)
         except Exception as exc:
             raise ModelError(f"cannot dequantize {t.name} in {path.name}: {exc}") from exc
-        raw[t.name] = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+        raw[t.name] = torch.from_numpy(np.array(array, dtype=np.float32))  # owned, writable
     for i in range(cfg.num_layers):
         raw[f"blk.{i}.attn_q.weight"] = unpermute_rotary(raw[f"blk.{i}.attn_q.weight"], cfg.num_heads)
         key = f"blk.{i}.attn_k.weight"

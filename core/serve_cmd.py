@@ -1,0 +1,246 @@
+"""Serve the engine over the ZeroMQ client API, with the model in an executor process.
+
+`memstep serve` (or `python -m memstep.core.serve_cmd`) loads the tokenizer in the core,
+spawns the executor process (which loads the model), then answers clients until SIGINT or
+SIGTERM.  `ServerProcess` runs the same command as a child process, for tests and `bench serve`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import zmq
+from zmq.utils import z85
+
+from memstep.core.cli import add_engine_arguments, config_from_args
+from memstep.core.config import ConfigError
+from memstep.core.engine import Engine
+from memstep.core.logging import setup_logging
+from memstep.core.server import Server, ServerConfig
+from memstep.events.types import StepFinished
+from memstep.executors.remote import ExecutorDied, ProcessExecutor
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = ServerConfig()
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default=d.host, help="address to bind; non-loopback needs CURVE")
+    g.add_argument("--port", type=int, default=d.port, help="0 picks a free port")
+    g.add_argument("--max-frame-bytes", type=int, default=d.max_frame_bytes)
+    g.add_argument(
+        "--curve-secret-key",
+        help="the server's z85 CURVE secret key, or a file holding it (plain or zmq certificate)",
+    )
+    g.add_argument(
+        "--curve-client-keys",
+        help="z85 public keys allowed to connect: comma-separated, a file (one a line) "
+        "or a folder of zmq certificates",
+    )
+    g.add_argument("--record", type=Path, help="append the event log to this file")
+    g.add_argument(
+        "--executor-timeout",
+        type=float,
+        default=5.0,
+        help="seconds without a heartbeat before a live executor process counts as dead",
+    )
+    g.add_argument("--ready-file", type=Path, help="write {endpoint, pids} here when serving")
+    add_engine_arguments(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    server_cfg = ServerConfig(
+        host=args.host,
+        port=args.port,
+        max_frame_bytes=args.max_frame_bytes,
+        curve_secret_key=load_key(args.curve_secret_key) if args.curve_secret_key else None,
+        curve_client_keys=load_keys(args.curve_client_keys) if args.curve_client_keys else frozenset(),
+    )
+    cfg = config_from_args(args)
+    sinks, writer = [], None
+    if args.record:
+        from memstep.events.log import LogWriter
+
+        writer = LogWriter(args.record, {"command": "serve", "config": cfg.to_dict()})
+        sinks.append(functools.partial(_record, writer))
+    factory = functools.partial(
+        ProcessExecutor,
+        heartbeat_timeout=args.executor_timeout,
+        log_level=getattr(args, "log_level", "warning"),
+        log_format=getattr(args, "log_format", "console"),
+    )
+    engine = Engine(cfg, executor_factory=factory, sinks=sinks)
+    try:
+        server = Server(engine, server_cfg)
+    except BaseException:
+        _shutdown(engine)
+        raise
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: server.stop())
+    _announce(server, args.ready_file)
+    try:
+        server.serve_forever()
+    finally:
+        server.close()
+        _shutdown(engine)
+        if writer is not None:
+            writer.close()
+    return 0
+
+
+def _record(writer: Any, rec: object) -> None:
+    writer.append(rec)
+    if isinstance(rec, StepFinished):
+        writer.flush()
+
+
+def _shutdown(engine: Engine) -> None:
+    try:
+        engine.shutdown()
+    except ExecutorDied:
+        engine.executor.close()
+
+
+def _announce(server: Server, ready_file: Path | None) -> None:
+    info = {
+        "endpoint": server.endpoint,
+        "core_pid": os.getpid(),
+        "executor_pid": getattr(server.engine.executor, "pid", 0),
+    }
+    print(f"memstep serve: ready on {server.endpoint}", flush=True)
+    if ready_file is not None:
+        tmp = ready_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(info))
+        tmp.replace(ready_file)
+
+
+# --- CURVE keys ----------------------------------------------------------------------------
+
+
+def load_key(text: str) -> bytes:
+    """A z85 key given inline, in a plain file, or as the secret of a zmq certificate file."""
+    if _is_z85_key(text):
+        return text.encode()
+    path = Path(text)
+    if not path.is_file():
+        raise ConfigError(f"{text!r} is neither a z85 CURVE key nor a file")
+    import zmq.auth
+
+    try:
+        public, secret = zmq.auth.load_certificate(path)
+    except (ValueError, OSError):
+        secret = path.read_text().strip().encode()
+    key = secret or public
+    if key is None or not _is_z85_key(key.decode()):
+        raise ConfigError(f"{path} holds no z85 CURVE key")
+    return key
+
+
+def load_keys(text: str) -> frozenset[bytes]:
+    """Public keys: comma-separated, a file with one a line, or a folder of certificates."""
+    path = Path(text)
+    if path.is_dir():
+        import zmq.auth
+
+        return frozenset(zmq.auth.load_certificate(f)[0] for f in sorted(path.glob("*.key")))
+    items = path.read_text().split() if path.is_file() else text.split(",")
+    keys = [item.strip() for item in items if item.strip()]
+    bad = [k for k in keys if not _is_z85_key(k)]
+    if bad or not keys:
+        raise ConfigError(f"not z85 CURVE public keys: {bad or text!r}")
+    return frozenset(k.encode() for k in keys)
+
+
+def _is_z85_key(text: str) -> bool:
+    if len(text) != 40:
+        return False
+    try:
+        return len(z85.decode(text)) == 32
+    except (ValueError, KeyError, TypeError):
+        return False
+
+
+# --- as a child process ----------------------------------------------------------------------
+
+
+class ServerProcess:
+    """`memstep serve` in a child process on a free port; owns the process and its log file."""
+
+    def __init__(self, args: list[str], log_level: str = "warning"):
+        self.dir = Path(tempfile.mkdtemp(prefix="memstep-serve-"))
+        self.ready_file = self.dir / "ready.json"
+        self.log_path = self.dir / "server.log"
+        self.info: dict[str, Any] = {}
+        cmd = [sys.executable, "-m", "memstep.core.serve_cmd", "--log-level", log_level]
+        cmd += ["--port", "0", "--ready-file", str(self.ready_file), *args]
+        with self.log_path.open("wb") as log_file:
+            self.proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
+
+    @property
+    def address(self) -> str:
+        return str(self.info["endpoint"])
+
+    def wait_ready(self, timeout: float = 120.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while not self.ready_file.exists():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"memstep serve exited ({self.proc.returncode}):\n{self.log()}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"memstep serve not ready in {timeout} s:\n{self.log()}")
+            time.sleep(0.1)
+        self.info = json.loads(self.ready_file.read_text())
+        return self.info
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-20_000:]
+
+    def stop(self, timeout: float = 15.0) -> int:
+        """SIGTERM, then SIGKILL after `timeout`; the executor exits with its parent."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the server and remove its temp dir (with the log)."""
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m memstep.core.serve_cmd", description=__doc__)
+    p.add_argument("--log-format", choices=["console", "json"], default="console")
+    p.add_argument("--log-level", default="warning")
+    add_arguments(p)
+    args = p.parse_args(argv)
+    setup_logging(args.log_format, args.log_level)
+    try:
+        return run(args)
+    except (ConfigError, ValueError, FileNotFoundError, zmq.ZMQError) as exc:
+        print(f"memstep serve: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,455 @@
+"""The API server: a ZeroMQ ROUTER socket in front of the engine, driven by one thread.
+
+Each turn of the loop reads the socket (waiting `idle_poll_s` when there is nothing to do, not at
+all while there is), answers every message, checks the executor, runs one engine step and sends
+what it produced.  The wire protocol is in `docs/protocol.md`; its records in `events/wire.py`.
+
+Bad input never ends the loop: every frame gets a reply, an ErrorReply when it cannot be served.
+A client whose connection is gone is noticed when a send to it fails (ZMQ_ROUTER_MANDATORY):
+streaming requests get a reply every step, the others a Keepalive about once a second, so a
+vanished client's requests are aborted and their pages freed within about a second.
+"""
+
+from __future__ import annotations
+
+import collections
+import ipaddress
+import math
+import os
+import time
+from typing import Any
+
+import attrs
+import structlog
+import zmq
+from zmq.utils import z85
+
+from memstep import __version__
+from memstep.core.config import ConfigError
+from memstep.core.engine import Engine, UnknownRequest
+from memstep.core.outputs import RequestOutput
+from memstep.core.sampling_params import InvalidRequest, SamplingParams
+from memstep.events import codec
+from memstep.events.wire import (
+    PROTOCOL_VERSION,
+    AbortReply,
+    AbortRequest,
+    ErrorReply,
+    GenerateDelta,
+    GenerateDone,
+    GenerateRequest,
+    HealthReply,
+    HealthRequest,
+    Keepalive,
+    StatsReply,
+    StatsRequest,
+    Timing,
+    Usage,
+    WireError,
+    decode_request,
+)
+from memstep.executors.remote import ExecutorDied, ExecutorFailed
+
+log = structlog.get_logger("memstep.server")
+
+MAX_MESSAGES_PER_TURN = 256
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+
+
+class RequestRefused(Exception):
+    """A well-formed request the server will not serve; `code` goes back to the client."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@attrs.frozen(kw_only=True)
+class ServerConfig:
+    """Where and how the API socket listens.  A non-loopback host needs CURVE keys."""
+
+    host: str = "127.0.0.1"
+    port: int = 5557  # 0: any free port (see Server.endpoint)
+    max_frame_bytes: int = 1 << 20  # larger frames get frame_too_large
+    keepalive_s: float = 1.0
+    idle_poll_s: float = 0.05
+    curve_secret_key: bytes | None = None  # z85, 40 characters
+    curve_client_keys: frozenset[bytes] = frozenset()  # z85 public keys allowed to connect
+
+    def __attrs_post_init__(self) -> None:
+        if self.max_frame_bytes < 1024:
+            raise ConfigError("max_frame_bytes must be >= 1024")
+        if (self.curve_secret_key is None) != (not self.curve_client_keys):
+            raise ConfigError("CURVE needs both a server secret key and allowed client keys")
+        if not (is_loopback(self.host) or self.uses_curve):
+            raise ConfigError(
+                f"refusing to listen on {self.host!r} without CURVE: give --curve-secret-key "
+                "and --curve-client-keys, or bind to a loopback address"
+            )
+
+    @property
+    def uses_curve(self) -> bool:
+        return self.curve_secret_key is not None
+
+    @property
+    def hard_frame_bytes(self) -> int:
+        """ZMQ_MAXMSGSIZE: a larger frame makes ZeroMQ drop the connection unread."""
+        return 4 * self.max_frame_bytes
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@attrs.define
+class Inflight:
+    """A generate request the server is answering, and what it has sent so far."""
+
+    envelope: list[bytes]  # the routing frames to reply with: [peer] or [peer, b""]
+    request_id: str  # the client's id
+    stream: bool
+    arrival: float  # time.monotonic() when the request arrived
+    prompt_tokens: int
+    token_ids: list[int] = attrs.Factory(list)
+    texts: list[str] = attrs.Factory(list)
+    token_times: list[float] = attrs.Factory(list)
+
+    @property
+    def peer(self) -> bytes:
+        return self.envelope[0]
+
+    def done(self, reason: str, now: float) -> GenerateDone:
+        usage = Usage(self.prompt_tokens, len(self.token_ids))
+        ttft = self.token_times[0] if self.token_times else None
+        timing = Timing(ttft, list(self.token_times), now - self.arrival)
+        return GenerateDone(
+            self.request_id, "".join(self.texts), list(self.token_ids), reason, usage, timing
+        )
+
+
+class Server:
+    """Owns the API socket and the requests in flight; drives `engine` (which it does not own)."""
+
+    def __init__(self, engine: Engine, cfg: ServerConfig):
+        self.engine = engine
+        self.cfg = cfg
+        self.ctx = zmq.Context()
+        self.zap = self._zap_handler() if cfg.uses_curve else None
+        self.sock = self._bind()
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+        if self.zap is not None:
+            self.poller.register(self.zap, zmq.POLLIN)
+        self.inflight: dict[str, Inflight] = {}  # by engine request id
+        self.by_client: dict[tuple[bytes, str], str] = {}  # (peer, client id) -> engine id
+        self.last_sent: dict[bytes, float] = {}
+        self.gone: set[bytes] = set()  # peers whose connection closed; dropped each turn
+        self.finished: collections.Counter[str] = collections.Counter()
+        self.executor_death: str | None = None
+        self.started = time.monotonic()
+        self.last_keepalive = 0.0
+        self.stopping = False
+        log.info("listening", endpoint=self.endpoint, curve=cfg.uses_curve)
+
+    def _bind(self) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a closed peer fails: disconnects
+        sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.hard_frame_bytes)
+        sock.setsockopt(zmq.SNDHWM, 100_000)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)  # ZMTP pings close connections to dead hosts
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
+        if self.cfg.uses_curve:
+            sock.setsockopt(zmq.CURVE_SERVER, 1)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, self.cfg.curve_secret_key)
+            sock.setsockopt(zmq.ZAP_DOMAIN, b"memstep")
+        host = self.cfg.host
+        if ":" in host:
+            sock.setsockopt(zmq.IPV6, 1)
+            host = f"[{host}]"
+        endpoint = f"tcp://{host}:{self.cfg.port or '*'}"
+        try:
+            sock.bind(endpoint)
+        except zmq.ZMQError as exc:
+            sock.close(0)
+            raise ConfigError(f"cannot listen on {endpoint}: {exc}") from exc
+        return sock
+
+    def _zap_handler(self) -> zmq.Socket:
+        zap = self.ctx.socket(zmq.REP)
+        zap.bind(ZAP_ENDPOINT)
+        return zap
+
+    # --- the loop --------------------------------------------------------------------------
+
+    def serve_forever(self) -> None:
+        while not self.stopping:
+            self.run_once()
+
+    def stop(self) -> None:
+        """Make serve_forever return after the current turn (safe from a signal handler)."""
+        self.stopping = True
+
+    def run_once(self) -> None:
+        """Read, check the executor, step, send."""
+        busy = self._can_step()
+        self._receive(0 if busy else self.cfg.idle_poll_s)
+        self._check_executor()
+        if self._can_step():
+            self._step()
+        self._keepalive()
+        self._drop_gone_peers()
+
+    def close(self) -> None:
+        self.sock.close(0)
+        if self.zap is not None:
+            self.zap.close(0)
+        self.ctx.term()
+
+    def _can_step(self) -> bool:
+        return self.executor_death is None and self.engine.has_work()
+
+    def _receive(self, timeout: float) -> None:
+        ready = dict(self.poller.poll(int(timeout * 1000)))
+        if self.zap is not None and self.zap in ready:
+            self._answer_zap()
+        for _ in range(MAX_MESSAGES_PER_TURN):
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._handle(frames)
+
+    def _check_executor(self) -> None:
+        check = getattr(self.engine.executor, "check", None)
+        if check is None or self.executor_death is not None:
+            return
+        try:
+            check()
+        except ExecutorDied as exc:
+            self._executor_died(str(exc))
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except ExecutorDied as exc:
+            self._executor_died(str(exc))
+            return
+        except ExecutorFailed as exc:
+            self._fail_all("executor_error", str(exc))
+            return
+        except Exception as exc:
+            log.exception("engine step failed")
+            self._fail_all("internal_error", f"engine step failed: {exc}")
+            return
+        now = time.monotonic()
+        for out in outputs:
+            self._deliver(out, now)
+
+    def _keepalive(self) -> None:
+        now = time.monotonic()
+        if now - self.last_keepalive < self.cfg.keepalive_s / 2:
+            return
+        self.last_keepalive = now
+        quiet: dict[bytes, list[str]] = collections.defaultdict(list)
+        envelopes: dict[bytes, list[bytes]] = {}
+        for inf in self.inflight.values():
+            if now - self.last_sent.get(inf.peer, 0.0) >= self.cfg.keepalive_s:
+                quiet[inf.peer].append(inf.request_id)
+                envelopes[inf.peer] = inf.envelope
+        for peer, ids in quiet.items():
+            self._send(envelopes[peer], Keepalive(ids))
+
+    # --- incoming messages -----------------------------------------------------------------
+
+    def _handle(self, frames: list[bytes]) -> None:
+        if len(frames) == 2:
+            envelope, payload = frames[:1], frames[1]
+        elif len(frames) == 3 and frames[1] == b"":
+            envelope, payload = frames[:2], frames[2]
+        else:
+            err = "expected one frame (DEALER), or an empty frame then one frame (REQ)"
+            self._send(frames[:1], ErrorReply("", "malformed_frame", err))
+            return
+        try:
+            msg = decode_request(payload, self.cfg.max_frame_bytes)
+        except WireError as exc:
+            self._send(envelope, ErrorReply(exc.request_id, exc.code, str(exc)))
+            return
+        try:
+            self._dispatch(envelope, msg)
+        except (RequestRefused, InvalidRequest, UnknownRequest) as exc:
+            self._send(envelope, ErrorReply(msg.request_id, exc.code, _message(exc)))
+        except Exception as exc:
+            log.exception("request failed", request_id=msg.request_id)
+            self._send(envelope, ErrorReply(msg.request_id, "internal_error", _message(exc)))
+
+    def _dispatch(self, envelope: list[bytes], msg: Any) -> None:
+        if isinstance(msg, GenerateRequest):
+            self._generate(envelope, msg)
+        elif isinstance(msg, AbortRequest):
+            self._abort(envelope, msg)
+        elif isinstance(msg, HealthRequest):
+            self._send(envelope, self._health(msg))
+        elif isinstance(msg, StatsRequest):
+            self._send(envelope, self._stats(msg))
+        else:
+            raise NotImplementedError(f"no handler for {type(msg).__name__}")
+
+    def _generate(self, envelope: list[bytes], msg: GenerateRequest) -> None:
+        if self.executor_death is not None:
+            raise RequestRefused("executor_dead", f"the executor is dead: {self.executor_death}")
+        key = (envelope[0], msg.request_id)
+        if key in self.by_client:
+            raise RequestRefused("duplicate_request", f"request {msg.request_id!r} is in flight")
+        prompt = self._prompt(msg)
+        params = _sampling_params(msg.params)
+        engine_id = self.engine.add_request(prompt, params, arrival_time=time.time())
+        num_prompt = self.engine.requests[engine_id].num_prompt_tokens
+        inf = Inflight(envelope, msg.request_id, msg.stream, time.monotonic(), num_prompt)
+        self.inflight[engine_id] = inf
+        self.by_client[key] = engine_id
+
+    def _prompt(self, msg: GenerateRequest) -> str | list[int]:
+        given = [x for x in (msg.prompt, msg.prompt_token_ids, msg.messages) if x is not None]
+        if len(given) != 1:
+            raise InvalidRequest("give exactly one of prompt, prompt_token_ids, messages")
+        if msg.messages is None:
+            return given[0]
+        if not msg.messages:
+            raise InvalidRequest("messages is empty")
+        if any(set(m) != {"role", "content"} for m in msg.messages):
+            raise InvalidRequest("every message needs exactly the keys 'role' and 'content'")
+        return self.engine.tokenizer.apply_chat_template(msg.messages)
+
+    def _abort(self, envelope: list[bytes], msg: AbortRequest) -> None:
+        engine_id = self.by_client.get((envelope[0], msg.target_id))
+        if engine_id is None:
+            raise UnknownRequest(f"unknown request id {msg.target_id!r}")
+        inf = self.inflight[engine_id]
+        self.engine.abort(engine_id)
+        self._forget(engine_id, "abort")
+        self._send(inf.envelope, inf.done("abort", time.monotonic()))
+        self._send(envelope, AbortReply(msg.request_id, msg.target_id))
+
+    def _health(self, msg: HealthRequest) -> HealthReply:
+        dead = self.executor_death
+        return HealthReply(
+            request_id=msg.request_id,
+            status="ok" if dead is None else "executor_dead",
+            executor_alive=dead is None,
+            executor_pid=getattr(self.engine.executor, "pid", 0),
+            core_pid=os.getpid(),
+            model=self.engine.source.label,
+            max_model_len=self.engine.max_model_len,
+            vocab_size=self.engine.model_cfg.vocab_size,
+            max_frame_bytes=self.cfg.max_frame_bytes,
+            uptime_s=time.monotonic() - self.started,
+            memstep_version=__version__,
+            protocol=PROTOCOL_VERSION,
+            detail=dead or "",
+        )
+
+    def _stats(self, msg: StatsRequest) -> StatsReply:
+        sched, blocks = self.engine.scheduler, self.engine.blocks
+        return StatsReply(
+            request_id=msg.request_id,
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            num_inflight=len(self.inflight),
+            num_clients=len({inf.peer for inf in self.inflight.values()}),
+            step=self.engine.step_no,
+            step_kind=self.engine.state,
+            kv_pages_total=blocks.num_blocks,
+            kv_pages_used=blocks.num_used,
+            memory=getattr(self.engine, "last_memory", None),
+            finished=dict(self.finished),
+        )
+
+    def _answer_zap(self) -> None:
+        """ZAP (RFC 27): admit a CURVE client only if its public key is on the allowed list."""
+        assert self.zap is not None
+        while self.zap.poll(0):
+            version, seq, _domain, _address, _identity, mechanism, *creds = (
+                self.zap.recv_multipart()
+            )
+            key = z85.encode(creds[0]) if mechanism == b"CURVE" and creds else b""
+            ok = key in self.cfg.curve_client_keys
+            status = (b"200", b"OK") if ok else (b"400", b"client key not allowed")
+            log.info("zap", allowed=ok, mechanism=mechanism)
+            self.zap.send_multipart([version, seq, *status, key, b""])
+
+    # --- outgoing messages -----------------------------------------------------------------
+
+    def _deliver(self, out: RequestOutput, now: float) -> None:
+        inf = self.inflight.get(out.request_id)
+        if inf is None:
+            return
+        inf.token_ids.extend(out.new_token_ids)
+        inf.texts.append(out.new_text)
+        inf.token_times.extend([now - inf.arrival] * len(out.new_token_ids))
+        if inf.stream:
+            self._send(inf.envelope, GenerateDelta(inf.request_id, out.new_token_ids, out.new_text))
+        if out.finished:
+            reason = out.finish_reason or "stop"
+            self._forget(out.request_id, reason)
+            self._send(inf.envelope, inf.done(reason, now))
+
+    def _send(self, envelope: list[bytes], msg: object) -> None:
+        try:
+            self.sock.send_multipart([*envelope, codec.encode(msg)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # EHOSTUNREACH: the peer is gone; EAGAIN: it stopped reading
+            log.info("client gone", error=str(exc))
+            self.gone.add(envelope[0])
+        else:
+            self.last_sent[envelope[0]] = time.monotonic()
+
+    # --- ends of requests ------------------------------------------------------------------
+
+    def _forget(self, engine_id: str, reason: str) -> None:
+        inf = self.inflight.pop(engine_id)
+        del self.by_client[(inf.peer, inf.request_id)]
+        self.finished[reason] += 1
+        if not any(other.peer == inf.peer for other in self.inflight.values()):
+            self.last_sent.pop(inf.peer, None)
+
+    def _drop_gone_peers(self) -> None:
+        """Abort every request of a client whose connection closed; its pages are freed."""
+        while self.gone:
+            peer = self.gone.pop()
+            for engine_id, inf in list(self.inflight.items()):
+                if inf.peer == peer:
+                    self._forget(engine_id, "disconnect")
+                    self.engine.abort(engine_id)
+                    log.info("client disconnected; request aborted", request_id=inf.request_id)
+
+    def _executor_died(self, reason: str) -> None:
+        self.executor_death = reason
+        self._fail_all("executor_dead", reason)
+
+    def _fail_all(self, code: str, message: str) -> None:
+        """Answer every request in flight with an error and drop it from the engine."""
+        for engine_id, inf in list(self.inflight.items()):
+            self._send(inf.envelope, ErrorReply(inf.request_id, code, message))
+            self._forget(engine_id, code)
+            if engine_id in self.engine.requests:
+                self.engine.abort(engine_id)
+
+
+def _sampling_params(data: dict) -> SamplingParams:
+    for key, value in data.items():
+        if type(key) is not str:
+            raise InvalidRequest("sampling param names must be strings")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise InvalidRequest(f"sampling param {key!r} must be a finite number")
+    return SamplingParams.from_dict(data)
+
+
+def _message(exc: BaseException) -> str:
+    return str(exc.args[0]) if exc.args else type(exc).__name__

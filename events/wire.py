@@ -1,0 +1,261 @@
+"""Messages of memstep's two sockets: the client API and the core <-> executor link.
+
+Every class is a registered record, so the shared codec (`events/codec.py`) encodes and decodes
+it as a msgpack map ``{"t": ClassName, field: value, ...}``; nothing is pickled.  The API is
+documented for other languages in `docs/protocol.md`.
+
+Client requests are decoded by `decode_request`, which is more forgiving than the codec in one
+way only: a field with a default may be left out.  Everything else is checked strictly, and
+each problem raises `WireError` with the code that goes back to the client.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import msgpack
+
+from memstep.events import codec
+from memstep.events.types import MemoryReport, record
+
+PROTOCOL_VERSION = 1
+MAX_REQUEST_ID_CHARS = 128
+
+# --- client -> server ----------------------------------------------------------------------
+
+
+@record
+class GenerateRequest:
+    """Start a completion.  Exactly one of `prompt`, `prompt_token_ids`, `messages` is set."""
+
+    request_id: str  # chosen by the client, unique among its requests in flight
+    prompt: str | None = None  # raw text, no chat template
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict[str, str]] | None = None  # [{"role": ..., "content": ...}], templated
+    params: dict = attrs.Factory(dict)  # SamplingParams fields; absent ones take defaults
+    stream: bool = False
+
+
+@record
+class AbortRequest:
+    request_id: str  # this message's own id
+    target_id: str  # the generate request to abort
+
+
+@record
+class HealthRequest:
+    request_id: str
+
+
+@record
+class StatsRequest:
+    request_id: str
+
+
+API_REQUESTS: dict[str, type] = {
+    cls.__name__: cls for cls in (GenerateRequest, AbortRequest, HealthRequest, StatsRequest)
+}
+
+# --- server -> client ----------------------------------------------------------------------
+
+
+@record
+class GenerateDelta:
+    """New tokens of a streaming request, one message per engine step that produced some."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+
+
+@record
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@record
+class Timing:
+    """Seconds since the server received the request."""
+
+    ttft_s: float | None  # first token; None when none was produced
+    token_times_s: list[float]  # each output token, in order
+    e2e_s: float  # the finishing reply
+
+
+@record
+class GenerateDone:
+    """The last reply of a generate request, streaming or not: the whole completion."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" | "length" | "abort"
+    usage: Usage
+    timing: Timing
+
+
+@record
+class AbortReply:
+    request_id: str
+    target_id: str
+
+
+@record
+class HealthReply:
+    request_id: str
+    status: str  # "ok" | "executor_dead"
+    executor_alive: bool
+    executor_pid: int  # 0 when the executor runs inside the core
+    core_pid: int
+    model: str
+    max_model_len: int
+    vocab_size: int
+    max_frame_bytes: int  # larger frames get a frame_too_large error
+    uptime_s: float
+    memstep_version: str
+    protocol: int
+    detail: str  # why the executor is dead, else ""
+
+
+@record
+class StatsReply:
+    request_id: str
+    num_running: int
+    num_waiting: int
+    num_inflight: int  # requests the server is answering (all clients)
+    num_clients: int  # clients with requests in flight
+    step: int
+    step_kind: str  # the engine's current phase or serving kind
+    kv_pages_total: int
+    kv_pages_used: int
+    memory: MemoryReport | None  # from the last StepFinished; None before the first step
+    finished: dict[str, int]  # finished requests by reason, incl. "disconnect", "executor_dead"
+
+
+@record
+class ErrorReply:
+    request_id: str  # "" when the frame was too broken to carry one
+    code: str
+    message: str
+
+
+@record
+class Keepalive:
+    """Sent about once a second to a client with requests in flight that heard nothing else.
+
+    It probes the connection (a closed one fails the send and aborts the client's requests) and
+    tells the client the server is alive.  Clients ignore it.
+    """
+
+    request_ids: list[str]
+
+
+# --- core <-> executor ---------------------------------------------------------------------
+
+
+@record
+class ExecutorHello:
+    """The executor's first message, sent as soon as it has connected."""
+
+    pid: int
+    memstep_version: str
+    protocol: int
+
+
+@record
+class ExecutorInit:
+    config: dict  # EngineConfig.to_dict()
+    max_model_len: int
+
+
+@record
+class ExecutorReady:
+    """The model is loaded; the executor takes PhaseRequest and StepPlan from now on."""
+
+    pid: int
+    device: str
+
+
+@record
+class ExecutorStop:
+    reason: str
+
+
+@record
+class ExecutorError:
+    """The executor could not do what it was asked; it keeps running."""
+
+    code: str  # "bad_message" | "exception"
+    message: str
+
+
+@record
+class Heartbeat:
+    sender: str  # "core" | "executor"
+    seq: int
+    sent_at: float  # sender's time.time()
+
+
+# --- decoding client requests --------------------------------------------------------------
+
+
+class WireError(ValueError):
+    """A client frame that cannot be served; `code` and the message go back in an ErrorReply."""
+
+    def __init__(self, code: str, message: str, request_id: str = ""):
+        super().__init__(message)
+        self.code = code
+        self.request_id = request_id
+
+
+def decode_request(frame: bytes, max_bytes: int) -> Any:
+    """Decode one client frame into an API request record, or raise WireError."""
+    if not frame:
+        raise WireError("malformed_frame", "empty frame")
+    if len(frame) > max_bytes:
+        raise WireError("frame_too_large", f"frame of {len(frame)} bytes > limit {max_bytes}")
+    try:
+        obj = msgpack.unpackb(frame, raw=False, use_list=True, strict_map_key=True)
+    except Exception as exc:  # msgpack raises many kinds on broken input
+        raise WireError("malformed_frame", f"not a msgpack message: {exc}") from exc
+    if type(obj) is not dict:
+        raise WireError("malformed_frame", f"expected a msgpack map, got {type(obj).__name__}")
+    rid = obj.get("request_id")
+    rid = rid if type(rid) is str and len(rid) <= MAX_REQUEST_ID_CHARS else ""
+    name = obj.get("t")
+    cls = API_REQUESTS.get(name) if type(name) is str else None
+    if cls is None:
+        known = ", ".join(API_REQUESTS)
+        raise WireError("unknown_type", f"unknown message type {_short(name)}; use {known}", rid)
+    return _from_map(cls, obj, rid)
+
+
+def _from_map(cls: type, obj: dict, rid: str) -> Any:
+    full = dict(obj)
+    names = {field.name for field in attrs.fields(cls)}
+    for field in attrs.fields(cls):
+        if field.name in full:
+            continue
+        if field.default is attrs.NOTHING:
+            raise WireError("missing_field", f"{cls.__name__}: missing field {field.name!r}", rid)
+        default = field.default
+        full[field.name] = default.factory() if isinstance(default, attrs.Factory) else default
+    extra = [key for key in full if key != "t" and key not in names]
+    if extra:
+        raise WireError("unknown_field", f"{cls.__name__}: unknown field {_short(extra[0])}", rid)
+    try:
+        msg = codec.from_obj(full)
+    except codec.CodecError as exc:
+        raise WireError("invalid_field", str(exc), rid) from exc
+    if not 1 <= len(msg.request_id) <= MAX_REQUEST_ID_CHARS:
+        raise WireError(
+            "invalid_field", f"request_id must have 1 to {MAX_REQUEST_ID_CHARS} characters", rid
+        )
+    return msg
+
+
+def _short(value: object, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,225 @@
+"""The engine side of the executor socket: `ProcessExecutor`.
+
+It spawns `python -m memstep.executors.process` and speaks to it over ZeroMQ ipc (a socket in a
+private temp dir), with the same interface as `InProcessExecutor`:
+``Engine(cfg, executor_factory=ProcessExecutor)``.  This module never imports torch or the
+worker; the executor process loads the model.
+
+Liveness: the executor is dead once its process has exited (checked every poll, so a SIGKILL is
+noticed within ~50 ms) or once it has sent nothing, heartbeats included, for
+`heartbeat_timeout` seconds (it is then killed).  The core sends its own heartbeats so that an
+executor whose core has gone quiet exits by itself.  Recovery is for a later issue: after death
+every call raises `ExecutorDied`.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import TypeVar
+
+import structlog
+import zmq
+
+from memstep.core.config import EngineConfig
+from memstep.events import codec
+from memstep.events.plan import PhaseReply, PhaseRequest, StepPlan, StepResult
+from memstep.events.wire import (
+    PROTOCOL_VERSION,
+    ExecutorError,
+    ExecutorHello,
+    ExecutorInit,
+    ExecutorReady,
+    ExecutorStop,
+    Heartbeat,
+)
+from memstep.executors.process import HEARTBEAT_ID, MAIN_ID
+
+log = structlog.get_logger("memstep.executor.remote")
+
+POLL_S = 0.05
+
+T = TypeVar("T")
+
+
+class ExecutorDied(RuntimeError):
+    """The executor process is gone or unresponsive; the message says which and why."""
+
+    code = "executor_dead"
+
+
+class ExecutorFailed(RuntimeError):
+    """The executor answered with an error (or nonsense); it is still running."""
+
+    code = "executor_error"
+
+
+class ProcessExecutor:
+    """Owns the executor process, its ROUTER socket, and the temp dir of the ipc endpoint."""
+
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        max_model_len: int,
+        *,
+        heartbeat_interval: float = 0.2,
+        heartbeat_timeout: float = 5.0,
+        start_timeout: float = 60.0,
+        log_level: str = "warning",
+        log_format: str = "console",
+    ):
+        self.heartbeat_interval = heartbeat_interval
+        self.heartbeat_timeout = heartbeat_timeout
+        self.start_timeout = start_timeout
+        self.death: str | None = None
+        self._dir = tempfile.mkdtemp(prefix="memstep-exec-")
+        self.endpoint = f"ipc://{self._dir}/executor.sock"
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(self.endpoint)
+        self._inbox: collections.deque[bytes] = collections.deque()
+        self._beats = itertools.count()
+        self._last_beat = 0.0
+        self._last_seen = time.monotonic()
+        self._greeted = False
+        self._closed = False
+        self.proc = subprocess.Popen(
+            self._command(heartbeat_timeout * 2, log_level, log_format),
+            stdin=subprocess.DEVNULL,
+            stdout=sys.stderr.fileno(),
+        )
+        try:
+            self._handshake(cfg, max_model_len)
+        except BaseException:
+            self.close()
+            raise
+
+    def _command(self, core_timeout: float, log_level: str, log_format: str) -> list[str]:
+        return [
+            sys.executable, "-m", "memstep.executors.process",
+            "--endpoint", self.endpoint,
+            "--heartbeat-interval", str(self.heartbeat_interval),
+            "--core-timeout", str(max(core_timeout, 10.0)),
+            "--log-level", log_level,
+            "--log-format", log_format,
+        ]  # fmt: skip
+
+    def _handshake(self, cfg: EngineConfig, max_model_len: int) -> None:
+        hello = self._wait_for(ExecutorHello)
+        if hello.protocol != PROTOCOL_VERSION:
+            raise ExecutorFailed(f"executor speaks protocol {hello.protocol}, not {PROTOCOL_VERSION}")
+        self._greeted = True
+        ready = self._call(ExecutorInit(cfg.to_dict(), max_model_len), ExecutorReady)
+        log.info("executor ready", pid=ready.pid, device=ready.device, endpoint=self.endpoint)
+
+    # --- the executor interface ------------------------------------------------------------
+
+    def enter_phase(self, phase: str, step: int) -> PhaseReply:
+        return self._call(PhaseRequest(phase, step), PhaseReply)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        return self._call(plan, StepResult)
+
+    def close(self) -> None:
+        """Ask the executor to stop, kill it if it does not, and remove the socket."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.proc.poll() is None:
+            self._send(MAIN_ID, ExecutorStop("close"))
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._sock.close(0)
+        self._ctx.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    # --- liveness --------------------------------------------------------------------------
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def is_alive(self) -> bool:
+        return self.death is None
+
+    def check(self) -> None:
+        """Exchange heartbeats; raise ExecutorDied if the executor is gone.  Never blocks."""
+        if self.death is not None:
+            raise ExecutorDied(self.death)
+        self._pump(0)
+        now = time.monotonic()
+        if now - self._last_beat >= self.heartbeat_interval:
+            self._last_beat = now
+            self._send(HEARTBEAT_ID, Heartbeat("core", next(self._beats), time.time()))
+        reason = self._why_dead(now)
+        if reason is not None:
+            self._die(reason)
+
+    def _why_dead(self, now: float) -> str | None:
+        code = self.proc.poll()
+        if code is not None:
+            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            return f"executor process {self.proc.pid} died ({how})"
+        limit = self.heartbeat_timeout if self._greeted else self.start_timeout
+        if now - self._last_seen > limit:
+            return f"executor process {self.proc.pid} sent nothing for {limit:.1f} s"
+        return None
+
+    def _die(self, reason: str) -> None:
+        self.death = reason
+        log.error("executor dead", reason=reason)
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        raise ExecutorDied(reason)
+
+    # --- messages --------------------------------------------------------------------------
+
+    def _call(self, msg: object, expect: type[T]) -> T:
+        self.check()
+        if self._inbox:
+            raise ExecutorFailed(f"executor sent {len(self._inbox)} unrequested message(s)")
+        self._send(MAIN_ID, msg)
+        return self._wait_for(expect)
+
+    def _wait_for(self, expect: type[T]) -> T:
+        while not self._inbox:
+            self.check()
+            self._pump(POLL_S)
+        try:
+            reply = codec.decode(self._inbox.popleft())
+        except codec.CodecError as exc:
+            raise ExecutorFailed(f"undecodable reply from the executor: {exc}") from exc
+        if isinstance(reply, ExecutorError):
+            raise ExecutorFailed(f"{reply.code}: {reply.message}")
+        if not isinstance(reply, expect):
+            raise ExecutorFailed(f"expected {expect.__name__}, got {type(reply).__name__}")
+        return reply
+
+    def _pump(self, timeout: float) -> None:
+        """Read what arrives within `timeout`: any message proves life, replies are queued."""
+        if not self._sock.poll(int(timeout * 1000)):
+            return
+        while self._sock.poll(0):
+            frames = self._sock.recv_multipart()
+            self._last_seen = time.monotonic()
+            if frames[0] == MAIN_ID:
+                self._inbox.append(frames[-1])
+
+    def _send(self, to: bytes, msg: object) -> None:
+        try:
+            self._sock.send_multipart([to, codec.encode(msg)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # not connected (yet, or any more): liveness decides
+            log.debug("executor send failed", to=to, error=str(exc))

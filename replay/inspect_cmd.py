@@ -1,0 +1,154 @@
+"""Summarize an event log: requests, steps per kind, transitions, acceptance, memory, leaks."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from typing import Any
+
+from memstep.events.log import LogFormatError
+from memstep.replay.recording import Recording, load
+from memstep.replay.summary import LogSummary, summarize
+from memstep.replay.text_table import fmt_bytes, render
+
+MAX_STRETCHES = 20  # the text table shows the first ones; --json has them all
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("log", help="the event log (its rotated parts LOG.1, LOG.2, ... are read too)")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        recording = load(args.log)
+    except LogFormatError as exc:
+        print(f"memstep: error: {exc}", file=sys.stderr)
+        return 2
+    summary = summarize(recording.records)
+    if args.json:
+        print(json.dumps(to_json(recording, summary), indent=2))
+    else:
+        print(to_text(recording, summary))
+    return 0
+
+
+def to_json(recording: Recording, summary: LogSummary) -> dict[str, Any]:
+    log = {
+        "path": str(recording.path),
+        "header": recording.header,
+        "num_records": len(recording.records),
+        "problem": recording.describe_problem(),
+    }
+    return {"log": log, **summary.to_dict()}
+
+
+def to_text(recording: Recording, s: LogSummary) -> str:
+    h = recording.header
+    sections = [
+        "\n".join(
+            [
+                f"log      {recording.path} ({len(recording.records)} records, format "
+                f"{h.get('format_version')}, memstep {h.get('memstep_version')}, "
+                f"created {h.get('created')})",
+                f"model    {recording.model_identity}",
+                f"config   {recording.highlights()}",
+                *([f"! {recording.describe_problem()}"] if recording.problem else []),
+            ]
+        ),
+        _requests(s),
+        _steps(s),
+        _transitions(s),
+        _memory(s),
+        _leaks(s),
+    ]
+    return "\n\n".join(sections)
+
+
+def _requests(s: LogSummary) -> str:
+    r = s.requests
+    head = (
+        f"requests: {r.num_added} added, {r.num_finished} finished, {r.num_unfinished} unfinished; "
+        f"{r.prompt_tokens} prompt tokens, {r.completion_tokens} completion tokens"
+    )
+    if not r.reasons:
+        return head
+    return head + "\n" + render(["finish reason", "requests"], list(r.reasons.items()))
+
+
+def _steps(s: LogSummary) -> str:
+    rate = f"{s.acceptance_rate:.3f}" if s.acceptance_rate is not None else "-"
+    head = (
+        f"steps: {s.num_steps}; speculative acceptance: {s.num_accepted} of {s.num_proposed} "
+        f"drafts accepted ({rate})"
+    )
+    rows = [
+        [kind, k.num_steps, k.num_tokens, k.num_sampled, k.num_proposed, k.num_accepted,
+         k.num_accepted / k.num_proposed if k.num_proposed else None]
+        for kind, k in s.kinds.items()
+    ]  # fmt: skip
+    headers = ["kind", "steps", "tokens fed", "tokens sampled", "proposed", "accepted", "rate"]
+    return head + ("\n" + render(headers, rows) if rows else "")
+
+
+def _transitions(s: LogSummary) -> str:
+    pairs: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0, 0])
+    for t in s.transitions:
+        totals = pairs[(t.source, t.target)]
+        totals[0] += 1
+        totals[1] += t.bytes_released
+        totals[2] += t.bytes_claimed
+    head = f"transitions: {len(s.transitions)}"
+    if s.transitions:
+        last = s.transitions[-1]
+        head += f" (first at step {s.transitions[0].step}, last at step {last.step})"
+    rows = [[a, b, n, fmt_bytes(rel), fmt_bytes(cl)] for (a, b), (n, rel, cl) in pairs.items()]
+    headers = ["from", "to", "count", "released", "claimed"]
+    return head + ("\n" + render(headers, rows, left=2) if rows else "")
+
+
+def _memory(s: LogSummary) -> str:
+    head = (
+        f"memory: peak live {fmt_bytes(s.peak_live_bytes)}, final live "
+        f"{fmt_bytes(s.final_live_bytes)}, peak reserved {fmt_bytes(s.peak_reserved_bytes)}, "
+        f"peak arena claimed {fmt_bytes(s.peak_arena_claimed_bytes)}, "
+        f"peak KV pages {s.peak_kv_pages_used}"
+    )
+    if not s.stretches:
+        return head
+    kinds = [
+        [kind, k.num_stretches, k.num_steps, fmt_bytes(k.growth, signed=True),
+         fmt_bytes(k.max_growth, signed=True)]
+        for kind, k in s.kinds.items()
+    ]  # fmt: skip
+    shown = s.stretches[:MAX_STRETCHES]
+    stretches = [
+        [st.kind, st.first_step, st.last_step, st.num_steps, fmt_bytes(st.live_start),
+         fmt_bytes(st.live_end), fmt_bytes(st.growth, signed=True)]
+        for st in shown
+    ]  # fmt: skip
+    more = len(s.stretches) - len(shown)
+    return "\n".join(
+        [
+            head,
+            "memory growth per kind (live bytes, within stretches of one kind):",
+            render(["kind", "stretches", "steps", "growth", "largest"], kinds),
+            f"stretches of one kind{f' (first {len(shown)}; {more} more in --json)' if more else ''}:",
+            render(
+                ["kind", "from step", "to step", "steps", "live at start", "live at end", "growth"],
+                stretches,
+            ),
+        ]
+    )
+
+
+def _leaks(s: LogSummary) -> str:
+    if not s.leaks:
+        return "leak reports: none"
+    lines = [f"leak reports: {len(s.leaks)}"]
+    lines += [
+        f"  step {x.step} {x.kind} {x.what} {fmt_bytes(x.nbytes)}: {x.detail}" for x in s.leaks
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,121 @@
+"""The verdict of one replay: identical, the first divergence, or (what-if) what changed.
+
+Built from the recording and the replay run; rendered as text for people or as JSON.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from memstep import __version__
+from memstep.replay.compare import Comparison, compare
+from memstep.replay.recording import Recording
+from memstep.replay.replayer import ReplayRun
+from memstep.replay.text_table import render
+from memstep.replay.whatif import WhatIf, what_if
+
+
+@attrs.frozen
+class ReplayReport:
+    log: str
+    num_records: int  # intact records in the log
+    num_inputs: int
+    problem: str | None  # where and why the log is damaged
+    overrides: dict[str, Any]
+    warnings: list[str]
+    comparison: Comparison
+    num_beyond_damage: int  # replayed records past the end of a damaged log, not compared
+    skipped: list[str]
+    inputs_shifted: int
+    what_if: WhatIf | None  # only for runs with overrides
+
+    @property
+    def exit_code(self) -> int:
+        """0 when identical (or for a what-if run, which reports instead of failing), else 1."""
+        return 0 if self.what_if is not None or self.comparison.is_identical else 1
+
+    def to_dict(self) -> dict[str, Any]:
+        data = attrs.asdict(self)
+        data["identical"] = self.comparison.is_identical
+        data["exit_code"] = self.exit_code
+        return data
+
+    def to_text(self) -> str:
+        lines = [f"replay of {self.log}: {self.num_records} records, {self.num_inputs} inputs"]
+        lines += [f"! {line}" for line in [self.problem, *self.warnings] if line]
+        if self.num_beyond_damage:
+            lines.append(f"! {self.num_beyond_damage} replayed records past the damage: not compared")
+        lines += [f"! skipped input: {line}" for line in self.skipped]
+        if self.inputs_shifted:
+            lines.append(f"! {self.inputs_shifted} inputs applied before their recorded step")
+        lines.append(self._verdict())
+        if self.what_if is not None:
+            lines.append(self._what_if_text(self.what_if))
+        return "\n".join(lines)
+
+    def _verdict(self) -> str:
+        c = self.comparison
+        if c.first is None:
+            return (
+                f"identical: {c.num_compared} derived records match field for field "
+                "(tokens, transitions, arena ledger, memory reports, leak reports)"
+            )
+        word = "differs" if self.what_if is not None else "DIVERGED"
+        lines = [
+            f"{word} first at {c.first.describe()}",
+            f"  {c.num_bad} derived records differ: {c.num_differing} of {c.num_compared} "
+            f"matched records, {c.num_missing} missing from the replay, {c.num_extra} extra",
+        ]
+        if c.fields:
+            fields = ", ".join(f"{name} x{n}" for name, n in list(c.fields.items())[:8])
+            lines.append(f"  differing fields: {fields}")
+        return "\n".join(lines)
+
+    def _what_if_text(self, w: WhatIf) -> str:
+        sets = " ".join(f"{k}={v}" for k, v in self.overrides.items())
+        rows = [c.row() for c in w.changes]
+        lines = [
+            f"what-if replay with {sets}: {w.num_changed} figures changed",
+            render(["figure", "recorded", "replayed", "change"], rows),
+        ]
+        for label, leaks in (("recorded", w.leaks_recorded), ("replayed", w.leaks_replayed)):
+            lines += [f"  leak ({label}): {leak}" for leak in leaks]
+        return "\n".join(lines)
+
+
+def build_report(
+    recording: Recording, run: ReplayRun, overrides: dict[str, Any] | None = None
+) -> ReplayReport:
+    """Compare `run` with `recording`; a damaged log is compared only as far as it goes."""
+    recorded, replayed = recording.derived, run.derived
+    beyond = 0
+    if recording.problem is not None and len(replayed) > len(recorded):
+        beyond = len(replayed) - len(recorded)
+        replayed = replayed[: len(recorded)]
+    return ReplayReport(
+        log=str(recording.path),
+        num_records=len(recording.records),
+        num_inputs=len(recording.inputs),
+        problem=recording.describe_problem(),
+        overrides=dict(overrides or {}),
+        warnings=_warnings(recording, run),
+        comparison=compare(recorded, replayed),
+        num_beyond_damage=beyond,
+        skipped=run.skipped,
+        inputs_shifted=run.inputs_shifted,
+        what_if=what_if(recorded, replayed) if overrides else None,
+    )
+
+
+def _warnings(recording: Recording, run: ReplayRun) -> list[str]:
+    out = []
+    if run.model_identity != recording.model_identity:
+        out.append(
+            f"model differs: recorded {recording.model_identity}, replayed {run.model_identity}"
+        )
+    version = recording.header.get("memstep_version")
+    if version != __version__:
+        out.append(f"recorded with memstep {version}, replayed with {__version__}")
+    return out

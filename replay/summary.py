@@ -1,0 +1,192 @@
+"""What a stream of engine records adds up to: requests, steps per kind, transitions, acceptance,
+memory growth per kind, leak reports.  Used by `inspect`, `plot` and the what-if report.
+
+Memory growth is counted per stretch: a run of consecutive steps of one kind.  A stretch's growth
+is the live bytes after its last step minus those after its first, so the cost of entering a
+kind is not mistaken for growth within it, and steady growth while one kind runs (the signature
+of a leak) is.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import attrs
+
+from memstep.events.types import (
+    LeakSuspected,
+    PhaseChanged,
+    RequestAdded,
+    RequestFinished,
+    StateEntered,
+    StateExited,
+    StepFinished,
+    StepPlanned,
+)
+
+
+@attrs.frozen
+class RequestTotals:
+    num_added: int
+    num_finished: int
+    num_unfinished: int  # added, never finished (still running when the log ends)
+    reasons: dict[str, int]  # finish reason -> count
+    prompt_tokens: int  # of finished requests
+    completion_tokens: int  # of finished requests
+
+
+@attrs.frozen
+class KindTotals:
+    num_steps: int
+    num_tokens: int  # tokens scheduled (fed), drafts included
+    num_sampled: int  # tokens appended to requests
+    num_proposed: int  # speculative drafts proposed
+    num_accepted: int
+    num_stretches: int
+    growth: int  # live bytes gained within stretches of this kind, summed
+    max_growth: int  # the largest single stretch's growth
+
+
+@attrs.frozen
+class Transition:
+    step: int
+    source: str
+    target: str
+    bytes_released: int  # by the exit hook of `source`
+    bytes_claimed: int  # by the enter hook of `target`
+
+
+@attrs.frozen
+class Stretch:
+    kind: str
+    first_step: int
+    last_step: int
+    num_steps: int
+    live_start: int  # live bytes after the first step of the stretch
+    live_end: int  # live bytes after the last step
+    growth: int  # live_end - live_start
+
+
+@attrs.frozen
+class LogSummary:
+    requests: RequestTotals
+    kinds: dict[str, KindTotals]
+    transitions: list[Transition]
+    stretches: list[Stretch]
+    leaks: list[LeakSuspected]
+    phases: list[list]  # [step, old, new]
+    num_steps: int
+    num_proposed: int
+    num_accepted: int
+    peak_live_bytes: int
+    final_live_bytes: int
+    peak_reserved_bytes: int
+    peak_arena_claimed_bytes: int
+    peak_kv_pages_used: int
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted / self.num_proposed if self.num_proposed else None
+
+    def to_dict(self) -> dict[str, Any]:
+        data = attrs.asdict(self)
+        data["acceptance_rate"] = self.acceptance_rate
+        return data
+
+
+def summarize(records: list[object]) -> LogSummary:
+    """Add up a stream of records (a whole log, or what a replay emitted)."""
+    steps = [r for r in records if isinstance(r, StepFinished)]
+    planned = {r.step: r for r in records if isinstance(r, StepPlanned)}
+    stretches = _stretches(steps)
+    mems = [s.memory for s in steps]
+    return LogSummary(
+        requests=_requests(records),
+        kinds=_kinds(steps, planned, stretches),
+        transitions=_transitions(records),
+        stretches=stretches,
+        leaks=[r for r in records if isinstance(r, LeakSuspected)],
+        phases=[[r.step, r.old, r.new] for r in records if isinstance(r, PhaseChanged)],
+        num_steps=len(steps),
+        num_proposed=sum(s.num_proposed for s in steps),
+        num_accepted=sum(s.num_accepted for s in steps),
+        peak_live_bytes=max((m.live_bytes for m in mems), default=0),
+        final_live_bytes=mems[-1].live_bytes if mems else 0,
+        peak_reserved_bytes=max((m.reserved_bytes for m in mems), default=0),
+        peak_arena_claimed_bytes=max((m.arena_claimed_bytes for m in mems), default=0),
+        peak_kv_pages_used=max((m.kv_pages_used for m in mems), default=0),
+    )
+
+
+def tokens_by_request(records: list[object]) -> dict[str, list[int]]:
+    """Every request's sampled tokens, in order, from StepFinished.sampled."""
+    tokens: dict[str, list[int]] = {}
+    for rec in records:
+        if isinstance(rec, StepFinished):
+            for request_id, new in rec.sampled:
+                tokens.setdefault(request_id, []).extend(new)
+    return tokens
+
+
+def _requests(records: list[object]) -> RequestTotals:
+    added = {r.request_id for r in records if isinstance(r, RequestAdded)}
+    finished = [r for r in records if isinstance(r, RequestFinished)]
+    return RequestTotals(
+        num_added=len(added),
+        num_finished=len(finished),
+        num_unfinished=len(added - {r.request_id for r in finished}),
+        reasons=dict(Counter(r.reason for r in finished).most_common()),
+        prompt_tokens=sum(r.prompt_tokens for r in finished),
+        completion_tokens=sum(r.completion_tokens for r in finished),
+    )
+
+
+def _kinds(
+    steps: list[StepFinished], planned: dict[int, StepPlanned], stretches: list[Stretch]
+) -> dict[str, KindTotals]:
+    totals: dict[str, KindTotals] = {}
+    for kind in dict.fromkeys(s.kind for s in steps):
+        mine = [s for s in steps if s.kind == kind]
+        runs = [st for st in stretches if st.kind == kind]
+        totals[kind] = KindTotals(
+            num_steps=len(mine),
+            num_tokens=sum(planned[s.step].num_tokens for s in mine if s.step in planned),
+            num_sampled=sum(len(new) for s in mine for _, new in s.sampled),
+            num_proposed=sum(s.num_proposed for s in mine),
+            num_accepted=sum(s.num_accepted for s in mine),
+            num_stretches=len(runs),
+            growth=sum(st.growth for st in runs),
+            max_growth=max(st.growth for st in runs),
+        )
+    return totals
+
+
+def _stretches(steps: list[StepFinished]) -> list[Stretch]:
+    out: list[Stretch] = []
+    i = 0
+    while i < len(steps):
+        j = i
+        while j + 1 < len(steps) and steps[j + 1].kind == steps[i].kind:
+            j += 1
+        first, last = steps[i], steps[j]
+        start, end = first.memory.live_bytes, last.memory.live_bytes
+        out.append(Stretch(first.kind, first.step, last.step, j - i + 1, start, end, end - start))
+        i = j + 1
+    return out
+
+
+def _transitions(records: list[object]) -> list[Transition]:
+    """Each time a serving kind is entered: from which state, and the bytes moved."""
+    out: list[Transition] = []
+    state = "boot"
+    released = 0
+    for rec in records:
+        if isinstance(rec, PhaseChanged):
+            state = rec.new
+        elif isinstance(rec, StateExited):
+            released = rec.bytes_released
+        elif isinstance(rec, StateEntered):
+            out.append(Transition(rec.step, state, rec.kind, released, rec.bytes_claimed))
+            state, released = rec.kind, 0
+    return out

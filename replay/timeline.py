@@ -1,0 +1,112 @@
+"""The memory timeline of a log as a PNG: what every step left alive, with the step kinds behind.
+
+Top panel: live and reserved bytes after each step, leak reports marked.  Bottom panel: bytes
+the arena ledger says are claimed by step kinds, and KV pages in use (right axis).  Both panels
+shade each step by its kind and draw a dotted line at every transition between kinds.
+Rendered with matplotlib's Agg canvas (no display, no global backend switch).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
+from matplotlib.ticker import FuncFormatter
+
+from memstep.events.types import LeakSuspected, StepFinished
+from memstep.replay.recording import Recording
+from memstep.replay.summary import summarize
+
+KIND_COLORS = {"no_spec": "#d6e4f0", "spec": "#fbd9b5"}
+OTHER_COLORS = ("#dcedc8", "#e1bee7", "#fff9c4")
+MIB = 1 << 20
+
+
+def plot_memory(recording: Recording, output: str | Path) -> Path:
+    """Draw the memory timeline of `recording` into the PNG file `output`; returns its path."""
+    steps = [r for r in recording.records if isinstance(r, StepFinished)]
+    if not steps:
+        raise ValueError(f"{recording.path}: no steps recorded, nothing to plot")
+    fig = Figure(figsize=(12, 7), dpi=100, layout="constrained")
+    top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=[3, 2])
+    x = [s.step for s in steps]
+    mem = [s.memory for s in steps]
+    top.plot(x, [m.live_bytes / MIB for m in mem], color="C0", lw=1.6, label="live")
+    top.plot(x, [m.reserved_bytes / MIB for m in mem], color="C1", lw=1.0, ls="--", label="reserved")
+    bottom.plot(x, [m.arena_claimed_bytes / MIB for m in mem], color="C2", lw=1.4)
+    pages = bottom.twinx()
+    pages.plot(x, [m.kv_pages_used for m in mem], color="C3", lw=1.0, alpha=0.8)
+    pages.set_ylabel("KV pages in use")
+    kinds = list(dict.fromkeys(s.kind for s in steps))
+    colors = _colors(kinds)
+    changes = [b.step for a, b in zip(steps, steps[1:], strict=False) if a.kind != b.kind]
+    for ax in (top, bottom):
+        _bands(ax, steps, colors)
+        ax.vlines(
+            [c - 0.5 for c in changes], 0, 1, transform=ax.get_xaxis_transform(),
+            colors="0.35", linestyles=":", lw=0.8,
+        )  # fmt: skip
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.2f}"))
+    _leaks(top, recording.records, dict(zip(x, mem, strict=True)))
+    top.set_ylabel("live / reserved (MiB)")
+    bottom.set_ylabel("arena claimed (MiB)")
+    bottom.set_xlabel("step")
+    top.legend(handles=_legend(top, kinds, colors), loc="upper left", fontsize=8, ncols=3)
+    bottom.legend(
+        handles=[Line2D([], [], color="C2", label="arena claimed"),
+                 Line2D([], [], color="C3", label="KV pages in use (right axis)")],
+        loc="upper left", fontsize=8,
+    )  # fmt: skip
+    fig.suptitle(_title(recording, steps))
+    path = Path(output)
+    fig.savefig(path)
+    return path
+
+
+def _colors(kinds: list[str]) -> dict[str, str]:
+    others = iter(OTHER_COLORS * (len(kinds) // len(OTHER_COLORS) + 1))
+    return {k: KIND_COLORS.get(k) or next(others) for k in kinds}
+
+
+def _bands(ax: Axes, steps: list[StepFinished], colors: dict[str, str]) -> None:
+    """Shade each step, [step - 0.5, step + 0.5], in its kind's colour; one artist per kind."""
+    edges = [e for s in steps for e in (s.step - 0.5, s.step + 0.5)]
+    for kind, color in colors.items():
+        where = [s.kind == kind for s in steps for _ in (0, 1)]
+        ax.fill_between(
+            edges, 0, 1, where=where, transform=ax.get_xaxis_transform(),
+            color=color, lw=0, zorder=0,
+        )  # fmt: skip
+
+
+def _leaks(ax: Axes, records: list[object], mem_at: dict) -> None:
+    for leak in (r for r in records if isinstance(r, LeakSuspected)):
+        ax.axvline(leak.step, color="red", lw=1.2, alpha=0.8)
+        m = mem_at.get(leak.step)
+        y = m.live_bytes / MIB if m is not None else ax.get_ylim()[1]
+        ax.plot([leak.step], [y], marker="v", color="red", ms=9)
+        ax.annotate(
+            f"leak: {leak.kind} {leak.what}", (leak.step, y), xytext=(6, 6),
+            textcoords="offset points", color="red", fontsize=8,
+        )  # fmt: skip
+
+
+def _legend(ax: Axes, kinds: list[str], colors: dict[str, str]) -> list:
+    handles = list(ax.get_legend_handles_labels()[0])
+    handles += [Patch(color=colors[k], label=f"{k} steps") for k in kinds]
+    handles.append(Line2D([], [], color="0.35", ls=":", label="transition"))
+    handles.append(Line2D([], [], color="red", marker="v", label="leak suspected"))
+    return handles
+
+
+def _title(recording: Recording, steps: list[StepFinished]) -> str:
+    s = summarize(recording.records)
+    damaged = " (damaged log: intact prefix)" if recording.problem else ""
+    return (
+        f"memstep memory timeline: {recording.model_identity}, steps {steps[0].step}"
+        f"..{steps[-1].step}, {len(s.transitions)} transitions, {len(s.leaks)} leak reports"
+        f"{damaged}\n{recording.highlights()}"
+    )

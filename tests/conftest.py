@@ -1,0 +1,34 @@
+"""Shared fixtures: the real default model is loaded once per test session."""
+
+from __future__ import annotations
+
+import pytest
+
+from memstep.core.config import EngineConfig
+from memstep.core.engine import Engine
+
+CHAT_QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a hash table is in one paragraph.",
+    "List three prime numbers.",
+    "Who wrote Romeo and Juliet?",
+    "Translate 'good morning' into Spanish.",
+    "Give me a tip for learning to play the guitar as an adult who has never played music.",
+    "Why is the sky blue?",
+]
+
+
+@pytest.fixture(scope="session")
+def smol_engine() -> Engine:
+    """SmolLM2-135M-Instruct in float32 with default limits (16 sequences)."""
+    return Engine(EngineConfig(model="smollm2", dtype="float32"))
+
+
+@pytest.fixture(scope="session")
+def chat_prompts(smol_engine: Engine) -> list[list[int]]:
+    tok = smol_engine.tokenizer
+    return [
+        tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]))
+        for q in CHAT_QUESTIONS
+    ]
