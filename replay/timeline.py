@@ -8,13 +8,13 @@ Rendered with matplotlib's Agg canvas (no display, no global backend switch).
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
-from matplotlib.ticker import FuncFormatter
 
 from memstep.events.types import LeakSuspected, StepFinished
 from memstep.replay.recording import Recording
@@ -49,7 +49,7 @@ def plot_memory(recording: Recording, output: str | Path) -> Path:
             [c - 0.5 for c in changes], 0, 1, transform=ax.get_xaxis_transform(),
             colors="0.35", linestyles=":", lw=0.8,
         )  # fmt: skip
-        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.2f}"))
+        ax.ticklabel_format(axis="y", useOffset=False)
     _leaks(top, recording.records, dict(zip(x, mem, strict=True)))
     top.set_ylabel("live / reserved (MiB)")
     bottom.set_ylabel("arena claimed (MiB)")
@@ -60,7 +60,7 @@ def plot_memory(recording: Recording, output: str | Path) -> Path:
                  Line2D([], [], color="C3", label="KV pages in use (right axis)")],
         loc="upper left", fontsize=8,
     )  # fmt: skip
-    fig.suptitle(_title(recording, steps))
+    fig.suptitle(_title(recording, steps), fontsize=10)
     path = Path(output)
     fig.savefig(path)
     return path
@@ -108,5 +108,5 @@ def _title(recording: Recording, steps: list[StepFinished]) -> str:
     return (
         f"memstep memory timeline: {recording.model_identity}, steps {steps[0].step}"
         f"..{steps[-1].step}, {len(s.transitions)} transitions, {len(s.leaks)} leak reports"
-        f"{damaged}\n{recording.highlights()}"
+        f"{damaged}\n" + "\n".join(textwrap.wrap(recording.highlights(), 140))
     )

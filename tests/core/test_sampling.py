@@ -1,0 +1,115 @@
+"""The sampler's filters and penalties on hand-made logits, and stop conditions end to end."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import torch
+
+from memstep.core.sampling_params import SamplingParams
+from memstep.executors.random_stream import uniform
+from memstep.executors.sampler import Row, Sampler, top_logprobs
+
+V = 8
+
+
+def dist(params: SamplingParams, logits: list[float], history=(), prompt_len=0) -> torch.Tensor:
+    sampler = Sampler(2, V, torch.device("cpu"))
+    row = Row(params, len(history), list(history), prompt_len)
+    return sampler.distribution(torch.tensor([logits]), [row])[0].clone()
+
+
+LOGITS = [4.0, 3.0, 2.0, 1.0, 0.0, -1.0, -2.0, -3.0]
+
+
+def test_greedy_is_one_hot_on_argmax():
+    p = dist(SamplingParams(), LOGITS)
+    assert p.tolist() == [1.0] + [0.0] * 7
+
+
+def test_top_k_keeps_k_tokens():
+    p = dist(SamplingParams(temperature=1.0, top_k=3), LOGITS)
+    assert (p > 0).sum() == 3 and p[:3].gt(0).all()
+
+
+def test_top_p_keeps_smallest_prefix_reaching_p():
+    full = torch.softmax(torch.tensor(LOGITS), -1)
+    p = dist(SamplingParams(temperature=1.0, top_p=0.9), LOGITS)
+    kept = int((p > 0).sum())
+    assert full[: kept - 1].sum() < 0.9 <= full[:kept].sum()
+
+
+def test_min_p_drops_tokens_below_fraction_of_max():
+    p = dist(SamplingParams(temperature=1.0, min_p=0.3), LOGITS)
+    full = torch.softmax(torch.tensor(LOGITS), -1)
+    assert torch.equal(p > 0, full >= 0.3 * full.max())
+
+
+def test_temperature_sharpens():
+    hot = dist(SamplingParams(temperature=2.0), LOGITS)
+    cold = dist(SamplingParams(temperature=0.5), LOGITS)
+    assert cold[0] > hot[0]
+    assert math.isclose(float(cold[0]), float(torch.softmax(torch.tensor(LOGITS) / 0.5, -1)[0]), rel_tol=1e-5)
+
+
+def test_penalties():
+    flat = [0.0] * V
+    rep = dist(SamplingParams(temperature=1.0, repetition_penalty=2.0), [2.0] * V, history=[1])
+    assert rep[1] < rep[0]
+    freq = dist(SamplingParams(temperature=1.0, frequency_penalty=1.0), flat, [5, 3, 2, 2], 1)
+    assert freq[2] < freq[3] < freq[0], "more often in the output = lower"
+    assert freq[5] == freq[0], "prompt tokens are not counted"
+    pres = dist(SamplingParams(temperature=1.0, presence_penalty=1.0), flat, [5, 3, 2, 2], 1)
+    assert math.isclose(float(pres[2]), float(pres[3]), rel_tol=1e-6) and pres[2] < pres[0]
+
+
+def test_seeded_sampling_follows_the_distribution():
+    sampler = Sampler(1, V, torch.device("cpu"))
+    params = SamplingParams(temperature=1.0, seed=7)
+    want = torch.softmax(torch.tensor(LOGITS), -1)
+    counts: Counter = Counter()
+    n = 4000
+    for pos in range(n):
+        rows = [Row(params, pos, [], 0)]
+        counts[sampler.sample(sampler.distribution(torch.tensor([LOGITS]), rows), rows)[0]] += 1
+    for tok in range(4):
+        assert abs(counts[tok] / n - float(want[tok])) < 0.03
+
+
+def test_uniform_is_keyed_by_seed_and_position():
+    assert uniform(1, 5) == uniform(1, 5)
+    assert len({uniform(1, p) for p in range(100)}) == 100
+    assert uniform(1, 5) != uniform(2, 5)
+    assert all(0.0 <= uniform(s, p) < 1.0 for s in range(20) for p in range(20))
+
+
+def test_top_logprobs_are_log_softmax():
+    logits = torch.tensor([LOGITS])
+    ((chosen, top),) = top_logprobs(logits, [2], 3)
+    ref = torch.log_softmax(logits[0], -1)
+    assert math.isclose(chosen, float(ref[2]), rel_tol=1e-6)
+    assert [t for t, _ in top] == [0, 1, 2]
+
+
+def test_stop_strings_and_stop_ids_end_to_end(smol_engine, chat_prompts):
+    (free,) = smol_engine.generate([chat_prompts[0]], SamplingParams(max_tokens=10))
+    assert free.text.startswith("The capital of France is Paris")
+    (cut,) = smol_engine.generate([chat_prompts[0]], SamplingParams(max_tokens=10, stop=("France",)))
+    assert cut.text == "The capital of " and cut.finish_reason == "stop"
+    stop_id = free.token_ids[2]
+    (by_id,) = smol_engine.generate(
+        [chat_prompts[0]], SamplingParams(max_tokens=10, stop_token_ids=(stop_id,))
+    )
+    assert by_id.token_ids == free.token_ids[:3] and by_id.finish_reason == "stop"
+    (eos,) = smol_engine.generate([chat_prompts[0]], SamplingParams(max_tokens=40))
+    assert eos.finish_reason == "stop" and eos.token_ids[-1] == 2
+    (ign,) = smol_engine.generate([chat_prompts[0]], SamplingParams(max_tokens=12, ignore_eos=True))
+    assert len(ign.token_ids) == 12 and ign.finish_reason == "length"
+
+
+def test_logprobs_returned_per_token(smol_engine, chat_prompts):
+    (done,) = smol_engine.generate([chat_prompts[0]], SamplingParams(max_tokens=4, logprobs=3))
+    assert len(done.logprobs) == 4
+    for tok, (chosen, top) in zip(done.token_ids, done.logprobs, strict=True):
+        assert len(top) == 3 and top[0][0] == tok and math.isclose(top[0][1], chosen)
