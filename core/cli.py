@@ -11,7 +11,6 @@ import importlib
 import sys
 
 import attrs
-
 from memstep.core.config import ConfigError, EngineConfig
 from memstep.core.logging import setup_logging
 from memstep.core.model_source import ModelError
@@ -32,7 +31,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """Flags that map onto EngineConfig fields (defaults come from EngineConfig)."""
     d = EngineConfig()
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default=d.model, help="smollm2, a .gguf file, an HF folder, random:<preset>")
+    g.add_argument(
+        "--model", default=d.model, help="smollm2, a .gguf file, an HF folder, random:<preset>"
+    )
     g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
     g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)

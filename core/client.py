@@ -24,7 +24,6 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
-
 from memstep.events import codec
 from memstep.events.wire import (
     AbortReply,
@@ -35,7 +34,6 @@ from memstep.events.wire import (
     GenerateRequest,
     HealthReply,
     HealthRequest,
-    Keepalive,
     StatsReply,
     StatsRequest,
 )
@@ -53,20 +51,25 @@ class ServerError(RuntimeError):
         self.request_id = request_id
 
 
-def _connect(sock: zmq.Socket, address: str, curve: dict[str, bytes | str | None]) -> None:
+Key = bytes | str  # a z85 CURVE key, 40 characters
+
+
+def _connect(
+    sock: zmq.Socket, address: str, server: Key | None, public: Key | None, secret: Key | None
+) -> None:
+    """Connect `sock`; with the server's public key, as a CURVE client with its own key pair."""
     sock.setsockopt(zmq.LINGER, 0)
-    if curve.get("server_key"):
-        public, secret = curve.get("public_key"), curve.get("secret_key")
+    if server:
         if not (public and secret):
             raise ValueError("a CURVE client needs curve_public_key and curve_secret_key")
-        sock.setsockopt(zmq.CURVE_SERVERKEY, _bytes(curve["server_key"]))
+        sock.setsockopt(zmq.CURVE_SERVERKEY, _bytes(server))
         sock.setsockopt(zmq.CURVE_PUBLICKEY, _bytes(public))
         sock.setsockopt(zmq.CURVE_SECRETKEY, _bytes(secret))
     sock.connect(address)
 
 
-def _bytes(key: bytes | str | None) -> bytes:
-    return key.encode() if isinstance(key, str) else bytes(key or b"")
+def _bytes(key: Key) -> bytes:
+    return key.encode() if isinstance(key, str) else key
 
 
 def generate_request(
@@ -80,6 +83,12 @@ def generate_request(
     if isinstance(prompt, list):
         return GenerateRequest(request_id, None, prompt, messages, params, stream)
     return GenerateRequest(request_id, prompt, None, messages, params, stream)
+
+
+def _addressee(msg: object) -> str | None:
+    """The request a reply belongs to; None for a Keepalive (or anything without one)."""
+    rid = getattr(msg, "request_id", None)
+    return rid if isinstance(rid, str) else None
 
 
 def _final(msg: object) -> object:
@@ -99,16 +108,15 @@ class Client:
         address: str = DEFAULT_ADDRESS,
         *,
         timeout: float = 60.0,
-        curve_server_key: bytes | str | None = None,
-        curve_public_key: bytes | str | None = None,
-        curve_secret_key: bytes | str | None = None,
+        curve_server_key: Key | None = None,
+        curve_public_key: Key | None = None,
+        curve_secret_key: Key | None = None,
     ):
         self.address = address
         self.timeout = timeout
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
-        curve = {"server_key": curve_server_key, "public_key": curve_public_key}
-        _connect(self._sock, address, {**curve, "secret_key": curve_secret_key})
+        _connect(self._sock, address, curve_server_key, curve_public_key, curve_secret_key)
         self._ids = itertools.count()
         self._pending: dict[str, collections.deque[object]] = {}
 
@@ -153,8 +161,8 @@ class Client:
     def _new_id(self) -> str:
         return f"c{next(self._ids)}"
 
-    def _send(self, msg: object) -> None:
-        self._pending[msg.request_id] = collections.deque()  # type: ignore[attr-defined]
+    def _send(self, msg: Any) -> None:
+        self._pending[msg.request_id] = collections.deque()
         self._sock.send(codec.encode(msg))
 
     def _call(self, msg: Any, expect: type[Any]) -> Any:
@@ -172,8 +180,9 @@ class Client:
             if not self._sock.poll(int(self.timeout * 1000)):
                 raise TimeoutError(f"no word from {self.address} for {self.timeout} s")
             msg = codec.decode(self._sock.recv())
-            if not isinstance(msg, Keepalive) and msg.request_id in self._pending:  # type: ignore[attr-defined]
-                self._pending[msg.request_id].append(msg)  # type: ignore[attr-defined]
+            waiting = self._pending.get(_addressee(msg) or "")  # None for a Keepalive
+            if waiting is not None:
+                waiting.append(msg)
         msg = queue.popleft()
         if isinstance(msg, ErrorReply):
             self._pending.pop(request_id, None)
@@ -228,17 +237,16 @@ class AsyncClient:
         address: str = DEFAULT_ADDRESS,
         *,
         timeout: float = 60.0,
-        curve_server_key: bytes | str | None = None,
-        curve_public_key: bytes | str | None = None,
-        curve_secret_key: bytes | str | None = None,
+        curve_server_key: Key | None = None,
+        curve_public_key: Key | None = None,
+        curve_secret_key: Key | None = None,
         context: zmq.asyncio.Context | None = None,
     ):
         self.address = address
         self.timeout = timeout
         self._ctx = context or zmq.asyncio.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
-        curve = {"server_key": curve_server_key, "public_key": curve_public_key}
-        _connect(self._sock, address, {**curve, "secret_key": curve_secret_key})
+        _connect(self._sock, address, curve_server_key, curve_public_key, curve_secret_key)
         self._ids = itertools.count()
         self._queues: dict[str, asyncio.Queue[object]] = {}
         self._reader: asyncio.Task[None] | None = None
@@ -308,7 +316,7 @@ class AsyncClient:
         while True:
             msg = codec.decode(await self._sock.recv())
             self._heard = loop.time()
-            queue = None if isinstance(msg, Keepalive) else self._queues.get(msg.request_id)  # type: ignore[attr-defined]
+            queue = self._queues.get(_addressee(msg) or "")
             if queue is not None:
                 queue.put_nowait(msg)
 
@@ -323,7 +331,9 @@ class AsyncClient:
                 break
             except TimeoutError:
                 if loop.time() - self._heard >= self.timeout:
-                    raise TimeoutError(f"no word from {self.address} for {self.timeout} s") from None
+                    raise TimeoutError(
+                        f"no word from {self.address} for {self.timeout} s"
+                    ) from None
         if isinstance(msg, ErrorReply):
             self._queues.pop(request_id, None)
         return _final(msg)

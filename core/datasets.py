@@ -84,7 +84,11 @@ def sample_synthetic(n: int, tokenizer, seed: int = 0, input_len: int = 128, out
         want = rng.randint(input_len // 2, input_len * 3 // 2)
         prompt = " ".join(rng.choice(words) for _ in range(want))
         ids = tokenizer.encode(prompt)[:want]
-        out.append(Sample(tokenizer.decode(ids), len(ids), rng.randint(output_len // 2, output_len * 3 // 2)))
+        out.append(
+            Sample(
+                tokenizer.decode(ids), len(ids), rng.randint(output_len // 2, output_len * 3 // 2)
+            )
+        )
     return out
 
 

@@ -13,7 +13,6 @@ from collections.abc import Callable, Iterable
 
 import attrs
 import structlog
-
 from memstep import __version__
 from memstep.core.block_manager import BlockManager
 from memstep.core.config import EngineConfig
@@ -284,7 +283,11 @@ class Engine:
                 if out.finished:
                     ids = tokens.pop(out.request_id)
                     done[out.request_id] = Completion(
-                        out.request_id, texts.pop(out.request_id), ids, out.finish_reason or "", out.prompt_tokens,
+                        out.request_id,
+                        texts.pop(out.request_id),
+                        ids,
+                        out.finish_reason or "",
+                        out.prompt_tokens,
                         logprobs.pop(out.request_id),
                     )
         return done

@@ -7,6 +7,7 @@ import json
 
 from memstep.core.cli import add_engine_arguments, config_from_args
 from memstep.core.engine import Engine
+from memstep.core.recorder import add_record_arguments, open_recorder
 from memstep.core.sampling_params import SamplingParams
 
 
@@ -20,11 +21,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sampling-seed", "--request-seed", dest="request_seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help='print {"text": ..., "token_ids": [...]}')
     add_engine_arguments(p)
+    add_record_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args, max_num_seqs=1)
-    engine = Engine(cfg)
+    recorder = open_recorder(args)
+    engine = Engine(cfg, sinks=[recorder] if recorder else [])
     prompt = args.prompt
     if not args.raw:
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
@@ -37,6 +40,8 @@ def run(args: argparse.Namespace) -> int:
     )
     (done,) = engine.generate([prompt], params)
     engine.shutdown()
+    if recorder:
+        recorder.close()
     if args.json:
         print(json.dumps({"text": done.text, "token_ids": done.token_ids}))
     else:

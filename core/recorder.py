@@ -20,7 +20,7 @@ from memstep.core.config import ConfigError
 from memstep.events.log import LogWriter, PathLike
 from memstep.events.types import EngineStarted, LeakSuspected, PhaseChanged, StepFinished
 
-DEFAULT_RECORD_PATH = "memstep-{time}.mslog"  # {time} becomes the local start time
+DEFAULT_RECORD_PATH = "memstep-{time}.memlog"  # {time} becomes the local start time
 DEFAULT_ROTATE_BYTES = 1 << 30
 _FLUSH_ON = (StepFinished, LeakSuspected, PhaseChanged)
 _SIZE = re.compile(r"^(\d+)\s*([kmgt]?)i?b?$", re.IGNORECASE)

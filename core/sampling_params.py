@@ -36,7 +36,9 @@ class SamplingParams:
     logprobs: int = 0  # top-N logprobs per sampled token, 0 for none
 
     def __attrs_post_init__(self) -> None:
-        _require(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens must be >= 1")
+        _require(
+            isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens must be >= 1"
+        )
         _require(self.temperature >= 0.0, "temperature must be >= 0")
         _require(self.top_k >= 0, "top_k must be >= 0")
         _require(0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]")

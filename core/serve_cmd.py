@@ -21,15 +21,14 @@ from pathlib import Path
 from typing import Any
 
 import zmq
-from zmq.utils import z85
-
 from memstep.core.cli import add_engine_arguments, config_from_args
 from memstep.core.config import ConfigError
 from memstep.core.engine import Engine
 from memstep.core.logging import setup_logging
+from memstep.core.recorder import add_record_arguments, open_recorder
 from memstep.core.server import Server, ServerConfig
-from memstep.events.types import StepFinished
 from memstep.executors.remote import ExecutorDied, ProcessExecutor
+from zmq.utils import z85
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -47,7 +46,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="z85 public keys allowed to connect: comma-separated, a file (one a line) "
         "or a folder of zmq certificates",
     )
-    g.add_argument("--record", type=Path, help="append the event log to this file")
     g.add_argument(
         "--executor-timeout",
         type=float,
@@ -55,53 +53,49 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds without a heartbeat before a live executor process counts as dead",
     )
     g.add_argument("--ready-file", type=Path, help="write {endpoint, pids} here when serving")
+    add_record_arguments(p)
     add_engine_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    server_cfg = ServerConfig(
+    server_cfg = _server_config(args)  # a refused bind fails here, before any model loads
+    recorder = open_recorder(args)
+    sinks = [recorder] if recorder is not None else []
+    engine = Engine(config_from_args(args), executor_factory=_executor_factory(args), sinks=sinks)
+    try:
+        server = Server(engine, server_cfg)
+        try:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, lambda *_: server.stop())
+            _announce(server, args.ready_file)
+            server.serve_forever()
+        finally:
+            server.close()
+    finally:
+        _shutdown(engine)
+        if recorder is not None:
+            recorder.close()
+    return 0
+
+
+def _server_config(args: argparse.Namespace) -> ServerConfig:
+    keys = load_keys(args.curve_client_keys) if args.curve_client_keys else frozenset()
+    return ServerConfig(
         host=args.host,
         port=args.port,
         max_frame_bytes=args.max_frame_bytes,
         curve_secret_key=load_key(args.curve_secret_key) if args.curve_secret_key else None,
-        curve_client_keys=load_keys(args.curve_client_keys) if args.curve_client_keys else frozenset(),
+        curve_client_keys=keys,
     )
-    cfg = config_from_args(args)
-    sinks, writer = [], None
-    if args.record:
-        from memstep.events.log import LogWriter
 
-        writer = LogWriter(args.record, {"command": "serve", "config": cfg.to_dict()})
-        sinks.append(functools.partial(_record, writer))
-    factory = functools.partial(
+
+def _executor_factory(args: argparse.Namespace) -> Any:
+    return functools.partial(
         ProcessExecutor,
         heartbeat_timeout=args.executor_timeout,
-        log_level=getattr(args, "log_level", "warning"),
+        log_level=getattr(args, "log_level", "warning"),  # set by the top-level parser
         log_format=getattr(args, "log_format", "console"),
     )
-    engine = Engine(cfg, executor_factory=factory, sinks=sinks)
-    try:
-        server = Server(engine, server_cfg)
-    except BaseException:
-        _shutdown(engine)
-        raise
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: server.stop())
-    _announce(server, args.ready_file)
-    try:
-        server.serve_forever()
-    finally:
-        server.close()
-        _shutdown(engine)
-        if writer is not None:
-            writer.close()
-    return 0
-
-
-def _record(writer: Any, rec: object) -> None:
-    writer.append(rec)
-    if isinstance(rec, StepFinished):
-        writer.flush()
 
 
 def _shutdown(engine: Engine) -> None:

@@ -22,8 +22,6 @@ from typing import Any
 import attrs
 import structlog
 import zmq
-from zmq.utils import z85
-
 from memstep import __version__
 from memstep.core.config import ConfigError
 from memstep.core.engine import Engine, UnknownRequest
@@ -49,6 +47,7 @@ from memstep.events.wire import (
     decode_request,
 )
 from memstep.executors.remote import ExecutorDied, ExecutorFailed
+from zmq.utils import z85
 
 log = structlog.get_logger("memstep.server")
 
@@ -139,8 +138,12 @@ class Server:
         self.engine = engine
         self.cfg = cfg
         self.ctx = zmq.Context()
-        self.zap = self._zap_handler() if cfg.uses_curve else None
-        self.sock = self._bind()
+        try:
+            self.zap = self._zap_handler() if cfg.uses_curve else None
+            self.sock = self._bind()
+        except BaseException:
+            self.ctx.destroy(linger=0)
+            raise
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
@@ -148,7 +151,7 @@ class Server:
             self.poller.register(self.zap, zmq.POLLIN)
         self.inflight: dict[str, Inflight] = {}  # by engine request id
         self.by_client: dict[tuple[bytes, str], str] = {}  # (peer, client id) -> engine id
-        self.last_sent: dict[bytes, float] = {}
+        self.last_sent: dict[bytes, float] = {}  # for peers with requests in flight
         self.gone: set[bytes] = set()  # peers whose connection closed; dropped each turn
         self.finished: collections.Counter[str] = collections.Counter()
         self.executor_death: str | None = None
@@ -165,7 +168,7 @@ class Server:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)  # ZMTP pings close connections to dead hosts
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
-        if self.cfg.uses_curve:
+        if self.cfg.curve_secret_key is not None:
             sock.setsockopt(zmq.CURVE_SERVER, 1)
             sock.setsockopt(zmq.CURVE_SECRETKEY, self.cfg.curve_secret_key)
             sock.setsockopt(zmq.ZAP_DOMAIN, b"memstep")
@@ -260,7 +263,7 @@ class Server:
         quiet: dict[bytes, list[str]] = collections.defaultdict(list)
         envelopes: dict[bytes, list[bytes]] = {}
         for inf in self.inflight.values():
-            if now - self.last_sent.get(inf.peer, 0.0) >= self.cfg.keepalive_s:
+            if now - self.last_sent[inf.peer] >= self.cfg.keepalive_s:
                 quiet[inf.peer].append(inf.request_id)
                 envelopes[inf.peer] = inf.envelope
         for peer, ids in quiet.items():
@@ -315,6 +318,7 @@ class Server:
         inf = Inflight(envelope, msg.request_id, msg.stream, time.monotonic(), num_prompt)
         self.inflight[engine_id] = inf
         self.by_client[key] = engine_id
+        self.last_sent.setdefault(inf.peer, inf.arrival)
 
     def _prompt(self, msg: GenerateRequest) -> str | list[int]:
         given = [x for x in (msg.prompt, msg.prompt_token_ids, msg.messages) if x is not None]
@@ -408,7 +412,8 @@ class Server:
             log.info("client gone", error=str(exc))
             self.gone.add(envelope[0])
         else:
-            self.last_sent[envelope[0]] = time.monotonic()
+            if envelope[0] in self.last_sent:
+                self.last_sent[envelope[0]] = time.monotonic()
 
     # --- ends of requests ------------------------------------------------------------------
 

@@ -15,7 +15,6 @@ from typing import Any
 
 import attrs
 import msgpack
-
 from memstep.events import codec
 from memstep.events.types import MemoryReport, record
 
@@ -241,7 +240,8 @@ def _from_map(cls: type, obj: dict, rid: str) -> Any:
         if field.default is attrs.NOTHING:
             raise WireError("missing_field", f"{cls.__name__}: missing field {field.name!r}", rid)
         default = field.default
-        full[field.name] = default.factory() if isinstance(default, attrs.Factory) else default
+        is_factory = isinstance(default, attrs.Factory)  # type: ignore[arg-type]
+        full[field.name] = default.factory() if is_factory else default
     extra = [key for key in full if key != "t" and key not in names]
     if extra:
         raise WireError("unknown_field", f"{cls.__name__}: unknown field {_short(extra[0])}", rid)

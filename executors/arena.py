@@ -12,7 +12,6 @@ import math
 import weakref
 
 import torch
-
 from memstep.events.types import LedgerEntry
 
 ALIGN = 256

@@ -19,6 +19,8 @@ SHORT_QUERY = 8  # queries up to this many tokens share one padded attention cal
 class AttnGroup:
     token_index: torch.Tensor  # [B, Q] rows of the flattened batch (padding points at row 0)
     q_valid: torch.Tensor  # [B, Q] False on padding
+    valid_flat: torch.Tensor  # [N] flat index b * Q + q of each real query, found on the host
+    valid_rows: torch.Tensor  # [N] its row in the flattened batch
     block_tables: torch.Tensor  # [B, NB] page ids covering the longest context in the group
     mask: torch.Tensor  # [B, 1, Q, L] True where query may attend key
     seq_lens: torch.Tensor  # [B] int32 context length after this step
@@ -57,9 +59,12 @@ def build_group(
     mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (q_pos[:, :, None] >= 0)
     # padded query rows attend key 0 so that softmax stays finite; their output is dropped
     mask[:, :, 0] |= q_pos < 0
+    flat = (q_pos >= 0).flatten().nonzero().squeeze(1)
     return AttnGroup(
         token_index=index.to(device),
         q_valid=(q_pos >= 0).to(device),
+        valid_flat=flat.to(device),
+        valid_rows=index.flatten()[flat].to(device),
         block_tables=table.to(device),
         mask=mask[:, None].to(device),
         seq_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=device),
@@ -68,7 +73,11 @@ def build_group(
 
 
 def write_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
 ) -> None:
     # k, v: [T, KVH, D]; the cache viewed flat is [num_blocks * block_size, KVH, D]
     kvh, d = k_cache.shape[-2:]
@@ -114,5 +123,6 @@ def attention(
             )
             continue
         res = torch_group_attention(q, k_cache, v_cache, group, scale)
-        out[group.token_index[group.q_valid]] = res[group.q_valid]
+        # host-built indices: a boolean mask here would make the host wait for the device
+        out[group.valid_rows] = res.flatten(0, 1)[group.valid_flat]
     return out

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-
 from memstep.events.plan import SeqPlan
 from memstep.executors.attention import SHORT_QUERY, AttnGroup, ForwardBatch, build_group
 

@@ -10,7 +10,6 @@ from typing import Any
 
 import attrs
 import torch
-
 from memstep.core.config import EngineConfig
 from memstep.events.plan import SeqPlan
 from memstep.executors.arena import nbytes_of
@@ -29,6 +28,7 @@ class MemoryPlan:
     kv_page_bytes: int
     num_kv_blocks: int
     predicted_peak_bytes: int
+    graph_bytes: int = 0  # CUDA: the decode graphs' static buffers and pool (estimated)
 
     def to_dict(self) -> dict[str, Any]:
         return attrs.asdict(self)
@@ -38,25 +38,46 @@ def _kv_page_bytes(cfg: EngineConfig, model: ModelConfig, dtype: torch.dtype, la
     return 2 * layers * nbytes_of((cfg.block_size, model.num_kv_heads, model.head_dim), dtype)
 
 
+def engine_max_model_len(cfg: EngineConfig, model_cfg: ModelConfig) -> int:
+    return min(cfg.max_model_len or 2048, model_cfg.max_context)  # the engine's rule
+
+
+def worst_case_prefill(cfg: EngineConfig, max_len: int, tokens: int | None = None) -> list[SeqPlan]:
+    """Prefill chunks filling `tokens` (default: the step's token budget), each at most `max_len`
+    long and ending at the end of a `max_len` context: the largest activations and attention
+    temporaries a step can have. They all write the same KV pages, 0..ceil(max_len / block)."""
+    tokens = cfg.max_num_batched_tokens if tokens is None else tokens
+    pages = list(range((max_len + cfg.block_size - 1) // cfg.block_size))
+    seqs = []
+    while tokens > 0:
+        n = min(tokens, max_len)
+        seqs.append(SeqPlan(f"worst{len(seqs)}", max_len - n, [0] * n, pages, True, 0, max_len, {}))
+        tokens -= n
+    return seqs
+
+
 def _activation_peak(cfg: EngineConfig, model_cfg: ModelConfig, model, dtype, device) -> int:
-    """Peak bytes of one forward of `max_num_batched_tokens` tokens (measured on CUDA)."""
+    """Peak bytes of one forward of `max_num_batched_tokens` tokens (measured on CUDA, over
+    `worst_case_prefill`)."""
     t = cfg.max_num_batched_tokens
     if device.type != "cuda":
         per_token = model_cfg.hidden_size * 6 + model_cfg.intermediate_size * 3
         per_token += model_cfg.head_dim * (model_cfg.num_heads + 2 * model_cfg.num_kv_heads)
         return t * per_token * torch.empty((), dtype=dtype).element_size()
-    pages = (t + cfg.block_size - 1) // cfg.block_size
-    shape = (pages, cfg.block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
+    seqs = worst_case_prefill(cfg, engine_max_model_len(cfg, model_cfg))
+    shape = (len(seqs[0].block_table), cfg.block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
     kv = [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        (
+            torch.zeros(shape, dtype=dtype, device=device),
+            torch.zeros(shape, dtype=dtype, device=device),
+        )
         for _ in range(model_cfg.num_layers)
     ]
-    seq = SeqPlan("profile", 0, [0] * t, list(range(pages)), True, 0, t, {})
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     with torch.inference_mode():
-        batch, last = build_batch([(seq, seq.token_ids)], cfg.block_size, device)
+        batch, last = build_batch([(seq, seq.token_ids) for seq in seqs], cfg.block_size, device)
         hidden = model.forward(batch, kv)
         model.logits(hidden[last])
     torch.cuda.synchronize(device)
@@ -76,14 +97,17 @@ def plan_memory(
     page = _kv_page_bytes(cfg, model_cfg, dtype, model_cfg.num_layers)
     draft_page = 0
     if cfg.speculative_method == "draft":
-        draft_page = _kv_page_bytes(cfg, model_cfg, dtype, min(cfg.draft_layers, model_cfg.num_layers))
+        draft_page = _kv_page_bytes(
+            cfg, model_cfg, dtype, min(cfg.draft_layers, model_cfg.num_layers)
+        )
     max_len = cfg.max_model_len or model_cfg.max_context
     wanted = cfg.max_num_seqs * ((max_len + cfg.block_size - 1) // cfg.block_size + 1)
+    graphs = _graph_bytes(cfg, model_cfg, dtype) if device.type == "cuda" else 0
     if cfg.num_kv_blocks is not None:
         blocks = cfg.num_kv_blocks
     elif device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
-        fixed = weights + activation + sampler
+        fixed = weights + activation + sampler + graphs
         fixed += _kind_bytes(cfg, model_cfg, dtype, 1, exclude_draft_kv=True)
         blocks = int((total * cfg.memory_utilization - fixed) // (page + draft_page))
     else:
@@ -93,8 +117,8 @@ def plan_memory(
     kinds = _kind_table(cfg, model_cfg, dtype, blocks)
     arena = max(kinds.values(), default=0) + 256 * max(1, len(kinds))
     kv = blocks * page
-    predicted = weights + activation + sampler + arena + kv
-    return MemoryPlan(weights, activation, sampler, kinds, arena, page, blocks, predicted)
+    predicted = weights + activation + sampler + arena + kv + graphs
+    return MemoryPlan(weights, activation, sampler, kinds, arena, page, blocks, predicted, graphs)
 
 
 def _kind_table(cfg: EngineConfig, model_cfg: ModelConfig, dtype, blocks: int) -> dict:
@@ -108,3 +132,15 @@ def _kind_bytes(cfg, model_cfg, dtype, blocks: int, exclude_draft_kv: bool) -> i
         sum(b.nbytes for b in cls(env).buffers() if not (exclude_draft_kv and b.name == "draft_kv"))
         for cls in KINDS.values()
     )
+
+
+def _graph_bytes(cfg: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype) -> int:
+    from memstep.executors.cuda_decode import static_bytes
+    from memstep.executors.graph_runner import max_blocks_per_seq
+
+    max_len = engine_max_model_len(cfg, model_cfg)
+    blocks = max_blocks_per_seq(max_len, cfg.num_lookahead_slots, cfg.block_size)
+    m = model_cfg
+    dtype_bytes = torch.empty((), dtype=dtype).element_size()
+    shape = (m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim, m.intermediate_size)
+    return static_bytes(cfg.max_num_seqs, blocks, cfg.block_size, *shape, dtype_bytes)

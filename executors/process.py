@@ -1,26 +1,27 @@
 """The executor process: `python -m memstep.executors.process --endpoint ipc://...`.
 
-It connects two DEALER sockets to the core's ROUTER: `main` carries the requests and replies
-(ExecutorInit, PhaseRequest, StepPlan, ExecutorStop -> ExecutorReady, PhaseReply, StepResult,
-ExecutorError), and `heartbeat`, driven by its own thread, sends a Heartbeat every interval and
-watches the core's.  The process exits when the core's heartbeats stop or its parent dies, so an
-executor is never orphaned.  The model and every tensor live here; the worker is imported only
+A DEALER socket (routing id `main`) connected to the core's ROUTER carries the requests and
+replies (ExecutorInit, PhaseRequest, StepPlan, ExecutorStop -> ExecutorReady, PhaseReply,
+StepResult, ExecutorError).  A PAIR socket of its own, driven by a thread, carries heartbeats
+both ways; the process exits when the core's heartbeats stop or its parent dies, so an executor
+is never orphaned.  The model and every tensor live here; the worker is imported only
 after the core sent ExecutorInit.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import structlog
 import zmq
-
 from memstep import __version__
 from memstep.core.logging import setup_logging
 from memstep.events import codec
@@ -38,34 +39,69 @@ from memstep.events.wire import (
 log = structlog.get_logger("memstep.executor.process")
 
 MAIN_ID = b"main"
-HEARTBEAT_ID = b"heartbeat"
 
 
 class HeartbeatThread(threading.Thread):
-    """Sends the executor's heartbeats and ends the process when the core goes quiet."""
+    """Heartbeats on a PAIR socket of their own, sent every `interval` from this thread.
 
-    def __init__(self, ctx: zmq.Context, endpoint: str, interval: float, timeout: float):
-        super().__init__(name="executor-heartbeat", daemon=True)
-        self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.ROUTING_ID, HEARTBEAT_ID)
+    Both ends run one: the core binds, the executor connects.  `silent_for()` says how long
+    the peer has been quiet; `watchdog`, if given, is called after every beat (the executor
+    uses it to exit when its core is gone).
+    """
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        endpoint: str,
+        sender: str,
+        interval: float,
+        bind: bool,
+        watchdog: Callable[[HeartbeatThread], None] | None = None,
+    ):
+        super().__init__(name=f"{sender}-heartbeat", daemon=True)
+        self.sender, self.interval, self.watchdog = sender, interval, watchdog
+        self.last_heard = time.monotonic()
+        self.stopped = threading.Event()
+        self.sock = ctx.socket(zmq.PAIR)  # used only by this thread once it has started
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(endpoint)
-        self.interval = interval
-        self.timeout = timeout
-        self.parent_pid = os.getppid()
+        if bind:
+            self.sock.bind(endpoint)
+        else:
+            self.sock.connect(endpoint)
 
     def run(self) -> None:
-        last_core = time.monotonic()
-        for seq in range(1 << 62):
-            self.sock.send(codec.encode(Heartbeat("executor", seq, time.time())))
-            while self.sock.poll(0):
-                self.sock.recv()
-                last_core = time.monotonic()
-            if os.getppid() != self.parent_pid:
-                _exit("the core process is gone")
-            if time.monotonic() - last_core > self.timeout:
-                _exit(f"no heartbeat from the core for {self.timeout:.1f} s")
-            time.sleep(self.interval)
+        sock = self.sock
+        seq = 0
+        while not self.stopped.wait(self.interval):
+            with contextlib.suppress(zmq.Again):  # no peer yet: the watchdog decides
+                sock.send(codec.encode(Heartbeat(self.sender, seq, time.time())), zmq.NOBLOCK)
+            seq += 1
+            while sock.poll(0):
+                sock.recv()
+                self.last_heard = time.monotonic()
+            if self.watchdog is not None:
+                self.watchdog(self)
+        sock.close(0)
+
+    def silent_for(self) -> float:
+        return time.monotonic() - self.last_heard
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.join()
+
+
+def core_watchdog(timeout: float) -> Callable[[HeartbeatThread], None]:
+    """End the executor when its parent (the core) dies or stops beating for `timeout` s."""
+    parent = os.getppid()
+
+    def watch(beat: HeartbeatThread) -> None:
+        if os.getppid() != parent:
+            _exit("the core process is gone")
+        if beat.silent_for() > timeout:
+            _exit(f"no heartbeat from the core for {timeout:.1f} s")
+
+    return watch
 
 
 def _exit(why: str) -> None:
@@ -130,6 +166,7 @@ def _describe(exc: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m memstep.executors.process")
     p.add_argument("--endpoint", required=True, help="the core's ROUTER, e.g. ipc:///tmp/x.sock")
+    p.add_argument("--heartbeat-endpoint", required=True, help="the core's heartbeat PAIR")
     p.add_argument("--heartbeat-interval", type=float, default=0.2)
     p.add_argument("--core-timeout", type=float, default=10.0, help="exit after this silence")
     p.add_argument("--log-format", choices=["console", "json"], default="console")
@@ -137,7 +174,16 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     setup_logging(args.log_format, args.log_level)
     ctx = zmq.Context()
-    HeartbeatThread(ctx, args.endpoint, args.heartbeat_interval, args.core_timeout).start()
+    watchdog = core_watchdog(args.core_timeout)
+    beat = HeartbeatThread(
+        ctx,
+        args.heartbeat_endpoint,
+        "executor",
+        args.heartbeat_interval,
+        bind=False,
+        watchdog=watchdog,
+    )
+    beat.start()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.ROUTING_ID, MAIN_ID)
     sock.setsockopt(zmq.LINGER, 1000)

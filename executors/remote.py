@@ -5,28 +5,28 @@ private temp dir), with the same interface as `InProcessExecutor`:
 ``Engine(cfg, executor_factory=ProcessExecutor)``.  This module never imports torch or the
 worker; the executor process loads the model.
 
-Liveness: the executor is dead once its process has exited (checked every poll, so a SIGKILL is
-noticed within ~50 ms) or once it has sent nothing, heartbeats included, for
-`heartbeat_timeout` seconds (it is then killed).  The core sends its own heartbeats so that an
-executor whose core has gone quiet exits by itself.  Recovery is for a later issue: after death
-every call raises `ExecutorDied`.
+Liveness: heartbeats go both ways on a PAIR socket of their own, each end sending from a thread,
+so they flow while either side is busy.  The executor is dead once its process has exited
+(checked at every `check()` and every 50 ms while waiting for a reply, so a SIGKILL is noticed
+within ~50 ms) or once its heartbeats have stopped for `heartbeat_timeout` seconds (it is then
+killed); until the model has loaded the limit is `start_timeout`, since importing torch can hold
+the GIL, and so the heartbeat thread, for seconds.  An executor whose core stops beating exits
+by itself.  Recovery is for a later issue:
+after death every call raises `ExecutorDied`.
 """
 
 from __future__ import annotations
 
 import collections
-import itertools
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-import time
 from typing import TypeVar
 
 import structlog
 import zmq
-
 from memstep.core.config import EngineConfig
 from memstep.events import codec
 from memstep.events.plan import PhaseReply, PhaseRequest, StepPlan, StepResult
@@ -37,9 +37,8 @@ from memstep.events.wire import (
     ExecutorInit,
     ExecutorReady,
     ExecutorStop,
-    Heartbeat,
 )
-from memstep.executors.process import HEARTBEAT_ID, MAIN_ID
+from memstep.executors.process import MAIN_ID, HeartbeatThread
 
 log = structlog.get_logger("memstep.executor.remote")
 
@@ -70,7 +69,7 @@ class ProcessExecutor:
         *,
         heartbeat_interval: float = 0.2,
         heartbeat_timeout: float = 5.0,
-        start_timeout: float = 60.0,
+        start_timeout: float = 120.0,
         log_level: str = "warning",
         log_format: str = "console",
     ):
@@ -86,10 +85,11 @@ class ProcessExecutor:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(self.endpoint)
         self._inbox: collections.deque[bytes] = collections.deque()
-        self._beats = itertools.count()
-        self._last_beat = 0.0
-        self._last_seen = time.monotonic()
-        self._greeted = False
+        self._beat = HeartbeatThread(
+            self._ctx, f"ipc://{self._dir}/heartbeat.sock", "core", heartbeat_interval, bind=True
+        )
+        self._beat.start()
+        self._ready = False
         self._closed = False
         self.proc = subprocess.Popen(
             self._command(heartbeat_timeout * 2, log_level, log_format),
@@ -106,6 +106,7 @@ class ProcessExecutor:
         return [
             sys.executable, "-m", "memstep.executors.process",
             "--endpoint", self.endpoint,
+            "--heartbeat-endpoint", f"ipc://{self._dir}/heartbeat.sock",
             "--heartbeat-interval", str(self.heartbeat_interval),
             "--core-timeout", str(max(core_timeout, 10.0)),
             "--log-level", log_level,
@@ -115,9 +116,11 @@ class ProcessExecutor:
     def _handshake(self, cfg: EngineConfig, max_model_len: int) -> None:
         hello = self._wait_for(ExecutorHello)
         if hello.protocol != PROTOCOL_VERSION:
-            raise ExecutorFailed(f"executor speaks protocol {hello.protocol}, not {PROTOCOL_VERSION}")
-        self._greeted = True
+            raise ExecutorFailed(
+                f"executor speaks protocol {hello.protocol}, not {PROTOCOL_VERSION}"
+            )
         ready = self._call(ExecutorInit(cfg.to_dict(), max_model_len), ExecutorReady)
+        self._ready = True  # importing torch can hold the GIL, and so the heartbeats, for seconds
         log.info("executor ready", pid=ready.pid, device=ready.device, endpoint=self.endpoint)
 
     # --- the executor interface ------------------------------------------------------------
@@ -140,6 +143,7 @@ class ProcessExecutor:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self._beat.stop()
         self._sock.close(0)
         self._ctx.term()
         shutil.rmtree(self._dir, ignore_errors=True)
@@ -155,26 +159,21 @@ class ProcessExecutor:
         return self.death is None
 
     def check(self) -> None:
-        """Exchange heartbeats; raise ExecutorDied if the executor is gone.  Never blocks."""
+        """Raise ExecutorDied if the executor is gone.  Never blocks."""
         if self.death is not None:
             raise ExecutorDied(self.death)
-        self._pump(0)
-        now = time.monotonic()
-        if now - self._last_beat >= self.heartbeat_interval:
-            self._last_beat = now
-            self._send(HEARTBEAT_ID, Heartbeat("core", next(self._beats), time.time()))
-        reason = self._why_dead(now)
+        reason = self._why_dead()
         if reason is not None:
             self._die(reason)
 
-    def _why_dead(self, now: float) -> str | None:
+    def _why_dead(self) -> str | None:
         code = self.proc.poll()
         if code is not None:
             how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
             return f"executor process {self.proc.pid} died ({how})"
-        limit = self.heartbeat_timeout if self._greeted else self.start_timeout
-        if now - self._last_seen > limit:
-            return f"executor process {self.proc.pid} sent nothing for {limit:.1f} s"
+        limit = self.heartbeat_timeout if self._ready else self.start_timeout
+        if self._beat.silent_for() > limit:
+            return f"executor process {self.proc.pid} sent no heartbeat for {limit:.1f} s"
         return None
 
     def _die(self, reason: str) -> None:
@@ -209,12 +208,11 @@ class ProcessExecutor:
         return reply
 
     def _pump(self, timeout: float) -> None:
-        """Read what arrives within `timeout`: any message proves life, replies are queued."""
+        """Queue the replies that arrive within `timeout`."""
         if not self._sock.poll(int(timeout * 1000)):
             return
         while self._sock.poll(0):
             frames = self._sock.recv_multipart()
-            self._last_seen = time.monotonic()
             if frames[0] == MAIN_ID:
                 self._inbox.append(frames[-1])
 

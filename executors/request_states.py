@@ -1,13 +1,12 @@
 """What the executor remembers about each running request between steps: its tokens.
 
-The core sends only the tokens fed each step; the executor appends them here so that penalties
-and proposers can see the whole sequence.  `forget` is called for every finished request.
+The core sends only the tokens fed each step, and the executor appends what it sampled, so that
+penalties and proposers see the whole sequence.  `forget` is called for every finished request.
 """
 
 from __future__ import annotations
 
 import attrs
-
 from memstep.core.sampling_params import SamplingParams
 from memstep.events.plan import SeqPlan
 
@@ -35,9 +34,18 @@ class RequestStates:
             params = SamplingParams.from_dict(seq.params)
             state = RequestState([], seq.prompt_len, params)
             self._states[seq.request_id] = state
+        if seq.start_pos > len(state.tokens):
+            raise RuntimeError(
+                f"{seq.request_id}: plan starts at {seq.start_pos} but the executor knows "
+                f"{len(state.tokens)} tokens"
+            )
         del state.tokens[seq.start_pos :]
         state.tokens.extend(seq.token_ids)
         return state
+
+    def append(self, request_id: str, tokens: list[int]) -> None:
+        """Tokens sampled this step; the next plan feeds the last of them again."""
+        self._states[request_id].tokens.extend(tokens)
 
     def forget(self, request_id: str) -> None:
         self._states.pop(request_id, None)

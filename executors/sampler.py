@@ -12,7 +12,6 @@ from collections import Counter
 
 import attrs
 import torch
-
 from memstep.core.sampling_params import SamplingParams
 from memstep.executors.random_stream import SAMPLE, uniform
 
@@ -53,12 +52,12 @@ class Sampler:
         temps = [row.params.temperature or 1.0 for row in rows]
         torch.div(logits, torch.tensor(temps, device=logits.device)[:, None], out=probs)
         torch.softmax(probs, dim=-1, out=probs)
+        greedy = [i for i, row in enumerate(rows) if row.params.is_greedy]
+        if greedy:
+            _one_hot_argmax(logits, probs, greedy)
         for i, row in enumerate(rows):
             p = row.params
             if p.is_greedy:
-                top = int(torch.argmax(logits[i]))
-                probs[i].zero_()
-                probs[i, top] = 1.0
                 continue
             if p.min_p > 0.0:
                 probs[i].masked_fill_(probs[i] < p.min_p * probs[i].max(), 0.0)
@@ -89,14 +88,27 @@ class Sampler:
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor, scratch: torch.Tensor) -> list[int]:
     """Token i of each row where the running mass first exceeds u * total; probs: [R, V]."""
     torch.cumsum(probs, dim=-1, out=scratch)
-    target = u[:, None] * scratch[:, -1:]
+    target = u.to(scratch.device)[:, None] * scratch[:, -1:]  # u may come from the host
     idx = torch.searchsorted(scratch, target, right=True).clamp_(max=probs.shape[-1] - 1)
-    tokens = idx[:, 0].tolist()
-    # a zero-probability token can only be hit through rounding at the very end of the CDF
+    # a zero-probability token can only be hit through rounding at the very end of the CDF;
+    # such rows come back as -1 - token, so one transfer (one sync) brings every row
+    tokens = torch.where(probs.gather(1, idx) <= 0, -1 - idx, idx)[:, 0].tolist()
     for i, tok in enumerate(tokens):
-        if probs[i, tok] <= 0:
+        if tok < 0:
             tokens[i] = int(torch.nonzero(probs[i])[-1])
     return tokens
+
+
+def _one_hot_argmax(logits: torch.Tensor, probs: torch.Tensor, greedy: list[int]) -> None:
+    """Rows `greedy` of probs become one-hot at their logits' argmax, in one batched pass
+    (the first maximum, as `torch.argmax` of each row alone)."""
+    if len(greedy) == probs.shape[0]:
+        probs.zero_().scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        return
+    index = torch.tensor(greedy, device=probs.device)
+    top = logits.index_select(0, index).argmax(dim=-1)
+    probs.index_fill_(0, index, 0.0)
+    probs[index, top] = 1.0
 
 
 def apply_penalties(logits: torch.Tensor, row: Row) -> None:

@@ -6,11 +6,11 @@ Names: `embed`, `norm`, `lm_head` (absent when tied), and per layer `layers.{i}.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
 import torch
-
 from memstep.core.model_source import ModelError, ModelSource, read_gguf
 from memstep.executors.model_config import ModelConfig
 
@@ -61,7 +61,9 @@ def _fuse_layers(raw: dict[str, torch.Tensor], cfg: ModelConfig, prefix_of) -> W
     return weights
 
 
+@functools.lru_cache(maxsize=1)
 def _load_gguf(path: Path, cfg: ModelConfig) -> Weights:
+    """Dequantized float32 tensors, cached: engines of one process share them read-only."""
     from gguf import quants
 
     reader = read_gguf(path)
@@ -73,7 +75,9 @@ def _load_gguf(path: Path, cfg: ModelConfig) -> Weights:
             raise ModelError(f"cannot dequantize {t.name} in {path.name}: {exc}") from exc
         raw[t.name] = torch.from_numpy(np.array(array, dtype=np.float32))  # owned, writable
     for i in range(cfg.num_layers):
-        raw[f"blk.{i}.attn_q.weight"] = unpermute_rotary(raw[f"blk.{i}.attn_q.weight"], cfg.num_heads)
+        raw[f"blk.{i}.attn_q.weight"] = unpermute_rotary(
+            raw[f"blk.{i}.attn_q.weight"], cfg.num_heads
+        )
         key = f"blk.{i}.attn_k.weight"
         raw[key] = unpermute_rotary(raw[key], cfg.num_kv_heads)
     try:
@@ -119,7 +123,10 @@ def _random(cfg: ModelConfig, seed: int, dtype: torch.dtype, device: torch.devic
         t = torch.empty(*shape, dtype=dtype, device=device)
         return t.normal_(0.0, std, generator=gen)
 
-    weights: Weights = {"embed": normal(cfg.vocab_size, h), "norm": torch.ones(h, dtype=dtype, device=device)}
+    weights: Weights = {
+        "embed": normal(cfg.vocab_size, h),
+        "norm": torch.ones(h, dtype=dtype, device=device),
+    }
     if not cfg.tie_embeddings:
         weights["lm_head"] = normal(cfg.vocab_size, h)
     qkv_out = d * (cfg.num_heads + 2 * cfg.num_kv_heads)

@@ -11,9 +11,8 @@ import gc
 
 import structlog
 import torch
-
 from memstep.core.config import EngineConfig
-from memstep.core.model_source import resolve
+from memstep.core.model_source import model_config, resolve
 from memstep.core.sampling_params import SamplingParams
 from memstep.events.plan import PhaseReply, SeqPlan, SeqResult, StepPlan, StepResult
 from memstep.events.types import MemoryReport, StateEntered, StateExited
@@ -55,8 +54,6 @@ class Worker:
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         self.source = resolve(cfg.model, cfg.seed)
-        from memstep.core.model_source import model_config
-
         self.model_cfg = model_config(self.source)
         self.weights = load_weights(self.source, self.model_cfg, self.dtype, self.device)
         self.model = LlamaModel(self.model_cfg, self.weights, max_model_len + 16, self._kernel())
@@ -66,6 +63,7 @@ class Worker:
         self.plan: MemoryPlan | None = None
         self.kinds: dict[str, StepKind] = {}
         self.spec = None
+        self.graphs = None  # CUDA: the decode graphs (graph_runner.GraphRunner), built at capture
         self.meter = memory.LiveTensorMeter()
 
     def _kernel(self):
@@ -85,6 +83,10 @@ class Worker:
         elif phase == "warmup":
             info = self._warmup()
         elif phase == "capture":
+            if self.device.type == "cuda":  # imports Triton: never on CPU
+                from memstep.executors.graph_runner import capture_phase
+
+                self.graphs, info = capture_phase(self)
             self.meter.freeze()  # start-up objects are done; measure only what serving creates
         elif phase == "shutdown":
             self.requests = RequestStates()
@@ -98,8 +100,10 @@ class Worker:
         shape = (self.plan.num_kv_blocks, self.cfg.block_size)
         shape += (self.model_cfg.num_kv_heads, self.model_cfg.head_dim)
         self.kv = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
             for _ in range(self.model_cfg.num_layers)
         ]
         rows = self.cfg.max_num_seqs * (self.cfg.num_lookahead_slots + 1)
@@ -166,6 +170,8 @@ class Worker:
             results, hidden = self.spec.run(plan)
         else:
             results, hidden = self._run_plain(plan.seqs)
+        for res in results:
+            self.requests.append(res.request_id, res.token_ids)
         self.kinds[plan.kind].after_step(StepOutputs(hidden, hidden.shape[0]))
         del hidden
         mem = self._measure()
@@ -173,6 +179,8 @@ class Worker:
         return StepResult(plan.step, plan.kind, results, mem, exited, entered, leaks)
 
     def forward(self, feeds: list[tuple[SeqPlan, list[int]]]) -> tuple[torch.Tensor, list[int]]:
+        if self.graphs is not None and self.graphs.can_run(feeds):
+            return self.graphs.run(feeds)  # decode-only: a captured graph
         batch, last_rows = build_batch(feeds, self.cfg.block_size, self.device)
         return self.model.forward(batch, self.kv), last_rows
 
@@ -180,8 +188,12 @@ class Worker:
         rows = []
         for seq in seqs:
             state = self.requests[seq.request_id]
-            rows.append(Row(state.params, len(state.tokens), state.tokens, state.prompt_len))
+            rows.append(self.sampler_row(state, len(state.tokens), state.tokens))
         return rows
+
+    @staticmethod
+    def sampler_row(state, position: int, history: list[int]) -> Row:
+        return Row(state.params, position, history, state.prompt_len)
 
     def _run_plain(self, seqs: list[SeqPlan]) -> tuple[list[SeqResult], torch.Tensor]:
         hidden, last_rows = self.forward([(seq, seq.token_ids) for seq in seqs])

@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import attrs
-
 from memstep.events import codec
 
 Path = tuple[str | int, ...]
@@ -34,8 +33,10 @@ class Divergence:
 
     def describe(self) -> str:
         where = f"step {self.step}, {self.event}"
-        if self.field:
-            where += f", field {self.field}"
+        if not self.field:  # a whole record: its type name on each side, None where absent
+            rec, rep = self.recorded or "no record", self.replayed or "no record"
+            return f"{where}: recorded {rec}, replayed {rep}"
+        where += f", field {self.field}"
         if self.request_id is not None:
             where += f" (request {self.request_id})"
         return f"{where}: recorded {_short(self.recorded)}, replayed {_short(self.replayed)}"

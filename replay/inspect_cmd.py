@@ -47,6 +47,7 @@ def to_json(recording: Recording, summary: LogSummary) -> dict[str, Any]:
 
 def to_text(recording: Recording, s: LogSummary) -> str:
     h = recording.header
+    problem = recording.describe_problem()
     sections = [
         "\n".join(
             [
@@ -55,7 +56,7 @@ def to_text(recording: Recording, s: LogSummary) -> str:
                 f"created {h.get('created')})",
                 f"model    {recording.model_identity}",
                 f"config   {recording.highlights()}",
-                *([f"! {recording.describe_problem()}"] if recording.problem else []),
+                *([f"! {problem}"] if problem else []),
             ]
         ),
         _requests(s),
@@ -105,7 +106,7 @@ def _transitions(s: LogSummary) -> str:
         last = s.transitions[-1]
         head += f" (first at step {s.transitions[0].step}, last at step {last.step})"
     rows = [[a, b, n, fmt_bytes(rel), fmt_bytes(cl)] for (a, b), (n, rel, cl) in pairs.items()]
-    headers = ["from", "to", "count", "released", "claimed"]
+    headers = ["from", "to", "count", "released (sum)", "claimed (sum)"]
     return head + ("\n" + render(headers, rows, left=2) if rows else "")
 
 
@@ -135,13 +136,17 @@ def _memory(s: LogSummary) -> str:
             head,
             "memory growth per kind (live bytes, within stretches of one kind):",
             render(["kind", "stretches", "steps", "growth", "largest"], kinds),
-            f"stretches of one kind{f' (first {len(shown)}; {more} more in --json)' if more else ''}:",
+            f"stretches of one kind{_more(len(shown), more)}:",
             render(
                 ["kind", "from step", "to step", "steps", "live at start", "live at end", "growth"],
                 stretches,
             ),
         ]
     )
+
+
+def _more(shown: int, more: int) -> str:
+    return f" (first {shown}; {more} more in --json)" if more else ""
 
 
 def _leaks(s: LogSummary) -> str:

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-
 from memstep.events.log import LogFormatError, LogProblem, PathLike, read_log
 from memstep.events.types import EngineStarted, PhaseChanged, is_input
 
@@ -38,6 +37,10 @@ class Recording:
         return self.header["model_identity"]
 
     @property
+    def memstep_version(self) -> str | None:
+        return self.header.get("memstep_version")
+
+    @property
     def inputs(self) -> list[object]:
         """RequestAdded and RequestAborted records, in the order they arrived."""
         return [r for r in self.records if is_input(r) and not isinstance(r, EngineStarted)]
@@ -56,6 +59,11 @@ class Recording:
     def was_shut_down(self) -> bool:
         return any(isinstance(r, PhaseChanged) and r.new == "shutdown" for r in self.records)
 
+    @property
+    def is_complete(self) -> bool:
+        """Intact and ending with the engine's shutdown: the whole life of an engine."""
+        return self.problem is None and self.was_shut_down
+
     def highlights(self) -> str:
         """The config values that shape memory and step kinds, as `key=value` words."""
         cfg = self.config
@@ -67,21 +75,34 @@ class Recording:
         return " ".join(words)
 
     def describe_problem(self) -> str | None:
-        """One line saying where and why the log is damaged, or None when it is intact."""
+        """One line saying where and why the log is damaged or cut short; None when complete."""
         p = self.problem
-        if p is None:
-            return None
-        return (
-            f"log damaged: {p.kind} record at byte {p.offset} ({p.message}); "
-            f"kept the intact prefix of {len(self.records)} records, up to step {self.last_step}"
-        )
+        if p is not None:
+            file, _, why = p.message.partition(": ")  # LogReader names the (part) file first
+            return (
+                f"log damaged: {p.kind} record at byte {p.offset} of {file} ({why}); kept the "
+                f"intact prefix of {len(self.records)} records, up to step {self.last_step}"
+            )
+        if not self.was_shut_down:
+            return (
+                f"log ends at step {self.last_step} without an engine shutdown "
+                "(the engine crashed, or the log is still being written)"
+            )
+        return None
 
 
 def load(path: PathLike) -> Recording:
-    """Read the log at `path` (and its rotated parts); raise LogFormatError if it is not one."""
+    """Read the log at `path` (and its rotated parts); raise LogFormatError if it is not one.
+
+    The engine's config and model identity come from the header, or, for logs whose header lacks
+    them, from the EngineStarted record that begins every engine log.
+    """
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the problem is kept and reported by the caller
         header, records, problem = read_log(path)
+    started = records[0] if records and isinstance(records[0], EngineStarted) else None
+    if started is not None:
+        header = {"config": started.config, "model_identity": started.model_identity, **header}
     if type(header.get("config")) is not dict or type(header.get("model_identity")) is not str:
-        raise LogFormatError(f"{path}: header has no engine config; not an engine log")
+        raise LogFormatError(f"{path}: neither header nor first record has the engine config")
     return Recording(Path(path), header, records, problem)

@@ -38,8 +38,9 @@ def run(args: argparse.Namespace) -> int:
     except LogFormatError as exc:
         print(f"memstep: error: {exc}", file=sys.stderr)
         return 2
-    if recording.problem is not None:
-        print(f"memstep: warning: {recording.describe_problem()}", file=sys.stderr)
+    problem = recording.describe_problem()
+    if problem is not None:
+        print(f"memstep: warning: {problem}; replaying what it holds", file=sys.stderr)
     try:
         replay_run = replay(recording, overrides)
     except ReplayStalled as exc:

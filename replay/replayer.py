@@ -18,7 +18,6 @@ from collections.abc import Callable
 from typing import Any
 
 import attrs
-
 from memstep.core.config import EngineConfig
 from memstep.core.engine import Engine, UnknownRequest, default_executor
 from memstep.core.sampling_params import InvalidRequest, SamplingParams
@@ -39,7 +38,7 @@ class ReplayRun:
     records: list[object]
     skipped: list[str]  # "step N: <input>: <why>"
     inputs_shifted: int  # inputs applied before their recorded step (engine idle earlier)
-    stopped_at_step: int | None  # damaged log: replay stopped after this step
+    stopped_at_step: int | None  # damaged or unfinished log: replay stopped after this step
 
     @property
     def derived(self) -> list[object]:
@@ -53,14 +52,15 @@ def replay(
 ) -> ReplayRun:
     """Replay `recording` through a fresh engine built from its header's config (+ `overrides`).
 
-    A damaged log is replayed up to the last step it recorded.  The engine is shut down when the
-    recorded one was; otherwise its shutdown records are not collected.
+    A damaged or unfinished log is replayed up to the last step it recorded (a what-if run goes
+    on until its inputs are served).  The engine is shut down when the recorded one was;
+    otherwise its shutdown records are not collected.
     """
     cfg = EngineConfig.from_dict({**recording.config, **(overrides or {})})
     records: list[object] = []
     engine = Engine(cfg, executor_factory, sinks=[records.append])
     feeder = _Feeder(recording.inputs)
-    stop = recording.last_step if recording.problem is not None else None
+    stop = None if recording.is_complete or overrides else recording.last_step
     try:
         _run(engine, feeder, stop)
         if not recording.was_shut_down:

@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
-
 from memstep import __version__
 from memstep.replay.compare import Comparison, compare
 from memstep.replay.recording import Recording
@@ -22,11 +21,11 @@ class ReplayReport:
     log: str
     num_records: int  # intact records in the log
     num_inputs: int
-    problem: str | None  # where and why the log is damaged
+    problem: str | None  # where and why the log is damaged or cut short
     overrides: dict[str, Any]
     warnings: list[str]
     comparison: Comparison
-    num_beyond_damage: int  # replayed records past the end of a damaged log, not compared
+    num_beyond_end: int  # replayed records past the end of a damaged/unfinished log
     skipped: list[str]
     inputs_shifted: int
     what_if: WhatIf | None  # only for runs with overrides
@@ -45,8 +44,8 @@ class ReplayReport:
     def to_text(self) -> str:
         lines = [f"replay of {self.log}: {self.num_records} records, {self.num_inputs} inputs"]
         lines += [f"! {line}" for line in [self.problem, *self.warnings] if line]
-        if self.num_beyond_damage:
-            lines.append(f"! {self.num_beyond_damage} replayed records past the damage: not compared")
+        if self.num_beyond_end:
+            lines.append(f"! {self.num_beyond_end} replayed records past the end: not compared")
         lines += [f"! skipped input: {line}" for line in self.skipped]
         if self.inputs_shifted:
             lines.append(f"! {self.inputs_shifted} inputs applied before their recorded step")
@@ -57,6 +56,8 @@ class ReplayReport:
 
     def _verdict(self) -> str:
         c = self.comparison
+        if c.first is None and c.num_compared == 0:
+            return "nothing to compare: the log holds no derived records"
         if c.first is None:
             return (
                 f"identical: {c.num_compared} derived records match field for field "
@@ -88,10 +89,10 @@ class ReplayReport:
 def build_report(
     recording: Recording, run: ReplayRun, overrides: dict[str, Any] | None = None
 ) -> ReplayReport:
-    """Compare `run` with `recording`; a damaged log is compared only as far as it goes."""
+    """Compare `run` with `recording`; an unfinished log is compared only as far as it goes."""
     recorded, replayed = recording.derived, run.derived
     beyond = 0
-    if recording.problem is not None and len(replayed) > len(recorded):
+    if run.stopped_at_step is not None and len(replayed) > len(recorded):
         beyond = len(replayed) - len(recorded)
         replayed = replayed[: len(recorded)]
     return ReplayReport(
@@ -102,7 +103,7 @@ def build_report(
         overrides=dict(overrides or {}),
         warnings=_warnings(recording, run),
         comparison=compare(recorded, replayed),
-        num_beyond_damage=beyond,
+        num_beyond_end=beyond,
         skipped=run.skipped,
         inputs_shifted=run.inputs_shifted,
         what_if=what_if(recorded, replayed) if overrides else None,
@@ -115,7 +116,7 @@ def _warnings(recording: Recording, run: ReplayRun) -> list[str]:
         out.append(
             f"model differs: recorded {recording.model_identity}, replayed {run.model_identity}"
         )
-    version = recording.header.get("memstep_version")
+    version = recording.memstep_version
     if version != __version__:
         out.append(f"recorded with memstep {version}, replayed with {__version__}")
     return out

@@ -13,7 +13,6 @@ from collections import Counter
 from typing import Any
 
 import attrs
-
 from memstep.events.types import (
     LeakSuspected,
     PhaseChanged,

@@ -29,7 +29,8 @@ def render(
         widths = [max(w, len(c)) for w, c in zip(widths, row, strict=True)]
 
     def line(row: Sequence[str]) -> str:
-        padded = [c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        pairs = enumerate(zip(row, widths, strict=True))
+        padded = [c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in pairs]
         return (indent + "  ".join(padded)).rstrip()
 
     rules = ["-" * w for w in widths]

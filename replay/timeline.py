@@ -15,7 +15,6 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
-
 from memstep.events.types import LeakSuspected, StepFinished
 from memstep.replay.recording import Recording
 from memstep.replay.summary import summarize
@@ -23,6 +22,7 @@ from memstep.replay.summary import summarize
 KIND_COLORS = {"no_spec": "#d6e4f0", "spec": "#fbd9b5"}
 OTHER_COLORS = ("#dcedc8", "#e1bee7", "#fff9c4")
 MIB = 1 << 20
+STEPS = "steps-mid"  # each figure holds for its whole step
 
 
 def plot_memory(recording: Recording, output: str | Path) -> Path:
@@ -34,11 +34,12 @@ def plot_memory(recording: Recording, output: str | Path) -> Path:
     top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=[3, 2])
     x = [s.step for s in steps]
     mem = [s.memory for s in steps]
-    top.plot(x, [m.live_bytes / MIB for m in mem], color="C0", lw=1.6, label="live")
-    top.plot(x, [m.reserved_bytes / MIB for m in mem], color="C1", lw=1.0, ls="--", label="reserved")
-    bottom.plot(x, [m.arena_claimed_bytes / MIB for m in mem], color="C2", lw=1.4)
+    top.plot(x, [m.live_bytes / MIB for m in mem], color="C0", lw=1.6, label="live", ds=STEPS)
+    reserved = [m.reserved_bytes / MIB for m in mem]
+    top.plot(x, reserved, color="C1", lw=1.0, ls="--", label="reserved", ds=STEPS)
+    bottom.plot(x, [m.arena_claimed_bytes / MIB for m in mem], color="C2", lw=1.4, ds=STEPS)
     pages = bottom.twinx()
-    pages.plot(x, [m.kv_pages_used for m in mem], color="C3", lw=1.0, alpha=0.8)
+    pages.plot(x, [m.kv_pages_used for m in mem], color="C3", lw=1.0, alpha=0.8, ds=STEPS)
     pages.set_ylabel("KV pages in use")
     kinds = list(dict.fromkeys(s.kind for s in steps))
     colors = _colors(kinds)
@@ -50,11 +51,13 @@ def plot_memory(recording: Recording, output: str | Path) -> Path:
             colors="0.35", linestyles=":", lw=0.8,
         )  # fmt: skip
         ax.ticklabel_format(axis="y", useOffset=False)
-    _leaks(top, recording.records, dict(zip(x, mem, strict=True)))
+    leaks = [r for r in recording.records if isinstance(r, LeakSuspected)]
+    _leaks(top, leaks, dict(zip(x, mem, strict=True)))
     top.set_ylabel("live / reserved (MiB)")
     bottom.set_ylabel("arena claimed (MiB)")
     bottom.set_xlabel("step")
-    top.legend(handles=_legend(top, kinds, colors), loc="upper left", fontsize=8, ncols=3)
+    handles = _legend(top, kinds, colors, bool(changes), bool(leaks))
+    top.legend(handles=handles, loc="upper left", fontsize=8, ncols=3)
     bottom.legend(
         handles=[Line2D([], [], color="C2", label="arena claimed"),
                  Line2D([], [], color="C3", label="KV pages in use (right axis)")],
@@ -82,8 +85,8 @@ def _bands(ax: Axes, steps: list[StepFinished], colors: dict[str, str]) -> None:
         )  # fmt: skip
 
 
-def _leaks(ax: Axes, records: list[object], mem_at: dict) -> None:
-    for leak in (r for r in records if isinstance(r, LeakSuspected)):
+def _leaks(ax: Axes, leaks: list[LeakSuspected], mem_at: dict) -> None:
+    for leak in leaks:
         ax.axvline(leak.step, color="red", lw=1.2, alpha=0.8)
         m = mem_at.get(leak.step)
         y = m.live_bytes / MIB if m is not None else ax.get_ylim()[1]
@@ -94,11 +97,15 @@ def _leaks(ax: Axes, records: list[object], mem_at: dict) -> None:
         )  # fmt: skip
 
 
-def _legend(ax: Axes, kinds: list[str], colors: dict[str, str]) -> list:
+def _legend(
+    ax: Axes, kinds: list[str], colors: dict[str, str], transitions: bool, leaks: bool
+) -> list:
     handles = list(ax.get_legend_handles_labels()[0])
     handles += [Patch(color=colors[k], label=f"{k} steps") for k in kinds]
-    handles.append(Line2D([], [], color="0.35", ls=":", label="transition"))
-    handles.append(Line2D([], [], color="red", marker="v", label="leak suspected"))
+    if transitions:
+        handles.append(Line2D([], [], color="0.35", ls=":", label="transition"))
+    if leaks:
+        handles.append(Line2D([], [], color="red", marker="v", label="leak suspected"))
     return handles
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
-
 from memstep.replay.summary import LogSummary, summarize, tokens_by_request
 from memstep.replay.text_table import fmt_bytes
 
@@ -28,7 +27,8 @@ class Change:
     def row(self) -> list[Any]:
         rec, rep, delta = self.recorded, self.replayed, self.replayed - self.recorded
         if self.is_bytes:
-            return [self.what, fmt_bytes(rec), fmt_bytes(rep), fmt_bytes(delta, signed=True) if delta else ""]
+            change = fmt_bytes(delta, signed=True) if delta else ""
+            return [self.what, fmt_bytes(rec), fmt_bytes(rep), change]
         return [self.what, rec, rep, f"{delta:+d}" if delta else ""]
 
 

@@ -11,7 +11,6 @@ from typing import Any, ClassVar
 
 import attrs
 import torch
-
 from memstep.core.config import EngineConfig
 from memstep.executors.arena import Arena, nbytes_of
 from memstep.executors.model_config import ModelConfig
@@ -109,8 +108,9 @@ class Spec(StepKind):
             BufferSpec("draft_probs", (rows, k, model.vocab_size), torch.float32),
         ]
         if cfg.speculative_method == "draft":
-            layers = min(cfg.draft_layers, model.num_layers)
-            shape = (2, layers, self.env.num_kv_blocks, cfg.block_size, model.num_kv_heads, model.head_dim)
+            draft = draft_config(cfg, model)
+            shape = (2, draft.num_layers, self.env.num_kv_blocks, cfg.block_size)
+            shape += (draft.num_kv_heads, draft.head_dim)
             specs.append(BufferSpec("draft_kv", shape, self.env.dtype))
         return specs
 
@@ -119,6 +119,15 @@ class Spec(StepKind):
 
     def forget(self, request_id: str) -> None:
         self.draft_len.pop(request_id, None)
+
+
+def draft_config(cfg: EngineConfig, model: ModelConfig) -> ModelConfig:
+    """The draft model's shapes: a model folder of its own, or the target's first N layers."""
+    if cfg.draft_model is not None:
+        from memstep.core.model_source import model_config, resolve
+
+        return model_config(resolve(cfg.draft_model, cfg.seed))
+    return model.truncated(cfg.draft_layers)
 
 
 KINDS: dict[str, type[StepKind]] = {"no_spec": NoSpec, "spec": Spec}

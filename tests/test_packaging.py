@@ -13,9 +13,20 @@ PACKAGES = ["core", "states", "events", "executors", "executors.kernels", "repla
 
 def test_wheel_installs_and_imports_in_clean_venv(tmp_path):
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-         "-w", str(tmp_path), str(ROOT)],
-        check=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
+        check=True,
+        timeout=300,
     )
     (wheel,) = tmp_path.glob("memstep-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
@@ -26,8 +37,19 @@ def test_wheel_installs_and_imports_in_clean_venv(tmp_path):
     python = venv / "bin" / "python"
     target = tmp_path / "site"
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
-        check=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--target",
+            str(target),
+            str(wheel),
+        ],
+        check=True,
+        timeout=300,
     )
     # third-party dependencies come from this environment's site-packages (a plain folder on
     # PYTHONPATH: its editable memstep hook is not activated), memstep only from the wheel
@@ -35,8 +57,12 @@ def test_wheel_installs_and_imports_in_clean_venv(tmp_path):
     modules = ", ".join(f"memstep.{p}" for p in PACKAGES)
     code = f"import memstep, {modules}; print(memstep.__version__, memstep.__file__)"
     res = subprocess.run(
-        [str(python), "-c", code], capture_output=True, text=True, cwd=tmp_path,
-        env={"PYTHONPATH": f"{target}:{deps}"}, timeout=120,
+        [str(python), "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={"PYTHONPATH": f"{target}:{deps}"},
+        timeout=120,
     )
     assert res.returncode == 0, res.stderr
     version, location = res.stdout.split()

@@ -1,4 +1,5 @@
-"""Triton kernels for the decode path: paged GQA attention and (fused add +) RMSNorm.
+"""Triton kernels for the decode path: paged GQA attention, (fused add +) RMSNorm, rotary +
+KV write, and SwiGLU's silu * up.
 
 Each kernel has a plain-torch `*_reference` with the same signature, used by the tests.
 Without the triton extra installed only `triton_available()` is exported.
@@ -17,6 +18,7 @@ except ImportError:
     _HAS_TRITON = False
 else:
     _HAS_TRITON = True
+    from memstep.executors.kernels.activation import silu_mul, silu_mul_reference
     from memstep.executors.kernels.paged_attention import (
         DecodeWorkspace,
         paged_attention_reference,
@@ -29,6 +31,7 @@ else:
         rmsnorm,
         rmsnorm_reference,
     )
+    from memstep.executors.kernels.rope_kv import rope_and_write_kv, rope_and_write_kv_reference
 
 __all__ = [
     "DecodeWorkspace",
@@ -38,6 +41,10 @@ __all__ = [
     "paged_decode_attention",
     "rmsnorm",
     "rmsnorm_reference",
+    "rope_and_write_kv",
+    "rope_and_write_kv_reference",
+    "silu_mul",
+    "silu_mul_reference",
     "triton_available",
     "use_split_k",
 ]

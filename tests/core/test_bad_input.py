@@ -9,7 +9,6 @@ import sys
 import gguf
 import numpy as np
 import pytest
-
 from memstep.core.config import ConfigError, EngineConfig
 from memstep.core.engine import Engine
 from memstep.core.model_source import ModelError, resolve
@@ -19,7 +18,9 @@ from memstep.core.sampling_params import InvalidRequest, SamplingParams
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "memstep.core.cli", *args],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
@@ -70,7 +71,9 @@ def test_prompt_longer_than_context(smol_engine):
         smol_engine.add_request(too_long)
     with pytest.raises(InvalidRequest, match="exceeds the context"):
         smol_engine.add_request([5] * 10, SamplingParams(max_tokens=smol_engine.max_model_len))
-    res = run_cli("generate", "--model", "random:tiny", "--max-model-len", "16", "--prompt", "x" * 40)
+    res = run_cli(
+        "generate", "--model", "random:tiny", "--max-model-len", "16", "--prompt", "x" * 40
+    )
     assert res.returncode == 2 and "context" in res.stderr and "Traceback" not in res.stderr
 
 

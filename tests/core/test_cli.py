@@ -9,9 +9,20 @@ import sys
 
 def test_generate_json_answers_the_question():
     res = subprocess.run(
-        [sys.executable, "-m", "memstep.core.cli", "generate", "--json", "--max-tokens", "12",
-         "--prompt", "What is the capital of France?"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "memstep.core.cli",
+            "generate",
+            "--json",
+            "--max-tokens",
+            "12",
+            "--prompt",
+            "What is the capital of France?",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout.strip().splitlines()[-1])
@@ -21,9 +32,21 @@ def test_generate_json_answers_the_question():
 
 def test_random_model_is_labelled_random():
     res = subprocess.run(
-        [sys.executable, "-m", "memstep.core.cli", "generate", "--model", "random:tiny",
-         "--max-tokens", "4", "--prompt", "hello"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "memstep.core.cli",
+            "generate",
+            "--model",
+            "random:tiny",
+            "--max-tokens",
+            "4",
+            "--prompt",
+            "hello",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert res.returncode == 0, res.stderr
     assert "random:tiny (seeded random weights" in res.stdout

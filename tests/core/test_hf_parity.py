@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from memstep.core.model_source import shipped_gguf_path
 from memstep.core.sampling_params import SamplingParams
 

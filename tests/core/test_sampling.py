@@ -6,7 +6,6 @@ import math
 from collections import Counter
 
 import torch
-
 from memstep.core.sampling_params import SamplingParams
 from memstep.executors.random_stream import uniform
 from memstep.executors.sampler import Row, Sampler, top_logprobs
@@ -50,7 +49,9 @@ def test_temperature_sharpens():
     hot = dist(SamplingParams(temperature=2.0), LOGITS)
     cold = dist(SamplingParams(temperature=0.5), LOGITS)
     assert cold[0] > hot[0]
-    assert math.isclose(float(cold[0]), float(torch.softmax(torch.tensor(LOGITS) / 0.5, -1)[0]), rel_tol=1e-5)
+    assert math.isclose(
+        float(cold[0]), float(torch.softmax(torch.tensor(LOGITS) / 0.5, -1)[0]), rel_tol=1e-5
+    )
 
 
 def test_penalties():
@@ -95,7 +96,9 @@ def test_top_logprobs_are_log_softmax():
 def test_stop_strings_and_stop_ids_end_to_end(smol_engine, chat_prompts):
     (free,) = smol_engine.generate([chat_prompts[0]], SamplingParams(max_tokens=10))
     assert free.text.startswith("The capital of France is Paris")
-    (cut,) = smol_engine.generate([chat_prompts[0]], SamplingParams(max_tokens=10, stop=("France",)))
+    (cut,) = smol_engine.generate(
+        [chat_prompts[0]], SamplingParams(max_tokens=10, stop=("France",))
+    )
     assert cut.text == "The capital of " and cut.finish_reason == "stop"
     stop_id = free.token_ids[2]
     (by_id,) = smol_engine.generate(

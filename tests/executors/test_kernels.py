@@ -30,6 +30,10 @@ from memstep.executors.kernels import (  # noqa: E402
     paged_decode_attention,
     rmsnorm,
     rmsnorm_reference,
+    rope_and_write_kv,
+    rope_and_write_kv_reference,
+    silu_mul,
+    silu_mul_reference,
     triton_available,
     use_split_k,
 )
@@ -311,3 +315,92 @@ def test_fused_add_rmsnorm_bf16_llama_sizes(num_rows):
     expected = fused_add_rmsnorm_reference(x, expected_residual, weight, 1e-5)
     torch.testing.assert_close(residual, expected_residual, atol=0, rtol=0)
     torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
+
+
+# The rest of the decode step: rotary + KV write, silu * up, and the whole fused decode forward.
+
+
+@needs_triton
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (9, 3)])  # 9 + 2 * 3 heads straddle programs
+def test_rope_and_write_kv_matches_reference_and_skips_padding_slots(block_size, heads, kv_heads):
+    generator = torch.Generator().manual_seed(21)
+    head_dim, tokens, blocks = 16, 5, 6
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=generator)
+    angles = torch.randn(40, head_dim // 2, generator=generator)
+    cos, sin = angles.cos(), angles.sin()
+    positions = torch.tensor([0, 3, 17, 39, 0], dtype=torch.int32)
+    slots = torch.tensor([2, 9, block_size * 3 + 1, 0, -1], dtype=torch.int32)  # last: padding
+    cache_shape = (blocks, block_size, kv_heads, head_dim)
+    k_cache = torch.randn(cache_shape, generator=generator)
+    v_cache = torch.randn(cache_shape, generator=generator)
+    expected = [t.clone() for t in (qkv, k_cache, v_cache)]
+    qkv, k_cache, v_cache, positions, slots, cos, sin = (
+        t.to(DEVICE) for t in (qkv, k_cache, v_cache, positions, slots, cos, sin)
+    )
+    expected = [t.to(DEVICE) for t in expected]
+
+    q = rope_and_write_kv(qkv, cos, sin, positions, slots, k_cache, v_cache, heads)
+
+    q_ref = rope_and_write_kv_reference(
+        expected[0], cos, sin, positions, slots, expected[1], expected[2], heads
+    )
+    assert q.shape == (tokens, heads, head_dim) and q.data_ptr() == qkv.data_ptr()
+    torch.testing.assert_close(q, q_ref, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(qkv, expected[0], atol=1e-6, rtol=1e-6)  # k, v columns kept
+    torch.testing.assert_close(k_cache, expected[1], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(v_cache, expected[2], atol=0, rtol=0)
+
+
+@needs_triton
+def test_silu_mul_matches_reference():
+    generator = torch.Generator().manual_seed(22)
+    gate_up = torch.randn(3, 2 * 1500, generator=generator).to(DEVICE)  # two column blocks
+    out = torch.full((3, 1500), float("nan"), device=DEVICE)
+
+    result = silu_mul(gate_up, out)
+
+    assert result is out
+    torch.testing.assert_close(out, silu_mul_reference(gate_up), atol=1e-6, rtol=1e-6)
+
+
+@needs_triton
+def test_fused_decode_forward_matches_the_eager_model():
+    """The graph runner's decode forward (run eagerly here) against `LlamaModel.forward`:
+    same hidden states, same KV written, padding rows write nothing."""
+    from memstep.core.config import EngineConfig
+    from memstep.events.plan import SeqPlan
+    from memstep.executors.graph_runner import GraphRunner
+    from memstep.executors.worker import Worker
+
+    cfg = EngineConfig(model="random:tiny", dtype="float32", max_num_seqs=8, num_kv_blocks=40)
+    worker = Worker(cfg, max_model_len=128)
+    worker.enter_phase("profile", 0)
+    generator = torch.Generator().manual_seed(23)
+    prompts = [torch.randint(0, 512, (n,), generator=generator).tolist() for n in (5, 17, 33)]
+    tables = [list(range(10 * i, 10 * i + 3)) for i in range(3)]
+    prefill = [
+        SeqPlan(f"r{i}", 0, p, t, True, 0, len(p), {})
+        for i, (p, t) in enumerate(zip(prompts, tables, strict=True))
+    ]
+    decode = [
+        SeqPlan(s.request_id, len(s.token_ids), [7 + i], s.block_table, True, 0, 0, {})
+        for i, s in enumerate(prefill)
+    ]
+    runner = GraphRunner(worker.model, worker.kv, 8, 128, 0, cfg.block_size)
+    with torch.inference_mode():
+        worker.forward([(s, s.token_ids) for s in prefill])
+        kv_before = [(k.clone(), v.clone()) for k, v in worker.kv]
+        expected, _ = worker.forward([(s, s.token_ids) for s in decode])
+        kv_expected = [(k.clone(), v.clone()) for k, v in worker.kv]
+        for (k, v), (k0, v0) in zip(worker.kv, kv_before, strict=True):
+            k.copy_(k0)
+            v.copy_(v0)
+
+        hidden, rows = runner.run([(s, s.token_ids) for s in decode])
+
+    assert runner.padded_size(3) == 4 and rows == [0, 1, 2]
+    torch.testing.assert_close(hidden, expected, atol=1e-5, rtol=1e-5)
+    for (k, v), (k1, v1) in zip(worker.kv, kv_expected, strict=True):
+        torch.testing.assert_close(k, k1, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(v, v1, atol=1e-6, rtol=1e-6)

@@ -17,6 +17,7 @@ from memstep.core.serve_cmd import ServerProcess
 from memstep.executors.remote import ExecutorDied, ExecutorFailed, ProcessExecutor
 
 TINY = EngineConfig(model="random:tiny")
+TINY_SERVER = ["--model", "random:tiny", "--num-threads", "1"]
 
 
 def _alive(pid: int) -> bool:
@@ -68,7 +69,7 @@ def test_stopped_executor_is_declared_dead_by_heartbeat_timeout():
         executor.check()
         os.kill(executor.pid, signal.SIGSTOP)  # alive as a process, but silent
         start = time.monotonic()
-        with pytest.raises(ExecutorDied, match="sent nothing"):  # noqa: PT012
+        with pytest.raises(ExecutorDied, match="sent no heartbeat"):  # noqa: PT012
             while time.monotonic() - start < 10:
                 executor.check()
                 time.sleep(0.05)
@@ -88,7 +89,7 @@ def test_close_stops_the_executor_and_removes_its_socket():
 
 
 def test_executor_exits_when_its_core_is_killed():
-    with ServerProcess(["--model", "random:tiny"]) as server:
+    with ServerProcess(TINY_SERVER) as server:
         info = server.wait_ready()
         os.kill(info["core_pid"], signal.SIGKILL)
         assert _wait_gone(info["executor_pid"], 5), "the orphaned executor exits by itself"
@@ -99,7 +100,7 @@ def test_executor_exits_when_its_core_is_killed():
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerProcess(["--model", "random:tiny"]) as proc:
+    with ServerProcess(TINY_SERVER) as proc:
         proc.wait_ready()
         yield proc
 

@@ -1,0 +1,588 @@
+"""memstep on a GPU against its rooflines and against Hugging Face transformers, in one run.
+
+On random:llama-3.1-8b in bf16 (seeded random weights; both engines read the same weights):
+the device's measured copy bandwidth and bf16 matmul rate, the weight-read and compute
+rooflines of a decode step, memstep's decode step at batch 1 and 256, output tokens/s at 64 and
+256 concurrent requests (128 prompt + 128 output tokens each) for memstep and for HF `generate`,
+and a memory run of >= 2,000 requests with random sampling and rising concurrency after warm-up
+and capture (allocator segments and reserved bytes before and after).
+
+    python benchmarks/bench_gpu.py [--out DIR] [--skip-hf] [--memory-requests N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_kernels import import_memstep  # noqa: E402
+
+MODEL = "random:llama-3.1-8b"
+PROMPT_LEN, OUTPUT_LEN = 128, 128
+
+
+def cuda_ms(fn, iters: int, warmup: int = 3) -> float:
+    """Median milliseconds of fn() over iters runs, timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+# --- ceilings ----------------------------------------------------------------------------------
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second."""
+    src = torch.randn(2 * 2**30 // 4, device="cuda")  # 2 GiB of fp32
+    dst = torch.empty_like(src)
+    ms = cuda_ms(lambda: dst.copy_(src), 20)
+    return 2 * src.numel() * 4 / (ms / 1e3)
+
+
+def matmul_rate() -> float:
+    """bf16 8192^3 matrix product on random data, FLOP/s."""
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = cuda_ms(lambda: a @ b, 20)
+    return 2 * n**3 / (ms / 1e3)
+
+
+def gemm_table(weights: dict, bandwidth: float, rate: float) -> list[dict]:
+    """cuBLAS on each distinct weight shape of one layer (and the head) at M = 1 and 256."""
+    rows = []
+    for name in (
+        "layers.0.wqkv",
+        "layers.0.wo",
+        "layers.0.w_gate_up",
+        "layers.0.w_down",
+        "lm_head",
+    ):
+        w = weights[name]
+        for m in (1, 256):
+            x = torch.randn(m, w.shape[1], device="cuda", dtype=w.dtype)
+            ms = cuda_ms(lambda x=x, w=w: F.linear(x, w), 50)
+            nbytes = w.numel() * w.element_size()
+            rows.append(
+                {
+                    "weight": name,
+                    "shape": list(w.shape),
+                    "m": m,
+                    "ms": round(ms, 4),
+                    "weight_gb_per_s": round(nbytes / ms / 1e6, 1),
+                    "of_copy_bw": round(nbytes / (ms / 1e3) / bandwidth, 3),
+                    "tflops": round(2 * m * w.numel() / ms / 1e9, 1),
+                    "of_matmul_rate": round(2 * m * w.numel() / (ms / 1e3) / rate, 3),
+                }
+            )
+    return rows
+
+
+# --- Hugging Face ------------------------------------------------------------------------------
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def hf_generate_seconds(model, prompts: list[list[int]], new_tokens: int) -> float:
+    ids = torch.tensor(prompts, device="cuda")
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def bench_hf(weights, model_cfg, vocab: int) -> dict:
+    from memstep.executors.hf_reference import hf_llama
+
+    model = hf_llama(weights, model_cfg)
+    hf_generate_seconds(model, random_prompts(2, 16, vocab, 0), 4)  # warm-up
+    one = random_prompts(1, PROMPT_LEN, vocab, 1)
+    t1 = hf_generate_seconds(model, one, 1)
+    t33 = hf_generate_seconds(model, one, 33)
+    result = {"hf_step_ms_batch1": round((t33 - t1) / 32 * 1e3, 2)}
+    for batch in (64, 256):
+        prompts = random_prompts(batch, PROMPT_LEN, vocab, batch)
+        seconds = hf_generate_seconds(model, prompts, OUTPUT_LEN)
+        result[f"hf_tok_per_s_{batch}"] = round(batch * OUTPUT_LEN / seconds, 1)
+        result[f"hf_seconds_{batch}"] = round(seconds, 2)
+        print(f"HF generate batch {batch}: {seconds:.2f} s", flush=True)
+    del model
+    return result
+
+
+# --- memstep -----------------------------------------------------------------------------------
+
+
+class StepClock:
+    """Wall time per engine step, split into executor model forward, sampler and the rest."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.records: list[dict] = []
+        self._parts: dict[str, float] = {}
+        worker = engine.executor.worker
+        self._wrap(worker, "forward")
+        self._wrap(worker.sampler, "distribution", "sampler")
+        self._wrap(worker.sampler, "sample", "sampler")
+        self._wrap(worker, "execute", "worker_execute")
+        self._wrap(engine.executor, "execute", "executor_execute")
+
+    def _wrap(self, obj, name: str, key: str | None = None) -> None:
+        inner = getattr(obj, name)
+        key = key or name
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self._parts[key] = self._parts.get(key, 0.0) + time.perf_counter() - start
+
+        setattr(obj, name, timed)
+
+    def step(self):
+        self._parts = {}
+        batch = len(self.engine.scheduler.running)
+        start = time.perf_counter()
+        outputs = self.engine.step()
+        total = time.perf_counter() - start
+        self.records.append({"batch": batch, "total": total, **self._parts})
+        return outputs
+
+
+def decode_breakdown(records: list[dict], batch: int) -> dict:
+    rows = [r for r in records if r["batch"] == batch and "forward" in r]
+    if not rows:
+        return {}
+    keys = ("total", "forward", "sampler", "worker_execute", "executor_execute")
+    med = {k: statistics.median(r.get(k, 0.0) for r in rows) * 1e3 for k in keys}
+    return {
+        "steps": len(rows),
+        "step_ms": round(med["total"], 2),
+        "forward_ms": round(med["forward"], 2),
+        "sampler_ms": round(med["sampler"], 2),
+        "rest_of_executor_ms": round(med["worker_execute"] - med["forward"] - med["sampler"], 2),
+        "codec_ms": round(med["executor_execute"] - med["worker_execute"], 2),
+        "engine_core_ms": round(med["total"] - med["executor_execute"], 2),
+    }
+
+
+def run_throughput(engine, clock: StepClock, batch: int, vocab: int) -> dict:
+    from memstep.core.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=OUTPUT_LEN, ignore_eos=True)
+    for prompt in random_prompts(batch, PROMPT_LEN, vocab, 1000 + batch):
+        engine.add_request(prompt, params)
+    clock.records.clear()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    produced = 0
+    while engine.has_work():
+        produced += sum(len(out.new_token_ids) for out in clock.step())
+    seconds = time.perf_counter() - start
+    assert produced == batch * OUTPUT_LEN, produced
+    return {
+        "tok_per_s": round(produced / seconds, 1),
+        "seconds": round(seconds, 3),
+        "steps": len(clock.records),
+        "decode_steps": decode_breakdown(clock.records, batch),
+    }
+
+
+def decode_feeds(batch: int, context: int, block_size: int):
+    from memstep.events.plan import SeqPlan
+
+    pages = -(-(context + 1) // block_size)
+    return [
+        (
+            SeqPlan(f"b{i}", context, [5], list(range(i * pages, (i + 1) * pages)), True, 0, 0, {}),
+            [5],
+        )
+        for i in range(batch)
+    ]
+
+
+def model_step_ms(worker, batch: int, context: int) -> dict:
+    """Graph replay (+ the lm_head, run eagerly after it) for `batch` decodes at `context`."""
+    runner = worker.graphs
+    feeds = decode_feeds(batch, context, worker.cfg.block_size)
+    with torch.inference_mode():
+        runner.inputs.fill(feeds, runner.padded_size(batch))
+        graph = runner.graphs[runner.padded_size(batch)]
+        hidden = runner.decode.hidden[:batch]
+        replay = cuda_ms(graph.replay, 50)
+        step = cuda_ms(lambda: (graph.replay(), worker.model.logits(hidden)), 50)
+    return {"graph_ms": round(replay, 3), "graph_plus_head_ms": round(step, 3)}
+
+
+def kernel_profile(worker, batch: int, context: int) -> list[dict]:
+    """CUDA time per kernel name over 5 eager runs of the fused decode forward at `batch`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runner = worker.graphs
+    size = runner.padded_size(batch)
+    with torch.inference_mode():
+        runner.inputs.fill(decode_feeds(batch, context, worker.cfg.block_size), size)
+        runner.decode(size)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                runner.decode(size)
+            torch.cuda.synchronize()
+    rows = []
+    for event in prof.key_averages():
+        us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+        if us > 0:
+            rows.append(
+                {
+                    "kernel": event.key[:90],
+                    "ms_per_step": us / 5 / 1e3,
+                    "calls_per_step": event.count / 5,
+                }
+            )
+    rows.sort(key=lambda r: -r["ms_per_step"])
+    return [{**r, "ms_per_step": round(r["ms_per_step"], 4)} for r in rows[:15]]
+
+
+def attention_sweep(worker) -> list[dict]:
+    """Decode attention on layer 0's real cache at the benchmark's context, per tile config
+    (module constants patched for the sweep) and split-K partition size; L2 flushed per run."""
+    from bench_kernels import median_ms
+    from memstep.executors.kernels import DecodeWorkspace, paged_decode_attention
+    from memstep.executors.kernels import paged_attention as pa
+
+    cfg = worker.model_cfg
+    k_cache, v_cache = worker.kv[0]
+    flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
+    saved = (pa._BLOCK_N, pa._NUM_WARPS, pa._NUM_STAGES)
+    rows = []
+    cases = [
+        (256, (64, 4, 2)),
+        (256, (64, 4, 3)),
+        (256, (64, 8, 2)),
+        (256, (64, 8, 3)),
+        (256, (32, 4, 2)),
+        (256, (32, 4, 3)),
+        (256, (128, 8, 2)),
+        (64, (64, 4, 2)),
+        (64, (32, 4, 3)),
+        (64, (64, 8, 3)),
+    ]
+    cases += [(1, (64, 4, 2)), (1, (32, 4, 2)), (1, (32, 4, 3))]
+    context = PROMPT_LEN + OUTPUT_LEN // 2
+    try:
+        for batch, (block_n, warps, stages) in cases:
+            feeds = decode_feeds(batch, context, worker.cfg.block_size)
+            # full-width tables, as in the captured graphs
+            tables = torch.zeros(batch, worker.graphs.inputs.max_blocks, dtype=torch.int32)
+            for row, (seq, _) in zip(tables, feeds, strict=True):
+                row[: len(seq.block_table)] = torch.tensor(seq.block_table)
+            tables = tables.cuda()
+            lens = torch.full((batch,), context + 1, dtype=torch.int32, device="cuda")
+            q = torch.randn(batch, cfg.num_heads, cfg.head_dim, device="cuda", dtype=k_cache.dtype)
+            out = torch.empty_like(q)
+            pa._BLOCK_N, pa._NUM_WARPS, pa._NUM_STAGES = block_n, warps, stages
+            for partition in (64, 128, 256) if batch == 1 else (256,):
+                width = tables.shape[1] * worker.cfg.block_size
+                ws = DecodeWorkspace.allocate(
+                    batch, cfg.num_heads, cfg.head_dim, width, "cuda", partition
+                )
+                args = (q, k_cache, v_cache, tables, lens, 0.088, out, ws)
+                ms = median_ms(lambda args=args: paged_decode_attention(*args), 30, flush)
+                rows.append(
+                    {
+                        "batch": batch,
+                        "block_n": block_n,
+                        "warps": warps,
+                        "stages": stages,
+                        "partition": partition,
+                        "us": round(ms * 1e3, 2),
+                    }
+                )
+    finally:
+        pa._BLOCK_N, pa._NUM_WARPS, pa._NUM_STAGES = saved
+    return rows
+
+
+def random_params(rng: random.Random):
+    from memstep.core.sampling_params import SamplingParams
+
+    greedy = rng.random() < 0.3
+    return SamplingParams(
+        max_tokens=rng.randint(2, 24),
+        temperature=0.0 if greedy else rng.uniform(0.2, 1.5),
+        top_p=rng.choice([1.0, 0.9, 0.5]),
+        top_k=rng.choice([0, 0, 20, 200]),
+        min_p=rng.choice([0.0, 0.0, 0.05]),
+        repetition_penalty=rng.choice([1.0, 1.0, 1.2]),
+        logprobs=rng.choice([0, 0, 0, 3]),
+        seed=rng.randrange(2**32),
+        ignore_eos=True,
+    )
+
+
+def memory_run(engine, num_requests: int, max_concurrency: int) -> dict:
+    """Waves of random-sampling requests growing 1, 2, 4, ... max_concurrency, half of each
+    wave one step late (mixed steps)."""
+    rng = random.Random(7)
+    vocab = engine.model_cfg.vocab_size
+    added = steps = 0
+    wave = 1
+    start = time.perf_counter()
+    while added < num_requests:
+        size = min(wave, num_requests - added)
+        for i in range(size):
+            if i == size // 2 and i > 0:
+                engine.step()
+                steps += 1
+            prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 200))]
+            engine.add_request(prompt, random_params(rng))
+            added += 1
+        while engine.has_work():
+            engine.step()
+            steps += 1
+        wave = min(2 * wave, max_concurrency)
+    return {"requests": added, "steps": steps, "seconds": round(time.perf_counter() - start, 1)}
+
+
+def allocator() -> dict:
+    torch.cuda.synchronize()
+    stats = torch.cuda.memory_stats()
+    return {
+        "segments": stats["segment.all.current"],
+        "reserved_bytes": stats["reserved_bytes.all.current"],
+        "allocated_bytes": stats["allocated_bytes.all.current"],
+    }
+
+
+# --- main --------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("."))
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--memory-requests", type=int, default=2000)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--sweep", action="store_true", help="time decode-attention tile configs")
+    options = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_gpu needs a CUDA device")
+    import_memstep()
+    import structlog
+
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    from memstep.core.config import EngineConfig
+    from memstep.core.engine import Engine
+    from memstep.core.model_source import model_config, resolve
+    from memstep.events.types import LeakSuspected
+    from memstep.executors.graph_runner import peak_figures
+    from memstep.executors.weights import load_weights
+
+    report: dict = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "model": f"{MODEL} (seeded random weights, seed=0), bf16",
+    }
+    bandwidth, rate = copy_bandwidth(), matmul_rate()
+    report |= {"copy_bw_tb_s": round(bandwidth / 1e12, 3), "matmul_tflops": round(rate / 1e12, 1)}
+    print(f"copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
+
+    source = resolve(MODEL, 0)
+    model_cfg = model_config(source)
+    vocab = model_cfg.vocab_size
+    weights = load_weights(source, model_cfg, torch.bfloat16, torch.device("cuda"))
+    total_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+    # a decode step reads every weight but the embedding table (it gathers `batch` rows of it)
+    read_bytes = total_bytes - weights["embed"].numel() * weights["embed"].element_size()
+    matmul_params = read_bytes // 2
+    report |= {"weight_bytes": total_bytes, "weight_bytes_read_per_step": read_bytes}
+    report["gemms"] = gemm_table(weights, bandwidth, rate)
+    save(report, options.out)
+    if not options.skip_hf:
+        attempt(report, "hf", lambda: report.update(bench_hf(weights, model_cfg, vocab)))
+    weights.clear()
+    gc.collect()
+    torch.cuda.empty_cache()
+
+    leaks: list = []
+    sink = lambda rec: leaks.append(rec) if isinstance(rec, LeakSuspected) else None  # noqa: E731
+    cfg = EngineConfig(
+        model=MODEL,
+        dtype="bfloat16",
+        max_num_seqs=options.max_num_seqs,
+        max_num_batched_tokens=8192,
+    )
+    start = time.perf_counter()
+    engine = Engine(cfg, sinks=[sink])
+    worker = engine.executor.worker
+    report["engine_start_seconds"] = round(time.perf_counter() - start, 1)
+    report["memory_plan"] = engine.memory_plan
+    report["peak_after_warmup"] = engine.warmup_info.get("measured_peak_bytes")
+    report["peak_after_capture"] = peak_figures(worker)
+
+    weight_ms = read_bytes / bandwidth * 1e3
+    issue_weight_ms = total_bytes / bandwidth * 1e3  # the issue's definition: every weight byte
+    steps = {}
+    context = PROMPT_LEN + OUTPUT_LEN // 2
+    for batch in (1, 256):
+        attempt(
+            report,
+            f"profile_{batch}",
+            lambda b=batch: report.update(
+                {f"kernels_batch{b}": kernel_profile(worker, b, context)}
+            ),
+        )
+    if options.sweep:
+        attempt(report, "sweep", lambda: report.update(attention_sweep=attention_sweep(worker)))
+    for batch in (1, 8, 64, 256):
+        if batch > options.max_num_seqs:
+            continue
+        figures = model_step_ms(worker, batch, context)
+        compute_ms = 2 * matmul_params * batch / rate * 1e3
+        issue_compute_ms = 2 * model_cfg.num_params * batch / rate * 1e3
+        step_ms = figures["graph_plus_head_ms"]
+        figures |= {
+            "weight_roofline_ms": round(weight_ms, 3),
+            "compute_roofline_ms": round(compute_ms, 3),
+            "ratio_to_max_roofline": round(step_ms / max(weight_ms, compute_ms), 3),
+            "issue_weight_roofline_ms": round(issue_weight_ms, 3),
+            "issue_compute_roofline_ms": round(issue_compute_ms, 3),
+            "issue_ratio": round(step_ms / max(issue_weight_ms, issue_compute_ms), 3),
+        }
+        steps[batch] = figures
+    report["decode_step"] = steps
+    # the baseline: after warm-up, capture and every measurement above (none empties the cache)
+    after_capture = allocator()
+    report["allocator_after_capture"] = after_capture
+
+    save(report, options.out)
+    clock = StepClock(engine)
+    run_throughput(engine, clock, 8, vocab)  # warm the serving loop
+    for batch in (1, 64, 256):
+        if batch <= options.max_num_seqs:
+            result = run_throughput(engine, clock, batch, vocab)
+            report[f"memstep_{batch}"] = result
+            print(f"memstep {batch} concurrent: {result['tok_per_s']} tok/s", flush=True)
+            hf = report.get(f"hf_tok_per_s_{batch}")
+            if hf:
+                report[f"speedup_vs_hf_{batch}"] = round(result["tok_per_s"] / hf, 2)
+
+    save(report, options.out)
+    attempt(
+        report,
+        "memory_run",
+        lambda: report.update(
+            memory_run=memory_run(engine, options.memory_requests, options.max_num_seqs)
+        ),
+    )
+    final = allocator()
+    report["allocator_after_memory_run"] = final
+    report["new_segments"] = final["segments"] - after_capture["segments"]
+    report["new_reserved_bytes"] = final["reserved_bytes"] - after_capture["reserved_bytes"]
+    report["leaks_reported"] = [str(leak) for leak in leaks]
+    report["graph_replays"] = worker.graphs.num_replays
+
+    save(report, options.out)
+    print_summary(report)
+
+
+def attempt(report: dict, name: str, fn) -> None:
+    """Run one section; a failure is recorded in the report instead of ending the run."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - a benchmark keeps going past one broken section
+        report.setdefault("errors", {})[name] = f"{type(exc).__name__}: {exc}"
+        print(f"section {name} failed: {exc!r}", flush=True)
+
+
+def save(report: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_gpu.json").write_text(json.dumps(report, indent=1, default=str))
+
+
+def print_summary(r: dict) -> None:
+    print("\n== ceilings ==")
+    print(
+        f"copy bandwidth {r['copy_bw_tb_s']} TB/s (read + write); bf16 matmul "
+        f"{r['matmul_tflops']} TFLOP/s; weights {r['weight_bytes'] / 1e9:.2f} GB, "
+        f"read per step {r['weight_bytes_read_per_step'] / 1e9:.2f} GB"
+    )
+    print("\n== decode step (graph replay + lm_head) ==")
+    print(
+        f"{'batch':>5} {'graph ms':>9} {'step ms':>8} {'weight roof':>11} {'compute roof':>12}"
+        f" {'ratio':>6}"
+    )
+    for batch, s in r["decode_step"].items():
+        print(
+            f"{batch:>5} {s['graph_ms']:>9} {s['graph_plus_head_ms']:>8} "
+            f"{s['weight_roofline_ms']:>11} {s['compute_roofline_ms']:>12} "
+            f"{s['ratio_to_max_roofline']:>6}"
+        )
+    print("issue's definition (all weight bytes; 2 x all parameters x batch FLOPs):")
+    for batch, s in r["decode_step"].items():
+        print(
+            f"{batch:>5} weight roof {s['issue_weight_roofline_ms']} ms, compute roof "
+            f"{s['issue_compute_roofline_ms']} ms, ratio {s['issue_ratio']}"
+        )
+    for row in r.get("attention_sweep", []):
+        print("attention", row)
+    print("\n== throughput, 128 prompt + 128 output tokens ==")
+    for batch in (1, 64, 256):
+        m = r.get(f"memstep_{batch}")
+        if m:
+            print(
+                f"{batch:>4} concurrent: memstep {m['tok_per_s']} tok/s ({m['seconds']} s, "
+                f"{m['steps']} steps), HF {r.get(f'hf_tok_per_s_{batch}')} tok/s, "
+                f"x{r.get(f'speedup_vs_hf_{batch}')}; decode step {m['decode_steps']}"
+            )
+    if "hf_step_ms_batch1" in r:
+        print(f"HF decode step at batch 1: {r['hf_step_ms_batch1']} ms")
+    print("\n== memory ==")
+    plan = r["memory_plan"]
+    print(
+        f"predicted peak {plan['predicted_peak_bytes'] / 1e9:.2f} GB, measured after warm-up "
+        f"{(r['peak_after_warmup'] or 0) / 1e9:.2f} GB, after capture "
+        f"{r['peak_after_capture']['measured_peak_bytes'] / 1e9:.2f} GB "
+        f"(error {r['peak_after_capture']['peak_error']}); KV pages {plan['num_kv_blocks']}"
+    )
+    print(
+        f"memory run {r['memory_run']}: new segments {r['new_segments']}, new reserved bytes "
+        f"{r['new_reserved_bytes']}, leaks reported {len(r['leaks_reported'])}, "
+        f"graph replays {r['graph_replays']}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,270 @@
+"""Serving benchmark: load through the client API, reporting vLLM's serving metrics.
+
+Requests arrive with gamma-distributed gaps, as in vLLM's `benchmark_serving`: shape
+`burstiness`, mean 1 / `request_rate` (burstiness 1 is a Poisson process; a rate of inf sends
+everything at once).  Every request streams, and every time is taken at the client: TTFT from
+sending to the first delta, ITL between deltas, TPOT = (E2E - TTFT) / (output tokens - 1).
+Without --host/--port the benchmark starts its own `memstep serve` with the engine flags given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+from memstep.core.cli import add_engine_arguments, config_from_args
+from memstep.core.client import AsyncClient, ServerError
+from memstep.core.config import EngineConfig
+from memstep.core.datasets import Sample, load_dataset
+from memstep.core.model_source import model_config, resolve
+from memstep.core.serve_cmd import ServerProcess
+from memstep.core.tokenizer import load_tokenizer
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--request-rate", type=float, default=math.inf, help="requests/s; inf: all")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 is Poisson")
+    p.add_argument("--dataset", default="sharegpt", help="sharegpt, synthetic or a .jsonl file")
+    p.add_argument("--sample-seed", type=int, default=0, help="seed of sampling and arrivals")
+    p.add_argument("--max-output-len", type=int, help="cap each request's output length")
+    p.add_argument("--ignore-eos", action="store_true", help="always generate the full length")
+    p.add_argument("--json", type=Path, help="write the metrics and per-request data here")
+    p.add_argument("--host", help="an already running server (default: start one)")
+    p.add_argument("--port", type=int, help="its port (default 5557 with --host)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds of server silence")
+    p.add_argument("--disable-tqdm", action="store_true")
+    add_engine_arguments(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    samples = _samples(args, cfg)
+    if args.host or args.port:
+        address = f"tcp://{args.host or '127.0.0.1'}:{args.port or 5557}"
+        results, duration = _run_load(args, address, samples)
+    else:
+        with ServerProcess(server_flags(cfg)) as server:
+            server.wait_ready(timeout=600)
+            results, duration = _run_load(args, server.address, samples)
+    metrics = compute_metrics(results, duration)
+    print(report(metrics, args, resolve(cfg.model, cfg.seed).label))
+    if args.json:
+        data = {**metrics, "config": _run_config(args, cfg), "requests": _per_request(results)}
+        args.json.write_text(json.dumps(data, indent=2))
+    return 0
+
+
+def _samples(args: argparse.Namespace, cfg: EngineConfig) -> list[Sample]:
+    source = resolve(cfg.model, cfg.seed)
+    mc = model_config(source)
+    tokenizer = load_tokenizer(source, mc.vocab_size, mc.eos_token_ids)
+    samples = load_dataset(args.dataset, args.num_prompts, tokenizer, args.sample_seed)
+    if args.max_output_len:
+        cap = args.max_output_len
+        samples = [attrs.evolve(s, output_len=min(s.output_len, cap)) for s in samples]
+    return samples
+
+
+def server_flags(cfg: EngineConfig) -> list[str]:
+    """`memstep serve` flags for every engine setting that differs from the default."""
+    flags: list[str] = []
+    default = EngineConfig()
+    for field in attrs.fields(EngineConfig):
+        value = getattr(cfg, field.name)
+        if value == getattr(default, field.name):
+            continue
+        if field.name == "cuda_graphs":
+            flags.append("--no-cuda-graphs")
+        else:
+            flags += ["--" + field.name.replace("_", "-"), str(value)]
+    return flags
+
+
+# --- the load ------------------------------------------------------------------------------
+
+
+@attrs.define
+class RequestResult:
+    prompt_len: int = 0
+    output_len: int = 0
+    ttft: float = 0.0  # seconds
+    itl: list[float] = attrs.Factory(list)
+    latency: float = 0.0
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
+
+
+def arrival_gaps(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
+    """Seconds to wait before each request: gamma(shape=burstiness, mean=1/rate), or 0."""
+    if math.isinf(rate):
+        return [0.0] * n
+    theta = 1.0 / (rate * burstiness)
+    rng = random.Random(seed)
+    return [rng.gammavariate(burstiness, theta) for _ in range(n)]
+
+
+def _run_load(
+    args: argparse.Namespace, address: str, samples: list[Sample]
+) -> tuple[list[RequestResult], float]:
+    gaps = arrival_gaps(len(samples), args.request_rate, args.burstiness, args.sample_seed)
+    return asyncio.run(benchmark(address, samples, gaps, args.ignore_eos, args))
+
+
+async def benchmark(
+    address: str, samples: list[Sample], gaps: list[float], ignore_eos: bool, args: Any
+) -> tuple[list[RequestResult], float]:
+    """Send every sample after its gap; the results in sample order and the wall time."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(samples), desc="requests", disable=getattr(args, "disable_tqdm", False))
+    client = AsyncClient(address, timeout=getattr(args, "timeout", 600.0))
+    try:
+        start = time.perf_counter()
+        tasks = []
+        for sample, gap in zip(samples, gaps, strict=True):
+            await asyncio.sleep(gap)
+            tasks.append(asyncio.create_task(_one(client, sample, ignore_eos, bar)))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    finally:
+        await client.close()
+        bar.close()
+    return list(results), duration
+
+
+async def _one(client: AsyncClient, sample: Sample, ignore_eos: bool, bar: Any) -> RequestResult:
+    result = RequestResult(prompt_len=sample.prompt_len)
+    start = last = time.perf_counter()
+    try:
+        stream = await client.generate(
+            sample.prompt, stream=True, max_tokens=sample.output_len, ignore_eos=ignore_eos
+        )
+        async for _ in stream:
+            now = time.perf_counter()
+            if result.ttft == 0.0:
+                result.ttft = now - start
+            else:
+                result.itl.append(now - last)
+            last = now
+        assert stream.result is not None
+        result.latency = time.perf_counter() - start
+        result.prompt_len = stream.result.usage.prompt_tokens
+        result.output_len = stream.result.usage.completion_tokens
+    except (ServerError, TimeoutError) as exc:
+        result.error = str(exc)
+    bar.update(1)
+    return result
+
+
+# --- the numbers ---------------------------------------------------------------------------
+
+
+def compute_metrics(results: list[RequestResult], duration: float) -> dict[str, Any]:
+    """vLLM's serving metric set; times in milliseconds."""
+    done = [r for r in results if r.ok]
+    total_in = sum(r.prompt_len for r in done)
+    total_out = sum(r.output_len for r in done)
+    metrics: dict[str, Any] = {
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "duration_s": duration,
+        "total_input_tokens": total_in,
+        "total_output_tokens": total_out,
+        "request_throughput": len(done) / duration,
+        "output_throughput": total_out / duration,
+        "total_token_throughput": (total_in + total_out) / duration,
+    }
+    series = {
+        "ttft": [r.ttft for r in done],
+        "tpot": [(r.latency - r.ttft) / (r.output_len - 1) for r in done if r.output_len > 1],
+        "itl": [gap for r in done for gap in r.itl],
+        "e2el": [r.latency for r in done],
+    }
+    for name, values in series.items():
+        ms = np.asarray(values or [0.0]) * 1000
+        metrics[f"mean_{name}_ms"] = float(ms.mean())
+        metrics[f"median_{name}_ms"] = float(np.median(ms))
+        metrics[f"p99_{name}_ms"] = float(np.percentile(ms, 99))
+    return metrics
+
+
+TITLES = {
+    "ttft": ("Time to First Token", "TTFT"),
+    "tpot": ("Time per Output Token (excl. 1st token)", "TPOT"),
+    "itl": ("Inter-token Latency", "ITL"),
+    "e2el": ("End-to-end Latency", "E2EL"),
+}
+
+
+def report(m: dict[str, Any], args: argparse.Namespace, model: str) -> str:
+    rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g}"
+    lines = [
+        "{s:{c}^50}".format(s=" Serving Benchmark Result ", c="="),
+        _row("Model", model),
+        _row("Dataset", f"{args.dataset} ({args.num_prompts} prompts)"),
+        _row("Request rate (req/s)", f"{rate} (burstiness {args.burstiness:g})"),
+        _row("Successful requests", m["completed"]),
+        _row("Failed requests", m["failed"]),
+        _row("Benchmark duration (s)", f"{m['duration_s']:.2f}"),
+        _row("Total input tokens", m["total_input_tokens"]),
+        _row("Total generated tokens", m["total_output_tokens"]),
+        _row("Request throughput (req/s)", f"{m['request_throughput']:.2f}"),
+        _row("Output token throughput (tok/s)", f"{m['output_throughput']:.2f}"),
+        _row("Total token throughput (tok/s)", f"{m['total_token_throughput']:.2f}"),
+    ]
+    for name, (title, short) in TITLES.items():
+        lines.append("{s:{c}^50}".format(s=title, c="-"))
+        for stat in ("mean", "median", "p99"):
+            label = f"{stat.capitalize() if stat != 'p99' else 'P99'} {short} (ms)"
+            lines.append(_row(label, f"{m[f'{stat}_{name}_ms']:.2f}"))
+    lines.append("=" * 50)
+    return "\n".join(lines)
+
+
+def _row(label: str, value: object) -> str:
+    return f"{label + ':':<40}{value}"
+
+
+def _run_config(args: argparse.Namespace, cfg: EngineConfig) -> dict[str, Any]:
+    return {
+        "num_prompts": args.num_prompts,
+        "request_rate": str(args.request_rate),
+        "burstiness": args.burstiness,
+        "dataset": args.dataset,
+        "max_output_len": args.max_output_len,
+        "ignore_eos": args.ignore_eos,
+        "engine": cfg.to_dict(),
+    }
+
+
+def _per_request(results: list[RequestResult]) -> dict[str, list]:
+    return {
+        "input_lens": [r.prompt_len for r in results],
+        "output_lens": [r.output_len for r in results],
+        "ttfts": [r.ttft for r in results],
+        "itls": [r.itl for r in results],
+        "latencies": [r.latency for r in results],
+        "errors": [r.error for r in results],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m memstep.core.bench_serve", description=__doc__)
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,186 @@
+"""The decode step on CUDA: one token per sequence, read from static buffers, graph-capturable.
+
+`DecodeInputs` holds the per-step metadata (token ids, positions, KV slots, context lengths,
+block tables) in one int32 device buffer with a pinned host mirror, so a step costs one
+host-to-device copy. `DecodeForward` runs the Llama decoder over the first `bs` rows of those
+buffers with fused Triton kernels (RMSNorm + residual, rotary + KV write, paged attention,
+silu * up) and cuBLAS matmuls; it allocates only within the step and never syncs with the
+host, so `graph_runner` can capture it. Padding rows (slot -1, context 0) write no KV and
+attend to nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from memstep.events.plan import SeqPlan
+from memstep.executors.kernels import (
+    DecodeWorkspace,
+    fused_add_rmsnorm,
+    paged_decode_attention,
+    rmsnorm,
+    rope_and_write_kv,
+    silu_mul,
+)
+from memstep.executors.llama import LlamaModel
+
+Feed = tuple[SeqPlan, Sequence[int]]  # a sequence and the tokens it feeds this step
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class DecodeInputs:
+    """Static int32 buffers for up to `max_seqs` decode rows, and their pinned host mirror.
+
+    Layout of the one buffer: ids, positions, slots, seq_lens (each `max_seqs` long), then the
+    block tables `[max_seqs, max_blocks]` row-major, so the rows of a batch of `bs` are a
+    prefix and one copy moves them all. The device views never move: graphs capture them.
+    """
+
+    def __init__(self, max_seqs: int, max_blocks: int, block_size: int, device: torch.device):
+        self.max_seqs, self.max_blocks, self.block_size = max_seqs, max_blocks, block_size
+        size = 4 * max_seqs + max_seqs * max_blocks
+        pin = device.type == "cuda"
+        self.host = torch.zeros(size, dtype=torch.int32, pin_memory=pin)
+        self.buffer = torch.zeros(size, dtype=torch.int32, device=device)
+        self._host_np = self.host.numpy()
+        self.host_ids, self.host_positions, self.host_slots, self.host_seq_lens = (
+            self._host_np[i * max_seqs : (i + 1) * max_seqs] for i in range(4)
+        )
+        self.host_tables = self._host_np[4 * max_seqs :].reshape(max_seqs, max_blocks)
+        self.ids, self.positions, self.slots, self.seq_lens = (
+            self.buffer[i * max_seqs : (i + 1) * max_seqs] for i in range(4)
+        )
+        self.block_tables = self.buffer[4 * max_seqs :].view(max_seqs, max_blocks)
+        self._copied = torch.cuda.Event() if pin else None
+
+    def fits(self, feeds: Sequence[Feed]) -> bool:
+        """Every feed is one token whose context fits the block-table width."""
+        if not 0 < len(feeds) <= self.max_seqs:
+            return False
+        width = self.max_blocks * self.block_size
+        return all(
+            len(tokens) == 1 and seq.start_pos < width and len(seq.block_table) <= self.max_blocks
+            for seq, tokens in feeds
+        )
+
+    def fill(self, feeds: Sequence[Feed], bs: int) -> None:
+        """Write rows 0..len(feeds)-1 from the feeds, rows up to `bs` as padding, and copy."""
+        n, block_size = len(feeds), self.block_size
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy has read the host buffer
+        starts = [seq.start_pos for seq, _ in feeds]
+        tables = [seq.block_table for seq, _ in feeds]
+        self.host_ids[:n] = [tokens[0] for _, tokens in feeds]
+        self.host_positions[:n] = starts
+        self.host_slots[:n] = [
+            table[p // block_size] * block_size + p % block_size
+            for table, p in zip(tables, starts, strict=True)
+        ]
+        self.host_seq_lens[:n] = np.asarray(starts, dtype=np.int32) + 1
+        for row, table in zip(self.host_tables, tables, strict=False):
+            row[: len(table)] = table
+        self._pad(n, bs)
+        self._copy(bs)
+
+    def fill_padding(self, bs: int) -> None:
+        """Every row a padding row: used for warm-up and capture."""
+        self._pad(0, bs)
+        self._copy(bs)
+
+    def _pad(self, start: int, stop: int) -> None:
+        self.host_ids[start:stop] = 0
+        self.host_positions[start:stop] = 0
+        self.host_slots[start:stop] = -1
+        self.host_seq_lens[start:stop] = 0
+
+    def _copy(self, bs: int) -> None:
+        used = 4 * self.max_seqs + bs * self.max_blocks
+        self.buffer[:used].copy_(self.host[:used], non_blocking=self._copied is not None)
+        if self._copied is not None:
+            self._copied.record()
+
+
+class DecodeForward:
+    """The model's decode step over `DecodeInputs`; writes `hidden[:bs]` (final-norm output).
+
+    Owns the attention output and split-K workspace (sized for `max_seqs` rows) and the
+    hidden-state output buffer; reads the model's weights and rotary tables and writes the
+    KV caches it is given.
+    """
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        inputs: DecodeInputs,
+    ):
+        cfg, w = model.cfg, model.w
+        self.cfg, self.model, self.kv, self.inputs = cfg, model, kv_caches, inputs
+        device, dtype = w["embed"].device, w["embed"].dtype
+        self.layers = [
+            tuple(w[f"layers.{i}.{name}"] for name in ("attn_norm", "wqkv", "wo", "mlp_norm"))
+            + (w[f"layers.{i}.w_gate_up"], w[f"layers.{i}.w_down"])
+            for i in range(model.num_layers)
+        ]
+        rows, heads, head_dim = inputs.max_seqs, cfg.num_heads, cfg.head_dim
+        max_context = inputs.max_blocks * inputs.block_size
+        self.workspace = DecodeWorkspace.allocate(rows, heads, head_dim, max_context, device)
+        self.attn_out = torch.zeros(rows, heads, head_dim, dtype=dtype, device=device)
+        self.hidden = torch.zeros(rows, cfg.hidden_size, dtype=dtype, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        bufs = (self.workspace.partial_out, self.workspace.partial_lse, self.attn_out, self.hidden)
+        return sum(b.numel() * b.element_size() for b in bufs)
+
+    def __call__(self, bs: int) -> torch.Tensor:
+        cfg, model, ins = self.cfg, self.model, self.inputs
+        positions, slots = ins.positions[:bs], ins.slots[:bs]
+        tables, seq_lens = ins.block_tables[:bs], ins.seq_lens[:bs]
+        residual = F.embedding(ins.ids[:bs], model.w["embed"])  # [bs, hidden]
+        x = rmsnorm(residual, self.layers[0][0], cfg.rms_eps)
+        attn_out = self.attn_out[:bs]
+        norms = [layer[0] for layer in self.layers[1:]] + [model.w["norm"]]
+        for (_, wqkv, wo, mlp_norm, w_gate_up, w_down), next_norm, (k_cache, v_cache) in zip(
+            self.layers, norms, self.kv, strict=True
+        ):
+            qkv = F.linear(x, wqkv)  # [bs, (H + 2 KVH) * D]
+            q = rope_and_write_kv(
+                qkv, model.cos, model.sin, positions, slots, k_cache, v_cache, cfg.num_heads
+            )
+            paged_decode_attention(
+                q, k_cache, v_cache, tables, seq_lens, model.scale, attn_out, self.workspace
+            )
+            o = F.linear(attn_out.view(bs, -1), wo)
+            x = fused_add_rmsnorm(o, residual, mlp_norm, cfg.rms_eps)
+            down = F.linear(silu_mul(F.linear(x, w_gate_up)), w_down)
+            x = fused_add_rmsnorm(down, residual, next_norm, cfg.rms_eps)
+        return self.hidden[:bs].copy_(x)
+
+
+def static_bytes(
+    max_seqs: int,
+    max_blocks: int,
+    block_size: int,
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    intermediate: int,
+    dtype_bytes: int,
+) -> int:
+    """Bytes the decode path holds once captured: buffers, workspace, and the graph pool's
+    activations at the largest batch (each intermediate counted once, with a 2x margin)."""
+    rows = max_seqs
+    metadata = 4 * (4 * rows + rows * max_blocks) * 2
+    parts = cdiv(max_blocks * block_size, 256)
+    workspace = 4 * rows * heads * parts * (head_dim + 1)
+    buffers = dtype_bytes * rows * (heads * head_dim + hidden)
+    per_row = 4 * hidden + (heads + 2 * kv_heads) * head_dim + 3 * intermediate
+    return metadata + workspace + buffers + 2 * dtype_bytes * rows * per_row

@@ -1,0 +1,201 @@
+"""The capture phase on CUDA: one CUDA graph per decode batch size, replayed while serving.
+
+Decode-only steps (every sequence feeds one token) are padded up to the nearest captured size
+and replayed from the graph captured for it; prefill and mixed steps run eagerly. Graphs are
+captured largest first into one shared memory pool, each after an eager warm-up on the capture
+stream. Capture empties the allocator cache (torch does it before every capture), so
+everything serving allocates is warmed again afterwards: the eager worst-case shapes and the
+sampler at every captured size, into its persistent buffers.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import structlog
+import torch
+from memstep.core.sampling_params import SamplingParams
+from memstep.events.plan import SeqPlan
+from memstep.executors.cuda_decode import DecodeForward, DecodeInputs, Feed, cdiv
+from memstep.executors.kernels import paged_decode_attention
+from memstep.executors.llama import LlamaModel
+from memstep.executors.memory_plan import worst_case_prefill
+from memstep.executors.sampler import Row, top_logprobs
+
+if TYPE_CHECKING:
+    from memstep.executors.worker import Worker
+
+log = structlog.get_logger("memstep.executor")
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 8, up to and including `max_num_seqs`."""
+    sizes = [s for s in (1, 2, 4) if s < max_num_seqs]
+    sizes += list(range(8, max_num_seqs, 8))
+    return sizes + [max_num_seqs]
+
+
+def max_blocks_per_seq(max_model_len: int, lookahead: int, block_size: int) -> int:
+    return cdiv(max_model_len + lookahead, block_size) + 1
+
+
+class GraphRunner:
+    """Owns the static decode inputs, the decode forward and one graph per captured size.
+
+    `run` fills the inputs from a step's feeds and replays (or, with graphs off, runs eagerly);
+    the returned hidden states are a view of a static buffer, valid until the next `run`.
+    """
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        max_num_seqs: int,
+        max_model_len: int,
+        lookahead: int,
+        block_size: int,
+    ):
+        device = model.w["embed"].device
+        self.sizes = capture_sizes(max_num_seqs)
+        max_blocks = max_blocks_per_seq(max_model_len, lookahead, block_size)
+        self.inputs = DecodeInputs(max_num_seqs, max_blocks, block_size, device)
+        self.decode = DecodeForward(model, kv_caches, self.inputs)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool = None
+        self.num_replays = 0
+
+    def padded_size(self, n: int) -> int:
+        return next(s for s in self.sizes if s >= n)
+
+    def can_run(self, feeds: Sequence[Feed]) -> bool:
+        return self.inputs.fits(feeds)
+
+    def run(self, feeds: Sequence[Feed]) -> tuple[torch.Tensor, list[int]]:
+        """Hidden states [n, hidden] of a decode-only step, and each feed's row (0..n-1)."""
+        n = len(feeds)
+        bs = self.padded_size(n)
+        self.inputs.fill(feeds, bs)
+        graph = self.graphs.get(bs)
+        if graph is None:
+            self.decode(bs)
+        else:
+            graph.replay()
+            self.num_replays += 1
+        return self.decode.hidden[:n], list(range(n))
+
+    def capture(self) -> dict:
+        """Capture every size, largest first, into one pool; figures for the phase reply."""
+        start = time.perf_counter()
+        before = torch.cuda.memory_allocated()
+        self.pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        with torch.inference_mode():
+            for bs in reversed(self.sizes):
+                self.inputs.fill_padding(bs)
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    for _ in range(2):
+                        self.decode(bs)  # warm-up: compile, tune, allocate outside the capture
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                    self.decode(bs)
+                self.graphs[bs] = graph
+        torch.cuda.synchronize()
+        return {
+            "graph_sizes": list(self.sizes),
+            "graph_capture_seconds": round(time.perf_counter() - start, 3),
+            "graph_pool_bytes": torch.cuda.memory_allocated() - before,
+        }
+
+    def eager_attention(self):
+        """The eager path's decode-attention hook, with this runner's preallocated workspace
+        (the eager groups carry int64 block tables; the kernel reads int32)."""
+        return functools.partial(_eager_decode_attention, workspace=self.decode.workspace)
+
+
+def _eager_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, workspace):
+    return paged_decode_attention(
+        q, k_cache, v_cache, block_tables.int(), seq_lens, scale, workspace=workspace
+    )
+
+
+# --- the phase -----------------------------------------------------------------------------
+
+
+def capture_phase(worker: Worker) -> tuple[GraphRunner | None, dict]:
+    """Build the decode runner and capture its graphs (CUDA only; `cuda_graphs=False` keeps the
+    fused decode but runs it eagerly), then warm every shape serving allocates."""
+    if worker.device.type != "cuda":
+        return None, {}
+    cfg = worker.cfg
+    runner = GraphRunner(
+        worker.model,
+        worker.kv,
+        cfg.max_num_seqs,
+        worker.max_model_len,
+        cfg.num_lookahead_slots,
+        cfg.block_size,
+    )
+    info: dict = {"graph_static_bytes": runner.decode.nbytes}
+    if cfg.cuda_graphs:
+        info |= runner.capture()
+    worker.model.decode_kernel = runner.eager_attention()
+    with torch.inference_mode():
+        warm_eager(worker)
+        warm_sampler(worker, runner)
+    torch.cuda.synchronize()
+    info |= peak_figures(worker)
+    log.info("capture", **info)
+    return runner, info
+
+
+def peak_figures(worker: Worker) -> dict:
+    measured = torch.cuda.max_memory_allocated(worker.device)
+    predicted = worker.plan.predicted_peak_bytes if worker.plan is not None else 0
+    return {
+        "predicted_peak_bytes": predicted,
+        "measured_peak_bytes": measured,
+        "peak_error": round(measured / predicted - 1.0, 4) if predicted else None,
+    }
+
+
+def warm_eager(worker: Worker) -> None:
+    """The eager worst cases, as the profile measured them (`worst_case_prefill`), alone and
+    next to a full batch of decodes at the longest context. No request holds KV pages yet, so
+    any page may be written."""
+    cfg = worker.cfg
+    max_len, budget = worker.max_model_len, cfg.max_num_batched_tokens
+    shapes = [worst_case_prefill(cfg, max_len)]
+    decodes = min(cfg.max_num_seqs - 1, budget - 1)
+    if decodes > 0:
+        pages = shapes[0][0].block_table
+        mixed = [
+            SeqPlan(f"d{i}", max_len - 1, [0], pages, True, 0, max_len, {}) for i in range(decodes)
+        ]
+        shapes.append(mixed + worst_case_prefill(cfg, max_len, budget - decodes))
+    for seqs in shapes:
+        hidden, last_rows = worker.forward([(seq, seq.token_ids) for seq in seqs])
+        logits = worker.model.logits(hidden[last_rows])
+        top_logprobs(logits.clone(), [0] * len(last_rows), 1)
+
+
+def warm_sampler(worker: Worker, runner: GraphRunner) -> None:
+    """The sampler at every captured size, from the decode path's own hidden-state buffer,
+    with every filter on (and greedy rows, penalties and logprobs), into its persistent buffers.
+    """
+    params = [
+        SamplingParams(temperature=0.7, top_p=0.9, top_k=50, min_p=0.01, logprobs=2),
+        SamplingParams(temperature=0.0, repetition_penalty=1.1, frequency_penalty=0.1),
+    ]
+    sampler = worker.sampler
+    for n in runner.sizes:
+        n = min(n, sampler.max_rows)
+        logits = worker.model.logits(runner.decode.hidden[:n])
+        rows = [Row(params[i % 2], 3, [1, 2, 3], 1) for i in range(n)]
+        raw = logits.clone()
+        tokens = sampler.sample(sampler.distribution(logits, rows), rows)
+        top_logprobs(raw, tokens, 2)

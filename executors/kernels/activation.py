@@ -1,0 +1,52 @@
+"""SwiGLU's elementwise half: silu(gate) * up over the fused gate_up projection, one launch.
+
+Rounding follows torch eager on `F.silu(gate) * up`: silu is rounded to the input dtype before
+the product, which is rounded again.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_BLOCK = 1024
+
+
+@triton.jit
+def _silu_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, width, BLOCK: tl.constexpr):
+    """Grid (num_rows, cdiv(width, BLOCK)); gate is columns [0, width), up [width, 2 width)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < width
+    gate = tl.load(gate_up_ptr + row * stride_in + offs, mask=mask, other=0.0)
+    up = tl.load(gate_up_ptr + row * stride_in + width + offs, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+    out = (silu * up.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_out + offs, out, mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """gate_up: [N, 2 I] -> silu(gate_up[:, :I]) * gate_up[:, I:] as [N, I], written to out
+    (allocated when None)."""
+    num_rows, double = gate_up.shape
+    width = double // 2
+    if double % 2 or gate_up.stride(1) != 1:
+        raise ValueError(f"gate_up {tuple(gate_up.shape)} must be [N, 2 I] with unit stride")
+    if out is None:
+        out = torch.empty(num_rows, width, dtype=gate_up.dtype, device=gate_up.device)
+    if out.shape != (num_rows, width) or out.stride(1) != 1:
+        raise ValueError(f"out must be [{num_rows}, {width}] with unit stride")
+    if num_rows == 0:
+        return out
+    grid = (num_rows, triton.cdiv(width, _BLOCK))
+    _silu_mul_kernel[grid](gate_up, out, gate_up.stride(0), out.stride(0), width, BLOCK=_BLOCK)
+    return out
+
+
+def silu_mul_reference(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain-torch `silu_mul`."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    result = torch.nn.functional.silu(gate) * up
+    return result if out is None else out.copy_(result)

@@ -1,0 +1,83 @@
+"""Draft proposers for speculative decoding: n-gram prompt lookup, and a draft model.
+
+Both return, per sequence, up to k draft tokens and the distribution each was drawn from
+(`None` for a deterministic proposal, i.e. a one-hot distribution).
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+from memstep.events.plan import SeqPlan
+from memstep.executors.random_stream import DRAFT
+
+
+def ngram_propose(tokens: list[int], k: int, n_max: int, n_min: int) -> list[int]:
+    """Prompt lookup: find the latest earlier occurrence of the last n tokens (longest n first)
+    and propose the k tokens that followed it."""
+    size = len(tokens)
+    for n in range(min(n_max, size - 1), n_min - 1, -1):
+        pattern = tokens[size - n :]
+        for start in range(size - n - 1, -1, -1):
+            if tokens[start : start + n] == pattern:
+                follow = tokens[start + n : start + n + k]
+                if follow:
+                    return follow
+    return []
+
+
+class DraftModelProposer:
+    """A smaller model with its own paged KV cache (the `spec` kind's `draft_kv` buffer), sharing
+    the target's page tables.  `spec.draft_len[request]` counts tokens already in the draft KV;
+    each step first feeds whatever the draft has not seen (catch-up after `no_spec` stretches or
+    rejected drafts), then drafts k tokens one at a time."""
+
+    def __init__(self, worker, model):
+        self.worker = worker
+        self.model = model
+
+    def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        draft_kv = self.worker.kinds["spec"].held["draft_kv"]
+        return [(draft_kv[0, i], draft_kv[1, i]) for i in range(draft_kv.shape[1])]
+
+    def propose(self, seqs: list[SeqPlan], ks: list[int]):
+        """Draft tokens and the rows of draft probabilities (in the spec kind's buffer)."""
+        w = self.worker
+        spec = w.kinds["spec"]
+        probs_buf = spec.held["draft_probs"]
+        kv = self.kv()
+        drafts: list[list[int]] = [[] for _ in seqs]
+        feeds = []
+        for seq in seqs:
+            tokens = w.requests[seq.request_id].tokens
+            seen = spec.draft_len.get(seq.request_id, 0)
+            feeds.append(attrs.evolve(seq, start_pos=seen, token_ids=tokens[seen:]))
+        active = list(range(len(seqs)))
+        for j in range(max(ks, default=0)):
+            active = [i for i in active if j < ks[i]]
+            if not active:
+                break
+            batch_feeds = [(feeds[i], feeds[i].token_ids) for i in active]
+            batch, last_rows = w_build(w, batch_feeds)
+            hidden = self.model.forward(batch, kv)
+            logits = self.model.logits(hidden[last_rows])
+            rows = []
+            for i in active:
+                state = w.requests[seqs[i].request_id]
+                history = state.tokens + drafts[i]
+                rows.append(w.sampler_row(state, len(history), history))
+            probs = w.sampler.distribution(logits, rows)
+            picked = w.sampler.sample(probs, rows, stream=DRAFT)
+            for r, i in enumerate(active):
+                probs_buf[i, j].copy_(probs[r])
+                drafts[i].append(picked[r])
+                pos = feeds[i].start_pos + len(feeds[i].token_ids)
+                spec.draft_len[seqs[i].request_id] = pos
+                feeds[i] = attrs.evolve(feeds[i], start_pos=pos, token_ids=[picked[r]])
+        return drafts, [probs_buf[i] for i in range(len(seqs))]
+
+
+def w_build(worker, feeds):
+    from memstep.executors.batch_builder import build_batch
+
+    return build_batch(feeds, worker.cfg.block_size, worker.device)

@@ -1,0 +1,139 @@
+"""Speculative decoding: propose drafts, verify them in one target forward, accept losslessly.
+
+Acceptance is standard speculative sampling: draft d drawn from q is kept with probability
+min(1, p(d) / q(d)); on rejection the token is drawn from max(0, p - q) renormalised; if every
+draft is kept a bonus token is drawn from the next target distribution.  With a greedy target p
+is one-hot, so the output equals non-speculative greedy decoding token for token.  Every random
+draw is keyed by (seed, position, stream), so results do not depend on the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+from memstep.events.plan import SeqPlan, SeqResult
+from memstep.executors.llama import LlamaModel
+from memstep.executors.proposers import DraftModelProposer, ngram_propose
+from memstep.executors.random_stream import ACCEPT, SAMPLE, uniform
+from memstep.executors.sampler import Row, inverse_cdf, top_logprobs
+from memstep.states.kinds import draft_config
+
+
+class SpecDecoder:
+    def __init__(self, worker):
+        self.worker = worker
+        cfg = worker.cfg
+        self.k = cfg.num_speculative_tokens
+        self.draft: DraftModelProposer | None = None
+        if cfg.speculative_method == "draft":
+            dcfg = draft_config(cfg, worker.model_cfg)
+            weights = worker.weights
+            if cfg.draft_model is not None:
+                from memstep.core.model_source import resolve
+                from memstep.executors.weights import load_weights
+
+                source = resolve(cfg.draft_model, cfg.seed)
+                weights = load_weights(source, dcfg, worker.dtype, worker.device)
+            model = LlamaModel(dcfg, weights, worker.max_model_len + self.k + 16)
+            self.draft = DraftModelProposer(worker, model)
+
+    def forget(self, request_id: str) -> None:
+        self.worker.kinds["spec"].forget(request_id)
+
+    def _propose(self, seqs: list[SeqPlan]) -> tuple[list[list[int]], list]:
+        w = self.worker
+        cfg = w.cfg
+        for seq in seqs:
+            if seq.start_pos == 0:
+                self.forget(seq.request_id)  # new or recomputed: the draft KV knows nothing
+        if self.draft is not None:
+            return self.draft.propose(seqs, [seq.num_drafts for seq in seqs])
+        drafts = [
+            ngram_propose(
+                w.requests[s.request_id].tokens, s.num_drafts, cfg.ngram_max, cfg.ngram_min
+            )
+            for s in seqs
+        ]
+        return drafts, [None] * len(seqs)
+
+    def run(self, plan) -> tuple[list[SeqResult], torch.Tensor]:
+        w = self.worker
+        spec_seqs = [
+            s for s in plan.seqs if s.samples and s.num_drafts > 0 and len(s.token_ids) == 1
+        ]
+        drafts_of: dict[str, list[int]] = {}
+        q_of: dict[str, object] = {}
+        if spec_seqs:
+            drafts, qs = self._propose(spec_seqs)
+            for seq, d, q in zip(spec_seqs, drafts, qs, strict=True):
+                drafts_of[seq.request_id], q_of[seq.request_id] = d, q
+        feeds = [(s, s.token_ids + drafts_of.get(s.request_id, [])) for s in plan.seqs]
+        hidden, last_rows = w.forward(feeds)
+        rows_idx: list[int] = []
+        sample_rows: list[Row] = []
+        owners: list[tuple[SeqPlan, int]] = []  # (seq, number of rows it owns)
+        for (seq, _), last in zip(feeds, last_rows, strict=True):
+            if not seq.samples:
+                continue
+            state = w.requests[seq.request_id]
+            drafts = drafts_of.get(seq.request_id, [])
+            n = len(drafts) + 1
+            rows_idx.extend(range(last - n + 1, last + 1))
+            base = len(state.tokens)
+            for j in range(n):
+                history = state.tokens + drafts[:j]
+                sample_rows.append(w.sampler_row(state, base + j, history))
+            owners.append((seq, n))
+        h = hidden[rows_idx]
+        if not owners:
+            return [], h
+        logits = w.model.logits(h)
+        raw = logits.clone() if any(r.params.logprobs for r in sample_rows) else None
+        probs = w.sampler.distribution(logits, sample_rows)
+        results = []
+        offset = 0
+        for seq, n in owners:
+            drafts = drafts_of.get(seq.request_id, [])
+            rows = sample_rows[offset : offset + n]
+            q = q_of.get(seq.request_id)
+            tokens, accepted = accept_drafts(probs[offset : offset + n], rows, drafts, q)
+            logprobs = []
+            if raw is not None and rows[0].params.logprobs:
+                logprobs = top_logprobs(
+                    raw[offset : offset + len(tokens)], tokens, rows[0].params.logprobs
+                )
+            results.append(SeqResult(seq.request_id, tokens, logprobs, len(drafts), accepted))
+            if self.draft is not None and seq.request_id in drafts_of:
+                spec = w.kinds["spec"]
+                base = len(w.requests[seq.request_id].tokens)
+                spec.draft_len[seq.request_id] = base + min(accepted, max(len(drafts) - 1, 0))
+            offset += n
+        return results, h
+
+
+def accept_drafts(p: torch.Tensor, rows: list[Row], drafts: list[int], q) -> tuple[list[int], int]:
+    """Tokens appended (accepted drafts, then one more) and how many drafts were accepted.
+
+    p: [len(drafts) + 1, V] target distributions; q: [>= len(drafts), V] draft distributions,
+    or None for a deterministic proposer (q one-hot at the draft)."""
+    out: list[int] = []
+    for j, d in enumerate(drafts):
+        pos, seed = rows[j].position, rows[j].params.seed
+        q_d = 1.0 if q is None else float(q[j, d])
+        p_d = float(p[j, d])
+        if q_d > 0 and uniform(seed, pos, ACCEPT) < p_d / q_d:
+            out.append(d)
+            continue
+        residual = p[j].clone()
+        if q is None:
+            residual[d] = 0.0
+        else:
+            residual = (residual - q[j]).clamp_(min=0.0)
+        if float(residual.sum()) <= 0.0:
+            residual = p[j].clone()
+        u = torch.tensor([uniform(seed, pos, SAMPLE)])
+        out.append(inverse_cdf(residual[None], u, torch.empty_like(residual[None]))[0])
+        return out, j
+    j = len(drafts)
+    u = torch.tensor([uniform(rows[j].params.seed, rows[j].position, SAMPLE)])
+    out.append(inverse_cdf(p[j : j + 1], u, torch.empty_like(p[j : j + 1]))[0])
+    return out, len(drafts)

@@ -1,0 +1,332 @@
+"""The CUDA executor on a real GPU: parity with Hugging Face, graphs against eager, memory after
+capture, and the planted leaks. CPU runs skip this module; on a GPU machine:
+
+    python -m pytest -q -m gpu tests/executors/test_gpu.py
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+
+import pytest
+import torch
+from memstep.core.config import EngineConfig
+from memstep.core.engine import Engine
+from memstep.core.sampling_params import SamplingParams
+from memstep.events.plan import SeqPlan
+from memstep.events.types import LeakSuspected, StepFinished
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+SMOL = "random:smollm2-135m"
+NEW_TOKENS = 64
+
+
+def make_engine(dtype: str, sinks=(), **overrides) -> Engine:
+    base = dict(
+        model=SMOL,
+        dtype=dtype,
+        max_num_seqs=8,
+        max_model_len=512,
+        num_kv_blocks=1024,
+        max_num_batched_tokens=512,
+    )
+    return Engine(EngineConfig(**(base | overrides)), sinks=sinks)
+
+
+def release(engine: Engine) -> None:
+    engine.shutdown()
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def random_prompts(lengths: list[int], vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def fp32_engine():
+    engine = make_engine("float32")
+    yield engine
+    release(engine)
+
+
+@pytest.fixture(scope="module")
+def bf16_engine():
+    engine = make_engine("bfloat16")
+    yield engine
+    release(engine)
+
+
+def hf_model_of(engine: Engine, dtype: torch.dtype | None = None):
+    pytest.importorskip("transformers")
+    from memstep.executors.hf_reference import hf_llama
+
+    worker = engine.executor.worker
+    weights = worker.weights
+    if dtype is not None:
+        weights = {name: t.to(dtype) for name, t in weights.items()}
+    return hf_llama(weights, worker.model_cfg)
+
+
+def hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt], device="cuda")
+    with torch.inference_mode():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+# --- correctness -------------------------------------------------------------------------------
+
+
+def test_greedy_matches_transformers_fp32_in_one_batch(fp32_engine):
+    worker = fp32_engine.executor.worker
+    assert worker.graphs is not None and worker.graphs.graphs, "decode graphs were captured"
+    prompts = random_prompts([3, 9, 17, 26, 38, 51, 77, 120], worker.model_cfg.vocab_size, 1)
+    replays = worker.graphs.num_replays
+
+    ours = fp32_engine.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+
+    assert worker.graphs.num_replays - replays >= NEW_TOKENS - 1, "decode ran from graphs"
+    hf = hf_model_of(fp32_engine)
+    for prompt, done in zip(prompts, ours, strict=True):
+        assert done.token_ids == hf_greedy(hf, prompt, NEW_TOKENS)
+
+
+def _feeds(prompts, conts, step: int, block_size: int, pages_per_seq: int):
+    """Step 0 prefills each prompt; step j > 0 feeds cont[j-1] at its position."""
+    feeds = []
+    for i, (prompt, cont) in enumerate(zip(prompts, conts, strict=True)):
+        table = list(range(i * pages_per_seq, (i + 1) * pages_per_seq))
+        tokens = prompt if step == 0 else [cont[step - 1]]
+        start = 0 if step == 0 else len(prompt) + step - 1
+        seq = SeqPlan(f"s{i}", start, tokens, table, True, 0, len(prompt), {})
+        feeds.append((seq, tokens))
+    return feeds
+
+
+def our_logits(engine: Engine, prompts, conts) -> list[torch.Tensor]:
+    """[num_seqs, vocab] fp32 logits after the prefill and after each teacher-forced decode."""
+    worker = engine.executor.worker
+    pages = -(-(max(map(len, prompts)) + len(conts[0]) + 1) // worker.cfg.block_size)
+    steps = []
+    with torch.inference_mode():
+        for step in range(len(conts[0]) + 1):
+            feeds = _feeds(prompts, conts, step, worker.cfg.block_size, pages)
+            assert worker.graphs.can_run(feeds) == (step > 0)
+            hidden, last_rows = worker.forward(feeds)
+            steps.append(worker.model.logits(hidden[last_rows]).float())
+    return steps
+
+
+def hf_logits(model, prompts, conts) -> list[torch.Tensor]:
+    rows: list[list[torch.Tensor]] = [[] for _ in range(len(conts[0]) + 1)]
+    with torch.inference_mode():
+        for prompt, cont in zip(prompts, conts, strict=True):
+            ids = torch.tensor([prompt + cont], device="cuda")
+            logits = model(ids).logits[0].float()
+            for step in range(len(cont) + 1):
+                rows[step].append(logits[len(prompt) - 1 + step])
+    return [torch.stack(r) for r in rows]
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual - expected).norm() / expected.norm()).item()
+
+
+BF16_LOGITS_TOLERANCE = 3e-2  # relative L2 error of bf16 logits against the fp32 reference
+
+
+def test_bf16_logits_match_fp32_reference_within_tolerance(bf16_engine):
+    vocab = bf16_engine.model_cfg.vocab_size
+    prompts = random_prompts([5, 23, 40, 61], vocab, 2)
+    conts = random_prompts([8] * 4, vocab, 3)
+
+    ours = our_logits(bf16_engine, prompts, conts)
+
+    ref = hf_logits(hf_model_of(bf16_engine, torch.float32), prompts, conts)
+    errors = [relative_error(o, r) for o, r in zip(ours, ref, strict=True)]
+    print(f"bf16 logits relative error per step (prefill, then decodes): {errors}")
+    assert max(errors) < BF16_LOGITS_TOLERANCE
+
+
+def test_fp32_prefill_and_graph_decode_logits_match_reference(fp32_engine):
+    vocab = fp32_engine.model_cfg.vocab_size
+    prompts = random_prompts([5, 23, 40], vocab, 4)
+    conts = random_prompts([6] * 3, vocab, 5)
+
+    ours = our_logits(fp32_engine, prompts, conts)
+
+    ref = hf_logits(hf_model_of(fp32_engine), prompts, conts)
+    errors = [relative_error(o, r) for o, r in zip(ours, ref, strict=True)]
+    assert max(errors) < 1e-4, errors
+
+
+@pytest.mark.parametrize("engine_name", ["fp32_engine", "bf16_engine"])
+def test_graph_replay_equals_eager_decode(engine_name, request):
+    engine = request.getfixturevalue(engine_name)
+    worker = engine.executor.worker
+    runner = worker.graphs
+    vocab = engine.model_cfg.vocab_size
+    prompts = random_prompts([7, 30, 19], vocab, 6)
+    conts = random_prompts([1] * 3, vocab, 7)
+    pages = 4
+    with torch.inference_mode():
+        worker.forward(_feeds(prompts, conts, 0, worker.cfg.block_size, pages))
+        feeds = _feeds(prompts, conts, 1, worker.cfg.block_size, pages)
+        k_before = worker.kv[0][0].clone()
+
+        graphed = worker.model.logits(runner.run(feeds)[0]).clone()  # padded to 4 rows
+        assert runner.padded_size(3) == 4 and 4 in runner.graphs
+        runner.inputs.fill(feeds, 4)
+        eager_same_kernels = worker.model.logits(runner.decode(4)[:3]).clone()
+        worker.graphs = None  # the torch path of the model itself
+        try:
+            hidden, last_rows = worker.forward(feeds)
+        finally:
+            worker.graphs = runner
+        eager_torch = worker.model.logits(hidden[last_rows])
+
+    assert torch.equal(graphed, eager_same_kernels)
+    tolerance = 1e-5 if engine.executor.worker.dtype == torch.float32 else 2e-2
+    assert relative_error(graphed, eager_torch) < tolerance
+    # only the three decoded slots of the KV cache changed: padding rows wrote nothing
+    changed = (worker.kv[0][0] != k_before).any(dim=-1).any(dim=-1).nonzero().tolist()
+    slots = sorted(page * worker.cfg.block_size + off for page, off in changed)
+    expected = sorted(
+        seq.block_table[seq.start_pos // worker.cfg.block_size] * worker.cfg.block_size
+        + seq.start_pos % worker.cfg.block_size
+        for seq, _ in feeds
+    )
+    assert slots == expected
+
+
+# --- memory ------------------------------------------------------------------------------------
+
+
+def allocator_figures() -> tuple[int, int]:
+    torch.cuda.synchronize()
+    stats = torch.cuda.memory_stats()
+    return stats["segment.all.current"], stats["reserved_bytes.all.current"]
+
+
+def random_params(rng: random.Random) -> SamplingParams:
+    greedy = rng.random() < 0.3
+    return SamplingParams(
+        max_tokens=rng.randint(2, 24),
+        temperature=0.0 if greedy else rng.uniform(0.2, 1.5),
+        top_p=rng.choice([1.0, 0.9, 0.5]),
+        top_k=rng.choice([0, 0, 20, 200]),
+        min_p=rng.choice([0.0, 0.0, 0.05]),
+        repetition_penalty=rng.choice([1.0, 1.0, 1.2]),
+        logprobs=rng.choice([0, 0, 0, 3]),
+        seed=rng.randrange(2**32),
+        ignore_eos=True,
+    )
+
+
+def rising_traffic(engine: Engine, num_requests: int, max_concurrency: int, seed: int) -> int:
+    """Waves of requests with random sampling whose size climbs 1, 2, 4, ... max_concurrency and
+    stays there; half of each wave joins one step late, so mixed steps occur. Steps run."""
+    rng = random.Random(seed)
+    vocab = engine.model_cfg.vocab_size
+    added = steps = 0
+    wave = 1
+    while added < num_requests:
+        size = min(wave, num_requests - added)
+        for i in range(size):
+            if i == size // 2 and i > 0:
+                engine.step()
+                steps += 1
+            prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 200))]
+            engine.add_request(prompt, random_params(rng))
+            added += 1
+        while engine.has_work():
+            engine.step()
+            steps += 1
+        wave = min(2 * wave, max_concurrency)
+    return steps
+
+
+def test_no_new_allocator_segments_after_warmup_and_capture():
+    leaks: list[LeakSuspected] = []
+    sink = lambda rec: leaks.append(rec) if isinstance(rec, LeakSuspected) else None  # noqa: E731
+    engine = make_engine("bfloat16", sinks=[sink], max_num_seqs=32)
+    try:
+        segments, reserved = allocator_figures()
+
+        steps = rising_traffic(engine, num_requests=400, max_concurrency=32, seed=8)
+
+        assert steps > 300
+        assert engine.executor.worker.graphs.num_replays > steps // 2
+        assert allocator_figures() == (segments, reserved)
+        assert leaks == []
+    finally:
+        release(engine)
+
+
+@pytest.mark.parametrize("plant", ["no_spec_hidden_states", "sampler_scratch"])
+def test_planted_leaks_are_flagged_on_the_gpu(plant):
+    leaks: list[LeakSuspected] = []
+    sink = lambda rec: leaks.append(rec) if isinstance(rec, LeakSuspected) else None  # noqa: E731
+    engine = make_engine("bfloat16", sinks=[sink], debug_plant_leak=plant)
+    try:
+        prompts = random_prompts([12] * 4, engine.model_cfg.vocab_size, 9)
+        for prompt in prompts:
+            engine.add_request(prompt, SamplingParams(max_tokens=80, ignore_eos=True))
+        first = engine.step_no
+        while engine.has_work() and not leaks:
+            engine.step()
+        assert leaks, f"{plant} was not flagged"
+        assert leaks[0].kind == "no_spec"
+        assert leaks[0].step - first <= 50
+    finally:
+        release(engine)
+
+
+def test_spec_disabled_by_batch_size_keeps_memory_allocated_over_each_no_spec_stretch():
+    records: list[StepFinished] = []
+    sink = lambda rec: records.append(rec) if isinstance(rec, StepFinished) else None  # noqa: E731
+    engine = make_engine(
+        "bfloat16", sinks=[sink], speculative_method="ngram", speculative_disable_by_batch_size=2
+    )
+    try:
+        vocab = engine.model_cfg.vocab_size
+        engine.add_request(
+            random_prompts([20], vocab, 10)[0], SamplingParams(max_tokens=300, ignore_eos=True)
+        )
+        for wave in range(2):
+            for _ in range(8):
+                engine.step()  # one request alone: spec
+            for prompt in random_prompts([15, 30, 45, 60], vocab, 11 + wave):
+                engine.add_request(prompt, SamplingParams(max_tokens=60, ignore_eos=True))
+            while len(engine.requests) > 1:
+                engine.step()  # five running: no_spec
+        while engine.has_work():
+            engine.step()
+
+        stretches: list[list[StepFinished]] = []
+        for rec in records:
+            if rec.kind == "no_spec" and stretches and stretches[-1][-1].step == rec.step - 1:
+                stretches[-1].append(rec)
+            elif rec.kind == "no_spec":
+                stretches.append([rec])
+        assert any(rec.kind == "spec" for rec in records)
+        assert len(stretches) >= 2 and all(len(s) > 20 for s in stretches[:2])
+        for stretch in stretches:
+            assert stretch[0].memory.live_bytes == stretch[-1].memory.live_bytes
+    finally:
+        release(engine)

@@ -1,0 +1,134 @@
+"""Speculative decoding is lossless: greedy equals greedy, sampled tokens follow the target."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from memstep.core.config import EngineConfig
+from memstep.core.engine import Engine
+from memstep.core.sampling_params import SamplingParams
+from memstep.executors.proposers import ngram_propose
+from memstep.executors.sampler import Row
+from memstep.executors.spec_decode import accept_drafts
+
+MAX_TOKENS = [6 + 3 * i for i in range(8)]
+
+
+def greedy(i: int) -> SamplingParams:
+    return SamplingParams(max_tokens=MAX_TOKENS[i], ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(smol_engine, chat_prompts):
+    params = [greedy(i) for i in range(8)]
+    return [c.token_ids for c in smol_engine.generate(chat_prompts, params)]
+
+
+def run_crossing(engine: Engine, prompts) -> tuple[dict[str, list[int]], str, dict]:
+    """3 requests (spec), then 5 more join (no_spec), then they drain (spec again)."""
+    kinds: list[str] = []
+    spans: dict[str, set] = {}
+    engine.sinks.append(
+        lambda r: (
+            type(r).__name__ == "StepFinished"
+            and (
+                kinds.append(r.kind),
+                [spans.setdefault(rid, set()).add(r.kind) for rid, _ in r.sampled],
+            )
+        )
+    )
+    ids = [engine.add_request(prompts[i], greedy(i), request_id=f"p{i}") for i in range(3)]
+    tokens: dict[str, list[int]] = {}
+    for _ in range(3):
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    ids += [engine.add_request(prompts[i], greedy(i), request_id=f"p{i}") for i in range(3, 8)]
+    while engine.has_work():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    engine.sinks.pop()
+    assert sorted(tokens) == sorted(ids)
+    return tokens, "".join("s" if k == "spec" else "n" for k in kinds), spans
+
+
+@pytest.mark.parametrize(
+    "method, k",
+    [("ngram", 1), ("ngram", 3), ("ngram", 5), ("draft", 1), ("draft", 3), ("draft", 5)],
+)
+def test_greedy_spec_equals_greedy_across_threshold_crossings(method, k, reference, chat_prompts):
+    cfg = EngineConfig(
+        dtype="float32",
+        speculative_method=method,
+        num_speculative_tokens=k,
+        speculative_disable_by_batch_size=4,
+        draft_layers=8,
+    )
+    engine = Engine(cfg)
+    tokens, kinds, spans = run_crossing(engine, chat_prompts)
+    for i in range(8):
+        assert tokens[f"p{i}"] == reference[i], f"prompt {i} differs under {method} k={k}"
+    assert kinds.startswith("s") and "sn" in kinds and "ns" in kinds, kinds
+    # requests that started in spec continued in no_spec and vice versa
+    assert spans["p0"] == {"spec", "no_spec"}
+    assert any(spans[f"p{i}"] == {"spec", "no_spec"} for i in range(3, 8))
+    assert engine.blocks.num_used == 0
+
+
+def test_acceptance_is_counted(chat_prompts):
+    engine = Engine(EngineConfig(dtype="float32", speculative_method="draft", draft_layers=30))
+    finished = []
+    engine.sinks.append(lambda r: type(r).__name__ == "StepFinished" and finished.append(r))
+    engine.generate(chat_prompts[:2], SamplingParams(max_tokens=12, ignore_eos=True))
+    proposed = sum(r.num_proposed for r in finished)
+    accepted = sum(r.num_accepted for r in finished)
+    assert proposed > 0 and accepted == proposed, "a draft identical to the target is always right"
+
+
+def test_ngram_lookup():
+    assert ngram_propose([1, 2, 3, 4, 1, 2], 2, 3, 1) == [3, 4]
+    assert ngram_propose([5, 6, 7], 3, 3, 1) == []
+    assert ngram_propose([1, 2, 9, 1, 2, 8, 1, 2], 1, 2, 1) == [8], "latest occurrence wins"
+
+
+# --- the acceptance rule, statistically -------------------------------------------------------
+
+P = torch.tensor([0.05, 0.30, 0.10, 0.25, 0.20, 0.10])
+Q = torch.tensor([0.40, 0.05, 0.25, 0.10, 0.10, 0.10])
+TRIALS = 12000
+
+
+def first_tokens(rule, q_is_none: bool) -> torch.Tensor:
+    counts = torch.zeros(len(P))
+    gen = torch.Generator().manual_seed(0)
+    for seed in range(TRIALS):
+        params = SamplingParams(temperature=1.0, seed=seed)
+        rows = [Row(params, 10, [], 0), Row(params, 11, [], 0)]
+        q = None if q_is_none else Q[None]
+        draft = 1 if q_is_none else int(torch.multinomial(Q, 1, generator=gen))
+        tokens, _ = rule(torch.stack([P, P]), rows, [draft], q)
+        counts[tokens[0]] += 1
+    return counts
+
+
+def chi_square(counts: torch.Tensor) -> float:
+    expected = P * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+CRITICAL = 20.5  # chi-square, 5 degrees of freedom, p = 0.001
+
+
+@pytest.mark.parametrize("q_is_none", [False, True])
+def test_sampled_tokens_follow_the_target_distribution(q_is_none):
+    assert chi_square(first_tokens(accept_drafts, q_is_none)) < CRITICAL
+
+
+def test_a_wrong_acceptance_rule_fails_the_same_test():
+    def always_accept(p, rows, drafts, q):
+        return list(drafts), len(drafts)
+
+    def ignore_q(p, rows, drafts, q):  # accepts with p(d) instead of p(d) / q(d)
+        return accept_drafts(p, rows, drafts, None)
+
+    assert chi_square(first_tokens(always_accept, False)) > CRITICAL
+    assert chi_square(first_tokens(ignore_q, False)) > CRITICAL

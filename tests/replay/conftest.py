@@ -1,0 +1,51 @@
+"""Logs recorded once per session: the real model with speculative toggling, and a tiny one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import attrs
+import pytest
+from memstep.core.config import EngineConfig
+from replay_helpers import Workload, record
+
+# Waves of requests; a wave comes when the previous one is down to two live requests, so the
+# batch crosses speculative_disable_by_batch_size both ways many times.
+WAVES = [20, 3, 24, 2, 1, 22, 3, 20, 2, 25, 3, 20, 1, 22, 2, 20, 3, 18]
+SPEC = dict(
+    speculative_method="ngram", num_speculative_tokens=3, speculative_disable_by_batch_size=4
+)
+
+
+@attrs.frozen
+class RecordedLog:
+    path: Path
+    cfg: EngineConfig
+    workload: Workload
+
+
+@pytest.fixture(scope="session")
+def smol_log(tmp_path_factory) -> RecordedLog:
+    """SmolLM2-135M, 16 sequences, n-gram speculation below 4 running requests, 211 requests."""
+    cfg = EngineConfig(model="smollm2", num_threads=1, **SPEC)
+    path = tmp_path_factory.mktemp("smol") / "run.memlog"
+    return RecordedLog(path, cfg, record(path, cfg, WAVES))
+
+
+@pytest.fixture(scope="session")
+def leak_log(tmp_path_factory) -> RecordedLog:
+    """SmolLM2 with the speculative worker's incident planted: hidden states kept on the
+    no-spec path (taken when the batch reaches 4) and never given back."""
+    cfg = EngineConfig(
+        model="smollm2", num_threads=1, debug_plant_leak="no_spec_hidden_states", **SPEC
+    )
+    path = tmp_path_factory.mktemp("leak") / "run.memlog"
+    return RecordedLog(path, cfg, record(path, cfg, [8, 2], max_tokens=(6, 8), abort_every=100))
+
+
+@pytest.fixture(scope="session")
+def tiny_log(tmp_path_factory) -> RecordedLog:
+    """The tiny random model, 8 sequences, the same speculative toggling, 42 requests."""
+    cfg = EngineConfig(model="random:tiny", max_num_seqs=8, num_threads=1, **SPEC)
+    path = tmp_path_factory.mktemp("tiny") / "run.memlog"
+    return RecordedLog(path, cfg, record(path, cfg, [10, 2, 12, 3, 1, 14], abort_every=7))
