@@ -1,3 +1,3 @@
-"""memstep: an LLM serving engine built as a step-level state machine with a replayable event log."""
+"""memstep: an LLM serving engine built as a step state machine with a replayable event log."""
 
 __version__ = "0.1.0"

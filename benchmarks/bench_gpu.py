@@ -217,6 +217,10 @@ def run_throughput(engine, clock: StepClock, batch: int, vocab: int) -> dict:
         "seconds": round(seconds, 3),
         "steps": len(clock.records),
         "decode_steps": decode_breakdown(clock.records, batch),
+        "first_steps_ms": [round(r["total"] * 1e3, 1) for r in clock.records[:8]],
+        "non_decode_seconds": round(
+            sum(r["total"] for r in clock.records if r["batch"] != batch), 3
+        ),
     }
 
 
@@ -262,7 +266,7 @@ def kernel_profile(worker, batch: int, context: int) -> list[dict]:
             torch.cuda.synchronize()
     rows = []
     for event in prof.key_averages():
-        us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+        us: float = getattr(event, "device_time_total", 0) or getattr(event, "cuda_time_total", 0)
         if us > 0:
             rows.append(
                 {
@@ -279,6 +283,7 @@ def attention_sweep(worker) -> list[dict]:
     """Decode attention on layer 0's real cache at the benchmark's context, per tile config
     (module constants patched for the sweep) and split-K partition size; L2 flushed per run."""
     from bench_kernels import median_ms
+
     from memstep.executors.kernels import DecodeWorkspace, paged_decode_attention
     from memstep.executors.kernels import paged_attention as pa
 

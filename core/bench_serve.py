@@ -20,6 +20,7 @@ from typing import Any
 
 import attrs
 import numpy as np
+
 from memstep.core.cli import add_engine_arguments, config_from_args
 from memstep.core.client import AsyncClient, ServerError
 from memstep.core.config import EngineConfig

@@ -11,6 +11,7 @@ import importlib
 import sys
 
 import attrs
+
 from memstep.core.config import ConfigError, EngineConfig
 from memstep.core.logging import setup_logging
 from memstep.core.model_source import ModelError
@@ -62,7 +63,7 @@ def config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="memstep", description=__doc__)
     parser.add_argument("--log-format", choices=["console", "json"], default="console")
-    parser.add_argument("--log-level", default="warning")
+    parser.add_argument("--log-level", default="info")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module_name, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text)

@@ -24,6 +24,7 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
+
 from memstep.events import codec
 from memstep.events.wire import (
     AbortReply,

@@ -109,11 +109,12 @@ def parse_override(text: str) -> tuple[str, Any]:
     if raw.lower() in ("none", "null"):
         return key, None
     default = fields[key].default
-    for kind in (bool, int, float):
-        if isinstance(default, kind):
+    kind: type = str
+    for candidate in (bool, int, float):
+        if isinstance(default, candidate):
+            kind = candidate
             break
     else:
-        kind = str
         if raw.lstrip("-").isdigit():
             kind = int
     if kind is bool:

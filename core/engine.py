@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 
 import attrs
 import structlog
+
 from memstep import __version__
 from memstep.core.block_manager import BlockManager
 from memstep.core.config import EngineConfig
@@ -164,7 +165,6 @@ class Engine:
     def _enter_kind(self, kind: str) -> None:
         if kind != self.state:
             table.check(self.state, kind)
-            log.info("kind", step=self.step_no, old=self.state, new=kind)
             self.state = kind
 
     def _plan(self, batch: StepBatch) -> StepPlan:
@@ -192,6 +192,17 @@ class Engine:
     def _record(self, batch: StepBatch, result: StepResult) -> list[RequestOutput]:
         for rec in [*result.exited, *result.entered]:
             self.emit(rec)
+        if result.entered:
+            log.info(
+                "kind",
+                step=self.step_no,
+                old=result.exited[0].kind if result.exited else None,
+                new=batch.kind,
+                batch_size=len(batch.seqs),
+                bytes_released=sum(r.bytes_released for r in result.exited),
+                bytes_claimed=sum(r.bytes_claimed for r in result.entered),
+                live_bytes=result.memory.live_bytes,
+            )
         by_id = {r.request_id: r for r in result.seqs}
         outputs: list[RequestOutput] = []
         sampled: list[list] = []
@@ -211,6 +222,8 @@ class Engine:
         proposed = sum(r.num_proposed for r in result.seqs)
         accepted = sum(r.num_accepted for r in result.seqs)
         self.emit(StepFinished(self.step_no, batch.kind, sampled, proposed, accepted, memory))
+        if proposed:
+            log.debug("spec step", step=self.step_no, proposed=proposed, accepted=accepted)
         for leak in result.leaks:
             log.warning("leak suspected", **attrs.asdict(leak))
             self.emit(leak)
@@ -246,6 +259,7 @@ class Engine:
             out.finished, out.finish_reason = True, reason
             out.prompt_tokens = req.num_prompt_tokens
             out.completion_tokens = len(req.output_token_ids)
+            out.num_proposed, out.num_accepted = req.num_proposed, req.num_accepted
         return out
 
     def _finish(self, req: Request, reason: str) -> None:
@@ -255,6 +269,14 @@ class Engine:
         del self.requests[req.request_id]
         usage = (req.num_prompt_tokens, len(req.output_token_ids))
         self.emit(RequestFinished(self.step_no, req.request_id, reason, *usage))
+        if req.num_proposed:
+            log.info(
+                "speculation",
+                request_id=req.request_id,
+                proposed=req.num_proposed,
+                accepted=req.num_accepted,
+                acceptance_rate=round(req.num_accepted / req.num_proposed, 3),
+            )
 
     def _flush_idle(self) -> list[RequestOutput]:
         return []
@@ -289,6 +311,8 @@ class Engine:
                         out.finish_reason or "",
                         out.prompt_tokens,
                         logprobs.pop(out.request_id),
+                        out.num_proposed,
+                        out.num_accepted,
                     )
         return done
 

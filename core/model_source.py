@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+
 from memstep.executors.model_config import PRESETS, ModelConfig
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

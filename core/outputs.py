@@ -15,6 +15,8 @@ class RequestOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     logprobs: list[list] = attrs.Factory(list)  # per new token: [logprob, [[id, logprob], ...]]
+    num_proposed: int = 0  # speculative drafts proposed for this request so far
+    num_accepted: int = 0
 
 
 @attrs.define
@@ -27,3 +29,9 @@ class Completion:
     finish_reason: str
     prompt_tokens: int
     logprobs: list[list] = attrs.Factory(list)
+    num_proposed: int = 0
+    num_accepted: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted / self.num_proposed if self.num_proposed else 0.0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from memstep.core.recorder import add_record_arguments, open_recorder
 from memstep.core.scenarios import SCENARIOS, format_table, run_scenario
 from memstep.events.types import LeakSuspected
 from memstep.states.planted import PLANTS
@@ -19,21 +20,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="test-only: run with a deliberate leak to see the detector fire",
     )
-    p.add_argument("--record", default=None, help="write the event log here")
+    add_record_arguments(p, by_default=True)
 
 
 def run(args: argparse.Namespace) -> int:
-    sinks = []
-    recorder = None
-    if args.record:
-        from memstep.core.recorder import open_recorder
-
-        recorder = open_recorder(args.record)
-        sinks.append(recorder)
+    recorder = open_recorder(args)
+    sinks = [recorder] if recorder is not None else []
     records, rows = run_scenario(args.name, args.steps, args.model, args.plant_leak, sinks)
     if recorder is not None:
         recorder.close()
     leaks = [r for r in records if isinstance(r, LeakSuspected)]
     print(f"scenario {args.name}, model {args.model}, sustained steps {args.steps}")
     print(format_table(rows, leaks))
+    if recorder is not None:
+        print(f"event log: {', '.join(str(p) for p in recorder.parts)}")
     return 1 if any(r.verdict != "ok" for r in rows) else 0

@@ -16,6 +16,7 @@ import random
 from collections.abc import Callable, Iterable
 
 import attrs
+
 from memstep.core.config import EngineConfig
 from memstep.core.engine import Engine
 from memstep.core.sampling_params import SamplingParams

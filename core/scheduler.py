@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import deque
 
 import attrs
+
 from memstep.core.block_manager import BlockManager
 from memstep.core.config import EngineConfig
 from memstep.core.request import Request, Status

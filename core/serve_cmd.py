@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import zmq
+from zmq.utils import z85
+
 from memstep.core.cli import add_engine_arguments, config_from_args
 from memstep.core.config import ConfigError
 from memstep.core.engine import Engine
@@ -28,7 +30,6 @@ from memstep.core.logging import setup_logging
 from memstep.core.recorder import add_record_arguments, open_recorder
 from memstep.core.server import Server, ServerConfig
 from memstep.executors.remote import ExecutorDied, ProcessExecutor
-from zmq.utils import z85
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -22,6 +22,8 @@ from typing import Any
 import attrs
 import structlog
 import zmq
+from zmq.utils import z85
+
 from memstep import __version__
 from memstep.core.config import ConfigError
 from memstep.core.engine import Engine, UnknownRequest
@@ -47,7 +49,6 @@ from memstep.events.wire import (
     decode_request,
 )
 from memstep.executors.remote import ExecutorDied, ExecutorFailed
-from zmq.utils import z85
 
 log = structlog.get_logger("memstep.server")
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import attrs
 import msgpack
+
 from memstep.events.types import REGISTRY
 
 MAX_RECORD_BYTES = 64 * 1024 * 1024  # payloads above this are refused before unpacking

@@ -27,6 +27,7 @@ from typing import Any, BinaryIO, Literal
 
 import attrs
 import msgpack
+
 from memstep import __version__
 from memstep.events import codec
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import attrs
 import msgpack
+
 from memstep.events import codec
 from memstep.events.types import MemoryReport, record
 

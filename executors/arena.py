@@ -12,6 +12,7 @@ import math
 import weakref
 
 import torch
+
 from memstep.events.types import LedgerEntry
 
 ALIGN = 256

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import torch
+
 from memstep.events.plan import SeqPlan
 from memstep.executors.attention import SHORT_QUERY, AttnGroup, ForwardBatch, build_group
+
+PREFILL_GROUP_TOKENS = 2048  # CUDA: most queries of equal prefill chunks in one attention call
 
 
 def slots_for(table: list[int], start: int, n: int, block_size: int) -> list[int]:
@@ -21,6 +24,7 @@ def build_batch(
     positions: list[int] = []
     slots: list[int] = []
     short: list[tuple[int, int, int, list[int]]] = []
+    equal: dict[tuple[int, int], list[tuple[int, int, int, list[int]]]] = {}
     groups: list[AttnGroup] = []
     last_rows: list[int] = []
     for seq, tokens in feeds:
@@ -32,8 +36,18 @@ def build_batch(
         item = (start_row, n, seq.start_pos + n, seq.block_table)
         if n <= SHORT_QUERY:
             short.append(item)
+        elif device.type == "cuda":
+            equal.setdefault((n, seq.start_pos + n), []).append(item)
         else:
             groups.append(build_group(*map(lambda x: [x], item), block_size, device))
+    # CUDA: equal chunks (same length, same context) share one attention call, up to
+    # PREFILL_GROUP_TOKENS queries, so a step of many short prompts is not launch-bound. The CPU
+    # keeps one call per chunk: its results then never depend on what else is in the batch.
+    for (n, _), items in equal.items():
+        per_group = max(1, PREFILL_GROUP_TOKENS // n)
+        for i in range(0, len(items), per_group):
+            cols = (list(col) for col in zip(*items[i : i + per_group], strict=True))
+            groups.append(build_group(*cols, block_size, device))
     if short:
         starts, q_lens, ctx, tables = (list(col) for col in zip(*short, strict=True))
         groups.insert(0, build_group(starts, q_lens, ctx, tables, block_size, device))

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 import torch
+
 from memstep.core.sampling_params import SamplingParams
 from memstep.events.plan import SeqPlan
 from memstep.executors.cuda_decode import DecodeForward, DecodeInputs, Feed, cdiv
@@ -64,7 +65,7 @@ class GraphRunner:
         self.inputs = DecodeInputs(max_num_seqs, max_blocks, block_size, device)
         self.decode = DecodeForward(model, kv_caches, self.inputs)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.pool = None
+        self.pool: tuple[int, int] | None = None  # the graphs' shared memory pool
         self.num_replays = 0
 
     def padded_size(self, n: int) -> int:
@@ -164,19 +165,26 @@ def peak_figures(worker: Worker) -> dict:
 
 
 def warm_eager(worker: Worker) -> None:
-    """The eager worst cases, as the profile measured them (`worst_case_prefill`), alone and
-    next to a full batch of decodes at the longest context. No request holds KV pages yet, so
-    any page may be written."""
+    """The eager shapes serving will see, so that serving finds every allocator segment it
+    needs: the profile's worst case (`worst_case_prefill`), one chunk of each size class (small
+    activations come from the allocator's small pool), budgets of equal short chunks, and
+    decodes next to a prefill. No request holds KV pages yet, so any page may be written."""
     cfg = worker.cfg
     max_len, budget = worker.max_model_len, cfg.max_num_batched_tokens
+    largest = min(budget, max_len)
     shapes = [worst_case_prefill(cfg, max_len)]
-    decodes = min(cfg.max_num_seqs - 1, budget - 1)
-    if decodes > 0:
-        pages = shapes[0][0].block_table
-        mixed = [
-            SeqPlan(f"d{i}", max_len - 1, [0], pages, True, 0, max_len, {}) for i in range(decodes)
-        ]
-        shapes.append(mixed + worst_case_prefill(cfg, max_len, budget - decodes))
+    sizes = sorted({min(largest, int(2 ** (i / 2))) for i in range(2 * largest.bit_length())})
+    shapes += [worst_case_prefill(cfg, max_len, n) for n in sizes if n > 1]
+    shapes += [worst_case_prefill(cfg, max_len, budget, n) for n in (16, 128, 512) if n < largest]
+    pages = shapes[0][0].block_table
+    for k in sorted({1, 7, 31, cfg.max_num_seqs - 1}):
+        if 0 < k < budget and k < cfg.max_num_seqs:
+            decodes = [
+                SeqPlan(f"d{i}", max_len - 1, [0], pages, True, 0, max_len, {}) for i in range(k)
+            ]
+            shapes.append(decodes + worst_case_prefill(cfg, max_len, min(128, budget - k)))
+            if k == cfg.max_num_seqs - 1:
+                shapes.append(decodes + worst_case_prefill(cfg, max_len, budget - k))
     for seqs in shapes:
         hidden, last_rows = worker.forward([(seq, seq.token_ids) for seq in seqs])
         logits = worker.model.logits(hidden[last_rows])

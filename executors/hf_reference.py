@@ -8,6 +8,7 @@ from __future__ import annotations
 import inspect
 
 import torch
+
 from memstep.executors.model_config import ModelConfig
 from memstep.executors.weights import Weights
 

@@ -10,6 +10,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+
 from memstep.executors.attention import ForwardBatch, attention, write_kv
 from memstep.executors.model_config import ModelConfig
 from memstep.executors.weights import Weights

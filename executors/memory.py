@@ -27,6 +27,7 @@ class LiveTensorMeter:
         self._frozen: list[weakref.ref] = []
 
     def freeze(self) -> None:
+        gc.unfreeze()  # an earlier engine in this process may have frozen tensors still alive
         gc.collect()
         self._frozen += [
             weakref.ref(o)

@@ -10,6 +10,7 @@ from typing import Any
 
 import attrs
 import torch
+
 from memstep.core.config import EngineConfig
 from memstep.events.plan import SeqPlan
 from memstep.executors.arena import nbytes_of
@@ -42,15 +43,19 @@ def engine_max_model_len(cfg: EngineConfig, model_cfg: ModelConfig) -> int:
     return min(cfg.max_model_len or 2048, model_cfg.max_context)  # the engine's rule
 
 
-def worst_case_prefill(cfg: EngineConfig, max_len: int, tokens: int | None = None) -> list[SeqPlan]:
-    """Prefill chunks filling `tokens` (default: the step's token budget), each at most `max_len`
-    long and ending at the end of a `max_len` context: the largest activations and attention
-    temporaries a step can have. They all write the same KV pages, 0..ceil(max_len / block)."""
+def worst_case_prefill(
+    cfg: EngineConfig, max_len: int, tokens: int | None = None, chunk: int | None = None
+) -> list[SeqPlan]:
+    """Prefill chunks of `chunk` tokens (default `max_len`) filling `tokens` (default: the
+    step's token budget), each ending at the end of a `max_len` context: the largest
+    activations and attention temporaries a step can have. All write KV pages
+    0..ceil(max_len / block_size)."""
     tokens = cfg.max_num_batched_tokens if tokens is None else tokens
+    chunk = max_len if chunk is None else min(chunk, max_len)
     pages = list(range((max_len + cfg.block_size - 1) // cfg.block_size))
-    seqs = []
+    seqs: list[SeqPlan] = []
     while tokens > 0:
-        n = min(tokens, max_len)
+        n = min(tokens, chunk)
         seqs.append(SeqPlan(f"worst{len(seqs)}", max_len - n, [0] * n, pages, True, 0, max_len, {}))
         tokens -= n
     return seqs

@@ -13,15 +13,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shutil
 import sys
 import threading
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import structlog
 import zmq
+
 from memstep import __version__
 from memstep.core.logging import setup_logging
 from memstep.events import codec
@@ -91,12 +94,17 @@ class HeartbeatThread(threading.Thread):
         self.join()
 
 
-def core_watchdog(timeout: float) -> Callable[[HeartbeatThread], None]:
-    """End the executor when its parent (the core) dies or stops beating for `timeout` s."""
+def core_watchdog(timeout: float, socket_dir: Path | None) -> Callable[[HeartbeatThread], None]:
+    """End the executor when its parent (the core) dies or stops beating for `timeout` s.
+
+    A core that died cannot remove its socket dir; the executor does it on the way out.
+    """
     parent = os.getppid()
 
     def watch(beat: HeartbeatThread) -> None:
         if os.getppid() != parent:
+            if socket_dir is not None:
+                shutil.rmtree(socket_dir, ignore_errors=True)
             _exit("the core process is gone")
         if beat.silent_for() > timeout:
             _exit(f"no heartbeat from the core for {timeout:.1f} s")
@@ -174,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     setup_logging(args.log_format, args.log_level)
     ctx = zmq.Context()
-    watchdog = core_watchdog(args.core_timeout)
+    ipc = args.endpoint.removeprefix("ipc://")
+    watchdog = core_watchdog(args.core_timeout, Path(ipc).parent if ipc != args.endpoint else None)
     beat = HeartbeatThread(
         ctx,
         args.heartbeat_endpoint,

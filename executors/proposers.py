@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import attrs
 import torch
+
 from memstep.events.plan import SeqPlan
 from memstep.executors.random_stream import DRAFT
 

@@ -27,6 +27,7 @@ from typing import TypeVar
 
 import structlog
 import zmq
+
 from memstep.core.config import EngineConfig
 from memstep.events import codec
 from memstep.events.plan import PhaseReply, PhaseRequest, StepPlan, StepResult

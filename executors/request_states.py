@@ -7,6 +7,7 @@ penalties and proposers see the whole sequence.  `forget` is called for every fi
 from __future__ import annotations
 
 import attrs
+
 from memstep.core.sampling_params import SamplingParams
 from memstep.events.plan import SeqPlan
 

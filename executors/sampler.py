@@ -12,6 +12,7 @@ from collections import Counter
 
 import attrs
 import torch
+
 from memstep.core.sampling_params import SamplingParams
 from memstep.executors.random_stream import SAMPLE, uniform
 
@@ -30,11 +31,11 @@ class Sampler:
     def __init__(self, max_rows: int, vocab_size: int, device: torch.device):
         self.max_rows = max_rows
         self.vocab_size = vocab_size
-        f32 = dict(dtype=torch.float32, device=device)
-        self.probs = torch.zeros(max_rows, vocab_size, **f32)
-        self.sorted = torch.zeros(max_rows, vocab_size, **f32)
+        f32 = torch.float32
+        self.probs = torch.zeros(max_rows, vocab_size, dtype=f32, device=device)
+        self.sorted = torch.zeros(max_rows, vocab_size, dtype=f32, device=device)
         self.order = torch.zeros(max_rows, vocab_size, dtype=torch.long, device=device)
-        self.uniforms = torch.zeros(max_rows, **f32)
+        self.uniforms = torch.zeros(max_rows, dtype=f32, device=device)
 
     @property
     def nbytes(self) -> int:

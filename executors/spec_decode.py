@@ -10,6 +10,7 @@ draw is keyed by (seed, position, stream), so results do not depend on the batch
 from __future__ import annotations
 
 import torch
+
 from memstep.events.plan import SeqPlan, SeqResult
 from memstep.executors.llama import LlamaModel
 from memstep.executors.proposers import DraftModelProposer, ngram_propose
@@ -75,12 +76,12 @@ class SpecDecoder:
             if not seq.samples:
                 continue
             state = w.requests[seq.request_id]
-            drafts = drafts_of.get(seq.request_id, [])
-            n = len(drafts) + 1
+            seq_drafts = drafts_of.get(seq.request_id, [])
+            n = len(seq_drafts) + 1
             rows_idx.extend(range(last - n + 1, last + 1))
             base = len(state.tokens)
             for j in range(n):
-                history = state.tokens + drafts[:j]
+                history = state.tokens + seq_drafts[:j]
                 sample_rows.append(w.sampler_row(state, base + j, history))
             owners.append((seq, n))
         h = hidden[rows_idx]
@@ -92,20 +93,21 @@ class SpecDecoder:
         results = []
         offset = 0
         for seq, n in owners:
-            drafts = drafts_of.get(seq.request_id, [])
+            seq_drafts = drafts_of.get(seq.request_id, [])
             rows = sample_rows[offset : offset + n]
             q = q_of.get(seq.request_id)
-            tokens, accepted = accept_drafts(probs[offset : offset + n], rows, drafts, q)
+            tokens, accepted = accept_drafts(probs[offset : offset + n], rows, seq_drafts, q)
             logprobs = []
             if raw is not None and rows[0].params.logprobs:
                 logprobs = top_logprobs(
                     raw[offset : offset + len(tokens)], tokens, rows[0].params.logprobs
                 )
-            results.append(SeqResult(seq.request_id, tokens, logprobs, len(drafts), accepted))
+            proposed = len(seq_drafts)
+            results.append(SeqResult(seq.request_id, tokens, logprobs, proposed, accepted))
             if self.draft is not None and seq.request_id in drafts_of:
                 spec = w.kinds["spec"]
                 base = len(w.requests[seq.request_id].tokens)
-                spec.draft_len[seq.request_id] = base + min(accepted, max(len(drafts) - 1, 0))
+                spec.draft_len[seq.request_id] = base + min(accepted, max(proposed - 1, 0))
             offset += n
         return results, h
 

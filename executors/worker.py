@@ -11,6 +11,7 @@ import gc
 
 import structlog
 import torch
+
 from memstep.core.config import EngineConfig
 from memstep.core.model_source import model_config, resolve
 from memstep.core.sampling_params import SamplingParams
@@ -97,8 +98,8 @@ class Worker:
         env = KindEnv(self.cfg, self.model_cfg, self.dtype, self.plan.num_kv_blocks)
         self.kinds = make_kinds(env)
         self.arena = Arena(self.plan.arena_bytes, self.device)
-        shape = (self.plan.num_kv_blocks, self.cfg.block_size)
-        shape += (self.model_cfg.num_kv_heads, self.model_cfg.head_dim)
+        mc = self.model_cfg
+        shape = (self.plan.num_kv_blocks, self.cfg.block_size, mc.num_kv_heads, mc.head_dim)
         self.kv = [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import attrs
+
 from memstep.events import codec
 
 Path = tuple[str | int, ...]

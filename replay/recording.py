@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+
 from memstep.events.log import LogFormatError, LogProblem, PathLike, read_log
 from memstep.events.types import EngineStarted, PhaseChanged, is_input
 

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import attrs
+
 from memstep.core.config import EngineConfig
 from memstep.core.engine import Engine, UnknownRequest, default_executor
 from memstep.core.sampling_params import InvalidRequest, SamplingParams

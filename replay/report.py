@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
+
 from memstep import __version__
 from memstep.replay.compare import Comparison, compare
 from memstep.replay.recording import Recording
@@ -18,6 +19,8 @@ from memstep.replay.whatif import WhatIf, what_if
 
 @attrs.frozen
 class ReplayReport:
+    """Everything `memstep replay` says about one replay; `exit_code` is its verdict."""
+
     log: str
     num_records: int  # intact records in the log
     num_inputs: int

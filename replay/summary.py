@@ -13,6 +13,7 @@ from collections import Counter
 from typing import Any
 
 import attrs
+
 from memstep.events.types import (
     LeakSuspected,
     PhaseChanged,

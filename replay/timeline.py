@@ -15,6 +15,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
+
 from memstep.events.types import LeakSuspected, StepFinished
 from memstep.replay.recording import Recording
 from memstep.replay.summary import summarize

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
+
 from memstep.replay.summary import LogSummary, summarize, tokens_by_request
 from memstep.replay.text_table import fmt_bytes
 

@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 
 import attrs
 import torch
+
 from memstep.core.config import EngineConfig
 from memstep.executors.arena import Arena, nbytes_of
 from memstep.executors.model_config import ModelConfig
@@ -109,8 +110,8 @@ class Spec(StepKind):
         ]
         if cfg.speculative_method == "draft":
             draft = draft_config(cfg, model)
-            shape = (2, draft.num_layers, self.env.num_kv_blocks, cfg.block_size)
-            shape += (draft.num_kv_heads, draft.head_dim)
+            blocks, size = self.env.num_kv_blocks, cfg.block_size
+            shape = (2, draft.num_layers, blocks, size, draft.num_kv_heads, draft.head_dim)
             specs.append(BufferSpec("draft_kv", shape, self.env.dtype))
         return specs
 

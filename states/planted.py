@@ -7,6 +7,7 @@ a plant replays with the same plant and the same leak report.
 from __future__ import annotations
 
 import torch
+
 from memstep.states.kinds import NoSpec, StepKind, StepOutputs
 
 

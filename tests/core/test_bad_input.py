@@ -9,6 +9,7 @@ import sys
 import gguf
 import numpy as np
 import pytest
+
 from memstep.core.config import ConfigError, EngineConfig
 from memstep.core.engine import Engine
 from memstep.core.model_source import ModelError, resolve

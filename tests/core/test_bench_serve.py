@@ -8,9 +8,10 @@ import math
 import statistics
 
 import pytest
+
 from memstep.core import bench_serve, serve_cmd
 from memstep.core.bench_serve import RequestResult, arrival_gaps, compute_metrics, server_flags
-from memstep.core.cli import config_from_args
+from memstep.core.cli import build_parser, config_from_args
 from memstep.core.config import EngineConfig
 from memstep.core.serve_cmd import ServerProcess
 
@@ -54,6 +55,12 @@ def test_server_flags_rebuild_the_same_engine_config():
     p = argparse.ArgumentParser()
     serve_cmd.add_arguments(p)
     assert config_from_args(p.parse_args(flags)) == cfg
+
+
+def test_memstep_bench_serve_reaches_this_module():
+    args = build_parser("bench").parse_args(["bench", "serve", "--num-prompts", "3", "--port", "9"])
+    assert args.bench_run is bench_serve.run
+    assert (args.num_prompts, args.port, args.request_rate) == (3, 9, math.inf)
 
 
 def test_bench_serve_starts_its_own_server_and_reports(tmp_path, capsys):

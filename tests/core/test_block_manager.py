@@ -5,6 +5,7 @@ from __future__ import annotations
 import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
 from memstep.core.block_manager import BlockManager
 
 NUM_BLOCKS, BLOCK_SIZE = 24, 4

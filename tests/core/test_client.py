@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+
 from memstep.core.client import AsyncClient, Client, ServerError
 from memstep.core.serve_cmd import ServerProcess
 from memstep.events.log import read_log

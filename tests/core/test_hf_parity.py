@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from memstep.core.model_source import shipped_gguf_path
 from memstep.core.sampling_params import SamplingParams
 
@@ -42,3 +43,38 @@ def test_greedy_matches_transformers_in_one_continuous_batch(smol_engine, chat_p
     for prompt, done in zip(chat_prompts, ours, strict=True):
         assert done.token_ids == hf_greedy(hf_model, prompt)
     assert "Paris" in ours[0].text
+
+
+def test_hugging_face_folder_loads_and_matches_the_gguf(hf_model, smol_engine, chat_prompts, tmp_path):
+    import transformers
+
+    from memstep.core.config import EngineConfig
+    from memstep.core.engine import Engine
+
+    path = shipped_gguf_path()
+    hf_model.save_pretrained(tmp_path)
+    tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tok.save_pretrained(tmp_path)
+    folder_engine = Engine(EngineConfig(model=str(tmp_path), dtype="float32", max_num_seqs=4))
+    assert folder_engine.tokenizer.encode("Hello world!") == smol_engine.tokenizer.encode("Hello world!")
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    ours = folder_engine.generate(chat_prompts[:3], params)
+    reference = smol_engine.generate(chat_prompts[:3], params)
+    assert [c.token_ids for c in ours] == [c.token_ids for c in reference]
+
+
+def test_llama3_rope_scaling_matches_transformers():
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from memstep.executors.llama import rope_inv_freq
+    from memstep.executors.model_config import PRESETS
+
+    cfg = PRESETS["llama-3.2-1b"]
+    hf_cfg = LlamaConfig(
+        hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_heads, head_dim=cfg.head_dim,
+        rope_theta=cfg.rope_theta, rope_scaling=dict(cfg.rope_scaling or {}),
+        max_position_embeddings=cfg.max_context,
+    )
+    want, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg, "cpu")
+    torch.testing.assert_close(rope_inv_freq(cfg), want.float(), rtol=1e-5, atol=1e-7)

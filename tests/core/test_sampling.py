@@ -6,6 +6,7 @@ import math
 from collections import Counter
 
 import torch
+
 from memstep.core.sampling_params import SamplingParams
 from memstep.executors.random_stream import uniform
 from memstep.executors.sampler import Row, Sampler, top_logprobs

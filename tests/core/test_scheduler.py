@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from memstep.core.config import EngineConfig
 from memstep.core.engine import Engine
 from memstep.core.sampling_params import SamplingParams

@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 import zmq
+
 from memstep.core.client import AsyncClient, Client
 from memstep.core.sampling_params import SamplingParams
 from memstep.core.serve_cmd import ServerProcess

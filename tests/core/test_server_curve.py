@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import zmq
+
 from memstep.core.client import Client
 from memstep.core.config import ConfigError
 from memstep.core.serve_cmd import ServerProcess, load_key, load_keys
@@ -66,7 +67,10 @@ def test_loopback_needs_no_keys(host):
 def test_other_addresses_need_curve(host):
     with pytest.raises(ConfigError, match="without CURVE"):
         ServerConfig(host=host)
-    assert ServerConfig(host=host, curve_secret_key=SERVER_SECRET, curve_client_keys={b"k"})
+    allowed = frozenset({CLIENT_PUBLIC})
+    assert ServerConfig(
+        host=host, curve_secret_key=SERVER_SECRET, curve_client_keys=allowed
+    ).uses_curve
 
 
 def test_curve_needs_both_halves():

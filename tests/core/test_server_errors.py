@@ -7,6 +7,7 @@ import math
 import msgpack
 import pytest
 import zmq
+
 from memstep.core.client import Client, ServerError
 from memstep.core.serve_cmd import ServerProcess
 from memstep.events import codec

@@ -7,6 +7,7 @@ import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from memstep.core.client import Client
 from memstep.core.serve_cmd import ServerProcess
 from memstep.events import codec

@@ -10,6 +10,7 @@ import msgpack
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
 from memstep.events import codec, plan
 from memstep.events.codec import CodecError, decode, encode, from_obj, to_obj
 from memstep.events.types import (

@@ -10,9 +10,10 @@ from datetime import datetime
 from pathlib import Path
 
 import attrs
-import memstep
 import msgpack
 import pytest
+
+import memstep
 from memstep.events import codec
 from memstep.events.log import (
     FORMAT_VERSION,

@@ -11,6 +11,7 @@ import random
 
 import pytest
 import torch
+
 from memstep.core.config import EngineConfig
 from memstep.core.engine import Engine
 from memstep.core.sampling_params import SamplingParams

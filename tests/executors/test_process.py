@@ -9,11 +9,14 @@ import time
 from pathlib import Path
 
 import pytest
+
 from memstep.core.client import AsyncClient, Client, ServerError
 from memstep.core.config import EngineConfig
 from memstep.core.engine import Engine
 from memstep.core.sampling_params import SamplingParams
 from memstep.core.serve_cmd import ServerProcess
+from memstep.events.plan import PhaseReply
+from memstep.executors.process import MAIN_ID
 from memstep.executors.remote import ExecutorDied, ExecutorFailed, ProcessExecutor
 
 TINY = EngineConfig(model="random:tiny")
@@ -63,6 +66,15 @@ def test_executor_error_is_reported_and_executor_keeps_running(process_engine):
     assert len(done.token_ids) == 3
 
 
+def test_garbled_message_gets_an_error_reply_and_the_executor_keeps_running(process_engine):
+    executor = process_engine.executor
+    executor._sock.send_multipart([MAIN_ID, b"\xc1 not msgpack"])
+    with pytest.raises(ExecutorFailed, match="bad_message: not a msgpack record"):
+        executor._wait_for(PhaseReply)
+    (done,) = process_engine.generate([[9, 8, 7]], SamplingParams(max_tokens=2))
+    assert len(done.token_ids) == 2
+
+
 def test_stopped_executor_is_declared_dead_by_heartbeat_timeout():
     executor = ProcessExecutor(TINY, 64, heartbeat_timeout=1.0)
     try:
@@ -91,8 +103,16 @@ def test_close_stops_the_executor_and_removes_its_socket():
 def test_executor_exits_when_its_core_is_killed():
     with ServerProcess(TINY_SERVER) as server:
         info = server.wait_ready()
+        socket_dir = Path(_executor_endpoint(info["executor_pid"])).parent
+        assert socket_dir.is_dir()
         os.kill(info["core_pid"], signal.SIGKILL)
         assert _wait_gone(info["executor_pid"], 5), "the orphaned executor exits by itself"
+        assert not socket_dir.exists(), "and removes the dead core's socket dir"
+
+
+def _executor_endpoint(pid: int) -> str:
+    argv = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+    return argv[argv.index("--endpoint") + 1].removeprefix("ipc://")
 
 
 # --- through the server --------------------------------------------------------------------

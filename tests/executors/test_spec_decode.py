@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from memstep.core.config import EngineConfig
 from memstep.core.engine import Engine
 from memstep.core.sampling_params import SamplingParams

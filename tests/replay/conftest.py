@@ -6,8 +6,9 @@ from pathlib import Path
 
 import attrs
 import pytest
-from memstep.core.config import EngineConfig
 from replay_helpers import Workload, record
+
+from memstep.core.config import EngineConfig
 
 # Waves of requests; a wave comes when the previous one is down to two live requests, so the
 # batch crosses speculative_disable_by_batch_size both ways many times.

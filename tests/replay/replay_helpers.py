@@ -8,6 +8,7 @@ import io
 from pathlib import Path
 
 import attrs
+
 from memstep.core.cli import main
 from memstep.core.config import EngineConfig
 from memstep.core.engine import Engine

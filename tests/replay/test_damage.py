@@ -10,10 +10,11 @@ import zlib
 from pathlib import Path
 
 import pytest
+from replay_helpers import memstep
+
 from memstep.events.log import MAGIC
 from memstep.events.types import is_input
 from memstep.replay.recording import load
-from replay_helpers import memstep
 
 _FRAME = struct.Struct("<II")
 _RNG = random.Random(20261129)

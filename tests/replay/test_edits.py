@@ -9,9 +9,10 @@ from pathlib import Path
 
 import attrs
 import pytest
+from replay_helpers import memstep
+
 from memstep.events.log import LogWriter, read_log
 from memstep.events.types import LedgerEntry, RequestFinished, StateEntered, StepFinished
-from replay_helpers import memstep
 
 RESERVED = ("format_version", "memstep_version", "created")
 

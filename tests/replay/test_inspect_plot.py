@@ -6,9 +6,10 @@ import json
 
 import matplotlib.image
 import numpy as np
+from replay_helpers import memstep
+
 from memstep.events.types import StateEntered, StepFinished
 from memstep.replay.recording import load
-from replay_helpers import memstep
 
 
 def test_inspect_json_adds_up_the_log(smol_log):

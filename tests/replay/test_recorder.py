@@ -7,6 +7,8 @@ import argparse
 import json
 
 import pytest
+from replay_helpers import isolate_heap, memstep
+
 from memstep import __version__
 from memstep.core.config import EngineConfig
 from memstep.core.engine import Engine
@@ -28,7 +30,6 @@ from memstep.events.types import (
     StepPlanned,
     is_input,
 )
-from replay_helpers import isolate_heap, memstep
 
 TINY = EngineConfig(model="random:tiny", max_num_seqs=4, num_threads=1)
 

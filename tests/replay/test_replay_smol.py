@@ -3,6 +3,8 @@ and a run with the speculative worker's leak planted."""
 
 from __future__ import annotations
 
+from replay_helpers import isolate_heap
+
 from memstep.core.sampling_params import SamplingParams
 from memstep.events import codec
 from memstep.events.types import (
@@ -16,7 +18,6 @@ from memstep.events.types import (
 from memstep.replay.recording import load
 from memstep.replay.replayer import replay
 from memstep.replay.report import build_report
-from replay_helpers import isolate_heap
 
 
 def test_the_recorded_run_has_what_it_claims(smol_log):

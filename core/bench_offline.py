@@ -1,0 +1,128 @@
+"""Offline throughput: memstep against Hugging Face transformers on the same weights and dtype.
+
+Workload (a): one request at a time, 64 new tokens.  Workload (b): real ShareGPT conversations
+(first human turn as prompt, the reply's token count as output length, fixed seed), memstep with
+`max_num_seqs` 16 continuous batching, Hugging Face `generate` in left-padded batches of 16.
+Both run in this process, one after the other, and the ratio is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from memstep.core.cli import add_engine_arguments, config_from_args
+from memstep.core.datasets import Sample, sample_sharegpt
+from memstep.core.engine import Engine
+from memstep.core.sampling_params import SamplingParams
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num-single", type=int, default=4, help="requests for workload (a)")
+    p.add_argument("--num-prompts", type=int, default=64, help="conversations for workload (b)")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--max-output-len", type=int, default=None, help="cap recorded reply lengths")
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--json", default=None, help="write the figures here")
+    add_engine_arguments(p)
+
+
+def hf_model(engine: Engine, dtype: torch.dtype):
+    import transformers
+
+    source = engine.source
+    if source.kind != "gguf":
+        raise SystemExit("bench offline compares against transformers on a GGUF model")
+    assert source.path is not None
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(source.path.parent), gguf_file=source.path.name, dtype=dtype
+    )
+    return model.eval()
+
+
+def hf_generate(model, batch: list[list[int]], new_tokens: int) -> int:
+    """Left-padded batch generate, greedy; returns tokens generated per row."""
+    width = max(len(p) for p in batch)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+    with torch.inference_mode():
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out.shape[1] - width
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def run_single(engine: Engine, model, prompts: list[list[int]], new_tokens: int) -> dict:
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    engine.generate(prompts[:1], SamplingParams(max_tokens=4))  # warm
+    ours = [timed(lambda p=p: engine.generate([p], params)) for p in prompts]
+    out = {"memstep_tok_s": new_tokens / statistics.median(ours)}
+    if model is not None:
+        hf_generate(model, prompts[:1], 4)
+        theirs = [timed(lambda p=p: hf_generate(model, [p], new_tokens)) for p in prompts]
+        out["hf_tok_s"] = new_tokens / statistics.median(theirs)
+        out["ratio"] = out["memstep_tok_s"] / out["hf_tok_s"]
+    return out
+
+
+def run_sharegpt(engine: Engine, model, samples: list[Sample], batch: int) -> dict:
+    tok = engine.tokenizer
+    prompts = [tok.encode(s.prompt) for s in samples]
+    params = [SamplingParams(max_tokens=s.output_len, ignore_eos=True) for s in samples]
+    useful = sum(s.output_len for s in samples)
+    ours = timed(lambda: engine.generate(prompts, params))
+    out = {"output_tokens": useful, "memstep_s": ours, "memstep_tok_s": useful / ours}
+    if model is not None:
+
+        def hf_all() -> None:
+            for i in range(0, len(prompts), batch):
+                rows = samples[i : i + batch]
+                hf_generate(model, prompts[i : i + batch], max(s.output_len for s in rows))
+
+        theirs = timed(hf_all)
+        out.update(hf_s=theirs, hf_tok_s=useful / theirs, ratio=theirs / ours)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args, max_num_seqs=args.batch)
+    engine = Engine(cfg)
+    dtype = next(iter(engine.executor.worker.weights.values())).dtype
+    model = None if args.skip_hf else hf_model(engine, dtype)
+    threads = torch.get_num_threads()
+    print(f"model {engine.source.label}, dtype {dtype}, {threads} threads, device {cfg.device}")
+    tok = engine.tokenizer
+    samples = sample_sharegpt(args.num_prompts + args.num_single, tok, seed=0)
+    if args.max_output_len:
+        cap = args.max_output_len
+        samples = [Sample(s.prompt, s.prompt_len, min(s.output_len, cap)) for s in samples]
+    singles = [tok.encode(s.prompt) for s in samples[: args.num_single]]
+    a = run_single(engine, model, singles, 64)
+    print(f"(a) one at a time, 64 tokens: memstep {a['memstep_tok_s']:.1f} tok/s", end="")
+    print(f", HF {a['hf_tok_s']:.1f} tok/s, ratio {a['ratio']:.2f}x" if model else "")
+    b = run_sharegpt(engine, model, samples[args.num_single :], args.batch)
+    print(
+        f"(b) {len(samples) - args.num_single} ShareGPT, {b['output_tokens']} output tokens: "
+        f"memstep {b['memstep_tok_s']:.1f} tok/s",
+        end="",
+    )
+    print(f", HF {b['hf_tok_s']:.1f} tok/s, ratio {b['ratio']:.2f}x" if model else "")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"single": a, "sharegpt": b}, fh, indent=2)
+    return 0

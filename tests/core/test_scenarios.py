@@ -1,0 +1,49 @@
+"""The two incidents as scenarios on the real model, clean and with a planted leak."""
+
+from __future__ import annotations
+
+from memstep.core.scenarios import run_scenario, stretches
+from memstep.events.types import LeakSuspected, StepFinished
+
+SUSTAINED = 2000
+
+
+def test_spec_disabled_by_batch_size_sustained_is_clean():
+    records, rows = run_scenario("spec-disable", SUSTAINED, "smollm2")
+    parts = stretches(records)
+    no_spec = [s for s in parts if s.kind == "no_spec"]
+    assert max(s.steps for s in no_spec) >= SUSTAINED, "a sustained stretch of >= 4 requests"
+    assert len(no_spec) >= 2 and len([s for s in parts if s.kind == "spec"]) >= 2, "drop and rise"
+    for s in no_spec:
+        assert s.live_end == s.live_start, f"no_spec stretch from step {s.first_step} grew"
+        assert s.ledger_end == s.ledger_start
+    assert all(r.verdict == "ok" for r in rows)
+    assert not [r for r in records if isinstance(r, LeakSuspected)]
+
+
+def test_spec_disable_with_the_original_bug_is_flagged_within_50_steps():
+    records, rows = run_scenario("spec-disable", 120, "smollm2", plant="no_spec_hidden_states")
+    first_no_spec = next(
+        r.step for r in records if isinstance(r, StepFinished) and r.kind == "no_spec"
+    )
+    leaks = [r for r in records if isinstance(r, LeakSuspected)]
+    assert leaks, "the planted leak went unnoticed"
+    assert leaks[0].kind == "no_spec" and leaks[0].what == "live_growth"
+    assert first_no_spec <= leaks[0].step < first_no_spec + 50
+    assert {r.kind: r.verdict for r in rows}["no_spec"] == "LEAK"
+
+
+def test_sampler_rise_after_capture_adds_zero_bytes():
+    records, rows = run_scenario("sampler-rise", 64, "smollm2")
+    finished = [r for r in records if isinstance(r, StepFinished)]
+    sizes = [len(r.sampled) for r in finished]
+    assert max(sizes) == 8 and sizes[0] == 1, "batch climbed from 1 to max_num_seqs"
+    assert {r.memory.live_bytes for r in finished} == {finished[0].memory.live_bytes}
+    assert all(r.verdict == "ok" for r in rows)
+
+
+def test_sampler_scratch_per_step_is_flagged_within_50_steps():
+    records, rows = run_scenario("sampler-rise", 64, "smollm2", plant="sampler_scratch")
+    leaks = [r for r in records if isinstance(r, LeakSuspected)]
+    assert leaks and leaks[0].kind == "no_spec" and leaks[0].step < 50
+    assert rows[0].verdict == "LEAK"

@@ -1,0 +1,65 @@
+"""The transition table refuses illegal moves; the arena's ledger and release checks."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from memstep.core.config import EngineConfig
+from memstep.core.engine import Engine
+from memstep.core.sampling_params import SamplingParams
+from memstep.executors.arena import Arena, ArenaFull
+from memstep.states import kinds as kinds_module
+from memstep.states.table import TRANSITIONS, TransitionNotAllowed, check
+
+
+def test_illegal_transition_names_both_sides():
+    with pytest.raises(TransitionNotAllowed, match="Can't go to 'spec' when in 'boot'"):
+        check("boot", "spec")
+    check("no_spec", "spec")
+    assert ("capture", "warmup") not in TRANSITIONS
+
+
+def test_arena_claims_views_and_keeps_a_ledger():
+    arena = Arena(4096, torch.device("cpu"))
+    a = arena.claim("spec", "a", (16, 8), torch.float32, step=3)
+    b = arena.claim("spec", "b", (10,), torch.long, step=4)
+    assert a.untyped_storage().data_ptr() == arena.storage.untyped_storage().data_ptr()
+    assert [(e.buffer, e.nbytes, e.step_claimed) for e in arena.ledger()] == [
+        ("a", 512, 3),
+        ("b", 256, 4),
+    ]
+    with pytest.raises(ArenaFull):
+        arena.claim("spec", "c", (4096,), torch.float32, step=5)
+    arena.release("spec", "a", a)
+    arena.release("spec", "b", b)
+    assert arena.claimed_bytes == 0
+    assert arena.check_released() == [("spec", "a"), ("spec", "b")], "still referenced here"
+    del a, b
+    assert arena.claim("spec", "big", (1024,), torch.float32, step=6).numel() == 1024
+
+
+class SpecKeepsItsBuffer(kinds_module.Spec):
+    """Keeps a claimed buffer on self past its exit hook: the check must say so."""
+
+    def on_enter(self):
+        self.kept = self.held["draft_tokens"]
+
+
+def test_buffer_held_after_exit_is_reported(monkeypatch):
+    monkeypatch.setitem(kinds_module.KINDS, "spec", SpecKeepsItsBuffer)
+    cfg = EngineConfig(
+        model="random:tiny", speculative_method="ngram", speculative_disable_by_batch_size=2
+    )
+    records: list = []
+    engine = Engine(cfg, sinks=[records.append])
+    engine.add_request([5, 6, 7, 5, 6], SamplingParams(max_tokens=6))
+    engine.step()  # spec: one request
+    engine.add_request([9, 10, 11], SamplingParams(max_tokens=4))
+    engine.run_until_idle()  # two requests: no_spec, so spec exits
+    gc.collect()
+    held = [r for r in records if type(r).__name__ == "LeakSuspected"]
+    assert [(r.kind, r.what) for r in held][:1] == [("spec", "held_after_exit")]
+    assert "spec.draft_tokens" in held[0].detail
