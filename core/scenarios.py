@@ -13,14 +13,15 @@ The verdict is computed from the engine's records alone, so a recorded log gives
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import attrs
 
 from memstep.core.config import EngineConfig
 from memstep.core.engine import Engine
 from memstep.core.sampling_params import SamplingParams
-from memstep.events.types import LeakSuspected, StateEntered, StateExited, StepFinished
+from memstep.events.stretches import stretches
+from memstep.events.types import LeakSuspected
 
 PROMPTS = [
     "Tell me a long story about a lighthouse keeper and the sea.",
@@ -29,57 +30,6 @@ PROMPTS = [
     "Explain how a steam engine works, part by part, in great detail.",
     "Give a long list of tips for a first trip to the mountains, with reasons.",
 ]
-
-
-@attrs.define
-class Stretch:
-    """Consecutive serving steps of one kind."""
-
-    kind: str
-    first_step: int
-    last_step: int = 0
-    live_start: int = 0
-    live_end: int = 0
-    segments_start: int = 0
-    segments_end: int = 0
-    ledger_start: list = attrs.Factory(list)
-    ledger_end: list = attrs.Factory(list)
-
-    @property
-    def steps(self) -> int:
-        return self.last_step - self.first_step + 1
-
-    @property
-    def growth(self) -> int:
-        return self.live_end - self.live_start
-
-    @property
-    def is_clean(self) -> bool:
-        return (
-            self.growth == 0
-            and self.segments_end == self.segments_start
-            and self.ledger_end == self.ledger_start
-        )
-
-
-def stretches(records: Iterable[object]) -> list[Stretch]:
-    """Split the serving steps into stretches of one kind, with memory at both ends."""
-    out: list[Stretch] = []
-    entered_ledger: list = []
-    for rec in records:
-        if isinstance(rec, StateEntered):
-            entered_ledger = rec.ledger
-        elif isinstance(rec, StateExited) and out and out[-1].kind == rec.kind:
-            out[-1].ledger_end = rec.ledger
-        elif isinstance(rec, StepFinished):
-            mem = rec.memory
-            if not out or out[-1].kind != rec.kind:
-                out.append(Stretch(rec.kind, rec.step, ledger_start=entered_ledger))
-                out[-1].live_start, out[-1].segments_start = mem.live_bytes, mem.num_segments
-                out[-1].ledger_end = entered_ledger
-            s = out[-1]
-            s.last_step, s.live_end, s.segments_end = rec.step, mem.live_bytes, mem.num_segments
-    return out
 
 
 @attrs.frozen
@@ -106,7 +56,7 @@ def verdicts(records: list[object]) -> list[KindVerdict]:
             KindVerdict(
                 kind,
                 len(mine),
-                sum(s.steps for s in mine),
+                sum(s.num_steps for s in mine),
                 mine[0].live_start,
                 mine[-1].live_end,
                 max(s.growth for s in mine),

@@ -14,6 +14,8 @@ from typing import Any
 
 import attrs
 
+from memstep.events.stretches import Stretch
+from memstep.events.stretches import stretches as find_stretches
 from memstep.events.types import (
     LeakSuspected,
     PhaseChanged,
@@ -58,17 +60,6 @@ class Transition:
 
 
 @attrs.frozen
-class Stretch:
-    kind: str
-    first_step: int
-    last_step: int
-    num_steps: int
-    live_start: int  # live bytes after the first step of the stretch
-    live_end: int  # live bytes after the last step
-    growth: int  # live_end - live_start
-
-
-@attrs.frozen
 class LogSummary:
     requests: RequestTotals
     kinds: dict[str, KindTotals]
@@ -99,7 +90,7 @@ def summarize(records: list[object]) -> LogSummary:
     """Add up a stream of records (a whole log, or what a replay emitted)."""
     steps = [r for r in records if isinstance(r, StepFinished)]
     planned = {r.step: r for r in records if isinstance(r, StepPlanned)}
-    stretches = _stretches(steps)
+    stretches = find_stretches(records)
     mems = [s.memory for s in steps]
     return LogSummary(
         requests=_requests(records),
@@ -160,20 +151,6 @@ def _kinds(
             max_growth=max(st.growth for st in runs),
         )
     return totals
-
-
-def _stretches(steps: list[StepFinished]) -> list[Stretch]:
-    out: list[Stretch] = []
-    i = 0
-    while i < len(steps):
-        j = i
-        while j + 1 < len(steps) and steps[j + 1].kind == steps[i].kind:
-            j += 1
-        first, last = steps[i], steps[j]
-        start, end = first.memory.live_bytes, last.memory.live_bytes
-        out.append(Stretch(first.kind, first.step, last.step, j - i + 1, start, end, end - start))
-        i = j + 1
-    return out
 
 
 def _transitions(records: list[object]) -> list[Transition]:

@@ -45,7 +45,9 @@ def test_greedy_matches_transformers_in_one_continuous_batch(smol_engine, chat_p
     assert "Paris" in ours[0].text
 
 
-def test_hugging_face_folder_loads_and_matches_the_gguf(hf_model, smol_engine, chat_prompts, tmp_path):
+def test_hugging_face_folder_loads_and_matches_the_gguf(
+    hf_model, smol_engine, chat_prompts, tmp_path
+):
     import transformers
 
     from memstep.core.config import EngineConfig
@@ -56,7 +58,9 @@ def test_hugging_face_folder_loads_and_matches_the_gguf(hf_model, smol_engine, c
     tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     tok.save_pretrained(tmp_path)
     folder_engine = Engine(EngineConfig(model=str(tmp_path), dtype="float32", max_num_seqs=4))
-    assert folder_engine.tokenizer.encode("Hello world!") == smol_engine.tokenizer.encode("Hello world!")
+    assert folder_engine.tokenizer.encode("Hello world!") == smol_engine.tokenizer.encode(
+        "Hello world!"
+    )
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     ours = folder_engine.generate(chat_prompts[:3], params)
     reference = smol_engine.generate(chat_prompts[:3], params)
@@ -72,8 +76,11 @@ def test_llama3_rope_scaling_matches_transformers():
 
     cfg = PRESETS["llama-3.2-1b"]
     hf_cfg = LlamaConfig(
-        hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_heads, head_dim=cfg.head_dim,
-        rope_theta=cfg.rope_theta, rope_scaling=dict(cfg.rope_scaling or {}),
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_heads,
+        head_dim=cfg.head_dim,
+        rope_theta=cfg.rope_theta,
+        rope_scaling=dict(cfg.rope_scaling or {}),
         max_position_embeddings=cfg.max_context,
     )
     want, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg, "cpu")

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from memstep.core.scenarios import run_scenario, stretches
+from memstep.core.scenarios import run_scenario
+from memstep.events.stretches import stretches
 from memstep.events.types import LeakSuspected, StepFinished
 
 SUSTAINED = 2000
@@ -12,7 +13,7 @@ def test_spec_disabled_by_batch_size_sustained_is_clean():
     records, rows = run_scenario("spec-disable", SUSTAINED, "smollm2")
     parts = stretches(records)
     no_spec = [s for s in parts if s.kind == "no_spec"]
-    assert max(s.steps for s in no_spec) >= SUSTAINED, "a sustained stretch of >= 4 requests"
+    assert max(s.num_steps for s in no_spec) >= SUSTAINED, "a sustained stretch of >= 4 requests"
     assert len(no_spec) >= 2 and len([s for s in parts if s.kind == "spec"]) >= 2, "drop and rise"
     for s in no_spec:
         assert s.live_end == s.live_start, f"no_spec stretch from step {s.first_step} grew"
