@@ -54,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds without a heartbeat before a live executor process counts as dead",
     )
     g.add_argument("--ready-file", type=Path, help="write {endpoint, pids} here when serving")
-    add_record_arguments(p)
+    add_record_arguments(p, by_default=True)
     add_engine_arguments(p)
 
 
@@ -178,6 +178,8 @@ class ServerProcess:
         self.info: dict[str, Any] = {}
         cmd = [sys.executable, "-m", "memstep.core.serve_cmd", "--log-level", log_level]
         cmd += ["--port", "0", "--ready-file", str(self.ready_file), *args]
+        if "--record" not in args and "--no-record" not in args:
+            cmd += ["--record", str(self.dir / "events.memlog")]  # recorded, as by default
         with self.log_path.open("wb") as log_file:
             self.proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
 

@@ -23,8 +23,8 @@ class Stretch:
     growth: int  # live_end - live_start
     segments_start: int
     segments_end: int
-    ledger_start: list[LedgerEntry]  # after the kind's enter hook
-    ledger_end: list[LedgerEntry]  # after its exit hook (the entry ledger if it never exited)
+    ledger_start: list[LedgerEntry]  # before the kind's enter hook claimed its buffers
+    ledger_end: list[LedgerEntry]  # after its exit hook released them (if it has exited)
 
     @property
     def is_clean(self) -> bool:
@@ -38,17 +38,20 @@ class Stretch:
 def stretches(records: Iterable[object]) -> list[Stretch]:
     """Split the serving steps into stretches of one kind."""
     runs: list[list[StepFinished]] = []
-    ledgers: list[list[list[LedgerEntry]]] = []  # per run: [at entry, at exit]
-    entered: list[LedgerEntry] = []
+    ledgers: list[list[list[LedgerEntry]]] = []  # per run: [before entry, after exit]
+    current: list[LedgerEntry] = []  # the ledger as the last transition left it
+    before_entry: list[LedgerEntry] = []
     for rec in records:
         if isinstance(rec, StateEntered):
-            entered = rec.ledger
-        elif isinstance(rec, StateExited) and runs and runs[-1][0].kind == rec.kind:
-            ledgers[-1][1] = rec.ledger
+            before_entry, current = current, rec.ledger
+        elif isinstance(rec, StateExited):
+            current = rec.ledger
+            if runs and runs[-1][0].kind == rec.kind:
+                ledgers[-1][1] = rec.ledger
         elif isinstance(rec, StepFinished):
             if not runs or runs[-1][0].kind != rec.kind:
                 runs.append([])
-                ledgers.append([entered, entered])
+                ledgers.append([before_entry, before_entry])
             runs[-1].append(rec)
     out = []
     for run, (start_ledger, end_ledger) in zip(runs, ledgers, strict=True):
