@@ -143,6 +143,10 @@ def hf_model_config(folder: Path) -> ModelConfig:
         raise ModelError(f"unsupported architecture {archs}: memstep runs Llama-family models")
     heads = cfg["num_attention_heads"]
     eos = cfg.get("eos_token_id", 2)
+    # transformers 5 keeps rope settings in `rope_parameters`; older configs at the top level
+    rope = cfg.get("rope_parameters") or {}
+    theta = cfg.get("rope_theta") or rope.get("rope_theta", 10000.0)
+    scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type") == "llama3" else None)
     return ModelConfig(
         num_layers=cfg["num_hidden_layers"],
         hidden_size=cfg["hidden_size"],
@@ -151,13 +155,13 @@ def hf_model_config(folder: Path) -> ModelConfig:
         num_kv_heads=cfg.get("num_key_value_heads", heads),
         vocab_size=cfg["vocab_size"],
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        rope_theta=float(cfg.get("rope_theta", 10000.0)),
+        rope_theta=float(theta),
         rms_eps=float(cfg.get("rms_norm_eps", 1e-5)),
         max_context=int(cfg.get("max_position_embeddings", 2048)),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=tuple(eos) if isinstance(eos, list) else (eos,),
-        rope_scaling=cfg.get("rope_scaling"),
+        rope_scaling=scaling,
     )
 
 

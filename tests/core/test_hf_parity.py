@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -49,12 +51,18 @@ def test_hugging_face_folder_loads_and_matches_the_gguf(
     hf_model, smol_engine, chat_prompts, tmp_path
 ):
     import transformers
+    from safetensors.torch import save_file
 
     from memstep.core.config import EngineConfig
     from memstep.core.engine import Engine
 
     path = shipped_gguf_path()
-    hf_model.save_pretrained(tmp_path)
+    # a GGUF-loaded model refuses save_pretrained, so write the folder's files directly
+    state = {k: v.contiguous() for k, v in hf_model.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, str(tmp_path / "model.safetensors"))
+    config = hf_model.config.to_dict()
+    config.pop("quantization_config", None)
+    (tmp_path / "config.json").write_text(json.dumps(config))
     tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     tok.save_pretrained(tmp_path)
     folder_engine = Engine(EngineConfig(model=str(tmp_path), dtype="float32", max_num_seqs=4))

@@ -9,6 +9,7 @@ from memstep.core.config import EngineConfig
 from memstep.core.engine import Engine
 from memstep.core.sampling_params import SamplingParams
 from memstep.executors.proposers import ngram_propose
+from memstep.executors.random_stream import ACCEPT, uniform
 from memstep.executors.sampler import Row
 from memstep.executors.spec_decode import accept_drafts
 
@@ -128,8 +129,11 @@ def test_a_wrong_acceptance_rule_fails_the_same_test():
     def always_accept(p, rows, drafts, q):
         return list(drafts), len(drafts)
 
-    def ignore_q(p, rows, drafts, q):  # accepts with p(d) instead of p(d) / q(d)
-        return accept_drafts(p, rows, drafts, None)
+    def resample_from_p(p, rows, drafts, q):  # rejects correctly, then forgets the residual
+        u = uniform(rows[0].params.seed, rows[0].position, ACCEPT)
+        if u < min(1.0, float(p[0, drafts[0]] / q[0, drafts[0]])):
+            return [drafts[0]], 1
+        return [int(torch.multinomial(p[0], 1))], 0
 
     assert chi_square(first_tokens(always_accept, False)) > CRITICAL
-    assert chi_square(first_tokens(ignore_q, False)) > CRITICAL
+    assert chi_square(first_tokens(resample_from_p, False)) > CRITICAL
