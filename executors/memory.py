@@ -1,10 +1,13 @@
 """Real memory figures, measured independently of the arena's bookkeeping.
 
 CUDA: the caching allocator's own statistics.  CPU: the bytes of every live tensor storage,
-deduplicated by storage.  Walking every object the garbage collector tracks costs ~100 ms with a
-model loaded, so `LiveTensorMeter.freeze` (called once start-up is done) moves start-up objects
-to Python's permanent generation and remembers the tensors among them by weak reference; each
-measurement then walks only what was created since, plus those weak references.
+deduplicated by storage, that this worker's process did not already hold when the worker was
+made (`LiveTensorMeter.exclude_existing`): a second engine in one process, or a test process with
+other engines alive, measures what a fresh process would.  Walking every object the garbage
+collector tracks costs ~100 ms with a model loaded, so `LiveTensorMeter.freeze` (called once
+start-up is done) moves start-up objects to Python's permanent generation and remembers the
+tensors among them by weak reference; each measurement then walks only what was created since,
+plus those weak references.
 """
 
 from __future__ import annotations
@@ -22,33 +25,46 @@ def _storage(t: torch.Tensor) -> tuple[int, int]:
     return s.data_ptr(), s.nbytes()
 
 
+def _cpu_tensors(objects: list) -> list[torch.Tensor]:
+    return [o for o in objects if type(o) in _TENSOR_TYPES and o.device.type == "cpu"]
+
+
 class LiveTensorMeter:
     def __init__(self) -> None:
         self._frozen: list[weakref.ref] = []
+        self._foreign: list[weakref.ref] = []
+
+    def exclude_existing(self) -> None:
+        """Leave out, for as long as they live, the CPU tensors alive now (not this worker's)."""
+        gc.unfreeze()  # what an earlier engine or test froze is still someone else's
+        gc.collect()
+        self._foreign = [weakref.ref(t) for t in _cpu_tensors(gc.get_objects())]
+
+    def _foreign_alive(self) -> list[torch.Tensor]:
+        return [t for t in (ref() for ref in self._foreign) if t is not None]
 
     def freeze(self) -> None:
-        gc.unfreeze()  # an earlier engine in this process may have frozen tensors still alive
+        gc.unfreeze()
         gc.collect()
+        foreign = {id(t) for t in self._foreign_alive()}
         self._frozen += [
-            weakref.ref(o)
-            for o in gc.get_objects()
-            if type(o) in _TENSOR_TYPES and o.device.type == "cpu"
+            weakref.ref(t) for t in _cpu_tensors(gc.get_objects()) if id(t) not in foreign
         ]
         gc.freeze()
 
     def measure(self) -> tuple[int, int]:
-        """(bytes, count) of distinct live CPU tensor storages."""
+        """(bytes, count) of distinct live CPU tensor storages, foreign ones left out."""
+        foreign = {_storage(t)[0] for t in self._foreign_alive()}
         seen: dict[int, int] = {}
         for ref in self._frozen:
             t = ref()
             if t is not None:
                 ptr, n = _storage(t)
                 seen[ptr] = n
-        for obj in gc.get_objects():
-            if type(obj) in _TENSOR_TYPES and obj.device.type == "cpu":
-                ptr, n = _storage(obj)
-                seen[ptr] = n
-        return sum(seen.values()), len(seen)
+        for obj in _cpu_tensors(gc.get_objects()):
+            ptr, n = _storage(obj)
+            seen[ptr] = n
+        return sum(n for ptr, n in seen.items() if ptr not in foreign), len(seen.keys() - foreign)
 
 
 def measure(device: torch.device, meter: LiveTensorMeter) -> dict[str, int]:

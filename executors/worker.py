@@ -54,6 +54,9 @@ class Worker:
         self.dtype = pick_dtype(cfg, self.device)
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
+        self.meter = memory.LiveTensorMeter()
+        if self.device.type == "cpu":
+            self.meter.exclude_existing()  # before the weights: everything after is this worker's
         self.source = resolve(cfg.model, cfg.seed)
         self.model_cfg = model_config(self.source)
         self.weights = load_weights(self.source, self.model_cfg, self.dtype, self.device)
@@ -65,7 +68,6 @@ class Worker:
         self.kinds: dict[str, StepKind] = {}
         self.spec = None
         self.graphs = None  # CUDA: the decode graphs (graph_runner.GraphRunner), built at capture
-        self.meter = memory.LiveTensorMeter()
 
     def _kernel(self):
         if self.device.type != "cuda":

@@ -91,16 +91,14 @@ def run_waves(
 def isolate_heap() -> None:
     """Make the process look fresh to the live-bytes meter of the next engine built in it.
 
-    On CPU the meter counts the tensors the garbage collector tracks when an engine finishes
-    start-up, and every one created since; objects frozen before then are invisible to it.  So
-    whatever earlier tests left alive is frozen here, and the weights cached by an earlier engine
-    (executors/weights.py shares them between the engines of a process, and that engine's start-up
-    froze them) are dropped from the cache: with them, a second engine would report its live bytes
-    without its weights (538 MB less for SmolLM2) and replay would differ from recording.
+    On CPU the meter leaves out every tensor alive when a worker is made (whatever earlier tests
+    left alive), so it must not find its own weights among them: the weights cached by an earlier
+    engine (executors/weights.py shares them between the engines of a process) are dropped from
+    the cache.  With them, a second engine would report its live bytes without its weights
+    (538 MB less for SmolLM2) and replay would differ from recording.
     """
     _load_gguf.cache_clear()
     gc.collect()
-    gc.freeze()
 
 
 def record(path: Path, cfg: EngineConfig, waves: list[int], **kwargs) -> Workload:
