@@ -18,7 +18,9 @@ import torch
 from memstep.core.cli import add_engine_arguments, config_from_args
 from memstep.core.datasets import Sample, sample_sharegpt
 from memstep.core.engine import Engine
+from memstep.core.model_source import ModelSource, resolve
 from memstep.core.sampling_params import SamplingParams
+from memstep.executors.worker import pick_device, pick_dtype
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,10 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p)
 
 
-def hf_model(engine: Engine, dtype: torch.dtype):
+def hf_model(source: ModelSource, dtype: torch.dtype):
     import transformers
 
-    source = engine.source
     if source.kind != "gguf":
         raise SystemExit("bench offline compares against transformers on a GGUF model")
     assert source.path is not None
@@ -101,9 +102,11 @@ def run_sharegpt(engine: Engine, model, samples: list[Sample], batch: int) -> di
 
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args, max_num_seqs=args.batch)
+    dtype = pick_dtype(cfg, pick_device(cfg))
+    # Hugging Face first: the engine's CPU memory meter then leaves its tensors out and freezes
+    # its objects with the rest of start-up, instead of walking them after every step
+    model = None if args.skip_hf else hf_model(resolve(cfg.model, cfg.seed), dtype)
     engine = Engine(cfg)
-    dtype = next(iter(engine.executor.worker.weights.values())).dtype
-    model = None if args.skip_hf else hf_model(engine, dtype)
     threads = torch.get_num_threads()
     print(f"model {engine.source.label}, dtype {dtype}, {threads} threads, device {cfg.device}")
     tok = engine.tokenizer

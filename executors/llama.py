@@ -7,6 +7,7 @@ tied or separate output head.  A draft model is the same class running only the 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -34,15 +35,33 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32:  # the same arithmetic as below, in one kernel
+        return F.rms_norm(x, weight.shape, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (xf * weight.float()).to(x.dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, H, D]; cos, sin: [T, 1, D/2]; rotate halves as Hugging Face does
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    """Rotate halves as Hugging Face does; x: [T, H, D]; cos: [T, 1, D] (the D/2 angles twice),
+    sin: [T, 1, D] (their sines, the first half negated): x1*cos - x2*sin, x2*cos + x1*sin."""
+    xf = x.float()
+    half = x.shape[-1] // 2
+    return (xf * cos + torch.cat([xf[..., half:], xf[..., :half]], dim=-1) * sin).to(x.dtype)
+
+
+def wide_linear(device: torch.device, dtype: torch.dtype) -> Callable:
+    """The matmul for weights with more outputs than inputs (qkv, gate_up, the head).
+
+    On CPU in float32, oneDNN reads those 1.3-1.8x faster than MKL's gemm from 1 to 64 rows
+    (2 AVX2 cores, SmolLM2 shapes); MKL stays faster for the narrow ones (wo, down).
+    """
+    onednn = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+    if device.type != "cpu" or dtype != torch.float32 or onednn is None:
+        return F.linear
+    if not torch.backends.mkldnn.is_available():
+        return F.linear
+    return lambda x, w: onednn(x, w, None, "none", [], "")
 
 
 class LlamaModel:
@@ -57,33 +76,37 @@ class LlamaModel:
         device = weights["embed"].device
         pos = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(pos, rope_inv_freq(cfg)).to(device)
-        self.cos, self.sin = freqs.cos(), freqs.sin()  # [P, D/2]
+        self.cos, self.sin = freqs.cos(), freqs.sin()  # [P, D/2], as the CUDA kernels take them
+        self.rope_cos = torch.cat([self.cos, self.cos], dim=-1)  # [P, D], as apply_rope takes them
+        self.rope_sin = torch.cat([-self.sin, self.sin], dim=-1)
         self.lm_head = weights.get("lm_head", weights["embed"])
+        self.wide = wide_linear(device, self.lm_head.dtype)
 
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
         """Hidden states after the final norm, [T, hidden]; writes this batch's K/V."""
         cfg = self.cfg
         h = F.embedding(batch.input_ids, self.w["embed"])
-        cos = self.cos[batch.positions].unsqueeze(1)
-        sin = self.sin[batch.positions].unsqueeze(1)
+        cos = self.rope_cos[batch.positions].unsqueeze(1)
+        sin = self.rope_sin[batch.positions].unsqueeze(1)
         nq, nkv, d = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
+        nqk = cfg.num_heads + cfg.num_kv_heads
         t = batch.num_tokens
         for i in range(self.num_layers):
             p = f"layers.{i}."
             x = rms_norm(h, self.w[p + "attn_norm"], cfg.rms_eps)
-            qkv = F.linear(x, self.w[p + "wqkv"])
-            q, k, v = qkv.split([nq, nkv, nkv], dim=-1)
-            q = apply_rope(q.view(t, cfg.num_heads, d), cos, sin)
-            k = apply_rope(k.view(t, cfg.num_kv_heads, d), cos, sin)
+            qkv = self.wide(x, self.w[p + "wqkv"])
+            qk = apply_rope(qkv[:, : nq + nkv].reshape(t, nqk, d), cos, sin)  # q and k at once
+            q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+            v = qkv[:, nq + nkv :]
             k_cache, v_cache = kv_caches[i]
             write_kv(k_cache, v_cache, k, v.reshape(t, cfg.num_kv_heads, d), batch.slot_mapping)
             o = attention(q, k_cache, v_cache, batch, self.scale, self.decode_kernel)
             h = h + F.linear(o.reshape(t, nq), self.w[p + "wo"])
             x = rms_norm(h, self.w[p + "mlp_norm"], cfg.rms_eps)
-            gate, up = F.linear(x, self.w[p + "w_gate_up"]).chunk(2, dim=-1)
+            gate, up = self.wide(x, self.w[p + "w_gate_up"]).chunk(2, dim=-1)
             h = h + F.linear(F.silu(gate) * up, self.w[p + "w_down"])
         return rms_norm(h, self.w["norm"], cfg.rms_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] in float32."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.wide(hidden, self.lm_head).float()
