@@ -9,6 +9,14 @@ from memstep.core.scenarios import SCENARIOS, format_table, run_scenario
 from memstep.events.types import LeakSuspected
 from memstep.states.planted import PLANTS
 
+SPEC_FLAGS = (
+    "speculative_method",
+    "num_speculative_tokens",
+    "speculative_disable_by_batch_size",
+    "draft_layers",
+    "draft_model",
+)
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", choices=sorted(SCENARIOS))
@@ -20,17 +28,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="test-only: run with a deliberate leak to see the detector fire",
     )
+    g = p.add_argument_group("speculation (the scenario's own settings unless given)")
+    g.add_argument("--speculative-method", choices=["ngram", "draft"], default=None)
+    g.add_argument("--num-speculative-tokens", type=int, default=None)
+    g.add_argument("--speculative-disable-by-batch-size", type=int, default=None)
+    g.add_argument("--draft-layers", type=int, default=None)
+    g.add_argument("--draft-model", default=None)
     add_record_arguments(p, by_default=True)
 
 
 def run(args: argparse.Namespace) -> int:
     recorder = open_recorder(args)
     sinks = [recorder] if recorder is not None else []
-    records, rows = run_scenario(args.name, args.steps, args.model, args.plant_leak, sinks)
+    given = {name: getattr(args, name) for name in SPEC_FLAGS if getattr(args, name) is not None}
+    records, rows = run_scenario(
+        args.name, args.steps, args.model, args.plant_leak, sinks, overrides=given
+    )
     if recorder is not None:
         recorder.close()
     leaks = [r for r in records if isinstance(r, LeakSuspected)]
-    print(f"scenario {args.name}, model {args.model}, sustained steps {args.steps}")
+    settings = "".join(f", {k}={v}" for k, v in given.items())
+    print(f"scenario {args.name}, model {args.model}, sustained steps {args.steps}{settings}")
     print(format_table(rows, leaks))
     if recorder is not None:
         print(f"event log: {', '.join(str(p) for p in recorder.parts)}")

@@ -172,11 +172,18 @@ SCENARIOS = {
 
 
 def run_scenario(
-    name: str, steps: int, model: str = "smollm2", plant: str | None = None, sinks=()
+    name: str,
+    steps: int,
+    model: str = "smollm2",
+    plant: str | None = None,
+    sinks=(),
+    overrides: dict | None = None,
 ) -> tuple[list[object], list[KindVerdict]]:
+    """Run scenario `name`; `overrides` replace fields of its config (e.g. the proposer)."""
     make_config, drive = SCENARIOS[name]
     records: list[object] = []
-    engine = Engine(make_config(model, plant), sinks=[records.append, *sinks])
+    cfg = make_config(model, plant).replace(**(overrides or {}))
+    engine = Engine(cfg, sinks=[records.append, *sinks])
     drive(engine, steps)
     engine.shutdown()
     return records, verdicts(records)
