@@ -59,13 +59,15 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--draft-layers", type=int, default=8)
+    ap.add_argument("--methods", default="none,ngram,draft", help="comma-separated; none first")
     args = ap.parse_args()
     base: dict[tuple[str, int], float] = {}
     print(
         f"{'method':<7} {'workload':<5} {'conc':>4} {'tok/s':>8} {'vs none':>8} "
         f"{'accept':>7} {'mean acc len':>12}"
     )
-    for method in (None, "ngram", "draft"):
+    methods = [None if m == "none" else m for m in args.methods.split(",")]
+    for method in methods:
         cfg = EngineConfig(
             dtype="float32",
             max_num_seqs=8,

@@ -25,7 +25,7 @@ from memstep.executors.worker import pick_device, pick_dtype
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-single", type=int, default=4, help="requests for workload (a)")
-    p.add_argument("--num-prompts", type=int, default=64, help="conversations for workload (b)")
+    p.add_argument("--num-prompts", type=int, default=64, help="conversations for workload (b); 0 skips it")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--max-output-len", type=int, default=None, help="cap recorded reply lengths")
     p.add_argument("--skip-hf", action="store_true")
@@ -118,13 +118,15 @@ def run(args: argparse.Namespace) -> int:
     a = run_single(engine, model, singles, 64)
     print(f"(a) one at a time, 64 tokens: memstep {a['memstep_tok_s']:.1f} tok/s", end="")
     print(f", HF {a['hf_tok_s']:.1f} tok/s, ratio {a['ratio']:.2f}x" if model else "")
-    b = run_sharegpt(engine, model, samples[args.num_single :], args.batch)
-    print(
-        f"(b) {len(samples) - args.num_single} ShareGPT, {b['output_tokens']} output tokens: "
-        f"memstep {b['memstep_tok_s']:.1f} tok/s",
-        end="",
-    )
-    print(f", HF {b['hf_tok_s']:.1f} tok/s, ratio {b['ratio']:.2f}x" if model else "")
+    b = {}
+    if args.num_prompts:
+        b = run_sharegpt(engine, model, samples[args.num_single :], args.batch)
+        print(
+            f"(b) {len(samples) - args.num_single} ShareGPT, {b['output_tokens']} output tokens: "
+            f"memstep {b['memstep_tok_s']:.1f} tok/s",
+            end="",
+        )
+        print(f", HF {b['hf_tok_s']:.1f} tok/s, ratio {b['ratio']:.2f}x" if model else "")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"single": a, "sharegpt": b}, fh, indent=2)

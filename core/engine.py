@@ -116,7 +116,7 @@ class Engine:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         arrival = time.time() if arrival_time is None else arrival_time
         self.emit(RequestAdded(self.step_no, request_id, ids, params.to_dict(), arrival))
-        req = Request(request_id, ids, params, self.step_no)
+        req = Request(request_id, ids, params, self.step_no, self.tokenizer.decode)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return request_id
@@ -181,7 +181,7 @@ class Engine:
                     samples=s.samples,
                     num_drafts=s.num_drafts,
                     prompt_len=req.num_prompt_tokens,
-                    params=req.params.to_dict(),
+                    params=req.params.to_dict() if start == 0 else {},
                 )
             )
         finished, self._finished_ids = self._finished_ids, []
@@ -233,7 +233,7 @@ class Engine:
     def _append(self, req: Request, tokens: list[int], logprobs: list[list]) -> RequestOutput:
         """Append sampled tokens one by one until a stop condition; the output of this step."""
         p = req.params
-        old_text = self.tokenizer.decode(req.output_token_ids)
+        old_len = len(req.detok.text)
         new: list[int] = []
         reason = None
         for i, tok in enumerate(tokens):
@@ -247,12 +247,13 @@ class Engine:
                 reason = "length"
             if reason:
                 break
-        text = self.tokenizer.decode(req.output_token_ids)
+        req.detok.extend(req.output_token_ids, final=reason is not None)
+        text = req.detok.text
         if p.stop and reason is None or reason == "length" and p.stop:
-            cut = _find_stop(text, p.stop, len(old_text))
+            cut = _find_stop(text, p.stop, old_len)
             if cut is not None:
                 text, reason = text[:cut], "stop"
-        out = RequestOutput(req.request_id, new, text[len(old_text) :])
+        out = RequestOutput(req.request_id, new, text[old_len:])
         out.logprobs = logprobs[: len(new)]
         if reason:
             self._finish(req, reason)

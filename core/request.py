@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 
+from memstep.core.detokenizer import IncrementalText
 from memstep.core.sampling_params import SamplingParams
 
 
@@ -15,7 +17,12 @@ class Status(enum.Enum):
 
 class Request:
     def __init__(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, step: int
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        step: int,
+        decode: Callable[[list[int]], str],
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -29,7 +36,7 @@ class Request:
         self.num_preemptions = 0
         self.num_proposed = 0
         self.num_accepted = 0
-        self.text_len_checked = 0  # output text already searched for stop strings
+        self.detok = IncrementalText(decode)  # the output text, grown step by step
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -43,6 +50,8 @@ class Request:
         prompt = self.prompt_token_ids
         if stop <= len(prompt):
             return prompt[start:stop]
+        if start >= len(prompt):  # decoding: no copy of the whole sequence
+            return self.output_token_ids[start - len(prompt) : stop - len(prompt)]
         return (prompt + self.output_token_ids)[start:stop]
 
     @property

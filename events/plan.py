@@ -14,7 +14,7 @@ class SeqPlan:
     samples: bool  # the last fed token's logits are sampled
     num_drafts: int  # speculative lookahead slots reserved for this request
     prompt_len: int
-    params: dict  # SamplingParams.to_dict()
+    params: dict  # SamplingParams.to_dict() when start_pos is 0 (the executor keeps them); else {}
 
 
 @record

@@ -31,10 +31,15 @@ class RequestStates:
 
     def update(self, seq: SeqPlan) -> RequestState:
         state = self._states.get(seq.request_id)
-        if state is None or seq.start_pos == 0:
+        if seq.start_pos == 0:  # a new request, or one preempted and recomputed
             params = SamplingParams.from_dict(seq.params)
             state = RequestState([], seq.prompt_len, params)
             self._states[seq.request_id] = state
+        if state is None:
+            raise RuntimeError(
+                f"{seq.request_id}: plan continues at {seq.start_pos} a request the executor "
+                "does not know (its first plan starts at 0 and carries its sampling params)"
+            )
         if seq.start_pos > len(state.tokens):
             raise RuntimeError(
                 f"{seq.request_id}: plan starts at {seq.start_pos} but the executor knows "

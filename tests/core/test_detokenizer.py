@@ -1,0 +1,56 @@
+"""Incremental output text equals decoding the whole output, token by token or in bursts."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from memstep.core.detokenizer import IncrementalText
+from memstep.core.tokenizer import ByteTokenizer
+
+TEXTS = [
+    "The capital of France is Paris. Émile's café serves crème brûlée — 美味しい 🍞🥖!",
+    "  leading spaces, tabs\tand\nnew lines,   runs of   spaces",
+    "日本語のテキストと emoji 👩‍👩‍👧 mixed with ASCII code: def f(x): return x**2",
+]
+
+
+def grown(tok, ids: list[int], burst: int, seed: int = 0) -> tuple[str, list[str]]:
+    rng = random.Random(seed)
+    inc = IncrementalText(tok.decode)
+    pieces, n = [], 0
+    while n < len(ids):
+        n = min(len(ids), n + rng.randint(1, burst))
+        pieces.append(inc.extend(ids[:n], final=n == len(ids)))
+    return inc.text, pieces
+
+
+@pytest.mark.parametrize("burst", [1, 4])
+def test_smollm2_tokenizer_pieces_add_up_to_the_whole(smol_engine, burst):
+    tok = smol_engine.tokenizer
+    for text in TEXTS:
+        ids = tok.encode(text)
+        whole, pieces = grown(tok, ids, burst)
+        assert whole == "".join(pieces) == tok.decode(ids) == text
+        assert not any("\ufffd" in p for p in pieces), "a split character was shown half-done"
+
+
+def test_byte_tokenizer_holds_back_a_split_character_until_it_completes():
+    tok = ByteTokenizer(300, (2,))
+    ids = tok.encode("é!")  # two bytes for é, then "!"
+    inc = IncrementalText(tok.decode)
+    assert inc.extend(ids[:1]) == ""  # half a character is not shown
+    assert inc.extend(ids[:2]) == "é"
+    assert inc.extend(ids[:3]) == "!"
+    for text in TEXTS:
+        ids = tok.encode(text)
+        assert grown(tok, ids, 3)[0] == text
+
+
+def test_a_final_call_releases_what_is_left():
+    tok = ByteTokenizer(300, (2,))
+    ids = tok.encode("é")[:1]  # the output ended inside a character
+    inc = IncrementalText(tok.decode)
+    assert inc.extend(ids) == ""
+    assert inc.extend(ids, final=True) == "\ufffd" == tok.decode(ids)

@@ -1,0 +1,32 @@
+"""The executor's memory of running requests: params arrive once, history stays consistent."""
+
+from __future__ import annotations
+
+import pytest
+
+from memstep.core.sampling_params import SamplingParams
+from memstep.events.plan import SeqPlan
+from memstep.executors.request_states import RequestStates
+
+
+def plan(start: int, tokens: list[int], params: dict) -> SeqPlan:
+    return SeqPlan("r", start, tokens, [0], True, 0, 3, params)
+
+
+def test_params_arrive_with_the_first_chunk_and_are_kept():
+    states = RequestStates()
+    first = states.update(plan(0, [5, 6, 7], SamplingParams(temperature=0.5, seed=3).to_dict()))
+    states.append("r", [8])
+    later = states.update(plan(3, [8], {}))
+    assert later is first and later.params.temperature == 0.5 and later.tokens == [5, 6, 7, 8]
+    again = states.update(plan(0, [5, 6, 7, 8], SamplingParams().to_dict()))  # recomputed
+    assert again.params.temperature == 0.0 and again.tokens == [5, 6, 7, 8]
+
+
+def test_a_plan_that_continues_an_unknown_request_is_refused():
+    with pytest.raises(RuntimeError, match="does not know"):
+        RequestStates().update(plan(3, [8], {}))
+    states = RequestStates()
+    states.update(plan(0, [5, 6, 7], SamplingParams().to_dict()))
+    with pytest.raises(RuntimeError, match="plan starts at 9"):
+        states.update(plan(9, [1], {}))
