@@ -25,7 +25,9 @@ from memstep.executors.worker import pick_device, pick_dtype
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-single", type=int, default=4, help="requests for workload (a)")
-    p.add_argument("--num-prompts", type=int, default=64, help="conversations for workload (b); 0 skips it")
+    p.add_argument(
+        "--num-prompts", type=int, default=64, help="conversations for workload (b); 0 skips it"
+    )
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--max-output-len", type=int, default=None, help="cap recorded reply lengths")
     p.add_argument("--skip-hf", action="store_true")

@@ -47,14 +47,17 @@ def build_group(
     """One attention group; seq i's queries are rows starts[i]..+q_lens[i] at the end of ctx."""
     b, q = len(starts), max(q_lens)
     nb = max((c + block_size - 1) // block_size for c in ctx_lens)
-    index = torch.zeros(b, q, dtype=torch.long)
-    table = torch.zeros(b, nb, dtype=torch.long)
-    q_pos = torch.full((b, q), -1, dtype=torch.long)
-    for i, (start, n, ctx, row) in enumerate(zip(starts, q_lens, ctx_lens, tables, strict=True)):
-        index[i, :n] = torch.arange(start, start + n)
-        q_pos[i, :n] = torch.arange(ctx - n, ctx)
+    rows: list[int] = []  # built as flat lists, one tensor each: no small tensor per sequence
+    positions: list[int] = []
+    pages: list[int] = []
+    for start, n, ctx, row in zip(starts, q_lens, ctx_lens, tables, strict=True):
+        rows += [*range(start, start + n), *[0] * (q - n)]
+        positions += [*range(ctx - n, ctx), *[-1] * (q - n)]
         used = (ctx + block_size - 1) // block_size
-        table[i, :used] = torch.tensor(row[:used], dtype=torch.long)
+        pages += [*row[:used], *[0] * (nb - used)]
+    index = torch.tensor(rows, dtype=torch.long).view(b, q)
+    q_pos = torch.tensor(positions, dtype=torch.long).view(b, q)
+    table = torch.tensor(pages, dtype=torch.long).view(b, nb)
     k_pos = torch.arange(nb * block_size)
     mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (q_pos[:, :, None] >= 0)
     # padded query rows attend key 0 so that softmax stays finite; their output is dropped
