@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from functools import cached_property
 from typing import Any
 
@@ -17,6 +18,9 @@ class InvalidRequest(ValueError):
 def _require(cond: bool, msg: str) -> None:
     if not cond:
         raise InvalidRequest(msg)
+
+
+PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
 @attrs.frozen(kw_only=True)
@@ -36,6 +40,9 @@ class SamplingParams:
     logprobs: int = 0  # top-N logprobs per sampled token, 0 for none
 
     def __attrs_post_init__(self) -> None:
+        floats = ("temperature", "top_p", "min_p") + PENALTIES
+        bad = [name for name in floats if not math.isfinite(getattr(self, name))]
+        _require(not bad, f"{', '.join(bad)} must be a finite number")
         _require(
             isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens must be >= 1"
         )

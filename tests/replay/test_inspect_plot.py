@@ -65,3 +65,19 @@ def test_plot_writes_the_memory_timeline(smol_log, leak_log, tmp_path):
         assert png.stat().st_size > 30_000
         assert matplotlib.image.imread(png).shape == (700, 1200, 4)
     assert red_pixels(clean) == 0 and red_pixels(leaky) > 50
+
+
+def test_inspect_piped_into_a_reader_that_stops_early_exits_quietly(tmp_path):
+    import subprocess
+    import sys
+
+    path = tmp_path / "short.memlog"
+    argv = ["--model", "random:tiny", "--raw", "--prompt", "hi", "--max-tokens", "3"]
+    assert memstep("generate", *argv, "--record", str(path))[0] == 0
+    cmd = [sys.executable, "-m", "memstep.core.cli", "inspect", str(path)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None
+    proc.stdout.close()  # the reader is gone before the first line is written (`| head -0`)
+    _, err = proc.communicate(timeout=120)
+    assert b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()
+    assert proc.returncode == 141
