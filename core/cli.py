@@ -44,14 +44,30 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=d.block_size)
     g.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks)
     g.add_argument("--memory-utilization", type=float, default=d.memory_utilization)
-    g.add_argument("--speculative-method", choices=["ngram", "draft"], default=None)
-    g.add_argument("--num-speculative-tokens", type=int, default=d.num_speculative_tokens)
-    g.add_argument("--speculative-disable-by-batch-size", type=int, default=None)
-    g.add_argument("--draft-layers", type=int, default=d.draft_layers)
-    g.add_argument("--draft-model", default=None)
+    add_speculation_arguments(g, d)
     g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")
     g.add_argument("--num-threads", type=int, default=None)
     g.add_argument("--seed", type=int, default=d.seed, help="seed of random: weights")
+
+
+SPECULATION_FIELDS = (
+    "speculative_method",
+    "num_speculative_tokens",
+    "speculative_disable_by_batch_size",
+    "draft_layers",
+    "draft_model",
+)
+
+
+def add_speculation_arguments(g, d: EngineConfig | None) -> None:
+    """The flags of SPECULATION_FIELDS; defaults from `d`, or all None when `d` is None (the
+    caller keeps its own settings for flags not given)."""
+    g.add_argument("--speculative-method", choices=["ngram", "draft"], default=None)
+    tokens, layers = (None, None) if d is None else (d.num_speculative_tokens, d.draft_layers)
+    g.add_argument("--num-speculative-tokens", type=int, default=tokens)
+    g.add_argument("--speculative-disable-by-batch-size", type=int, default=None)
+    g.add_argument("--draft-layers", type=int, default=layers)
+    g.add_argument("--draft-model", default=None)
 
 
 def config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:

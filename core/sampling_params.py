@@ -20,9 +20,6 @@ def _require(cond: bool, msg: str) -> None:
         raise InvalidRequest(msg)
 
 
-PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
-
-
 @attrs.frozen(kw_only=True)
 class SamplingParams:
     max_tokens: int = 64
@@ -40,7 +37,14 @@ class SamplingParams:
     logprobs: int = 0  # top-N logprobs per sampled token, 0 for none
 
     def __attrs_post_init__(self) -> None:
-        floats = ("temperature", "top_p", "min_p") + PENALTIES
+        floats = (
+            "temperature",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+        )
         bad = [name for name in floats if not math.isfinite(getattr(self, name))]
         _require(not bad, f"{', '.join(bad)} must be a finite number")
         _require(

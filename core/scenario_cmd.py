@@ -4,18 +4,11 @@ from __future__ import annotations
 
 import argparse
 
+from memstep.core.cli import SPECULATION_FIELDS, add_speculation_arguments
 from memstep.core.recorder import add_record_arguments, open_recorder
 from memstep.core.scenarios import SCENARIOS, format_table, run_scenario
 from memstep.events.types import LeakSuspected
 from memstep.states.planted import PLANTS
-
-SPEC_FLAGS = (
-    "speculative_method",
-    "num_speculative_tokens",
-    "speculative_disable_by_batch_size",
-    "draft_layers",
-    "draft_model",
-)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,18 +22,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="test-only: run with a deliberate leak to see the detector fire",
     )
     g = p.add_argument_group("speculation (the scenario's own settings unless given)")
-    g.add_argument("--speculative-method", choices=["ngram", "draft"], default=None)
-    g.add_argument("--num-speculative-tokens", type=int, default=None)
-    g.add_argument("--speculative-disable-by-batch-size", type=int, default=None)
-    g.add_argument("--draft-layers", type=int, default=None)
-    g.add_argument("--draft-model", default=None)
+    add_speculation_arguments(g, None)
     add_record_arguments(p, by_default=True)
 
 
 def run(args: argparse.Namespace) -> int:
     recorder = open_recorder(args)
     sinks = [recorder] if recorder is not None else []
-    given = {name: getattr(args, name) for name in SPEC_FLAGS if getattr(args, name) is not None}
+    given = {
+        name: getattr(args, name) for name in SPECULATION_FIELDS if getattr(args, name) is not None
+    }
     records, rows = run_scenario(
         args.name, args.steps, args.model, args.plant_leak, sinks, overrides=given
     )

@@ -57,9 +57,8 @@ def wide_linear(device: torch.device, dtype: torch.dtype) -> Callable:
     (2 AVX2 cores, SmolLM2 shapes); MKL stays faster for the narrow ones (wo, down).
     """
     onednn = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
-    if device.type != "cpu" or dtype != torch.float32 or onednn is None:
-        return F.linear
-    if not torch.backends.mkldnn.is_available():
+    on_cpu_fp32 = device.type == "cpu" and dtype == torch.float32
+    if onednn is None or not (on_cpu_fp32 and torch.backends.mkldnn.is_available()):
         return F.linear
     return lambda x, w: onednn(x, w, None, "none", [], "")
 
