@@ -7,7 +7,11 @@ rooflines of a decode step, memstep's decode step at batch 1 and 256, output tok
 and a memory run of >= 2,000 requests with random sampling and rising concurrency after warm-up
 and capture (allocator segments and reserved bytes before and after).
 
-    python benchmarks/bench_gpu.py [--out DIR] [--skip-hf] [--memory-requests N]
+    python benchmarks/bench_gpu.py [--out DIR] [--skip-hf] [--memory-requests N] [--repeats 3]
+
+Throughput runs `--repeats` times per size for each engine: the first run ("cold") pays
+one-time costs (kernel plans and tuning for new shapes; Hugging Face's is several times slower
+than its later runs), "warm" is the median of the runs after it.
 """
 
 from __future__ import annotations
@@ -122,21 +126,29 @@ def hf_generate_seconds(model, prompts: list[list[int]], new_tokens: int) -> flo
     return time.perf_counter() - start
 
 
-def bench_hf(weights, model_cfg, vocab: int) -> dict:
+def cold_and_warm(rates: list[float]) -> dict:
+    """The first run at a size (it pays one-time costs: kernel plans, tuning, allocations) and
+    the median of the runs after it."""
+    warm = statistics.median(rates[1:]) if len(rates) > 1 else None
+    return {"cold_tok_per_s": rates[0], "warm_tok_per_s": warm, "runs_tok_per_s": rates}
+
+
+def bench_hf(weights, model_cfg, vocab: int, repeats: int) -> dict:
     from memstep.executors.hf_reference import hf_llama
 
     model = hf_llama(weights, model_cfg)
     hf_generate_seconds(model, random_prompts(2, 16, vocab, 0), 4)  # warm-up
     one = random_prompts(1, PROMPT_LEN, vocab, 1)
-    t1 = hf_generate_seconds(model, one, 1)
-    t33 = hf_generate_seconds(model, one, 33)
-    result = {"hf_step_ms_batch1": round((t33 - t1) / 32 * 1e3, 2)}
+    for _ in range(2):  # the second pass is warm: every length has been seen once
+        t1 = hf_generate_seconds(model, one, 1)
+        t33 = hf_generate_seconds(model, one, 33)
+    result: dict = {"hf_step_ms_batch1": round((t33 - t1) / 32 * 1e3, 2)}
     for batch in (64, 256):
         prompts = random_prompts(batch, PROMPT_LEN, vocab, batch)
-        seconds = hf_generate_seconds(model, prompts, OUTPUT_LEN)
-        result[f"hf_tok_per_s_{batch}"] = round(batch * OUTPUT_LEN / seconds, 1)
-        result[f"hf_seconds_{batch}"] = round(seconds, 2)
-        print(f"HF generate batch {batch}: {seconds:.2f} s", flush=True)
+        runs = [hf_generate_seconds(model, prompts, OUTPUT_LEN) for _ in range(repeats)]
+        rates = [round(batch * OUTPUT_LEN / t, 1) for t in runs]
+        result[f"hf_{batch}"] = cold_and_warm(rates)
+        print(f"HF generate batch {batch}: {rates} tok/s", flush=True)
     del model
     return result
 
@@ -240,6 +252,7 @@ def decode_feeds(batch: int, context: int, block_size: int):
 def model_step_ms(worker, batch: int, context: int) -> dict:
     """Graph replay (+ the lm_head, run eagerly after it) for `batch` decodes at `context`."""
     runner = worker.graphs
+    runner.drop_ahead()  # replays here overwrite the decode buffers
     feeds = decode_feeds(batch, context, worker.cfg.block_size)
     with torch.inference_mode():
         runner.inputs.fill(feeds, runner.padded_size(batch))
@@ -255,6 +268,7 @@ def kernel_profile(worker, batch: int, context: int) -> list[dict]:
     from torch.profiler import ProfilerActivity, profile
 
     runner = worker.graphs
+    runner.drop_ahead()  # runs here overwrite the decode buffers
     size = runner.padded_size(batch)
     with torch.inference_mode():
         runner.inputs.fill(decode_feeds(batch, context, worker.cfg.block_size), size)
@@ -400,6 +414,9 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--memory-requests", type=int, default=2000)
     parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="throughput runs per size, both engines (median)"
+    )
     parser.add_argument("--sweep", action="store_true", help="time decode-attention tile configs")
     options = parser.parse_args()
     if not torch.cuda.is_available():
@@ -436,7 +453,8 @@ def main() -> None:
     report["gemms"] = gemm_table(weights, bandwidth, rate)
     save(report, options.out)
     if not options.skip_hf:
-        attempt(report, "hf", lambda: report.update(bench_hf(weights, model_cfg, vocab)))
+        repeats = options.repeats
+        attempt(report, "hf", lambda: report.update(bench_hf(weights, model_cfg, vocab, repeats)))
     weights.clear()
     gc.collect()
     torch.cuda.empty_cache()
@@ -497,12 +515,18 @@ def main() -> None:
     run_throughput(engine, clock, 8, vocab)  # warm the serving loop
     for batch in (1, 64, 256):
         if batch <= options.max_num_seqs:
-            result = run_throughput(engine, clock, batch, vocab)
+            runs = [run_throughput(engine, clock, batch, vocab) for _ in range(options.repeats)]
+            result = cold_and_warm([r["tok_per_s"] for r in runs])
+            result["last_run"] = runs[-1]
             report[f"memstep_{batch}"] = result
-            print(f"memstep {batch} concurrent: {result['tok_per_s']} tok/s", flush=True)
-            hf = report.get(f"hf_tok_per_s_{batch}")
+            print(f"memstep {batch} concurrent: {result['runs_tok_per_s']} tok/s", flush=True)
+            hf = report.get(f"hf_{batch}")
             if hf:
-                report[f"speedup_vs_hf_{batch}"] = round(result["tok_per_s"] / hf, 2)
+                report[f"speedup_vs_hf_{batch}"] = {
+                    key: round(result[key] / hf[key], 2)
+                    for key in ("cold_tok_per_s", "warm_tok_per_s")
+                    if result[key] and hf[key]
+                }
 
     save(report, options.out)
     attempt(
@@ -518,6 +542,8 @@ def main() -> None:
     report["new_reserved_bytes"] = final["reserved_bytes"] - after_capture["reserved_bytes"]
     report["leaks_reported"] = [str(leak) for leak in leaks]
     report["graph_replays"] = worker.graphs.num_replays
+    report["decode_steps_replayed_ahead"] = worker.graphs.num_ahead
+    report["decode_steps_replayed_ahead_used"] = worker.graphs.num_ahead_used
 
     save(report, options.out)
     print_summary(report)
@@ -564,14 +590,18 @@ def print_summary(r: dict) -> None:
     for row in r.get("attention_sweep", []):
         print("attention", row)
     print("\n== throughput, 128 prompt + 128 output tokens ==")
+    print("(cold: the first run at a size; warm: the median of the runs after it)")
     for batch in (1, 64, 256):
         m = r.get(f"memstep_{batch}")
         if m:
+            hf = r.get(f"hf_{batch}", {})
             print(
-                f"{batch:>4} concurrent: memstep {m['tok_per_s']} tok/s ({m['seconds']} s, "
-                f"{m['steps']} steps), HF {r.get(f'hf_tok_per_s_{batch}')} tok/s, "
-                f"x{r.get(f'speedup_vs_hf_{batch}')}; decode step {m['decode_steps']}"
+                f"{batch:>4} concurrent: memstep cold {m['cold_tok_per_s']} warm "
+                f"{m['warm_tok_per_s']} tok/s; HF cold {hf.get('cold_tok_per_s')} warm "
+                f"{hf.get('warm_tok_per_s')} tok/s; speedup {r.get(f'speedup_vs_hf_{batch}')}"
             )
+            last = m["last_run"]
+            print(f"      last run: {last['steps']} steps, decode step {last['decode_steps']}")
     if "hf_step_ms_batch1" in r:
         print(f"HF decode step at batch 1: {r['hf_step_ms_batch1']} ms")
     print("\n== memory ==")

@@ -83,8 +83,8 @@ def server_flags(cfg: EngineConfig) -> list[str]:
         value = getattr(cfg, field.name)
         if value == getattr(default, field.name):
             continue
-        if field.name == "cuda_graphs":
-            flags.append("--no-cuda-graphs")
+        if field.name in ("cuda_graphs", "decode_ahead"):  # on by default: store_false flags
+            flags.append("--no-" + field.name.replace("_", "-"))
         else:
             flags += ["--" + field.name.replace("_", "-"), str(value)]
     return flags

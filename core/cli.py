@@ -46,6 +46,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--memory-utilization", type=float, default=d.memory_utilization)
     add_speculation_arguments(g, d)
     g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")
+    g.add_argument(
+        "--no-decode-ahead",
+        dest="decode_ahead",
+        action="store_false",
+        help="do not replay the next decode step's graph while the core records this one",
+    )
     g.add_argument("--num-threads", type=int, default=None)
     g.add_argument("--seed", type=int, default=d.seed, help="seed of random: weights")
 

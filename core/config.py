@@ -48,6 +48,9 @@ class EngineConfig:
     ngram_max: int = 3
     ngram_min: int = 1
     cuda_graphs: bool = True
+    # CUDA graphs: while the core records a decode step, the executor already replays the next
+    # one for the same sequences; used when the next plan is that step, dropped otherwise
+    decode_ahead: bool = True
     leak_window: int = 8  # steps of unchanged batch shape before growth counts as a leak
     num_threads: int | None = None
     debug_plant_leak: str | None = None  # test-only: a deliberate leak from states/planted.py

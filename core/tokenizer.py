@@ -58,13 +58,16 @@ class ByteTokenizer:
     def __init__(self, vocab_size: int, eos: tuple[int, ...]):
         self.vocab_size = vocab_size
         self.eos_token_ids = eos
+        # each id's byte (an empty string for end-of-sequence ids), looked up at C speed
+        self._bytes = [
+            b"" if i in eos else bytes([(i - self.OFFSET) % 256]) for i in range(vocab_size)
+        ]
 
     def encode(self, text: str) -> list[int]:
         return [b + self.OFFSET for b in text.encode()]
 
     def decode(self, ids: list[int]) -> str:
-        raw = bytes((i - self.OFFSET) % 256 for i in ids if i not in self.eos_token_ids)
-        return raw.decode(errors="replace")
+        return b"".join(map(self._bytes.__getitem__, ids)).decode(errors="replace")
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
         return "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"

@@ -11,8 +11,10 @@ from __future__ import annotations
 import attrs
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 SHORT_QUERY = 8  # queries up to this many tokens share one padded attention call
+_CUDA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @attrs.frozen
@@ -102,6 +104,18 @@ def torch_group_attention(
     qg = q[group.token_index].transpose(1, 2)  # [B, H, Q, D]
     k = gather_kv(k_cache, group.block_tables)
     v = gather_kv(v_cache, group.block_tables)
+    if q.is_cuda:
+        # torch's first choice on Hopper, cuDNN, builds an execution plan for every new shape
+        # (found costing a second in the middle of serving); memory-efficient attention builds
+        # nothing. It has no grouped-query mode, so the query heads sharing a KV head become
+        # one longer query of that head (rows g * Q + i), and K/V are read as they are.
+        b, h, nq, d = qg.shape
+        kvh = k.shape[1]
+        folded = qg.reshape(b, kvh, h // kvh * nq, d)
+        mask = group.mask.repeat(1, 1, h // kvh, 1)
+        with sdpa_kernel(_CUDA_BACKENDS):
+            out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask, scale=scale)
+        return out.reshape(b, h, nq, d).transpose(1, 2)
     out = F.scaled_dot_product_attention(
         qg, k, v, attn_mask=group.mask, scale=scale, enable_gqa=k.shape[1] != qg.shape[1]
     )

@@ -77,12 +77,18 @@ class DecodeInputs:
 
     def fill(self, feeds: Sequence[Feed], bs: int) -> None:
         """Write rows 0..len(feeds)-1 from the feeds, rows up to `bs` as padding, and copy."""
-        n, block_size = len(feeds), self.block_size
+        ids = [tokens[0] for _, tokens in feeds]
+        self.write(
+            ids, [seq.start_pos for seq, _ in feeds], [seq.block_table for seq, _ in feeds], bs
+        )
+
+    def write(self, ids: list[int], starts: list[int], tables: list[list[int]], bs: int) -> None:
+        """Rows 0..len(ids)-1: token ids[i] at position starts[i] of a sequence whose pages are
+        tables[i]; rows up to `bs` as padding; then the copy to the device."""
+        n, block_size = len(ids), self.block_size
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copy has read the host buffer
-        starts = [seq.start_pos for seq, _ in feeds]
-        tables = [seq.block_table for seq, _ in feeds]
-        self.host_ids[:n] = [tokens[0] for _, tokens in feeds]
+        self.host_ids[:n] = ids
         self.host_positions[:n] = starts
         self.host_slots[:n] = [
             table[p // block_size] * block_size + p % block_size

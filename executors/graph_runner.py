@@ -18,13 +18,15 @@ from typing import TYPE_CHECKING
 import structlog
 import torch
 
+from memstep.core.config import EngineConfig
 from memstep.core.sampling_params import SamplingParams
 from memstep.events.plan import SeqPlan
 from memstep.executors.cuda_decode import DecodeForward, DecodeInputs, Feed, cdiv
+from memstep.executors.decode_ahead import Ahead
 from memstep.executors.kernels import paged_decode_attention
 from memstep.executors.llama import LlamaModel
 from memstep.executors.memory_plan import worst_case_prefill
-from memstep.executors.sampler import Row, top_logprobs
+from memstep.executors.sampler import PendingTokens, Row, top_logprobs
 
 if TYPE_CHECKING:
     from memstep.executors.worker import Worker
@@ -67,6 +69,8 @@ class GraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool: tuple[int, int] | None = None  # the graphs' shared memory pool
         self.num_replays = 0
+        self.ahead: Ahead | None = None  # a step replayed before its plan came
+        self.num_ahead = self.num_ahead_used = 0  # replayed ahead; of those, used
 
     def padded_size(self, n: int) -> int:
         return next(s for s in self.sizes if s >= n)
@@ -77,6 +81,10 @@ class GraphRunner:
     def run(self, feeds: Sequence[Feed]) -> tuple[torch.Tensor, list[int]]:
         """Hidden states [n, hidden] of a decode-only step, and each feed's row (0..n-1)."""
         n = len(feeds)
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None and ahead.matches(feeds, self.inputs.block_size):
+            self.num_ahead_used += 1
+            return self.decode.hidden[:n], list(range(n))  # replayed already
         bs = self.padded_size(n)
         self.inputs.fill(feeds, bs)
         graph = self.graphs.get(bs)
@@ -86,6 +94,34 @@ class GraphRunner:
             graph.replay()
             self.num_replays += 1
         return self.decode.hidden[:n], list(range(n))
+
+    def drop_ahead(self) -> None:
+        """A step that does not run here (eager, speculative) makes any replay ahead stale."""
+        self.ahead = None
+
+    def run_ahead(self, feeds: Sequence[Feed], tokens: PendingTokens) -> None:
+        """Replay the step after `feeds` (just run here, whose samples are `tokens`, still on
+        the device): the same sequences one position on, each fed its sampled token. `run`
+        uses it if the next plan is exactly that step. Each next position must lie in the
+        sequence's pages already: a replay never writes KV outside what its request owns."""
+        n = len(feeds)
+        bs = self.padded_size(n)
+        graph = self.graphs.get(bs)
+        width = self.inputs.max_blocks * self.inputs.block_size
+        starts = [seq.start_pos + 1 for seq, _ in feeds]
+        tables = [seq.block_table for seq, _ in feeds]
+        block = self.inputs.block_size
+        if graph is None or any(
+            p >= width or p // block >= len(t) for p, t in zip(starts, tables, strict=True)
+        ):
+            return
+        self.inputs.write([0] * n, starts, tables, bs)
+        self.inputs.ids[:n].copy_(tokens.device)
+        graph.replay()
+        self.num_replays += 1
+        self.num_ahead += 1
+        slots = self.inputs.host_slots[:n].tolist()
+        self.ahead = Ahead([seq.request_id for seq, _ in feeds], starts, slots, tokens.host)
 
     def capture(self) -> dict:
         """Capture every size, largest first, into one pool; figures for the phase reply."""
@@ -176,19 +212,32 @@ def warm_eager(worker: Worker) -> None:
     sizes = sorted({min(largest, int(2 ** (i / 2))) for i in range(2 * largest.bit_length())})
     shapes += [worst_case_prefill(cfg, max_len, n) for n in sizes if n > 1]
     shapes += [worst_case_prefill(cfg, max_len, budget, n) for n in (16, 128, 512) if n < largest]
-    pages = shapes[0][0].block_table
-    for k in sorted({1, 7, 31, cfg.max_num_seqs - 1}):
-        if 0 < k < budget and k < cfg.max_num_seqs:
-            decodes = [
-                SeqPlan(f"d{i}", max_len - 1, [0], pages, True, 0, max_len, {}) for i in range(k)
-            ]
-            shapes.append(decodes + worst_case_prefill(cfg, max_len, min(128, budget - k)))
-            if k == cfg.max_num_seqs - 1:
-                shapes.append(decodes + worst_case_prefill(cfg, max_len, budget - k))
+    shapes += decodes_beside_prefill(cfg, max_len, shapes[0][0].block_table)
     for seqs in shapes:
         hidden, last_rows = worker.forward([(seq, seq.token_ids) for seq in seqs])
         logits = worker.model.logits(hidden[last_rows])
         top_logprobs(logits.clone(), [0] * len(last_rows), 1)
+
+
+def decodes_beside_prefill(
+    cfg: EngineConfig, max_len: int, pages: list[int]
+) -> list[list[SeqPlan]]:
+    """Mixed steps: 1, 7, 31 and `max_num_seqs - 1` decodes (split-K and not) beside a prefill,
+    at contexts of one page, nine pages and `max_len`, so that the eager decode kernel meets
+    every launch variant (block-table width, split or not) before serving does."""
+    block, budget = cfg.block_size, cfg.max_num_batched_tokens
+    contexts = sorted({min(max_len, block), min(max_len, 9 * block), max_len})
+    shapes = []
+    for k in sorted({1, 7, 31, cfg.max_num_seqs - 1}):
+        if not (0 < k < budget and k < cfg.max_num_seqs):
+            continue
+        for ctx in contexts:
+            table = pages[: cdiv(ctx, block)]
+            decodes = [SeqPlan(f"d{i}", ctx - 1, [0], table, True, 0, ctx, {}) for i in range(k)]
+            shapes.append(decodes + worst_case_prefill(cfg, max_len, min(128, budget - k)))
+        if k == cfg.max_num_seqs - 1:
+            shapes.append(decodes + worst_case_prefill(cfg, max_len, budget - k))
+    return shapes
 
 
 def warm_sampler(worker: Worker, runner: GraphRunner) -> None:
@@ -207,3 +256,5 @@ def warm_sampler(worker: Worker, runner: GraphRunner) -> None:
         raw = logits.clone()
         tokens = sampler.sample(sampler.distribution(logits, rows), rows)
         top_logprobs(raw, tokens, 2)
+        greedy = [Row(SamplingParams(), 3, [1, 2, 3], 1)] * n  # the all-greedy shortcut
+        sampler.sample_logits(worker.model.logits(runner.decode.hidden[:n]), greedy).tolist()

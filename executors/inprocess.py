@@ -1,10 +1,13 @@
-"""The executor in the engine's own process: the same worker and the same message codec as the
-process executor, minus the socket.  Used by tests, replay and `generate`."""
+"""The executor in the engine's own process: the same worker as the process executor, minus the
+socket and the codec.  Used by tests, replay, `generate` and the offline benchmarks.
+
+Records pass by reference, so neither side may keep and mutate what the other holds: plans are
+built fresh by the core each step, and the worker copies what it keeps (`RequestStates`).
+"""
 
 from __future__ import annotations
 
 from memstep.core.config import EngineConfig
-from memstep.events import codec
 from memstep.events.plan import PhaseReply, StepPlan, StepResult
 from memstep.executors.worker import Worker
 
@@ -14,13 +17,10 @@ class InProcessExecutor:
         self.worker = Worker(cfg, max_model_len)
 
     def enter_phase(self, phase: str, step: int) -> PhaseReply:
-        reply = self.worker.enter_phase(phase, step)
-        return codec.decode(codec.encode(reply))
+        return self.worker.enter_phase(phase, step)
 
     def execute(self, plan: StepPlan) -> StepResult:
-        # every message crosses the codec, as it would cross the socket
-        result = self.worker.execute(codec.decode(codec.encode(plan)))
-        return codec.decode(codec.encode(result))
+        return self.worker.execute(plan)
 
     def close(self) -> None:
         pass

@@ -83,6 +83,8 @@ class LlamaModel:
 
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
         """Hidden states after the final norm, [T, hidden]; writes this batch's K/V."""
+        if self.w["embed"].device.type == "cuda":
+            return self._forward_fused(batch, kv_caches)
         cfg = self.cfg
         h = F.embedding(batch.input_ids, self.w["embed"])
         cos = self.rope_cos[batch.positions].unsqueeze(1)
@@ -105,6 +107,45 @@ class LlamaModel:
             gate, up = self.wide(x, self.w[p + "w_gate_up"]).chunk(2, dim=-1)
             h = h + F.linear(F.silu(gate) * up, self.w[p + "w_down"])
         return rms_norm(h, self.w["norm"], cfg.rms_eps)
+
+    def _forward_fused(
+        self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    ):
+        """`forward` on CUDA with the decode path's Triton kernels (RMSNorm fused with the
+        residual add, rotary + KV write, silu * up): a prefill of thousands of tokens is
+        otherwise a third elementwise traffic."""
+        from memstep.executors.kernels import (
+            fused_add_rmsnorm,
+            rmsnorm,
+            rope_and_write_kv,
+            silu_mul,
+        )
+
+        cfg, w, t = self.cfg, self.w, batch.num_tokens
+        residual = F.embedding(batch.input_ids, w["embed"])
+        x = rmsnorm(residual, w["layers.0.attn_norm"], cfg.rms_eps)
+        for i in range(self.num_layers):
+            p = f"layers.{i}."
+            k_cache, v_cache = kv_caches[i]
+            q = rope_and_write_kv(
+                F.linear(x, w[p + "wqkv"]),
+                self.cos,
+                self.sin,
+                batch.positions,
+                batch.slot_mapping,
+                k_cache,
+                v_cache,
+                cfg.num_heads,
+            )
+            o = attention(q, k_cache, v_cache, batch, self.scale, self.decode_kernel)
+            x = fused_add_rmsnorm(
+                F.linear(o.reshape(t, -1), w[p + "wo"]), residual, w[p + "mlp_norm"], cfg.rms_eps
+            )
+            down = F.linear(silu_mul(F.linear(x, w[p + "w_gate_up"])), w[p + "w_down"])
+            last = i + 1 == self.num_layers
+            next_norm = w["norm"] if last else w[f"layers.{i + 1}.attn_norm"]
+            x = fused_add_rmsnorm(down, residual, next_norm, cfg.rms_eps)
+        return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] in float32."""

@@ -50,8 +50,8 @@ class Sampler:
             if row.params.has_penalties:
                 apply_penalties(logits[i], row)
         probs = self.probs[:r]
-        temps = [row.params.temperature or 1.0 for row in rows]
-        torch.div(logits, torch.tensor(temps, device=logits.device)[:, None], out=probs)
+        temps = to_device([row.params.temperature or 1.0 for row in rows], logits.device)
+        torch.div(logits, temps[:, None], out=probs)
         torch.softmax(probs, dim=-1, out=probs)
         greedy = [i for i, row in enumerate(rows) if row.params.is_greedy]
         if greedy:
@@ -80,24 +80,88 @@ class Sampler:
 
     def sample(self, probs: torch.Tensor, rows: list[Row], stream: int = SAMPLE) -> list[int]:
         """One token per row by inverse CDF, with the row's counter-based uniform."""
+        return self._sample(probs, rows, stream).tolist()
+
+    def _sample(self, probs: torch.Tensor, rows: list[Row], stream: int) -> PendingTokens:
         r = len(rows)
         u = self.uniforms[:r]
-        u.copy_(torch.tensor([uniform(row.params.seed, row.position, stream) for row in rows]))
-        return inverse_cdf(probs, u, self.sorted[:r])
+        draws = [uniform(row.params.seed, row.position, stream) for row in rows]
+        u.copy_(to_device(draws, u.device))
+        return PendingTokens(inverse_cdf_on_device(probs, u, self.sorted[:r]), probs)
+
+    def sample_logits(self, logits: torch.Tensor, rows: list[Row]) -> PendingTokens:
+        """`sample(distribution(logits, rows), rows)`, left on the device until `tolist`.
+
+        An all-greedy batch without penalties takes each row's argmax directly, which is the
+        token that path picks (a one-hot distribution's inverse CDF lands on its one token for
+        every uniform in [0, 1))."""
+        if all(row.params.is_greedy and not row.params.has_penalties for row in rows):
+            return PendingTokens(logits.argmax(dim=-1), None)
+        return self._sample(self.distribution(logits, rows), rows, SAMPLE)
+
+
+class PendingTokens:
+    """Sampled token ids still on the device, already on their way to pinned host memory, so
+    the device can be given more work before the host waits for them.
+
+    A row whose draw fell on a zero-probability token (rounding at the very end of the CDF)
+    comes as -1 - token and is settled on the host, from `probs`, in `tolist`."""
+
+    def __init__(self, tokens: torch.Tensor, probs: torch.Tensor | None):
+        self.device = tokens  # int64 [R]
+        self.host = HostCopy(tokens)
+        self._probs = probs
+
+    def tolist(self) -> list[int]:
+        tokens = self.host.values()
+        for i, tok in enumerate(tokens):
+            if tok < 0:
+                assert self._probs is not None
+                tokens[i] = int(torch.nonzero(self._probs[i])[-1])
+        return tokens
+
+
+class HostCopy:
+    """A device tensor's values on their way to pinned host memory; `values` waits for that
+    copy only, not for work queued on the device after it."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self._done: torch.cuda.Event | None = None
+        self._host = tensor
+        if tensor.is_cuda:
+            self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self._host.copy_(tensor, non_blocking=True)
+            self._done = torch.cuda.Event()
+            self._done.record()
+
+    def values(self) -> list:
+        if self._done is not None:
+            self._done.synchronize()
+        return self._host.tolist()
+
+
+def to_device(values: list[float], device: torch.device) -> torch.Tensor:
+    """A float32 tensor of `values` on `device`; to a GPU through pinned memory without waiting
+    for the device, so host work queued after it overlaps the step still running there."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=torch.float32)
+    host = torch.tensor(values, dtype=torch.float32, pin_memory=True)
+    return host.to(device, non_blocking=True)
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor, scratch: torch.Tensor) -> list[int]:
     """Token i of each row where the running mass first exceeds u * total; probs: [R, V]."""
+    return PendingTokens(inverse_cdf_on_device(probs, u, scratch), probs).tolist()
+
+
+def inverse_cdf_on_device(probs: torch.Tensor, u: torch.Tensor, scratch: torch.Tensor):
+    """`inverse_cdf` without the wait: int64 [R] on the device. A zero-probability token can
+    only be hit through rounding at the very end of the CDF; such rows hold -1 - token, so one
+    transfer (one sync) brings every row (`PendingTokens.tolist` settles them)."""
     torch.cumsum(probs, dim=-1, out=scratch)
     target = u.to(scratch.device)[:, None] * scratch[:, -1:]  # u may come from the host
     idx = torch.searchsorted(scratch, target, right=True).clamp_(max=probs.shape[-1] - 1)
-    # a zero-probability token can only be hit through rounding at the very end of the CDF;
-    # such rows come back as -1 - token, so one transfer (one sync) brings every row
-    tokens = torch.where(probs.gather(1, idx) <= 0, -1 - idx, idx)[:, 0].tolist()
-    for i, tok in enumerate(tokens):
-        if tok < 0:
-            tokens[i] = int(torch.nonzero(probs[i])[-1])
-    return tokens
+    return torch.where(probs.gather(1, idx) <= 0, -1 - idx, idx)[:, 0]
 
 
 def _one_hot_argmax(logits: torch.Tensor, probs: torch.Tensor, greedy: list[int]) -> None:

@@ -182,8 +182,10 @@ class Worker:
         return StepResult(plan.step, plan.kind, results, mem, exited, entered, leaks)
 
     def forward(self, feeds: list[tuple[SeqPlan, list[int]]]) -> tuple[torch.Tensor, list[int]]:
-        if self.graphs is not None and self.graphs.can_run(feeds):
-            return self.graphs.run(feeds)  # decode-only: a captured graph
+        if self.graphs is not None:
+            if self.graphs.can_run(feeds):
+                return self.graphs.run(feeds)  # decode-only: a captured graph
+            self.graphs.drop_ahead()
         batch, last_rows = build_batch(feeds, self.cfg.block_size, self.device)
         return self.model.forward(batch, self.kv), last_rows
 
@@ -199,23 +201,40 @@ class Worker:
         return Row(state.params, position, history, state.prompt_len)
 
     def _run_plain(self, seqs: list[SeqPlan]) -> tuple[list[SeqResult], torch.Tensor]:
-        hidden, last_rows = self.forward([(seq, seq.token_ids) for seq in seqs])
+        feeds = [(seq, seq.token_ids) for seq in seqs]
+        hidden, last_rows = self.forward(feeds)
         sampled = [seq for seq in seqs if seq.samples]
         picked = [row for seq, row in zip(seqs, last_rows, strict=True) if seq.samples]
-        h = hidden[picked]
+        # a decode step picks rows 0..n-1: a slice, where a list index would wait for the device
+        h = hidden[: len(picked)] if picked == list(range(len(picked))) else hidden[picked]
         if not sampled:
             return [], h
         logits = self.model.logits(h)
         rows = self.sample_rows(sampled)
         want_logprobs = max(row.params.logprobs for row in rows)
         raw = logits.clone() if want_logprobs else None
-        tokens = self.sampler.sample(self.sampler.distribution(logits, rows), rows)
+        pending = self.sampler.sample_logits(logits, rows)
+        graphs = self.graphs
+        if graphs is not None and self._may_run_ahead(feeds, len(sampled), want_logprobs):
+            graphs.run_ahead(feeds, pending)  # the device works on while the core records
+        tokens = pending.tolist()
         logprobs = top_logprobs(raw, tokens, want_logprobs) if raw is not None else None
         results = []
         for i, (seq, tok) in enumerate(zip(sampled, tokens, strict=True)):
             lp = [logprobs[i]] if logprobs is not None and rows[i].params.logprobs else []
             results.append(SeqResult(seq.request_id, [tok], lp, 0, 0))
         return results, h
+
+    def _may_run_ahead(self, feeds, num_sampled: int, want_logprobs: int) -> bool:
+        """A graph step where every sequence samples and none wants logprobs (computed from
+        this step's logits after the sync, they would wait for the replay ahead)."""
+        return (
+            self.cfg.decode_ahead
+            and self.graphs is not None
+            and self.graphs.can_run(feeds)
+            and num_sampled == len(feeds)
+            and not want_logprobs
+        )
 
     def _measure(self) -> MemoryReport:
         figures = memory.measure(self.device, self.meter)

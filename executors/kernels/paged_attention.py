@@ -27,7 +27,9 @@ _NUM_WARPS = 4  # tile shape and pipelining: best overall in an H200 sweep of 32
 _NUM_STAGES = 2
 
 
-@triton.jit
+# the block-table width changes from step to step on the eager path: specializing on it
+# (divisible by 16, equal to 1) would compile a new variant in the middle of serving
+@triton.jit(do_not_specialize=["stride_bt_seq"])
 def _decode_kernel(
     q_ptr,
     k_cache_ptr,

@@ -79,6 +79,24 @@ def test_seeded_sampling_follows_the_distribution():
         assert abs(counts[tok] / n - float(want[tok])) < 0.03
 
 
+def test_all_greedy_shortcut_picks_the_tokens_of_the_full_path():
+    """An all-greedy batch takes the argmax directly; the full path (distribution, inverse CDF)
+    picks the same token per row, ties (first maximum) included. With one sampled row the
+    batch takes the full path."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 50, generator=gen)
+    logits[2, [7, 30]] = 9.0  # a tie: the first maximum wins
+    greedy = [Row(SamplingParams(seed=i), 5 + i, [], 0) for i in range(6)]
+    sampler = Sampler(6, 50, torch.device("cpu"))
+    full = sampler.sample(sampler.distribution(logits.clone(), greedy), greedy)
+    assert sampler.sample_logits(logits.clone(), greedy).tolist() == full
+    assert full[2] == 7
+    mixed = [*greedy[:5], Row(SamplingParams(temperature=1.0, seed=9), 10, [], 0)]
+    picked = sampler.sample_logits(logits.clone(), mixed).tolist()
+    assert picked == sampler.sample(sampler.distribution(logits.clone(), mixed), mixed)
+    assert picked[:5] == full[:5]
+
+
 def test_uniform_is_keyed_by_seed_and_position():
     assert uniform(1, 5) == uniform(1, 5)
     assert len({uniform(1, p) for p in range(100)}) == 100

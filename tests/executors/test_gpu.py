@@ -17,6 +17,7 @@ from memstep.core.engine import Engine
 from memstep.core.sampling_params import SamplingParams
 from memstep.events.plan import SeqPlan
 from memstep.events.types import LeakSuspected, StepFinished
+from memstep.executors.decode_ahead import Ahead
 
 pytestmark = [
     pytest.mark.gpu,
@@ -213,6 +214,51 @@ def test_graph_replay_equals_eager_decode(engine_name, request):
         for seq, _ in feeds
     )
     assert slots == expected
+
+
+def staggered_tokens(engine: Engine, num_requests: int, seed: int) -> dict[str, list[int]]:
+    """Requests with random sampling and lengths, one joining every fifth step; the tokens
+    each one got."""
+    rng = random.Random(seed)
+    vocab = engine.model_cfg.vocab_size
+    queue = [
+        ([rng.randrange(3, vocab) for _ in range(rng.randint(1, 60))], random_params(rng))
+        for _ in range(num_requests)
+    ]
+    tokens: dict[str, list[int]] = {}
+    step = 0
+    while queue or engine.has_work():
+        if queue and step % 5 == 0:
+            prompt, params = queue.pop()
+            engine.add_request(prompt, params, request_id=f"r{len(queue)}")
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        step += 1
+    return tokens
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_decode_ahead_changes_no_token(broken, monkeypatch):
+    """The decode step replayed ahead, whether its plan comes (used) or not (dropped), leaves
+    every request the tokens of running each step when its plan comes. Broken on purpose, by
+    using every replay ahead whatever the plan, the comparison fails."""
+    if broken:
+        monkeypatch.setattr(Ahead, "matches", lambda self, feeds, block_size: True)
+    runs: dict[bool, dict[str, list[int]]] = {}
+    for ahead in (True, False):
+        engine = make_engine("bfloat16", decode_ahead=ahead)
+        try:
+            runs[ahead] = staggered_tokens(engine, 40, seed=12)
+            runner = engine.executor.worker.graphs
+            if ahead:
+                launched, used = runner.num_ahead, runner.num_ahead_used
+            else:
+                assert runner.num_ahead == 0
+        finally:
+            release(engine)
+    assert 0 < used < launched  # replays used, and replays dropped
+    assert len(runs[False]) == 40
+    assert (runs[True] == runs[False]) is not broken
 
 
 # --- memory ------------------------------------------------------------------------------------
