@@ -72,10 +72,11 @@ class Engine:
         self.emit(EngineStarted(__version__, cfg.to_dict(), self.source.identity))
         self.executor = executor_factory(cfg, self.max_model_len)
         self.memory_plan = self._phase("profile").info
-        blocks = BlockManager(self.memory_plan["num_kv_blocks"], cfg.block_size)
-        self.scheduler = Scheduler(cfg, blocks, self.max_model_len)
         self.warmup_info = self._phase("warmup").info
-        self._phase("capture")
+        captured = self._phase("capture").info
+        blocks = BlockManager(self.memory_plan["num_kv_blocks"], cfg.block_size)
+        lookahead = 1 if captured.get("decode_ahead") else 0  # the executor replays ahead
+        self.scheduler = Scheduler(cfg, blocks, self.max_model_len, lookahead)
         log.info("engine ready", model=self.source.label, max_model_len=self.max_model_len)
 
     # --- plumbing --------------------------------------------------------------------------

@@ -39,10 +39,15 @@ class StepBatch:
 
 
 class Scheduler:
-    def __init__(self, cfg: EngineConfig, blocks: BlockManager, max_model_len: int):
+    def __init__(
+        self, cfg: EngineConfig, blocks: BlockManager, max_model_len: int, decode_lookahead: int = 0
+    ):
         self.cfg = cfg
         self.blocks = blocks
         self.max_model_len = max_model_len
+        # slots past each decode that its pages should already cover, when pages are free: the
+        # executor replays the next decode step ahead only where its KV slot is owned already
+        self.decode_lookahead = decode_lookahead
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -89,7 +94,18 @@ class Scheduler:
         if kind == "spec":
             for s in seqs:
                 s.num_drafts = self._draft_slots(s)
+        elif self.decode_lookahead:
+            self._reserve_lookahead(seqs)
         return StepBatch(kind, seqs, preempted)
+
+    def _reserve_lookahead(self, seqs: list[Scheduled]) -> None:
+        """Best effort, after every step's own pages: pages for `decode_lookahead` slots past
+        each decode, never preempting for them (a page short only loses the replay ahead)."""
+        for s in seqs:
+            req = s.request
+            if s.num_tokens == 1 and s.samples:
+                wanted = min(req.num_tokens + self.decode_lookahead, self.max_model_len)
+                self.blocks.ensure(req.request_id, wanted)
 
     def _reserve(self, req: Request, num_tokens: int, preempted: list[str]) -> bool:
         """Pages for `num_tokens` of `req`, preempting the newest running requests if needed."""

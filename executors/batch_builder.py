@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from memstep.events.plan import SeqPlan
 from memstep.executors.attention import SHORT_QUERY, AttnGroup, ForwardBatch, build_group
+
+Feed = tuple[SeqPlan, Sequence[int]]  # a sequence and the tokens it feeds this step
 
 PREFILL_GROUP_TOKENS = 2048  # CUDA: most queries of equal prefill chunks in one attention call
 

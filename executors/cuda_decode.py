@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from memstep.events.plan import SeqPlan
+from memstep.executors.batch_builder import Feed
 from memstep.executors.kernels import (
     DecodeWorkspace,
     fused_add_rmsnorm,
@@ -27,9 +27,6 @@ from memstep.executors.kernels import (
     silu_mul,
 )
 from memstep.executors.llama import LlamaModel
-
-Feed = tuple[SeqPlan, Sequence[int]]  # a sequence and the tokens it feeds this step
-
 
 # split-K partition of the decode attention: on an H200, one sequence at 193 tokens of
 # context took 10.4 us with 64-token partitions, 12.0 with 128 and 14.7 with 256

@@ -13,10 +13,8 @@ from collections.abc import Sequence
 
 import attrs
 
-from memstep.events.plan import SeqPlan
+from memstep.executors.batch_builder import Feed
 from memstep.executors.sampler import HostCopy
-
-Feed = tuple[SeqPlan, Sequence[int]]  # a sequence and the tokens it feeds this step
 
 
 @attrs.frozen

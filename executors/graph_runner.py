@@ -21,7 +21,8 @@ import torch
 from memstep.core.config import EngineConfig
 from memstep.core.sampling_params import SamplingParams
 from memstep.events.plan import SeqPlan
-from memstep.executors.cuda_decode import DecodeForward, DecodeInputs, Feed, cdiv
+from memstep.executors.batch_builder import Feed
+from memstep.executors.cuda_decode import DecodeForward, DecodeInputs, cdiv
 from memstep.executors.decode_ahead import Ahead
 from memstep.executors.kernels import paged_decode_attention
 from memstep.executors.llama import LlamaModel
@@ -180,6 +181,7 @@ def capture_phase(worker: Worker) -> tuple[GraphRunner | None, dict]:
     info: dict = {"graph_static_bytes": runner.decode.nbytes}
     if cfg.cuda_graphs:
         info |= runner.capture()
+    info["decode_ahead"] = cfg.cuda_graphs and cfg.decode_ahead  # the core reserves for it
     worker.model.decode_kernel = runner.eager_attention()
     with torch.inference_mode():
         warm_eager(worker)

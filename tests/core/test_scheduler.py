@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from memstep.core.block_manager import BlockManager
 from memstep.core.config import EngineConfig
 from memstep.core.engine import Engine
+from memstep.core.request import Request
 from memstep.core.sampling_params import SamplingParams
+from memstep.core.scheduler import Scheduler
 
 GREEDY = SamplingParams(max_tokens=20, ignore_eos=True)
 
@@ -44,3 +47,40 @@ def test_new_requests_join_running_ones(smol_engine, chat_prompts):
     batch = next(r for r in plans if type(r).__name__ == "StepPlanned").batch
     assert [row[0] for row in batch][0] == first and len(batch) == 2
     eng.run_until_idle()
+
+
+BLOCK = 4
+
+
+def _decoding(n: int, prompt_len: int, blocks: BlockManager, lookahead: int) -> Scheduler:
+    """A scheduler whose `n` requests have prefilled `prompt_len` tokens and sampled one."""
+    cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, block_size=BLOCK)
+    sched = Scheduler(cfg, blocks, max_model_len=64, decode_lookahead=lookahead)
+    for i in range(n):
+        sched.add(Request(f"r{i}", list(range(1, prompt_len + 1)), GREEDY, 0, str))
+    for s in sched.schedule().seqs:  # the prefill
+        s.request.num_computed += s.num_tokens
+        s.request.output_token_ids.append(7)
+    return sched
+
+
+def test_decode_lookahead_reserves_the_next_slot_when_pages_are_free():
+    # prompts of 3 tokens + 1 sampled: the decode feeds position 3, the last slot of page 0;
+    # the step replayed ahead would feed position 4, in a second page
+    plain = _decoding(3, 3, BlockManager(16, BLOCK), lookahead=0)
+    batch = plain.schedule()
+    assert [len(plain.blocks.table(s.request.request_id)) for s in batch.seqs] == [1, 1, 1]
+    ahead = _decoding(3, 3, BlockManager(16, BLOCK), lookahead=1)
+    batch = ahead.schedule()
+    assert [s.num_tokens for s in batch.seqs] == [1, 1, 1]
+    assert [len(ahead.blocks.table(s.request.request_id)) for s in batch.seqs] == [2, 2, 2]
+
+
+def test_decode_lookahead_never_preempts_or_starves_a_step():
+    # 4 pages for 3 decoding requests: each step's own slots take 3, one is left for lookahead
+    sched = _decoding(3, 3, BlockManager(4, BLOCK), lookahead=1)
+    batch = sched.schedule()
+    assert len(batch.seqs) == 3 and not batch.preempted and sched.num_preemptions == 0
+    tables = [len(sched.blocks.table(s.request.request_id)) for s in batch.seqs]
+    assert sorted(tables) == [1, 1, 2] and sched.blocks.num_free == 0
+    sched.blocks.check()
