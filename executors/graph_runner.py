@@ -1,7 +1,8 @@
 """The capture phase on CUDA: one CUDA graph per decode batch size, replayed while serving.
 
 Decode-only steps (every sequence feeds one token) are padded up to the nearest captured size
-and replayed from the graph captured for it; prefill and mixed steps run eagerly. Graphs are
+and replayed from the graph captured for it (the next one is replayed ahead, before its plan
+comes: `run_ahead`, `decode_ahead.py`); prefill and mixed steps run eagerly. Graphs are
 captured largest first into one shared memory pool, each after an eager warm-up on the capture
 stream. Capture empties the allocator cache (torch does it before every capture), so
 everything serving allocates is warmed again afterwards: the eager worst-case shapes and the
@@ -50,7 +51,8 @@ class GraphRunner:
     """Owns the static decode inputs, the decode forward and one graph per captured size.
 
     `run` fills the inputs from a step's feeds and replays (or, with graphs off, runs eagerly);
-    the returned hidden states are a view of a static buffer, valid until the next `run`.
+    the returned hidden states are a view of a static buffer, valid until the next `run` or
+    `run_ahead`.
     """
 
     def __init__(
