@@ -195,10 +195,34 @@ def apply_penalties(logits: torch.Tensor, row: Row) -> None:
 
 def top_logprobs(logits: torch.Tensor, tokens: list[int], n: int) -> list[list]:
     """[chosen logprob, [[id, logprob] x n]] for each row, from the raw model logits."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    out: list[list] = []
-    for i, tok in enumerate(tokens):
-        top = torch.topk(logp[i], n) if n else None
-        pairs = [] if top is None else [[int(t), float(v)] for v, t in zip(*top, strict=True)]
-        out.append([float(logp[i, tok]), pairs])
-    return out
+    index = torch.tensor(tokens, dtype=torch.long).to(logits.device)
+    return PendingLogprobs(logits, index, n).rows(tokens, tokens)
+
+
+class PendingLogprobs:
+    """Each row's log-probability of its sampled token and its top `n`, computed on the device
+    from the raw logits and the device's tokens, and already on their way to the host: every
+    figure crosses in one transfer, queued before any later device work."""
+
+    def __init__(self, logits: torch.Tensor, tokens: torch.Tensor, n: int):
+        self.n = n
+        self._logp = torch.log_softmax(logits.float(), dim=-1)
+        # a row the host settles later (-1 - token) is gathered at its drawn token for now
+        index = torch.where(tokens < 0, -1 - tokens, tokens)[:, None]
+        parts = [self._logp.gather(1, index)]
+        if n:
+            top = torch.topk(self._logp, n, dim=-1)
+            parts += [top.values, top.indices.to(self._logp.dtype)]
+        self._copy = HostCopy(torch.cat(parts, dim=1))
+
+    def rows(self, tokens: list[int], device_tokens: list[int]) -> list[list]:
+        """[chosen logprob, [[id, logprob] x n]] per row; `tokens` are the final tokens and
+        `device_tokens` what the device held (they differ only on rows settled on the host)."""
+        n, out = self.n, []
+        for i, row in enumerate(self._copy.values()):
+            chosen = row[0]
+            if tokens[i] != device_tokens[i]:
+                chosen = float(self._logp[i, tokens[i]])
+            pairs = [[int(t), v] for t, v in zip(row[1 + n :], row[1 : 1 + n], strict=True)]
+            out.append([chosen, pairs])
+        return out

@@ -24,7 +24,7 @@ from memstep.executors.leak_detector import LeakDetector
 from memstep.executors.llama import LlamaModel
 from memstep.executors.memory_plan import MemoryPlan, plan_memory
 from memstep.executors.request_states import RequestStates
-from memstep.executors.sampler import Row, Sampler, top_logprobs
+from memstep.executors.sampler import PendingLogprobs, Row, Sampler
 from memstep.executors.weights import load_weights
 from memstep.states import table
 from memstep.states.kinds import KindEnv, StepKind, StepOutputs, make_kinds
@@ -214,26 +214,25 @@ class Worker:
         want_logprobs = max(row.params.logprobs for row in rows)
         raw = logits.clone() if want_logprobs else None
         pending = self.sampler.sample_logits(logits, rows)
+        lp = PendingLogprobs(raw, pending.device, want_logprobs) if raw is not None else None
         graphs = self.graphs
-        if graphs is not None and self._may_run_ahead(feeds, len(sampled), want_logprobs):
+        if graphs is not None and self._may_run_ahead(feeds, len(sampled)):
             graphs.run_ahead(feeds, pending)  # the device works on while the core records
         tokens = pending.tolist()
-        logprobs = top_logprobs(raw, tokens, want_logprobs) if raw is not None else None
+        logprobs = lp.rows(tokens, pending.host.values()) if lp is not None else None
         results = []
         for i, (seq, tok) in enumerate(zip(sampled, tokens, strict=True)):
             lp = [logprobs[i]] if logprobs is not None and rows[i].params.logprobs else []
             results.append(SeqResult(seq.request_id, [tok], lp, 0, 0))
         return results, h
 
-    def _may_run_ahead(self, feeds, num_sampled: int, want_logprobs: int) -> bool:
-        """A graph step where every sequence samples and none wants logprobs (computed from
-        this step's logits after the sync, they would wait for the replay ahead)."""
+    def _may_run_ahead(self, feeds, num_sampled: int) -> bool:
+        """A graph step where every sequence samples."""
         return (
             self.cfg.decode_ahead
             and self.graphs is not None
             and self.graphs.can_run(feeds)
             and num_sampled == len(feeds)
-            and not want_logprobs
         )
 
     def _measure(self) -> MemoryReport:

@@ -110,6 +110,17 @@ def test_top_logprobs_are_log_softmax():
     ref = torch.log_softmax(logits[0], -1)
     assert math.isclose(chosen, float(ref[2]), rel_tol=1e-6)
     assert [t for t, _ in top] == [0, 1, 2]
+    # several rows at once: each row its own chosen token and its own top-n
+    rows = torch.randn(4, 50, generator=torch.Generator().manual_seed(5))
+    tokens = [3, 49, 0, 17]
+    for row, tok, (chosen, top) in zip(rows, tokens, top_logprobs(rows, tokens, 2), strict=True):
+        ref = torch.log_softmax(row, -1)
+        assert math.isclose(chosen, float(ref[tok]), rel_tol=1e-6)
+        values, ids = torch.topk(ref, 2)
+        assert [t for t, _ in top] == ids.tolist()
+        pairs = zip(top, values.tolist(), strict=True)
+        assert all(math.isclose(v, r, rel_tol=1e-6) for (_, v), r in pairs)
+    assert top_logprobs(rows, tokens, 0)[1] == [float(torch.log_softmax(rows[1], -1)[49]), []]
 
 
 def test_stop_strings_and_stop_ids_end_to_end(smol_engine, chat_prompts):
