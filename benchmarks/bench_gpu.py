@@ -354,45 +354,18 @@ def attention_sweep(worker) -> list[dict]:
     return rows
 
 
-def random_params(rng: random.Random):
-    from memstep.core.sampling_params import SamplingParams
-
-    greedy = rng.random() < 0.3
-    return SamplingParams(
-        max_tokens=rng.randint(2, 24),
-        temperature=0.0 if greedy else rng.uniform(0.2, 1.5),
-        top_p=rng.choice([1.0, 0.9, 0.5]),
-        top_k=rng.choice([0, 0, 20, 200]),
-        min_p=rng.choice([0.0, 0.0, 0.05]),
-        repetition_penalty=rng.choice([1.0, 1.0, 1.2]),
-        logprobs=rng.choice([0, 0, 0, 3]),
-        seed=rng.randrange(2**32),
-        ignore_eos=True,
-    )
-
-
 def memory_run(engine, num_requests: int, max_concurrency: int) -> dict:
     """Waves of random-sampling requests growing 1, 2, 4, ... max_concurrency, half of each
     wave one step late (mixed steps)."""
-    rng = random.Random(7)
-    vocab = engine.model_cfg.vocab_size
-    added = steps = 0
-    wave = 1
+    from memstep.core.traffic import rising_waves
+
     start = time.perf_counter()
-    while added < num_requests:
-        size = min(wave, num_requests - added)
-        for i in range(size):
-            if i == size // 2 and i > 0:
-                engine.step()
-                steps += 1
-            prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 200))]
-            engine.add_request(prompt, random_params(rng))
-            added += 1
-        while engine.has_work():
-            engine.step()
-            steps += 1
-        wave = min(2 * wave, max_concurrency)
-    return {"requests": added, "steps": steps, "seconds": round(time.perf_counter() - start, 1)}
+    steps = rising_waves(engine, num_requests, max_concurrency, seed=7)
+    return {
+        "requests": num_requests,
+        "steps": steps,
+        "seconds": round(time.perf_counter() - start, 1),
+    }
 
 
 def allocator() -> dict:

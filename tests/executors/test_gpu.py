@@ -15,6 +15,7 @@ import torch
 from memstep.core.config import EngineConfig
 from memstep.core.engine import Engine
 from memstep.core.sampling_params import SamplingParams
+from memstep.core.traffic import random_params, rising_waves
 from memstep.events.plan import SeqPlan
 from memstep.events.types import LeakSuspected, StepFinished
 from memstep.executors.decode_ahead import Ahead
@@ -270,44 +271,6 @@ def allocator_figures() -> tuple[int, int]:
     return stats["segment.all.current"], stats["reserved_bytes.all.current"]
 
 
-def random_params(rng: random.Random) -> SamplingParams:
-    greedy = rng.random() < 0.3
-    return SamplingParams(
-        max_tokens=rng.randint(2, 24),
-        temperature=0.0 if greedy else rng.uniform(0.2, 1.5),
-        top_p=rng.choice([1.0, 0.9, 0.5]),
-        top_k=rng.choice([0, 0, 20, 200]),
-        min_p=rng.choice([0.0, 0.0, 0.05]),
-        repetition_penalty=rng.choice([1.0, 1.0, 1.2]),
-        logprobs=rng.choice([0, 0, 0, 3]),
-        seed=rng.randrange(2**32),
-        ignore_eos=True,
-    )
-
-
-def rising_traffic(engine: Engine, num_requests: int, max_concurrency: int, seed: int) -> int:
-    """Waves of requests with random sampling whose size climbs 1, 2, 4, ... max_concurrency and
-    stays there; half of each wave joins one step late, so mixed steps occur. Steps run."""
-    rng = random.Random(seed)
-    vocab = engine.model_cfg.vocab_size
-    added = steps = 0
-    wave = 1
-    while added < num_requests:
-        size = min(wave, num_requests - added)
-        for i in range(size):
-            if i == size // 2 and i > 0:
-                engine.step()
-                steps += 1
-            prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 200))]
-            engine.add_request(prompt, random_params(rng))
-            added += 1
-        while engine.has_work():
-            engine.step()
-            steps += 1
-        wave = min(2 * wave, max_concurrency)
-    return steps
-
-
 def test_no_new_allocator_segments_after_warmup_and_capture():
     leaks: list[LeakSuspected] = []
     sink = lambda rec: leaks.append(rec) if isinstance(rec, LeakSuspected) else None  # noqa: E731
@@ -315,7 +278,7 @@ def test_no_new_allocator_segments_after_warmup_and_capture():
     try:
         segments, reserved = allocator_figures()
 
-        steps = rising_traffic(engine, num_requests=400, max_concurrency=32, seed=8)
+        steps = rising_waves(engine, num_requests=400, max_concurrency=32, seed=8)
 
         assert steps > 300
         assert engine.executor.worker.graphs.num_replays > steps // 2
