@@ -113,7 +113,11 @@ class PendingTokens:
         self._probs = probs
 
     def tolist(self) -> list[int]:
-        tokens = self.host.values()
+        return self.settle(self.host.values())
+
+    def settle(self, device_tokens: list[int]) -> list[int]:
+        """The final tokens, from the values the device held (`host.values()`)."""
+        tokens = list(device_tokens)
         for i, tok in enumerate(tokens):
             if tok < 0:
                 assert self._probs is not None

@@ -214,26 +214,20 @@ class Worker:
         want_logprobs = max(row.params.logprobs for row in rows)
         raw = logits.clone() if want_logprobs else None
         pending = self.sampler.sample_logits(logits, rows)
-        lp = PendingLogprobs(raw, pending.device, want_logprobs) if raw is not None else None
+        figures = PendingLogprobs(raw, pending.device, want_logprobs) if raw is not None else None
         graphs = self.graphs
-        if graphs is not None and self._may_run_ahead(feeds, len(sampled)):
-            graphs.run_ahead(feeds, pending)  # the device works on while the core records
-        tokens = pending.tolist()
-        logprobs = lp.rows(tokens, pending.host.values()) if lp is not None else None
+        # a graph step where every sequence samples: replay the next one while the core records
+        ahead = self.cfg.decode_ahead and len(sampled) == len(feeds)
+        if graphs is not None and ahead and graphs.can_run(feeds):
+            graphs.run_ahead(feeds, pending)
+        device_tokens = pending.host.values()
+        tokens = pending.settle(device_tokens)
+        logprobs = figures.rows(tokens, device_tokens) if figures is not None else None
         results = []
         for i, (seq, tok) in enumerate(zip(sampled, tokens, strict=True)):
             lp = [logprobs[i]] if logprobs is not None and rows[i].params.logprobs else []
             results.append(SeqResult(seq.request_id, [tok], lp, 0, 0))
         return results, h
-
-    def _may_run_ahead(self, feeds, num_sampled: int) -> bool:
-        """A graph step where every sequence samples."""
-        return (
-            self.cfg.decode_ahead
-            and self.graphs is not None
-            and self.graphs.can_run(feeds)
-            and num_sampled == len(feeds)
-        )
 
     def _measure(self) -> MemoryReport:
         figures = memory.measure(self.device, self.meter)
