@@ -152,15 +152,8 @@ class GraphRunner:
         }
 
     def eager_attention(self):
-        """The eager path's decode-attention hook, with this runner's preallocated workspace
-        (the eager groups carry int64 block tables; the kernel reads int32)."""
-        return functools.partial(_eager_decode_attention, workspace=self.decode.workspace)
-
-
-def _eager_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, workspace):
-    return paged_decode_attention(
-        q, k_cache, v_cache, block_tables.int(), seq_lens, scale, workspace=workspace
-    )
+        """The eager path's decode-attention hook, with this runner's preallocated workspace."""
+        return functools.partial(paged_decode_attention, workspace=self.decode.workspace)
 
 
 # --- the phase -----------------------------------------------------------------------------

@@ -63,14 +63,21 @@ def worst_case_prefill(
 
 def _activation_peak(cfg: EngineConfig, model_cfg: ModelConfig, model, dtype, device) -> int:
     """Peak bytes of one forward of `max_num_batched_tokens` tokens (measured on CUDA, over
-    `worst_case_prefill`)."""
+    `worst_case_prefill`: chunks that start their sequences, and chunks that continue one,
+    whose attention takes another path)."""
     t = cfg.max_num_batched_tokens
     if device.type != "cuda":
         per_token = model_cfg.hidden_size * 6 + model_cfg.intermediate_size * 3
         per_token += model_cfg.head_dim * (model_cfg.num_heads + 2 * model_cfg.num_kv_heads)
         return t * per_token * torch.empty((), dtype=dtype).element_size()
-    seqs = worst_case_prefill(cfg, engine_max_model_len(cfg, model_cfg))
-    shape = (len(seqs[0].block_table), cfg.block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
+    max_len = engine_max_model_len(cfg, model_cfg)
+    cases = [worst_case_prefill(cfg, max_len), worst_case_prefill(cfg, max_len, chunk=max_len - 1)]
+    shape = (
+        len(cases[0][0].block_table),
+        cfg.block_size,
+        model_cfg.num_kv_heads,
+        model_cfg.head_dim,
+    )
     kv = [
         (
             torch.zeros(shape, dtype=dtype, device=device),
@@ -80,14 +87,17 @@ def _activation_peak(cfg: EngineConfig, model_cfg: ModelConfig, model, dtype, de
     ]
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    with torch.inference_mode():
-        batch, last = build_batch([(seq, seq.token_ids) for seq in seqs], cfg.block_size, device)
-        hidden = model.forward(batch, kv)
-        model.logits(hidden[last])
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - base
-    del kv, hidden
+    peak = 0
+    for seqs in cases:
+        torch.cuda.reset_peak_memory_stats(device)
+        with torch.inference_mode():
+            feeds = [(seq, seq.token_ids) for seq in seqs]
+            batch, last = build_batch(feeds, cfg.block_size, device)
+            model.logits(model.forward(batch, kv)[last])
+            del batch
+        torch.cuda.synchronize(device)
+        peak = max(peak, torch.cuda.max_memory_allocated(device) - base)
+    del kv
     torch.cuda.empty_cache()
     return peak
 

@@ -178,6 +178,34 @@ def test_fp32_prefill_and_graph_decode_logits_match_reference(fp32_engine):
     assert max(errors) < 1e-4, errors
 
 
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (32, 8, 128)])
+def test_fresh_chunks_by_flash_attention_match_the_masked_path(heads, kv_heads, dim):
+    """Equal prompts in a row of a bf16 step (SmolLM2's and Llama-3.1-8B's head shapes, 40
+    tokens: the last page half used) take the causal flash path; the same group through the
+    masked path that chunks continuing a context take gives the same attention."""
+    import attrs
+
+    from memstep.executors.attention import build_group, torch_group_attention
+
+    block, n, seqs = 16, 40, 3
+    torch.manual_seed(0)
+    pages = [[3 * i + j for j in range(3)] for i in range(seqs)]
+    group = build_group([i * n for i in range(seqs)], [n] * seqs, [n] * seqs, pages, block, "cuda")
+    assert group.is_fresh
+    cache = (3 * seqs, block, kv_heads, dim)
+    k_cache = torch.randn(cache, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn(cache, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(seqs * n, heads, dim, device="cuda", dtype=torch.bfloat16)
+
+    flash = torch_group_attention(q, k_cache, v_cache, group, dim**-0.5)
+    masked = torch_group_attention(
+        q, k_cache, v_cache, attrs.evolve(group, is_fresh=False), dim**-0.5
+    )
+
+    assert flash.shape == masked.shape == (seqs, n, heads, dim)
+    assert relative_error(flash.float(), masked.float()) < 1e-2
+
+
 @pytest.mark.parametrize("engine_name", ["fp32_engine", "bf16_engine"])
 def test_graph_replay_equals_eager_decode(engine_name, request):
     engine = request.getfixturevalue(engine_name)

@@ -1,0 +1,62 @@
+"""How a step's tokens are grouped for attention, and the row layout each group reads and
+writes: the groups that take the causal fast path on CUDA, and the same results on CPU
+whichever way a group's rows are written back."""
+
+from __future__ import annotations
+
+import torch
+
+from memstep.events.plan import SeqPlan
+from memstep.executors.attention import attention, build_group, torch_group_attention
+from memstep.executors.batch_builder import build_batch
+
+BLOCK = 4
+HEADS, KV_HEADS, DIM = 4, 2, 8
+CPU = torch.device("cpu")
+
+
+def seq(name: str, start: int, n: int, pages: list[int]) -> SeqPlan:
+    return SeqPlan(name, start, list(range(1, n + 1)), pages, True, 0, start + n, {})
+
+
+def test_equal_fresh_chunks_in_a_row_are_fresh():
+    group = build_group([0, 6, 12], [6, 6, 6], [6, 6, 6], [[0, 1], [2, 3], [4, 5]], BLOCK, CPU)
+    assert group.first_row == 0 and group.is_fresh
+
+
+def test_a_chunk_continuing_its_sequence_is_in_order_but_not_fresh():
+    group = build_group([3], [6], [10], [[0, 1, 2]], BLOCK, CPU)
+    assert group.first_row == 3 and not group.is_fresh
+
+
+def test_padded_or_unordered_rows_have_no_first_row():
+    padded = build_group([0, 6], [6, 2], [6, 2], [[0, 1], [2]], BLOCK, CPU)
+    unordered = build_group([6, 0], [6, 6], [6, 6], [[0, 1], [2, 3]], BLOCK, CPU)
+    for group in (padded, unordered):
+        assert group.first_row == -1 and not group.is_fresh
+
+
+def test_grouped_rows_are_written_back_like_indexed_rows():
+    """A whole step (decodes, a short fresh prompt, equal fresh chunks, a continued chunk):
+    attention through each group's row layout equals scattering every group by index."""
+    torch.manual_seed(0)
+    feeds = [
+        (seq("d0", 5, 1, [0, 1]), [1]),
+        (seq("s0", 0, 3, [2]), [1, 2, 3]),
+        (seq("c0", 4, 9, [3, 4, 5, 6]), list(range(9))),
+        (seq("c1", 0, 10, [7, 8, 9]), list(range(10))),
+    ]
+    batch, _ = build_batch(feeds, BLOCK, CPU)
+    assert any(g.first_row >= 0 for g in batch.groups)
+    cache_shape = (12, BLOCK, KV_HEADS, DIM)
+    k_cache, v_cache = torch.randn(cache_shape), torch.randn(cache_shape)
+    q = torch.randn(batch.num_tokens, HEADS, DIM)
+
+    ours = attention(q, k_cache, v_cache, batch, 0.3)
+
+    expected = torch.full_like(q, float("nan"))
+    for group in batch.groups:
+        res = torch_group_attention(q, k_cache, v_cache, group, 0.3).flatten(0, 1)
+        expected[group.valid_rows] = res[group.valid_flat]
+    assert not expected.isnan().any()
+    assert torch.equal(ours, expected)
