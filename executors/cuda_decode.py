@@ -18,14 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from memstep.executors.batch_builder import Feed
-from memstep.executors.kernels import (
-    DecodeWorkspace,
-    fused_add_rmsnorm,
-    paged_decode_attention,
-    rmsnorm,
-    rope_and_write_kv,
-    silu_mul,
-)
+from memstep.executors.kernels import DecodeWorkspace, paged_decode_attention
 from memstep.executors.llama import LlamaModel
 
 # split-K partition of the decode attention: on an H200, one sequence at 193 tokens of
@@ -132,11 +125,6 @@ class DecodeForward:
         cfg, w = model.cfg, model.w
         self.cfg, self.model, self.kv, self.inputs = cfg, model, kv_caches, inputs
         device, dtype = w["embed"].device, w["embed"].dtype
-        self.layers = [
-            tuple(w[f"layers.{i}.{name}"] for name in ("attn_norm", "wqkv", "wo", "mlp_norm"))
-            + (w[f"layers.{i}.w_gate_up"], w[f"layers.{i}.w_down"])
-            for i in range(model.num_layers)
-        ]
         rows, heads, head_dim = inputs.max_seqs, cfg.num_heads, cfg.head_dim
         max_context = inputs.max_blocks * inputs.block_size
         # split-K runs only while (sequences x KV heads) is under two waves of programs
@@ -155,27 +143,16 @@ class DecodeForward:
         return sum(b.numel() * b.element_size() for b in bufs)
 
     def __call__(self, bs: int) -> torch.Tensor:
-        cfg, model, ins = self.cfg, self.model, self.inputs
-        positions, slots = ins.positions[:bs], ins.slots[:bs]
-        tables, seq_lens = ins.block_tables[:bs], ins.seq_lens[:bs]
+        model, ins = self.model, self.inputs
+        tables, seq_lens, out = ins.block_tables[:bs], ins.seq_lens[:bs], self.attn_out[:bs]
+
+        def attend(q, k_cache, v_cache):
+            return paged_decode_attention(
+                q, k_cache, v_cache, tables, seq_lens, model.scale, out, self.workspace
+            )
+
         residual = F.embedding(ins.ids[:bs], model.w["embed"])  # [bs, hidden]
-        x = rmsnorm(residual, self.layers[0][0], cfg.rms_eps)
-        attn_out = self.attn_out[:bs]
-        norms = [layer[0] for layer in self.layers[1:]] + [model.w["norm"]]
-        for (_, wqkv, wo, mlp_norm, w_gate_up, w_down), next_norm, (k_cache, v_cache) in zip(
-            self.layers, norms, self.kv, strict=True
-        ):
-            qkv = F.linear(x, wqkv)  # [bs, (H + 2 KVH) * D]
-            q = rope_and_write_kv(
-                qkv, model.cos, model.sin, positions, slots, k_cache, v_cache, cfg.num_heads
-            )
-            paged_decode_attention(
-                q, k_cache, v_cache, tables, seq_lens, model.scale, attn_out, self.workspace
-            )
-            o = F.linear(attn_out.view(bs, -1), wo)
-            x = fused_add_rmsnorm(o, residual, mlp_norm, cfg.rms_eps)
-            down = F.linear(silu_mul(F.linear(x, w_gate_up)), w_down)
-            x = fused_add_rmsnorm(down, residual, next_norm, cfg.rms_eps)
+        x = model.fused_layers(residual, ins.positions[:bs], ins.slots[:bs], self.kv, attend)
         return self.hidden[:bs].copy_(x)
 
 

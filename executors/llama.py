@@ -111,9 +111,28 @@ class LlamaModel:
     def _forward_fused(
         self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     ):
-        """`forward` on CUDA with the decode path's Triton kernels (RMSNorm fused with the
-        residual add, rotary + KV write, silu * up): a prefill of thousands of tokens is
-        otherwise a third elementwise traffic."""
+        """`forward` on CUDA: `fused_layers` with this batch's attention (a prefill of
+        thousands of tokens is otherwise a third elementwise traffic)."""
+
+        def attend(q, k_cache, v_cache):
+            return attention(q, k_cache, v_cache, batch, self.scale, self.decode_kernel)
+
+        residual = F.embedding(batch.input_ids, self.w["embed"])
+        return self.fused_layers(residual, batch.positions, batch.slot_mapping, kv_caches, attend)
+
+    def fused_layers(
+        self,
+        residual: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """The decoder layers with the CUDA path's Triton kernels (RMSNorm fused with the
+        residual add, rotary + KV write, silu * up) around cuBLAS matmuls, for the eager path
+        and the decode graphs alike. `residual` ([T, hidden], the embeddings) is updated in
+        place; `attend(q, k_cache, v_cache)` is the caller's attention, [T, H, D] -> [T, H, D].
+        Returns the final norm's output."""
         from memstep.executors.kernels import (
             fused_add_rmsnorm,
             rmsnorm,
@@ -121,23 +140,15 @@ class LlamaModel:
             silu_mul,
         )
 
-        cfg, w, t = self.cfg, self.w, batch.num_tokens
-        residual = F.embedding(batch.input_ids, w["embed"])
+        cfg, w, t = self.cfg, self.w, residual.shape[0]
         x = rmsnorm(residual, w["layers.0.attn_norm"], cfg.rms_eps)
-        for i in range(self.num_layers):
+        for i, (k_cache, v_cache) in enumerate(kv_caches[: self.num_layers]):
             p = f"layers.{i}."
-            k_cache, v_cache = kv_caches[i]
+            qkv = F.linear(x, w[p + "wqkv"])
             q = rope_and_write_kv(
-                F.linear(x, w[p + "wqkv"]),
-                self.cos,
-                self.sin,
-                batch.positions,
-                batch.slot_mapping,
-                k_cache,
-                v_cache,
-                cfg.num_heads,
+                qkv, self.cos, self.sin, positions, slots, k_cache, v_cache, cfg.num_heads
             )
-            o = attention(q, k_cache, v_cache, batch, self.scale, self.decode_kernel)
+            o = attend(q, k_cache, v_cache)
             x = fused_add_rmsnorm(
                 F.linear(o.reshape(t, -1), w[p + "wo"]), residual, w[p + "mlp_norm"], cfg.rms_eps
             )

@@ -181,9 +181,13 @@ class Worker:
         leaks = self._pending_leaks + self.detector.observe(plan.step, plan.kind, mem)
         return StepResult(plan.step, plan.kind, results, mem, exited, entered, leaks)
 
-    def forward(self, feeds: list[tuple[SeqPlan, list[int]]]) -> tuple[torch.Tensor, list[int]]:
+    def forward(
+        self, feeds: list[tuple[SeqPlan, list[int]]], on_graph: bool | None = None
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Hidden states of the fed tokens and each feed's last row. `on_graph`: whether the
+        decode graphs can run these feeds, when the caller has asked them already."""
         if self.graphs is not None:
-            if self.graphs.can_run(feeds):
+            if self.graphs.can_run(feeds) if on_graph is None else on_graph:
                 return self.graphs.run(feeds)  # decode-only: a captured graph
             self.graphs.drop_ahead()
         batch, last_rows = build_batch(feeds, self.cfg.block_size, self.device)
@@ -202,7 +206,9 @@ class Worker:
 
     def _run_plain(self, seqs: list[SeqPlan]) -> tuple[list[SeqResult], torch.Tensor]:
         feeds = [(seq, seq.token_ids) for seq in seqs]
-        hidden, last_rows = self.forward(feeds)
+        graphs = self.graphs
+        on_graph = graphs is not None and graphs.can_run(feeds)
+        hidden, last_rows = self.forward(feeds, on_graph)
         sampled = [seq for seq in seqs if seq.samples]
         picked = [row for seq, row in zip(seqs, last_rows, strict=True) if seq.samples]
         # a decode step picks rows 0..n-1: a slice, where a list index would wait for the device
@@ -215,10 +221,8 @@ class Worker:
         raw = logits.clone() if want_logprobs else None
         pending = self.sampler.sample_logits(logits, rows)
         figures = PendingLogprobs(raw, pending.device, want_logprobs) if raw is not None else None
-        graphs = self.graphs
         # a graph step where every sequence samples: replay the next one while the core records
-        ahead = self.cfg.decode_ahead and len(sampled) == len(feeds)
-        if graphs is not None and ahead and graphs.can_run(feeds):
+        if graphs is not None and on_graph and self.cfg.decode_ahead and len(sampled) == len(feeds):
             graphs.run_ahead(feeds, pending)
         device_tokens = pending.host.values()
         tokens = pending.settle(device_tokens)
