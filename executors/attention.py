@@ -158,10 +158,13 @@ def attention(
     out = torch.empty_like(q)
     for group in batch.groups:
         if group.is_decode and decode_kernel is not None:
-            rows = group.token_index[:, 0]
-            out[rows] = decode_kernel(
-                q[rows], k_cache, v_cache, group.block_tables, group.seq_lens, scale
-            )
+            tables, lens = group.block_tables, group.seq_lens
+            if group.first_row >= 0:  # rows in order: the kernel reads and writes them in place
+                rows = slice(group.first_row, group.first_row + len(tables))
+                decode_kernel(q[rows], k_cache, v_cache, tables, lens, scale, out[rows])
+            else:
+                index = group.token_index[:, 0]
+                out[index] = decode_kernel(q[index], k_cache, v_cache, tables, lens, scale)
             continue
         res = torch_group_attention(q, k_cache, v_cache, group, scale).flatten(0, 1)
         if group.first_row >= 0:

@@ -60,3 +60,24 @@ def test_grouped_rows_are_written_back_like_indexed_rows():
         expected[group.valid_rows] = res[group.valid_flat]
     assert not expected.isnan().any()
     assert torch.equal(ours, expected)
+
+
+def test_decode_rows_in_order_are_attended_in_place_like_gathered_rows():
+    """With a decode kernel (its plain-torch reference here, imported late: see test_kernels),
+    decodes in a row are read and written in place, decodes out of order gathered and
+    scattered; both equal the torch path without a kernel."""
+    from memstep.executors.kernels import paged_attention_reference
+
+    torch.manual_seed(1)
+    decodes = [(seq(f"d{i}", 3 + 2 * i, 1, [2 * i, 2 * i + 1]), [1]) for i in range(3)]
+    prompt = (seq("p", 0, 9, [6, 7, 8]), list(range(9)))
+    cache_shape = (12, BLOCK, KV_HEADS, DIM)
+    k_cache, v_cache = torch.randn(cache_shape), torch.randn(cache_shape)
+    for feeds, first_row in ((decodes + [prompt], 0), ([decodes[0], prompt, *decodes[1:]], -1)):
+        batch, _ = build_batch(feeds, BLOCK, CPU)
+        assert batch.groups[0].is_decode and batch.groups[0].first_row == first_row
+        q = torch.randn(batch.num_tokens, HEADS, DIM)
+
+        with_kernel = attention(q, k_cache, v_cache, batch, 0.3, paged_attention_reference)
+
+        assert torch.allclose(with_kernel, attention(q, k_cache, v_cache, batch, 0.3), atol=1e-5)
