@@ -109,7 +109,8 @@ class DecodeInputs:
 
 
 class DecodeForward:
-    """The model's decode step over `DecodeInputs`; writes `hidden[:bs]` (final-norm output).
+    """The model's decode step over `DecodeInputs`: `LlamaModel.fused_layers` with the paged
+    decode kernel as its attention; writes `hidden[:bs]` (final-norm output).
 
     Owns the attention output (`max_seqs` rows), the split-K workspace (for the batches small
     enough to split) and the hidden-state output buffer; reads the model's weights and rotary
@@ -123,7 +124,7 @@ class DecodeForward:
         inputs: DecodeInputs,
     ):
         cfg, w = model.cfg, model.w
-        self.cfg, self.model, self.kv, self.inputs = cfg, model, kv_caches, inputs
+        self.model, self.kv, self.inputs = model, kv_caches, inputs
         device, dtype = w["embed"].device, w["embed"].dtype
         rows, heads, head_dim = inputs.max_seqs, cfg.num_heads, cfg.head_dim
         max_context = inputs.max_blocks * inputs.block_size
