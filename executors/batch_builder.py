@@ -14,8 +14,13 @@ Feed = tuple[SeqPlan, Sequence[int]]  # a sequence and the tokens it feeds this 
 PREFILL_GROUP_TOKENS = 2048  # CUDA: most queries of equal prefill chunks in one attention call
 
 
+def slot_of(table: Sequence[int], position: int, block_size: int) -> int:
+    """The flat KV slot of `position` in a sequence whose pages are `table`."""
+    return table[position // block_size] * block_size + position % block_size
+
+
 def slots_for(table: list[int], start: int, n: int, block_size: int) -> list[int]:
-    return [table[p // block_size] * block_size + p % block_size for p in range(start, start + n)]
+    return [slot_of(table, p, block_size) for p in range(start, start + n)]
 
 
 def build_batch(

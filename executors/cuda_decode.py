@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from memstep.executors.batch_builder import Feed
+from memstep.executors.batch_builder import Feed, slot_of
 from memstep.executors.kernels import DecodeWorkspace, paged_decode_attention
 from memstep.executors.llama import LlamaModel
 
@@ -81,8 +81,7 @@ class DecodeInputs:
         self.host_ids[:n] = ids
         self.host_positions[:n] = starts
         self.host_slots[:n] = [
-            table[p // block_size] * block_size + p % block_size
-            for table, p in zip(tables, starts, strict=True)
+            slot_of(table, p, block_size) for table, p in zip(tables, starts, strict=True)
         ]
         self.host_seq_lens[:n] = np.asarray(starts, dtype=np.int32) + 1
         for row, table in zip(self.host_tables, tables, strict=False):

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from memstep.executors.batch_builder import Feed
+from memstep.executors.batch_builder import Feed, slot_of
 from memstep.executors.sampler import HostCopy
 
 
@@ -37,9 +37,8 @@ class Ahead:
         ):
             if seq.request_id != rid or seq.start_pos != start or list(tokens) != [tok]:
                 return False
-            page = start // block_size
-            if page >= len(seq.block_table):
+            if start // block_size >= len(seq.block_table):
                 return False
-            if seq.block_table[page] * block_size + start % block_size != slot:
+            if slot_of(seq.block_table, start, block_size) != slot:
                 return False
         return True
