@@ -5,7 +5,8 @@ the device's measured copy bandwidth and bf16 matmul rate, the weight-read and c
 rooflines of a decode step, memstep's decode step at batch 1 and 256, output tokens/s at 64 and
 256 concurrent requests (128 prompt + 128 output tokens each) for memstep and for HF `generate`,
 and a memory run of >= 2,000 requests with random sampling and rising concurrency after warm-up
-and capture (allocator segments and reserved bytes before and after).
+and capture (allocator segments and reserved bytes before and after). Last, unless
+`--no-fp8-kv`, the engine again with an fp8 KV cache: its pages, decode steps and throughput.
 
     python benchmarks/bench_gpu.py [--out DIR] [--skip-hf] [--memory-requests N] [--repeats 3]
 
@@ -24,6 +25,7 @@ import random
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -163,6 +165,7 @@ class StepClock:
         self.engine = engine
         self.records: list[dict] = []
         self._parts: dict[str, float] = {}
+        self._wrapped: list[tuple[object, str]] = []
         worker = engine.executor.worker
         self._wrap(worker, "forward")
         self._wrap(worker.sampler, "distribution", "sampler")
@@ -182,6 +185,13 @@ class StepClock:
                 self._parts[key] = self._parts.get(key, 0.0) + time.perf_counter() - start
 
         setattr(obj, name, timed)
+        self._wrapped.append((obj, name))
+
+    def close(self) -> None:
+        """Unwrap: the engine's methods are its own again, and nothing here holds it."""
+        for obj, name in self._wrapped:
+            delattr(obj, name)
+        self._wrapped.clear()
 
     def step(self):
         self._parts = {}
@@ -354,6 +364,67 @@ def attention_sweep(worker) -> list[dict]:
     return rows
 
 
+@dataclass(frozen=True)
+class Ceilings:
+    bandwidth: float  # bytes/s, device-to-device copy
+    rate: float  # FLOP/s, bf16 matmul
+    total_bytes: int  # every weight byte
+    read_bytes: int  # the weight bytes a decode step reads (all but the embedding table)
+    num_params: int
+
+
+def step_table(worker, c: Ceilings, max_num_seqs: int) -> dict:
+    """Decode step (graph + head) at the benchmark's context against the rooflines: ours
+    (bytes a step reads, 2 x matmul parameters x batch) and the issue's (every weight byte,
+    2 x all parameters x batch)."""
+    context = PROMPT_LEN + OUTPUT_LEN // 2
+    weight_ms = c.read_bytes / c.bandwidth * 1e3
+    issue_weight_ms = c.total_bytes / c.bandwidth * 1e3
+    steps = {}
+    for batch in (1, 8, 64, 256):
+        if batch > max_num_seqs:
+            continue
+        figures = model_step_ms(worker, batch, context)
+        compute_ms = 2 * (c.read_bytes // 2) * batch / c.rate * 1e3
+        issue_compute_ms = 2 * c.num_params * batch / c.rate * 1e3
+        step_ms = figures["graph_plus_head_ms"]
+        figures |= {
+            "weight_roofline_ms": round(weight_ms, 3),
+            "compute_roofline_ms": round(compute_ms, 3),
+            "ratio_to_max_roofline": round(step_ms / max(weight_ms, compute_ms), 3),
+            "issue_weight_roofline_ms": round(issue_weight_ms, 3),
+            "issue_compute_roofline_ms": round(issue_compute_ms, 3),
+            "issue_ratio": round(step_ms / max(issue_weight_ms, issue_compute_ms), 3),
+        }
+        steps[batch] = figures
+    return steps
+
+
+def fp8_kv_section(cfg, ceilings: Ceilings, vocab: int, bf16_blocks: int) -> dict:
+    """The same engine with an fp8 KV cache: pages, decode steps and one throughput run per
+    size (a different configuration from the issue's bf16 figures above)."""
+    from memstep.core.engine import Engine
+    from memstep.executors.graph_runner import peak_figures
+
+    torch.cuda.reset_peak_memory_stats()  # the bf16 engine's peak is not this one's
+    engine = Engine(cfg.replace(kv_cache_dtype="fp8"))
+    worker = engine.executor.worker
+    blocks = engine.memory_plan["num_kv_blocks"]
+    result: dict = {"num_kv_blocks": blocks, "blocks_vs_bf16": round(blocks / bf16_blocks, 3)}
+    result["peak_after_capture"] = peak_figures(worker)
+    result["decode_step"] = step_table(worker, ceilings, cfg.max_num_seqs)
+    clock = StepClock(engine)
+    run_throughput(engine, clock, 8, vocab)
+    for batch in (64, 256):
+        if batch <= cfg.max_num_seqs:
+            result[f"memstep_{batch}_tok_per_s"] = run_throughput(engine, clock, batch, vocab)[
+                "tok_per_s"
+            ]
+    clock.close()
+    engine.shutdown()
+    return result
+
+
 def memory_run(engine, num_requests: int, max_concurrency: int) -> dict:
     """Waves of random-sampling requests growing 1, 2, 4, ... max_concurrency, half of each
     wave one step late (mixed steps)."""
@@ -391,6 +462,9 @@ def main() -> None:
         "--repeats", type=int, default=3, help="throughput runs per size, both engines (median)"
     )
     parser.add_argument("--sweep", action="store_true", help="time decode-attention tile configs")
+    parser.add_argument(
+        "--no-fp8-kv", dest="fp8_kv", action="store_false", help="skip the fp8 KV cache section"
+    )
     options = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_gpu needs a CUDA device")
@@ -421,7 +495,6 @@ def main() -> None:
     total_bytes = sum(t.numel() * t.element_size() for t in weights.values())
     # a decode step reads every weight but the embedding table (it gathers `batch` rows of it)
     read_bytes = total_bytes - weights["embed"].numel() * weights["embed"].element_size()
-    matmul_params = read_bytes // 2
     report |= {"weight_bytes": total_bytes, "weight_bytes_read_per_step": read_bytes}
     report["gemms"] = gemm_table(weights, bandwidth, rate)
     save(report, options.out)
@@ -448,9 +521,7 @@ def main() -> None:
     report["peak_after_warmup"] = engine.warmup_info.get("measured_peak_bytes")
     report["peak_after_capture"] = peak_figures(worker)
 
-    weight_ms = read_bytes / bandwidth * 1e3
-    issue_weight_ms = total_bytes / bandwidth * 1e3  # the issue's definition: every weight byte
-    steps = {}
+    ceilings = Ceilings(bandwidth, rate, total_bytes, read_bytes, model_cfg.num_params)
     context = PROMPT_LEN + OUTPUT_LEN // 2
     for batch in (1, 256):
         attempt(
@@ -462,23 +533,7 @@ def main() -> None:
         )
     if options.sweep:
         attempt(report, "sweep", lambda: report.update(attention_sweep=attention_sweep(worker)))
-    for batch in (1, 8, 64, 256):
-        if batch > options.max_num_seqs:
-            continue
-        figures = model_step_ms(worker, batch, context)
-        compute_ms = 2 * matmul_params * batch / rate * 1e3
-        issue_compute_ms = 2 * model_cfg.num_params * batch / rate * 1e3
-        step_ms = figures["graph_plus_head_ms"]
-        figures |= {
-            "weight_roofline_ms": round(weight_ms, 3),
-            "compute_roofline_ms": round(compute_ms, 3),
-            "ratio_to_max_roofline": round(step_ms / max(weight_ms, compute_ms), 3),
-            "issue_weight_roofline_ms": round(issue_weight_ms, 3),
-            "issue_compute_roofline_ms": round(issue_compute_ms, 3),
-            "issue_ratio": round(step_ms / max(issue_weight_ms, issue_compute_ms), 3),
-        }
-        steps[batch] = figures
-    report["decode_step"] = steps
+    report["decode_step"] = step_table(worker, ceilings, options.max_num_seqs)
     # the baseline: after warm-up, capture and every measurement above (none empties the cache)
     after_capture = allocator()
     report["allocator_after_capture"] = after_capture
@@ -519,6 +574,20 @@ def main() -> None:
     report["decode_steps_replayed_ahead_used"] = worker.graphs.num_ahead_used
 
     save(report, options.out)
+    if options.fp8_kv:
+        bf16_blocks = engine.memory_plan["num_kv_blocks"]
+        clock.close()
+        engine.shutdown()
+        del engine, worker, clock
+        gc.collect()
+        torch.cuda.empty_cache()
+        report["allocated_after_shutdown"] = torch.cuda.memory_allocated()
+        attempt(
+            report,
+            "fp8_kv",
+            lambda: report.update(fp8_kv=fp8_kv_section(cfg, ceilings, vocab, bf16_blocks)),
+        )
+        save(report, options.out)
     print_summary(report)
 
 
@@ -590,6 +659,19 @@ def print_summary(r: dict) -> None:
         f"{r['new_reserved_bytes']}, leaks reported {len(r['leaks_reported'])}, "
         f"graph replays {r['graph_replays']}"
     )
+    fp8 = r.get("fp8_kv")
+    if fp8:
+        print("\n== fp8 KV cache (kv_cache_dtype='fp8': another configuration) ==")
+        left = r["allocated_after_shutdown"]
+        print(f"(the bf16 engine shut down first: {left} bytes still allocated)")
+        print(
+            f"KV pages {fp8['num_kv_blocks']} ({fp8['blocks_vs_bf16']}x the bf16 cache's); "
+            f"peak error {fp8['peak_after_capture']['peak_error']}"
+        )
+        for batch, s in fp8["decode_step"].items():
+            print(f"{batch:>5} step {s['graph_plus_head_ms']} ms, issue's ratio {s['issue_ratio']}")
+        for batch in (64, 256):
+            print(f"{batch:>4} concurrent: {fp8.get(f'memstep_{batch}_tok_per_s')} tok/s (one run)")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import sys
 
 import attrs
 
-from memstep.core.config import ConfigError, EngineConfig
+from memstep.core.config import KV_CACHE_DTYPES, ConfigError, EngineConfig
 from memstep.core.logging import setup_logging
 from memstep.core.model_source import ModelError
 from memstep.core.sampling_params import InvalidRequest
@@ -37,6 +37,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "--model", default=d.model, help="smollm2, a .gguf file, an HF folder, random:<preset>"
     )
     g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES)
     g.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
     g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)

@@ -14,6 +14,7 @@ import attrs
 SPECULATIVE_METHODS = (None, "ngram", "draft")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 class ConfigError(ValueError):
@@ -31,6 +32,9 @@ class EngineConfig:
 
     model: str = "smollm2"
     dtype: str = "auto"
+    # KV cache element type: "auto" is the model's dtype; "fp8" stores float8 e4m3 (half the
+    # bytes of bf16, no scale, saturating at +-448), converted back for attention
+    kv_cache_dtype: str = "auto"
     device: str = "auto"
     seed: int = 0  # seeds random: weights; never the sampler (requests carry their own seeds)
     max_num_seqs: int = 16
@@ -57,6 +61,10 @@ class EngineConfig:
 
     def __attrs_post_init__(self) -> None:
         _check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _check(
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}",
+        )
         _check(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
         _check(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
         _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")

@@ -1,7 +1,6 @@
 """Paged attention over a flattened token batch, in plain torch (Triton decode on CUDA).
 
-The KV cache of one layer is `[num_blocks, block_size, num_kv_heads, head_dim]`; a sequence's
-token at position p lives at `cache[block_table[p // block_size], p % block_size]`.
+The KV cache's layout and storage are `kv_cache`'s; attention reads it in the model's dtype.
 Sequences are attended in groups: all short queries (decode, speculative verify) in one padded
 batch, each long prefill chunk on its own, so padding never multiplies prefill work.
 """
@@ -12,6 +11,8 @@ import attrs
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from memstep.executors.kv_cache import gather_kv
 
 SHORT_QUERY = 8  # queries up to this many tokens share one padded attention call
 _CUDA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -83,32 +84,12 @@ def build_group(
     )
 
 
-def write_kv(
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    slots: torch.Tensor,
-) -> None:
-    # k, v: [T, KVH, D]; the cache viewed flat is [num_blocks * block_size, KVH, D]
-    kvh, d = k_cache.shape[-2:]
-    k_cache.view(-1, kvh, d).index_copy_(0, slots, k)
-    v_cache.view(-1, kvh, d).index_copy_(0, slots, v)
-
-
-def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    # cache[block_tables]: [B, NB, BS, KVH, D] -> [B, KVH, NB * BS, D]
-    b, nb = block_tables.shape
-    pages = cache.index_select(0, block_tables.flatten())  # ~5x faster than cache[block_tables]
-    return pages.reshape(b, nb * cache.shape[1], *cache.shape[2:]).transpose(1, 2)
-
-
 def torch_group_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: AttnGroup, scale: float
 ) -> torch.Tensor:
     """q: [T, H, D] for the whole batch; returns [B, Q, H, D] for this group's queries."""
-    k = gather_kv(k_cache, group.block_tables)
-    v = gather_kv(v_cache, group.block_tables)
+    k = gather_kv(k_cache, group.block_tables, q.dtype)
+    v = gather_kv(v_cache, group.block_tables, q.dtype)
     if q.is_cuda and group.is_fresh and q.dtype != torch.float32:
         return fresh_causal_attention(q, k, v, group, scale)
     qg = q[group.token_index].transpose(1, 2)  # [B, H, Q, D]

@@ -13,6 +13,7 @@ import torch
 
 from memstep.core.config import EngineConfig
 from memstep.events.plan import SeqPlan
+from memstep.executors import kv_cache
 from memstep.executors.arena import nbytes_of
 from memstep.executors.batch_builder import build_batch
 from memstep.executors.model_config import ModelConfig
@@ -61,7 +62,9 @@ def worst_case_prefill(
     return seqs
 
 
-def _activation_peak(cfg: EngineConfig, model_cfg: ModelConfig, model, dtype, device) -> int:
+def _activation_peak(
+    cfg: EngineConfig, model_cfg: ModelConfig, model, dtype, kv_dtype, device
+) -> int:
     """Peak bytes of one forward of `max_num_batched_tokens` tokens (measured on CUDA, over
     `worst_case_prefill`: chunks that start their sequences, and chunks that continue one,
     whose attention takes another path)."""
@@ -78,13 +81,7 @@ def _activation_peak(cfg: EngineConfig, model_cfg: ModelConfig, model, dtype, de
         model_cfg.num_kv_heads,
         model_cfg.head_dim,
     )
-    kv = [
-        (
-            torch.zeros(shape, dtype=dtype, device=device),
-            torch.zeros(shape, dtype=dtype, device=device),
-        )
-        for _ in range(model_cfg.num_layers)
-    ]
+    kv = kv_cache.allocate(model_cfg.num_layers, shape, kv_dtype, device)
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
     peak = 0
@@ -108,8 +105,9 @@ def plan_memory(
     weights = sum(t.numel() * t.element_size() for t in model.w.values())
     rows = cfg.max_num_seqs * (cfg.num_lookahead_slots + 1)
     sampler = rows * model_cfg.vocab_size * (4 + 4 + 8) + rows * 4
-    activation = _activation_peak(cfg, model_cfg, model, dtype, device)
-    page = _kv_page_bytes(cfg, model_cfg, dtype, model_cfg.num_layers)
+    kv_dtype = kv_cache.kv_dtype(cfg.kv_cache_dtype, dtype)
+    activation = _activation_peak(cfg, model_cfg, model, dtype, kv_dtype, device)
+    page = _kv_page_bytes(cfg, model_cfg, kv_dtype, model_cfg.num_layers)
     draft_page = 0
     if cfg.speculative_method == "draft":
         draft_page = _kv_page_bytes(

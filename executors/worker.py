@@ -17,7 +17,7 @@ from memstep.core.model_source import model_config, resolve
 from memstep.core.sampling_params import SamplingParams
 from memstep.events.plan import PhaseReply, SeqPlan, SeqResult, StepPlan, StepResult
 from memstep.events.types import MemoryReport, StateEntered, StateExited
-from memstep.executors import memory
+from memstep.executors import kv_cache, memory
 from memstep.executors.arena import Arena
 from memstep.executors.batch_builder import build_batch
 from memstep.executors.leak_detector import LeakDetector
@@ -52,6 +52,7 @@ class Worker:
         self.max_model_len = max_model_len
         self.device = pick_device(cfg)
         self.dtype = pick_dtype(cfg, self.device)
+        self.kv_dtype = kv_cache.kv_dtype(cfg.kv_cache_dtype, self.dtype)
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         self.meter = memory.LiveTensorMeter()
@@ -102,13 +103,7 @@ class Worker:
         self.arena = Arena(self.plan.arena_bytes, self.device)
         mc = self.model_cfg
         shape = (self.plan.num_kv_blocks, self.cfg.block_size, mc.num_kv_heads, mc.head_dim)
-        self.kv = [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-            )
-            for _ in range(self.model_cfg.num_layers)
-        ]
+        self.kv = kv_cache.allocate(mc.num_layers, shape, self.kv_dtype, self.device)
         rows = self.cfg.max_num_seqs * (self.cfg.num_lookahead_slots + 1)
         self.sampler = Sampler(rows, self.model_cfg.vocab_size, self.device)
         if self.cfg.is_speculative:

@@ -26,6 +26,12 @@ def smol_engine() -> Engine:
 
 
 @pytest.fixture(scope="session")
+def fp8_smol_engine() -> Engine:
+    """The same model and limits with an fp8 KV cache."""
+    return Engine(EngineConfig(model="smollm2", dtype="float32", kv_cache_dtype="fp8"))
+
+
+@pytest.fixture(scope="session")
 def chat_prompts(smol_engine: Engine) -> list[list[int]]:
     tok = smol_engine.tokenizer
     return [

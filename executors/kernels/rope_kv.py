@@ -3,6 +3,7 @@
 One launch per layer replaces the dozen small torch kernels of `apply_rope` + `write_kv`. The
 rotary convention is Hugging Face's (rotate halves); tables are the model's fp32 cos/sin rows.
 A token whose slot is negative (a padding row of a captured batch) writes nothing to the cache.
+An fp8 cache gets values clamped to its finite range, as `kv_cache.to_cache` does.
 """
 
 from __future__ import annotations
@@ -10,6 +11,16 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from memstep.executors.kv_cache import KV_FP8, KV_FP8_MAX, write_kv
+
+
+@triton.jit
+def _as_cached(x, cache_ptr, LIMIT: tl.constexpr):
+    """x in the cache's element type; clamped to +-LIMIT first when LIMIT > 0 (fp8)."""
+    if LIMIT > 0:
+        x = tl.minimum(tl.maximum(x.to(tl.float32), -LIMIT), LIMIT)
+    return x.to(cache_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -35,6 +46,7 @@ def _rope_kv_kernel(
     HALF_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HEADS: tl.constexpr,
+    KV_LIMIT: tl.constexpr,
 ):
     """Grid (num_tokens, cdiv(num_heads + 2 * num_kv_heads, HEADS)): HEADS consecutive heads of
     the q, k, v rows of one token per program. q heads are rotated in place in qkv; k heads are
@@ -70,14 +82,14 @@ def _rope_kv_kernel(
     k_dst = k_cache_ptr + page * stride_k_block + in_page * stride_k_slot
     k_dst = k_dst + k_heads[:, None] * stride_k_head + offs[None, :]
     k_mask = (is_k & has_slot)[:, None] & mask_d[None, :]
-    tl.store(k_dst, o1.to(k_cache_ptr.dtype.element_ty), mask=k_mask)
-    tl.store(k_dst + half, o2.to(k_cache_ptr.dtype.element_ty), mask=k_mask)
+    tl.store(k_dst, _as_cached(o1, k_cache_ptr, KV_LIMIT), mask=k_mask)
+    tl.store(k_dst + half, _as_cached(o2, k_cache_ptr, KV_LIMIT), mask=k_mask)
     v_heads = tl.where(is_v, heads - NUM_HEADS - NUM_KV_HEADS, 0)
     v_dst = v_cache_ptr + page * stride_v_block + in_page * stride_v_slot
     v_dst = v_dst + v_heads[:, None] * stride_v_head + offs[None, :]
     v_mask = (is_v & has_slot)[:, None] & mask_d[None, :]
-    tl.store(v_dst, x1.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
-    tl.store(v_dst + half, x2.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
+    tl.store(v_dst, _as_cached(x1, v_cache_ptr, KV_LIMIT), mask=v_mask)
+    tl.store(v_dst + half, _as_cached(x2, v_cache_ptr, KV_LIMIT), mask=v_mask)
 
 
 _HEADS_PER_PROGRAM = 8
@@ -129,6 +141,7 @@ def rope_and_write_kv(
         HALF_PAD=triton.next_power_of_2(head_dim // 2),
         BLOCK_SIZE=block_size,
         HEADS=_HEADS_PER_PROGRAM,
+        KV_LIMIT=KV_FP8_MAX if k_cache.dtype == KV_FP8 else 0.0,
         num_warps=4,
     )
     return q
@@ -159,8 +172,7 @@ def rope_and_write_kv_reference(
     k_rot = rotate(k.reshape(t, kvh, d))
     keep = slots >= 0
     rows = slots[keep].long()
-    k_cache.view(-1, kvh, d).index_copy_(0, rows, k_rot[keep].to(k_cache.dtype))
-    v_cache.view(-1, kvh, d).index_copy_(0, rows, v.reshape(t, kvh, d)[keep].to(v_cache.dtype))
+    write_kv(k_cache, v_cache, k_rot[keep], v.reshape(t, kvh, d)[keep], rows)
     qv = qkv[:, : num_heads * d].view(t, num_heads, d)
     qv.copy_(q_rot)
     return qv

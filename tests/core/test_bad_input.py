@@ -115,6 +115,8 @@ def test_bad_config():
         EngineConfig(max_num_seqs=0)
     with pytest.raises(ConfigError, match="speculative_method"):
         EngineConfig(speculative_method="magic")
+    with pytest.raises(ConfigError, match="kv_cache_dtype"):
+        EngineConfig(kv_cache_dtype="int4")
 
 
 def test_engine_keeps_serving_after_bad_requests(smol_engine, chat_prompts):

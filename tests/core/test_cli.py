@@ -6,8 +6,11 @@ import json
 import subprocess
 import sys
 
+import pytest
 
-def test_generate_json_answers_the_question():
+
+@pytest.mark.parametrize("flags", [[], ["--kv-cache-dtype", "fp8"]], ids=["default", "fp8-kv"])
+def test_generate_json_answers_the_question(flags):
     res = subprocess.run(
         [
             sys.executable,
@@ -19,6 +22,7 @@ def test_generate_json_answers_the_question():
             "12",
             "--prompt",
             "What is the capital of France?",
+            *flags,
         ],
         capture_output=True,
         text=True,

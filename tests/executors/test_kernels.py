@@ -37,6 +37,7 @@ from memstep.executors.kernels import (  # noqa: E402
     triton_available,
     use_split_k,
 )
+from memstep.executors.kv_cache import KV_FP8  # noqa: E402
 
 needs_triton = pytest.mark.skipif(
     not triton_available() or _TRITON_IMPORTED_TOO_EARLY,
@@ -129,6 +130,30 @@ def test_paged_decode_pads_head_dim_and_large_groups(split):
 
     expected = paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens_t, 0.2)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("split", [False, True], ids=["unsplit", "split"])
+def test_paged_decode_reads_an_fp8_cache(split):
+    """An fp8 cache (`kv_cache_dtype="fp8"`): tiles converted to q's dtype as they load, the
+    same values the reference reads; NaN in unread slots still never leaks through."""
+    generator = torch.Generator().manual_seed(8)
+    seq_lens = [1, 37, 150]
+    k_cache, v_cache, block_tables, seq_lens_t = make_paged_kv(
+        seq_lens, 16, 2, 32, KV_FP8, DEVICE, generator
+    )
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    q = torch.randn(3, 6, 32, generator=generator).to(DEVICE, dtype)
+    workspace = DecodeWorkspace.allocate(3, 6, 32, block_tables.shape[1] * 16, DEVICE, 128)
+
+    out = paged_decode_attention(
+        q, k_cache, v_cache, block_tables, seq_lens_t, 0.17, workspace=workspace, split=split
+    )
+
+    expected = paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens_t, 0.17)
+    assert out.dtype == dtype and out.isfinite().all()
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(out, expected, atol=tolerance, rtol=tolerance)
 
 
 @needs_triton
@@ -258,6 +283,40 @@ def test_paged_decode_bf16_llama_sizes(batch, max_seq_len, split):
 @needs_triton
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("batch", [7, 256])
+def test_paged_decode_fp8_cache_llama_sizes(batch):
+    generator = torch.Generator().manual_seed(batch)
+    lens = torch.randint(1, 2049, (batch,), generator=generator).tolist()
+    q, k_cache, v_cache, block_tables, seq_lens = make_llama_decode_batch(lens, generator)
+    k_cache, v_cache = k_cache.to(KV_FP8), v_cache.to(KV_FP8)
+    scale = 128**-0.5
+
+    out = paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+
+    expected = paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    assert out.isfinite().all()
+    assert relative_error(out, expected) < 1e-2
+
+
+@needs_triton
+@pytest.mark.gpu
+@needs_cuda
+def test_paged_decode_fp8_cache_keeps_queries_past_fp16_range_finite():
+    """With an fp8 cache the dots run in fp16: a bf16 query beyond fp16's range is clamped
+    into it instead of turning into inf and NaN."""
+    generator = torch.Generator().manual_seed(3)
+    q, k_cache, v_cache, block_tables, seq_lens = make_llama_decode_batch([40, 300], generator)
+    k_cache, v_cache = k_cache.to(KV_FP8), v_cache.to(KV_FP8)
+    q[0, :4] = 1e6  # the four query heads of KV head 0
+
+    out = paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, 128**-0.5)
+
+    assert out.isfinite().all()
+
+
+@needs_triton
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("split", [False, True], ids=["unsplit", "split"])
 def test_paged_decode_replays_in_a_cuda_graph(split):
     generator = torch.Generator().manual_seed(5)
@@ -350,6 +409,34 @@ def test_rope_and_write_kv_matches_reference_and_skips_padding_slots(block_size,
     torch.testing.assert_close(qkv, expected[0], atol=1e-6, rtol=1e-6)  # k, v columns kept
     torch.testing.assert_close(k_cache, expected[1], atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(v_cache, expected[2], atol=0, rtol=0)
+
+
+@needs_triton
+def test_rope_and_write_kv_into_an_fp8_cache_saturates_like_the_reference():
+    """Values past fp8's range are stored as +-448; on the GPU every value equals the
+    reference's (torch's rounding)."""
+    generator = torch.Generator().manual_seed(23)
+    heads, kv_heads, head_dim, tokens = 4, 2, 16, 4
+    # large rows so that some rotated k and some v pass fp8's largest value, 448
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=generator) * 300
+    angles = torch.randn(8, head_dim // 2, generator=generator)
+    cos, sin = angles.cos(), angles.sin()
+    positions = torch.tensor([0, 3, 5, 7], dtype=torch.int32)
+    slots = torch.tensor([2, 9, 17, 30], dtype=torch.int32)
+    caches = [torch.zeros(2, 16, kv_heads, head_dim, dtype=KV_FP8) for _ in range(4)]
+    qkv, cos, sin, positions, slots, *caches = (
+        t.to(DEVICE) for t in (qkv, cos, sin, positions, slots, *caches)
+    )
+
+    tables = (cos, sin, positions, slots)
+    rope_and_write_kv(qkv.clone(), *tables, caches[0], caches[1], heads)
+
+    rope_and_write_kv_reference(qkv.clone(), *tables, caches[2], caches[3], heads)
+    for ours, ref in ((caches[0], caches[2]), (caches[1], caches[3])):
+        ours, ref = ours.float(), ref.float()
+        assert not ours.isnan().any() and ours.abs().max() == 448.0 == ref.abs().max()
+        if not _IS_INTERPRETED:  # the interpreter's float8 rounding is its own (127.6 -> 64)
+            torch.testing.assert_close(ours, ref, atol=0, rtol=0)
 
 
 @needs_triton

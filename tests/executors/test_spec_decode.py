@@ -76,6 +76,24 @@ def test_greedy_spec_equals_greedy_across_threshold_crossings(method, k, referen
     assert engine.blocks.num_used == 0
 
 
+def test_greedy_spec_equals_greedy_with_an_fp8_kv_cache(fp8_smol_engine, chat_prompts):
+    """Verification reads the fp8 cache through the multi-token path, plain decoding through
+    the one-token path: both see the same stored values, so greedy tokens agree."""
+    params = [greedy(i) for i in range(8)]
+    fp8_reference = [c.token_ids for c in fp8_smol_engine.generate(chat_prompts, params)]
+    cfg = EngineConfig(
+        dtype="float32",
+        kv_cache_dtype="fp8",
+        speculative_method="ngram",
+        num_speculative_tokens=3,
+        speculative_disable_by_batch_size=4,
+    )
+    tokens, kinds, _ = run_crossing(Engine(cfg), chat_prompts)
+    for i in range(8):
+        assert tokens[f"p{i}"] == fp8_reference[i], f"prompt {i} differs"
+    assert "sn" in kinds and "ns" in kinds, kinds
+
+
 def test_acceptance_is_counted(chat_prompts):
     engine = Engine(EngineConfig(dtype="float32", speculative_method="draft", draft_layers=30))
     finished = []
