@@ -98,6 +98,28 @@ def _final(msg: object) -> object:
     return msg
 
 
+def _expect(reply: object, expect: type[Any]) -> Any:
+    if not isinstance(reply, expect):
+        raise ServerError("protocol", f"expected {expect.__name__}, got {type(reply).__name__}")
+    return reply
+
+
+class _Replies:
+    """The replies of one generate request, in order: deltas, then its GenerateDone."""
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        self.result: GenerateDone | None = None
+
+    def _take(self, msg: object) -> GenerateDelta | None:
+        """A delta to hand out, or None once `msg` is the GenerateDone (kept as `result`)."""
+        if isinstance(msg, GenerateDone):
+            self.result = msg
+            return None
+        assert isinstance(msg, GenerateDelta), type(msg).__name__
+        return msg
+
+
 # --- blocking ------------------------------------------------------------------------------
 
 
@@ -170,9 +192,7 @@ class Client:
         self._send(msg)
         reply = self._next(msg.request_id)
         self._pending.pop(msg.request_id, None)
-        if not isinstance(reply, expect):
-            raise ServerError("protocol", f"expected {expect.__name__}, got {type(reply).__name__}")
-        return reply
+        return _expect(reply, expect)
 
     def _next(self, request_id: str) -> object:
         """The next reply to `request_id`, buffering replies to others meanwhile."""
@@ -190,13 +210,12 @@ class Client:
         return _final(msg)
 
 
-class Stream:
+class Stream(_Replies):
     """Iterates the GenerateDelta replies of one request; then `result` is its GenerateDone."""
 
     def __init__(self, client: Client, request_id: str):
+        super().__init__(request_id)
         self.client = client
-        self.request_id = request_id
-        self.result: GenerateDone | None = None
 
     def __iter__(self) -> Iterator[GenerateDelta]:
         return self
@@ -204,13 +223,11 @@ class Stream:
     def __next__(self) -> GenerateDelta:
         if self.result is not None:
             raise StopIteration
-        msg = self.client._next(self.request_id)
-        if isinstance(msg, GenerateDone):
-            self.result = msg
+        delta = self._take(self.client._next(self.request_id))
+        if delta is None:
             self.client._pending.pop(self.request_id, None)
             raise StopIteration
-        assert isinstance(msg, GenerateDelta), type(msg).__name__
-        return msg
+        return delta
 
     def close(self) -> None:
         """Abort the request if it is still running, and read to its end."""
@@ -308,9 +325,7 @@ class AsyncClient:
         await self._send(msg)
         reply = await self._next(msg.request_id)
         self._queues.pop(msg.request_id, None)
-        if not isinstance(reply, expect):
-            raise ServerError("protocol", f"expected {expect.__name__}, got {type(reply).__name__}")
-        return reply
+        return _expect(reply, expect)
 
     async def _read(self) -> None:
         loop = asyncio.get_running_loop()
@@ -340,13 +355,12 @@ class AsyncClient:
         return _final(msg)
 
 
-class AsyncStream:
+class AsyncStream(_Replies):
     """Async-iterates the GenerateDelta replies of one request; then `result` is set."""
 
     def __init__(self, client: AsyncClient, request_id: str):
+        super().__init__(request_id)
         self.client = client
-        self.request_id = request_id
-        self.result: GenerateDone | None = None
 
     def __aiter__(self) -> AsyncIterator[GenerateDelta]:
         return self
@@ -354,13 +368,11 @@ class AsyncStream:
     async def __anext__(self) -> GenerateDelta:
         if self.result is not None:
             raise StopAsyncIteration
-        msg = await self.client._next(self.request_id)
-        if isinstance(msg, GenerateDone):
-            self.result = msg
+        delta = self._take(await self.client._next(self.request_id))
+        if delta is None:
             self.client._queues.pop(self.request_id, None)
             raise StopAsyncIteration
-        assert isinstance(msg, GenerateDelta), type(msg).__name__
-        return msg
+        return delta
 
     async def aclose(self) -> None:
         """Abort the request if it is still running, and read to its end."""
