@@ -400,6 +400,28 @@ def step_table(worker, c: Ceilings, max_num_seqs: int) -> dict:
     return steps
 
 
+def step_floor(kernels: list[dict], step: dict, kv_bytes: int, bandwidth: float) -> dict:
+    """The decode step if decode attention read its KV bytes at the copy bandwidth, every
+    other kernel took what `kernel_profile` measured, no time passed between kernels, and the
+    head took what it did (`step`, from `step_table`): how far kernel work outside attention
+    lets the step come down."""
+    is_attention = ("_decode_kernel", "_merge_partitions_kernel")
+    attention = sum(r["ms_per_step"] for r in kernels if r["kernel"] in is_attention)
+    others = sum(r["ms_per_step"] for r in kernels) - attention
+    head = step["graph_plus_head_ms"] - step["graph_ms"]
+    kv_ms = kv_bytes / bandwidth * 1e3
+    floor = others + kv_ms + head
+    roof = max(step["issue_weight_roofline_ms"], step["issue_compute_roofline_ms"])
+    return {
+        "kernels_but_attention_ms": round(others, 3),
+        "attention_ms": round(attention, 3),
+        "attention_at_copy_bandwidth_ms": round(kv_ms, 3),
+        "head_ms": round(head, 3),
+        "floor_ms": round(floor, 3),
+        "issue_ratio_of_floor": round(floor / roof, 3),
+    }
+
+
 def fp8_kv_section(cfg, ceilings: Ceilings, vocab: int, bf16_blocks: int) -> dict:
     """The same engine with an fp8 KV cache: pages, decode steps and one throughput run per
     size (a different configuration from the issue's bf16 figures above)."""
@@ -534,6 +556,15 @@ def main() -> None:
     if options.sweep:
         attempt(report, "sweep", lambda: report.update(attention_sweep=attention_sweep(worker)))
     report["decode_step"] = step_table(worker, ceilings, options.max_num_seqs)
+    if "kernels_batch256" in report and 256 in report["decode_step"]:
+        m = model_cfg  # K and V of every layer, for 256 sequences of context + 1 tokens, bf16
+        kv_bytes = 256 * (context + 1) * m.num_layers * 2 * m.num_kv_heads * m.head_dim * 2
+        kernels, step = report["kernels_batch256"], report["decode_step"][256]
+        attempt(
+            report,
+            "floor",
+            lambda: report.update(floor_batch256=step_floor(kernels, step, kv_bytes, bandwidth)),
+        )
     # the baseline: after warm-up, capture and every measurement above (none empties the cache)
     after_capture = allocator()
     report["allocator_after_capture"] = after_capture
@@ -628,6 +659,15 @@ def print_summary(r: dict) -> None:
         print(
             f"{batch:>5} weight roof {s['issue_weight_roofline_ms']} ms, compute roof "
             f"{s['issue_compute_roofline_ms']} ms, ratio {s['issue_ratio']}"
+        )
+    floor = r.get("floor_batch256")
+    if floor:
+        print(
+            f"batch 256 floor (attention at the copy bandwidth, other kernels as measured, no "
+            f"gaps): {floor['floor_ms']} ms = {floor['issue_ratio_of_floor']}x the issue's roof "
+            f"({floor['kernels_but_attention_ms']} ms of other kernels, attention "
+            f"{floor['attention_ms']} -> {floor['attention_at_copy_bandwidth_ms']} ms, head "
+            f"{floor['head_ms']} ms)"
         )
     for row in r.get("attention_sweep", []):
         print("attention", row)

@@ -20,13 +20,16 @@ import torch
 import triton
 import triton.language as tl
 
+from memstep.executors.kv_cache import KV_FP8
+
 DEFAULT_PARTITION_SIZE = 256
 _LOG2E = 1.4426950408889634
 _BLOCK_N = 64  # tokens per tile; several pages when block_size is small
 # An fp8 cache's tiles are converted in registers. H200, Llama-3.1-8B shapes, 8 layers in a
-# graph: fp16 dots on 128-token tiles take 22-38% less time than bf16 dots on 64-token tiles
-# at 1-2k tokens of context (equal at 192); against a bf16 cache, 12-13% less at 1-2k tokens,
-# 13% more at 192 tokens (batch 256), where neither reads at the copy bandwidth.
+# graph, fp8 cache: fp16 dots on 128-token tiles take 22-38% less time than bf16 dots on
+# 64-token tiles at 1-2k tokens of context (equal at 192). Against a bf16 cache (bf16 dots,
+# 64-token tiles): 12-13% less at 1-2k tokens, 13% more at 192 tokens (batch 256), where
+# neither kernel reads at the copy bandwidth.
 _FP8_BLOCK_N = 128
 _FP16_MAX = tl.constexpr(65504.0)
 _MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows on the GPU
@@ -319,7 +322,7 @@ def paged_decode_attention(
 
     group_size = num_heads // num_kv_heads
     head_dim_pad = triton.next_power_of_2(head_dim)
-    is_fp8 = k_cache.dtype == torch.float8_e4m3fn
+    is_fp8 = k_cache.dtype == KV_FP8
     block_n = min(_FP8_BLOCK_N if is_fp8 else _BLOCK_N, partition_size)
     if partition_size % block_n or block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"partition_size {partition_size} must be a power of two >= 16")
