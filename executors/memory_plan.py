@@ -100,12 +100,16 @@ def _activation_peak(
 
 
 def plan_memory(
-    cfg: EngineConfig, model_cfg: ModelConfig, model, dtype: torch.dtype, device: torch.device
+    cfg: EngineConfig,
+    model_cfg: ModelConfig,
+    model,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    device: torch.device,
 ) -> MemoryPlan:
     weights = sum(t.numel() * t.element_size() for t in model.w.values())
     rows = cfg.max_num_seqs * (cfg.num_lookahead_slots + 1)
     sampler = rows * model_cfg.vocab_size * (4 + 4 + 8) + rows * 4
-    kv_dtype = kv_cache.kv_dtype(cfg.kv_cache_dtype, dtype)
     activation = _activation_peak(cfg, model_cfg, model, dtype, kv_dtype, device)
     page = _kv_page_bytes(cfg, model_cfg, kv_dtype, model_cfg.num_layers)
     draft_page = 0

@@ -97,7 +97,9 @@ class Worker:
         return PhaseReply(phase, info, exited, entered)
 
     def _profile(self) -> dict:
-        self.plan = plan_memory(self.cfg, self.model_cfg, self.model, self.dtype, self.device)
+        self.plan = plan_memory(
+            self.cfg, self.model_cfg, self.model, self.dtype, self.kv_dtype, self.device
+        )
         env = KindEnv(self.cfg, self.model_cfg, self.dtype, self.plan.num_kv_blocks)
         self.kinds = make_kinds(env)
         self.arena = Arena(self.plan.arena_bytes, self.device)
