@@ -36,6 +36,7 @@ from bench_kernels import import_memstep  # noqa: E402
 
 MODEL = "random:llama-3.1-8b"
 PROMPT_LEN, OUTPUT_LEN = 128, 128
+CONTEXT = PROMPT_LEN + OUTPUT_LEN // 2  # decode steps are timed at the run's middle context
 
 
 def cuda_ms(fn, iters: int, warmup: int = 3) -> float:
@@ -329,16 +330,15 @@ def attention_sweep(worker) -> list[dict]:
         (64, (64, 8, 3)),
     ]
     cases += [(1, (64, 4, 2)), (1, (32, 4, 2)), (1, (32, 4, 3))]
-    context = PROMPT_LEN + OUTPUT_LEN // 2
     try:
         for batch, (block_n, warps, stages) in cases:
-            feeds = decode_feeds(batch, context, worker.cfg.block_size)
+            feeds = decode_feeds(batch, CONTEXT, worker.cfg.block_size)
             # full-width tables, as in the captured graphs
             tables = torch.zeros(batch, worker.graphs.inputs.max_blocks, dtype=torch.int32)
             for row, (seq, _) in zip(tables, feeds, strict=True):
                 row[: len(seq.block_table)] = torch.tensor(seq.block_table)
             tables = tables.cuda()
-            lens = torch.full((batch,), context + 1, dtype=torch.int32, device="cuda")
+            lens = torch.full((batch,), CONTEXT + 1, dtype=torch.int32, device="cuda")
             q = torch.randn(batch, cfg.num_heads, cfg.head_dim, device="cuda", dtype=k_cache.dtype)
             out = torch.empty_like(q)
             pa._BLOCK_N, pa._NUM_WARPS, pa._NUM_STAGES = block_n, warps, stages
@@ -377,14 +377,13 @@ def step_table(worker, c: Ceilings, max_num_seqs: int) -> dict:
     """Decode step (graph + head) at the benchmark's context against the rooflines: ours
     (bytes a step reads, 2 x matmul parameters x batch) and the issue's (every weight byte,
     2 x all parameters x batch)."""
-    context = PROMPT_LEN + OUTPUT_LEN // 2
     weight_ms = c.read_bytes / c.bandwidth * 1e3
     issue_weight_ms = c.total_bytes / c.bandwidth * 1e3
     steps = {}
     for batch in (1, 8, 64, 256):
         if batch > max_num_seqs:
             continue
-        figures = model_step_ms(worker, batch, context)
+        figures = model_step_ms(worker, batch, CONTEXT)
         compute_ms = 2 * (c.read_bytes // 2) * batch / c.rate * 1e3
         issue_compute_ms = 2 * c.num_params * batch / c.rate * 1e3
         step_ms = figures["graph_plus_head_ms"]
@@ -544,13 +543,12 @@ def main() -> None:
     report["peak_after_capture"] = peak_figures(worker)
 
     ceilings = Ceilings(bandwidth, rate, total_bytes, read_bytes, model_cfg.num_params)
-    context = PROMPT_LEN + OUTPUT_LEN // 2
     for batch in (1, 256):
         attempt(
             report,
             f"profile_{batch}",
             lambda b=batch: report.update(
-                {f"kernels_batch{b}": kernel_profile(worker, b, context)}
+                {f"kernels_batch{b}": kernel_profile(worker, b, CONTEXT)}
             ),
         )
     if options.sweep:
@@ -558,7 +556,7 @@ def main() -> None:
     report["decode_step"] = step_table(worker, ceilings, options.max_num_seqs)
     if "kernels_batch256" in report and 256 in report["decode_step"]:
         m = model_cfg  # K and V of every layer, for 256 sequences of context + 1 tokens, bf16
-        kv_bytes = 256 * (context + 1) * m.num_layers * 2 * m.num_kv_heads * m.head_dim * 2
+        kv_bytes = 256 * (CONTEXT + 1) * m.num_layers * 2 * m.num_kv_heads * m.head_dim * 2
         kernels, step = report["kernels_batch256"], report["decode_step"][256]
         attempt(
             report,
