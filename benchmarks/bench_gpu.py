@@ -449,7 +449,7 @@ def fp8_kv_section(cfg, ceilings: Ceilings, vocab: int, bf16_blocks: int) -> dic
 def memory_run(engine, num_requests: int, max_concurrency: int) -> dict:
     """Waves of random-sampling requests growing 1, 2, 4, ... max_concurrency, half of each
     wave one step late (mixed steps)."""
-    from memstep.core.traffic import rising_waves
+    from memstep.cli.traffic import rising_waves
 
     start = time.perf_counter()
     steps = rising_waves(engine, num_requests, max_concurrency, seed=7)

@@ -21,9 +21,9 @@ from pathlib import Path
 from memstep import __version__
 from memstep.core.config import EngineConfig, parse_override
 from memstep.core.engine import Engine
-from memstep.core.recorder import Recorder
 from memstep.core.sampling_params import SamplingParams
 from memstep.events.types import EngineStarted
+from memstep.replay.recorder import Recorder
 
 
 class TimedRecorder(Recorder):

@@ -15,7 +15,7 @@ from typing import Any
 
 import attrs
 
-from memstep.executors.model_config import PRESETS, ModelConfig
+from memstep.core.model_config import PRESETS, ModelConfig
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ALIASES = ("smollm2", "default")

@@ -9,7 +9,7 @@ import inspect
 
 import torch
 
-from memstep.executors.model_config import ModelConfig
+from memstep.core.model_config import ModelConfig
 from memstep.executors.weights import Weights
 
 

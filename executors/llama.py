@@ -12,9 +12,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from memstep.core.model_config import ModelConfig
 from memstep.executors.attention import ForwardBatch, attention
 from memstep.executors.kv_cache import write_kv
-from memstep.executors.model_config import ModelConfig
 from memstep.executors.weights import Weights
 
 

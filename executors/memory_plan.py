@@ -12,11 +12,11 @@ import attrs
 import torch
 
 from memstep.core.config import EngineConfig
+from memstep.core.model_config import ModelConfig
 from memstep.events.plan import SeqPlan
 from memstep.executors import kv_cache
-from memstep.executors.arena import nbytes_of
 from memstep.executors.batch_builder import build_batch
-from memstep.executors.model_config import ModelConfig
+from memstep.states.arena import nbytes_of
 from memstep.states.kinds import KINDS, KindEnv
 
 

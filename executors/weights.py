@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from memstep.core.model_config import ModelConfig
 from memstep.core.model_source import ModelError, ModelSource, read_gguf
-from memstep.executors.model_config import ModelConfig
 
 Weights = dict[str, torch.Tensor]
 

@@ -18,7 +18,6 @@ from memstep.core.sampling_params import SamplingParams
 from memstep.events.plan import PhaseReply, SeqPlan, SeqResult, StepPlan, StepResult
 from memstep.events.types import MemoryReport, StateEntered, StateExited
 from memstep.executors import kv_cache, memory
-from memstep.executors.arena import Arena
 from memstep.executors.batch_builder import build_batch
 from memstep.executors.leak_detector import LeakDetector
 from memstep.executors.llama import LlamaModel
@@ -27,6 +26,7 @@ from memstep.executors.request_states import RequestStates
 from memstep.executors.sampler import PendingLogprobs, Row, Sampler
 from memstep.executors.weights import load_weights
 from memstep.states import table
+from memstep.states.arena import Arena
 from memstep.states.kinds import KindEnv, StepKind, StepOutputs, make_kinds
 
 log = structlog.get_logger("memstep.executor")

@@ -13,8 +13,8 @@ import attrs
 import torch
 
 from memstep.core.config import EngineConfig
-from memstep.executors.arena import Arena, nbytes_of
-from memstep.executors.model_config import ModelConfig
+from memstep.core.model_config import ModelConfig
+from memstep.states.arena import Arena, nbytes_of
 
 
 @attrs.frozen

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tomllib
 import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ["core", "states", "events", "executors", "executors.kernels", "replay"]
+PACKAGES = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
 
 
 def test_wheel_installs_and_imports_in_clean_venv(tmp_path):
@@ -54,8 +55,8 @@ def test_wheel_installs_and_imports_in_clean_venv(tmp_path):
     # third-party dependencies come from this environment's site-packages (a plain folder on
     # PYTHONPATH: its editable memstep hook is not activated), memstep only from the wheel
     deps = next(p for p in sys.path if p.endswith("site-packages"))
-    modules = ", ".join(f"memstep.{p}" for p in PACKAGES)
-    code = f"import memstep, {modules}; print(memstep.__version__, memstep.__file__)"
+    modules = ", ".join(PACKAGES)
+    code = f"import {modules}; print(memstep.__version__, memstep.__file__)"
     res = subprocess.run(
         [str(python), "-c", code],
         capture_output=True,

@@ -18,7 +18,7 @@ from memstep.core.sampling_params import InvalidRequest, SamplingParams
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "memstep.core.cli", *args],
+        [sys.executable, "-m", "memstep.cli.main", *args],
         capture_output=True,
         text=True,
         timeout=300,

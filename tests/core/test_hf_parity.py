@@ -79,8 +79,8 @@ def test_llama3_rope_scaling_matches_transformers():
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+    from memstep.core.model_config import PRESETS
     from memstep.executors.llama import rope_inv_freq
-    from memstep.executors.model_config import PRESETS
 
     cfg = PRESETS["llama-3.2-1b"]
     hf_cfg = LlamaConfig(

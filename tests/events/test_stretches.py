@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from memstep.core.scenarios import verdicts
+from memstep.cli.scenarios import verdicts
 from memstep.events.stretches import stretches
 from memstep.events.types import LedgerEntry, MemoryReport, StateEntered, StateExited, StepFinished
 

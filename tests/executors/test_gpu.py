@@ -12,10 +12,10 @@ import random
 import pytest
 import torch
 
+from memstep.cli.traffic import random_params, rising_waves
 from memstep.core.config import EngineConfig
 from memstep.core.engine import Engine
 from memstep.core.sampling_params import SamplingParams
-from memstep.core.traffic import random_params, rising_waves
 from memstep.events.plan import SeqPlan
 from memstep.events.types import LeakSuspected, StepFinished
 from memstep.executors.decode_ahead import Ahead

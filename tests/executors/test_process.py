@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from memstep.core.client import AsyncClient, Client, ServerError
+from memstep.api.client import AsyncClient, Client, ServerError
+from memstep.cli.serve import ServerProcess
 from memstep.core.config import EngineConfig
 from memstep.core.engine import Engine
 from memstep.core.sampling_params import SamplingParams
-from memstep.core.serve_cmd import ServerProcess
 from memstep.events.plan import PhaseReply
 from memstep.executors.process import MAIN_ID
 from memstep.executors.remote import ExecutorDied, ExecutorFailed, ProcessExecutor

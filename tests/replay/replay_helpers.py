@@ -9,12 +9,12 @@ from pathlib import Path
 
 import attrs
 
-from memstep.core.cli import main
+from memstep.cli.main import main
 from memstep.core.config import EngineConfig
 from memstep.core.engine import Engine
-from memstep.core.recorder import open_recorder
 from memstep.core.sampling_params import SamplingParams
 from memstep.executors.weights import _load_gguf
+from memstep.replay.recorder import open_recorder
 
 TOPICS = [
     "the capital of France",

@@ -74,7 +74,7 @@ def test_inspect_piped_into_a_reader_that_stops_early_exits_quietly(tmp_path):
     path = tmp_path / "short.memlog"
     argv = ["--model", "random:tiny", "--raw", "--prompt", "hi", "--max-tokens", "3"]
     assert memstep("generate", *argv, "--record", str(path))[0] == 0
-    cmd = [sys.executable, "-m", "memstep.core.cli", "inspect", str(path)]
+    cmd = [sys.executable, "-m", "memstep.cli.main", "inspect", str(path)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert proc.stdout is not None
     proc.stdout.close()  # the reader is gone before the first line is written (`| head -0`)

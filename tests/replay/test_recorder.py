@@ -12,14 +12,6 @@ from replay_helpers import isolate_heap, memstep
 from memstep import __version__
 from memstep.core.config import EngineConfig
 from memstep.core.engine import Engine
-from memstep.core.recorder import (
-    DEFAULT_RECORD_PATH,
-    Recorder,
-    RecordPathTaken,
-    add_record_arguments,
-    open_recorder,
-    parse_size,
-)
 from memstep.core.sampling_params import SamplingParams
 from memstep.events.log import LogReader, LogWriter, read_log
 from memstep.events.types import (
@@ -29,6 +21,14 @@ from memstep.events.types import (
     StepFinished,
     StepPlanned,
     is_input,
+)
+from memstep.replay.recorder import (
+    DEFAULT_RECORD_PATH,
+    Recorder,
+    RecordPathTaken,
+    add_record_arguments,
+    open_recorder,
+    parse_size,
 )
 
 TINY = EngineConfig(model="random:tiny", max_num_seqs=4, num_threads=1)

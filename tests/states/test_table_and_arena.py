@@ -10,8 +10,8 @@ import torch
 from memstep.core.config import EngineConfig
 from memstep.core.engine import Engine
 from memstep.core.sampling_params import SamplingParams
-from memstep.executors.arena import Arena, ArenaFull
 from memstep.states import kinds as kinds_module
+from memstep.states.arena import Arena, ArenaFull
 from memstep.states.table import TRANSITIONS, TransitionNotAllowed, check
 
 

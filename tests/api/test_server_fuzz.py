@@ -8,8 +8,8 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from memstep.core.client import Client
-from memstep.core.serve_cmd import ServerProcess
+from memstep.api.client import Client
+from memstep.cli.serve import ServerProcess
 from memstep.events import codec
 from memstep.events.wire import (
     AbortReply,

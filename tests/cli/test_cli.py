@@ -15,7 +15,7 @@ def test_generate_json_answers_the_question(flags):
         [
             sys.executable,
             "-m",
-            "memstep.core.cli",
+            "memstep.cli.main",
             "generate",
             "--json",
             "--max-tokens",
@@ -39,7 +39,7 @@ def test_random_model_is_labelled_random():
         [
             sys.executable,
             "-m",
-            "memstep.core.cli",
+            "memstep.cli.main",
             "generate",
             "--model",
             "random:tiny",

@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from memstep.core.cli import add_engine_arguments, config_from_args
-from memstep.core.datasets import Sample, sample_sharegpt
+from memstep.cli.datasets import Sample, sample_sharegpt
+from memstep.cli.main import add_engine_arguments, config_from_args
 from memstep.core.engine import Engine
 from memstep.core.model_source import ModelSource, resolve
 from memstep.core.sampling_params import SamplingParams

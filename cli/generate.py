@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 
-from memstep.core.cli import add_engine_arguments, config_from_args
+from memstep.cli.main import add_engine_arguments, config_from_args
 from memstep.core.engine import Engine
-from memstep.core.recorder import add_record_arguments, open_recorder
 from memstep.core.sampling_params import SamplingParams
+from memstep.replay.recorder import add_record_arguments, open_recorder
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-MODES = {"offline": "memstep.core.bench_offline", "serve": "memstep.core.bench_serve"}
+MODES = {"offline": "memstep.cli.bench_offline", "serve": "memstep.cli.bench_serve"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

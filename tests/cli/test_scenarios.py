@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from memstep.core.scenarios import run_scenario
+from memstep.cli.scenarios import run_scenario
 from memstep.events.stretches import stretches
 from memstep.events.types import LeakSuspected, StepFinished
 

@@ -7,7 +7,7 @@ import sys
 
 
 def scenario(*argv: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "memstep.core.cli", "scenario", *argv, "--no-record"]
+    cmd = [sys.executable, "-m", "memstep.cli.main", "scenario", *argv, "--no-record"]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
 
 

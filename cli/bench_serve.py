@@ -21,12 +21,12 @@ from typing import Any
 import attrs
 import numpy as np
 
-from memstep.core.cli import add_engine_arguments, config_from_args
-from memstep.core.client import AsyncClient, ServerError
+from memstep.api.client import AsyncClient, ServerError
+from memstep.cli.datasets import Sample, load_dataset
+from memstep.cli.main import add_engine_arguments, config_from_args
+from memstep.cli.serve import ServerProcess
 from memstep.core.config import EngineConfig
-from memstep.core.datasets import Sample, load_dataset
 from memstep.core.model_source import model_config, resolve
-from memstep.core.serve_cmd import ServerProcess
 from memstep.core.tokenizer import load_tokenizer
 
 
@@ -262,7 +262,7 @@ def _per_request(results: list[RequestResult]) -> dict[str, list]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m memstep.core.bench_serve", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m memstep.cli.bench_serve", description=__doc__)
     add_arguments(p)
     return run(p.parse_args(argv))
 

@@ -1,6 +1,6 @@
 """Serve the engine over the ZeroMQ client API, with the model in an executor process.
 
-`memstep serve` (or `python -m memstep.core.serve_cmd`) loads the tokenizer in the core,
+`memstep serve` (or `python -m memstep.cli.serve`) loads the tokenizer in the core,
 spawns the executor process (which loads the model), then answers clients until SIGINT or
 SIGTERM.  `ServerProcess` runs the same command as a child process, for tests and `bench serve`.
 """
@@ -23,13 +23,13 @@ from typing import Any
 import zmq
 from zmq.utils import z85
 
-from memstep.core.cli import add_engine_arguments, config_from_args
+from memstep.api.server import Server, ServerConfig
+from memstep.cli.main import add_engine_arguments, config_from_args
 from memstep.core.config import ConfigError
 from memstep.core.engine import Engine
 from memstep.core.logging import setup_logging
-from memstep.core.recorder import add_record_arguments, open_recorder
-from memstep.core.server import Server, ServerConfig
 from memstep.executors.remote import ExecutorDied, ProcessExecutor
+from memstep.replay.recorder import add_record_arguments, open_recorder
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -176,7 +176,7 @@ class ServerProcess:
         self.ready_file = self.dir / "ready.json"
         self.log_path = self.dir / "server.log"
         self.info: dict[str, Any] = {}
-        cmd = [sys.executable, "-m", "memstep.core.serve_cmd", "--log-level", log_level]
+        cmd = [sys.executable, "-m", "memstep.cli.serve", "--log-level", log_level]
         cmd += ["--port", "0", "--ready-file", str(self.ready_file), *args]
         if "--record" not in args and "--no-record" not in args:
             cmd += ["--record", str(self.dir / "events.memlog")]  # recorded, as by default
@@ -226,7 +226,7 @@ class ServerProcess:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m memstep.core.serve_cmd", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m memstep.cli.serve", description=__doc__)
     p.add_argument("--log-format", choices=["console", "json"], default="console")
     p.add_argument("--log-level", default="warning")
     add_arguments(p)

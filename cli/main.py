@@ -19,13 +19,13 @@ from memstep.core.model_source import ModelError
 from memstep.core.sampling_params import InvalidRequest
 
 COMMANDS = {  # name -> (module, one-line help); a module is imported only when its command runs
-    "generate": ("memstep.core.generate_cmd", "generate a completion for one prompt"),
-    "serve": ("memstep.core.serve_cmd", "serve the ZMQ client API"),
-    "bench": ("memstep.core.bench_cmd", "benchmarks: offline, serve"),
-    "scenario": ("memstep.core.scenario_cmd", "run a memory-incident scenario"),
-    "replay": ("memstep.replay.replay_cmd", "replay an event log and compare"),
-    "inspect": ("memstep.replay.inspect_cmd", "summarise an event log"),
-    "plot": ("memstep.replay.plot_cmd", "plot memory over steps from an event log"),
+    "generate": ("memstep.cli.generate", "generate a completion for one prompt"),
+    "serve": ("memstep.cli.serve", "serve the ZMQ client API"),
+    "bench": ("memstep.cli.bench", "benchmarks: offline, serve"),
+    "scenario": ("memstep.cli.scenario", "run a memory-incident scenario"),
+    "replay": ("memstep.cli.replay", "replay an event log and compare"),
+    "inspect": ("memstep.cli.inspect", "summarise an event log"),
+    "plot": ("memstep.cli.plot", "plot memory over steps from an event log"),
 }
 
 

@@ -8,10 +8,10 @@ import sys
 import pytest
 import zmq
 
-from memstep.core.client import Client
+from memstep.api.client import Client
+from memstep.api.server import ServerConfig
+from memstep.cli.serve import ServerProcess, load_key, load_keys
 from memstep.core.config import ConfigError
-from memstep.core.serve_cmd import ServerProcess, load_key, load_keys
-from memstep.core.server import ServerConfig
 
 SERVER_PUBLIC, SERVER_SECRET = zmq.curve_keypair()
 CLIENT_PUBLIC, CLIENT_SECRET = zmq.curve_keypair()
@@ -82,7 +82,7 @@ def test_curve_needs_both_halves():
 
 @pytest.mark.parametrize(
     ("entry", "prefix"),
-    [(["memstep.core.cli", "serve"], "memstep"), (["memstep.core.serve_cmd"], "memstep serve")],
+    [(["memstep.cli.main", "serve"], "memstep"), (["memstep.cli.serve"], "memstep serve")],
 )
 def test_serve_refuses_a_public_bind_without_keys_before_loading_anything(entry, prefix):
     cmd = [sys.executable, "-m", *entry, "--host", "0.0.0.0"]

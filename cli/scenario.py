@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 
-from memstep.core.cli import SPECULATION_FIELDS, add_speculation_arguments
-from memstep.core.recorder import add_record_arguments, open_recorder
-from memstep.core.scenarios import SCENARIOS, format_table, run_scenario
+from memstep.cli.main import SPECULATION_FIELDS, add_speculation_arguments
+from memstep.cli.scenarios import SCENARIOS, format_table, run_scenario
 from memstep.events.types import LeakSuspected
+from memstep.replay.recorder import add_record_arguments, open_recorder
 from memstep.states.planted import PLANTS
 
 

@@ -9,11 +9,11 @@ import statistics
 
 import pytest
 
-from memstep.core import bench_serve, serve_cmd
-from memstep.core.bench_serve import RequestResult, arrival_gaps, compute_metrics, server_flags
-from memstep.core.cli import build_parser, config_from_args
+from memstep.cli import bench_serve, serve
+from memstep.cli.bench_serve import RequestResult, arrival_gaps, compute_metrics, server_flags
+from memstep.cli.main import build_parser, config_from_args
+from memstep.cli.serve import ServerProcess
 from memstep.core.config import EngineConfig
-from memstep.core.serve_cmd import ServerProcess
 
 TINY = ["--model", "random:tiny", "--num-threads", "1"]
 
@@ -53,7 +53,7 @@ def test_server_flags_rebuild_the_same_engine_config():
     flags = server_flags(cfg)
     assert flags[:2] == ["--model", "random:tiny"] and "--no-cuda-graphs" in flags
     p = argparse.ArgumentParser()
-    serve_cmd.add_arguments(p)
+    serve.add_arguments(p)
     assert config_from_args(p.parse_args(flags)) == cfg
 
 

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from memstep.core.client import AsyncClient, Client, ServerError
-from memstep.core.serve_cmd import ServerProcess
+from memstep.api.client import AsyncClient, Client, ServerError
+from memstep.cli.serve import ServerProcess
 from memstep.events.log import read_log
 from memstep.events.types import RequestAdded, RequestFinished, StepFinished
 from memstep.events.wire import GenerateDelta, GenerateDone

@@ -8,8 +8,8 @@ import msgpack
 import pytest
 import zmq
 
-from memstep.core.client import Client, ServerError
-from memstep.core.serve_cmd import ServerProcess
+from memstep.api.client import Client, ServerError
+from memstep.cli.serve import ServerProcess
 from memstep.events import codec
 from memstep.events.wire import ErrorReply, HealthReply
 

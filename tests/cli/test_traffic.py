@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import random
 
+from memstep.cli.traffic import random_params, rising_waves
 from memstep.core.config import EngineConfig
 from memstep.core.engine import Engine
-from memstep.core.traffic import random_params, rising_waves
 from memstep.events.types import RequestAdded, RequestFinished, StepPlanned
 
 

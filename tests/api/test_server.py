@@ -9,9 +9,9 @@ import pytest
 import torch
 import zmq
 
-from memstep.core.client import AsyncClient, Client
+from memstep.api.client import AsyncClient, Client
+from memstep.cli.serve import ServerProcess
 from memstep.core.sampling_params import SamplingParams
-from memstep.core.serve_cmd import ServerProcess
 from memstep.events import codec
 from memstep.events.wire import GenerateRequest
 

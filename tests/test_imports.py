@@ -1,0 +1,156 @@
+"""The package's import graph: no cycle between files, and no folder imports a folder above it.
+
+Folders stand in floors (`FLOORS`): a file may import its own folder and the floors below.  Every
+import counts, also those inside functions or under `TYPE_CHECKING`: a cycle hidden behind a
+late import is still a cycle for a reader.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FLOORS = {
+    "": 0,  # memstep/__init__.py: the version
+    "events": 0,
+    "core": 1,
+    "states": 2,
+    "executors": 3,
+    "replay": 4,
+    "api": 5,
+    "cli": 6,
+}
+
+
+def module_name(root: Path, path: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(["memstep", *parts])
+
+
+def package_files(root: Path) -> dict[str, Path]:
+    """Every module of the package by dotted name (tests and benchmarks are not the package)."""
+    files = {"memstep": root / "__init__.py"}
+    for folder in FLOORS:
+        if folder:
+            for path in (root / folder).rglob("*.py"):
+                files[module_name(root, path)] = path
+    return files
+
+
+def imports_of(path: Path, name: str, known: set[str]) -> set[str]:
+    """The package modules `path` imports, `from memstep.x import y` resolved to a module y."""
+    found: set[str] = set()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: the package, less one part per dot after the first
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{a.name}" for a in node.names)
+    return {m for m in found if m in known and m != name}
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    files = package_files(root)
+    known = set(files)
+    return {name: imports_of(path, name, known) for name, path in files.items()}
+
+
+def floor_of(module: str) -> int:
+    parts = module.split(".")
+    return FLOORS[parts[1] if len(parts) > 1 and parts[1] in FLOORS else ""]
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{src} -> {dst}"
+        for src, dsts in graph.items()
+        for dst in dsts
+        if floor_of(dst) > floor_of(src)
+    )
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected groups of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                group.append(top)
+                if top == node:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return groups
+
+
+def test_the_package_has_no_import_cycle():
+    assert cycles(import_graph(ROOT)) == []
+
+
+def test_no_folder_imports_a_folder_above_it():
+    assert upward_imports(import_graph(ROOT)) == []
+
+
+def test_every_package_folder_has_a_floor():
+    folders = {p.parent.relative_to(ROOT).parts[0] for p in ROOT.glob("*/__init__.py")}
+    assert folders - {"tests"} == set(FLOORS) - {""}
+
+
+def _write(root: Path, files: dict[str, str]) -> None:
+    (root / "__init__.py").write_text("")
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        (path.parent / "__init__.py").touch()
+        path.write_text(text)
+
+
+def test_a_planted_cycle_and_an_upward_import_are_caught(tmp_path):
+    _write(
+        tmp_path,
+        {
+            "core/engine.py": "from memstep.core import scheduler\n",
+            # a late import inside a function still closes the loop
+            "core/scheduler.py": "def f():\n    from memstep.core.engine import x\n",
+            "events/codec.py": "import memstep.cli.main\n",
+            "cli/main.py": "from memstep.events.codec import y\n",
+            "executors/worker.py": "from .kv import z\n",
+            "executors/kv.py": "from memstep.core.engine import w\n",
+        },
+    )
+    graph = import_graph(tmp_path)
+    assert cycles(graph) == [
+        ["memstep.cli.main", "memstep.events.codec"],
+        ["memstep.core.engine", "memstep.core.scheduler"],
+    ]
+    assert upward_imports(graph) == ["memstep.events.codec -> memstep.cli.main"]
+    assert graph["memstep.executors.worker"] == {"memstep.executors.kv"}
