@@ -1,3 +1,5 @@
 """memstep: an LLM serving engine built as a step state machine with a replayable event log."""
 
-__version__ = "0.1.0"
+from memstep.events.version import VERSION as __version__
+
+__all__ = ["__version__"]

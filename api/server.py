@@ -23,12 +23,12 @@ import structlog
 import zmq
 from zmq.utils import z85
 
-from memstep import __version__
 from memstep.core.config import ConfigError
 from memstep.core.engine import Engine, UnknownRequest
 from memstep.core.outputs import RequestOutput
 from memstep.core.sampling_params import InvalidRequest, SamplingParams
 from memstep.events import codec
+from memstep.events.version import VERSION
 from memstep.events.wire import (
     PROTOCOL_VERSION,
     AbortReply,
@@ -355,7 +355,7 @@ class Server:
             vocab_size=self.engine.model_cfg.vocab_size,
             max_frame_bytes=self.cfg.max_frame_bytes,
             uptime_s=time.monotonic() - self.started,
-            memstep_version=__version__,
+            memstep_version=VERSION,
             protocol=PROTOCOL_VERSION,
             detail=dead or "",
         )

@@ -248,9 +248,10 @@ def run_throughput(engine, clock: StepClock, batch: int, vocab: int) -> dict:
 
 
 def decode_feeds(batch: int, context: int, block_size: int):
+    from memstep.core.shapes import cdiv
     from memstep.events.plan import SeqPlan
 
-    pages = -(-(context + 1) // block_size)
+    pages = cdiv(context + 1, block_size)
     return [
         (
             SeqPlan(f"b{i}", context, [5], list(range(i * pages, (i + 1) * pages)), True, 0, 0, {}),
@@ -424,11 +425,11 @@ def step_floor(kernels: list[dict], step: dict, kv_bytes: int, bandwidth: float)
 def fp8_kv_section(cfg, ceilings: Ceilings, vocab: int, bf16_blocks: int) -> dict:
     """The same engine with an fp8 KV cache: pages, decode steps and one throughput run per
     size (a different configuration from the issue's bf16 figures above)."""
-    from memstep.core.engine import Engine
     from memstep.executors.graph_runner import peak_figures
+    from memstep.executors.inprocess import local_engine
 
     torch.cuda.reset_peak_memory_stats()  # the bf16 engine's peak is not this one's
-    engine = Engine(cfg.replace(kv_cache_dtype="fp8"))
+    engine = local_engine(cfg.replace(kv_cache_dtype="fp8"))
     worker = engine.executor.worker
     blocks = engine.memory_plan["num_kv_blocks"]
     result: dict = {"num_kv_blocks": blocks, "blocks_vs_bf16": round(blocks / bf16_blocks, 3)}
@@ -494,10 +495,10 @@ def main() -> None:
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     from memstep.core.config import EngineConfig
-    from memstep.core.engine import Engine
     from memstep.core.model_source import model_config, resolve
     from memstep.events.types import LeakSuspected
     from memstep.executors.graph_runner import peak_figures
+    from memstep.executors.inprocess import local_engine
     from memstep.executors.weights import load_weights
 
     report: dict = {
@@ -535,7 +536,7 @@ def main() -> None:
         max_num_batched_tokens=8192,
     )
     start = time.perf_counter()
-    engine = Engine(cfg, sinks=[sink])
+    engine = local_engine(cfg, sinks=[sink])
     worker = engine.executor.worker
     report["engine_start_seconds"] = round(time.perf_counter() - start, 1)
     report["memory_plan"] = engine.memory_plan

@@ -55,13 +55,14 @@ def median_ms(fn: Callable[[], object], iters: int, l2_flush: torch.Tensor) -> f
 
 
 def bench_batch(batch: int, seq_len: int, iters: int, l2_flush: torch.Tensor) -> list[tuple]:
+    from memstep.core.shapes import cdiv
     from memstep.executors.kernels import (
         DecodeWorkspace,
         paged_attention_reference,
         paged_decode_attention,
     )
 
-    blocks_per_seq = -(-seq_len // BLOCK_SIZE)
+    blocks_per_seq = cdiv(seq_len, BLOCK_SIZE)
     num_blocks = batch * blocks_per_seq
     cache_shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     k_cache = torch.randn(cache_shape, device="cuda", dtype=DTYPE)

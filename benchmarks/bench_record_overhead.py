@@ -18,11 +18,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from memstep import __version__
 from memstep.core.config import EngineConfig, parse_override
 from memstep.core.engine import Engine
 from memstep.core.sampling_params import SamplingParams
 from memstep.events.types import EngineStarted
+from memstep.events.version import VERSION
+from memstep.executors.inprocess import local_engine
 from memstep.replay.recorder import Recorder
 
 
@@ -48,7 +49,7 @@ def workload(engine: Engine, num: int, max_tokens: int) -> tuple[list, list]:
 
 def timed_run(engine: Engine, prompts: list, params: list, recorder: Recorder | None) -> float:
     if recorder is not None:
-        recorder(EngineStarted(__version__, engine.cfg.to_dict(), engine.source.identity))
+        recorder(EngineStarted(VERSION, engine.cfg.to_dict(), engine.source.identity))
         engine.sinks.append(recorder)
     gc.collect()
     start = time.perf_counter()
@@ -72,7 +73,7 @@ def main() -> None:
     args = p.parse_args()
     cfg = EngineConfig(model=args.model, device=args.device, num_threads=args.num_threads)
     cfg = cfg.replace(**dict(parse_override(text) for text in args.overrides))
-    engine = Engine(cfg)
+    engine = local_engine(cfg)
     prompts, params = workload(engine, args.requests, args.max_tokens)
     tokens = args.requests * args.max_tokens
     timed_run(engine, prompts, params, None)  # warm-up

@@ -16,6 +16,7 @@ from memstep.core.config import EngineConfig
 from memstep.core.engine import Engine
 from memstep.core.sampling_params import SamplingParams
 from memstep.events.types import StepFinished
+from memstep.executors.inprocess import local_engine
 
 PASSAGE = (
     "The lighthouse stood at the edge of the cliff for two hundred years. Every night its lamp "
@@ -75,7 +76,7 @@ def main() -> None:
             num_speculative_tokens=args.k,
             draft_layers=args.draft_layers,
         )
-        engine = Engine(cfg)
+        engine = local_engine(cfg)
         engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4))  # warm
         for name, prompts in (("copy", COPY), ("free", FREE)):
             for conc in (1, 8):

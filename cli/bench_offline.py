@@ -20,6 +20,7 @@ from memstep.cli.main import add_engine_arguments, config_from_args
 from memstep.core.engine import Engine
 from memstep.core.model_source import ModelSource, resolve
 from memstep.core.sampling_params import SamplingParams
+from memstep.executors.inprocess import local_engine
 from memstep.executors.worker import pick_device, pick_dtype
 
 
@@ -108,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     # Hugging Face first: the engine's CPU memory meter then leaves its tensors out and freezes
     # its objects with the rest of start-up, instead of walking them after every step
     model = None if args.skip_hf else hf_model(resolve(cfg.model, cfg.seed), dtype)
-    engine = Engine(cfg)
+    engine = local_engine(cfg)
     threads = torch.get_num_threads()
     print(f"model {engine.source.label}, dtype {dtype}, {threads} threads, device {cfg.device}")
     tok = engine.tokenizer

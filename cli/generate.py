@@ -6,8 +6,8 @@ import argparse
 import json
 
 from memstep.cli.main import add_engine_arguments, config_from_args
-from memstep.core.engine import Engine
 from memstep.core.sampling_params import SamplingParams
+from memstep.executors.inprocess import local_engine
 from memstep.replay.recorder import add_record_arguments, open_recorder
 
 
@@ -27,7 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args, max_num_seqs=1)
     recorder = open_recorder(args)
-    engine = Engine(cfg, sinks=[recorder] if recorder else [])
+    engine = local_engine(cfg, sinks=[recorder] if recorder else [])
     prompt = args.prompt
     if not args.raw:
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])

@@ -22,6 +22,7 @@ from memstep.core.engine import Engine
 from memstep.core.sampling_params import SamplingParams
 from memstep.events.stretches import stretches
 from memstep.events.types import LeakSuspected
+from memstep.executors.inprocess import local_engine
 
 PROMPTS = [
     "Tell me a long story about a lighthouse keeper and the sea.",
@@ -183,7 +184,7 @@ def run_scenario(
     make_config, drive = SCENARIOS[name]
     records: list[object] = []
     cfg = make_config(model, plant).replace(**(overrides or {}))
-    engine = Engine(cfg, sinks=[records.append, *sinks])
+    engine = local_engine(cfg, sinks=[records.append, *sinks])
     drive(engine, steps)
     engine.shutdown()
     return records, verdicts(records)

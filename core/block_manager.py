@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections import deque
 
+from memstep.core.shapes import cdiv
+
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int):
@@ -25,7 +27,7 @@ class BlockManager:
         return self.num_blocks - len(self._free)
 
     def blocks_needed(self, num_tokens: int) -> int:
-        return (num_tokens + self.block_size - 1) // self.block_size
+        return cdiv(num_tokens, self.block_size)
 
     def table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])

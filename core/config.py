@@ -15,6 +15,7 @@ SPECULATIVE_METHODS = (None, "ngram", "draft")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 KV_CACHE_DTYPES = ("auto", "fp8")
+PLANTED_LEAKS = ("no_spec_hidden_states", "sampler_scratch")  # states/planted.py makes each
 
 
 class ConfigError(ValueError):
@@ -55,7 +56,6 @@ class EngineConfig:
     # CUDA graphs: while the core records a decode step, the executor already replays the next
     # one for the same sequences; used when the next plan is that step, dropped otherwise
     decode_ahead: bool = True
-    leak_window: int = 8  # steps of unchanged batch shape before growth counts as a leak
     num_threads: int | None = None
     debug_plant_leak: str | None = None  # test-only: a deliberate leak from states/planted.py
 
@@ -80,8 +80,10 @@ class EngineConfig:
         disable = self.speculative_disable_by_batch_size
         _check(disable is None or disable >= 1, "speculative_disable_by_batch_size must be >= 1")
         _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2")
-        plants = (None, "no_spec_hidden_states", "sampler_scratch")
-        _check(self.debug_plant_leak in plants, f"debug_plant_leak must be one of {plants}")
+        _check(
+            self.debug_plant_leak in (None, *PLANTED_LEAKS),
+            f"debug_plant_leak must be one of {PLANTED_LEAKS} or None",
+        )
         _check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks must be >= 1")
 
     @cached_property

@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterable
 import attrs
 import structlog
 
-from memstep import __version__
 from memstep.core.block_manager import BlockManager
 from memstep.core.config import EngineConfig
 from memstep.core.model_source import model_config, resolve
@@ -33,7 +32,7 @@ from memstep.events.types import (
     StepFinished,
     StepPlanned,
 )
-from memstep.states import table
+from memstep.events.version import VERSION
 
 log = structlog.get_logger("memstep.engine")
 
@@ -44,17 +43,14 @@ class UnknownRequest(KeyError):
     code = "unknown_request"
 
 
-def default_executor(cfg: EngineConfig, max_model_len: int):
-    from memstep.executors.inprocess import InProcessExecutor
-
-    return InProcessExecutor(cfg, max_model_len)
-
-
 class Engine:
+    """The engine core. `executor_factory(cfg, max_model_len)` starts the executor that runs
+    its plans (in this process or behind ZeroMQ): the caller picks it, the core imports none."""
+
     def __init__(
         self,
         cfg: EngineConfig,
-        executor_factory: Callable = default_executor,
+        executor_factory: Callable,
         sinks: Iterable[Sink] = (),
     ):
         self.cfg = cfg
@@ -65,11 +61,11 @@ class Engine:
         mc = self.model_cfg
         self.tokenizer = load_tokenizer(self.source, mc.vocab_size, mc.eos_token_ids)
         self.step_no = 0
-        self.state = "boot"
+        self.state = "boot"  # as the executor last reported it; the executor checks the table
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
         self._ids = itertools.count()
-        self.emit(EngineStarted(__version__, cfg.to_dict(), self.source.identity))
+        self.emit(EngineStarted(VERSION, cfg.to_dict(), self.source.identity))
         self.executor = executor_factory(cfg, self.max_model_len)
         self.memory_plan = self._phase("profile").info
         self.warmup_info = self._phase("warmup").info
@@ -86,7 +82,6 @@ class Engine:
             sink(rec)
 
     def _phase(self, phase: str):
-        table.check(self.state, phase)
         reply = self.executor.enter_phase(phase, self.step_no)
         self.emit(PhaseChanged(self.step_no, self.state, phase))
         log.info("phase", step=self.step_no, old=self.state, new=phase)
@@ -117,7 +112,7 @@ class Engine:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         arrival = time.time() if arrival_time is None else arrival_time
         self.emit(RequestAdded(self.step_no, request_id, ids, params.to_dict(), arrival))
-        req = Request(request_id, ids, params, self.step_no, self.tokenizer.decode)
+        req = Request(request_id, ids, params, self.tokenizer.decode)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return request_id
@@ -155,18 +150,12 @@ class Engine:
         """Plan the step, apply the transition, run, record."""
         batch = self.scheduler.schedule()
         if not batch.seqs:
-            return self._flush_idle()
+            return []
         plan = self._plan(batch)
-        self._enter_kind(batch.kind)
         result = self.executor.execute(plan)
         outputs = self._record(batch, result)
         self.step_no += 1
         return outputs
-
-    def _enter_kind(self, kind: str) -> None:
-        if kind != self.state:
-            table.check(self.state, kind)
-            self.state = kind
 
     def _plan(self, batch: StepBatch) -> StepPlan:
         seqs = []
@@ -194,6 +183,7 @@ class Engine:
         for rec in [*result.exited, *result.entered]:
             self.emit(rec)
         if result.entered:
+            self.state = result.entered[-1].kind
             log.info(
                 "kind",
                 step=self.step_no,
@@ -279,9 +269,6 @@ class Engine:
                 accepted=req.num_accepted,
                 acceptance_rate=round(req.num_accepted / req.num_proposed, 3),
             )
-
-    def _flush_idle(self) -> list[RequestOutput]:
-        return []
 
     # --- conveniences ----------------------------------------------------------------------
 

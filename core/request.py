@@ -21,13 +21,11 @@ class Request:
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        step: int,
         decode: Callable[[list[int]], str],
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
-        self.arrival_step = step
         self.output_token_ids: list[int] = []
         self.output_logprobs: list[dict[int, float]] = []
         self.num_computed = 0  # tokens whose K/V are in the cache

@@ -31,7 +31,6 @@ class Scheduled:
 class StepBatch:
     kind: str
     seqs: list[Scheduled]
-    preempted: list[str]
 
     @property
     def num_tokens(self) -> int:
@@ -96,7 +95,7 @@ class Scheduler:
                 s.num_drafts = self._draft_slots(s)
         elif self.decode_lookahead:
             self._reserve_lookahead(seqs)
-        return StepBatch(kind, seqs, preempted)
+        return StepBatch(kind, seqs)
 
     def _reserve_lookahead(self, seqs: list[Scheduled]) -> None:
         """Best effort, after every step's own pages: pages for `decode_lookahead` slots past

@@ -28,8 +28,8 @@ from typing import Any, BinaryIO, Literal
 import attrs
 import msgpack
 
-from memstep import __version__
 from memstep.events import codec
+from memstep.events.version import VERSION
 
 MAGIC = b"MEMSTEP\x00"
 FORMAT_VERSION = 1
@@ -87,7 +87,7 @@ class LogWriter:
             raise ValueError(f"log header keys {clashes} are reserved for the log itself")
         full_header = {
             "format_version": FORMAT_VERSION,
-            "memstep_version": __version__,
+            "memstep_version": VERSION,
             "created": datetime.now(UTC).isoformat(),
             **header,
         }

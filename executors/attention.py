@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from memstep.core.shapes import cdiv
 from memstep.executors.kv_cache import gather_kv
 
 SHORT_QUERY = 8  # queries up to this many tokens share one padded attention call
@@ -52,14 +53,14 @@ def build_group(
 ) -> AttnGroup:
     """One attention group; seq i's queries are rows starts[i]..+q_lens[i] at the end of ctx."""
     b, q = len(starts), max(q_lens)
-    nb = max((c + block_size - 1) // block_size for c in ctx_lens)
+    nb = max(cdiv(c, block_size) for c in ctx_lens)
     rows: list[int] = []  # built as flat lists, one tensor each: no small tensor per sequence
     positions: list[int] = []
     pages: list[int] = []
     for start, n, ctx, row in zip(starts, q_lens, ctx_lens, tables, strict=True):
         rows += [*range(start, start + n), *[0] * (q - n)]
         positions += [*range(ctx - n, ctx), *[-1] * (q - n)]
-        used = (ctx + block_size - 1) // block_size
+        used = cdiv(ctx, block_size)
         pages += [*row[:used], *[0] * (nb - used)]
     index = torch.tensor(rows, dtype=torch.long).view(b, q)
     q_pos = torch.tensor(positions, dtype=torch.long).view(b, q)

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from memstep.core.shapes import cdiv
 from memstep.executors.batch_builder import Feed, slot_of
 from memstep.executors.kernels import DecodeWorkspace, paged_decode_attention
 from memstep.executors.llama import LlamaModel
@@ -24,10 +25,6 @@ from memstep.executors.llama import LlamaModel
 # split-K partition of the decode attention: on an H200, one sequence at 193 tokens of
 # context took 10.4 us with 64-token partitions, 12.0 with 128 and 14.7 with 256
 DECODE_PARTITION = 64
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class DecodeInputs:

@@ -14,24 +14,21 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import structlog
 import torch
 
 from memstep.core.config import EngineConfig
 from memstep.core.sampling_params import SamplingParams
+from memstep.core.shapes import cdiv, max_blocks_per_seq
 from memstep.events.plan import SeqPlan
-from memstep.executors.batch_builder import Feed
-from memstep.executors.cuda_decode import DecodeForward, DecodeInputs, cdiv
+from memstep.executors.batch_builder import Feed, build_batch
+from memstep.executors.cuda_decode import DecodeForward, DecodeInputs
 from memstep.executors.decode_ahead import Ahead
 from memstep.executors.kernels import paged_decode_attention
 from memstep.executors.llama import LlamaModel
-from memstep.executors.memory_plan import worst_case_prefill
-from memstep.executors.sampler import PendingTokens, Row, top_logprobs
-
-if TYPE_CHECKING:
-    from memstep.executors.worker import Worker
+from memstep.executors.memory_plan import MemoryPlan, worst_case_prefill
+from memstep.executors.sampler import PendingTokens, Row, Sampler, top_logprobs
 
 log = structlog.get_logger("memstep.executor")
 
@@ -41,10 +38,6 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     sizes = [s for s in (1, 2, 4) if s < max_num_seqs]
     sizes += list(range(8, max_num_seqs, 8))
     return sizes + [max_num_seqs]
-
-
-def max_blocks_per_seq(max_model_len: int, lookahead: int, block_size: int) -> int:
-    return cdiv(max_model_len + lookahead, block_size) + 1
 
 
 class GraphRunner:
@@ -159,37 +152,34 @@ class GraphRunner:
 # --- the phase -----------------------------------------------------------------------------
 
 
-def capture_phase(worker: Worker) -> tuple[GraphRunner | None, dict]:
-    """Build the decode runner and capture its graphs (CUDA only; `cuda_graphs=False` keeps the
-    fused decode but runs it eagerly), then warm every shape serving allocates."""
-    if worker.device.type != "cuda":
-        return None, {}
-    cfg = worker.cfg
-    runner = GraphRunner(
-        worker.model,
-        worker.kv,
-        cfg.max_num_seqs,
-        worker.max_model_len,
-        cfg.num_lookahead_slots,
-        cfg.block_size,
-    )
+def capture_phase(
+    cfg: EngineConfig,
+    model: LlamaModel,
+    kv: list[tuple[torch.Tensor, torch.Tensor]],
+    sampler: Sampler,
+    max_len: int,
+) -> tuple[GraphRunner, dict]:
+    """Build the decode runner and capture its graphs (`cuda_graphs=False` keeps the fused
+    decode but runs it eagerly), point the model's eager decode attention at the runner's
+    workspace, then warm every shape serving allocates."""
+    lookahead = cfg.num_lookahead_slots
+    runner = GraphRunner(model, kv, cfg.max_num_seqs, max_len, lookahead, cfg.block_size)
     info: dict = {"graph_static_bytes": runner.decode.nbytes}
     if cfg.cuda_graphs:
         info |= runner.capture()
     info["decode_ahead"] = cfg.cuda_graphs and cfg.decode_ahead  # the core reserves for it
-    worker.model.decode_kernel = runner.eager_attention()
+    model.use_decode_attention(runner.eager_attention())
     with torch.inference_mode():
-        warm_eager(worker)
-        warm_sampler(worker, runner)
+        warm_eager(cfg, model, kv, max_len)
+        warm_sampler(model, sampler, runner)
     torch.cuda.synchronize()
-    info |= peak_figures(worker)
     log.info("capture", **info)
     return runner, info
 
 
-def peak_figures(worker: Worker) -> dict:
-    measured = torch.cuda.max_memory_allocated(worker.device)
-    predicted = worker.plan.predicted_peak_bytes if worker.plan is not None else 0
+def peak_figures(device: torch.device, memory_plan: MemoryPlan | None) -> dict:
+    measured = torch.cuda.max_memory_allocated(device)
+    predicted = memory_plan.predicted_peak_bytes if memory_plan is not None else 0
     return {
         "predicted_peak_bytes": predicted,
         "measured_peak_bytes": measured,
@@ -197,13 +187,14 @@ def peak_figures(worker: Worker) -> dict:
     }
 
 
-def warm_eager(worker: Worker) -> None:
+def warm_eager(
+    cfg: EngineConfig, model: LlamaModel, kv: list[tuple[torch.Tensor, torch.Tensor]], max_len: int
+) -> None:
     """The eager shapes serving will see, so that serving finds every allocator segment it
     needs: the profile's worst case (`worst_case_prefill`), one chunk of each size class (small
     activations come from the allocator's small pool), budgets of equal short chunks, and
     decodes next to a prefill. No request holds KV pages yet, so any page may be written."""
-    cfg = worker.cfg
-    max_len, budget = worker.max_model_len, cfg.max_num_batched_tokens
+    budget, device = cfg.max_num_batched_tokens, kv[0][0].device
     largest = min(budget, max_len)
     shapes = [worst_case_prefill(cfg, max_len)]
     sizes = sorted({min(largest, int(2 ** (i / 2))) for i in range(2 * largest.bit_length())})
@@ -211,8 +202,10 @@ def warm_eager(worker: Worker) -> None:
     shapes += [worst_case_prefill(cfg, max_len, budget, n) for n in (16, 128, 512) if n < largest]
     shapes += decodes_beside_prefill(cfg, max_len, shapes[0][0].block_table)
     for seqs in shapes:
-        hidden, last_rows = worker.forward([(seq, seq.token_ids) for seq in seqs])
-        logits = worker.model.logits(hidden[last_rows])
+        batch, last_rows = build_batch(
+            [(seq, seq.token_ids) for seq in seqs], cfg.block_size, device
+        )
+        logits = model.logits(model.forward(batch, kv)[last_rows])
         top_logprobs(logits.clone(), [0] * len(last_rows), 1)
 
 
@@ -237,7 +230,7 @@ def decodes_beside_prefill(
     return shapes
 
 
-def warm_sampler(worker: Worker, runner: GraphRunner) -> None:
+def warm_sampler(model: LlamaModel, sampler: Sampler, runner: GraphRunner) -> None:
     """The sampler at every captured size, from the decode path's own hidden-state buffer,
     with every filter on (and greedy rows, penalties and logprobs), into its persistent buffers.
     """
@@ -245,13 +238,12 @@ def warm_sampler(worker: Worker, runner: GraphRunner) -> None:
         SamplingParams(temperature=0.7, top_p=0.9, top_k=50, min_p=0.01, logprobs=2),
         SamplingParams(temperature=0.0, repetition_penalty=1.1, frequency_penalty=0.1),
     ]
-    sampler = worker.sampler
     for n in runner.sizes:
         n = min(n, sampler.max_rows)
-        logits = worker.model.logits(runner.decode.hidden[:n])
+        logits = model.logits(runner.decode.hidden[:n])
         rows = [Row(params[i % 2], 3, [1, 2, 3], 1) for i in range(n)]
         raw = logits.clone()
         tokens = sampler.sample(sampler.distribution(logits, rows), rows)
         top_logprobs(raw, tokens, 2)
         greedy = [Row(SamplingParams(), 3, [1, 2, 3], 1)] * n  # the all-greedy shortcut
-        sampler.sample_logits(worker.model.logits(runner.decode.hidden[:n]), greedy).tolist()
+        sampler.sample_logits(model.logits(runner.decode.hidden[:n]), greedy).tolist()

@@ -7,7 +7,10 @@ built fresh by the core each step, and the worker copies what it keeps (`Request
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 from memstep.core.config import EngineConfig
+from memstep.core.engine import Engine
 from memstep.events.plan import PhaseReply, StepPlan, StepResult
 from memstep.executors.worker import Worker
 
@@ -24,3 +27,8 @@ class InProcessExecutor:
 
     def close(self) -> None:
         pass
+
+
+def local_engine(cfg: EngineConfig, sinks: Iterable[Callable[[object], None]] = ()) -> Engine:
+    """An engine whose executor runs in this process."""
+    return Engine(cfg, InProcessExecutor, sinks)

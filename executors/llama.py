@@ -82,6 +82,11 @@ class LlamaModel:
         self.lm_head = weights.get("lm_head", weights["embed"])
         self.wide = wide_linear(device, self.lm_head.dtype)
 
+    def use_decode_attention(self, kernel: Callable) -> None:
+        """Attend decode rows with `kernel` from now on (the capture phase's, with its
+        preallocated workspace)."""
+        self.decode_kernel = kernel
+
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
         """Hidden states after the final norm, [T, hidden]; writes this batch's K/V."""
         if self.w["embed"].device.type == "cuda":

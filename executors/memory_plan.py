@@ -13,11 +13,13 @@ import torch
 
 from memstep.core.config import EngineConfig
 from memstep.core.model_config import ModelConfig
+from memstep.core.shapes import cdiv, max_blocks_per_seq
 from memstep.events.plan import SeqPlan
 from memstep.executors import kv_cache
 from memstep.executors.batch_builder import build_batch
 from memstep.states.arena import nbytes_of
-from memstep.states.kinds import KINDS, KindEnv
+from memstep.states.catalog import KINDS
+from memstep.states.kinds import KindEnv
 
 
 @attrs.frozen
@@ -40,10 +42,6 @@ def _kv_page_bytes(cfg: EngineConfig, model: ModelConfig, dtype: torch.dtype, la
     return 2 * layers * nbytes_of((cfg.block_size, model.num_kv_heads, model.head_dim), dtype)
 
 
-def engine_max_model_len(cfg: EngineConfig, model_cfg: ModelConfig) -> int:
-    return min(cfg.max_model_len or 2048, model_cfg.max_context)  # the engine's rule
-
-
 def worst_case_prefill(
     cfg: EngineConfig, max_len: int, tokens: int | None = None, chunk: int | None = None
 ) -> list[SeqPlan]:
@@ -53,7 +51,7 @@ def worst_case_prefill(
     0..ceil(max_len / block_size)."""
     tokens = cfg.max_num_batched_tokens if tokens is None else tokens
     chunk = max_len if chunk is None else min(chunk, max_len)
-    pages = list(range((max_len + cfg.block_size - 1) // cfg.block_size))
+    pages = list(range(cdiv(max_len, cfg.block_size)))
     seqs: list[SeqPlan] = []
     while tokens > 0:
         n = min(tokens, chunk)
@@ -63,7 +61,7 @@ def worst_case_prefill(
 
 
 def _activation_peak(
-    cfg: EngineConfig, model_cfg: ModelConfig, model, dtype, kv_dtype, device
+    cfg: EngineConfig, model_cfg: ModelConfig, max_len: int, model, dtype, kv_dtype, device
 ) -> int:
     """Peak bytes of one forward of `max_num_batched_tokens` tokens (measured on CUDA, over
     `worst_case_prefill`: chunks that start their sequences, and chunks that continue one,
@@ -73,7 +71,6 @@ def _activation_peak(
         per_token = model_cfg.hidden_size * 6 + model_cfg.intermediate_size * 3
         per_token += model_cfg.head_dim * (model_cfg.num_heads + 2 * model_cfg.num_kv_heads)
         return t * per_token * torch.empty((), dtype=dtype).element_size()
-    max_len = engine_max_model_len(cfg, model_cfg)
     cases = [worst_case_prefill(cfg, max_len), worst_case_prefill(cfg, max_len, chunk=max_len - 1)]
     shape = (
         len(cases[0][0].block_table),
@@ -102,6 +99,7 @@ def _activation_peak(
 def plan_memory(
     cfg: EngineConfig,
     model_cfg: ModelConfig,
+    max_len: int,
     model,
     dtype: torch.dtype,
     kv_dtype: torch.dtype,
@@ -110,16 +108,16 @@ def plan_memory(
     weights = sum(t.numel() * t.element_size() for t in model.w.values())
     rows = cfg.max_num_seqs * (cfg.num_lookahead_slots + 1)
     sampler = rows * model_cfg.vocab_size * (4 + 4 + 8) + rows * 4
-    activation = _activation_peak(cfg, model_cfg, model, dtype, kv_dtype, device)
+    activation = _activation_peak(cfg, model_cfg, max_len, model, dtype, kv_dtype, device)
     page = _kv_page_bytes(cfg, model_cfg, kv_dtype, model_cfg.num_layers)
     draft_page = 0
     if cfg.speculative_method == "draft":
         draft_page = _kv_page_bytes(
             cfg, model_cfg, dtype, min(cfg.draft_layers, model_cfg.num_layers)
         )
-    max_len = cfg.max_model_len or model_cfg.max_context
-    wanted = cfg.max_num_seqs * ((max_len + cfg.block_size - 1) // cfg.block_size + 1)
-    graphs = _graph_bytes(cfg, model_cfg, dtype) if device.type == "cuda" else 0
+    per_seq = max_blocks_per_seq(max_len, cfg.num_lookahead_slots, cfg.block_size)
+    wanted = cfg.max_num_seqs * per_seq
+    graphs = _graph_bytes(cfg, model_cfg, per_seq, dtype) if device.type == "cuda" else 0
     if cfg.num_kv_blocks is not None:
         blocks = cfg.num_kv_blocks
     elif device.type == "cuda":
@@ -151,12 +149,9 @@ def _kind_bytes(cfg, model_cfg, dtype, blocks: int, exclude_draft_kv: bool) -> i
     )
 
 
-def _graph_bytes(cfg: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype) -> int:
+def _graph_bytes(cfg: EngineConfig, model_cfg: ModelConfig, blocks: int, dtype: torch.dtype) -> int:
     from memstep.executors.cuda_decode import static_bytes
-    from memstep.executors.graph_runner import max_blocks_per_seq
 
-    max_len = engine_max_model_len(cfg, model_cfg)
-    blocks = max_blocks_per_seq(max_len, cfg.num_lookahead_slots, cfg.block_size)
     m = model_cfg
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
     shape = (m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim, m.intermediate_size)

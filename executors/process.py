@@ -25,10 +25,10 @@ from typing import Any
 import structlog
 import zmq
 
-from memstep import __version__
 from memstep.core.logging import setup_logging
 from memstep.events import codec
 from memstep.events.plan import PhaseRequest, StepPlan
+from memstep.events.version import VERSION
 from memstep.events.wire import (
     PROTOCOL_VERSION,
     ExecutorError,
@@ -125,7 +125,7 @@ class ExecutorProcess:
         self.worker: Any = None
 
     def serve(self) -> None:
-        self.sock.send(codec.encode(ExecutorHello(os.getpid(), __version__, PROTOCOL_VERSION)))
+        self.sock.send(codec.encode(ExecutorHello(os.getpid(), VERSION, PROTOCOL_VERSION)))
         while True:
             frame = self.sock.recv()
             try:

@@ -10,7 +10,12 @@ import attrs
 import torch
 
 from memstep.events.plan import SeqPlan
+from memstep.executors.batch_builder import build_batch
+from memstep.executors.llama import LlamaModel
 from memstep.executors.random_stream import DRAFT
+from memstep.executors.request_states import RequestStates
+from memstep.executors.sampler import Sampler
+from memstep.states.kinds import Spec
 
 
 def ngram_propose(tokens: list[int], k: int, n_max: int, n_min: int) -> list[int]:
@@ -33,24 +38,33 @@ class DraftModelProposer:
     each step first feeds whatever the draft has not seen (catch-up after `no_spec` stretches or
     rejected drafts), then drafts k tokens one at a time."""
 
-    def __init__(self, worker, model):
-        self.worker = worker
+    def __init__(
+        self,
+        model: LlamaModel,
+        spec: Spec,
+        requests: RequestStates,
+        sampler: Sampler,
+        block_size: int,
+    ):
         self.model = model
+        self.spec = spec
+        self.requests = requests
+        self.sampler = sampler
+        self.block_size = block_size
 
     def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        draft_kv = self.worker.kinds["spec"].held["draft_kv"]
+        draft_kv = self.spec.held["draft_kv"]
         return [(draft_kv[0, i], draft_kv[1, i]) for i in range(draft_kv.shape[1])]
 
     def propose(self, seqs: list[SeqPlan], ks: list[int]):
         """Draft tokens and the rows of draft probabilities (in the spec kind's buffer)."""
-        w = self.worker
-        spec = w.kinds["spec"]
+        spec = self.spec
         probs_buf = spec.held["draft_probs"]
         kv = self.kv()
         drafts: list[list[int]] = [[] for _ in seqs]
         feeds = []
         for seq in seqs:
-            tokens = w.requests[seq.request_id].tokens
+            tokens = self.requests[seq.request_id].tokens
             seen = spec.draft_len.get(seq.request_id, 0)
             feeds.append(attrs.evolve(seq, start_pos=seen, token_ids=tokens[seen:]))
         active = list(range(len(seqs)))
@@ -59,16 +73,16 @@ class DraftModelProposer:
             if not active:
                 break
             batch_feeds = [(feeds[i], feeds[i].token_ids) for i in active]
-            batch, last_rows = w_build(w, batch_feeds)
+            batch, last_rows = build_batch(batch_feeds, self.block_size, kv[0][0].device)
             hidden = self.model.forward(batch, kv)
             logits = self.model.logits(hidden[last_rows])
             rows = []
             for i in active:
-                state = w.requests[seqs[i].request_id]
+                state = self.requests[seqs[i].request_id]
                 history = state.tokens + drafts[i]
-                rows.append(w.sampler_row(state, len(history), history))
-            probs = w.sampler.distribution(logits, rows)
-            picked = w.sampler.sample(probs, rows, stream=DRAFT)
+                rows.append(state.row(len(history), history))
+            probs = self.sampler.distribution(logits, rows)
+            picked = self.sampler.sample(probs, rows, stream=DRAFT)
             for r, i in enumerate(active):
                 probs_buf[i, j].copy_(probs[r])
                 drafts[i].append(picked[r])
@@ -76,9 +90,3 @@ class DraftModelProposer:
                 spec.draft_len[seqs[i].request_id] = pos
                 feeds[i] = attrs.evolve(feeds[i], start_pos=pos, token_ids=[picked[r]])
         return drafts, [probs_buf[i] for i in range(len(seqs))]
-
-
-def w_build(worker, feeds):
-    from memstep.executors.batch_builder import build_batch
-
-    return build_batch(feeds, worker.cfg.block_size, worker.device)

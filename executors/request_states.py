@@ -10,6 +10,7 @@ import attrs
 
 from memstep.core.sampling_params import SamplingParams
 from memstep.events.plan import SeqPlan
+from memstep.executors.sampler import Row
 
 
 @attrs.define
@@ -17,6 +18,10 @@ class RequestState:
     tokens: list[int]
     prompt_len: int
     params: SamplingParams
+
+    def row(self, position: int, history: list[int]) -> Row:
+        """The sampler's row for the token at `position`, penalised by `history`."""
+        return Row(self.params, position, history, self.prompt_len)
 
 
 class RequestStates:
@@ -52,6 +57,9 @@ class RequestStates:
     def append(self, request_id: str, tokens: list[int]) -> None:
         """Tokens sampled this step; the next plan feeds the last of them again."""
         self._states[request_id].tokens.extend(tokens)
+
+    def clear(self) -> None:
+        self._states.clear()
 
     def forget(self, request_id: str) -> None:
         self._states.pop(request_id, None)

@@ -9,40 +9,73 @@ draw is keyed by (seed, position, stream), so results do not depend on the batch
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from memstep.events.plan import SeqPlan, SeqResult
+from memstep.core.config import EngineConfig
+from memstep.core.model_config import ModelConfig
+from memstep.events.plan import SeqPlan, SeqResult, StepPlan
+from memstep.executors.batch_builder import Feed
 from memstep.executors.llama import LlamaModel
 from memstep.executors.proposers import DraftModelProposer, ngram_propose
 from memstep.executors.random_stream import ACCEPT, SAMPLE, uniform
-from memstep.executors.sampler import Row, inverse_cdf, top_logprobs
-from memstep.states.kinds import draft_config
+from memstep.executors.request_states import RequestStates
+from memstep.executors.sampler import Row, Sampler, inverse_cdf, top_logprobs
+from memstep.executors.weights import Weights
+from memstep.states.kinds import Spec, draft_config
+
+
+def draft_model(
+    cfg: EngineConfig,
+    target: ModelConfig,
+    weights: Weights,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_len: int,
+) -> LlamaModel | None:
+    """The draft model of `speculative_method="draft"`: a model folder of its own, or the
+    target's first layers over the target's own weights; None for other methods."""
+    if cfg.speculative_method != "draft":
+        return None
+    dcfg = draft_config(cfg, target)
+    if cfg.draft_model is not None:
+        from memstep.core.model_source import resolve
+        from memstep.executors.weights import load_weights
+
+        weights = load_weights(resolve(cfg.draft_model, cfg.seed), dcfg, dtype, device)
+    return LlamaModel(dcfg, weights, max_len + cfg.num_speculative_tokens + 16)
 
 
 class SpecDecoder:
-    def __init__(self, worker):
-        self.worker = worker
-        cfg = worker.cfg
-        self.k = cfg.num_speculative_tokens
-        self.draft: DraftModelProposer | None = None
-        if cfg.speculative_method == "draft":
-            dcfg = draft_config(cfg, worker.model_cfg)
-            weights = worker.weights
-            if cfg.draft_model is not None:
-                from memstep.core.model_source import resolve
-                from memstep.executors.weights import load_weights
+    """Runs `spec` steps. Owns nothing between steps: the draft state lives in the `spec` kind
+    (its buffers and `draft_len`), the request states in the worker's `RequestStates`."""
 
-                source = resolve(cfg.draft_model, cfg.seed)
-                weights = load_weights(source, dcfg, worker.dtype, worker.device)
-            model = LlamaModel(dcfg, weights, worker.max_model_len + self.k + 16)
-            self.draft = DraftModelProposer(worker, model)
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        target: LlamaModel,
+        forward: Callable[[list[Feed]], tuple[torch.Tensor, list[int]]],
+        requests: RequestStates,
+        sampler: Sampler,
+        spec: Spec,
+        draft: LlamaModel | None,
+    ):
+        self.cfg = cfg
+        self.target = target
+        self.forward = forward
+        self.requests = requests
+        self.sampler = sampler
+        self.spec = spec
+        self.draft: DraftModelProposer | None = None
+        if draft is not None:
+            self.draft = DraftModelProposer(draft, spec, requests, sampler, cfg.block_size)
 
     def forget(self, request_id: str) -> None:
-        self.worker.kinds["spec"].forget(request_id)
+        self.spec.forget(request_id)
 
     def _propose(self, seqs: list[SeqPlan]) -> tuple[list[list[int]], list]:
-        w = self.worker
-        cfg = w.cfg
+        cfg = self.cfg
         for seq in seqs:
             if seq.start_pos == 0:
                 self.forget(seq.request_id)  # new or recomputed: the draft KV knows nothing
@@ -50,14 +83,13 @@ class SpecDecoder:
             return self.draft.propose(seqs, [seq.num_drafts for seq in seqs])
         drafts = [
             ngram_propose(
-                w.requests[s.request_id].tokens, s.num_drafts, cfg.ngram_max, cfg.ngram_min
+                self.requests[s.request_id].tokens, s.num_drafts, cfg.ngram_max, cfg.ngram_min
             )
             for s in seqs
         ]
         return drafts, [None] * len(seqs)
 
-    def run(self, plan) -> tuple[list[SeqResult], torch.Tensor]:
-        w = self.worker
+    def run(self, plan: StepPlan) -> tuple[list[SeqResult], torch.Tensor]:
         spec_seqs = [
             s for s in plan.seqs if s.samples and s.num_drafts > 0 and len(s.token_ids) == 1
         ]
@@ -68,28 +100,28 @@ class SpecDecoder:
             for seq, d, q in zip(spec_seqs, drafts, qs, strict=True):
                 drafts_of[seq.request_id], q_of[seq.request_id] = d, q
         feeds = [(s, s.token_ids + drafts_of.get(s.request_id, [])) for s in plan.seqs]
-        hidden, last_rows = w.forward(feeds)
+        hidden, last_rows = self.forward(feeds)
         rows_idx: list[int] = []
         sample_rows: list[Row] = []
         owners: list[tuple[SeqPlan, int]] = []  # (seq, number of rows it owns)
         for (seq, _), last in zip(feeds, last_rows, strict=True):
             if not seq.samples:
                 continue
-            state = w.requests[seq.request_id]
+            state = self.requests[seq.request_id]
             seq_drafts = drafts_of.get(seq.request_id, [])
             n = len(seq_drafts) + 1
             rows_idx.extend(range(last - n + 1, last + 1))
             base = len(state.tokens)
             for j in range(n):
                 history = state.tokens + seq_drafts[:j]
-                sample_rows.append(w.sampler_row(state, base + j, history))
+                sample_rows.append(state.row(base + j, history))
             owners.append((seq, n))
         h = hidden[rows_idx]
         if not owners:
             return [], h
-        logits = w.model.logits(h)
+        logits = self.target.logits(h)
         raw = logits.clone() if any(r.params.logprobs for r in sample_rows) else None
-        probs = w.sampler.distribution(logits, sample_rows)
+        probs = self.sampler.distribution(logits, sample_rows)
         results = []
         offset = 0
         for seq, n in owners:
@@ -105,9 +137,8 @@ class SpecDecoder:
             proposed = len(seq_drafts)
             results.append(SeqResult(seq.request_id, tokens, logprobs, proposed, accepted))
             if self.draft is not None and seq.request_id in drafts_of:
-                spec = w.kinds["spec"]
-                base = len(w.requests[seq.request_id].tokens)
-                spec.draft_len[seq.request_id] = base + min(accepted, max(proposed - 1, 0))
+                base = len(self.requests[seq.request_id].tokens)
+                self.spec.draft_len[seq.request_id] = base + min(accepted, max(proposed - 1, 0))
             offset += n
         return results, h
 

@@ -27,11 +27,10 @@ from memstep.executors.sampler import PendingLogprobs, Row, Sampler
 from memstep.executors.weights import load_weights
 from memstep.states import table
 from memstep.states.arena import Arena
-from memstep.states.kinds import KindEnv, StepKind, StepOutputs, make_kinds
+from memstep.states.catalog import make_kinds
+from memstep.states.kinds import KindEnv, Spec, StepKind, StepOutputs
 
 log = structlog.get_logger("memstep.executor")
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def pick_device(cfg: EngineConfig) -> torch.device:
@@ -43,7 +42,7 @@ def pick_device(cfg: EngineConfig) -> torch.device:
 def pick_dtype(cfg: EngineConfig, device: torch.device) -> torch.dtype:
     if cfg.dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return DTYPES[cfg.dtype]
+    return getattr(torch, cfg.dtype)  # config.DTYPES names torch dtypes
 
 
 class Worker:
@@ -65,7 +64,7 @@ class Worker:
         self.state = "boot"
         self.requests = RequestStates()
         self.detector = LeakDetector()
-        self.plan: MemoryPlan | None = None
+        self.memory_plan: MemoryPlan | None = None
         self.kinds: dict[str, StepKind] = {}
         self.spec = None
         self.graphs = None  # CUDA: the decode graphs (graph_runner.GraphRunner), built at capture
@@ -88,31 +87,39 @@ class Worker:
             info = self._warmup()
         elif phase == "capture":
             if self.device.type == "cuda":  # imports Triton: never on CPU
-                from memstep.executors.graph_runner import capture_phase
+                from memstep.executors.graph_runner import capture_phase, peak_figures
 
-                self.graphs, info = capture_phase(self)
+                self.graphs, info = capture_phase(
+                    self.cfg, self.model, self.kv, self.sampler, self.max_model_len
+                )
+                info |= peak_figures(self.device, self.memory_plan)
             self.meter.freeze()  # start-up objects are done; measure only what serving creates
         elif phase == "shutdown":
-            self.requests = RequestStates()
+            self.requests.clear()
         return PhaseReply(phase, info, exited, entered)
 
     def _profile(self) -> dict:
-        self.plan = plan_memory(
-            self.cfg, self.model_cfg, self.model, self.dtype, self.kv_dtype, self.device
+        cfg, mc = self.cfg, self.model_cfg
+        plan = plan_memory(
+            cfg, mc, self.max_model_len, self.model, self.dtype, self.kv_dtype, self.device
         )
-        env = KindEnv(self.cfg, self.model_cfg, self.dtype, self.plan.num_kv_blocks)
-        self.kinds = make_kinds(env)
-        self.arena = Arena(self.plan.arena_bytes, self.device)
-        mc = self.model_cfg
-        shape = (self.plan.num_kv_blocks, self.cfg.block_size, mc.num_kv_heads, mc.head_dim)
+        self.memory_plan = plan
+        self.kinds = make_kinds(KindEnv(cfg, mc, self.dtype, plan.num_kv_blocks))
+        self.arena = Arena(plan.arena_bytes, self.device)
+        shape = (plan.num_kv_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim)
         self.kv = kv_cache.allocate(mc.num_layers, shape, self.kv_dtype, self.device)
         rows = self.cfg.max_num_seqs * (self.cfg.num_lookahead_slots + 1)
         self.sampler = Sampler(rows, self.model_cfg.vocab_size, self.device)
-        if self.cfg.is_speculative:
-            from memstep.executors.spec_decode import SpecDecoder
+        if cfg.is_speculative:
+            from memstep.executors.spec_decode import SpecDecoder, draft_model
 
-            self.spec = SpecDecoder(self)
-        info = self.plan.to_dict()
+            spec = self.kinds["spec"]
+            assert isinstance(spec, Spec)
+            draft = draft_model(cfg, mc, self.weights, self.dtype, self.device, self.max_model_len)
+            self.spec = SpecDecoder(
+                cfg, self.model, self.forward, self.requests, self.sampler, spec, draft
+            )
+        info = plan.to_dict()
         log.info("memory plan", **info)
         return info
 
@@ -194,12 +201,8 @@ class Worker:
         rows = []
         for seq in seqs:
             state = self.requests[seq.request_id]
-            rows.append(self.sampler_row(state, len(state.tokens), state.tokens))
+            rows.append(state.row(len(state.tokens), state.tokens))
         return rows
-
-    @staticmethod
-    def sampler_row(state, position: int, history: list[int]) -> Row:
-        return Row(state.params, position, history, state.prompt_len)
 
     def _run_plain(self, seqs: list[SeqPlan]) -> tuple[list[SeqResult], torch.Tensor]:
         feeds = [(seq, seq.token_ids) for seq in seqs]

@@ -20,9 +20,10 @@ from typing import Any
 import attrs
 
 from memstep.core.config import EngineConfig
-from memstep.core.engine import Engine, UnknownRequest, default_executor
+from memstep.core.engine import Engine, UnknownRequest
 from memstep.core.sampling_params import InvalidRequest, SamplingParams
 from memstep.events.types import EngineStarted, RequestAborted, RequestAdded, is_input
+from memstep.executors.inprocess import InProcessExecutor
 from memstep.replay.recording import Recording
 
 
@@ -49,7 +50,7 @@ class ReplayRun:
 def replay(
     recording: Recording,
     overrides: dict[str, Any] | None = None,
-    executor_factory: Callable = default_executor,
+    executor_factory: Callable = InProcessExecutor,
 ) -> ReplayRun:
     """Replay `recording` through a fresh engine built from its header's config (+ `overrides`).
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import attrs
 
-from memstep import __version__
+from memstep.events.version import VERSION
 from memstep.replay.compare import Comparison, compare
 from memstep.replay.recording import Recording
 from memstep.replay.replayer import ReplayRun
@@ -120,6 +120,6 @@ def _warnings(recording: Recording, run: ReplayRun) -> list[str]:
             f"model differs: recorded {recording.model_identity}, replayed {run.model_identity}"
         )
     version = recording.memstep_version
-    if version != __version__:
-        out.append(f"recorded with memstep {version}, replayed with {__version__}")
+    if version != VERSION:
+        out.append(f"recorded with memstep {version}, replayed with {VERSION}")
     return out

@@ -13,6 +13,7 @@ import weakref
 
 import torch
 
+from memstep.core.shapes import cdiv
 from memstep.events.types import LedgerEntry
 
 ALIGN = 256
@@ -27,7 +28,7 @@ def nbytes_of(shape: tuple[int, ...], dtype: torch.dtype) -> int:
 
 
 def _aligned(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
+    return cdiv(n, ALIGN) * ALIGN
 
 
 class Arena:

@@ -7,7 +7,7 @@ The executor calls `exit(previous)` then `enter(next)` whenever the step kind ch
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import attrs
 import torch
@@ -129,21 +129,3 @@ def draft_config(cfg: EngineConfig, model: ModelConfig) -> ModelConfig:
 
         return model_config(resolve(cfg.draft_model, cfg.seed))
     return model.truncated(cfg.draft_layers)
-
-
-KINDS: dict[str, type[StepKind]] = {"no_spec": NoSpec, "spec": Spec}
-
-
-def make_kinds(env: KindEnv) -> dict[str, StepKind]:
-    from memstep.states.planted import PLANTS
-
-    kinds: dict[str, StepKind] = {name: cls(env) for name, cls in KINDS.items()}
-    plant = env.cfg.debug_plant_leak
-    if plant is not None:
-        kind_name, cls = PLANTS[plant]
-        kinds[kind_name] = cls(env)
-    return kinds
-
-
-def describe(kinds: dict[str, StepKind]) -> dict[str, Any]:
-    return {name: {b.name: b.nbytes for b in kind.buffers()} for name, kind in kinds.items()}

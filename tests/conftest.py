@@ -6,6 +6,7 @@ import pytest
 
 from memstep.core.config import EngineConfig
 from memstep.core.engine import Engine
+from memstep.executors.inprocess import local_engine
 
 CHAT_QUESTIONS = [
     "What is the capital of France?",
@@ -22,13 +23,13 @@ CHAT_QUESTIONS = [
 @pytest.fixture(scope="session")
 def smol_engine() -> Engine:
     """SmolLM2-135M-Instruct in float32 with default limits (16 sequences)."""
-    return Engine(EngineConfig(model="smollm2", dtype="float32"))
+    return local_engine(EngineConfig(model="smollm2", dtype="float32"))
 
 
 @pytest.fixture(scope="session")
 def fp8_smol_engine() -> Engine:
     """The same model and limits with an fp8 KV cache."""
-    return Engine(EngineConfig(model="smollm2", dtype="float32", kv_cache_dtype="fp8"))
+    return local_engine(EngineConfig(model="smollm2", dtype="float32", kv_cache_dtype="fp8"))
 
 
 @pytest.fixture(scope="session")

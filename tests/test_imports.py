@@ -12,7 +12,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOORS = {
-    "": 0,  # memstep/__init__.py: the version
     "events": 0,
     "core": 1,
     "states": 2,
@@ -20,6 +19,7 @@ FLOORS = {
     "replay": 4,
     "api": 5,
     "cli": 6,
+    "": 7,  # memstep/__init__.py: the package's front door
 }
 
 

@@ -6,8 +6,8 @@ import random
 
 from memstep.cli.traffic import random_params, rising_waves
 from memstep.core.config import EngineConfig
-from memstep.core.engine import Engine
 from memstep.events.types import RequestAdded, RequestFinished, StepPlanned
+from memstep.executors.inprocess import local_engine
 
 
 def test_random_params_cover_every_sampling_feature():
@@ -22,7 +22,7 @@ def test_random_params_cover_every_sampling_feature():
 def test_rising_waves_double_up_to_the_cap_with_mixed_steps():
     records: list = []
     cfg = EngineConfig(model="random:tiny", max_num_seqs=4, num_threads=1)
-    engine = Engine(cfg, sinks=[records.append])
+    engine = local_engine(cfg, sinks=[records.append])
     try:
         steps = rising_waves(engine, num_requests=15, max_concurrency=4, seed=1)
     finally:

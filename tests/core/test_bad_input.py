@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from memstep.core.config import ConfigError, EngineConfig
-from memstep.core.engine import Engine
 from memstep.core.model_source import ModelError, resolve
 from memstep.core.sampling_params import InvalidRequest, SamplingParams
+from memstep.executors.inprocess import local_engine
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -35,7 +35,7 @@ def test_corrupt_gguf(tmp_path):
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"GGUF" + b"\x00" * 64)
     with pytest.raises(ModelError, match="cannot read GGUF"):
-        Engine(EngineConfig(model=str(bad)))
+        local_engine(EngineConfig(model=str(bad)))
     res = run_cli("generate", "--prompt", "hi", "--model", str(bad))
     assert res.returncode == 2 and "cannot read GGUF" in res.stderr
 
@@ -50,13 +50,13 @@ def test_unsupported_architecture_gguf(tmp_path):
     writer.write_tensors_to_file()
     writer.close()
     with pytest.raises(ModelError, match="unsupported architecture 'gpt2'"):
-        Engine(EngineConfig(model=str(path)))
+        local_engine(EngineConfig(model=str(path)))
 
 
 def test_unsupported_architecture_hf_folder(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(ModelError, match="unsupported architecture"):
-        Engine(EngineConfig(model=str(tmp_path)))
+        local_engine(EngineConfig(model=str(tmp_path)))
 
 
 def test_folder_without_config_and_unknown_preset(tmp_path):

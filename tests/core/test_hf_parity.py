@@ -9,6 +9,7 @@ import torch
 
 from memstep.core.model_source import shipped_gguf_path
 from memstep.core.sampling_params import SamplingParams
+from memstep.executors.inprocess import local_engine
 
 NEW_TOKENS = 64
 
@@ -54,7 +55,6 @@ def test_hugging_face_folder_loads_and_matches_the_gguf(
     from safetensors.torch import save_file
 
     from memstep.core.config import EngineConfig
-    from memstep.core.engine import Engine
 
     path = shipped_gguf_path()
     # a GGUF-loaded model refuses save_pretrained, so write the folder's files directly
@@ -65,7 +65,7 @@ def test_hugging_face_folder_loads_and_matches_the_gguf(
     (tmp_path / "config.json").write_text(json.dumps(config))
     tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     tok.save_pretrained(tmp_path)
-    folder_engine = Engine(EngineConfig(model=str(tmp_path), dtype="float32", max_num_seqs=4))
+    folder_engine = local_engine(EngineConfig(model=str(tmp_path), dtype="float32", max_num_seqs=4))
     assert folder_engine.tokenizer.encode("Hello world!") == smol_engine.tokenizer.encode(
         "Hello world!"
     )

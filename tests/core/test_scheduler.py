@@ -6,10 +6,10 @@ import pytest
 
 from memstep.core.block_manager import BlockManager
 from memstep.core.config import EngineConfig
-from memstep.core.engine import Engine
 from memstep.core.request import Request
 from memstep.core.sampling_params import SamplingParams
 from memstep.core.scheduler import Scheduler
+from memstep.executors.inprocess import local_engine
 
 GREEDY = SamplingParams(max_tokens=20, ignore_eos=True)
 
@@ -22,7 +22,7 @@ def reference(smol_engine, chat_prompts):
 def test_chunked_prefill_and_tight_pages_with_preemption(reference, chat_prompts):
     # 20 pages of 16 tokens cannot hold 8 prompts of ~40 tokens + 20 new tokens each at once
     cfg = EngineConfig(max_num_batched_tokens=32, num_kv_blocks=20, dtype="float32")
-    engine = Engine(cfg)
+    engine = local_engine(cfg)
     plans: list = []
     engine.sinks.append(lambda rec: type(rec).__name__ == "StepPlanned" and plans.append(rec))
     got = engine.generate(chat_prompts, GREEDY)
@@ -57,7 +57,7 @@ def _decoding(n: int, prompt_len: int, blocks: BlockManager, lookahead: int) -> 
     cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, block_size=BLOCK)
     sched = Scheduler(cfg, blocks, max_model_len=64, decode_lookahead=lookahead)
     for i in range(n):
-        sched.add(Request(f"r{i}", list(range(1, prompt_len + 1)), GREEDY, 0, str))
+        sched.add(Request(f"r{i}", list(range(1, prompt_len + 1)), GREEDY, str))
     for s in sched.schedule().seqs:  # the prefill
         s.request.num_computed += s.num_tokens
         s.request.output_token_ids.append(7)
@@ -80,7 +80,7 @@ def test_decode_lookahead_never_preempts_or_starves_a_step():
     # 4 pages for 3 decoding requests: each step's own slots take 3, one is left for lookahead
     sched = _decoding(3, 3, BlockManager(4, BLOCK), lookahead=1)
     batch = sched.schedule()
-    assert len(batch.seqs) == 3 and not batch.preempted and sched.num_preemptions == 0
+    assert len(batch.seqs) == 3 and sched.num_preemptions == 0
     tables = [len(sched.blocks.table(s.request.request_id)) for s in batch.seqs]
     assert sorted(tables) == [1, 1, 2] and sched.blocks.num_free == 0
     sched.blocks.check()

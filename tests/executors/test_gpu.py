@@ -19,6 +19,7 @@ from memstep.core.sampling_params import SamplingParams
 from memstep.events.plan import SeqPlan
 from memstep.events.types import LeakSuspected, StepFinished
 from memstep.executors.decode_ahead import Ahead
+from memstep.executors.inprocess import local_engine
 
 pytestmark = [
     pytest.mark.gpu,
@@ -38,7 +39,7 @@ def make_engine(dtype: str, sinks=(), **overrides) -> Engine:
         num_kv_blocks=1024,
         max_num_batched_tokens=512,
     )
-    return Engine(EngineConfig(**(base | overrides)), sinks=sinks)
+    return local_engine(EngineConfig(**(base | overrides)), sinks=sinks)
 
 
 def release(engine: Engine) -> None:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from memstep.core.config import EngineConfig
-from memstep.core.engine import Engine
 from memstep.core.sampling_params import SamplingParams
 from memstep.executors import kv_cache
+from memstep.executors.inprocess import local_engine
 from memstep.executors.kv_cache import KV_FP8, gather_kv, write_kv
 
 BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 6, 4, 2, 8
@@ -69,7 +69,7 @@ def test_fp8_cache_holds_four_times_the_pages_of_fp32_in_the_same_bytes():
     plans = {}
     for name in ("auto", "fp8"):
         cfg = EngineConfig(model="random:tiny", dtype="float32", kv_cache_dtype=name)
-        engine = Engine(cfg.replace(cpu_kv_cache_bytes=2**20, num_threads=1))
+        engine = local_engine(cfg.replace(cpu_kv_cache_bytes=2**20, num_threads=1))
         plans[name] = engine.memory_plan
         engine.shutdown()
     assert plans["fp8"]["kv_page_bytes"] * 4 == plans["auto"]["kv_page_bytes"]

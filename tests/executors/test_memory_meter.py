@@ -10,6 +10,7 @@ import torch
 from memstep.core.config import EngineConfig
 from memstep.core.engine import Engine
 from memstep.core.sampling_params import SamplingParams
+from memstep.executors.inprocess import local_engine
 from memstep.executors.memory import LiveTensorMeter
 
 TINY = EngineConfig(model="random:tiny", max_num_seqs=4, num_threads=1)
@@ -22,10 +23,10 @@ def _first_step_memory(engine: Engine) -> dict:
 
 
 def test_a_second_engine_in_the_process_measures_what_the_first_did():
-    first = Engine(TINY)
+    first = local_engine(TINY)
     alone = _first_step_memory(first)
     ballast = torch.ones(1 << 20)  # 4 MiB more alive before the second engine starts
-    second = Engine(TINY)  # the first one, its weights and the ballast stay alive
+    second = local_engine(TINY)  # the first one, its weights and the ballast stay alive
     beside = _first_step_memory(second)
     assert beside == alone and alone["live_bytes"] > 0
     first.shutdown()
@@ -35,10 +36,10 @@ def test_a_second_engine_in_the_process_measures_what_the_first_did():
 
 def test_without_exclusion_the_other_engine_is_counted(monkeypatch):
     """The check above can fail: a meter that does not leave out what was alive counts it."""
-    first = Engine(TINY)
+    first = local_engine(TINY)
     alone = _first_step_memory(first)
     monkeypatch.setattr(LiveTensorMeter, "exclude_existing", lambda self: None)
-    second = Engine(TINY)
+    second = local_engine(TINY)
     beside = _first_step_memory(second)
     assert beside["live_bytes"] >= 2 * alone["live_bytes"] - (1 << 20)
     first.shutdown()

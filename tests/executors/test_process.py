@@ -16,6 +16,7 @@ from memstep.core.config import EngineConfig
 from memstep.core.engine import Engine
 from memstep.core.sampling_params import SamplingParams
 from memstep.events.plan import PhaseReply
+from memstep.executors.inprocess import local_engine
 from memstep.executors.process import MAIN_ID
 from memstep.executors.remote import ExecutorDied, ExecutorFailed, ProcessExecutor
 
@@ -52,7 +53,7 @@ def test_process_executor_gives_the_in_process_results(process_engine):
     params = [SamplingParams(max_tokens=12), SamplingParams(max_tokens=9, temperature=0.8, seed=7)]
     params.append(SamplingParams(max_tokens=5, top_p=0.5, temperature=1.0, seed=3))
     remote = process_engine.generate(prompts, params)
-    local = Engine(TINY).generate(prompts, params)
+    local = local_engine(TINY).generate(prompts, params)
     assert [c.token_ids for c in remote] == [c.token_ids for c in local]
     assert [c.finish_reason for c in remote] == [c.finish_reason for c in local]
     assert process_engine.executor.pid != os.getpid()

@@ -8,6 +8,7 @@ import torch
 from memstep.core.config import EngineConfig
 from memstep.core.engine import Engine
 from memstep.core.sampling_params import SamplingParams
+from memstep.executors.inprocess import local_engine
 from memstep.executors.proposers import ngram_propose
 from memstep.executors.random_stream import ACCEPT, uniform
 from memstep.executors.sampler import Row
@@ -65,7 +66,7 @@ def test_greedy_spec_equals_greedy_across_threshold_crossings(method, k, referen
         speculative_disable_by_batch_size=4,
         draft_layers=8,
     )
-    engine = Engine(cfg)
+    engine = local_engine(cfg)
     tokens, kinds, spans = run_crossing(engine, chat_prompts)
     for i in range(8):
         assert tokens[f"p{i}"] == reference[i], f"prompt {i} differs under {method} k={k}"
@@ -88,14 +89,16 @@ def test_greedy_spec_equals_greedy_with_an_fp8_kv_cache(fp8_smol_engine, chat_pr
         num_speculative_tokens=3,
         speculative_disable_by_batch_size=4,
     )
-    tokens, kinds, _ = run_crossing(Engine(cfg), chat_prompts)
+    tokens, kinds, _ = run_crossing(local_engine(cfg), chat_prompts)
     for i in range(8):
         assert tokens[f"p{i}"] == fp8_reference[i], f"prompt {i} differs"
     assert "sn" in kinds and "ns" in kinds, kinds
 
 
 def test_acceptance_is_counted(chat_prompts):
-    engine = Engine(EngineConfig(dtype="float32", speculative_method="draft", draft_layers=30))
+    engine = local_engine(
+        EngineConfig(dtype="float32", speculative_method="draft", draft_layers=30)
+    )
     finished = []
     engine.sinks.append(lambda r: type(r).__name__ == "StepFinished" and finished.append(r))
     engine.generate(chat_prompts[:2], SamplingParams(max_tokens=12, ignore_eos=True))

@@ -13,6 +13,7 @@ from memstep.cli.main import main
 from memstep.core.config import EngineConfig
 from memstep.core.engine import Engine
 from memstep.core.sampling_params import SamplingParams
+from memstep.executors.inprocess import local_engine
 from memstep.executors.weights import _load_gguf
 from memstep.replay.recorder import open_recorder
 
@@ -106,7 +107,7 @@ def record(path: Path, cfg: EngineConfig, waves: list[int], **kwargs) -> Workloa
     isolate_heap()
     recorder = open_recorder(path)
     assert recorder is not None
-    engine = Engine(cfg, sinks=[recorder])
+    engine = local_engine(cfg, sinks=[recorder])
     try:
         return run_waves(engine, waves, **kwargs)
     finally:

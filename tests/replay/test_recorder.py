@@ -11,7 +11,6 @@ from replay_helpers import isolate_heap, memstep
 
 from memstep import __version__
 from memstep.core.config import EngineConfig
-from memstep.core.engine import Engine
 from memstep.core.sampling_params import SamplingParams
 from memstep.events.log import LogReader, LogWriter, read_log
 from memstep.events.types import (
@@ -22,6 +21,7 @@ from memstep.events.types import (
     StepPlanned,
     is_input,
 )
+from memstep.executors.inprocess import local_engine
 from memstep.replay.recorder import (
     DEFAULT_RECORD_PATH,
     Recorder,
@@ -38,7 +38,7 @@ def test_header_and_first_record_and_one_flush_per_step(tmp_path):
     isolate_heap()
     path = tmp_path / "run.memlog"
     recorder = Recorder(path)
-    engine = Engine(TINY, sinks=[recorder])
+    engine = local_engine(TINY, sinks=[recorder])
     with LogReader(path) as reader:
         assert reader.header["config"] == TINY.to_dict()
         assert reader.header["model_identity"] == engine.source.identity == "random:tiny:seed=0"
@@ -65,7 +65,7 @@ def test_rotated_log_is_read_and_replayed_as_one(tmp_path):
     isolate_heap()
     recorder = open_recorder(path, rotate_bytes=4096)
     assert recorder is not None
-    engine = Engine(cfg, sinks=[recorder])
+    engine = local_engine(cfg, sinks=[recorder])
     engine.generate([[i + 1, 2, 3] for i in range(10)], SamplingParams(max_tokens=6))
     engine.shutdown()
     recorder.close()
@@ -121,7 +121,7 @@ def test_a_log_written_without_the_recorder_header_still_replays(tmp_path):
     path = tmp_path / "served.memlog"
     isolate_heap()
     with LogWriter(path, {"command": "serve", "config": TINY.to_dict()}) as writer:
-        engine = Engine(TINY, sinks=[writer.append])
+        engine = local_engine(TINY, sinks=[writer.append])
         engine.generate([[3, 4, 5], [6, 7]], SamplingParams(max_tokens=4))
         engine.shutdown()
     code, out, err = memstep("replay", str(path))

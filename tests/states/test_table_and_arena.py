@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from memstep.core.config import EngineConfig
-from memstep.core.engine import Engine
 from memstep.core.sampling_params import SamplingParams
+from memstep.executors.inprocess import local_engine
+from memstep.states import catalog
 from memstep.states import kinds as kinds_module
 from memstep.states.arena import Arena, ArenaFull
 from memstep.states.table import TRANSITIONS, TransitionNotAllowed, check
@@ -49,12 +50,12 @@ class SpecKeepsItsBuffer(kinds_module.Spec):
 
 
 def test_buffer_held_after_exit_is_reported(monkeypatch):
-    monkeypatch.setitem(kinds_module.KINDS, "spec", SpecKeepsItsBuffer)
+    monkeypatch.setitem(catalog.KINDS, "spec", SpecKeepsItsBuffer)
     cfg = EngineConfig(
         model="random:tiny", speculative_method="ngram", speculative_disable_by_batch_size=2
     )
     records: list = []
-    engine = Engine(cfg, sinks=[records.append])
+    engine = local_engine(cfg, sinks=[records.append])
     engine.add_request([5, 6, 7, 5, 6], SamplingParams(max_tokens=6))
     engine.step()  # spec: one request
     engine.add_request([9, 10, 11], SamplingParams(max_tokens=4))

@@ -1,0 +1,18 @@
+"""Every serving step kind by name, and the kinds one engine runs: a planted leak, where the
+config asks for one, stands in for the kind it imitates."""
+
+from __future__ import annotations
+
+from memstep.states.kinds import KindEnv, NoSpec, Spec, StepKind
+from memstep.states.planted import PLANTS
+
+KINDS: dict[str, type[StepKind]] = {"no_spec": NoSpec, "spec": Spec}
+
+
+def make_kinds(env: KindEnv) -> dict[str, StepKind]:
+    kinds: dict[str, StepKind] = {name: cls(env) for name, cls in KINDS.items()}
+    plant = env.cfg.debug_plant_leak
+    if plant is not None:
+        kind_name, cls = PLANTS[plant]
+        kinds[kind_name] = cls(env)
+    return kinds
