@@ -32,26 +32,11 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import import_memstep  # noqa: E402
+from bench_kernels import import_memstep, median_ms  # noqa: E402
 
 MODEL = "random:llama-3.1-8b"
 PROMPT_LEN, OUTPUT_LEN = 128, 128
 CONTEXT = PROMPT_LEN + OUTPUT_LEN // 2  # decode steps are timed at the run's middle context
-
-
-def cuda_ms(fn, iters: int, warmup: int = 3) -> float:
-    """Median milliseconds of fn() over iters runs, timed with CUDA events."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 # --- ceilings ----------------------------------------------------------------------------------
@@ -61,7 +46,7 @@ def copy_bandwidth() -> float:
     """Device-to-device copy, bytes read + written per second."""
     src = torch.randn(2 * 2**30 // 4, device="cuda")  # 2 GiB of fp32
     dst = torch.empty_like(src)
-    ms = cuda_ms(lambda: dst.copy_(src), 20)
+    ms = median_ms(lambda: dst.copy_(src), 20, warmup=3)
     return 2 * src.numel() * 4 / (ms / 1e3)
 
 
@@ -70,7 +55,7 @@ def matmul_rate() -> float:
     n = 8192
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    ms = cuda_ms(lambda: a @ b, 20)
+    ms = median_ms(lambda: a @ b, 20, warmup=3)
     return 2 * n**3 / (ms / 1e3)
 
 
@@ -87,7 +72,7 @@ def gemm_table(weights: dict, bandwidth: float, rate: float) -> list[dict]:
         w = weights[name]
         for m in (1, 256):
             x = torch.randn(m, w.shape[1], device="cuda", dtype=w.dtype)
-            ms = cuda_ms(lambda x=x, w=w: F.linear(x, w), 50)
+            ms = median_ms(lambda x=x, w=w: F.linear(x, w), 50, warmup=3)
             nbytes = w.numel() * w.element_size()
             rows.append(
                 {
@@ -270,8 +255,8 @@ def model_step_ms(worker, batch: int, context: int) -> dict:
         runner.inputs.fill(feeds, runner.padded_size(batch))
         graph = runner.graphs[runner.padded_size(batch)]
         hidden = runner.decode.hidden[:batch]
-        replay = cuda_ms(graph.replay, 50)
-        step = cuda_ms(lambda: (graph.replay(), worker.model.logits(hidden)), 50)
+        replay = median_ms(graph.replay, 50, warmup=3)
+        step = median_ms(lambda: (graph.replay(), worker.model.logits(hidden)), 50, warmup=3)
     return {"graph_ms": round(replay, 3), "graph_plus_head_ms": round(step, 3)}
 
 
@@ -308,7 +293,6 @@ def kernel_profile(worker, batch: int, context: int) -> list[dict]:
 def attention_sweep(worker) -> list[dict]:
     """Decode attention on layer 0's real cache at the benchmark's context, per tile config
     (module constants patched for the sweep) and split-K partition size; L2 flushed per run."""
-    from bench_kernels import median_ms
 
     from memstep.executors.kernels import DecodeWorkspace, paged_decode_attention
     from memstep.executors.kernels import paged_attention as pa
@@ -433,7 +417,7 @@ def fp8_kv_section(cfg, ceilings: Ceilings, vocab: int, bf16_blocks: int) -> dic
     worker = engine.executor.worker
     blocks = engine.memory_plan["num_kv_blocks"]
     result: dict = {"num_kv_blocks": blocks, "blocks_vs_bf16": round(blocks / bf16_blocks, 3)}
-    result["peak_after_capture"] = peak_figures(worker)
+    result["peak_after_capture"] = peak_figures(worker.device, worker.memory_plan)
     result["decode_step"] = step_table(worker, ceilings, cfg.max_num_seqs)
     clock = StepClock(engine)
     run_throughput(engine, clock, 8, vocab)
@@ -541,7 +525,7 @@ def main() -> None:
     report["engine_start_seconds"] = round(time.perf_counter() - start, 1)
     report["memory_plan"] = engine.memory_plan
     report["peak_after_warmup"] = engine.warmup_info.get("measured_peak_bytes")
-    report["peak_after_capture"] = peak_figures(worker)
+    report["peak_after_capture"] = peak_figures(worker.device, worker.memory_plan)
 
     ceilings = Ceilings(bandwidth, rate, total_bytes, read_bytes, model_cfg.num_params)
     for batch in (1, 256):

@@ -39,12 +39,17 @@ def import_memstep() -> None:
     spec.loader.exec_module(module)
 
 
-def median_ms(fn: Callable[[], object], iters: int, l2_flush: torch.Tensor) -> float:
-    for _ in range(5):
-        fn()  # warmup: compile and allocate outside the timing
+def median_ms(
+    fn: Callable[[], object], iters: int, l2_flush: torch.Tensor | None = None, warmup: int = 5
+) -> float:
+    """Median milliseconds of fn() over `iters` runs, timed with CUDA events, after `warmup`
+    runs (compile and allocate outside the timing); `l2_flush` is zeroed before each run."""
+    for _ in range(warmup):
+        fn()
     times = []
     for _ in range(iters):
-        l2_flush.zero_()
+        if l2_flush is not None:
+            l2_flush.zero_()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()

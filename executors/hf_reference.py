@@ -10,7 +10,7 @@ import inspect
 import torch
 
 from memstep.core.model_config import ModelConfig
-from memstep.executors.weights import Weights
+from memstep.executors.weights import HF_LAYER_NAMES, Weights
 
 
 def hf_config(cfg: ModelConfig):
@@ -46,24 +46,17 @@ def hf_config(cfg: ModelConfig):
 def hf_state_dict(weights: Weights, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """memstep names and fused layouts -> Hugging Face names, as views of the same storage."""
     nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    state = {"model.embed_tokens.weight": weights["embed"], "model.norm.weight": weights["norm"]}
-    state["lm_head.weight"] = weights.get("lm_head", weights["embed"])
+    state_dict = {"model.embed_tokens.weight": weights["embed"]}
+    state_dict["model.norm.weight"] = weights["norm"]
+    state_dict["lm_head.weight"] = weights.get("lm_head", weights["embed"])
     for i in range(cfg.num_layers):
         p, hf = f"layers.{i}.", f"model.layers.{i}."
         q, k, v = weights[p + "wqkv"].split([nq, nkv, nkv], dim=0)
         gate, up = weights[p + "w_gate_up"].chunk(2, dim=0)
-        state |= {
-            hf + "input_layernorm.weight": weights[p + "attn_norm"],
-            hf + "self_attn.q_proj.weight": q,
-            hf + "self_attn.k_proj.weight": k,
-            hf + "self_attn.v_proj.weight": v,
-            hf + "self_attn.o_proj.weight": weights[p + "wo"],
-            hf + "post_attention_layernorm.weight": weights[p + "mlp_norm"],
-            hf + "mlp.gate_proj.weight": gate,
-            hf + "mlp.up_proj.weight": up,
-            hf + "mlp.down_proj.weight": weights[p + "w_down"],
-        }
-    return state
+        parts = {"q": q, "k": k, "v": v, "gate": gate, "up": up}
+        parts |= {key: weights[p + key] for key in ("attn_norm", "wo", "mlp_norm", "w_down")}
+        state_dict |= {hf + HF_LAYER_NAMES[key]: t for key, t in parts.items()}
+    return state_dict
 
 
 def hf_llama(weights: Weights, cfg: ModelConfig):

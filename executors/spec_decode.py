@@ -107,14 +107,14 @@ class SpecDecoder:
         for (seq, _), last in zip(feeds, last_rows, strict=True):
             if not seq.samples:
                 continue
-            state = self.requests[seq.request_id]
+            req = self.requests[seq.request_id]
             seq_drafts = drafts_of.get(seq.request_id, [])
             n = len(seq_drafts) + 1
             rows_idx.extend(range(last - n + 1, last + 1))
-            base = len(state.tokens)
+            base = len(req.tokens)
             for j in range(n):
-                history = state.tokens + seq_drafts[:j]
-                sample_rows.append(state.row(base + j, history))
+                history = req.tokens + seq_drafts[:j]
+                sample_rows.append(req.row(base + j, history))
             owners.append((seq, n))
         h = hidden[rows_idx]
         if not owners:

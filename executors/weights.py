@@ -28,7 +28,7 @@ _GGUF_LAYER = {
     "up": "ffn_up.weight",
     "w_down": "ffn_down.weight",
 }
-_HF_LAYER = {
+HF_LAYER_NAMES = {
     "attn_norm": "input_layernorm.weight",
     "q": "self_attn.q_proj.weight",
     "k": "self_attn.k_proj.weight",
@@ -48,10 +48,14 @@ def unpermute_rotary(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.reshape(num_heads, head_dim // 2, 2, inp).transpose(1, 2).reshape(out, inp)
 
 
-def _fuse_layers(raw: dict[str, torch.Tensor], cfg: ModelConfig, prefix_of) -> Weights:
+def _fuse_layers(
+    raw: dict[str, torch.Tensor], cfg: ModelConfig, prefix: str, names: dict[str, str]
+) -> Weights:
+    """Each layer's tensors (`prefix` formatted with the layer index, then `names[key]`), with
+    q, k, v and gate, up concatenated into the fused matrices the model multiplies by."""
     weights: Weights = {}
     for i in range(cfg.num_layers):
-        get = lambda key, i=i: raw.pop(prefix_of(i, key))  # noqa: E731
+        get = lambda key, i=i: raw.pop(prefix.format(i=i) + names[key])  # noqa: E731
         p = f"layers.{i}."
         weights[p + "attn_norm"] = get("attn_norm")
         weights[p + "wqkv"] = torch.cat([get("q"), get("k"), get("v")], dim=0)
@@ -81,15 +85,8 @@ def _load_gguf(path: Path, cfg: ModelConfig) -> Weights:
         )
         key = f"blk.{i}.attn_k.weight"
         raw[key] = unpermute_rotary(raw[key], cfg.num_kv_heads)
-    try:
-        weights = _fuse_layers(raw, cfg, lambda i, k: f"blk.{i}.{_GGUF_LAYER[k]}")
-        weights["embed"] = raw.pop("token_embd.weight")
-        weights["norm"] = raw.pop("output_norm.weight")
-        if not cfg.tie_embeddings:
-            weights["lm_head"] = raw.pop("output.weight")
-    except KeyError as exc:
-        raise ModelError(f"{path.name} lacks tensor {exc}; not a complete Llama GGUF") from exc
-    return weights
+    names = ("token_embd.weight", "output_norm.weight", "output.weight")
+    return _assemble(raw, cfg, ("blk.{i}.", _GGUF_LAYER), names, f"{path.name} (a Llama GGUF)")
 
 
 def _load_hf(folder: Path, cfg: ModelConfig) -> Weights:
@@ -105,14 +102,30 @@ def _load_hf(folder: Path, cfg: ModelConfig) -> Weights:
         except Exception as exc:
             raise ModelError(f"cannot read {file.name}: {exc}") from exc
     raw = {k.removeprefix("model."): v.float() for k, v in raw.items()}
+    names = ("embed_tokens.weight", "norm.weight", "lm_head.weight")
+    layers = ("layers.{i}.", HF_LAYER_NAMES)
+    return _assemble(raw, cfg, layers, names, f"{folder} (a Llama checkpoint)")
+
+
+def _assemble(
+    raw: dict[str, torch.Tensor],
+    cfg: ModelConfig,
+    layers: tuple[str, dict[str, str]],
+    names: tuple[str, str, str],
+    what: str,
+) -> Weights:
+    """The engine's weights from a checkpoint's tensors: fused layers (`layers`: the prefix and
+    names of `_fuse_layers`), then the embedding, the final norm and (untied) the head, named
+    in `names`; a missing tensor is a ModelError."""
+    embed, norm, head = names
     try:
-        weights = _fuse_layers(raw, cfg, lambda i, k: f"layers.{i}.{_HF_LAYER[k]}")
-        weights["embed"] = raw.pop("embed_tokens.weight")
-        weights["norm"] = raw.pop("norm.weight")
+        weights = _fuse_layers(raw, cfg, *layers)
+        weights["embed"] = raw.pop(embed)
+        weights["norm"] = raw.pop(norm)
         if not cfg.tie_embeddings:
-            weights["lm_head"] = raw.pop("lm_head.weight")
+            weights["lm_head"] = raw.pop(head)
     except KeyError as exc:
-        raise ModelError(f"{folder} lacks tensor {exc}; not a complete Llama checkpoint") from exc
+        raise ModelError(f"missing tensor {exc} in {what}") from exc
     return weights
 
 

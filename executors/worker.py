@@ -200,8 +200,8 @@ class Worker:
     def sample_rows(self, seqs: list[SeqPlan]) -> list[Row]:
         rows = []
         for seq in seqs:
-            state = self.requests[seq.request_id]
-            rows.append(state.row(len(state.tokens), state.tokens))
+            req = self.requests[seq.request_id]
+            rows.append(req.row(len(req.tokens), req.tokens))
         return rows
 
     def _run_plain(self, seqs: list[SeqPlan]) -> tuple[list[SeqResult], torch.Tensor]:
