@@ -320,25 +320,7 @@ def paged_decode_attention(
         num_sms = _num_sms(q.device)
         split = use_split_k(num_seqs, num_kv_heads, max_context_len, num_sms, partition_size)
 
-    group_size = num_heads // num_kv_heads
-    head_dim_pad = triton.next_power_of_2(head_dim)
-    is_fp8 = k_cache.dtype == KV_FP8
-    block_n = min(_FP8_BLOCK_N if is_fp8 else _BLOCK_N, partition_size)
-    if partition_size % block_n or block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(f"partition_size {partition_size} must be a power of two >= 16")
-    meta = dict(
-        BLOCK_SIZE=block_size,
-        HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=head_dim_pad,
-        GROUP_SIZE=group_size,
-        GROUP_PAD=max(_MIN_DOT_ROWS, triton.next_power_of_2(group_size)),
-        BLOCK_N=block_n,
-        PARTITION_SIZE=partition_size,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        FP16_DOT=is_fp8 and q.dtype != torch.float32,
-        num_warps=_NUM_WARPS,
-        num_stages=_NUM_STAGES,
-    )
+    meta = _kernel_meta(q, k_cache, num_heads // num_kv_heads, partition_size)
     inputs = (q, k_cache, v_cache, block_tables, seq_lens)
     input_strides = (
         *q.stride()[:2],
@@ -354,7 +336,6 @@ def paged_decode_attention(
             *inputs, out, out, qk_scale, *input_strides, *out_strides, IS_SPLIT=False, **meta
         )
         return out
-
     num_parts = num_partitions(max_context_len, partition_size)
     if workspace is None:
         workspace = DecodeWorkspace.allocate(
@@ -382,12 +363,36 @@ def paged_decode_attention(
         *partial_strides,
         *out.stride()[:2],
         HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=head_dim_pad,
+        HEAD_DIM_PAD=meta["HEAD_DIM_PAD"],
         PARTITION_SIZE=partition_size,
         NUM_PARTS_PAD=triton.next_power_of_2(num_parts),
         num_warps=4,
     )
     return out
+
+
+def _kernel_meta(
+    q: torch.Tensor, k_cache: torch.Tensor, group_size: int, partition_size: int
+) -> dict:
+    """The decode kernel's compile-time parameters for these shapes and dtypes."""
+    block_size, head_dim = k_cache.shape[1], q.shape[2]
+    is_fp8 = k_cache.dtype == KV_FP8
+    block_n = min(_FP8_BLOCK_N if is_fp8 else _BLOCK_N, partition_size)
+    if partition_size % block_n or block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"partition_size {partition_size} must be a power of two >= 16")
+    return dict(
+        BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        GROUP_SIZE=group_size,
+        GROUP_PAD=max(_MIN_DOT_ROWS, triton.next_power_of_2(group_size)),
+        BLOCK_N=block_n,
+        PARTITION_SIZE=partition_size,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        FP16_DOT=is_fp8 and q.dtype != torch.float32,
+        num_warps=_NUM_WARPS,
+        num_stages=_NUM_STAGES,
+    )
 
 
 def paged_attention_reference(
