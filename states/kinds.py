@@ -57,11 +57,13 @@ class StepKind:
         return []
 
     def enter(self, arena: Arena, step: int) -> int:
-        """Claim every buffer; the bytes claimed."""
+        """Claim every buffer; the bytes claimed, as the arena counts them (aligned), so that
+        they equal what `exit` releases to the byte."""
+        before = arena.claimed_bytes
         for spec in self.buffers():
             self.held[spec.name] = arena.claim(self.name, spec.name, spec.shape, spec.dtype, step)
         self.on_enter()
-        return sum(spec.nbytes for spec in self.buffers())
+        return arena.claimed_bytes - before
 
     def exit(self, arena: Arena, step: int) -> int:
         """Drop per-request state and release every buffer; the bytes released."""

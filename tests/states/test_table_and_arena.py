@@ -64,3 +64,44 @@ def test_buffer_held_after_exit_is_reported(monkeypatch):
     held = [r for r in records if type(r).__name__ == "LeakSuspected"]
     assert [(r.kind, r.what) for r in held][:1] == [("spec", "held_after_exit")]
     assert "spec.draft_tokens" in held[0].detail
+
+
+def _ledger_totals(records: list) -> dict[str, list[int]]:
+    """kind -> [bytes claimed by its enter hooks, bytes released by its exit hooks]."""
+    totals: dict[str, list[int]] = {}
+    for r in records:
+        if type(r).__name__ == "StateEntered":
+            totals.setdefault(r.kind, [0, 0])[0] += r.bytes_claimed
+        elif type(r).__name__ == "StateExited":
+            totals.setdefault(r.kind, [0, 0])[1] += r.bytes_released
+    return totals
+
+
+def _crossings(draft_layers: int | None = None) -> list:
+    """spec -> no_spec -> spec crossings with buffers of sizes that are not 256-aligned."""
+    extra = {"draft_layers": draft_layers} if draft_layers else {}
+    cfg = EngineConfig(
+        model="random:tiny",
+        speculative_method="draft" if draft_layers else "ngram",
+        speculative_disable_by_batch_size=2,
+        num_speculative_tokens=3,
+        max_num_seqs=3,  # draft_tokens: 3 x 3 x 8 = 72 bytes, not a multiple of the alignment
+        **extra,
+    )
+    records: list = []
+    engine = local_engine(cfg, sinks=[records.append])
+    engine.add_request([5, 6, 7, 5, 6], SamplingParams(max_tokens=6))
+    engine.step()
+    engine.add_request([9, 10, 11], SamplingParams(max_tokens=3))
+    engine.run_until_idle()
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=3))
+    engine.run_until_idle()
+    engine.shutdown()
+    return records
+
+
+@pytest.mark.parametrize("draft", [None, 1], ids=["ngram", "draft"])
+def test_every_kind_releases_to_the_byte_what_it_claimed(draft):
+    totals = _ledger_totals(_crossings(draft))
+    assert totals["spec"][0] > 0 and totals["spec"][0] % 256 == 0
+    assert all(claimed == released for claimed, released in totals.values()), totals
