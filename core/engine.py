@@ -86,7 +86,7 @@ class Engine:
         self.emit(PhaseChanged(self.step_no, self.state, phase))
         log.info("phase", step=self.step_no, old=self.state, new=phase)
         self.state = phase
-        for rec in [*reply.exited, *reply.entered]:
+        for rec in [*reply.exited, *reply.entered, *reply.leaks]:
             self.emit(rec)
         return reply
 

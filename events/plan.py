@@ -59,3 +59,4 @@ class PhaseReply:
     info: dict  # phase-specific figures, e.g. the memory plan after profile
     exited: list[StateExited]
     entered: list[StateEntered]
+    leaks: list[LeakSuspected]  # buffers the exit hook released but something still holds

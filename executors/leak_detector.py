@@ -38,10 +38,3 @@ class LeakDetector:
             f"reserved {base.reserved_bytes} -> {mem.reserved_bytes}"
         )
         return [LeakSuspected(step, kind, "live_growth", max(grew, 0), detail)]
-
-    @staticmethod
-    def held_after_exit(step: int, kind: str, held: list[tuple[str, str]]) -> list[LeakSuspected]:
-        return [
-            LeakSuspected(step, kind, "held_after_exit", 0, f"{owner}.{name} still referenced")
-            for owner, name in held
-        ]

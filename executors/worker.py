@@ -7,8 +7,6 @@ answers with sampled tokens and a real memory report.
 
 from __future__ import annotations
 
-import gc
-
 import structlog
 import torch
 
@@ -16,7 +14,7 @@ from memstep.core.config import EngineConfig
 from memstep.core.model_source import model_config, resolve
 from memstep.core.sampling_params import SamplingParams
 from memstep.events.plan import PhaseReply, SeqPlan, SeqResult, StepPlan, StepResult
-from memstep.events.types import MemoryReport, StateEntered, StateExited
+from memstep.events.types import MemoryReport
 from memstep.executors import kv_cache, memory
 from memstep.executors.batch_builder import build_batch
 from memstep.executors.leak_detector import LeakDetector
@@ -25,10 +23,10 @@ from memstep.executors.memory_plan import MemoryPlan, plan_memory
 from memstep.executors.request_states import RequestStates
 from memstep.executors.sampler import PendingLogprobs, Row, Sampler
 from memstep.executors.weights import load_weights
-from memstep.states import table
 from memstep.states.arena import Arena
 from memstep.states.catalog import make_kinds
-from memstep.states.kinds import KindEnv, Spec, StepKind, StepOutputs
+from memstep.states.kinds import KindEnv, Spec, StepOutputs
+from memstep.states.lifecycle import Lifecycle
 
 log = structlog.get_logger("memstep.executor")
 
@@ -61,11 +59,10 @@ class Worker:
         self.model_cfg = model_config(self.source)
         self.weights = load_weights(self.source, self.model_cfg, self.dtype, self.device)
         self.model = LlamaModel(self.model_cfg, self.weights, max_model_len + 16, self._kernel())
-        self.state = "boot"
+        self.lifecycle = Lifecycle()
         self.requests = RequestStates()
         self.detector = LeakDetector()
         self.memory_plan: MemoryPlan | None = None
-        self.kinds: dict[str, StepKind] = {}
         self.spec = None
         self.graphs = None  # CUDA: the decode graphs (graph_runner.GraphRunner), built at capture
 
@@ -79,7 +76,7 @@ class Worker:
     # --- phases ----------------------------------------------------------------------------
 
     def enter_phase(self, phase: str, step: int) -> PhaseReply:
-        exited, entered = self._move(phase, step)
+        move = self.lifecycle.move(phase, step)
         info: dict = {}
         if phase == "profile":
             info = self._profile()
@@ -96,7 +93,7 @@ class Worker:
             self.meter.freeze()  # start-up objects are done; measure only what serving creates
         elif phase == "shutdown":
             self.requests.clear()
-        return PhaseReply(phase, info, exited, entered)
+        return PhaseReply(phase, info, move.exited, move.entered, move.leaks)
 
     def _profile(self) -> dict:
         cfg, mc = self.cfg, self.model_cfg
@@ -104,8 +101,8 @@ class Worker:
             cfg, mc, self.max_model_len, self.model, self.dtype, self.kv_dtype, self.device
         )
         self.memory_plan = plan
-        self.kinds = make_kinds(KindEnv(cfg, mc, self.dtype, plan.num_kv_blocks))
-        self.arena = Arena(plan.arena_bytes, self.device)
+        kinds = make_kinds(KindEnv(cfg, mc, self.dtype, plan.num_kv_blocks))
+        self.lifecycle.install(kinds, Arena(plan.arena_bytes, self.device))
         shape = (plan.num_kv_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim)
         self.kv = kv_cache.allocate(mc.num_layers, shape, self.kv_dtype, self.device)
         rows = self.cfg.max_num_seqs * (self.cfg.num_lookahead_slots + 1)
@@ -113,7 +110,7 @@ class Worker:
         if cfg.is_speculative:
             from memstep.executors.spec_decode import SpecDecoder, draft_model
 
-            spec = self.kinds["spec"]
+            spec = kinds["spec"]
             assert isinstance(spec, Spec)
             draft = draft_model(cfg, mc, self.weights, self.dtype, self.device, self.max_model_len)
             self.spec = SpecDecoder(
@@ -139,34 +136,11 @@ class Worker:
             info["measured_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
         return info
 
-    # --- transitions -----------------------------------------------------------------------
-
-    def _move(self, target: str, step: int) -> tuple[list[StateExited], list[StateEntered]]:
-        source = self.state
-        table.check(source, target)
-        exited: list[StateExited] = []
-        entered: list[StateEntered] = []
-        if source == target:
-            return exited, entered
-        if source in self.kinds:
-            released = self.kinds[source].exit(self.arena, step)
-            gc.collect()  # a reference cycle must not pass for a leak; a live reference does
-            exited.append(StateExited(step, source, released, self.arena.ledger()))
-            self._pending_leaks = LeakDetector.held_after_exit(
-                step, source, self.arena.check_released()
-            )
-        self.state = target
-        if target in self.kinds:
-            claimed = self.kinds[target].enter(self.arena, step)
-            entered.append(StateEntered(step, target, claimed, self.arena.ledger()))
-        return exited, entered
-
     # --- steps -----------------------------------------------------------------------------
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
-        self._pending_leaks = []
-        exited, entered = self._move(plan.kind, plan.step)
+        move = self.lifecycle.move(plan.kind, plan.step)
         for request_id in plan.finished:
             self.requests.forget(request_id)
             if self.spec is not None:
@@ -179,11 +153,11 @@ class Worker:
             results, hidden = self._run_plain(plan.seqs)
         for res in results:
             self.requests.append(res.request_id, res.token_ids)
-        self.kinds[plan.kind].after_step(StepOutputs(hidden, hidden.shape[0]))
+        self.lifecycle.kinds[plan.kind].after_step(StepOutputs(hidden, hidden.shape[0]))
         del hidden
         mem = self._measure()
-        leaks = self._pending_leaks + self.detector.observe(plan.step, plan.kind, mem)
-        return StepResult(plan.step, plan.kind, results, mem, exited, entered, leaks)
+        leaks = move.leaks + self.detector.observe(plan.step, plan.kind, mem)
+        return StepResult(plan.step, plan.kind, results, mem, move.exited, move.entered, leaks)
 
     def forward(
         self, feeds: list[tuple[SeqPlan, list[int]]], on_graph: bool | None = None
@@ -241,6 +215,6 @@ class Worker:
             reserved_bytes=figures["reserved_bytes"],
             num_segments=figures["num_segments"],
             num_allocs=figures["num_allocs"],
-            arena_claimed_bytes=self.arena.claimed_bytes,
+            arena_claimed_bytes=self.lifecycle.claimed_bytes,
             kv_pages_used=used,
         )

@@ -13,6 +13,7 @@ from memstep.executors.inprocess import local_engine
 from memstep.states import catalog
 from memstep.states import kinds as kinds_module
 from memstep.states.arena import Arena, ArenaFull
+from memstep.states.lifecycle import Lifecycle
 from memstep.states.table import TRANSITIONS, TransitionNotAllowed, check
 
 
@@ -105,3 +106,25 @@ def test_every_kind_releases_to_the_byte_what_it_claimed(draft):
     totals = _ledger_totals(_crossings(draft))
     assert totals["spec"][0] > 0 and totals["spec"][0] % 256 == 0
     assert all(claimed == released for claimed, released in totals.values()), totals
+
+
+def test_shutdown_exits_the_last_kind_and_keeps_its_leaks(monkeypatch):
+    monkeypatch.setitem(catalog.KINDS, "spec", SpecKeepsItsBuffer)
+    cfg = EngineConfig(model="random:tiny", speculative_method="ngram")
+    records: list = []
+    engine = local_engine(cfg, sinks=[records.append])
+    engine.add_request([5, 6, 7, 5, 6], SamplingParams(max_tokens=4))
+    engine.step()  # in spec, holding its own buffer on self
+    engine.shutdown()
+    names = [type(r).__name__ for r in records]
+    last = names.index("PhaseChanged", len(names) - 4)
+    assert names[last:] == ["PhaseChanged", "StateExited", "LeakSuspected"]
+    assert records[-2].kind == "spec" and records[-1].what == "held_after_exit"
+
+
+def test_the_lifecycle_refuses_a_move_the_table_lacks():
+    life = Lifecycle()
+    life.move("profile", 0)
+    with pytest.raises(TransitionNotAllowed, match="Can't go to 'spec' when in 'profile'"):
+        life.move("spec", 0)
+    assert life.state == "profile"
