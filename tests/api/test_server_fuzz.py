@@ -21,6 +21,7 @@ from memstep.core.config import EngineConfig
 from memstep.core.sampling_params import SamplingParams
 from memstep.events import codec
 from memstep.events.wire import (
+    API_REQUESTS,
     AbortReply,
     ErrorReply,
     GenerateDelta,
@@ -250,6 +251,15 @@ HUGE = [  # headers that claim far more than the frame holds
     b"\xdc\xff\xff\x01",  # array 16 with one item of 65,535
 ]
 NOT_UTF8 = [b"\xff", b"\xc3\x28", b"\xed\xa0\x80", b"\xf8\x88\x80\x80\x80", b"ok\xe2\x82", b"\x80"]
+POSITIONS = [  # where a broken value goes: every field of every request, every sampling param
+    "frame",
+    "t",
+    *sorted({f.name for cls in API_REQUESTS.values() for f in attrs.fields(cls)}),
+    *(f"params.{f.name}" for f in attrs.fields(SamplingParams)),
+]
+
+
+Frame = tuple[bytes, frozenset[str], str]  # the frame, the error codes it may get, where it breaks
 
 
 def pack_map(fields: dict[str, bytes]) -> bytes:
@@ -262,41 +272,44 @@ def packed_fields(obj: dict) -> dict[str, bytes]:
     return {key: msgpack.packb(value) for key, value in obj.items()}
 
 
-def with_value(rng: random.Random, value: bytes) -> bytes:
-    """A valid request with one field (or one sampling param, or the whole frame) set to `value`."""
-    name = rng.choice(sorted(VALID))
-    fields = packed_fields(VALID[name])
-    where = rng.choice([*fields, "params.max_tokens", "params.stop", "frame"])
+def with_value(rng: random.Random, value: bytes) -> tuple[bytes, str]:
+    """A valid request with one field, sampling param or the whole frame set to `value`.
+
+    The field may be one its type lacks (`prompt` in a HealthRequest): broken bytes are refused
+    while unpacking, before fields are looked at.  Returns the frame and where `value` went.
+    """
+    where = rng.choice(POSITIONS)
+    fields = packed_fields(VALID[rng.choice(sorted(VALID))])
     if where == "frame":
-        return value
+        return value, where
     if where.startswith("params."):
         fields = packed_fields(VALID["GenerateRequest"])
         fields["params"] = pack_map({where[7:]: value})
     else:
         fields[where] = value
-    return pack_map(fields)
+    return pack_map(fields), where
 
 
-def random_bytes(rng: random.Random) -> tuple[bytes, frozenset[str]]:
-    return rng.randbytes(rng.randint(0, 64)), ANY_ERROR
+def random_bytes(rng: random.Random) -> Frame:
+    return rng.randbytes(rng.randint(0, 64)), ANY_ERROR, ""
 
 
-def truncated(rng: random.Random) -> tuple[bytes, frozenset[str]]:
+def truncated(rng: random.Random) -> Frame:
     obj = dict(VALID[rng.choice(sorted(VALID))])
     if rng.random() < 0.5:
         obj["request_id"] = "x" * rng.randint(1, 128)
     data = msgpack.packb(obj)
-    return data[: rng.randrange(len(data))], MALFORMED
+    return data[: rng.randrange(len(data))], MALFORMED, ""
 
 
-def wrong_type(rng: random.Random) -> tuple[bytes, frozenset[str]]:
+def wrong_type(rng: random.Random) -> Frame:
     obj = dict(VALID[rng.choice(sorted(VALID))])
     field = rng.choice([key for key in obj if key != "t"])
     obj[field] = rng.choice(WRONG_TYPES[field])
-    return msgpack.packb(obj), frozenset({"invalid_field"})
+    return msgpack.packb(obj), frozenset({"invalid_field"}), field
 
 
-def unknown_type(rng: random.Random) -> tuple[bytes, frozenset[str]]:
+def unknown_type(rng: random.Random) -> Frame:
     obj = dict(VALID[rng.choice(sorted(VALID))])
     names = ["Shutdown", "StepPlan", "ExecutorStop", "ErrorReply", "", "healthrequest", 7, None]
     names += [1.5, b"HealthRequest", ["HealthRequest"], {"t": "HealthRequest"}, True]
@@ -305,45 +318,52 @@ def unknown_type(rng: random.Random) -> tuple[bytes, frozenset[str]]:
         del obj["t"]
     else:
         obj["t"] = rng.choice(names)
-    return msgpack.packb(obj), frozenset({"unknown_type"})
+    return msgpack.packb(obj), frozenset({"unknown_type"}), ""
 
 
-def deep(rng: random.Random) -> tuple[bytes, frozenset[str]]:
-    opener = rng.choice(OPENERS)
-    value = opener * rng.choice(DEPTHS) + rng.choice([b"\x01", b"\xc0", b"\xa1x", b"\x80"])
-    return with_value(rng, value), MALFORMED
+def deep(rng: random.Random) -> Frame:
+    depth = rng.choice(DEPTHS)
+    leaf = rng.choice([b"\x01", b"\xc0", b"\xa1x", b"\x80"])
+    frame, where = with_value(rng, rng.choice(OPENERS) * depth + leaf)
+    return frame, MALFORMED, f"{where}@{depth}"
 
 
-def huge_length(rng: random.Random) -> tuple[bytes, frozenset[str]]:
-    return with_value(rng, rng.choice(HUGE) + rng.randbytes(rng.randint(0, 8))), MALFORMED
+def huge_length(rng: random.Random) -> Frame:
+    frame, where = with_value(rng, rng.choice(HUGE) + rng.randbytes(rng.randint(0, 8)))
+    return frame, MALFORMED, where
 
 
-def not_utf8(rng: random.Random) -> tuple[bytes, frozenset[str]]:
+def not_utf8(rng: random.Random) -> Frame:
     raw = rng.choice(NOT_UTF8)
     text = bytes([0xA0 | len(raw)]) + raw  # a fixstr holding bytes that are not UTF-8
     if rng.random() < 0.3:  # as a key
-        return b"\x82" + msgpack.packb("t") + msgpack.packb("HealthRequest") + text, MALFORMED
-    return with_value(rng, text), MALFORMED
+        return (
+            b"\x82" + msgpack.packb("t") + msgpack.packb("HealthRequest") + text,
+            MALFORMED,
+            "key",
+        )
+    frame, where = with_value(rng, text)
+    return frame, MALFORMED, where
 
 
-def bad_number(rng: random.Random) -> tuple[bytes, frozenset[str]]:
+def bad_number(rng: random.Random) -> Frame:
     fields = packed_fields(VALID["GenerateRequest"])
     if rng.random() < 0.15:
         name = rng.choice(sorted(FLOAT32))
         fields["params"] = pack_map({name: rng.choice(FLOAT32[name])})
-        return pack_map(fields), frozenset({"invalid_request"})
+        return pack_map(fields), frozenset({"invalid_request"}), name
     if rng.random() < 0.15:
         del fields["prompt"]
         fields["prompt_token_ids"] = msgpack.packb([5, rng.choice([2**64 - 1, -(2**63), 512])])
-        return pack_map(fields), frozenset({"invalid_request"})
+        return pack_map(fields), frozenset({"invalid_request"}), "prompt_token_ids"
     name, bad = rng.choice(BAD_PARAMS)
     fields["params"] = msgpack.packb({name: rng.choice(bad)})
-    return pack_map(fields), frozenset({"invalid_request"})
+    return pack_map(fields), frozenset({"invalid_request"}), name
 
 
-def too_large(rng: random.Random) -> tuple[bytes, frozenset[str]]:
+def too_large(rng: random.Random) -> Frame:
     size = rng.randint(MAX_FRAME + 1, 4 * MAX_FRAME)
-    return rng.randbytes(16) + bytes(size - 16), frozenset({"frame_too_large"})
+    return rng.randbytes(16) + bytes(size - 16), frozenset({"frame_too_large"}), ""
 
 
 KINDS = {  # kind -> (maker, weight)
@@ -359,15 +379,14 @@ KINDS = {  # kind -> (maker, weight)
 }
 
 
-def storm(seed: int, count: int) -> Iterator[tuple[str, bytes, frozenset[str]]]:
-    """Yield (kind, frame, expected error codes) for `count` frames, the same for a seed."""
+def storm(seed: int, count: int) -> Iterator[tuple[str, Frame]]:
+    """Yield (kind, frame) for `count` frames, the same for a seed."""
     rng = random.Random(seed)
     names = list(KINDS)
     weights = [KINDS[name][1] for name in names]
     for _ in range(count):
         kind = rng.choices(names, weights)[0]
-        frame, codes = KINDS[kind][0](rng)
-        yield kind, frame, codes
+        yield kind, KINDS[kind][0](rng)
 
 
 @attrs.define
@@ -376,6 +395,7 @@ class Storm:
 
     codes: collections.Counter = attrs.Factory(collections.Counter)
     kinds: collections.Counter = attrs.Factory(collections.Counter)
+    places: dict[str, set[str]] = attrs.Factory(lambda: collections.defaultdict(set))
     dropped: int = 0
     real_sent: int = 0
     real_done: dict[str, GenerateDone] = attrs.Factory(dict)
@@ -410,8 +430,9 @@ def run_storm(server: ServerProcess, count: int) -> Storm:
     Path(f"/proc/{pid}/clear_refs").write_text("5")  # VmHWM restarts from the current RSS
     out.rss_baseline = proc_status_bytes(pid, "VmRSS")
     pending: list[tuple[bytes, frozenset[str]]] = []
-    for i, (kind, frame, codes) in enumerate(storm(STORM_SEED, count)):
+    for i, (kind, (frame, codes, where)) in enumerate(storm(STORM_SEED, count)):
         out.kinds[kind] += 1
+        out.places[kind].add(where)
         pending.append((frame, codes))
         if len(pending) == BATCH or i == count - 1:
             send_real(real, out, reference)
@@ -497,6 +518,8 @@ def send_dropped_frame(ctx: zmq.Context, address: str) -> None:
 def check_storm(server: ServerProcess, out: Storm, count: int) -> None:
     assert sum(out.kinds.values()) == sum(out.codes.values()) == count
     assert set(out.kinds) == set(KINDS), out.kinds  # every kind of malformation was sent
+    assert {f"{where}@100000" for where in POSITIONS} <= out.places["deep"]  # in every field
+    assert set(POSITIONS) <= out.places["huge_length"] & out.places["not_utf8"]
     assert out.dropped == count // DROP_EVERY >= 1
     assert "internal_error" not in out.codes, out.codes
     assert out.real_sent == len(out.real_done) >= count // BATCH

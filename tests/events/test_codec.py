@@ -212,6 +212,7 @@ VALID = encode(SAMPLES[3])
         (msgpack.packb({"step": 1}), "no 't'"),
         (msgpack.packb({"t": "Nope"}), "unknown record type 'Nope'"),
         (msgpack.packb({"t": 7}), "unknown record type 7"),
+        (msgpack.packb({"t": [[[[[[7]]]]]]}), r"unknown record type \[\[\[\[\.\.\.\]\]\]\]$"),
         (msgpack.packb({"t": "__init__"}), "unknown record type"),
         (msgpack.packb({"t": "PhaseChanged", "step": msgpack.ExtType(5, b"x"), "old": "a",
                         "new": "b"}), "holds a value of type ExtType"),
