@@ -4,7 +4,8 @@ Each turn of the loop reads the socket (waiting `idle_poll_s` when there is noth
 all while there is), answers every message, checks the executor, runs one engine step and sends
 what it produced.  The wire protocol is in `docs/protocol.md`; its records in `events/wire.py`.
 
-Bad input never ends the loop: every frame gets a reply, an ErrorReply when it cannot be served.
+Bad input never ends the loop: every frame gets a reply, an ErrorReply when it cannot be served
+(any failure to decode one is an ErrorReply too; a frame whose reply cannot be sent is dropped).
 A client whose connection is gone is noticed when a send to it fails (ZMQ_ROUTER_MANDATORY):
 streaming requests get a reply every step, the others a Keepalive about once a second, so a
 vanished client's requests are aborted and their pages freed within about a second.
@@ -227,7 +228,10 @@ class Server:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self._handle(frames)
+            try:
+                self._handle(frames)
+            except Exception:  # even the error reply failed: drop the frame, keep serving
+                log.exception("frame dropped", num_frames=len(frames))
 
     def _check_executor(self) -> None:
         check = getattr(self.engine.executor, "check", None)
@@ -284,6 +288,10 @@ class Server:
             msg = decode_request(payload, self.cfg.max_frame_bytes)
         except WireError as exc:
             self._send(envelope, ErrorReply(exc.request_id, exc.code, str(exc)))
+            return
+        except Exception as exc:  # a decoder bug costs this frame, never the server
+            log.exception("frame not decoded", num_bytes=len(payload))
+            self._send(envelope, ErrorReply("", "internal_error", _message(exc)))
             return
         try:
             self._dispatch(envelope, msg)
@@ -455,4 +463,4 @@ def _sampling_params(data: dict) -> SamplingParams:
 
 
 def _message(exc: BaseException) -> str:
-    return str(exc.args[0]) if exc.args else type(exc).__name__
+    return codec.clip(str(exc.args[0]) if exc.args else type(exc).__name__, 1000)

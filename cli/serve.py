@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import structlog
 import zmq
 from zmq.utils import z85
 
@@ -31,6 +32,8 @@ from memstep.core.logging import setup_logging
 from memstep.executors.remote import ExecutorDied, ProcessExecutor
 from memstep.replay.recorder import add_record_arguments, open_recorder
 
+log = structlog.get_logger("memstep.serve")
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = ServerConfig()
@@ -40,7 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-frame-bytes", type=int, default=d.max_frame_bytes)
     g.add_argument(
         "--curve-secret-key",
-        help="the server's z85 CURVE secret key, or a file holding it (plain or zmq certificate)",
+        help="a file holding the server's z85 CURVE secret key (plain or zmq certificate); "
+        "the key itself is accepted too, with a warning: a command line is public (ps, /proc)",
     )
     g.add_argument(
         "--curve-client-keys",
@@ -81,6 +85,11 @@ def run(args: argparse.Namespace) -> int:
 
 def _server_config(args: argparse.Namespace) -> ServerConfig:
     keys = load_keys(args.curve_client_keys) if args.curve_client_keys else frozenset()
+    if args.curve_secret_key and _is_z85_key(args.curve_secret_key):
+        log.warning(
+            "CURVE secret key given inline: any local user can read it in /proc/PID/cmdline "
+            "or ps; give --curve-secret-key a file readable only by you instead"
+        )
     return ServerConfig(
         host=args.host,
         port=args.port,

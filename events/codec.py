@@ -7,10 +7,13 @@ Decoding trusts nothing.  Every field is checked against the class annotations (
 str, bool, bytes, ``X | None``, ``list``, ``list[X]``, ``dict``, ``dict[str, X]`` and registered
 records), and any malformation raises `CodecError` naming the class and field.  Each class's
 field spec is compiled once, on first use, so classes registered later are handled the same way.
+Unpacking refuses nesting deeper than MAX_DEPTH and msgpack ext types, and error messages show
+an untrusted value only through `describe`, so no input can reach Python's recursion limit.
 """
 
 from __future__ import annotations
 
+import reprlib
 import types
 import typing
 from collections.abc import Callable
@@ -22,6 +25,8 @@ import msgpack
 from memstep.events.types import REGISTRY
 
 MAX_RECORD_BYTES = 64 * 1024 * 1024  # payloads above this are refused before unpacking
+MAX_DEPTH = 32  # containers inside containers; the deepest record class needs 5, a request 3
+PLAIN_TYPES = frozenset({type(None), bool, int, float, str, bytes, list, dict})
 
 # (value, where) -> checked value; `where` names the field for error messages.
 Decoder = Callable[[Any, str], Any]
@@ -44,6 +49,10 @@ class _Spec:
 
 _SPECS: dict[type, _Spec] = {}
 
+_SHORT_REPR = reprlib.Repr()  # reprlib stops at maxlevel, so deep nesting never recurses far
+_SHORT_REPR.maxlevel = 3
+_SHORT_REPR.maxstring = _SHORT_REPR.maxother = 60
+
 
 # --- public API ----------------------------------------------------------------------------
 
@@ -62,11 +71,59 @@ def decode(data: bytes) -> object:
     if len(data) > MAX_RECORD_BYTES:
         raise CodecError(f"record of {len(data)} bytes exceeds the {MAX_RECORD_BYTES} byte limit")
     try:
-        # unpackb caps every str/bin/array/map length at len(data) and nesting at 1024 levels.
-        obj = msgpack.unpackb(data, raw=False, use_list=True, strict_map_key=True)
-    except (ValueError, TypeError, msgpack.UnpackException) as e:
+        obj = unpack(data)
+    except CodecError as e:
         raise CodecError(f"not a msgpack record: {e}") from e
     return from_obj(obj)
+
+
+def unpack(data: bytes) -> Any:
+    """Msgpack bytes -> a plain value no deeper than MAX_DEPTH; raise CodecError otherwise.
+
+    Everything after this (validation, error messages, logging) may then walk the value without
+    meeting Python's recursion limit, and sees only the msgpack types in PLAIN_TYPES.
+    """
+    try:
+        # unpackb caps every str/bin/array/map length at len(data) and nesting at 1024 levels.
+        obj = msgpack.unpackb(data, raw=False, use_list=True, strict_map_key=True)
+    except msgpack.StackError as e:
+        raise CodecError(f"nested deeper than {MAX_DEPTH} levels") from e
+    except Exception as e:  # msgpack raises many kinds on broken input
+        raise CodecError(f"{type(e).__name__}: {clip(str(e))}") from e
+    check_plain(obj)
+    return obj
+
+
+def check_plain(obj: Any, max_depth: int = MAX_DEPTH) -> None:
+    """Refuse a value nested deeper than `max_depth` containers, or holding an ext type.
+
+    It walks one level at a time, with lists instead of recursion, and scans each container's
+    items at C speed (so a long token list costs one pass).
+    """
+    level: list[Any] = [[obj]]  # a wrapper, so the root is checked like any item
+    for _ in range(max_depth + 1):
+        nested: list[Any] = []
+        for container in level:
+            items = container.values() if type(container) is dict else container
+            kinds = set(map(type, items))
+            if not kinds <= PLAIN_TYPES:
+                odd = next(iter(kinds - PLAIN_TYPES)).__name__
+                raise CodecError(f"holds a value of type {odd} (msgpack ext types are refused)")
+            if list in kinds or dict in kinds:
+                nested.extend(item for item in items if type(item) in (list, dict))
+        if not nested:
+            return
+        level = nested
+    raise CodecError(f"nested deeper than {max_depth} levels")
+
+
+def describe(value: object, limit: int = 60) -> str:
+    """A short repr of an untrusted value, for error messages: bounded in depth and length."""
+    return clip(_SHORT_REPR.repr(value), limit)
+
+
+def clip(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def to_obj(rec: object) -> dict[str, Any]:
@@ -100,7 +157,7 @@ def _record_from_obj(obj: Any, where: str, expected: type | None) -> object:
         raise CodecError(f"{where}record map has no 't' (type name) key")
     cls = REGISTRY.get(type_name) if type(type_name) is str else None
     if cls is None:
-        raise CodecError(f"{where}unknown record type {type_name!r}")
+        raise CodecError(f"{where}unknown record type {describe(type_name)}")
     if expected is not None and cls is not expected:
         raise CodecError(f"{where}expected a {expected.__name__} record, got {type_name}")
     spec = _spec(cls)
@@ -122,9 +179,9 @@ def _record_from_obj(obj: Any, where: str, expected: type | None) -> object:
 def _raise_key_mismatch(obj: dict, cls: type, spec: _Spec, where: str) -> typing.NoReturn:
     missing = sorted(spec.names - obj.keys())
     if missing:
-        raise CodecError(f"{where}{cls.__name__}: missing field {missing[0]!r}")
+        raise CodecError(f"{where}{cls.__name__}: missing field {describe(missing[0])}")
     extra = [key for key in obj if key != "t" and key not in spec.names]
-    raise CodecError(f"{where}{cls.__name__}: unexpected field {extra[0]!r}")
+    raise CodecError(f"{where}{cls.__name__}: unexpected field {describe(extra[0])}")
 
 
 def _mismatch(where: str, expected: str, value: Any) -> CodecError:
@@ -185,7 +242,7 @@ def _dict_of(inner: Decoder) -> Decoder:
         for key in value:
             if type(key) is not str:
                 raise CodecError(f"{where}: expected str keys, got {type(key).__name__}")
-        return {key: inner(item, f"{where}[{key!r}]") for key, item in value.items()}
+        return {key: inner(item, f"{where}[{describe(key)}]") for key, item in value.items()}
 
     return check
 

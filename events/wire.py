@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
-import msgpack
 
 from memstep.events import codec
 from memstep.events.types import MemoryReport, record
@@ -217,8 +216,8 @@ def decode_request(frame: bytes, max_bytes: int) -> Any:
     if len(frame) > max_bytes:
         raise WireError("frame_too_large", f"frame of {len(frame)} bytes > limit {max_bytes}")
     try:
-        obj = msgpack.unpackb(frame, raw=False, use_list=True, strict_map_key=True)
-    except Exception as exc:  # msgpack raises many kinds on broken input
+        obj = codec.unpack(frame)
+    except codec.CodecError as exc:
         raise WireError("malformed_frame", f"not a msgpack message: {exc}") from exc
     if type(obj) is not dict:
         raise WireError("malformed_frame", f"expected a msgpack map, got {type(obj).__name__}")
@@ -228,7 +227,9 @@ def decode_request(frame: bytes, max_bytes: int) -> Any:
     cls = API_REQUESTS.get(name) if type(name) is str else None
     if cls is None:
         known = ", ".join(API_REQUESTS)
-        raise WireError("unknown_type", f"unknown message type {_short(name)}; use {known}", rid)
+        raise WireError(
+            "unknown_type", f"unknown message type {codec.describe(name)}; use {known}", rid
+        )
     return _from_map(cls, obj, rid)
 
 
@@ -245,7 +246,9 @@ def _from_map(cls: type, obj: dict, rid: str) -> Any:
         full[field.name] = default.factory() if is_factory else default
     extra = [key for key in full if key != "t" and key not in names]
     if extra:
-        raise WireError("unknown_field", f"{cls.__name__}: unknown field {_short(extra[0])}", rid)
+        raise WireError(
+            "unknown_field", f"{cls.__name__}: unknown field {codec.describe(extra[0])}", rid
+        )
     try:
         msg = codec.from_obj(full)
     except codec.CodecError as exc:
@@ -255,8 +258,3 @@ def _from_map(cls: type, obj: dict, rid: str) -> Any:
             "invalid_field", f"request_id must have 1 to {MAX_REQUEST_ID_CHARS} characters", rid
         )
     return msg
-
-
-def _short(value: object, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import zmq
@@ -102,3 +103,22 @@ def test_key_loading(tmp_path):
         load_key("not-a-key")
     with pytest.raises(ConfigError):
         load_keys("short,keys")
+
+
+@pytest.mark.parametrize("inline", [True, False], ids=["inline", "file"])
+def test_inline_secret_key_works_but_is_public_and_warned_about(tmp_path, inline):
+    secret_file = tmp_path / "server.secret"
+    secret_file.write_bytes(SERVER_SECRET)
+    secret_file.chmod(0o600)
+    args = ["--model", "random:tiny", "--num-threads", "1", "--curve-client-keys"]
+    args += [CLIENT_PUBLIC.decode(), "--curve-secret-key"]
+    args += [SERVER_SECRET.decode() if inline else str(secret_file)]
+    keys = {"curve_public_key": CLIENT_PUBLIC, "curve_secret_key": CLIENT_SECRET}
+    with ServerProcess(args) as server:
+        server.wait_ready()
+        cmdline = Path(f"/proc/{server.proc.pid}/cmdline").read_bytes()
+        with Client(server.address, timeout=10, curve_server_key=SERVER_PUBLIC, **keys) as client:
+            assert client.health().status == "ok"
+        log = server.log()
+    assert (SERVER_SECRET in cmdline) == inline  # what any local user can read
+    assert ("CURVE secret key given inline" in log) == inline, log

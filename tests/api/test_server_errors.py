@@ -8,10 +8,14 @@ import msgpack
 import pytest
 import zmq
 
+from memstep.api import server as server_module
 from memstep.api.client import Client, ServerError
+from memstep.api.server import Server, ServerConfig
 from memstep.cli.serve import ServerProcess
+from memstep.core.config import EngineConfig
 from memstep.events import codec
 from memstep.events.wire import ErrorReply, HealthReply
+from memstep.executors.inprocess import local_engine
 
 TIMEOUT_MS = 10_000
 TINY_SERVER = ["--model", "random:tiny", "--num-threads", "1"]
@@ -44,6 +48,12 @@ def gen(**fields) -> bytes:
     return msgpack.packb({"t": "GenerateRequest", "request_id": "r1", **fields})
 
 
+def nest(depth: int, leaf: object) -> object:
+    for _ in range(depth):
+        leaf = [leaf]
+    return leaf
+
+
 CASES = [
     # wire level
     (b"\xc1", "malformed_frame", "not a msgpack message"),
@@ -63,6 +73,16 @@ CASES = [
     (gen(prompt="hi", colour=1), "unknown_field", "'colour'"),
     (msgpack.packb({"t": "HealthRequest", "request_id": ""}), "invalid_field", "request_id"),
     (msgpack.packb({"t": "HealthRequest", "request_id": "x" * 129}), "invalid_field", "1 to 128"),
+    # nesting, ext types and encodings: refused while decoding, before any field is looked at
+    (b"\x81\xa1t" + b"\x91" * 1000 + b"\x01", "malformed_frame", "nested deeper than 32"),
+    (b"\x81\xa1t" + b"\x91" * 100_000 + b"\x01", "malformed_frame", "nested deeper than 32"),
+    (gen(prompt="hi", params={"stop": nest(31, "x")}), "malformed_frame", "nested deeper than 32"),
+    (gen(prompt="hi", params={"stop": nest(30, "x")}), "invalid_request", "non-empty strings"),
+    (msgpack.packb({"t": nest(6, "x"), "request_id": "r1"}), "unknown_type", "[[[[...]]]]"),
+    (gen(prompt="hi", params={"seed": msgpack.ExtType(1, b"x")}), "malformed_frame", "ExtType"),
+    (gen(prompt=msgpack.Timestamp(0, 0)), "malformed_frame", "Timestamp"),
+    (b"\x82\xa1t\xadHealthRequest\xaarequest_id\xa2\xff\xfe", "malformed_frame", "utf-8"),
+    (b"\x81\xa1t\xdb\xff\xff\xff\xf0", "malformed_frame", "not a msgpack message"),  # 4 GB str
     # prompt
     (gen(prompt_token_ids=[1, 512]), "invalid_request", "token id 512 is outside the vocabulary"),
     (gen(prompt_token_ids=[-1]), "invalid_request", "outside the vocabulary"),
@@ -168,3 +188,63 @@ def test_server_still_serves_after_all_that(server):
     with Client(server.address, timeout=10) as client:
         done = client.generate([5, 6, 7], max_tokens=4)
     assert len(done.token_ids) == 4 and done.finish_reason == "length"
+
+
+# --- a bug while decoding or replying costs one frame, never the server ----------------------
+
+
+@pytest.fixture
+def inprocess():
+    """A real Server on a real socket, turned by the test, so a part of it can be broken."""
+    engine = local_engine(EngineConfig(model="random:tiny", num_threads=1))
+    server = Server(engine, ServerConfig(port=0))
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(server.endpoint)
+    yield server, s
+    s.close(0)
+    server.close()
+    engine.shutdown()
+
+
+def turn_until_reply(server: Server, s: zmq.Socket, turns: int = 200) -> object | None:
+    for _ in range(turns):
+        server.run_once()
+        if s.poll(0):
+            return codec.decode(s.recv())
+    return None
+
+
+HEALTH = msgpack.packb({"t": "HealthRequest", "request_id": "h"})
+
+
+def test_any_decoder_failure_is_an_internal_error_reply(inprocess, monkeypatch):
+    server, s = inprocess
+
+    def broken(frame: bytes, max_bytes: int) -> object:
+        raise RecursionError("maximum recursion depth exceeded")
+
+    monkeypatch.setattr(server_module, "decode_request", broken)
+    s.send(HEALTH)
+    reply = turn_until_reply(server, s)
+    assert isinstance(reply, ErrorReply) and reply.code == "internal_error", reply
+    assert "recursion" in reply.message
+    monkeypatch.undo()
+    s.send(HEALTH)
+    assert isinstance(turn_until_reply(server, s), HealthReply)
+
+
+def test_frame_whose_reply_cannot_be_sent_is_dropped(inprocess, monkeypatch):
+    server, s = inprocess
+    real_encode = codec.encode
+
+    def encode(msg: object) -> bytes:
+        if isinstance(msg, ErrorReply):
+            raise codec.CodecError("ErrorReply: cannot encode")
+        return real_encode(msg)
+
+    monkeypatch.setattr(server_module.codec, "encode", encode)
+    s.send(b"\xc1")
+    assert turn_until_reply(server, s, turns=20) is None  # dropped, as docs/protocol.md says
+    s.send(HEALTH)
+    assert isinstance(turn_until_reply(server, s), HealthReply)

@@ -212,9 +212,10 @@ VALID = encode(SAMPLES[3])
         (msgpack.packb({"step": 1}), "no 't'"),
         (msgpack.packb({"t": "Nope"}), "unknown record type 'Nope'"),
         (msgpack.packb({"t": 7}), "unknown record type 7"),
+        (msgpack.packb({"t": [[[[[[7]]]]]]}), r"unknown record type \[\[\[\[\.\.\.\]\]\]\]$"),
         (msgpack.packb({"t": "__init__"}), "unknown record type"),
         (msgpack.packb({"t": "PhaseChanged", "step": msgpack.ExtType(5, b"x"), "old": "a",
-                        "new": "b"}), r"PhaseChanged\.step: expected int, got ExtType"),
+                        "new": "b"}), "holds a value of type ExtType"),
     ],
 )  # fmt: skip
 def test_malformed_bytes_raise_codec_error(data, match):
@@ -288,6 +289,78 @@ def test_oversized_payload_is_refused_before_unpacking(monkeypatch):
     monkeypatch.setattr(codec, "MAX_RECORD_BYTES", len(VALID) - 1)
     with pytest.raises(CodecError, match="exceeds"):
         decode(VALID)
+
+
+def nested(depth: int, leaf: Any = 1) -> Any:
+    """`leaf` inside `depth` lists, built without recursion."""
+    for _ in range(depth):
+        leaf = [leaf]
+    return leaf
+
+
+@pytest.mark.parametrize("container", ["list", "map"])
+def test_unpack_refuses_nesting_beyond_max_depth(container):
+    wrap = (lambda v: [v]) if container == "list" else (lambda v: {"k": v})
+    value: Any = 1
+    for _ in range(codec.MAX_DEPTH):
+        value = wrap(value)
+    assert codec.unpack(msgpack.packb(value)) == value  # exactly MAX_DEPTH levels is fine
+    with pytest.raises(CodecError, match=f"nested deeper than {codec.MAX_DEPTH} levels"):
+        codec.unpack(msgpack.packb(wrap(value)))
+
+
+def test_deep_value_beside_a_long_flat_list_is_found():
+    value = {"tokens": list(range(100_000)), "deep": nested(codec.MAX_DEPTH)}
+    with pytest.raises(CodecError, match="nested deeper"):
+        codec.unpack(msgpack.packb(value))
+
+
+def test_unpack_refuses_nesting_deeper_than_msgpack_can_count():
+    with pytest.raises(CodecError, match="nested deeper"):
+        codec.unpack(b"\x91" * 100_000 + b"\x01")
+
+
+@pytest.mark.parametrize(
+    "value", [msgpack.ExtType(5, b"x"), msgpack.Timestamp(1, 0)], ids=["ext", "timestamp"]
+)
+def test_unpack_refuses_ext_types_at_any_depth(value):
+    for wrapped in (value, nested(5, value), {"a": [1, {"b": value}]}):
+        with pytest.raises(CodecError, match=f"value of type {type(value).__name__}"):
+            codec.unpack(msgpack.packb(wrapped))
+
+
+def test_every_record_fits_within_max_depth():
+    assert all(len(schema_depths(cls)) <= codec.MAX_DEPTH for cls in REGISTRY.values())
+    assert max(len(schema_depths(cls)) for cls in REGISTRY.values()) >= 4  # nesting counted
+
+
+def schema_depths(tp: Any, seen: tuple = ()) -> list[None]:
+    """One item per container level of the deepest value `tp` can hold (as a list, for len)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if codec._is_record(tp):
+        assert tp not in seen, f"{tp.__name__} nests itself"
+        hints = typing.get_type_hints(tp).values()
+        return [None, *max((schema_depths(h, (*seen, tp)) for h in hints), key=len, default=[])]
+    if tp in (list, dict) or origin in (list, dict):
+        return [None, *(schema_depths(args[-1], seen) if args else [])]
+    return max((schema_depths(a, seen) for a in args), key=len, default=[])
+
+
+@pytest.mark.parametrize(
+    ("value", "start", "end"),
+    [
+        (nested(100_000), "[[[[", "]]]]"),  # reprlib's "..." past three levels
+        ({"a": {"b": {"c": {"d": 1}}}}, "{'a': {'b': {'c': {...}}}}", ""),
+        ("x" * 10_000, "'xxxx", "xxxx'"),
+        (b"\xff" * 10_000, "b'\\xff", "\\xff'"),
+        ("Nope", "'Nope'", ""),
+    ],
+    ids=["deep-list", "deep-map", "long-str", "long-bytes", "short"],
+)
+def test_describe_is_bounded_in_depth_and_length(value, start, end):
+    text = codec.describe(value)
+    assert len(text) <= 60 and "..." in text or text == repr(value)
+    assert text.startswith(start) and text.endswith(end)
 
 
 def test_encode_refuses_unregistered_and_unpackable_values():
