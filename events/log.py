@@ -203,6 +203,8 @@ class LogReader:
             yield rec
             num_read += 1
             offset += _FRAME.size + len(payload)
+        for problem in self.problems:
+            _warn(problem, size)
 
     def close(self) -> None:
         self._file.close()
@@ -263,15 +265,22 @@ class LogReader:
         kind, message = bad.kind, str(bad)
         if kind == "torn" and end < size:  # intact records follow: not a crash mid-write
             kind, message = "corrupt", f"{message}, yet intact records follow"
-        self.problems.append(LogProblem(self.path, offset, end, kind, message, num_read))
-        after = (
-            f"skipped {end - offset} bytes to the next intact record at byte {end}"
-            if end < size
-            else "ignoring it and anything after it"
-        )
-        warnings.warn(
-            f"{self.path}: {kind} record at byte {offset} ({message}); {after}", stacklevel=3
-        )
+        last = self.problems[-1] if self.problems else None
+        if last is not None and last.end == offset:  # one damaged stretch, not one per frame
+            self.problems[-1] = attrs.evolve(last, end=end)
+        else:
+            self.problems.append(LogProblem(self.path, offset, end, kind, message, num_read))
+
+
+def _warn(p: LogProblem, size: int) -> None:
+    after = (
+        f"skipped {p.num_bytes} bytes to the next intact record at byte {p.end}"
+        if p.end < size
+        else "ignoring it and anything after it"
+    )
+    warnings.warn(
+        f"{p.path}: {p.kind} record at byte {p.offset} ({p.message}); {after}", stacklevel=4
+    )
 
 
 _TYPE_KEY = b"\xa1t"  # msgpack fixstr "t": the first key of every record map (codec.to_obj)
@@ -286,6 +295,8 @@ def _read_frame(file: BinaryIO, num_left: int) -> bytes:
     if len(head) < _FRAME.size:
         raise _BadFrame("torn", f"file ends inside a frame header ({len(head)} bytes)")
     length, crc = _FRAME.unpack(head)
+    if length == 0:  # never written (a record is a map); zeros a crash left, whose CRC matches
+        raise _BadFrame("corrupt", "frame length 0")
     if length > codec.MAX_RECORD_BYTES:
         raise _BadFrame("corrupt", f"frame length {length} exceeds the record limit")
     if length > num_left - _FRAME.size:

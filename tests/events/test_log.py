@@ -269,12 +269,14 @@ def test_well_framed_garbage_is_undecodable_and_skipped(tmp_path):
     end = path.stat().st_size
     garbage = msgpack.packb({"t": "NotARecord"})
     append_raw_frame(path, garbage)
+    append_raw_frame(path, garbage)  # the same stretch
     append_raw_frame(path, codec.encode(RECORDS[0]))
     header, records, problems, caught = read_quietly(path)
     assert records == RECORDS + RECORDS[:1]
     [problem] = problems
     assert problem.kind == "undecodable" and "NotARecord" in problem.message
-    assert (problem.offset, problem.end) == (end, end + 8 + len(garbage))
+    assert (problem.offset, problem.end) == (end, end + 2 * (8 + len(garbage)))
+    assert len(caught) == 1
 
 
 @pytest.mark.parametrize("length", [0xFFFF_FFFF, codec.MAX_RECORD_BYTES])
@@ -298,6 +300,28 @@ def test_absurd_frame_length_is_never_read(tmp_path, length):
     assert (problem.offset, problem.end) == (starts[bad], starts[bad + 1])
     assert str(length) in problem.message
     assert peak < 1_000_000 < codec.MAX_RECORD_BYTES
+
+
+@pytest.mark.parametrize("where", ["tail", "middle"])
+def test_zeros_are_one_damaged_stretch(tmp_path, where):
+    """A crash can leave zeros where records were due; a zero frame (length 0, CRC 0) even
+    passes its checksum, yet it is one damaged stretch, never a problem per 8 bytes."""
+    path = tmp_path / "run.log"
+    write_log(path, RECORDS)
+    starts = frame_starts(path, RECORDS)
+    data = path.read_bytes()
+    at = starts[-1] if where == "tail" else starts[4]
+    path.write_bytes(data[:at] + bytes(4096) + data[at:])
+    header, records, problems, caught = read_quietly(path)
+    assert records == RECORDS
+    [problem] = problems
+    assert (problem.offset, problem.num_bytes, problem.index) == (
+        at,
+        4096,
+        8 if where == "tail" else 4,
+    )
+    assert problem.kind == "corrupt" and "frame length 0" in problem.message
+    assert len(caught) == 1
 
 
 def test_wrong_magic_is_a_format_error(tmp_path):
