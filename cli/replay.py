@@ -20,9 +20,9 @@ from memstep.replay.replayer import ReplayStalled, replay
 from memstep.replay.report import EXIT_CORRUPT, EXIT_DIVERGED, build_report
 
 EXIT_CODES = (
-    f"exit codes: 0 identical (a torn tail is only a warning), {EXIT_DIVERGED} diverged, "
-    f"2 not a readable log or bad arguments, {EXIT_CORRUPT} corrupt log: records lost mid-file, "
-    "only the records before the first gap replayed and checked"
+    f"exit codes: 0 identical (a torn tail is only a warning), {EXIT_DIVERGED} diverged (in what "
+    f"was checked), 2 not a readable log or bad arguments, {EXIT_CORRUPT} corrupt log: records "
+    "lost mid-file, only the records before the first gap replayed and checked"
 )
 
 

@@ -13,15 +13,17 @@ import sys
 import zlib
 from pathlib import Path
 
+import attrs
 import pytest
 from replay_helpers import memstep
 
-from memstep.events.log import MAGIC
-from memstep.events.types import is_input
+from memstep.events.log import MAGIC, LogWriter, read_log
+from memstep.events.types import StepFinished, is_input
 from memstep.replay.recording import load
 
 _FRAME = struct.Struct("<II")
 _RNG = random.Random(20261129)
+RESERVED = ("format_version", "memstep_version", "created")
 CUTS = ["first-record", "boundary", "last-byte", *(_RNG.random() for _ in range(4))]
 FLIPS = ["first-record", "frame-length", *(_RNG.random() for _ in range(4))]
 
@@ -198,3 +200,26 @@ def test_damaged_header_is_a_clear_error(tiny_log, tmp_path, offset, message):
         code, out, err = memstep(command, str(log))
         assert code == 2 and out == ""
         assert err.startswith("memstep: error:") and message in err
+
+
+def test_a_divergence_before_the_gap_is_still_exit_1(tiny_log, tmp_path):
+    """Corruption does not hide a divergence in the records that could be checked."""
+    header, records, _ = read_log(tiny_log.path)
+    edited = next(
+        i for i, r in enumerate(records) if isinstance(r, StepFinished) and r.memory.live_bytes
+    )
+    memory = attrs.evolve(records[edited].memory, live_bytes=records[edited].memory.live_bytes + 1)
+    records[edited] = attrs.evolve(records[edited], memory=memory)
+    log = tmp_path / "edited.memlog"
+    with LogWriter(log, {k: v for k, v in header.items() if k not in RESERVED}) as writer:
+        for rec in records:
+            writer.append(rec)
+    _, spans = frames(log)
+    data = bytearray(log.read_bytes())
+    data[spans[len(spans) // 2][0] + 12] ^= 0x01
+    log.write_bytes(data)
+    code, out, err = memstep("replay", str(log), "--json")
+    report = json.loads(out)
+    assert code == 1 and report["exit_code"] == 1
+    assert report["is_corrupt"] is True and report["identical"] is False
+    assert report["comparison"]["first"]["step"] == records[edited].step
