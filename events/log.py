@@ -39,6 +39,7 @@ MAGIC = b"MEMSTEP\x00"
 FORMAT_VERSION = 1
 _VERSION = struct.Struct("<H")
 _FRAME = struct.Struct("<II")  # payload length, crc32 of payload
+_TYPE_KEY = b"\xa1t"  # msgpack fixstr "t": the first key of every record map (codec.to_obj)
 _RESERVED_KEYS = ("format_version", "memstep_version", "created")
 
 ProblemKind = Literal["torn", "corrupt", "undecodable"]
@@ -281,9 +282,6 @@ def _warn(p: LogProblem, size: int) -> None:
     warnings.warn(
         f"{p.path}: {p.kind} record at byte {p.offset} ({p.message}); {after}", stacklevel=4
     )
-
-
-_TYPE_KEY = b"\xa1t"  # msgpack fixstr "t": the first key of every record map (codec.to_obj)
 
 
 def _read_frame(file: BinaryIO, num_left: int) -> bytes:
