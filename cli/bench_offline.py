@@ -16,6 +16,7 @@ import time
 import torch
 
 from memstep.cli.datasets import Sample, load_dataset
+from memstep.cli.errors import UsageError
 from memstep.cli.main import add_engine_arguments, config_from_args
 from memstep.core.engine import Engine
 from memstep.core.model_source import ModelSource, resolve
@@ -38,10 +39,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def hf_model(source: ModelSource, dtype: torch.dtype):
+    if source.kind != "gguf":
+        raise UsageError(
+            f"bench offline compares against transformers on a GGUF model, not {source.label}; "
+            "--skip-hf runs memstep alone"
+        )
     import transformers
 
-    if source.kind != "gguf":
-        raise SystemExit("bench offline compares against transformers on a GGUF model")
     assert source.path is not None
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(source.path.parent), gguf_file=source.path.name, dtype=dtype

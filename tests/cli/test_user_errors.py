@@ -152,3 +152,8 @@ def test_bench_offline_with_a_malformed_dataset(tmp_path, case):
     flags = ["--skip-hf", "--num-single", "1", "--num-prompts", "1", "--dataset", dataset]
     result = memstep("--log-level", "error", "bench", "offline", *TINY, *flags)
     assert_one_line_error(result, message)
+
+
+def test_bench_offline_against_transformers_needs_a_gguf_model():
+    result = memstep("bench", "offline", *TINY, "--num-prompts", "0")
+    assert_one_line_error(result, "GGUF model", "--skip-hf")
