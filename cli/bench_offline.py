@@ -15,7 +15,8 @@ import time
 
 import torch
 
-from memstep.cli.datasets import Sample, sample_sharegpt
+from memstep.cli.datasets import Sample, load_dataset
+from memstep.cli.errors import UsageError
 from memstep.cli.main import add_engine_arguments, config_from_args
 from memstep.core.engine import Engine
 from memstep.core.model_source import ModelSource, resolve
@@ -29,6 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--num-prompts", type=int, default=64, help="conversations for workload (b); 0 skips it"
     )
+    p.add_argument("--dataset", default="sharegpt", help="sharegpt, synthetic or a .jsonl file")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--max-output-len", type=int, default=None, help="cap recorded reply lengths")
     p.add_argument("--skip-hf", action="store_true")
@@ -37,10 +39,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def hf_model(source: ModelSource, dtype: torch.dtype):
+    if source.kind != "gguf":
+        raise UsageError(
+            f"bench offline compares against transformers on a GGUF model, not {source.label}; "
+            "--skip-hf runs memstep alone"
+        )
     import transformers
 
-    if source.kind != "gguf":
-        raise SystemExit("bench offline compares against transformers on a GGUF model")
     assert source.path is not None
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(source.path.parent), gguf_file=source.path.name, dtype=dtype
@@ -113,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     threads = torch.get_num_threads()
     print(f"model {engine.source.label}, dtype {dtype}, {threads} threads, device {cfg.device}")
     tok = engine.tokenizer
-    samples = sample_sharegpt(args.num_prompts + args.num_single, tok, seed=0)
+    samples = load_dataset(args.dataset, args.num_prompts + args.num_single, tok, seed=0)
     if args.max_output_len:
         cap = args.max_output_len
         samples = [Sample(s.prompt, s.prompt_len, min(s.output_len, cap)) for s in samples]
@@ -125,7 +130,8 @@ def run(args: argparse.Namespace) -> int:
     if args.num_prompts:
         b = run_sharegpt(engine, model, samples[args.num_single :], args.batch)
         print(
-            f"(b) {len(samples) - args.num_single} ShareGPT, {b['output_tokens']} output tokens: "
+            f"(b) {len(samples) - args.num_single} {args.dataset}, {b['output_tokens']} output "
+            "tokens: "
             f"memstep {b['memstep_tok_s']:.1f} tok/s",
             end="",
         )

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import attrs
 
+from memstep.cli.errors import UsageError
+
 
 @attrs.frozen
 class Sample:
@@ -93,18 +95,37 @@ def sample_synthetic(n: int, tokenizer, seed: int = 0, input_len: int = 128, out
 
 
 def load_jsonl(path: Path, tokenizer) -> list[Sample]:
-    """Lines of {"prompt": str, "output_len": int}."""
+    """Lines of {"prompt": str, "output_len": int}; any other line is a UsageError naming it."""
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{path}: not a UTF-8 text file of JSON lines ({exc.reason})") from exc
     out = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            prompt, o_len = row["prompt"], int(row["output_len"])
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"{path}:{i}: expected {{'prompt', 'output_len'}}: {exc}") from exc
-        out.append(Sample(prompt, len(tokenizer.encode(prompt)), o_len))
+    for i, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            prompt, output_len = _parse_line(line, f"{path}:{i}")
+            out.append(Sample(prompt, len(tokenizer.encode(prompt)), output_len))
+    if not out:
+        raise UsageError(f"{path}: no samples; expected lines of {_EXPECTED}")
     return out
+
+
+_EXPECTED = '{"prompt": "<text>", "output_len": <tokens>}'
+
+
+def _parse_line(line: str, where: str) -> tuple[str, int]:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{where}: not JSON ({exc.msg}); expected {_EXPECTED}") from exc
+    if type(row) is not dict or "prompt" not in row or "output_len" not in row:
+        raise UsageError(f"{where}: expected {_EXPECTED}")
+    prompt, output_len = row["prompt"], row["output_len"]
+    if type(prompt) is not str or not prompt:
+        raise UsageError(f"{where}: prompt must be a non-empty string")
+    if type(output_len) is not int or output_len < 1:
+        raise UsageError(f"{where}: output_len must be a positive integer, got {output_len!r}")
+    return prompt, output_len
 
 
 def load_dataset(name: str, n: int, tokenizer, seed: int = 0) -> list[Sample]:

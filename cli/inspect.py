@@ -8,7 +8,6 @@ import sys
 from collections import defaultdict
 from typing import Any
 
-from memstep.events.log import LogFormatError
 from memstep.replay.recording import Recording, load
 from memstep.replay.summary import LogSummary, summarize
 from memstep.replay.text_table import fmt_bytes, render
@@ -22,11 +21,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        recording = load(args.log)
-    except LogFormatError as exc:
-        print(f"memstep: error: {exc}", file=sys.stderr)
-        return 2
+    recording = load(args.log)
+    if recording.is_corrupt:
+        print(f"memstep: warning: {recording.describe_problem()}", file=sys.stderr)
     summary = summarize(recording.records)
     if args.json:
         print(json.dumps(to_json(recording, summary), indent=2))
@@ -41,6 +38,8 @@ def to_json(recording: Recording, summary: LogSummary) -> dict[str, Any]:
         "header": recording.header,
         "num_records": len(recording.records),
         "problem": recording.describe_problem(),
+        "corrupt": recording.is_corrupt,
+        "num_bytes_lost": sum(p.num_bytes for p in recording.problems),
     }
     return {"log": log, **summary.to_dict()}
 

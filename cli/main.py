@@ -1,7 +1,8 @@
 """`memstep` command line: one sub-command per module, each with `add_arguments` and `run`.
 
-Bad input (a missing model, a prompt that is too long) ends with a one-line error and exit
-code 2, never a traceback.
+Bad input (a missing model, a prompt that is too long, a file that is missing, unreadable, a
+directory, not a log, or a malformed dataset) ends with a one-line error and exit code 2, never
+a traceback.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ import sys
 
 import attrs
 
+from memstep.cli.errors import UsageError
 from memstep.core.config import KV_CACHE_DTYPES, ConfigError, EngineConfig
 from memstep.core.logging import setup_logging
 from memstep.core.model_source import ModelError
 from memstep.core.sampling_params import InvalidRequest
+from memstep.events.log import LogFormatError
 
 COMMANDS = {  # name -> (module, one-line help); a module is imported only when its command runs
     "generate": ("memstep.cli.generate", "generate a completion for one prompt"),
@@ -27,6 +30,10 @@ COMMANDS = {  # name -> (module, one-line help); a module is imported only when 
     "inspect": ("memstep.cli.inspect", "summarise an event log"),
     "plot": ("memstep.cli.plot", "plot memory over steps from an event log"),
 }
+USER_ERRORS = (ModelError, ConfigError, InvalidRequest, UsageError, LogFormatError, MemoryError)
+# a path that cannot be used (also any OSError that names its file): the user's to fix
+PATH_ERRORS = (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError)
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -87,7 +94,7 @@ def config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="memstep", description=__doc__)
     parser.add_argument("--log-format", choices=["console", "json"], default="console")
-    parser.add_argument("--log-level", default="info")
+    parser.add_argument("--log-level", default="info", help=", ".join(LOG_LEVELS))
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module_name, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text)
@@ -102,10 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if a in COMMANDS), None)
     args = build_parser(command).parse_args(argv)
-    setup_logging(args.log_format, args.log_level)
     try:
+        setup_logging(args.log_format, log_level(args.log_level))
         return int(args.run(args) or 0)
-    except (ModelError, ConfigError, InvalidRequest, FileNotFoundError, MemoryError) as exc:
+    except USER_ERRORS as exc:
         print(f"memstep: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -113,6 +120,25 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # piped into a reader that stopped early (`| head`): not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # quiet exit-time flush
         return 141
+    except OSError as exc:
+        if exc.filename is None and not isinstance(exc, PATH_ERRORS):
+            raise
+        print(f"memstep: error: {describe_path_error(exc)}", file=sys.stderr)
+        return 2
+
+
+def log_level(name: str) -> str:
+    """The level for setup_logging; a UsageError (one line, exit 2) for a name it does not know."""
+    if name.lower() not in LOG_LEVELS:
+        raise UsageError(f"--log-level {name!r}: expected one of {', '.join(LOG_LEVELS)}")
+    return name.lower()
+
+
+def describe_path_error(exc: OSError) -> str:
+    """`PATH: reason` for an error the OS raised about a file; memstep's own message otherwise."""
+    if exc.filename is None or exc.strerror is None:
+        return str(exc)
+    return f"{exc.filename}: {exc.strerror.lower()}"
 
 
 if __name__ == "__main__":

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from memstep.events.log import LogFormatError
 from memstep.replay.recording import load
 from memstep.replay.timeline import plot_memory
 
@@ -16,13 +15,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    recording = load(args.log)
     try:
-        recording = load(args.log)
         path = plot_memory(recording, args.output)
-    except (LogFormatError, ValueError) as exc:
+    except ValueError as exc:
         print(f"memstep: error: {exc}", file=sys.stderr)
         return 2
-    if recording.problem is not None:
+    if recording.problems:
         print(f"memstep: warning: {recording.describe_problem()}", file=sys.stderr)
     print(f"wrote {path}")
     return 0

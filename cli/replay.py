@@ -1,8 +1,11 @@
 """Replay an event log through a fresh engine and report the first divergence.
 
 Exit 0 when every derived record is reproduced (a what-if run with --set reports what changed
-and exits 0), 1 on a divergence, 2 when the file is not a log this memstep can read.  A damaged
-log (torn or corrupt tail) is reported and its intact prefix replayed.
+and exits 0), 1 on a divergence, 2 when the file is not a log this memstep can read, 3 when the
+log is corrupt mid-file (records lost with intact records after them): the records before the
+first gap are replayed and checked, the records recovered after it are reported but cannot be
+replayed exactly (a lost record may have been an input).  A damaged tail (torn by a crash
+mid-write) is reported and the intact prefix replayed; that alone is not a failure.
 """
 
 from __future__ import annotations
@@ -12,13 +15,19 @@ import json
 import sys
 
 from memstep.core.config import parse_override
-from memstep.events.log import LogFormatError
 from memstep.replay.recording import load
 from memstep.replay.replayer import ReplayStalled, replay
-from memstep.replay.report import build_report
+from memstep.replay.report import EXIT_CORRUPT, EXIT_DIVERGED, build_report
+
+EXIT_CODES = (
+    f"exit codes: 0 identical (a torn tail is only a warning), {EXIT_DIVERGED} diverged (in what "
+    f"was checked), 2 not a readable log or bad arguments, {EXIT_CORRUPT} corrupt log: records "
+    "lost mid-file, only the records before the first gap replayed and checked"
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.epilog = EXIT_CODES
     p.add_argument("log", help="the event log (its rotated parts LOG.1, LOG.2, ... are read too)")
     p.add_argument(
         "--set",
@@ -33,14 +42,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     overrides = dict(parse_override(text) for text in args.overrides)
-    try:
-        recording = load(args.log)
-    except LogFormatError as exc:
-        print(f"memstep: error: {exc}", file=sys.stderr)
-        return 2
+    recording = load(args.log)
     problem = recording.describe_problem()
     if problem is not None:
-        print(f"memstep: warning: {problem}; replaying what it holds", file=sys.stderr)
+        what = "the records before the first gap" if recording.is_corrupt else "what it holds"
+        print(f"memstep: warning: {problem}; replaying {what}", file=sys.stderr)
     try:
         replay_run = replay(recording, overrides)
     except ReplayStalled as exc:

@@ -10,11 +10,15 @@ Layout of one file (integers little-endian)::
     frame = uint32 payload length, uint32 zlib.crc32(payload), payload
 
 A crash mid-write leaves at most a torn last frame.  LogReader detects it, and any checksum
-mismatch or undecodable payload, keeps every record before it and reports a LogProblem.
+mismatch or undecodable payload, keeps every record before it and reports a LogProblem.  Damage
+followed by more records (a flipped byte mid-file) is skipped: the reader resynchronises at the
+next offset where an intact frame (a plausible length, a matching CRC, a decodable record) starts,
+and the LogProblem says which bytes were lost.  Damage with nothing intact after it is a tail.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 import warnings
@@ -35,6 +39,7 @@ MAGIC = b"MEMSTEP\x00"
 FORMAT_VERSION = 1
 _VERSION = struct.Struct("<H")
 _FRAME = struct.Struct("<II")  # payload length, crc32 of payload
+_TYPE_KEY = b"\xa1t"  # msgpack fixstr "t": the first key of every record map (codec.to_obj)
 _RESERVED_KEYS = ("format_version", "memstep_version", "created")
 
 ProblemKind = Literal["torn", "corrupt", "undecodable"]
@@ -47,17 +52,25 @@ class LogFormatError(ValueError):
 
 @attrs.frozen
 class LogProblem:
-    """Why reading stopped early; every record before `offset` was read intact."""
+    """A damaged stretch of one log file: bytes [offset, end) held no intact record."""
 
+    path: Path  # the (part) file
     offset: int  # byte offset of the bad frame within its file
+    end: int  # where the next intact frame starts; the file's size when none follows
     kind: ProblemKind  # torn: file ends mid-frame; corrupt: bad CRC/length; undecodable: codec
     message: str
+    index: int  # how many records of the log were read before it
+
+    @property
+    def num_bytes(self) -> int:
+        return self.end - self.offset
 
 
 class _BadFrame(Exception):
-    def __init__(self, kind: ProblemKind, message: str):
+    def __init__(self, kind: ProblemKind, message: str, end: int | None = None):
         super().__init__(message)
         self.kind = kind
+        self.end = end  # where the next frame starts, when the framing itself is intact
 
 
 # --- writing -------------------------------------------------------------------------------
@@ -157,14 +170,14 @@ def _frame(payload: bytes) -> bytes:
 class LogReader:
     """Reads one log file: `header` on open, then records streamed by iteration.
 
-    Iteration stops at the first torn, corrupt or undecodable frame, warns, and leaves the
-    reason in `problem` (None when the file ended cleanly).  Owns its open file; use as a
-    context manager or call `close`.
+    Iteration skips each torn, corrupt or undecodable stretch, warns, and lists it in `problems`
+    (empty when the file is intact); reading resumes at the next intact frame, if any.  Owns its
+    open file; use as a context manager or call `close`.
     """
 
     def __init__(self, path: PathLike):
         self.path = Path(path)
-        self.problem: LogProblem | None = None
+        self.problems: list[LogProblem] = []
         self._file = open(self.path, "rb")  # noqa: SIM115 - owned
         try:
             self.header = self._read_header()
@@ -174,20 +187,25 @@ class LogReader:
         self._records_start = self._file.tell()
 
     def __iter__(self) -> Iterator[object]:
-        self.problem = None
-        self._file.seek(self._records_start)
-        offset = self._records_start
-        while True:
+        self.problems = []
+        size = os.fstat(self._file.fileno()).st_size
+        offset, num_read = self._records_start, 0
+        self._file.seek(offset)
+        while offset < size:
             try:
-                payload = _read_frame(self._file)
-                if payload is None:
-                    return
-                rec = _decode(payload)
+                payload = _read_frame(self._file, size - offset)
+                rec = _decode(payload, offset + _FRAME.size + len(payload))
             except _BadFrame as bad:
-                self._stop(offset, bad.kind, str(bad))
-                return
+                end = bad.end if bad.end is not None else self._resync(offset, size)
+                self._skip(offset, end, size, bad, num_read)
+                offset = end
+                self._file.seek(offset)
+                continue
             yield rec
+            num_read += 1
             offset += _FRAME.size + len(payload)
+        for problem in self.problems:
+            _warn(problem, size)
 
     def close(self) -> None:
         self._file.close()
@@ -219,46 +237,97 @@ class LogReader:
         if version < 1:
             raise LogFormatError(f"{self.path}: log format version {version} does not exist")
         try:
-            payload = _read_frame(self._file)
-            header = None if payload is None else msgpack.unpackb(payload, raw=False)
+            num_left = os.fstat(self._file.fileno()).st_size - self._file.tell()
+            header = msgpack.unpackb(_read_frame(self._file, num_left), raw=False)
         except (_BadFrame, ValueError, TypeError, msgpack.UnpackException) as e:
             raise LogFormatError(f"{self.path}: unreadable header: {e}") from e
         if type(header) is not dict:
             raise LogFormatError(f"{self.path}: header is not a map")
         return header
 
-    def _stop(self, offset: int, kind: ProblemKind, message: str) -> None:
-        self.problem = LogProblem(offset, kind, f"{self.path}: {message}")
-        warnings.warn(
-            f"{self.path}: {kind} record at byte {offset} ({message}); "
-            "ignoring it and anything after it",
-            stacklevel=3,
-        )
+    def _resync(self, offset: int, size: int) -> int:
+        """Where the first intact, decodable frame after `offset` starts, or `size` if none does.
+
+        Every record payload is a msgpack map whose first key is "t", so a frame can only start
+        9 (fixmap) or 11 (map16) bytes before a b"\\xa1t"; only those offsets are checked.
+        """
+        if size - offset <= _FRAME.size:
+            return size
+        with mmap.mmap(self._file.fileno(), size, access=mmap.ACCESS_READ) as view:
+            hit = view.find(_TYPE_KEY, offset + _FRAME.size + 2)
+            while hit != -1:
+                for start in (hit - _FRAME.size - 1, hit - _FRAME.size - 3):
+                    if start > offset and _is_frame_at(view, start, size):
+                        return start
+                hit = view.find(_TYPE_KEY, hit + 1)
+        return size
+
+    def _skip(self, offset: int, end: int, size: int, bad: _BadFrame, num_read: int) -> None:
+        kind, message = bad.kind, str(bad)
+        if kind == "torn" and end < size:  # intact records follow: not a crash mid-write
+            kind, message = "corrupt", f"{message}, yet intact records follow"
+        last = self.problems[-1] if self.problems else None
+        if last is not None and last.end == offset:  # one damaged stretch, not one per frame
+            self.problems[-1] = attrs.evolve(last, end=end)
+        else:
+            self.problems.append(LogProblem(self.path, offset, end, kind, message, num_read))
 
 
-def _read_frame(file: BinaryIO) -> bytes | None:
-    """The next frame's payload, None at a clean end of file; raise _BadFrame otherwise."""
+def _warn(p: LogProblem, size: int) -> None:
+    after = (
+        f"skipped {p.num_bytes} bytes to the next intact record at byte {p.end}"
+        if p.end < size
+        else "ignoring it and anything after it"
+    )
+    warnings.warn(
+        f"{p.path}: {p.kind} record at byte {p.offset} ({p.message}); {after}", stacklevel=4
+    )
+
+
+def _read_frame(file: BinaryIO, num_left: int) -> bytes:
+    """The next frame's payload, with `num_left` bytes left in the file; raise _BadFrame if bad.
+
+    A length that cannot be right is refused before any payload is read.
+    """
     head = file.read(_FRAME.size)
-    if not head:
-        return None
     if len(head) < _FRAME.size:
         raise _BadFrame("torn", f"file ends inside a frame header ({len(head)} bytes)")
     length, crc = _FRAME.unpack(head)
+    if length == 0:  # never written (a record is a map); zeros a crash left, whose CRC matches
+        raise _BadFrame("corrupt", "frame length 0")
     if length > codec.MAX_RECORD_BYTES:
         raise _BadFrame("corrupt", f"frame length {length} exceeds the record limit")
+    if length > num_left - _FRAME.size:
+        raise _BadFrame(
+            "torn", f"file ends inside a payload ({num_left - _FRAME.size} of {length} bytes)"
+        )
     payload = file.read(length)
-    if len(payload) < length:
-        raise _BadFrame("torn", f"file ends inside a payload ({len(payload)} of {length} bytes)")
     if zlib.crc32(payload) != crc:
         raise _BadFrame("corrupt", "payload checksum mismatch")
     return payload
 
 
-def _decode(payload: bytes) -> object:
+def _decode(payload: bytes, end: int) -> object:
+    """The record in `payload`; a well-framed payload the codec refuses ends at `end`."""
     try:
         return codec.decode(payload)
     except codec.CodecError as e:
-        raise _BadFrame("undecodable", str(e)) from e
+        raise _BadFrame("undecodable", str(e), end) from e
+
+
+def _is_frame_at(view: mmap.mmap, start: int, size: int) -> bool:
+    length, crc = _FRAME.unpack_from(view, start)
+    end = start + _FRAME.size + length
+    if not 0 < length <= codec.MAX_RECORD_BYTES or end > size:
+        return False
+    payload = view[start + _FRAME.size : end]
+    if zlib.crc32(payload) != crc:
+        return False
+    try:
+        codec.decode(payload)
+    except codec.CodecError:
+        return False
+    return True
 
 
 # --- whole logs ----------------------------------------------------------------------------
@@ -278,22 +347,25 @@ def log_parts(path: PathLike) -> Iterator[Path]:
         index += 1
 
 
-def read_log(path: PathLike) -> tuple[dict[str, Any], list[object], LogProblem | None]:
-    """Read a whole log, across its rotated parts: (header, records, problem).
+def read_log(path: PathLike) -> tuple[dict[str, Any], list[object], list[LogProblem]]:
+    """Read a whole log, across its rotated parts: (header, records, problems).
 
-    Stops at the first problem in any part; `problem` is None when every part ended cleanly.
+    Every intact record of every part, in order; `problems` lists each damaged stretch (empty
+    when the log is intact), its `index` counted across parts.  A problem whose `index` equals
+    the number of records is a damaged tail; any other is corruption with records after it.
     Raises LogFormatError when a part's header differs from the first part's.
     """
     header: dict[str, Any] | None = None
     records: list[object] = []
+    problems: list[LogProblem] = []
     for part in log_parts(path):
         with LogReader(part) as reader:
             if header is None:
                 header = reader.header
             elif reader.header != header:
                 raise LogFormatError(f"{part}: header differs from {path}; not the same log")
+            num_before = len(records)
             records.extend(reader)
-            if reader.problem is not None:
-                return header, records, reader.problem
+            problems += [attrs.evolve(p, index=p.index + num_before) for p in reader.problems]
     assert header is not None  # log_parts always yields `path` first
-    return header, records, None
+    return header, records, problems

@@ -1,7 +1,8 @@
 """A recorded event log read back for replay, inspection and plots.
 
 `load` reads every part of a (possibly rotated) log and keeps what was intact: a torn or corrupt
-tail is not an error here, it is `Recording.problem`, reported by whoever shows the log.
+tail, or a corrupt stretch mid-log, is not an error here, it is in `Recording.problems`, reported
+by whoever shows the log.
 """
 
 from __future__ import annotations
@@ -21,12 +22,12 @@ _SPEC_HIGHLIGHTS = ("num_speculative_tokens", "speculative_disable_by_batch_size
 
 @attrs.frozen
 class Recording:
-    """The header, every intact record in order, and why reading stopped early (or None)."""
+    """The header, every intact record in order, and each damaged stretch of the file."""
 
     path: Path
     header: dict[str, Any]
     records: list[object]
-    problem: LogProblem | None
+    problems: list[LogProblem]
 
     @property
     def config(self) -> dict[str, Any]:
@@ -63,7 +64,26 @@ class Recording:
     @property
     def is_complete(self) -> bool:
         """Intact and ending with the engine's shutdown: the whole life of an engine."""
-        return self.problem is None and self.was_shut_down
+        return not self.problems and self.was_shut_down
+
+    @property
+    def gaps(self) -> list[LogProblem]:
+        """Damage with intact records after it: corruption, records lost mid-log."""
+        return [p for p in self.problems if p.index < len(self.records)]
+
+    @property
+    def is_corrupt(self) -> bool:
+        return bool(self.gaps)
+
+    def before_damage(self) -> Recording:
+        """The records before the first gap, as a log cut there: what replay can check exactly.
+
+        A lost record may have been an input, so nothing after a gap can be replayed exactly.
+        """
+        if not self.gaps:
+            return self
+        gap = self.gaps[0]
+        return attrs.evolve(self, records=self.records[: gap.index], problems=[gap])
 
     def highlights(self) -> str:
         """The config values that shape memory and step kinds, as `key=value` words."""
@@ -76,20 +96,33 @@ class Recording:
         return " ".join(words)
 
     def describe_problem(self) -> str | None:
-        """One line saying where and why the log is damaged or cut short; None when complete."""
-        p = self.problem
-        if p is not None:
-            file, _, why = p.message.partition(": ")  # LogReader names the (part) file first
-            return (
-                f"log damaged: {p.kind} record at byte {p.offset} of {file} ({why}); kept the "
-                f"intact prefix of {len(self.records)} records, up to step {self.last_step}"
-            )
+        """Where and why the log is damaged or cut short, one clause per damage; None if whole."""
+        if self.problems:
+            return "; ".join(self._describe(p) for p in self.problems)
         if not self.was_shut_down:
             return (
                 f"log ends at step {self.last_step} without an engine shutdown "
                 "(the engine crashed, or the log is still being written)"
             )
         return None
+
+    def _describe(self, p: LogProblem) -> str:
+        where = f"{p.kind} record at byte {p.offset} of {p.path} ({p.message})"
+        if p.index == len(self.records):
+            return (
+                f"log damaged: {where}; kept the {p.index} records before it, "
+                f"up to step {self.last_step}"
+            )
+        before = _step_of(self.records[p.index - 1]) if p.index else 0
+        return (
+            f"log corrupt: {where}: bytes {p.offset}-{p.end} ({p.num_bytes} bytes) lost between "
+            f"step {before} and step {_step_of(self.records[p.index])}; "
+            f"{len(self.records) - p.index} records recovered after it"
+        )
+
+
+def _step_of(rec: object) -> int:
+    return getattr(rec, "step", 0)
 
 
 def load(path: PathLike) -> Recording:
@@ -100,10 +133,10 @@ def load(path: PathLike) -> Recording:
     """
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the problem is kept and reported by the caller
-        header, records, problem = read_log(path)
+        header, records, problems = read_log(path)
     started = records[0] if records and isinstance(records[0], EngineStarted) else None
     if started is not None:
         header = {"config": started.config, "model_identity": started.model_identity, **header}
     if type(header.get("config")) is not dict or type(header.get("model_identity")) is not str:
         raise LogFormatError(f"{path}: neither header nor first record has the engine config")
-    return Recording(Path(path), header, records, problem)
+    return Recording(Path(path), header, records, problems)

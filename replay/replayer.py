@@ -55,9 +55,11 @@ def replay(
     """Replay `recording` through a fresh engine built from its header's config (+ `overrides`).
 
     A damaged or unfinished log is replayed up to the last step it recorded (a what-if run goes
-    on until its inputs are served).  The engine is shut down when the recorded one was;
-    otherwise its shutdown records are not collected.
+    on until its inputs are served); a corrupt one only up to its first gap, since a lost record
+    may have been an input.  The engine is shut down when the recorded one was; otherwise its
+    shutdown records are not collected.
     """
+    recording = recording.before_damage()
     cfg = EngineConfig.from_dict({**recording.config, **(overrides or {})})
     records: list[object] = []
     engine = Engine(cfg, executor_factory, sinks=[records.append])

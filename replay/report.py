@@ -9,12 +9,16 @@ from typing import Any
 
 import attrs
 
+from memstep.events.types import is_input
 from memstep.events.version import VERSION
 from memstep.replay.compare import Comparison, compare
 from memstep.replay.recording import Recording
 from memstep.replay.replayer import ReplayRun
 from memstep.replay.text_table import render
 from memstep.replay.whatif import WhatIf, what_if
+
+EXIT_DIVERGED = 1
+EXIT_CORRUPT = 3  # records lost mid-log: only the records before the first gap were checked
 
 
 @attrs.frozen
@@ -25,6 +29,9 @@ class ReplayReport:
     num_records: int  # intact records in the log
     num_inputs: int
     problem: str | None  # where and why the log is damaged or cut short
+    is_corrupt: bool  # records lost mid-log, with intact records after them
+    num_unchecked: int  # records recovered after the first gap: neither replayed nor compared
+    num_unchecked_inputs: int
     overrides: dict[str, Any]
     warnings: list[str]
     comparison: Comparison
@@ -35,8 +42,11 @@ class ReplayReport:
 
     @property
     def exit_code(self) -> int:
-        """0 when identical (or for a what-if run, which reports instead of failing), else 1."""
-        return 0 if self.what_if is not None or self.comparison.is_identical else 1
+        """1 on a divergence (a what-if run reports instead of failing), else 3 for a corrupt
+        log (what was checked matched, but not all of it could be), else 0."""
+        if self.what_if is None and not self.comparison.is_identical:
+            return EXIT_DIVERGED
+        return EXIT_CORRUPT if self.is_corrupt else 0
 
     def to_dict(self) -> dict[str, Any]:
         data = attrs.asdict(self)
@@ -47,6 +57,12 @@ class ReplayReport:
     def to_text(self) -> str:
         lines = [f"replay of {self.log}: {self.num_records} records, {self.num_inputs} inputs"]
         lines += [f"! {line}" for line in [self.problem, *self.warnings] if line]
+        if self.is_corrupt:
+            lines.append(
+                f"! corrupt log: only the records before the first gap were replayed; "
+                f"{self.num_unchecked} records recovered after it ({self.num_unchecked_inputs} "
+                "inputs) were not checked: a lost record may have been an input"
+            )
         if self.num_beyond_end:
             lines.append(f"! {self.num_beyond_end} replayed records past the end: not compared")
         lines += [f"! skipped input: {line}" for line in self.skipped]
@@ -65,6 +81,7 @@ class ReplayReport:
             return (
                 f"identical: {c.num_compared} derived records match field for field "
                 "(tokens, transitions, arena ledger, memory reports, leak reports)"
+                + (" before the gap; the rest of the log is unchecked" if self.is_corrupt else "")
             )
         word = "differs" if self.what_if is not None else "DIVERGED"
         lines = [
@@ -92,8 +109,11 @@ class ReplayReport:
 def build_report(
     recording: Recording, run: ReplayRun, overrides: dict[str, Any] | None = None
 ) -> ReplayReport:
-    """Compare `run` with `recording`; an unfinished log is compared only as far as it goes."""
-    recorded, replayed = recording.derived, run.derived
+    """Compare `run` with `recording`; an unfinished log is compared only as far as it goes, a
+    corrupt one only up to its first gap."""
+    checked = recording.before_damage()
+    unchecked = recording.records[len(checked.records) :]
+    recorded, replayed = checked.derived, run.derived
     beyond = 0
     if run.stopped_at_step is not None and len(replayed) > len(recorded):
         beyond = len(replayed) - len(recorded)
@@ -103,6 +123,9 @@ def build_report(
         num_records=len(recording.records),
         num_inputs=len(recording.inputs),
         problem=recording.describe_problem(),
+        is_corrupt=recording.is_corrupt,
+        num_unchecked=len(unchecked),
+        num_unchecked_inputs=sum(is_input(r) for r in unchecked),
         overrides=dict(overrides or {}),
         warnings=_warnings(recording, run),
         comparison=compare(recorded, replayed),

@@ -66,7 +66,7 @@ def plot_memory(recording: Recording, output: str | Path) -> Path:
     )  # fmt: skip
     fig.suptitle(_title(recording, steps), fontsize=10)
     path = Path(output)
-    fig.savefig(path)
+    fig.savefig(path, format="png")  # never a name of matplotlib's: `-o DIR` is not DIR.png
     return path
 
 
@@ -112,7 +112,7 @@ def _legend(
 
 def _title(recording: Recording, steps: list[StepFinished]) -> str:
     s = summarize(recording.records)
-    damaged = " (damaged log: intact prefix)" if recording.problem else ""
+    damaged = " (damaged log: intact records only)" if recording.problems else ""
     return (
         f"memstep memory timeline: {recording.model_identity}, steps {steps[0].step}"
         f"..{steps[-1].step}, {len(s.transitions)} transitions, {len(s.leaks)} leak reports"

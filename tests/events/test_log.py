@@ -93,8 +93,8 @@ def frame_starts(path: Path, records: list[object]) -> list[int]:
 def read_quietly(path: Path):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        header, records, problem = read_log(path)
-    return header, records, problem, caught
+        header, records, problems = read_log(path)
+    return header, records, problems, caught
 
 
 # --- writing and reading -------------------------------------------------------------------
@@ -103,9 +103,9 @@ def read_quietly(path: Path):
 def test_round_trip(tmp_path):
     path = tmp_path / "run.log"
     write_log(path, RECORDS)
-    header, records, problem = read_log(path)
+    header, records, problems = read_log(path)
     assert records == RECORDS
-    assert problem is None
+    assert problems == []
     assert header["format_version"] == FORMAT_VERSION
     assert header["memstep_version"] == memstep.__version__
     assert datetime.fromisoformat(header["created"]).tzinfo is not None
@@ -134,7 +134,7 @@ def test_reader_can_iterate_twice(tmp_path):
     with LogReader(path) as reader:
         assert list(reader) == RECORDS
         assert list(reader) == RECORDS
-        assert reader.problem is None
+        assert reader.problems == []
 
 
 def test_flush_makes_records_visible_to_a_reader(tmp_path):
@@ -185,14 +185,15 @@ def test_truncation_at_every_offset_keeps_the_intact_prefix(tmp_path):
     cut_path = tmp_path / "cut.log"
     for cut in range(starts[-4], len(data) + 1):  # through the last three records
         cut_path.write_bytes(data[:cut])
-        header, records, problem, caught = read_quietly(cut_path)
+        header, records, problems, caught = read_quietly(cut_path)
         num_intact = sum(1 for end in starts[1:] if end <= cut)
         assert records == RECORDS[:num_intact], cut
         if cut in starts:
-            assert problem is None and not caught, cut
+            assert problems == [] and not caught, cut
         else:
-            assert problem is not None and problem.kind == "torn", cut
-            assert problem.offset == starts[num_intact], cut
+            [problem] = problems
+            assert problem.kind == "torn" and problem.index == num_intact, cut
+            assert (problem.offset, problem.end) == (starts[num_intact], cut), cut
             assert len(caught) == 1 and "torn" in str(caught[0].message), cut
 
 
@@ -205,21 +206,55 @@ def test_truncated_preamble_is_a_format_error(tmp_path, cut):
         read_log(path)
 
 
-def test_flipped_payload_byte_is_corrupt_and_keeps_the_prefix(tmp_path):
+def test_flipped_byte_anywhere_in_a_middle_record_loses_only_that_record(tmp_path):
     path = tmp_path / "run.log"
     write_log(path, RECORDS)
     data = path.read_bytes()
     starts = frame_starts(path, RECORDS)
     bad_index = 3
-    for position in range(starts[bad_index] + 8, starts[bad_index + 1]):
+    for position in range(starts[bad_index], starts[bad_index + 1]):  # length, CRC and payload
         damaged = bytearray(data)
         damaged[position] ^= 0x40
         path.write_bytes(bytes(damaged))
-        header, records, problem, caught = read_quietly(path)
-        assert records == RECORDS[:bad_index], position
-        assert problem is not None and problem.kind == "corrupt", position
-        assert problem.offset == starts[bad_index], position
-        assert len(caught) == 1, position
+        header, records, problems, caught = read_quietly(path)
+        assert records == RECORDS[:bad_index] + RECORDS[bad_index + 1 :], position
+        [problem] = problems
+        assert problem.kind == "corrupt" and problem.index == bad_index, position
+        assert (problem.offset, problem.end) == tuple(starts[bad_index : bad_index + 2]), position
+        assert len(caught) == 1 and "skipped" in str(caught[0].message), position
+
+
+def test_flipped_byte_in_the_last_record_is_a_damaged_tail(tmp_path):
+    path = tmp_path / "run.log"
+    write_log(path, RECORDS)
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x40
+    path.write_bytes(bytes(data))
+    header, records, problems, caught = read_quietly(path)
+    assert records == RECORDS[:-1]
+    [problem] = problems
+    assert problem.kind == "corrupt" and problem.index == len(records)
+    assert problem.end == len(data)
+    assert "ignoring it and anything after it" in str(caught[0].message)
+
+
+def test_every_gap_is_skipped_and_reported(tmp_path):
+    path = tmp_path / "run.log"
+    records = step_records(10)
+    write_log(path, records)
+    starts = frame_starts(path, records)
+    data = bytearray(path.read_bytes())
+    for index in (2, 9, 10, 15):  # 9 and 10 make one stretch of two records
+        data[starts[index] + 12] ^= 0x01
+    path.write_bytes(bytes(data))
+    header, read, problems, caught = read_quietly(path)
+    assert read == [r for i, r in enumerate(records) if i not in (2, 9, 10, 15)]
+    assert [(p.index, p.offset, p.end) for p in problems] == [
+        (2, starts[2], starts[3]),
+        (8, starts[9], starts[11]),
+        (12, starts[15], starts[16]),
+    ]
+    assert len(caught) == 3
 
 
 def append_raw_frame(path: Path, payload: bytes, length: int | None = None) -> None:
@@ -228,25 +263,65 @@ def append_raw_frame(path: Path, payload: bytes, length: int | None = None) -> N
         f.write(payload)
 
 
-def test_well_framed_garbage_is_undecodable(tmp_path):
+def test_well_framed_garbage_is_undecodable_and_skipped(tmp_path):
     path = tmp_path / "run.log"
     write_log(path, RECORDS)
     end = path.stat().st_size
-    append_raw_frame(path, msgpack.packb({"t": "NotARecord"}))
-    append_raw_frame(path, codec.encode(RECORDS[0]))  # never reached
-    header, records, problem, caught = read_quietly(path)
-    assert records == RECORDS
-    assert problem is not None and problem.kind == "undecodable" and problem.offset == end
-    assert "NotARecord" in problem.message
+    garbage = msgpack.packb({"t": "NotARecord"})
+    append_raw_frame(path, garbage)
+    append_raw_frame(path, garbage)  # the same stretch
+    append_raw_frame(path, codec.encode(RECORDS[0]))
+    header, records, problems, caught = read_quietly(path)
+    assert records == RECORDS + RECORDS[:1]
+    [problem] = problems
+    assert problem.kind == "undecodable" and "NotARecord" in problem.message
+    assert (problem.offset, problem.end) == (end, end + 2 * (8 + len(garbage)))
+    assert len(caught) == 1
 
 
-def test_absurd_frame_length_is_corrupt(tmp_path):
+@pytest.mark.parametrize("length", [0xFFFF_FFFF, codec.MAX_RECORD_BYTES])
+def test_absurd_frame_length_is_never_read(tmp_path, length):
+    """A length beyond the record limit, or beyond the file, is refused before reading it."""
+    path = tmp_path / "run.log"
+    records = step_records(200)
+    write_log(path, records)
+    starts = frame_starts(path, records)
+    data = bytearray(path.read_bytes())
+    bad = len(records) // 2
+    struct.pack_into("<I", data, starts[bad], length)
+    path.write_bytes(bytes(data))
+    tracemalloc.start()
+    header, read, problems, caught = read_quietly(path)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert read == records[:bad] + records[bad + 1 :]
+    [problem] = problems
+    assert problem.kind == "corrupt"
+    assert (problem.offset, problem.end) == (starts[bad], starts[bad + 1])
+    assert str(length) in problem.message
+    assert peak < 1_000_000 < codec.MAX_RECORD_BYTES
+
+
+@pytest.mark.parametrize("where", ["tail", "middle"])
+def test_zeros_are_one_damaged_stretch(tmp_path, where):
+    """A crash can leave zeros where records were due; a zero frame (length 0, CRC 0) even
+    passes its checksum, yet it is one damaged stretch, never a problem per 8 bytes."""
     path = tmp_path / "run.log"
     write_log(path, RECORDS)
-    append_raw_frame(path, b"x", length=0xFFFF_FFFF)
-    header, records, problem, caught = read_quietly(path)
+    starts = frame_starts(path, RECORDS)
+    data = path.read_bytes()
+    at = starts[-1] if where == "tail" else starts[4]
+    path.write_bytes(data[:at] + bytes(4096) + data[at:])
+    header, records, problems, caught = read_quietly(path)
     assert records == RECORDS
-    assert problem is not None and problem.kind == "corrupt"
+    [problem] = problems
+    assert (problem.offset, problem.num_bytes, problem.index) == (
+        at,
+        4096,
+        8 if where == "tail" else 4,
+    )
+    assert problem.kind == "corrupt" and "frame length 0" in problem.message
+    assert len(caught) == 1
 
 
 def test_wrong_magic_is_a_format_error(tmp_path):
@@ -301,7 +376,7 @@ def test_rotation_writes_parts_that_read_back_in_order(tmp_path):
             assert reader.header == read_log(path)[0]
             per_part.extend(reader)
     assert per_part == records
-    assert read_log(path)[1:] == (records, None)
+    assert read_log(path)[1:] == (records, [])
 
 
 def test_a_record_larger_than_rotate_bytes_gets_a_part_of_its_own(tmp_path):
@@ -311,16 +386,19 @@ def test_a_record_larger_than_rotate_bytes_gets_a_part_of_its_own(tmp_path):
     assert read_log(path)[1] == RECORDS
 
 
-def test_torn_middle_part_stops_the_whole_log(tmp_path):
+def test_torn_middle_part_is_a_gap_and_later_parts_are_read(tmp_path):
     path = tmp_path / "run.log"
     records = step_records(20)
     writer = write_log(path, records, rotate_bytes=1024)
-    first_two = [list(LogReader(part)) for part in writer.parts[:2]]
+    per_part = [list(LogReader(part)) for part in writer.parts]
     middle = writer.parts[1]
     middle.write_bytes(middle.read_bytes()[:-3])
-    header, read, problem, caught = read_quietly(path)
-    assert read == first_two[0] + first_two[1][:-1]
-    assert problem is not None and problem.kind == "torn" and str(middle) in problem.message
+    header, read, problems, caught = read_quietly(path)
+    lost = per_part[1][-1]
+    assert read == [r for part in per_part for r in part if r is not lost]
+    [problem] = problems
+    assert problem.kind == "torn" and problem.path == middle
+    assert problem.index == len(per_part[0]) + len(per_part[1]) - 1 < len(read)
 
 
 def test_part_from_another_log_is_refused(tmp_path):

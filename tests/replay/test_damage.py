@@ -1,23 +1,29 @@
-"""A log cut at a random byte or with a byte flipped: a clear report, the intact prefix replayed,
-never a crash.  The tiny random model keeps each replay to a second or two."""
+"""A log cut at a random byte or with a byte flipped: a clear report, never a crash.  A torn tail
+replays its intact prefix and exits 0; damage with records after it loses only the damaged record,
+replays what comes before it and exits 3.  The tiny random model keeps each replay to a second or
+two."""
 
 from __future__ import annotations
 
 import json
 import random
 import struct
+import subprocess
+import sys
 import zlib
 from pathlib import Path
 
+import attrs
 import pytest
 from replay_helpers import memstep
 
-from memstep.events.log import MAGIC
-from memstep.events.types import is_input
+from memstep.events.log import MAGIC, LogWriter, read_log
+from memstep.events.types import StepFinished, is_input
 from memstep.replay.recording import load
 
 _FRAME = struct.Struct("<II")
 _RNG = random.Random(20261129)
+RESERVED = ("format_version", "memstep_version", "created")
 CUTS = ["first-record", "boundary", "last-byte", *(_RNG.random() for _ in range(4))]
 FLIPS = ["first-record", "frame-length", *(_RNG.random() for _ in range(4))]
 
@@ -75,22 +81,110 @@ def test_truncated_log_replays_its_intact_prefix(tiny_log, tmp_path, where):
     assert report["comparison"]["num_compared"] == num_derived(tiny_log.path, kept)
 
 
-@pytest.mark.parametrize("where", FLIPS)
-def test_flipped_byte_is_reported_and_the_prefix_replayed(tiny_log, tmp_path, where):
+def damaged_copy(tiny_log, tmp_path: Path, damage) -> tuple[Path, list[tuple[int, int]]]:
+    """A copy of the recorded log with `damage(data, spans)` applied; the spans of the original."""
     data = bytearray(tiny_log.path.read_bytes())
-    start, spans = frames(tiny_log.path)
-    at = position(where, start, spans, len(data))
-    data[at] ^= 0x5A
-    log = tmp_path / "flipped.memlog"
+    _, spans = frames(tiny_log.path)
+    damage(data, spans)
+    log = tmp_path / "damaged.memlog"
     log.write_bytes(data)
+    return log, spans
+
+
+def assert_one_record_lost(tiny_log, log: Path, spans: list[tuple[int, int]], index: int) -> dict:
+    """Replay `log`, whose record `index` (of `spans`) is damaged, as a corrupt log: exit 3,
+    every other record recovered, the records before it checked, the rest reported unchecked."""
     code, out, err = memstep("replay", str(log), "--json")
-    assert code == 0, err
-    index = next(i for i, (s, e) in enumerate(spans) if s <= at < e)
-    assert f"record at byte {spans[index][0]}" in err
-    assert "log damaged: corrupt" in err or "log damaged: torn" in err
+    assert code == 3, err
+    written = load(tiny_log.path).records
+    recovered = load(log).records
+    assert len(written) == len(spans)
+    assert len(recovered) == len(spans) - 1
+    assert recovered == written[:index] + written[index + 1 :]
+    start, end = spans[index]
+    assert f"log corrupt: corrupt record at byte {start} of {log}" in err
+    assert f"bytes {start}-{end} ({end - start} bytes) lost" in err
+    assert f"{len(spans) - 1 - index} records recovered after it" in err
+    assert "replaying the records before the first gap" in err
     report = json.loads(out)
+    assert report["exit_code"] == 3 and report["is_corrupt"] is True
     assert report["identical"] is True
     assert report["comparison"]["num_compared"] == num_derived(tiny_log.path, index)
+    assert report["num_unchecked"] == len(spans) - 1 - index
+    assert report["num_unchecked_inputs"] == sum(map(is_input, written[index + 1 :]))
+    return report
+
+
+def test_flipped_byte_in_a_middle_record_loses_only_that_record(tiny_log, tmp_path):
+    middle = len(frames(tiny_log.path)[1]) // 2
+
+    def flip(data: bytearray, spans: list[tuple[int, int]]) -> None:
+        data[spans[middle][0] + _FRAME.size + 3] ^= 0x01
+
+    log, spans = damaged_copy(tiny_log, tmp_path, flip)
+    assert_one_record_lost(tiny_log, log, spans, middle)
+
+
+@pytest.mark.parametrize("length", [0xFFFF_FFF0, 60 << 20])
+def test_huge_length_prefix_in_a_middle_record_loses_only_that_record(tiny_log, tmp_path, length):
+    """A length over the record limit, or under it but past the end of the file: never read."""
+    middle = len(frames(tiny_log.path)[1]) // 2
+
+    def claim(data: bytearray, spans: list[tuple[int, int]]) -> None:
+        struct.pack_into("<I", data, spans[middle][0], length)
+
+    log, spans = damaged_copy(tiny_log, tmp_path, claim)
+    assert_one_record_lost(tiny_log, log, spans, middle)
+
+
+@pytest.mark.parametrize("where", FLIPS)
+def test_flipped_byte_anywhere_loses_only_its_record(tiny_log, tmp_path, where):
+    at = -1
+
+    def flip(data: bytearray, spans: list[tuple[int, int]]) -> None:
+        nonlocal at
+        at = position(where, spans[0][0], spans, len(data))
+        data[at] ^= 0x5A
+
+    log, spans = damaged_copy(tiny_log, tmp_path, flip)
+    index = next(i for i, (s, e) in enumerate(spans) if s <= at < e)
+    if index < len(spans) - 1:
+        assert_one_record_lost(tiny_log, log, spans, index)
+        return
+    code, out, err = memstep("replay", str(log), "--json")  # the last record: a damaged tail
+    assert code == 0 and f"record at byte {spans[index][0]}" in err and "log damaged" in err
+    assert json.loads(out)["comparison"]["num_compared"] == num_derived(tiny_log.path, index)
+
+
+def test_corrupt_log_is_reported_by_replay_text_and_inspect(tiny_log, tmp_path):
+    def flip(data: bytearray, spans: list[tuple[int, int]]) -> None:
+        data[spans[len(spans) // 3][1] - 2] ^= 0x10
+
+    log, spans = damaged_copy(tiny_log, tmp_path, flip)
+    code, out, err = memstep("replay", str(log))
+    assert code == 3
+    assert "! corrupt log: only the records before the first gap were replayed" in out
+    assert "before the gap; the rest of the log is unchecked" in out
+    code, out, err = memstep("inspect", str(log))
+    assert code == 0 and "log corrupt: corrupt record at byte" in err
+    assert "! log corrupt: corrupt record at byte" in out
+    code, out, err = memstep("inspect", str(log), "--json")
+    summary = json.loads(out)["log"]
+    start, end = spans[len(spans) // 3]
+    assert summary["corrupt"] is True and summary["num_bytes_lost"] == end - start
+    assert summary["num_records"] == len(spans) - 1
+
+
+def test_replay_help_documents_the_exit_codes():
+    res = subprocess.run(
+        [sys.executable, "-m", "memstep.cli.main", "replay", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 0
+    text = " ".join(res.stdout.split())
+    assert "1 diverged" in text and "3 corrupt log: records lost mid-file" in text
 
 
 @pytest.mark.parametrize(
@@ -106,3 +200,26 @@ def test_damaged_header_is_a_clear_error(tiny_log, tmp_path, offset, message):
         code, out, err = memstep(command, str(log))
         assert code == 2 and out == ""
         assert err.startswith("memstep: error:") and message in err
+
+
+def test_a_divergence_before_the_gap_is_still_exit_1(tiny_log, tmp_path):
+    """Corruption does not hide a divergence in the records that could be checked."""
+    header, records, _ = read_log(tiny_log.path)
+    edited = next(
+        i for i, r in enumerate(records) if isinstance(r, StepFinished) and r.memory.live_bytes
+    )
+    memory = attrs.evolve(records[edited].memory, live_bytes=records[edited].memory.live_bytes + 1)
+    records[edited] = attrs.evolve(records[edited], memory=memory)
+    log = tmp_path / "edited.memlog"
+    with LogWriter(log, {k: v for k, v in header.items() if k not in RESERVED}) as writer:
+        for rec in records:
+            writer.append(rec)
+    _, spans = frames(log)
+    data = bytearray(log.read_bytes())
+    data[spans[len(spans) // 2][0] + 12] ^= 0x01
+    log.write_bytes(data)
+    code, out, err = memstep("replay", str(log), "--json")
+    report = json.loads(out)
+    assert code == 1 and report["exit_code"] == 1
+    assert report["is_corrupt"] is True and report["identical"] is False
+    assert report["comparison"]["first"]["step"] == records[edited].step

@@ -19,8 +19,8 @@ RESERVED = ("format_version", "memstep_version", "created")
 
 def rewrite(src: Path, dst: Path, index: int, new: object | None) -> None:
     """Copy the log at `src` to `dst` with record `index` replaced by `new` (None: dropped)."""
-    header, records, problem = read_log(src)
-    assert problem is None
+    header, records, problems = read_log(src)
+    assert problems == []
     with LogWriter(dst, {k: v for k, v in header.items() if k not in RESERVED}) as writer:
         for i, rec in enumerate(records):
             if i != index:

@@ -51,8 +51,8 @@ def test_header_and_first_record_and_one_flush_per_step(tmp_path):
     engine.step()
     grown = path.stat().st_size
     assert grown > size
-    _, records, problem = read_log(path)
-    assert problem is None
+    _, records, problems = read_log(path)
+    assert problems == []
     kinds = [RequestAdded, StepPlanned, StateEntered, StepFinished]
     assert [type(r) for r in records[-4:]] == kinds
     engine.shutdown()
@@ -74,8 +74,8 @@ def test_rotated_log_is_read_and_replayed_as_one(tmp_path):
     code, out, err = memstep("replay", str(path), "--json")
     assert code == 0, out + err
     report = json.loads(out)
-    _, records, problem = read_log(path)
-    assert problem is None and report["identical"] and report["num_records"] == len(records)
+    _, records, problems = read_log(path)
+    assert problems == [] and report["identical"] and report["num_records"] == len(records)
     assert report["comparison"]["num_compared"] == sum(not is_input(r) for r in records)
 
 
