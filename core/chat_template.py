@@ -82,6 +82,8 @@ class ChatTemplate:
 
     def __init__(self, source: str, bos: str):
         self._bos = bos
+        if not isinstance(source, str):  # e.g. a tokenizer_config.json list of named templates
+            raise ModelError(f"the model's chat template is a {type(source).__name__}, not text")
         try:
             self._template = _environment().from_string(source)
         except jinja2.TemplateError as exc:

@@ -89,6 +89,11 @@ def test_a_broken_template_is_a_load_error():
         ChatTemplate("{{ raise_exception('no chats here') }}", "")
 
 
+def test_a_template_that_is_not_text_is_a_load_error():
+    with pytest.raises(ModelError, match="is a list, not text"):
+        ChatTemplate([{"name": "default", "template": CHATML}], "")  # type: ignore[arg-type]
+
+
 def test_a_template_may_refuse_a_system_turn_and_still_load():
     source = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system') }}{% endif %}"
     template = ChatTemplate(source + CHATML, "")
