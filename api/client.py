@@ -79,11 +79,13 @@ def generate_request(
     messages: list[dict[str, str]] | None,
     stream: bool,
     params: dict[str, Any],
+    special_tokens_in_messages: bool = False,
 ) -> GenerateRequest:
     """A GenerateRequest from the arguments of `generate`; a list prompt is token ids."""
-    if isinstance(prompt, list):
-        return GenerateRequest(request_id, None, prompt, messages, params, stream)
-    return GenerateRequest(request_id, prompt, None, messages, params, stream)
+    text, ids = (None, prompt) if isinstance(prompt, list) else (prompt, None)
+    return GenerateRequest(
+        request_id, text, ids, messages, params, stream, special_tokens_in_messages
+    )
 
 
 def _addressee(msg: object) -> str | None:
@@ -150,11 +152,16 @@ class Client:
         messages: list[dict[str, str]] | None = None,
         stream: bool = False,
         request_id: str | None = None,
+        special_tokens_in_messages: bool = False,
         **params: Any,
     ) -> GenerateDone | Stream:
-        """Text prompt, token ids or chat `messages`; `params` are SamplingParams fields."""
+        """Text prompt, token ids or chat `messages`; `params` are SamplingParams fields.
+
+        `special_tokens_in_messages` reads "<|im_start|>" in a message as the control token.
+        """
         rid = request_id or self._new_id()
-        self._send(generate_request(rid, prompt, messages, stream, params))
+        special = special_tokens_in_messages
+        self._send(generate_request(rid, prompt, messages, stream, params, special))
         if stream:
             return Stream(self, rid)
         while not isinstance(msg := self._next(rid), GenerateDone):
@@ -277,11 +284,13 @@ class AsyncClient:
         messages: list[dict[str, str]] | None = None,
         stream: bool = False,
         request_id: str | None = None,
+        special_tokens_in_messages: bool = False,
         **params: Any,
     ) -> GenerateDone | AsyncStream:
         """As `Client.generate`; with `stream=True` an async iterator of GenerateDelta."""
         rid = request_id or self._new_id()
-        await self._send(generate_request(rid, prompt, messages, stream, params))
+        special = special_tokens_in_messages
+        await self._send(generate_request(rid, prompt, messages, stream, params, special))
         if stream:
             return AsyncStream(self, rid)
         while not isinstance(msg := await self._next(rid), GenerateDone):

@@ -329,6 +329,7 @@ class Server:
         self.last_sent.setdefault(inf.peer, inf.arrival)
 
     def _prompt(self, msg: GenerateRequest) -> str | list[int]:
+        """Text or token ids; chat messages become ids here, so their text stays plain text."""
         given = [x for x in (msg.prompt, msg.prompt_token_ids, msg.messages) if x is not None]
         if len(given) != 1:
             raise InvalidRequest("give exactly one of prompt, prompt_token_ids, messages")
@@ -338,7 +339,7 @@ class Server:
             raise InvalidRequest("messages is empty")
         if any(set(m) != {"role", "content"} for m in msg.messages):
             raise InvalidRequest("every message needs exactly the keys 'role' and 'content'")
-        return self.engine.tokenizer.apply_chat_template(msg.messages)
+        return self.engine.tokenizer.encode_chat(msg.messages, msg.special_tokens_in_messages)
 
     def _abort(self, envelope: list[bytes], msg: AbortRequest) -> None:
         engine_id = self.by_client.get((envelope[0], msg.target_id))

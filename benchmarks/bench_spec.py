@@ -37,7 +37,7 @@ def run(
     engine: Engine, prompts: list[str], concurrency: int, tokens: int
 ) -> tuple[float, int, int, int]:
     tok = engine.tokenizer
-    ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in prompts]
+    ids = [tok.encode_chat([{"role": "user", "content": p}]) for p in prompts]
     work = [ids[i % len(ids)] for i in range(max(concurrency, 2))]
     steps: list[StepFinished] = []
     sink = steps.append

@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     engine = local_engine(cfg, sinks=[recorder] if recorder else [])
     prompt = args.prompt
     if not args.raw:
-        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        prompt = engine.tokenizer.encode_chat([{"role": "user", "content": prompt}])
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,

@@ -89,8 +89,8 @@ def _keep_running(engine: Engine, want: int, params: Callable[[int], SamplingPar
     running = len(engine.scheduler.running) + len(engine.scheduler.waiting)
     tok = engine.tokenizer
     for _ in range(want - running):
-        text = tok.apply_chat_template([{"role": "user", "content": PROMPTS[n[0] % len(PROMPTS)]}])
-        engine.add_request(text, params(n[0]), request_id=f"s{n[0]}")
+        ids = tok.encode_chat([{"role": "user", "content": PROMPTS[n[0] % len(PROMPTS)]}])
+        engine.add_request(ids, params(n[0]), request_id=f"s{n[0]}")
         n[0] += 1
 
 

@@ -1,4 +1,4 @@
-"""Text <-> token ids, and the chat template, for each kind of model source.
+"""Text <-> token ids, and chats -> token ids, for each kind of model source.
 
 The GGUF tokenizer is rebuilt from the file's own metadata (vocabulary, merges, special tokens);
 random: models get a byte tokenizer so that text still round-trips.
@@ -10,7 +10,9 @@ import json
 from pathlib import Path
 from typing import Any, Protocol
 
+from memstep.core.chat_template import ChatTemplate
 from memstep.core.model_source import ModelError, ModelSource, gguf_field, read_gguf
+from memstep.core.sampling_params import InvalidRequest
 
 
 class Tokenizer(Protocol):
@@ -23,16 +25,28 @@ class Tokenizer(Protocol):
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str: ...
 
+    def encode_chat(
+        self, messages: list[dict[str, str]], special_tokens_in_messages: bool = False
+    ) -> list[int]: ...
+
 
 class HFTokenizer:
-    """A `tokenizers.Tokenizer` plus a Jinja chat template."""
+    """A `tokenizers.Tokenizer` plus the model's chat template, compiled and checked at load.
+
+    Prompt text (`encode`) is read as Hugging Face reads it: `<|im_start|>` in it is the control
+    token.  A chat (`encode_chat`) is not: the text of a message stays plain text, so that a user
+    cannot forge a turn, unless the caller asks for `special_tokens_in_messages`.
+    """
 
     def __init__(self, tok: Any, chat_template: str | None, eos: tuple[int, ...], bos: str):
         self._tok = tok
-        self._template = chat_template
+        self._plain = _without_special_tokens(tok)
+        self._special_ids = frozenset(
+            i for i, added in tok.get_added_tokens_decoder().items() if added.special
+        )
+        self._template = ChatTemplate(chat_template, bos) if chat_template else None
         self.eos_token_ids = eos
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
-        self._bos = bos
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
@@ -41,13 +55,64 @@ class HFTokenizer:
         return str(self._tok.decode(list(ids), skip_special_tokens=True))
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
-        if not self._template:
-            return "".join(m["content"] for m in messages)
-        import jinja2
+        """The chat as text, to show; `encode_chat` makes the ids (encoding this text would not)."""
+        return "".join(text for text, _ in self._parts(messages))
 
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-        template = env.from_string(self._template)
-        return template.render(messages=messages, add_generation_prompt=True, bos_token=self._bos)
+    def encode_chat(
+        self, messages: list[dict[str, str]], special_tokens_in_messages: bool = False
+    ) -> list[int]:
+        """The chat's prompt ids; special-token text in a message is plain text unless allowed."""
+        parts = self._parts(messages)
+        text = "".join(piece for piece, _ in parts)
+        if special_tokens_in_messages:
+            return self.encode(text)
+        self._check_roles(messages)
+        whole = self._tok.encode(text, add_special_tokens=False)
+        if not self._special_in(whole, _content_spans(parts)):
+            return list(whole.ids)  # the ids Hugging Face gives, when no message holds a control
+        return [i for piece, is_content in parts for i in self._encode_part(piece, is_content)]
+
+    def _encode_part(self, piece: str, is_content: bool) -> list[int]:
+        tok = self._plain if is_content else self._tok
+        return list(tok.encode(piece, add_special_tokens=False).ids)
+
+    def _parts(self, messages: list[dict[str, str]]) -> list[tuple[str, bool]]:
+        if self._template is None:
+            return [(m["content"], True) for m in messages]
+        return self._template.parts(messages)
+
+    def _special_in(self, enc: Any, spans: list[tuple[int, int]]) -> bool:
+        """Whether a special token of `enc` covers any character of the `spans`."""
+        return any(
+            start < end_span and start_span < end
+            for i, (start, end) in zip(enc.ids, enc.offsets, strict=True)
+            if i in self._special_ids
+            for start_span, end_span in spans
+        )
+
+    def _check_roles(self, messages: list[dict[str, str]]) -> None:
+        for m in messages:
+            if self._special_ids.intersection(self.encode(m["role"])):
+                raise InvalidRequest(f"message role {m['role']!r} holds a special token")
+
+
+def _without_special_tokens(tok: Any) -> Any:
+    """A copy of `tok` that reads special-token text, e.g. `<|im_start|>`, as plain text."""
+    from tokenizers import Tokenizer as RawTokenizer
+
+    plain = RawTokenizer.from_str(tok.to_str())
+    plain.encode_special_tokens = True
+    return plain
+
+
+def _content_spans(parts: list[tuple[str, bool]]) -> list[tuple[int, int]]:
+    """Character spans of the message contents in the joined text of `parts`."""
+    spans, at = [], 0
+    for piece, is_content in parts:
+        if is_content:
+            spans.append((at, at + len(piece)))
+        at += len(piece)
+    return spans
 
 
 class ByteTokenizer:
@@ -71,6 +136,12 @@ class ByteTokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
         return "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
+
+    def encode_chat(
+        self, messages: list[dict[str, str]], special_tokens_in_messages: bool = False
+    ) -> list[int]:
+        """Bytes have no special tokens to forge: the option changes nothing."""
+        return self.encode(self.apply_chat_template(messages))
 
 
 def _gguf_tokenizer(path: Path) -> HFTokenizer:

@@ -34,6 +34,7 @@ class GenerateRequest:
     messages: list[dict[str, str]] | None = None  # [{"role": ..., "content": ...}], templated
     params: dict = attrs.Factory(dict)  # SamplingParams fields; absent ones take defaults
     stream: bool = False
+    special_tokens_in_messages: bool = False  # read "<|im_start|>" in a message as the token
 
 
 @record

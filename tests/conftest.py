@@ -35,7 +35,4 @@ def fp8_smol_engine() -> Engine:
 @pytest.fixture(scope="session")
 def chat_prompts(smol_engine: Engine) -> list[list[int]]:
     tok = smol_engine.tokenizer
-    return [
-        tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]))
-        for q in CHAT_QUESTIONS
-    ]
+    return [tok.encode_chat([{"role": "user", "content": q}]) for q in CHAT_QUESTIONS]

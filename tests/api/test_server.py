@@ -44,7 +44,7 @@ def request(i: int, tok) -> tuple[dict, list[int]]:
     text = STYLES[i // len(QUESTIONS)] + QUESTIONS[i % len(QUESTIONS)]
     if i % 8 == 0:  # one in eight sends chat messages: the server templates them (longer)
         messages = [{"role": "user", "content": text}]
-        return {"messages": messages}, tok.encode(tok.apply_chat_template(messages))
+        return {"messages": messages}, tok.encode_chat(messages)
     ids = tok.encode(text)
     return ({"prompt": text} if i % 2 else {"prompt": ids}), ids
 
