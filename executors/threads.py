@@ -4,11 +4,14 @@ torch's CPU kernels run on an OpenMP pool whose idle threads spin for a while at
 waiting for the next parallel region.  On a machine where another job holds the cores, a
 spinning worker takes the core its peer needs and the barrier waits out a scheduler slice.  A
 passive policy puts idle threads to sleep at once.  Measured with benchmarks/bench_contention.py
-(SmolLM2 decode, 2 shared cores, two busy-loop neighbours): torch's default two threads went from
-4.4 s to 0.52 s a step at batch 1 and from 17.6 s to 0.46 s at batch 8 with the passive policy,
-which also beat one thread (0.74 s and 1.53 s) and was no slower without the neighbours.  So the
-thread count stays torch's default (one per core; `EngineConfig.num_threads` overrides it) and
-the policy is passive unless the environment names another.
+(SmolLM2 decode step, 2 cores shared with other jobs, two busy-loop neighbours added): torch's
+default two threads took 4.4 s (batch 1) and 17.6 s (batch 8) a step when the machine was
+crowded, 0.52 s and 0.46 s with the passive policy; on a quieter machine 0.19 s and 0.39 s
+against 0.10 s and 0.20 s.  One thread did better than passive two only on the quieter run
+(0.09 s, 0.12 s), was worse on the crowded one (0.74 s, 1.53 s) and slower without neighbours
+(0.053 s and 0.085 s against 0.046 s and 0.069 s).  So the thread count stays torch's default
+(one per core; `EngineConfig.num_threads` overrides it) and the policy is passive unless the
+environment names another.
 
 The policy is read once, when torch's OpenMP runtime loads, so it must be in the environment
 before the process imports torch: the process executor is started with it (`executor_env`), and
