@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     dtype = pick_dtype(cfg, pick_device(cfg))
     # Hugging Face first: the engine's CPU memory meter then leaves its tensors out and freezes
     # its objects with the rest of start-up, instead of walking them after every step
-    model = None if args.skip_hf else hf_model(resolve(cfg.model, cfg.seed), dtype)
+    model = None if args.skip_hf else hf_model(resolve(cfg.model, cfg.random_weights_seed), dtype)
     engine = local_engine(cfg)
     threads = torch.get_num_threads()
     print(f"model {engine.source.label}, dtype {dtype}, {threads} threads, device {cfg.device}")

@@ -18,7 +18,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--sampling-seed", "--request-seed", dest="request_seed", type=int, default=0)
+    p.add_argument(
+        "--sampling-seed",
+        "--request-seed",
+        dest="request_seed",
+        type=int,
+        default=None,
+        help="this request's seed (default: drawn from the engine-wide --seed)",
+    )
     p.add_argument("--json", action="store_true", help='print {"text": ..., "token_ids": [...]}')
     add_engine_arguments(p)
     add_record_arguments(p)

@@ -20,6 +20,7 @@ from memstep.core.logging import setup_logging
 from memstep.core.model_source import ModelError
 from memstep.core.sampling_params import InvalidRequest
 from memstep.events.log import LogFormatError
+from memstep.executors.threads import prefer_passive_wait
 
 COMMANDS = {  # name -> (module, one-line help); a module is imported only when its command runs
     "generate": ("memstep.cli.generate", "generate a completion for one prompt"),
@@ -61,7 +62,16 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         help="do not replay the next decode step's graph while the core records this one",
     )
     g.add_argument("--num-threads", type=int, default=None)
-    g.add_argument("--seed", type=int, default=d.seed, help="seed of random: weights")
+    g.add_argument(
+        "--seed",
+        type=int,
+        default=d.seed,
+        help="engine-wide seed: requests without a seed draw theirs from it "
+        "(default: drawn from OS entropy and recorded in the event log)",
+    )
+    g.add_argument(
+        "--random-weights-seed", type=int, default=d.random_weights_seed, help="random: weights"
+    )
 
 
 SPECULATION_FIELDS = (
@@ -107,6 +117,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    prefer_passive_wait()  # before a sub-command imports torch: an in-process executor runs here
     command = next((a for a in argv if a in COMMANDS), None)
     args = build_parser(command).parse_args(argv)
     try:

@@ -37,7 +37,10 @@ class EngineConfig:
     # bytes of bf16, no scale, saturating at +-448), converted back for attention
     kv_cache_dtype: str = "auto"
     device: str = "auto"
-    seed: int = 0  # seeds random: weights; never the sampler (requests carry their own seeds)
+    # engine-wide: requests without a seed draw theirs from it; None: drawn from OS entropy at
+    # start (core/seeding.py), and the engine records the drawn value in its config
+    seed: int | None = None
+    random_weights_seed: int = 0  # the weights of random: models
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # None: min(model context, 2048)
@@ -85,6 +88,8 @@ class EngineConfig:
             f"debug_plant_leak must be one of {PLANTED_LEAKS} or None",
         )
         _check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks must be >= 1")
+        _check(self.seed is None or 0 <= self.seed < 2**63, "seed must be in [0, 2**63)")
+        _check(self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1")
 
     @cached_property
     def is_speculative(self) -> bool:
@@ -107,6 +112,8 @@ class EngineConfig:
         names = {f.name for f in attrs.fields(cls)}
         unknown = set(data) - names
         _check(not unknown, f"unknown config keys: {sorted(unknown)}")
+        if "random_weights_seed" not in data:  # an older log: its `seed` seeded random: weights
+            data = {**data, "random_weights_seed": data.get("seed") or 0}
         return cls(**data)
 
     def replace(self, **changes: Any) -> EngineConfig:

@@ -21,6 +21,7 @@ from memstep.core.outputs import Completion, RequestOutput
 from memstep.core.request import Request, Status
 from memstep.core.sampling_params import InvalidRequest, SamplingParams
 from memstep.core.scheduler import Scheduler, StepBatch
+from memstep.core.seeding import RequestSeeds, engine_seed
 from memstep.core.tokenizer import load_tokenizer
 from memstep.events.plan import SeqPlan, StepPlan, StepResult
 from memstep.events.types import (
@@ -53,9 +54,11 @@ class Engine:
         executor_factory: Callable,
         sinks: Iterable[Sink] = (),
     ):
-        self.cfg = cfg
+        seed = engine_seed(cfg)
+        self.cfg = cfg = cfg.replace(seed=seed)  # recorded: a replay draws nothing from entropy
         self.sinks = list(sinks)
-        self.source = resolve(cfg.model, cfg.seed)
+        self.seeds = RequestSeeds(seed)
+        self.source = resolve(cfg.model, cfg.random_weights_seed)
         self.model_cfg = model_config(self.source)
         self.max_model_len = min(cfg.max_model_len or 2048, self.model_cfg.max_context)
         mc = self.model_cfg
@@ -103,13 +106,17 @@ class Engine:
         request_id: str | None = None,
         arrival_time: float | None = None,
     ) -> str:
-        """Validate and queue a request; raises InvalidRequest with a clear message."""
+        """Validate and queue a request; raises InvalidRequest with a clear message.
+
+        A request without a seed gets one drawn here, recorded in RequestAdded's params."""
         params = params or SamplingParams()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate_prompt(ids, params)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
+        if params.seed is None:
+            params = params.with_seed(self.seeds.draw())
         arrival = time.time() if arrival_time is None else arrival_time
         self.emit(RequestAdded(self.step_no, request_id, ids, params.to_dict(), arrival))
         req = Request(request_id, ids, params, self.tokenizer.decode)

@@ -40,7 +40,7 @@ class ModelSource:
     kind: str  # "gguf" | "hf" | "random"
     path: Path | None
     preset: str | None = None
-    seed: int = 0
+    weights_seed: int = 0  # random: only; EngineConfig.random_weights_seed
 
     @property
     def is_random(self) -> bool:
@@ -49,14 +49,14 @@ class ModelSource:
     @cached_property
     def label(self) -> str:
         if self.is_random:
-            return f"random:{self.preset} (seeded random weights, seed={self.seed})"
+            return f"random:{self.preset} (seeded random weights, seed={self.weights_seed})"
         return str(self.path.name if self.path else "?")
 
     @cached_property
     def identity(self) -> str:
         """A stable identity for the log header: the weights' hash, or the preset and seed."""
         if self.is_random:
-            return f"random:{self.preset}:seed={self.seed}"
+            return f"random:{self.preset}:seed={self.weights_seed}"
         assert self.path is not None
         files = [self.path] if self.path.is_file() else sorted(self.path.glob("*.safetensors"))
         digest = hashlib.sha256()
@@ -68,7 +68,7 @@ class ModelSource:
         return f"{self.kind}:{digest.hexdigest()[:16]}"
 
 
-def resolve(spec: str, seed: int = 0) -> ModelSource:
+def resolve(spec: str, weights_seed: int = 0) -> ModelSource:
     """Turn the user's `--model` string into a source, with a clear error when it cannot be."""
     if spec in ALIASES:
         path = shipped_gguf_path()
@@ -79,7 +79,7 @@ def resolve(spec: str, seed: int = 0) -> ModelSource:
         preset = spec.split(":", 1)[1]
         if preset not in PRESETS:
             raise ModelError(f"unknown random preset {preset!r}; choose from {sorted(PRESETS)}")
-        return ModelSource("random", None, preset, seed)
+        return ModelSource("random", None, preset, weights_seed)
     path = Path(spec)
     if not path.exists():
         raise ModelError(f"model not found: {spec} (give a .gguf file, a model folder or random:)")

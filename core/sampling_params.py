@@ -30,7 +30,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    seed: int = 0
+    seed: int | None = None  # None: the engine draws one from its own generator and records it
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
     stop: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     ignore_eos: bool = False
@@ -57,7 +57,7 @@ class SamplingParams:
         _require(self.repetition_penalty > 0.0, "repetition_penalty must be > 0")
         _require(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]")
         _require(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]")
-        _require(0 <= self.seed < 2**63, "seed must be in [0, 2**63)")
+        _require(self.seed is None or 0 <= self.seed < 2**63, "seed must be in [0, 2**63)")
         _require(0 <= self.logprobs <= 20, "logprobs must be in [0, 20]")
         _require(all(isinstance(t, int) for t in self.stop_token_ids), "stop_token_ids: ints")
         _require(all(isinstance(s, str) and s for s in self.stop), "stop: non-empty strings")
@@ -73,6 +73,9 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+    def with_seed(self, seed: int) -> SamplingParams:
+        return attrs.evolve(self, seed=seed)
 
     def to_dict(self) -> dict[str, Any]:
         data = attrs.asdict(self)
@@ -95,7 +98,9 @@ class SamplingParams:
 
 
 def _check_type(key: str, value: Any, default: Any) -> None:
-    if isinstance(default, bool):
+    if default is None:  # an optional int (the seed)
+        ok = value is None or isinstance(value, int) and not isinstance(value, bool)
+    elif isinstance(default, bool):
         ok = isinstance(value, bool)
     elif isinstance(default, int):
         ok = isinstance(value, int) and not isinstance(value, bool)

@@ -235,8 +235,8 @@ def warm_sampler(model: LlamaModel, sampler: Sampler, runner: GraphRunner) -> No
     with every filter on (and greedy rows, penalties and logprobs), into its persistent buffers.
     """
     params = [
-        SamplingParams(temperature=0.7, top_p=0.9, top_k=50, min_p=0.01, logprobs=2),
-        SamplingParams(temperature=0.0, repetition_penalty=1.1, frequency_penalty=0.1),
+        SamplingParams(temperature=0.7, top_p=0.9, top_k=50, min_p=0.01, logprobs=2, seed=0),
+        SamplingParams(temperature=0.0, repetition_penalty=1.1, frequency_penalty=0.1, seed=0),
     ]
     for n in runner.sizes:
         n = min(n, sampler.max_rows)
@@ -245,5 +245,5 @@ def warm_sampler(model: LlamaModel, sampler: Sampler, runner: GraphRunner) -> No
         raw = logits.clone()
         tokens = sampler.sample(sampler.distribution(logits, rows), rows)
         top_logprobs(raw, tokens, 2)
-        greedy = [Row(SamplingParams(), 3, [1, 2, 3], 1)] * n  # the all-greedy shortcut
+        greedy = [Row(SamplingParams(seed=0), 3, [1, 2, 3], 1)] * n  # the all-greedy shortcut
         sampler.sample_logits(model.logits(runner.decode.hidden[:n]), greedy).tolist()

@@ -18,6 +18,7 @@ after death every call raises `ExecutorDied`.
 from __future__ import annotations
 
 import collections
+import os
 import shutil
 import signal
 import subprocess
@@ -40,6 +41,7 @@ from memstep.events.wire import (
     ExecutorStop,
 )
 from memstep.executors.process import MAIN_ID, HeartbeatThread
+from memstep.executors.threads import executor_env
 
 log = structlog.get_logger("memstep.executor.remote")
 
@@ -96,6 +98,7 @@ class ProcessExecutor:
             self._command(heartbeat_timeout * 2, log_level, log_format),
             stdin=subprocess.DEVNULL,
             stdout=sys.stderr.fileno(),
+            env=executor_env(os.environ),
         )
         try:
             self._handshake(cfg, max_model_len)

@@ -26,6 +26,13 @@ class Row:
     history: list[int]  # prompt + output tokens before this position (for penalties)
     prompt_len: int
 
+    @property
+    def seed(self) -> int:
+        """The request's seed, which the core set (drawn for a request that came without)."""
+        if self.params.seed is None:
+            raise ValueError("a row to sample has no seed: the core gives every request one")
+        return self.params.seed
+
 
 class Sampler:
     def __init__(self, max_rows: int, vocab_size: int, device: torch.device):
@@ -85,7 +92,7 @@ class Sampler:
     def _sample(self, probs: torch.Tensor, rows: list[Row], stream: int) -> PendingTokens:
         r = len(rows)
         u = self.uniforms[:r]
-        draws = [uniform(row.params.seed, row.position, stream) for row in rows]
+        draws = [uniform(row.seed, row.position, stream) for row in rows]
         u.copy_(to_device(draws, u.device))
         return PendingTokens(inverse_cdf_on_device(probs, u, self.sorted[:r]), probs)
 

@@ -43,7 +43,9 @@ def draft_model(
         from memstep.core.model_source import resolve
         from memstep.executors.weights import load_weights
 
-        weights = load_weights(resolve(cfg.draft_model, cfg.seed), dcfg, dtype, device)
+        weights = load_weights(
+            resolve(cfg.draft_model, cfg.random_weights_seed), dcfg, dtype, device
+        )
     return LlamaModel(dcfg, weights, max_len + cfg.num_speculative_tokens + 16)
 
 
@@ -150,7 +152,7 @@ def accept_drafts(p: torch.Tensor, rows: list[Row], drafts: list[int], q) -> tup
     or None for a deterministic proposer (q one-hot at the draft)."""
     out: list[int] = []
     for j, d in enumerate(drafts):
-        pos, seed = rows[j].position, rows[j].params.seed
+        pos, seed = rows[j].position, rows[j].seed
         q_d = 1.0 if q is None else float(q[j, d])
         p_d = float(p[j, d])
         if q_d > 0 and uniform(seed, pos, ACCEPT) < p_d / q_d:
@@ -167,6 +169,6 @@ def accept_drafts(p: torch.Tensor, rows: list[Row], drafts: list[int], q) -> tup
         out.append(inverse_cdf(residual[None], u, torch.empty_like(residual[None]))[0])
         return out, j
     j = len(drafts)
-    u = torch.tensor([uniform(rows[j].params.seed, rows[j].position, SAMPLE)])
+    u = torch.tensor([uniform(rows[j].seed, rows[j].position, SAMPLE)])
     out.append(inverse_cdf(p[j : j + 1], u, torch.empty_like(p[j : j + 1]))[0])
     return out, len(drafts)

@@ -160,7 +160,7 @@ def load_weights(
 ) -> Weights:
     """Every tensor of the model in `dtype` on `device`; random: weights are made there."""
     if source.kind == "random":
-        return _random(cfg, source.seed, dtype, device)
+        return _random(cfg, source.weights_seed, dtype, device)
     assert source.path is not None
     loaded = _load_gguf(source.path, cfg) if source.kind == "gguf" else _load_hf(source.path, cfg)
     return {k: v.to(device=device, dtype=dtype).contiguous() for k, v in loaded.items()}

@@ -55,7 +55,7 @@ class Worker:
         self.meter = memory.LiveTensorMeter()
         if self.device.type == "cpu":
             self.meter.exclude_existing()  # before the weights: everything after is this worker's
-        self.source = resolve(cfg.model, cfg.seed)
+        self.source = resolve(cfg.model, cfg.random_weights_seed)
         self.model_cfg = model_config(self.source)
         self.weights = load_weights(self.source, self.model_cfg, self.dtype, self.device)
         self.model = LlamaModel(self.model_cfg, self.weights, max_model_len + 16, self._kernel())
@@ -124,7 +124,7 @@ class Worker:
         """Run the model and the sampler at every batch size serving will see."""
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        params = SamplingParams(temperature=0.7, top_p=0.9, top_k=50, min_p=0.01).to_dict()
+        params = SamplingParams(temperature=0.7, top_p=0.9, top_k=50, min_p=0.01, seed=0).to_dict()
         for rows in range(1, self.sampler.max_rows + 1):
             logits = torch.zeros(rows, self.model_cfg.vocab_size, device=self.device)
             sp = SamplingParams.from_dict(params)

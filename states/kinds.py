@@ -129,5 +129,5 @@ def draft_config(cfg: EngineConfig, model: ModelConfig) -> ModelConfig:
     if cfg.draft_model is not None:
         from memstep.core.model_source import model_config, resolve
 
-        return model_config(resolve(cfg.draft_model, cfg.seed))
+        return model_config(resolve(cfg.draft_model, cfg.random_weights_seed))
     return model.truncated(cfg.draft_layers)

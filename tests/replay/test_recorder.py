@@ -40,11 +40,12 @@ def test_header_and_first_record_and_one_flush_per_step(tmp_path):
     recorder = Recorder(path)
     engine = local_engine(TINY, sinks=[recorder])
     with LogReader(path) as reader:
-        assert reader.header["config"] == TINY.to_dict()
+        assert reader.header["config"] == TINY.replace(seed=engine.cfg.seed).to_dict()
+        assert isinstance(engine.cfg.seed, int)  # drawn at start, since TINY sets none
         assert reader.header["model_identity"] == engine.source.identity == "random:tiny:seed=0"
         assert reader.header["memstep_version"] == __version__
         first = next(iter(reader))
-    assert first == EngineStarted(__version__, TINY.to_dict(), "random:tiny:seed=0")
+    assert first == EngineStarted(__version__, engine.cfg.to_dict(), "random:tiny:seed=0")
     size = path.stat().st_size
     engine.add_request([5, 6, 7], SamplingParams(max_tokens=3))
     assert path.stat().st_size == size  # an input waits for the end of its step

@@ -1,0 +1,43 @@
+"""How the executor's CPU threads wait: the OpenMP wait policy, set before torch loads.
+
+torch's CPU kernels run on an OpenMP pool whose idle threads spin for a while at every barrier,
+waiting for the next parallel region.  On a machine where another job holds the cores, a
+spinning worker takes the core its peer needs and the barrier waits out a scheduler slice.  A
+passive policy puts idle threads to sleep at once.  Measured with benchmarks/bench_contention.py
+(SmolLM2 decode step, 2 cores shared with other jobs, two busy-loop neighbours added): torch's
+default two threads took 4.4 s (batch 1) and 17.6 s (batch 8) a step when the machine was
+crowded, 0.52 s and 0.46 s with the passive policy; on a quieter machine 0.19 s and 0.39 s
+against 0.10 s and 0.20 s.  One thread did better than passive two only on the quieter run
+(0.09 s, 0.12 s), was worse on the crowded one (0.74 s, 1.53 s) and slower without neighbours
+(0.053 s and 0.085 s against 0.046 s and 0.069 s).  So the thread count stays torch's default
+(one per core; `EngineConfig.num_threads` overrides it) and the policy is passive unless the
+environment names another.  Its price, without neighbours: waking sleeping threads made steps
+13-25% slower (0.044 s against 0.039 s at batch 1, 0.068 s against 0.054 s at batch 8); set
+OMP_WAIT_POLICY=ACTIVE on a machine that serves alone.
+
+The policy is read once, when torch's OpenMP runtime loads, so it must be in the environment
+before the process imports torch: the process executor is started with it (`executor_env`), and
+the `memstep` command sets it for its own process (`prefer_passive_wait`) before any sub-command
+imports torch.  A process that loaded torch earlier keeps its policy; only the thread count can
+still be set there.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping, MutableMapping
+
+WAIT_POLICY = "OMP_WAIT_POLICY"
+PASSIVE = "PASSIVE"
+
+
+def executor_env(env: Mapping[str, str]) -> dict[str, str]:
+    """`env` with a passive wait policy, unless it names a policy of its own."""
+    return {WAIT_POLICY: PASSIVE, **env}
+
+
+def prefer_passive_wait(env: MutableMapping[str, str] = os.environ) -> None:
+    """A passive policy for this process, unless it names one or has loaded torch already."""
+    if "torch" not in sys.modules:
+        env.setdefault(WAIT_POLICY, PASSIVE)
