@@ -58,6 +58,13 @@ class EngineConfig:
     decode_ahead: bool = True
     num_threads: int | None = None
     debug_plant_leak: str | None = None  # test-only: a deliberate leak from states/planted.py
+    # executor crash recovery: past this many restarts within the window the engine gives up
+    max_executor_restarts: int = 3
+    executor_restart_window_s: float = 600.0
+    # test-only fault injector: the executor SIGKILLs itself when asked to run each of these
+    # steps (once each), and, with the second flag, every restarted executor dies in warmup
+    debug_kill_executor_at: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    debug_kill_restarted_executor: bool = False
 
     def __attrs_post_init__(self) -> None:
         _check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
@@ -85,6 +92,12 @@ class EngineConfig:
             f"debug_plant_leak must be one of {PLANTED_LEAKS} or None",
         )
         _check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks must be >= 1")
+        _check(self.max_executor_restarts >= 0, "max_executor_restarts must be >= 0")
+        _check(self.executor_restart_window_s > 0, "executor_restart_window_s must be > 0")
+        _check(
+            all(type(s) is int and s >= 0 for s in self.debug_kill_executor_at),
+            "debug_kill_executor_at must be step numbers >= 0",
+        )
 
     @cached_property
     def is_speculative(self) -> bool:
