@@ -85,6 +85,7 @@ class Engine:
         self.recovery: Recovery | None = None
         self.death: str | None = None  # why the engine gave up on executors
         self.num_losses = 0
+        self._aborted_in_recovery: list[str] = []
         self.emit(EngineStarted(VERSION, cfg.to_dict(), self.source.identity))
         for stage in START_STAGES:
             self._start_stage(stage)
@@ -175,11 +176,16 @@ class Engine:
             )
 
     def abort(self, request_id: str) -> None:
+        """Finish a request now, or, while recovering, when the recovery is done: a replay
+        applies inputs that came during a recovery after it, and must finish it at that place."""
         req = self.requests.get(request_id)
-        if req is None:
+        if req is None or request_id in self._aborted_in_recovery:
             raise UnknownRequest(f"unknown request id {request_id!r}")
         self.emit(RequestAborted(self.step_no, request_id))
-        self._finish(req, "abort")
+        if self.recovery is not None:
+            self._aborted_in_recovery.append(request_id)
+        else:
+            self._finish(req, "abort")
 
     # --- the step --------------------------------------------------------------------------
 
@@ -374,6 +380,9 @@ class Engine:
         )
         self.emit(done)
         log.warning("executor recovered", **attrs.asdict(done))
+        aborted, self._aborted_in_recovery = self._aborted_in_recovery, []
+        for request_id in aborted:
+            self._finish(self.requests[request_id], "abort")
 
     def _close_executor(self) -> None:
         executor, self.executor = self.executor, None
@@ -384,6 +393,7 @@ class Engine:
         """Fail every unfinished request and stay dead: a supervisor restarts the whole server."""
         self.death = reason
         self.recovery = None
+        self._aborted_in_recovery.clear()
         for req in list(self.requests.values()):
             self._finish(req, "executor_dead")
         log.error("engine dead: too many executor restarts", reason=reason)

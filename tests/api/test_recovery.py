@@ -79,7 +79,11 @@ def _assert_identical(results: list, expected: list[Completion]) -> None:
 
 
 def _replay(log: Path) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "memstep.cli.main", "--log-level", "warning", "replay", str(log)]
+    return _memstep("replay", str(log))
+
+
+def _memstep(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "memstep.cli.main", "--log-level", "warning", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
 
 
@@ -132,8 +136,14 @@ def test_executor_sigkilled_from_outside_mid_stream_is_recovered_and_recorded():
         log = server.dir / "events.memlog"
         records = load(log).records
         replayed = _replay(log)
+        shown = _memstep("inspect", str(log))
+        plotted = _memstep("plot", str(log), "-o", str(server.dir / "memory.png"))
+        png = (server.dir / "memory.png").read_bytes()
     _assert_identical(results, expected)
     assert health.status == "ok" and health.executor_pid not in (0, info["executor_pid"])
+    assert shown.returncode == 0 and "executor losses: 1, recoveries: 1" in shown.stdout
+    assert f"executor process {info['executor_pid']} died (killed by SIGKILL)" in shown.stdout
+    assert plotted.returncode == 0 and png.startswith(b"\x89PNG"), plotted.stderr
     (lost,) = _of(records, ExecutorLost)
     assert f"{info['executor_pid']} died (killed by SIGKILL)" in lost.reason
     assert not _of(records, RequestFinished) or all(

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from memstep.core.config import EngineConfig
+from memstep.core.engine import UnknownRequest
 from memstep.core.recovery import EngineDead, RestartBudget
 from memstep.core.sampling_params import SamplingParams
 from memstep.events.types import (
@@ -109,6 +110,26 @@ def test_a_request_added_during_recovery_is_queued_and_served(clean):
     while engine.has_work():
         step()
     assert [tokens[i] for i in ids] == [c.token_ids for c in clean]
+
+
+def test_an_abort_during_recovery_takes_effect_after_it_and_replays():
+    records: list = []
+    engine = local_engine(TINY.replace(debug_kill_executor_at=(2,)), [records.append])
+    ids = [engine.add_request(p, sp) for p, sp in zip(PROMPTS[:4], PARAMS[:4], strict=True)]
+    while not engine.is_recovering:
+        engine.step()
+    engine.step()  # the new executor has started, and is not yet profiled
+    engine.abort(ids[1])
+    with pytest.raises(UnknownRequest):
+        engine.abort(ids[1])
+    engine.run_until_idle()
+    engine.shutdown()
+    names = [type(r).__name__ for r in records]
+    aborted = next(r for r in _of(records, RequestFinished) if r.reason == "abort")
+    assert aborted.request_id == ids[1]
+    assert names.index("RecoveryDone") < records.index(aborted)
+    recording = _recording(records)
+    assert compare(recording.derived, replay(recording).derived).is_identical
 
 
 def test_past_the_restart_budget_every_request_fails_and_the_engine_is_dead():
