@@ -113,7 +113,9 @@ class EngineConfig:
         return self.is_speculative and (disable is None or batch_size < disable)
 
     def to_dict(self) -> dict[str, Any]:
-        return attrs.asdict(self)
+        data = attrs.asdict(self)
+        data["debug_kill_executor_at"] = list(self.debug_kill_executor_at)  # as logs give it back
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EngineConfig:
