@@ -9,6 +9,11 @@ Bad input never ends the loop: every frame gets a reply, an ErrorReply when it c
 A client whose connection is gone is noticed when a send to it fails (ZMQ_ROUTER_MANDATORY):
 streaming requests get a reply every step, the others a Keepalive about once a second, so a
 vanished client's requests are aborted and their pages freed within about a second.
+
+A lost executor is the engine's business: it recovers one stage per step while this loop keeps
+answering (health `recovering`, new requests queued), and its clients only see a pause.  Once the
+engine gives up (too many restarts) every request in flight gets an `executor_dead` error, health
+says `dead`, and the loop ends `dead_exit_s` later so that a supervisor restarts the server.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from zmq.utils import z85
 from memstep.core.config import ConfigError
 from memstep.core.engine import Engine, UnknownRequest
 from memstep.core.outputs import RequestOutput
+from memstep.core.recovery import EngineDead
 from memstep.core.sampling_params import InvalidRequest, SamplingParams
 from memstep.events import codec
 from memstep.events.version import VERSION
@@ -48,7 +54,6 @@ from memstep.events.wire import (
     WireError,
     decode_request,
 )
-from memstep.executors.remote import ExecutorDied, ExecutorFailed
 
 log = structlog.get_logger("memstep.server")
 
@@ -75,6 +80,7 @@ class ServerConfig:
     idle_poll_s: float = 0.05
     curve_secret_key: bytes | None = None  # z85, 40 characters
     curve_client_keys: frozenset[bytes] = frozenset()  # z85 public keys allowed to connect
+    dead_exit_s: float = 2.0  # once the engine gave up: answer health (dead) this long, then stop
 
     def __attrs_post_init__(self) -> None:
         if self.max_frame_bytes < 1024:
@@ -155,7 +161,8 @@ class Server:
         self.last_sent: dict[bytes, float] = {}  # for peers with requests in flight
         self.gone: set[bytes] = set()  # peers whose connection closed; dropped each turn
         self.finished: collections.Counter[str] = collections.Counter()
-        self.executor_death: str | None = None
+        self.executor_death: str | None = None  # why the engine gave up on executors
+        self.dead_since: float | None = None
         self.started = time.monotonic()
         self.last_keepalive = 0.0
         self.stopping = False
@@ -209,6 +216,9 @@ class Server:
             self._step()
         self._keepalive()
         self._drop_gone_peers()
+        dead_for = time.monotonic() - (self.dead_since or time.monotonic())
+        if self.dead_since is not None and dead_for > self.cfg.dead_exit_s:
+            self.stopping = True
 
     def close(self) -> None:
         self.sock.close(0)
@@ -234,22 +244,18 @@ class Server:
                 log.exception("frame dropped", num_frames=len(frames))
 
     def _check_executor(self) -> None:
-        check = getattr(self.engine.executor, "check", None)
-        if check is None or self.executor_death is not None:
+        if self.executor_death is not None:
             return
         try:
-            check()
-        except ExecutorDied as exc:
+            self.engine.check_executor()
+        except EngineDead as exc:
             self._executor_died(str(exc))
 
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
-        except ExecutorDied as exc:
+        except EngineDead as exc:
             self._executor_died(str(exc))
-            return
-        except ExecutorFailed as exc:
-            self._fail_all("executor_error", str(exc))
             return
         except Exception as exc:
             log.exception("engine step failed")
@@ -353,10 +359,11 @@ class Server:
 
     def _health(self, msg: HealthRequest) -> HealthReply:
         dead = self.executor_death
+        status = "dead" if dead else "recovering" if self.engine.is_recovering else "ok"
         return HealthReply(
             request_id=msg.request_id,
-            status="ok" if dead is None else "executor_dead",
-            executor_alive=dead is None,
+            status=status,
+            executor_alive=status == "ok",
             executor_pid=getattr(self.engine.executor, "pid", 0),
             core_pid=os.getpid(),
             model=self.engine.source.label,
@@ -366,7 +373,7 @@ class Server:
             uptime_s=time.monotonic() - self.started,
             memstep_version=VERSION,
             protocol=PROTOCOL_VERSION,
-            detail=dead or "",
+            detail=dead or ("a new executor is starting" if status == "recovering" else ""),
         )
 
     def _stats(self, msg: StatsRequest) -> StatsReply:
@@ -445,6 +452,7 @@ class Server:
 
     def _executor_died(self, reason: str) -> None:
         self.executor_death = reason
+        self.dead_since = time.monotonic()
         self._fail_all("executor_dead", reason)
 
     def _fail_all(self, code: str, message: str) -> None:

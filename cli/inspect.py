@@ -63,6 +63,7 @@ def to_text(recording: Recording, s: LogSummary) -> str:
         _transitions(s),
         _memory(s),
         _leaks(s),
+        _recoveries(s),
     ]
     return "\n\n".join(sections)
 
@@ -156,3 +157,18 @@ def _leaks(s: LogSummary) -> str:
         f"  step {x.step} {x.kind} {x.what} {fmt_bytes(x.nbytes)}: {x.detail}" for x in s.leaks
     ]
     return "\n".join(lines)
+
+
+def _recoveries(s: LogSummary) -> str:
+    if not s.losses:
+        return "executor losses: none"
+    lines = [f"executor losses: {len(s.losses)}, recoveries: {len(s.recoveries)}"]
+    for x in s.losses:
+        end = "; gave up, every request failed" if x.gave_up else ""
+        lines.append(f"  step {x.step} lost during {x.during}: {x.reason}{end}")
+    rows = [
+        [r.step, r.num_readmitted, r.tokens_to_recompute, r.num_starts, f"{r.seconds:.2f}"]
+        for r in s.recoveries
+    ]
+    headers = ["recovered at step", "requests re-admitted", "tokens recomputed", "starts", "s"]
+    return "\n".join(lines) + ("\n" + render(headers, rows, left=2) if rows else "")

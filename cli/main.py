@@ -72,6 +72,37 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--random-weights-seed", type=int, default=d.random_weights_seed, help="random: weights"
     )
+    g.add_argument(
+        "--max-executor-restarts",
+        type=int,
+        default=d.max_executor_restarts,
+        help="executor restarts allowed within the window before the engine gives up",
+    )
+    g.add_argument(
+        "--executor-restart-window",
+        dest="executor_restart_window_s",
+        type=float,
+        default=d.executor_restart_window_s,
+        help="seconds over which executor restarts are counted",
+    )
+    g.add_argument(
+        "--debug-kill-executor-at",
+        type=_steps,
+        default=d.debug_kill_executor_at,
+        help="test-only: the executor SIGKILLs itself at these steps, e.g. 5,12,20",
+    )
+    g.add_argument(
+        "--debug-kill-restarted-executor",
+        action="store_true",
+        help="test-only: every restarted executor SIGKILLs itself in warmup (a crash loop)",
+    )
+
+
+def _steps(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected step numbers like 5,12,20: {text!r}") from exc
 
 
 SPECULATION_FIELDS = (

@@ -2,7 +2,10 @@
 
 `memstep serve` (or `python -m memstep.cli.serve`) loads the tokenizer in the core,
 spawns the executor process (which loads the model), then answers clients until SIGINT or
-SIGTERM.  `ServerProcess` runs the same command as a child process, for tests and `bench serve`.
+SIGTERM.  A lost executor is replaced (`--max-executor-restarts` within
+`--executor-restart-window` seconds); past that budget serve exits with code 3, for a supervisor
+to restart it.  `ServerProcess` runs the same command as a child process, for tests and
+`bench serve`.
 """
 
 from __future__ import annotations
@@ -29,10 +32,12 @@ from memstep.cli.main import add_engine_arguments, config_from_args
 from memstep.core.config import ConfigError
 from memstep.core.engine import Engine
 from memstep.core.logging import setup_logging
-from memstep.executors.remote import ExecutorDied, ProcessExecutor
+from memstep.core.recovery import ExecutorDown
+from memstep.executors.remote import ProcessExecutor
 from memstep.replay.recorder import add_record_arguments, open_recorder
 
 log = structlog.get_logger("memstep.serve")
+EXIT_ENGINE_DEAD = 3  # the executor was lost more often than the restart budget allows
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -80,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         _shutdown(engine)
         if recorder is not None:
             recorder.close()
-    return 0
+    return 0 if engine.death is None else EXIT_ENGINE_DEAD
 
 
 def _server_config(args: argparse.Namespace) -> ServerConfig:
@@ -111,8 +116,8 @@ def _executor_factory(args: argparse.Namespace) -> Any:
 def _shutdown(engine: Engine) -> None:
     try:
         engine.shutdown()
-    except ExecutorDied:
-        engine.executor.close()
+    except ExecutorDown as exc:  # lost at the very end: Engine.shutdown has closed it
+        print(f"memstep serve: executor lost at shutdown: {exc}", file=sys.stderr)
 
 
 def _announce(server: Server, ready_file: Path | None) -> None:

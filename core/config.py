@@ -61,6 +61,13 @@ class EngineConfig:
     decode_ahead: bool = True
     num_threads: int | None = None
     debug_plant_leak: str | None = None  # test-only: a deliberate leak from states/planted.py
+    # executor crash recovery: past this many restarts within the window the engine gives up
+    max_executor_restarts: int = 3
+    executor_restart_window_s: float = 600.0
+    # test-only fault injector: the executor SIGKILLs itself when asked to run each of these
+    # steps (once each), and, with the second flag, every restarted executor dies in warmup
+    debug_kill_executor_at: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    debug_kill_restarted_executor: bool = False
 
     def __attrs_post_init__(self) -> None:
         _check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
@@ -90,6 +97,12 @@ class EngineConfig:
         _check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks must be >= 1")
         _check(self.seed is None or 0 <= self.seed < 2**63, "seed must be in [0, 2**63)")
         _check(self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1")
+        _check(self.max_executor_restarts >= 0, "max_executor_restarts must be >= 0")
+        _check(self.executor_restart_window_s > 0, "executor_restart_window_s must be > 0")
+        _check(
+            all(type(s) is int and s >= 0 for s in self.debug_kill_executor_at),
+            "debug_kill_executor_at must be step numbers >= 0",
+        )
 
     @cached_property
     def is_speculative(self) -> bool:
@@ -105,7 +118,9 @@ class EngineConfig:
         return self.is_speculative and (disable is None or batch_size < disable)
 
     def to_dict(self) -> dict[str, Any]:
-        return attrs.asdict(self)
+        data = attrs.asdict(self)
+        data["debug_kill_executor_at"] = list(self.debug_kill_executor_at)  # as logs give it back
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EngineConfig:

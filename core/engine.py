@@ -3,6 +3,10 @@
 It decides and never touches device tensors: the executor (in-process or behind ZeroMQ) runs
 each plan.  Every input and every derived fact is emitted as a typed record to the sinks (the
 event log writer, tests), which is what makes a run replayable.
+
+When the executor is lost (it died, went silent, or answered with an error) the engine records
+the loss, enters `recover`, puts every unfinished request back in the queue and starts a new
+executor, one start-up stage per `step()` so that its caller keeps answering clients.
 """
 
 from __future__ import annotations
@@ -18,6 +22,14 @@ from memstep.core.block_manager import BlockManager
 from memstep.core.config import EngineConfig
 from memstep.core.model_source import model_config, resolve
 from memstep.core.outputs import Completion, RequestOutput
+from memstep.core.recovery import (
+    START_STAGES,
+    EngineDead,
+    ExecutorDown,
+    Recovery,
+    RestartBudget,
+    executor_config,
+)
 from memstep.core.request import Request, Status
 from memstep.core.sampling_params import InvalidRequest, SamplingParams
 from memstep.core.scheduler import Scheduler, StepBatch
@@ -26,7 +38,10 @@ from memstep.core.tokenizer import load_tokenizer
 from memstep.events.plan import SeqPlan, StepPlan, StepResult
 from memstep.events.types import (
     EngineStarted,
+    ExecutorLost,
     PhaseChanged,
+    RecoveryDone,
+    RecoveryStarted,
     RequestAborted,
     RequestAdded,
     RequestFinished,
@@ -68,14 +83,16 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
         self._ids = itertools.count()
+        self.executor_factory = executor_factory
+        self.restarts = RestartBudget(cfg.max_executor_restarts, cfg.executor_restart_window_s)
+        self.recovery: Recovery | None = None
+        self.death: str | None = None  # why the engine gave up on executors
+        self.num_losses = 0
+        self._aborted_in_recovery: list[str] = []
         self.emit(EngineStarted(VERSION, cfg.to_dict(), self.source.identity))
-        self.executor = executor_factory(cfg, self.max_model_len)
-        self.memory_plan = self._phase("profile").info
-        self.warmup_info = self._phase("warmup").info
-        captured = self._phase("capture").info
-        blocks = BlockManager(self.memory_plan["num_kv_blocks"], cfg.block_size)
-        lookahead = 1 if captured.get("decode_ahead") else 0  # the executor replays ahead
-        self.scheduler = Scheduler(cfg, blocks, self.max_model_len, lookahead)
+        for stage in START_STAGES:
+            self._start_stage(stage)
+        self.scheduler = Scheduler(cfg, self._pages(), self.max_model_len, self._lookahead())
         log.info("engine ready", model=self.source.label, max_model_len=self.max_model_len)
 
     # --- plumbing --------------------------------------------------------------------------
@@ -93,9 +110,33 @@ class Engine:
             self.emit(rec)
         return reply
 
+    def _start_stage(self, stage: str) -> None:
+        """Start an executor (`start`) or take it through one start-up phase."""
+        if stage == "start":
+            restarted = self.recovery is not None
+            first = self.recovery.kills_from if self.recovery is not None else 0
+            cfg = executor_config(self.cfg, first, restarted)
+            self.executor = self.executor_factory(cfg, self.max_model_len)
+        elif stage == "profile":
+            self.memory_plan = self._phase("profile").info
+        elif stage == "warmup":
+            self.warmup_info = self._phase("warmup").info
+        else:
+            self.captured = self._phase(stage).info
+
+    def _pages(self) -> BlockManager:
+        return BlockManager(self.memory_plan["num_kv_blocks"], self.cfg.block_size)
+
+    def _lookahead(self) -> int:
+        return 1 if self.captured.get("decode_ahead") else 0  # the executor replays ahead
+
     @property
     def blocks(self) -> BlockManager:
         return self.scheduler.blocks
+
+    @property
+    def is_recovering(self) -> bool:
+        return self.recovery is not None
 
     # --- inputs ----------------------------------------------------------------------------
 
@@ -142,24 +183,39 @@ class Engine:
             )
 
     def abort(self, request_id: str) -> None:
+        """Finish a request now, or, while recovering, when the recovery is done: a replay
+        applies inputs that came during a recovery after it, and must finish it at that place."""
         req = self.requests.get(request_id)
-        if req is None:
+        if req is None or request_id in self._aborted_in_recovery:
             raise UnknownRequest(f"unknown request id {request_id!r}")
         self.emit(RequestAborted(self.step_no, request_id))
-        self._finish(req, "abort")
+        if self.recovery is not None:
+            self._aborted_in_recovery.append(request_id)
+        else:
+            self._finish(req, "abort")
 
     # --- the step --------------------------------------------------------------------------
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.recovery is not None or self.scheduler.has_work()
 
     def step(self) -> list[RequestOutput]:
-        """Plan the step, apply the transition, run, record."""
+        """Plan the step, apply the transition, run, record; while recovering, the next start-up
+        stage of the new executor instead.  Raises EngineDead once the engine gave up."""
+        if self.death is not None:
+            raise EngineDead(self.death)
+        if self.recovery is not None:
+            self._recover_stage()
+            return []
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
         plan = self._plan(batch)
-        result = self.executor.execute(plan)
+        try:
+            result = self.executor.execute(plan)
+        except ExecutorDown as exc:
+            self._lose(exc, "step")
+            return []
         outputs = self._record(batch, result)
         self.step_no += 1
         return outputs
@@ -277,6 +333,79 @@ class Engine:
                 acceptance_rate=round(req.num_accepted / req.num_proposed, 3),
             )
 
+    # --- executor loss and recovery --------------------------------------------------------
+
+    def check_executor(self) -> None:
+        """Learn of a death between steps, from an executor that can tell without a call."""
+        check = getattr(self.executor, "check", None)
+        if check is None or self.recovery is not None or self.death is not None:
+            return
+        try:
+            check()
+        except ExecutorDown as exc:
+            self._lose(exc, "idle")
+
+    def _lose(self, exc: ExecutorDown, during: str) -> None:
+        """Record the loss, then recover, or give up past the restart budget (EngineDead)."""
+        reason = str(exc)
+        self.num_losses += 1
+        allowed = self.restarts.take(time.monotonic()) if exc.give_up is None else not exc.give_up
+        self.emit(ExecutorLost(self.step_no, reason, during, not allowed))
+        log.error("executor lost", step=self.step_no, during=during, reason=reason)
+        self._close_executor()
+        if not allowed:
+            self._give_up(reason)
+        if self.state != "recover":
+            self.emit(PhaseChanged(self.step_no, self.state, "recover"))
+            self.state = "recover"
+        if self.recovery is not None:
+            self.recovery.restart()
+            return
+        readmitted, tokens = self.scheduler.requeue_all()
+        num_waiting = len(self.scheduler.waiting)
+        self.emit(RecoveryStarted(self.step_no, self.num_losses, readmitted, num_waiting, tokens))
+        kills_from = self.step_no + 1 if during == "step" else self.step_no
+        self.recovery = Recovery(time.monotonic(), readmitted, tokens, kills_from)
+
+    def _recover_stage(self) -> None:
+        assert self.recovery is not None
+        rec = self.recovery
+        stage = rec.next_stage
+        rec.num_starts += stage == "start"
+        try:
+            self._start_stage(stage)
+        except ExecutorDown as exc:
+            self._lose(exc, stage)
+            return
+        rec.stage += 1
+        if rec.stage < len(START_STAGES):
+            return
+        self.scheduler.use_pages(self._pages(), self._lookahead())
+        self.recovery = None
+        done = RecoveryDone(
+            self.step_no, rec.num_readmitted, rec.tokens_to_recompute, rec.num_starts, rec.seconds()
+        )
+        self.emit(done)
+        log.warning("executor recovered", **attrs.asdict(done))
+        aborted, self._aborted_in_recovery = self._aborted_in_recovery, []
+        for request_id in aborted:
+            self._finish(self.requests[request_id], "abort")
+
+    def _close_executor(self) -> None:
+        executor, self.executor = self.executor, None
+        if executor is not None:
+            executor.close()
+
+    def _give_up(self, reason: str) -> None:
+        """Fail every unfinished request and stay dead: a supervisor restarts the whole server."""
+        self.death = reason
+        self.recovery = None
+        self._aborted_in_recovery.clear()
+        for req in list(self.requests.values()):
+            self._finish(req, "executor_dead")
+        log.error("engine dead: too many executor restarts", reason=reason)
+        raise EngineDead(f"executor lost too often (last: {reason})")
+
     # --- conveniences ----------------------------------------------------------------------
 
     def generate(
@@ -313,9 +442,17 @@ class Engine:
         return done
 
     def shutdown(self) -> None:
-        if self.state != "shutdown":
+        if self.state == "shutdown":
+            self._close_executor()
+            return
+        if self.executor is None:  # lost, and no new one started yet (or given up)
+            self.emit(PhaseChanged(self.step_no, self.state, "shutdown"))
+            self.state = "shutdown"
+            return
+        try:
             self._phase("shutdown")
-        self.executor.close()
+        finally:
+            self._close_executor()
 
 
 def _find_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:

@@ -123,6 +123,18 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
+    def requeue_all(self) -> tuple[int, int]:
+        """Every running request back to the front of the queue, in order, its pages freed: a
+        lost executor took their KV cache with it.  Returns (requests, tokens to recompute)."""
+        running = list(self.running)
+        for req in reversed(running):
+            self._preempt(req)
+        return len(running), sum(req.num_tokens for req in running)
+
+    def use_pages(self, blocks: BlockManager, decode_lookahead: int) -> None:
+        """The KV pages of a new executor (no request holds any: `requeue_all` came first)."""
+        self.blocks, self.decode_lookahead = blocks, decode_lookahead
+
     def _draft_slots(self, s: Scheduled) -> int:
         req = s.request
         if not (s.samples and req.is_decoding):

@@ -2,8 +2,9 @@
 
 One frozen attrs class per record, registered by name with `record`, so that the codec in
 `events/codec.py` can encode and decode any of them without pickling.  Inputs are the records a
-replay feeds back in (EngineStarted, RequestAdded, RequestAborted); everything else is derived
-and is compared field by field on replay.
+replay feeds back in (EngineStarted, RequestAdded, RequestAborted, ExecutorLost); everything else
+is derived and is compared field by field on replay, except the fields a record names in
+`WALL_CLOCK` (durations that no replay can reproduce).
 """
 
 from __future__ import annotations
@@ -75,6 +76,18 @@ class RequestAborted:
     INPUT: ClassVar[bool] = True
 
 
+@record
+class ExecutorLost:
+    """The executor died, stopped beating or answered with an error.  An input: replay cannot
+    cause the death, so it applies the recorded one where it happened."""
+
+    step: int
+    reason: str  # e.g. "executor process 123 died (killed by SIGKILL)"
+    during: str  # "idle" (between steps), "step" (running `step`), "start" or a phase name
+    gave_up: bool  # past the restart limit: every request failed, the engine is dead
+    INPUT: ClassVar[bool] = True
+
+
 # --- derived -------------------------------------------------------------------------------
 
 
@@ -135,6 +148,29 @@ class LeakSuspected:
     what: str  # "live_growth" | "held_after_exit"
     nbytes: int
     detail: str
+
+
+@record
+class RecoveryStarted:
+    """The engine entered `recover` and put every unfinished request back in the queue."""
+
+    step: int
+    num_losses: int  # executors lost since the engine started, this one included
+    num_readmitted: int  # requests that were running (recomputed from their prompt and tokens)
+    num_waiting: int  # every unfinished request, queued in its order
+    tokens_to_recompute: int  # prompt + produced tokens of the re-admitted requests
+
+
+@record
+class RecoveryDone:
+    """A new executor is profiled, warmed up and captured; serving continues."""
+
+    step: int
+    num_readmitted: int
+    tokens_to_recompute: int
+    num_starts: int  # executors started during this recovery (more than one: a start died)
+    seconds: float  # from the loss to the executor ready for the next step
+    WALL_CLOCK: ClassVar[tuple[str, ...]] = ("seconds",)
 
 
 def is_input(rec: object) -> bool:

@@ -105,7 +105,7 @@ class AbortReply:
 @record
 class HealthReply:
     request_id: str
-    status: str  # "ok" | "executor_dead"
+    status: str  # "ok" | "recovering" (a new executor is starting) | "dead" (gave up)
     executor_alive: bool
     executor_pid: int  # 0 when the executor runs inside the core
     core_pid: int
@@ -116,7 +116,7 @@ class HealthReply:
     uptime_s: float
     memstep_version: str
     protocol: int
-    detail: str  # why the executor is dead, else ""
+    detail: str  # why the engine is dead, or that it is recovering, else ""
 
 
 @record

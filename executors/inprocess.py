@@ -11,22 +11,34 @@ from collections.abc import Callable, Iterable
 
 from memstep.core.config import EngineConfig
 from memstep.core.engine import Engine
-from memstep.events.plan import PhaseReply, StepPlan, StepResult
+from memstep.core.recovery import ExecutorDown
+from memstep.events.plan import PhaseReply, PhaseRequest, StepPlan, StepResult
+from memstep.executors.faults import planted_death
 from memstep.executors.worker import Worker
 
 
 class InProcessExecutor:
     def __init__(self, cfg: EngineConfig, max_model_len: int):
-        self.worker = Worker(cfg, max_model_len)
+        self.cfg = cfg
+        self.worker: Worker | None = Worker(cfg, max_model_len)
 
     def enter_phase(self, phase: str, step: int) -> PhaseReply:
-        return self.worker.enter_phase(phase, step)
+        return self._worker(PhaseRequest(phase, step)).enter_phase(phase, step)
 
     def execute(self, plan: StepPlan) -> StepResult:
-        return self.worker.execute(plan)
+        return self._worker(plan).execute(plan)
 
     def close(self) -> None:
-        pass
+        self.worker = None  # its tensors go with it, before a new worker measures memory
+
+    def _worker(self, msg: object) -> Worker:
+        planted = planted_death(self.cfg, msg)
+        if planted is not None:
+            self.close()
+            raise ExecutorDown(planted)
+        if self.worker is None:
+            raise ExecutorDown("the in-process executor was closed")
+        return self.worker
 
 
 def local_engine(cfg: EngineConfig, sinks: Iterable[Callable[[object], None]] = ()) -> Engine:

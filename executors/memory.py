@@ -40,6 +40,14 @@ class LiveTensorMeter:
         gc.collect()
         self._foreign = [weakref.ref(t) for t in _cpu_tensors(gc.get_objects())]
 
+    def adopt(self, tensors: list[torch.Tensor]) -> None:
+        """Count `tensors` as this worker's although they were alive before it (the process's
+        shared weight cache), so that a worker made after another measures what a fresh process
+        does (a replay after an executor loss runs a second worker in one process)."""
+        mine = {_storage(t)[0] for t in tensors if t.device.type == "cpu"}
+        kept = [r for r in self._foreign if (t := r()) is None or _storage(t)[0] not in mine]
+        self._foreign = kept
+
     def _foreign_alive(self) -> list[torch.Tensor]:
         return [t for t in (ref() for ref in self._foreign) if t is not None]
 

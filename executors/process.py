@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import os
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -38,6 +39,7 @@ from memstep.events.wire import (
     ExecutorStop,
     Heartbeat,
 )
+from memstep.executors.faults import planted_death
 
 log = structlog.get_logger("memstep.executor.process")
 
@@ -148,6 +150,10 @@ class ExecutorProcess:
             return self._init(msg)
         if self.worker is None:
             return ExecutorError("bad_message", f"{type(msg).__name__} before ExecutorInit")
+        planted = planted_death(self.worker.cfg, msg)
+        if planted is not None:
+            log.error("executor killing itself", reason=planted)
+            os.kill(os.getpid(), signal.SIGKILL)
         if isinstance(msg, PhaseRequest):
             return self.worker.enter_phase(msg.phase, msg.step)
         if isinstance(msg, StepPlan):

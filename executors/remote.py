@@ -11,8 +11,8 @@ so they flow while either side is busy.  The executor is dead once its process h
 within ~50 ms) or once its heartbeats have stopped for `heartbeat_timeout` seconds (it is then
 killed); until the model has loaded the limit is `start_timeout`, since importing torch can hold
 the GIL, and so the heartbeat thread, for seconds.  An executor whose core stops beating exits
-by itself.  Recovery is for a later issue:
-after death every call raises `ExecutorDied`.
+by itself.  After death every call raises `ExecutorDied`; the engine then starts a new executor
+(core/recovery.py).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import structlog
 import zmq
 
 from memstep.core.config import EngineConfig
+from memstep.core.recovery import ExecutorDown
 from memstep.events import codec
 from memstep.events.plan import PhaseReply, PhaseRequest, StepPlan, StepResult
 from memstep.events.wire import (
@@ -50,13 +51,13 @@ POLL_S = 0.05
 T = TypeVar("T")
 
 
-class ExecutorDied(RuntimeError):
+class ExecutorDied(ExecutorDown):
     """The executor process is gone or unresponsive; the message says which and why."""
 
     code = "executor_dead"
 
 
-class ExecutorFailed(RuntimeError):
+class ExecutorFailed(ExecutorDown):
     """The executor answered with an error (or nonsense); it is still running."""
 
     code = "executor_error"

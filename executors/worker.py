@@ -58,6 +58,7 @@ class Worker:
         self.source = resolve(cfg.model, cfg.random_weights_seed)
         self.model_cfg = model_config(self.source)
         self.weights = load_weights(self.source, self.model_cfg, self.dtype, self.device)
+        self.meter.adopt(list(self.weights.values()))
         self.model = LlamaModel(self.model_cfg, self.weights, max_model_len + 16, self._kernel())
         self.lifecycle = Lifecycle()
         self.requests = RequestStates()

@@ -63,8 +63,8 @@ class Comparison:
 
 def compare(recorded: list[object], replayed: list[object]) -> Comparison:
     """Compare two streams of derived records."""
-    rec_objs = [codec.to_obj(r) for r in recorded]
-    rep_objs = [codec.to_obj(r) for r in replayed]
+    rec_objs = [_comparable(r) for r in recorded]
+    rep_objs = [_comparable(r) for r in replayed]
     first = _first_divergence(rec_objs, rep_objs)
     rec_keyed, rep_keyed = _keyed(rec_objs), _keyed(rep_objs)
     fields: Counter[str] = Counter()
@@ -105,6 +105,14 @@ def differences(a: Any, b: Any, path: Path = ()) -> Iterator[tuple[Path, Any, An
 
 
 # --- helpers -------------------------------------------------------------------------------
+
+
+def _comparable(rec: object) -> dict:
+    """The record as the codec writes it, less its wall-clock fields (no replay repeats them)."""
+    obj = codec.to_obj(rec)
+    for name in getattr(type(rec), "WALL_CLOCK", ()):
+        obj.pop(name, None)
+    return obj
 
 
 def _first_divergence(recorded: list[dict], replayed: list[dict]) -> Divergence | None:

@@ -9,10 +9,15 @@ A what-if run (config overrides) may finish requests sooner or later than the re
 it goes idle before the next input's step, that input is applied at once (counted in
 `inputs_shifted`); an input that no longer applies (aborting a request that already finished, a
 request the new config refuses) is skipped with the reason.
+
+A recorded executor loss is an input too: replay cannot cause it, so the replay's executors
+(`_ScriptedLosses`) raise the recorded loss where it happened (between steps, in a step, or
+while a new executor starts) and the engine records it and recovers as it did.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -21,8 +26,16 @@ import attrs
 
 from memstep.core.config import EngineConfig
 from memstep.core.engine import Engine, UnknownRequest
+from memstep.core.recovery import EngineDead, ExecutorDown
 from memstep.core.sampling_params import InvalidRequest, SamplingParams
-from memstep.events.types import EngineStarted, RequestAborted, RequestAdded, is_input
+from memstep.events.plan import PhaseReply, StepPlan, StepResult
+from memstep.events.types import (
+    EngineStarted,
+    ExecutorLost,
+    RequestAborted,
+    RequestAdded,
+    is_input,
+)
 from memstep.executors.inprocess import InProcessExecutor
 from memstep.replay.recording import Recording
 
@@ -62,8 +75,9 @@ def replay(
     recording = recording.before_damage()
     cfg = EngineConfig.from_dict({**recording.config, **(overrides or {})})
     records: list[object] = []
-    engine = Engine(cfg, executor_factory, sinks=[records.append])
     feeder = _Feeder(recording.inputs)
+    scripted = _ScriptedLosses(feeder.pending, executor_factory)
+    engine = Engine(cfg, scripted.start, sinks=[records.append])
     stop = None if recording.is_complete or overrides else recording.last_step
     try:
         _run(engine, feeder, stop)
@@ -78,13 +92,17 @@ def replay(
 
 def _run(engine: Engine, feeder: _Feeder, stop: int | None) -> None:
     while True:
-        feeder.apply_due(engine)
+        if not engine.is_recovering:  # inputs that came during a recovery were queued after it
+            feeder.apply_due(engine)
         if stop is not None and engine.step_no > stop:
             return
         if engine.has_work():
-            before = engine.step_no
-            engine.step()
-            if engine.step_no > before:
+            before, recovering = engine.step_no, engine.is_recovering
+            try:
+                engine.step()
+            except EngineDead:
+                return  # the recorded engine gave up here too
+            if engine.step_no > before or recovering or engine.is_recovering:
                 continue
             if not feeder.pending:
                 raise ReplayStalled(f"step {before}: the engine has work but schedules nothing")
@@ -102,14 +120,30 @@ class _Feeder:
         self.shifted = 0
 
     def apply_due(self, engine: Engine) -> None:
-        """Apply every input recorded at (or, after a divergence, before) this step."""
+        """Apply every input recorded at (or, after a divergence, before) this step, up to a
+        loss in a step or a start: the executors raise those when the engine gets there."""
         while self.pending and _step_of(self.pending[0]) <= engine.step_no:
+            head = self.pending[0]
+            if isinstance(head, ExecutorLost):
+                if head.during != "idle":
+                    return
+                with contextlib.suppress(EngineDead):  # a loss past the budget: dead here too
+                    engine.check_executor()  # the executor raises the recorded loss
+                if self.pending and self.pending[0] is head:  # no executor to lose
+                    self.pending.popleft()
+                    self.skipped.append(f"step {engine.step_no}: ExecutorLost: no executor")
+                continue
             self._apply(engine, self.pending.popleft())
 
     def apply_next(self, engine: Engine) -> None:
-        """Apply the inputs of the next recorded step now: the engine cannot reach that step."""
+        """Apply the inputs of the next recorded step now: the engine cannot reach that step.
+        A loss it cannot reach is dropped (a what-if run that ended sooner)."""
         step = _step_of(self.pending[0])
         while self.pending and _step_of(self.pending[0]) == step:
+            if isinstance(self.pending[0], ExecutorLost):
+                self.skipped.append(f"step {engine.step_no}: ExecutorLost: never reached")
+                self.pending.popleft()
+                continue
             self.shifted += 1
             self._apply(engine, self.pending.popleft())
 
@@ -126,6 +160,53 @@ class _Feeder:
         except (InvalidRequest, UnknownRequest) as exc:
             name = f"{type(rec).__name__} {getattr(rec, 'request_id', '?')}"
             self.skipped.append(f"step {engine.step_no}: {name}: {exc}")
+
+
+class _ScriptedLosses:
+    """Starts the replay's executors, each wrapped to raise the recorded losses where they
+    happened; the planted kills of the recorded config are left out (their losses are recorded).
+
+    `pending` is the feeder's queue of inputs: a loss is taken off it when it is raised.
+    """
+
+    def __init__(self, pending: deque[object], factory: Callable):
+        self.pending, self.factory = pending, factory
+
+    def start(self, cfg: EngineConfig, max_model_len: int) -> _Scripted:
+        self.raise_due("start", None)
+        quiet = cfg.replace(debug_kill_executor_at=(), debug_kill_restarted_executor=False)
+        return _Scripted(self, self.factory(quiet, max_model_len))
+
+    def raise_due(self, during: str, step: int | None) -> None:
+        """Raise the next recorded loss if it happened `during` this (at `step`, if given)."""
+        head = self.pending[0] if self.pending else None
+        if not isinstance(head, ExecutorLost) or head.during != during:
+            return
+        if step is not None and head.step != step:
+            return
+        self.pending.popleft()
+        raise ExecutorDown(head.reason, give_up=head.gave_up)
+
+
+class _Scripted:
+    """One replay executor: the real one, unless the recording lost it here."""
+
+    def __init__(self, script: _ScriptedLosses, executor):
+        self.script, self.executor = script, executor
+
+    def enter_phase(self, phase: str, step: int) -> PhaseReply:
+        self.script.raise_due(phase, step)
+        return self.executor.enter_phase(phase, step)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        self.script.raise_due("step", plan.step)
+        return self.executor.execute(plan)
+
+    def check(self) -> None:
+        self.script.raise_due("idle", None)
+
+    def close(self) -> None:
+        self.executor.close()
 
 
 def _step_of(rec: object) -> int:

@@ -17,8 +17,10 @@ import attrs
 from memstep.events.stretches import Stretch
 from memstep.events.stretches import stretches as find_stretches
 from memstep.events.types import (
+    ExecutorLost,
     LeakSuspected,
     PhaseChanged,
+    RecoveryDone,
     RequestAdded,
     RequestFinished,
     StateEntered,
@@ -67,6 +69,8 @@ class LogSummary:
     stretches: list[Stretch]
     leaks: list[LeakSuspected]
     phases: list[list]  # [step, old, new]
+    losses: list[ExecutorLost]  # executors lost (died, silent, or erring), in order
+    recoveries: list[RecoveryDone]  # recoveries completed, in order
     num_steps: int
     num_proposed: int
     num_accepted: int
@@ -99,6 +103,8 @@ def summarize(records: list[object]) -> LogSummary:
         stretches=stretches,
         leaks=[r for r in records if isinstance(r, LeakSuspected)],
         phases=[[r.step, r.old, r.new] for r in records if isinstance(r, PhaseChanged)],
+        losses=[r for r in records if isinstance(r, ExecutorLost)],
+        recoveries=[r for r in records if isinstance(r, RecoveryDone)],
         num_steps=len(steps),
         num_proposed=sum(s.num_proposed for s in steps),
         num_accepted=sum(s.num_accepted for s in steps),

@@ -2,7 +2,8 @@
 
 Top panel: live and reserved bytes after each step, leak reports marked.  Bottom panel: bytes
 the arena ledger says are claimed by step kinds, and KV pages in use (right axis).  Both panels
-shade each step by its kind and draw a dotted line at every transition between kinds.
+shade each step by its kind and draw a dotted line at every transition between kinds; a lost
+executor is a solid dark red line, labelled with its recovery time.
 Rendered with matplotlib's Agg canvas (no display, no global backend switch).
 """
 
@@ -16,12 +17,13 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
-from memstep.events.types import LeakSuspected, StepFinished
+from memstep.events.types import ExecutorLost, LeakSuspected, RecoveryDone, StepFinished
 from memstep.replay.recording import Recording
 from memstep.replay.summary import summarize
 
 KIND_COLORS = {"no_spec": "#d6e4f0", "spec": "#fbd9b5"}
 OTHER_COLORS = ("#dcedc8", "#e1bee7", "#fff9c4")
+LOSS_COLOR = "#8b0000"
 MIB = 1 << 20
 STEPS = "steps-mid"  # each figure holds for its whole step
 
@@ -57,7 +59,10 @@ def plot_memory(recording: Recording, output: str | Path) -> Path:
     top.set_ylabel("live / reserved (MiB)")
     bottom.set_ylabel("arena claimed (MiB)")
     bottom.set_xlabel("step")
+    losses = _losses(top, recording.records)
     handles = _legend(top, kinds, colors, bool(changes), bool(leaks))
+    if losses:
+        handles.append(Line2D([], [], color=LOSS_COLOR, label="executor lost"))
     top.legend(handles=handles, loc="upper left", fontsize=8, ncols=3)
     bottom.legend(
         handles=[Line2D([], [], color="C2", label="arena claimed"),
@@ -96,6 +101,22 @@ def _leaks(ax: Axes, leaks: list[LeakSuspected], mem_at: dict) -> None:
             f"leak: {leak.kind} {leak.what}", (leak.step, y), xytext=(6, 6),
             textcoords="offset points", color="red", fontsize=8,
         )  # fmt: skip
+
+
+def _losses(ax: Axes, records: list[object]) -> int:
+    """A line at each lost executor, labelled with how long its recovery took."""
+    took = {r.step: r.seconds for r in records if isinstance(r, RecoveryDone)}
+    losses = [r for r in records if isinstance(r, ExecutorLost)]
+    for loss in losses:
+        ax.axvline(loss.step - 0.5, color=LOSS_COLOR, lw=1.4)
+        label = f"recovered in {took.get(loss.step, 0):.1f} s"
+        if loss.gave_up or loss.during not in ("idle", "step"):
+            label = "gave up" if loss.gave_up else f"restart died in {loss.during}"
+        ax.annotate(
+            label, (loss.step - 0.5, 0.95), xycoords=("data", "axes fraction"),
+            xytext=(4, 0), textcoords="offset points", color=LOSS_COLOR, fontsize=8,
+        )  # fmt: skip
+    return len(losses)
 
 
 def _legend(

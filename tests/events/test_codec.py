@@ -16,10 +16,13 @@ from memstep.events.codec import CodecError, decode, encode, from_obj, to_obj
 from memstep.events.types import (
     REGISTRY,
     EngineStarted,
+    ExecutorLost,
     LeakSuspected,
     LedgerEntry,
     MemoryReport,
     PhaseChanged,
+    RecoveryDone,
+    RecoveryStarted,
     RequestAborted,
     RequestAdded,
     RequestFinished,
@@ -73,6 +76,16 @@ SAMPLES: list[object] = [
         step=70, request_id="req-0007", reason="length", prompt_tokens=7, completion_tokens=64
     ),
     LeakSuspected(step=50, kind="spec", what="held_after_exit", nbytes=3 << 20, detail="logits"),
+    ExecutorLost(
+        step=12,
+        reason="executor process 4242 died (killed by SIGKILL)",
+        during="step",
+        gave_up=False,
+    ),
+    RecoveryStarted(
+        step=12, num_losses=1, num_readmitted=16, num_waiting=20, tokens_to_recompute=512
+    ),
+    RecoveryDone(step=12, num_readmitted=16, tokens_to_recompute=512, num_starts=1, seconds=2.84),
 ]
 
 
