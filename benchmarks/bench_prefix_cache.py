@@ -1,0 +1,158 @@
+"""Prefix caching: TTFT and throughput with it on and off, on a shared and an unshared workload.
+
+Shared: `--num-requests` requests (64) that start with the same system prompt of about
+`--system-tokens` tokens (1,000), each followed by its own question.  Unshared: as many ShareGPT
+conversations (first human turn, no chat template, so no two prompts share a first block).
+Every request arrives at once and generates `--max-tokens` tokens (greedy, EOS ignored).  Both
+workloads run in this process with caching on, then off; the figures are the mean TTFT (time
+from arrival to the first token), the output tokens per second and the requests per second, and
+the on/off ratios (TTFT: off / on, so above 1 is better; throughput: on / off).
+
+    python benchmarks/bench_prefix_cache.py [--model smollm2] [--num-threads 2]
+        [--num-requests 64] [--system-tokens 1000] [--max-tokens 16] [--num-sharegpt 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import attrs
+
+from memstep.cli.datasets import sample_sharegpt
+from memstep.core.config import EngineConfig
+from memstep.core.engine import Engine
+from memstep.core.sampling_params import SamplingParams
+from memstep.executors.inprocess import local_engine
+
+SYSTEM = (
+    "You are the help desk of the city library. Answer briefly and politely. The library opens "
+    "at nine and closes at six on weekdays, at four on Saturdays, and stays closed on Sundays. "
+    "Members may borrow twelve items at a time for three weeks; a renewal adds two weeks unless "
+    "someone else has reserved the item. Fines are ten cents a day for adult books. "
+)
+QUESTIONS = [
+    "When do you open on {}?",
+    "How many books can I borrow in {}?",
+    "Can I renew a novel about {}?",
+    "What is the fine for a late book on {}?",
+]
+TOPICS = ["Monday", "Saturday", "spring", "gardening", "history", "chess", "poetry", "sailing"]
+
+
+@attrs.frozen
+class Figures:
+    mean_ttft_s: float
+    p50_ttft_s: float
+    output_tok_s: float
+    requests_s: float
+    cached_prompt_tokens: int
+    prompt_tokens: int
+
+
+def shared_prompts(engine: Engine, n: int, system_tokens: int) -> list[list[int]]:
+    tok = engine.tokenizer
+    system: list[int] = []
+    while len(system) < system_tokens:
+        system += tok.encode(SYSTEM)
+    system = system[:system_tokens]
+    questions = [
+        q.format(t) + f" (ticket {i})"
+        for i, (q, t) in enumerate(
+            (QUESTIONS[i % len(QUESTIONS)], TOPICS[i % len(TOPICS)]) for i in range(n)
+        )
+    ]
+    return [system + tok.encode(" " + q) for q in questions]
+
+
+def serve(engine: Engine, prompts: list[list[int]], max_tokens: int) -> Figures:
+    """Add every prompt at once, step until idle; TTFT per request from its arrival."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    ids = [engine.add_request(p, params) for p in prompts]
+    first: dict[str, float] = {}
+    cached = 0
+    num_out = 0
+    while engine.has_work():
+        for out in engine.step():
+            first.setdefault(out.request_id, time.perf_counter() - start)
+            num_out += len(out.new_token_ids)
+            cached += out.cached_tokens if out.finished else 0
+    wall = time.perf_counter() - start
+    ttfts = [first[i] for i in ids]
+    return Figures(
+        statistics.mean(ttfts),
+        statistics.median(ttfts),
+        num_out / wall,
+        len(prompts) / wall,
+        cached,
+        sum(len(p) for p in prompts),
+    )
+
+
+def run(cfg: EngineConfig, workload: str, args) -> Figures:
+    engine = local_engine(cfg)
+    try:
+        if workload == "shared":
+            prompts = shared_prompts(engine, args.num_requests, args.system_tokens)
+        else:
+            samples = sample_sharegpt(args.num_sharegpt, engine.tokenizer, seed=args.seed)
+            prompts = [engine.tokenizer.encode(s.prompt) for s in samples]
+        serve(engine, prompts[:1], 2)  # warm the process (allocator, threads) untimed
+        engine.blocks.reset()  # ...and forget what that cached
+        return serve(engine, prompts, args.max_tokens)
+    finally:
+        engine.shutdown()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--num-threads", type=int, default=2)
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--system-tokens", type=int, default=1000)
+    ap.add_argument("--num-sharegpt", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--workloads", default="shared,sharegpt")
+    ap.add_argument("--json", default=None, help="write the figures here")
+    args = ap.parse_args()
+    base = EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device, num_threads=args.num_threads
+    )
+    report: dict[str, dict] = {}
+    for workload in args.workloads.split(","):
+        on = run(base, workload, args)
+        off = run(base.replace(enable_prefix_caching=False), workload, args)
+        report[workload] = {
+            "on": attrs.asdict(on),
+            "off": attrs.asdict(off),
+            "ttft_speedup": off.mean_ttft_s / on.mean_ttft_s,
+            "throughput_speedup": on.output_tok_s / off.output_tok_s,
+        }
+        print(
+            f"{workload}: {args.num_requests if workload == 'shared' else args.num_sharegpt} "
+            f"requests, {args.max_tokens} tokens each; hit rate "
+            f"{on.cached_prompt_tokens / on.prompt_tokens:.1%} of {on.prompt_tokens} prompt tokens"
+        )
+        for name, f in (("on", on), ("off", off)):
+            print(
+                f"  caching {name:>3}: mean TTFT {f.mean_ttft_s:8.2f} s (p50 {f.p50_ttft_s:.2f}),"
+                f" {f.output_tok_s:7.2f} out tok/s, {f.requests_s:.3f} req/s"
+            )
+        r = report[workload]
+        print(
+            f"  ratio: TTFT {r['ttft_speedup']:.2f}x better, "
+            f"throughput {r['throughput_speedup']:.2f}x"
+        )
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(report, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()
