@@ -1,6 +1,6 @@
-"""Prefix caching on the real model: greedy fp32 output is the same with and without it, for
-prefixes shared inside a block, at block edges and whole; with preemption, draft-model
-speculation and an fp8 KV cache; and an idle engine holds no page, only cached ones."""
+"""Prefix caching: greedy fp32 output is the same with and without it, on the real model for
+prefixes shared inside a block, at block edges and whole (and an idle engine holds no page, only
+cached ones); on the tiny random model with preemption, draft-model speculation and fp8 pages."""
 
 from __future__ import annotations
 
@@ -75,38 +75,51 @@ def test_greedy_output_is_identical_with_and_without_caching(prompts):
     assert memory.kv_pages_used == 0 and memory.kv_pages_cached == num_cached
 
 
-def test_preemption_with_shared_pages_keeps_the_output(prompts):
-    base, variants = prompts
-    tight = dict(BASE, num_kv_blocks=12, max_num_seqs=6)
+TINY = dict(model="random:tiny", dtype="float32", num_threads=1, block_size=4)
+
+
+def tiny_prompts() -> tuple[list[int], list[list[int]]]:
+    """Token ids for the tiny random model (vocabulary 512), shared as `shared_prompts` does."""
+    base = [(37 * i) % 500 + 5 for i in range(30)]
+    tails = [[501 + i, 502 + i, 503] for i in range(4)]
+    cuts = [2, 11, 8, 16]
+    return base, [base[:c] + t for c, t in zip(cuts, tails, strict=True)] + [base, base[:24]]
+
+
+def test_preemption_with_shared_pages_keeps_the_output():
+    base, variants = tiny_prompts()
+    tight = dict(TINY, num_kv_blocks=24, max_num_seqs=6)
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     engine = local_engine(EngineConfig(**tight))
     try:
-        cached = engine.generate(variants, params)
+        cached = engine.generate([base], params) + engine.generate(variants, params)
         preempted = engine.scheduler.num_preemptions
         engine.blocks.check_idle()
     finally:
         engine.shutdown()
-    plain, _, _ = run(EngineConfig(**tight, enable_prefix_caching=False), [], variants, params)
+    plain, _, _ = run(EngineConfig(**tight, enable_prefix_caching=False), [base], variants, params)
     assert preempted > 0, "the workload no longer preempts: the test checks nothing"
+    assert sum(c.cached_tokens for c in cached) > 0
     assert [c.token_ids for c in cached] == [c.token_ids for c in plain]
 
 
-def test_draft_model_catches_up_over_reused_pages(prompts):
+def test_draft_model_catches_up_over_reused_pages():
     """The draft's own KV for reused pages was never written: it recomputes from position 0, so
     drafts, acceptance and output match a run without caching."""
-    base, variants = prompts
-    spec = dict(BASE, speculative_method="draft", draft_layers=8, num_speculative_tokens=3)
-    cached, _, _ = run(EngineConfig(**spec), [base], variants)
-    plain, _, _ = run(EngineConfig(**spec, enable_prefix_caching=False), [base], variants)
+    base, variants = tiny_prompts()
+    spec = dict(TINY, speculative_method="draft", draft_layers=1, num_speculative_tokens=3)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    cached, _, _ = run(EngineConfig(**spec), [base], variants, params)
+    plain, _, _ = run(EngineConfig(**spec, enable_prefix_caching=False), [base], variants, params)
     assert [c.token_ids for c in cached] == [c.token_ids for c in plain]
     assert sum(c.cached_tokens for c in cached) > 0
     assert [c.num_accepted for c in cached] == [c.num_accepted for c in plain]
     assert sum(c.num_accepted for c in cached) > 0
 
 
-def test_fp8_pages_are_reused_like_any_other(prompts):
-    base, variants = prompts
-    fp8 = dict(BASE, kv_cache_dtype="fp8")
+def test_fp8_pages_are_reused_like_any_other():
+    base, variants = tiny_prompts()
+    fp8 = dict(TINY, kv_cache_dtype="fp8")
     cached, _, _ = run(EngineConfig(**fp8), [base], variants)
     plain, _, _ = run(EngineConfig(**fp8, enable_prefix_caching=False), [base], variants)
     assert sum(c.cached_tokens for c in cached) > 0
