@@ -107,6 +107,15 @@ def run(cfg: EngineConfig, workload: str, args) -> Figures:
         engine.shutdown()
 
 
+def show(name: str, f: Figures) -> None:
+    print(
+        f"  caching {name:>3}: mean TTFT {f.mean_ttft_s:8.2f} s (p50 {f.p50_ttft_s:.2f}), "
+        f"{f.output_tok_s:7.2f} out tok/s, {f.requests_s:.3f} req/s; hit rate "
+        f"{f.cached_prompt_tokens / f.prompt_tokens:.1%} of {f.prompt_tokens} prompt tokens",
+        flush=True,
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="smollm2")
@@ -126,24 +135,18 @@ def main() -> None:
     )
     report: dict[str, dict] = {}
     for workload in args.workloads.split(","):
+        num = args.num_requests if workload == "shared" else args.num_sharegpt
+        print(f"{workload}: {num} requests, {args.max_tokens} tokens each", flush=True)
         on = run(base, workload, args)
+        show("on", on)
         off = run(base.replace(enable_prefix_caching=False), workload, args)
+        show("off", off)
         report[workload] = {
             "on": attrs.asdict(on),
             "off": attrs.asdict(off),
             "ttft_speedup": off.mean_ttft_s / on.mean_ttft_s,
             "throughput_speedup": on.output_tok_s / off.output_tok_s,
         }
-        print(
-            f"{workload}: {args.num_requests if workload == 'shared' else args.num_sharegpt} "
-            f"requests, {args.max_tokens} tokens each; hit rate "
-            f"{on.cached_prompt_tokens / on.prompt_tokens:.1%} of {on.prompt_tokens} prompt tokens"
-        )
-        for name, f in (("on", on), ("off", off)):
-            print(
-                f"  caching {name:>3}: mean TTFT {f.mean_ttft_s:8.2f} s (p50 {f.p50_ttft_s:.2f}),"
-                f" {f.output_tok_s:7.2f} out tok/s, {f.requests_s:.3f} req/s"
-            )
         r = report[workload]
         print(
             f"  ratio: TTFT {r['ttft_speedup']:.2f}x better, "
