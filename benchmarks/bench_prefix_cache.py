@@ -10,6 +10,7 @@ the on/off ratios (TTFT: off / on, so above 1 is better; throughput: on / off).
 
     python benchmarks/bench_prefix_cache.py [--model smollm2] [--num-threads 2]
         [--num-requests 64] [--system-tokens 1000] [--max-tokens 16] [--num-sharegpt 64]
+        [--workloads shared,sharegpt] [--off-first] [--json FILE]
 """
 
 from __future__ import annotations
@@ -128,6 +129,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workloads", default="shared,sharegpt")
+    ap.add_argument("--off-first", action="store_true", help="run caching off before on")
     ap.add_argument("--json", default=None, help="write the figures here")
     args = ap.parse_args()
     base = EngineConfig(
@@ -137,10 +139,12 @@ def main() -> None:
     for workload in args.workloads.split(","):
         num = args.num_requests if workload == "shared" else args.num_sharegpt
         print(f"{workload}: {num} requests, {args.max_tokens} tokens each", flush=True)
-        on = run(base, workload, args)
-        show("on", on)
-        off = run(base.replace(enable_prefix_caching=False), workload, args)
-        show("off", off)
+        cfgs = {"on": base, "off": base.replace(enable_prefix_caching=False)}
+        figures = {}
+        for name in ("off", "on") if args.off_first else ("on", "off"):
+            figures[name] = run(cfgs[name], workload, args)
+            show(name, figures[name])
+        on, off = figures["on"], figures["off"]
         report[workload] = {
             "on": attrs.asdict(on),
             "off": attrs.asdict(off),
