@@ -11,6 +11,11 @@ the on/off ratios (TTFT: off / on, so above 1 is better; throughput: on / off).
     python benchmarks/bench_prefix_cache.py [--model smollm2] [--num-threads 2]
         [--num-requests 64] [--system-tokens 1000] [--max-tokens 16] [--num-sharegpt 64]
         [--workloads shared,sharegpt] [--off-first] [--json FILE]
+
+Measured on 2026-11-30 with the defaults (SmolLM2-135M fp32, CPU, 2 threads, on a 2-core machine
+shared with other work, so wall times carry noise): shared, hit rate 96.7%: mean TTFT 42.6 s on
+against 522.9 s off (12.3x), 10.56 against 1.43 output tok/s (7.4x); ShareGPT, no hits: 39.55
+against 42.23 tok/s (0.94x), and 0.94x again with the off run first.
 """
 
 from __future__ import annotations
