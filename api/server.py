@@ -124,13 +124,14 @@ class Inflight:
     token_ids: list[int] = attrs.Factory(list)
     texts: list[str] = attrs.Factory(list)
     token_times: list[float] = attrs.Factory(list)
+    cached_tokens: int = 0  # prompt tokens the prefix cache held, known when it finishes
 
     @property
     def peer(self) -> bytes:
         return self.envelope[0]
 
     def done(self, reason: str, now: float) -> GenerateDone:
-        usage = Usage(self.prompt_tokens, len(self.token_ids))
+        usage = Usage(self.prompt_tokens, len(self.token_ids), self.cached_tokens)
         ttft = self.token_times[0] if self.token_times else None
         timing = Timing(ttft, list(self.token_times), now - self.arrival)
         return GenerateDone(
@@ -390,6 +391,7 @@ class Server:
             kv_pages_used=blocks.num_used,
             memory=getattr(self.engine, "last_memory", None),
             finished=dict(self.finished),
+            kv_pages_cached=blocks.num_cached,
         )
 
     def _answer_zap(self) -> None:
@@ -417,6 +419,7 @@ class Server:
         if inf.stream:
             self._send(inf.envelope, GenerateDelta(inf.request_id, out.new_token_ids, out.new_text))
         if out.finished:
+            inf.cached_tokens = out.cached_tokens
             reason = out.finish_reason or "stop"
             self._forget(out.request_id, reason)
             self._send(inf.envelope, inf.done(reason, now))

@@ -83,7 +83,7 @@ def server_flags(cfg: EngineConfig) -> list[str]:
         value = getattr(cfg, field.name)
         if value == getattr(default, field.name):
             continue
-        if field.name in ("cuda_graphs", "decode_ahead"):  # on by default: store_false flags
+        if field.name in ("cuda_graphs", "decode_ahead", "enable_prefix_caching"):  # store_false
             flags.append("--no-" + field.name.replace("_", "-"))
         else:
             flags += ["--" + field.name.replace("_", "-"), str(value)]

@@ -62,6 +62,7 @@ def to_text(recording: Recording, s: LogSummary) -> str:
         _steps(s),
         _transitions(s),
         _memory(s),
+        _prefix_cache(s),
         _leaks(s),
         _recoveries(s),
     ]
@@ -142,6 +143,16 @@ def _memory(s: LogSummary) -> str:
                 stretches,
             ),
         ]
+    )
+
+
+def _prefix_cache(s: LogSummary) -> str:
+    r = s.requests
+    rate = f"{r.prefix_hit_rate:.3f}" if r.prefix_hit_rate is not None else "-"
+    return (
+        f"prefix cache: hit rate {rate} ({r.cached_tokens} of {r.prompt_tokens} prompt tokens of "
+        f"finished requests reused), {s.num_prefix_hits} admissions with a hit; cached pages "
+        f"(held by no request) peak {s.peak_kv_pages_cached}, final {s.final_kv_pages_cached}"
     )
 
 

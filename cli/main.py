@@ -53,6 +53,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=d.block_size)
     g.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks)
     g.add_argument("--memory-utilization", type=float, default=d.memory_utilization)
+    g.add_argument(
+        "--no-enable-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        help="compute every prompt in full instead of reusing cached KV pages of shared prefixes",
+    )
     add_speculation_arguments(g, d)
     g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")
     g.add_argument(

@@ -45,6 +45,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # None: min(model context, 2048)
     block_size: int = 16
+    # reuse the KV pages of full blocks that an earlier request computed for the same prefix
+    enable_prefix_caching: bool = True
     num_kv_blocks: int | None = None  # None: sized by the profiler
     memory_utilization: float = 0.9  # CUDA: fraction of device memory the engine may use
     cpu_kv_cache_bytes: int = 256 * 1024 * 1024  # CPU: KV budget when num_kv_blocks is None

@@ -125,7 +125,8 @@ class Engine:
             self.captured = self._phase(stage).info
 
     def _pages(self) -> BlockManager:
-        return BlockManager(self.memory_plan["num_kv_blocks"], self.cfg.block_size)
+        num_blocks, cfg = self.memory_plan["num_kv_blocks"], self.cfg
+        return BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
 
     def _lookahead(self) -> int:
         return 1 if self.captured.get("decode_ahead") else 0  # the executor replays ahead
@@ -222,24 +223,30 @@ class Engine:
 
     def _plan(self, batch: StepBatch) -> StepPlan:
         seqs = []
+        cached: list[list] = []  # the record of reused pages: replay reproduces the hits
         for s in batch.seqs:
             req = s.request
             start = req.num_computed
+            table = list(self.blocks.table(req.request_id))
+            first = start == req.admitted_at  # an admission's first plan
+            if first and start:
+                cached.append([req.request_id, start, table[: start // self.cfg.block_size]])
             seqs.append(
                 SeqPlan(
                     request_id=req.request_id,
                     start_pos=start,
                     token_ids=req.token_at(start, start + s.num_tokens),
-                    block_table=list(self.blocks.table(req.request_id)),
+                    block_table=table,
                     samples=s.samples,
                     num_drafts=s.num_drafts,
                     prompt_len=req.num_prompt_tokens,
-                    params=req.params.to_dict() if start == 0 else {},
+                    params=req.params.to_dict() if first else {},
+                    prefix_ids=req.token_at(0, start) if first else [],
                 )
             )
         finished, self._finished_ids = self._finished_ids, []
         composition = [[s.request.request_id, s.num_tokens] for s in batch.seqs]
-        self.emit(StepPlanned(self.step_no, batch.kind, composition, batch.num_tokens))
+        self.emit(StepPlanned(self.step_no, batch.kind, composition, batch.num_tokens, cached))
         return StepPlan(self.step_no, batch.kind, seqs, finished)
 
     def _record(self, batch: StepBatch, result: StepResult) -> list[RequestOutput]:
@@ -272,7 +279,11 @@ class Engine:
             out = self._append(req, res.token_ids, res.logprobs)
             sampled.append([req.request_id, out.new_token_ids])
             outputs.append(out)
-        memory = attrs.evolve(result.memory, kv_pages_used=self.blocks.num_used)
+        for s in batch.seqs:
+            if not s.request.is_finished:  # a finished request cached its blocks in _finish
+                self._cache_blocks(s.request)
+        used, cached = self.blocks.num_used, self.blocks.num_cached
+        memory = attrs.evolve(result.memory, kv_pages_used=used, kv_pages_cached=cached)
         proposed = sum(r.num_proposed for r in result.seqs)
         accepted = sum(r.num_accepted for r in result.seqs)
         self.emit(StepFinished(self.step_no, batch.kind, sampled, proposed, accepted, memory))
@@ -313,16 +324,23 @@ class Engine:
             self._finish(req, reason)
             out.finished, out.finish_reason = True, reason
             out.prompt_tokens = req.num_prompt_tokens
+            out.cached_tokens = req.num_cached_tokens
             out.completion_tokens = len(req.output_token_ids)
             out.num_proposed, out.num_accepted = req.num_proposed, req.num_accepted
         return out
 
+    def _cache_blocks(self, req: Request) -> None:
+        """Offer the request's full blocks of computed KV to the prefix cache."""
+        num_valid = min(req.num_computed, req.num_tokens)  # drafts past a stop are not tokens
+        self.blocks.commit(req.request_id, num_valid, req.token_at)
+
     def _finish(self, req: Request, reason: str) -> None:
+        self._cache_blocks(req)
         req.status, req.finish_reason = Status.FINISHED, reason
         self.scheduler.remove(req)
         self._finished_ids.append(req.request_id)
         del self.requests[req.request_id]
-        usage = (req.num_prompt_tokens, len(req.output_token_ids))
+        usage = (req.num_prompt_tokens, len(req.output_token_ids), req.num_cached_tokens)
         self.emit(RequestFinished(self.step_no, req.request_id, reason, *usage))
         if req.num_proposed:
             log.info(
@@ -438,6 +456,7 @@ class Engine:
                         logprobs.pop(out.request_id),
                         out.num_proposed,
                         out.num_accepted,
+                        out.cached_tokens,
                     )
         return done
 

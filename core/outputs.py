@@ -14,6 +14,7 @@ class RequestOutput:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache (set when finished)
     logprobs: list[list] = attrs.Factory(list)  # per new token: [logprob, [[id, logprob], ...]]
     num_proposed: int = 0  # speculative drafts proposed for this request so far
     num_accepted: int = 0
@@ -31,6 +32,7 @@ class Completion:
     logprobs: list[list] = attrs.Factory(list)
     num_proposed: int = 0
     num_accepted: int = 0
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache
 
     @property
     def acceptance_rate(self) -> float:

@@ -29,6 +29,10 @@ class Request:
         self.output_token_ids: list[int] = []
         self.output_logprobs: list[dict[int, float]] = []
         self.num_computed = 0  # tokens whose K/V are in the cache
+        # where the latest admission started: its prefix hit (0 without one); the first plan of
+        # an admission starts here and carries the params and the cached prefix to the executor
+        self.admitted_at = 0
+        self.num_cached_tokens = 0  # prompt tokens reused from the prefix cache at first admission
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.num_preemptions = 0
@@ -68,6 +72,13 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    def admit(self, num_cached: int) -> None:
+        """Start running with `num_cached` tokens whose KV the prefix cache already holds."""
+        self.status = Status.RUNNING
+        self.num_computed = self.admitted_at = num_cached
+        if not self.num_preemptions:
+            self.num_cached_tokens = min(num_cached, self.num_prompt_tokens)
 
     def preempt(self) -> None:
         self.num_computed = 0

@@ -1,8 +1,10 @@
 """Continuous batching: which requests run this step, and how many tokens each feeds.
 
 Running requests go first (decodes, then the rest of chunked prefills), then waiting ones join
-while `max_num_seqs` and `max_num_batched_tokens` allow.  When pages run out the newest running
-request is preempted by recompute: its pages are freed and it waits to be prefilled again.
+while `max_num_seqs` and `max_num_batched_tokens` allow, each starting after the longest prefix
+whose pages the prefix cache holds (those tokens cost no budget).  When pages run out the newest
+running request is preempted by recompute: its pages are released and it waits to be prefilled
+again (its full blocks stay cached, so it may reuse them).
 """
 
 from __future__ import annotations
@@ -81,11 +83,13 @@ class Scheduler:
             budget -= n
         while self.waiting and len(self.running) < self.cfg.max_num_seqs and budget > 0:
             req = self.waiting[0]
-            n = min(req.num_uncomputed, budget)
-            if not self.blocks.ensure(req.request_id, req.num_computed + n):
+            prefix = self.blocks.lookup(req.token_at(0, req.num_tokens))
+            hit = len(prefix.pages) * self.blocks.block_size
+            n = min(req.num_tokens - hit, budget)
+            if not self.blocks.allocate(req.request_id, prefix, hit + n):
                 break
             self.waiting.popleft()
-            req.status = Status.RUNNING
+            req.admit(hit)
             self.running.append(req)
             seqs.append(Scheduled(req, n))
             budget -= n

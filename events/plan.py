@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
+import attrs
+
 from memstep.events.types import LeakSuspected, MemoryReport, StateEntered, StateExited, record
 
 
 @record
 class SeqPlan:
     request_id: str
-    start_pos: int  # position of token_ids[0]; 0 means the executor forgets older history
+    start_pos: int  # position of token_ids[0]
     token_ids: list[int]  # tokens fed this step
     block_table: list[int]
     samples: bool  # the last fed token's logits are sampled
     num_drafts: int  # speculative lookahead slots reserved for this request
     prompt_len: int
-    params: dict  # SamplingParams.to_dict() when start_pos is 0 (the executor keeps them); else {}
+    # SamplingParams.to_dict() on the first plan of each admission, whose start_pos is 0 or the
+    # prefix-cache hit: the executor starts the request's history afresh and keeps them; else {}
+    params: dict
+    # with params: the tokens before start_pos, whose KV cached pages hold (the executor learns
+    # the whole history from them); else []
+    prefix_ids: list[int] = attrs.Factory(list)
 
 
 @record

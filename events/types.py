@@ -35,7 +35,8 @@ class MemoryReport:
     num_segments: int  # CUDA: allocator segments; CPU: number of live storages
     num_allocs: int  # CUDA: cumulative allocation count; CPU: 0
     arena_claimed_bytes: int  # bytes the arena ledger says are claimed by step kinds
-    kv_pages_used: int
+    kv_pages_used: int  # held by requests
+    kv_pages_cached: int = 0  # held by none, caching a prefix block: reclaimable KV, not a leak
 
 
 @record
@@ -104,6 +105,8 @@ class StepPlanned:
     kind: str
     batch: list[list]  # [[request_id, num_tokens_scheduled], ...]
     num_tokens: int
+    # admissions that reused cached pages: [[request_id, num_cached_tokens, [page, ...]], ...]
+    cached: list[list] = attrs.Factory(list)
 
 
 @record
@@ -139,6 +142,7 @@ class RequestFinished:
     reason: str  # "stop" | "length" | "abort"
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache
 
 
 @record

@@ -73,6 +73,7 @@ class GenerateDelta:
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens whose KV the prefix cache held
 
 
 @record
@@ -129,9 +130,10 @@ class StatsReply:
     step: int
     step_kind: str  # the engine's current phase or serving kind
     kv_pages_total: int
-    kv_pages_used: int
+    kv_pages_used: int  # held by requests
     memory: MemoryReport | None  # from the last StepFinished; None before the first step
     finished: dict[str, int]  # finished requests by reason, incl. "disconnect", "executor_dead"
+    kv_pages_cached: int = 0  # held by none, caching prefix blocks (reclaimable)
 
 
 @record

@@ -1,7 +1,8 @@
 """What the executor remembers about each running request between steps: its tokens.
 
-The core sends only the tokens fed each step, and the executor appends what it sampled, so that
-penalties and proposers see the whole sequence.  `forget` is called for every finished request.
+The core sends only the tokens fed each step (and, on an admission's first plan, the prefix whose
+KV cached pages hold), and the executor appends what it sampled, so that penalties and proposers
+see the whole sequence.  `forget` is called for every finished request.
 """
 
 from __future__ import annotations
@@ -36,9 +37,14 @@ class RequestStates:
 
     def update(self, seq: SeqPlan) -> RequestState:
         state = self._states.get(seq.request_id)
-        if seq.start_pos == 0:  # a new request, or one preempted and recomputed
+        if seq.start_pos == 0 or seq.params:  # a new request, or one preempted and readmitted
+            if seq.start_pos != len(seq.prefix_ids):
+                raise RuntimeError(
+                    f"{seq.request_id}: first plan starts at {seq.start_pos} but carries "
+                    f"{len(seq.prefix_ids)} cached prefix tokens"
+                )
             params = SamplingParams.from_dict(seq.params)
-            state = RequestState([], seq.prompt_len, params)
+            state = RequestState(list(seq.prefix_ids), seq.prompt_len, params)
             self._states[seq.request_id] = state
         if state is None:
             raise RuntimeError(

@@ -78,9 +78,6 @@ class SpecDecoder:
 
     def _propose(self, seqs: list[SeqPlan]) -> tuple[list[list[int]], list]:
         cfg = self.cfg
-        for seq in seqs:
-            if seq.start_pos == 0:
-                self.forget(seq.request_id)  # new or recomputed: the draft KV knows nothing
         if self.draft is not None:
             return self.draft.propose(seqs, [seq.num_drafts for seq in seqs])
         drafts = [
@@ -92,6 +89,11 @@ class SpecDecoder:
         return drafts, [None] * len(seqs)
 
     def run(self, plan: StepPlan) -> tuple[list[SeqResult], torch.Tensor]:
+        for seq in plan.seqs:
+            if seq.start_pos == 0 or seq.params:
+                # admitted (again): the draft KV holds nothing of it, even where a prefix hit
+                # reuses the target's pages, so the draft catches up from position 0
+                self.forget(seq.request_id)
         spec_seqs = [
             s for s in plan.seqs if s.samples and s.num_drafts > 0 and len(s.token_ids) == 1
         ]

@@ -1,5 +1,6 @@
 """What a stream of engine records adds up to: requests, steps per kind, transitions, acceptance,
-memory growth per kind, leak reports.  Used by `inspect`, `plot` and the what-if report.
+memory growth per kind, leak reports, prefix-cache hits.  Used by `inspect`, `plot` and the
+what-if report.
 
 Memory growth is counted per stretch: a run of consecutive steps of one kind.  A stretch's growth
 is the live bytes after its last step minus those after its first, so the cost of entering a
@@ -38,6 +39,12 @@ class RequestTotals:
     reasons: dict[str, int]  # finish reason -> count
     prompt_tokens: int  # of finished requests
     completion_tokens: int  # of finished requests
+    cached_tokens: int  # prompt tokens of finished requests reused from the prefix cache
+
+    @property
+    def prefix_hit_rate(self) -> float | None:
+        """The share of finished requests' prompt tokens that the prefix cache held."""
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None
 
 
 @attrs.frozen
@@ -79,6 +86,9 @@ class LogSummary:
     peak_reserved_bytes: int
     peak_arena_claimed_bytes: int
     peak_kv_pages_used: int
+    num_prefix_hits: int  # admissions that reused cached pages (StepPlanned.cached)
+    peak_kv_pages_cached: int  # pages held by no request that cache a prefix block
+    final_kv_pages_cached: int
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -87,6 +97,7 @@ class LogSummary:
     def to_dict(self) -> dict[str, Any]:
         data = attrs.asdict(self)
         data["acceptance_rate"] = self.acceptance_rate
+        data["requests"]["prefix_hit_rate"] = self.requests.prefix_hit_rate
         return data
 
 
@@ -113,6 +124,9 @@ def summarize(records: list[object]) -> LogSummary:
         peak_reserved_bytes=max((m.reserved_bytes for m in mems), default=0),
         peak_arena_claimed_bytes=max((m.arena_claimed_bytes for m in mems), default=0),
         peak_kv_pages_used=max((m.kv_pages_used for m in mems), default=0),
+        num_prefix_hits=sum(len(p.cached) for p in planned.values()),
+        peak_kv_pages_cached=max((m.kv_pages_cached for m in mems), default=0),
+        final_kv_pages_cached=mems[-1].kv_pages_cached if mems else 0,
     )
 
 
@@ -136,6 +150,7 @@ def _requests(records: list[object]) -> RequestTotals:
         reasons=dict(Counter(r.reason for r in finished).most_common()),
         prompt_tokens=sum(r.prompt_tokens for r in finished),
         completion_tokens=sum(r.completion_tokens for r in finished),
+        cached_tokens=sum(r.cached_tokens for r in finished),
     )
 
 

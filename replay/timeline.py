@@ -1,9 +1,10 @@
 """The memory timeline of a log as a PNG: what every step left alive, with the step kinds behind.
 
 Top panel: live and reserved bytes after each step, leak reports marked.  Bottom panel: bytes
-the arena ledger says are claimed by step kinds, and KV pages in use (right axis).  Both panels
-shade each step by its kind and draw a dotted line at every transition between kinds; a lost
-executor is a solid dark red line, labelled with its recovery time.
+the arena ledger says are claimed by step kinds, and KV pages in use and pages cached for prefix
+reuse (right axis); the title carries the prefix-cache hit rate.  Both panels shade each step by
+its kind and draw a dotted line at every transition between kinds; a lost executor is a solid
+dark red line, labelled with its recovery time.
 Rendered with matplotlib's Agg canvas (no display, no global backend switch).
 """
 
@@ -43,7 +44,9 @@ def plot_memory(recording: Recording, output: str | Path) -> Path:
     bottom.plot(x, [m.arena_claimed_bytes / MIB for m in mem], color="C2", lw=1.4, ds=STEPS)
     pages = bottom.twinx()
     pages.plot(x, [m.kv_pages_used for m in mem], color="C3", lw=1.0, alpha=0.8, ds=STEPS)
-    pages.set_ylabel("KV pages in use")
+    cached = [m.kv_pages_cached for m in mem]
+    pages.plot(x, cached, color="C4", lw=1.0, ls="--", alpha=0.8, ds=STEPS)
+    pages.set_ylabel("KV pages: in use (solid), cached (dashed)")
     kinds = list(dict.fromkeys(s.kind for s in steps))
     colors = _colors(kinds)
     changes = [b.step for a, b in zip(steps, steps[1:], strict=False) if a.kind != b.kind]
@@ -137,5 +140,10 @@ def _title(recording: Recording, steps: list[StepFinished]) -> str:
     return (
         f"memstep memory timeline: {recording.model_identity}, steps {steps[0].step}"
         f"..{steps[-1].step}, {len(s.transitions)} transitions, {len(s.leaks)} leak reports"
-        f"{damaged}\n" + "\n".join(textwrap.wrap(recording.highlights(), 140))
+        f"{_hit_rate(s.requests.prefix_hit_rate)}{damaged}\n"
+        + "\n".join(textwrap.wrap(recording.highlights(), 140))
     )
+
+
+def _hit_rate(rate: float | None) -> str:
+    return "" if rate is None else f", prefix-cache hit rate {rate:.1%}"

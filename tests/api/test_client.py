@@ -104,6 +104,17 @@ def test_health_and_stats_describe_the_server(client, server):
     assert stats.memory is not None and stats.memory.live_bytes > 0
 
 
+def test_usage_reports_the_prompt_tokens_the_prefix_cache_held(client):
+    prompt = "a system prompt that two requests share: " + "x" * 20
+    first = client.generate(prompt + " one", max_tokens=3)
+    second = client.generate(prompt + " two", max_tokens=3)
+    block = 16  # EngineConfig's block_size; random: models tokenize bytes
+    assert first.usage.cached_tokens == 0
+    assert second.usage.cached_tokens == len(prompt) // block * block > 0
+    stats = client.stats()
+    assert stats.kv_pages_used == 0 and stats.kv_pages_cached > 0  # reusable, not held
+
+
 def test_async_client_runs_requests_concurrently(server):
     async def main():
         async with AsyncClient(server.address, timeout=20) as ac:

@@ -30,3 +30,12 @@ def test_a_plan_that_continues_an_unknown_request_is_refused():
     states.update(plan(0, [5, 6, 7], SamplingParams().to_dict()))
     with pytest.raises(RuntimeError, match="plan starts at 9"):
         states.update(plan(9, [1], {}))
+
+
+def test_a_prefix_hit_teaches_the_executor_the_cached_tokens():
+    states = RequestStates()
+    params = SamplingParams(seed=4).to_dict()
+    first = states.update(SeqPlan("r", 4, [9, 8], [0, 1], True, 0, 6, params, [5, 6, 7, 1]))
+    assert first.tokens == [5, 6, 7, 1, 9, 8] and first.params.seed == 4
+    with pytest.raises(RuntimeError, match="carries 3 cached prefix tokens"):
+        states.update(SeqPlan("r", 4, [9, 8], [0, 1], True, 0, 6, params, [5, 6, 7]))
