@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
             server.wait_ready(timeout=600)
             results, duration = _run_load(args, server.address, samples)
     metrics = compute_metrics(results, duration)
-    print(report(metrics, args, resolve(cfg.model, cfg.seed).label))
+    print(report(metrics, args, resolve(cfg.model, cfg.seed, cfg.tokenizer).label))
     if args.json:
         data = {**metrics, "config": _run_config(args, cfg), "requests": _per_request(results)}
         args.json.write_text(json.dumps(data, indent=2))
@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _samples(args: argparse.Namespace, cfg: EngineConfig) -> list[Sample]:
-    source = resolve(cfg.model, cfg.seed)
+    source = resolve(cfg.model, cfg.seed, cfg.tokenizer)
     mc = model_config(source)
     tokenizer = load_tokenizer(source, mc.vocab_size, mc.eos_token_ids)
     samples = load_dataset(args.dataset, args.num_prompts, tokenizer, args.sample_seed)

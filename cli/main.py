@@ -26,6 +26,7 @@ COMMANDS = {  # name -> (module, one-line help); a module is imported only when 
     "replay": ("memstep.cli.replay", "replay an event log and compare"),
     "inspect": ("memstep.cli.inspect", "summarise an event log"),
     "plot": ("memstep.cli.plot", "plot memory over steps from an event log"),
+    "export-tokenizer": ("memstep.cli.export_tokenizer", "write a GGUF's tokenizer.json"),
 }
 
 
@@ -35,6 +36,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument(
         "--model", default=d.model, help="smollm2, a .gguf file, an HF folder, random:<preset>"
+    )
+    g.add_argument(
+        "--tokenizer", help="a tokenizer.json or .gguf to use instead of the model's own"
     )
     g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES)

@@ -32,6 +32,7 @@ class EngineConfig:
     """Everything the engine is started with; replay rebuilds an engine from `to_dict()`."""
 
     model: str = "smollm2"
+    tokenizer: str | None = None  # a tokenizer.json or .gguf instead of the model's own
     dtype: str = "auto"
     # KV cache element type: "auto" is the model's dtype; "fp8" stores float8 e4m3 (half the
     # bytes of bf16, no scale, saturating at +-448), converted back for attention

@@ -55,7 +55,7 @@ class Engine:
     ):
         self.cfg = cfg
         self.sinks = list(sinks)
-        self.source = resolve(cfg.model, cfg.seed)
+        self.source = resolve(cfg.model, cfg.seed, cfg.tokenizer)
         self.model_cfg = model_config(self.source)
         self.max_model_len = min(cfg.max_model_len or 2048, self.model_cfg.max_context)
         mc = self.model_cfg

@@ -57,7 +57,7 @@ class Worker:
         self.meter = memory.LiveTensorMeter()
         if self.device.type == "cpu":
             self.meter.exclude_existing()  # before the weights: everything after is this worker's
-        self.source = resolve(cfg.model, cfg.seed)
+        self.source = resolve(cfg.model, cfg.seed, cfg.tokenizer)
         self.model_cfg = model_config(self.source)
         self.weights = load_weights(self.source, self.model_cfg, self.dtype, self.device)
         self.model = LlamaModel(self.model_cfg, self.weights, max_model_len + 16, self._kernel())
