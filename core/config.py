@@ -15,7 +15,8 @@ SPECULATIVE_METHODS = (None, "ngram", "draft")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 KV_CACHE_DTYPES = ("auto", "fp8")
-PLANTED_LEAKS = ("no_spec_hidden_states", "sampler_scratch")  # states/planted.py makes each
+# states/planted.py makes each
+PLANTED_LEAKS = ("no_spec_hidden_states", "sampler_scratch", "fragmenting_scratch")
 
 
 class ConfigError(ValueError):
