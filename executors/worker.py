@@ -18,6 +18,7 @@ from memstep.core.sampling_params import SamplingParams
 from memstep.events.plan import PhaseReply, SeqPlan, SeqResult, StepPlan, StepResult
 from memstep.events.types import MemoryReport, StateEntered, StateExited
 from memstep.executors import kv_cache, memory
+from memstep.executors.allocator import configure_cuda_allocator
 from memstep.executors.batch_builder import build_batch
 from memstep.executors.leak_detector import LeakDetector
 from memstep.executors.llama import LlamaModel
@@ -50,6 +51,8 @@ class Worker:
         self.cfg = cfg
         self.max_model_len = max_model_len
         self.device = pick_device(cfg)
+        # before the first CUDA allocation: serving's changing sizes must not take new segments
+        self.alloc_conf = configure_cuda_allocator() if self.device.type == "cuda" else ""
         self.dtype = pick_dtype(cfg, self.device)
         self.kv_dtype = kv_cache.kv_dtype(cfg.kv_cache_dtype, self.dtype)
         if cfg.num_threads:
@@ -119,7 +122,9 @@ class Worker:
             self.spec = SpecDecoder(
                 cfg, self.model, self.forward, self.requests, self.sampler, spec, draft
             )
-        info = plan.to_dict()
+        info = plan.to_dict() | {"allocator_conf": self.alloc_conf}
+        if self.device.type == "cuda":
+            info["device_total_bytes"] = torch.cuda.get_device_properties(self.device).total_memory
         log.info("memory plan", **info)
         return info
 
