@@ -9,7 +9,10 @@ again in issue 15), while expandable segments kept it flat.  The memory plan cou
 bytes; with expandable segments reserved stays within a page (2 MiB) rounding of that per
 segment, so the plan's predicted peak is also the reserved bytes it allows.
 
-A user's own PYTORCH_CUDA_ALLOC_CONF (or PYTORCH_ALLOC_CONF) wins and is left as it is.
+With expandable segments torch counts no segments (`segment.all.current` stays 0, seen on an
+H200 with torch 2.11), so reserved bytes are the figure that shows growth; the leak detector
+and the benchmarks' memory verdict watch both.  A user's own PYTORCH_CUDA_ALLOC_CONF (or
+PYTORCH_ALLOC_CONF) wins and is left as it is.
 """
 
 from __future__ import annotations
@@ -34,5 +37,7 @@ def configure_cuda_allocator() -> str:
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ALLOC_CONF  # for a process that has not started CUDA
     import torch
 
-    torch.cuda.memory._set_allocator_settings(ALLOC_CONF)  # and for one that has
+    # and for a process that has: torch 2.11 moved the setter (the old one warns)
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    (setter or torch.cuda.memory._set_allocator_settings)(ALLOC_CONF)
     return ALLOC_CONF

@@ -37,10 +37,10 @@ class SamplerScratchPerStep(NoSpec):
 
 
 class ScratchOfChangingSizes(NoSpec):
-    """Fragmentation without a leak: scratch allocated per step outside the planned memory, a
-    little larger each step, and freed at once.  Live bytes stay flat, but the caching
-    allocator has no cached block of the new size, so its reserved bytes (and, without
-    expandable segments, its segments) grow every step."""
+    """Fragmentation without a leak: scratch allocated per step outside the planned memory,
+    64 MiB larger each step, and freed at once.  Live bytes stay flat, but once the size passes
+    the largest block the allocator has cached (within a few steps), it has to reserve more:
+    its reserved bytes (and, without expandable segments, its segments) grow every step."""
 
     def __init__(self, env):
         super().__init__(env)
@@ -49,7 +49,7 @@ class ScratchOfChangingSizes(NoSpec):
     def after_step(self, outputs: StepOutputs) -> None:
         self.num_steps += 1
         scratch = torch.empty(
-            self.num_steps * (2 << 20), dtype=torch.uint8, device=outputs.hidden.device
+            self.num_steps * (64 << 20), dtype=torch.uint8, device=outputs.hidden.device
         )
         del scratch
 
