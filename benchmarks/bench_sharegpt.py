@@ -148,7 +148,7 @@ def _bench_figures(path: Path) -> dict[str, Any]:
 
 
 def plan_figures(server_log: str) -> dict[str, Any]:
-    """The executor's "memory plan" and "capture" lines (JSON logs)."""
+    """The executor's "memory plan" and "memory after capture" lines (JSON logs)."""
     found: dict[str, Any] = {}
     for line in server_log.splitlines():
         if not line.startswith("{"):
@@ -157,7 +157,7 @@ def plan_figures(server_log: str) -> dict[str, Any]:
             rec = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if rec.get("event") in ("memory plan", "capture", "batch limits"):
+        if rec.get("event") in ("memory plan", "memory after capture", "batch limits"):
             found[rec["event"]] = rec
     return found
 
@@ -173,7 +173,8 @@ def memory_verdict(log: Path, server_log: str) -> dict[str, Any]:
     if not steps:
         raise RuntimeError(f"{log}: no step after the first served request")
     first, mems = steps[0].memory, [s.memory for s in steps]
-    plan = plan_figures(server_log).get("memory plan", {})
+    figures = plan_figures(server_log)
+    plan, captured = figures.get("memory plan", {}), figures.get("memory after capture", {})
     predicted = int(plan.get("predicted_peak_bytes", 0))
     peak_reserved = max(m.reserved_bytes for m in mems)
     leaks = collections.Counter(r.what for r in records if isinstance(r, LeakSuspected))
@@ -188,6 +189,7 @@ def memory_verdict(log: Path, server_log: str) -> dict[str, Any]:
         "predicted_peak": predicted,
         "device_total": int(plan.get("device_total_bytes", 0)),
         "allocator_conf": plan.get("allocator_conf", ""),
+        "reserved_after_capture": int(captured.get("reserved_peak_bytes", 0)),
         "kv_pages_peak": max(m.kv_pages_used for m in mems),
         "num_kv_blocks": int(plan.get("num_kv_blocks", 0)),
         "leaks": dict(leaks),

@@ -65,7 +65,8 @@ def _activation_peak(
 ) -> int:
     """Peak bytes of one forward of `max_num_batched_tokens` tokens (measured on CUDA, over
     `worst_case_prefill`: chunks that start their sequences, and chunks that continue one,
-    whose attention takes another path)."""
+    whose attention takes another path).  On CUDA the larger of the allocated and the reserved
+    peak: the plan bounds what the caching allocator reserves, not only what tensors hold."""
     t = cfg.max_num_batched_tokens
     if device.type != "cuda":
         per_token = model_cfg.hidden_size * 6 + model_cfg.intermediate_size * 3
@@ -81,6 +82,7 @@ def _activation_peak(
     kv = kv_cache.allocate(model_cfg.num_layers, shape, kv_dtype, device)
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
+    base_reserved = torch.cuda.memory_reserved(device)
     peak = 0
     for seqs in cases:
         torch.cuda.reset_peak_memory_stats(device)
@@ -90,7 +92,8 @@ def _activation_peak(
             model.logits(model.forward(batch, kv)[last])
             del batch
         torch.cuda.synchronize(device)
-        peak = max(peak, torch.cuda.max_memory_allocated(device) - base)
+        allocated = torch.cuda.max_memory_allocated(device) - base
+        peak = max(peak, allocated, torch.cuda.max_memory_reserved(device) - base_reserved)
     del kv
     torch.cuda.empty_cache()
     return peak

@@ -96,6 +96,7 @@ class Worker:
                     self.cfg, self.model, self.kv, self.sampler, self.max_model_len
                 )
                 info |= peak_figures(self.device, self.memory_plan)
+                log.info("memory after capture", **peak_figures(self.device, self.memory_plan))
             self.meter.freeze()  # start-up objects are done; measure only what serving creates
         elif phase == "shutdown":
             self.requests.clear()
