@@ -151,3 +151,6 @@ def test_bench_serve_records_the_log_with_a_real_tokenizer_and_a_concurrency_cap
     events = [r for r in recording.records if isinstance(r, RequestAdded | RequestFinished)]
     kinds = ["added" if isinstance(r, RequestAdded) else "finished" for r in events]
     assert kinds == ["added", "finished"] * len(added)
+    capsys.readouterr()
+    assert cli_main(["replay", str(log)]) == 0  # the config's tokenizer rebuilds the same run
+    assert "identical" in capsys.readouterr().out.lower()
