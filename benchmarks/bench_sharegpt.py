@@ -133,6 +133,7 @@ def run_config(name: str, args: argparse.Namespace, tokenizer: Path) -> dict[str
     result["memory"] = memory_verdict(log, server_log)
     memstep("inspect", str(log), "--json", out=args.out / f"{name}.inspect.json")
     memstep("plot", str(log), "-o", str(args.out / f"{name}.png"))
+    plan_figure(log, result["memory"], args.out / f"{name}.plan.png")
     if args.replay:
         result["replay"] = replay(log, args.out / f"{name}.replay.json")
     (args.out / f"{name}.result.json").write_text(json.dumps(result, indent=2))
@@ -202,6 +203,36 @@ def memory_verdict(log: Path, server_log: str) -> dict[str, Any]:
         and not leaks
     )
     return verdict
+
+
+def plan_figure(log: Path, verdict: dict[str, Any], path: Path) -> None:
+    """Reserved and live bytes over the served steps, against the plan and the device."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from memstep.events.types import StepFinished
+    from memstep.replay.recording import load
+
+    steps = [r for r in load(log).records if isinstance(r, StepFinished)]
+    x = [s.step for s in steps]
+    fig, ax = plt.subplots(figsize=(10, 4))
+    ax.plot(x, [s.memory.reserved_bytes / GIB for s in steps], label="reserved")
+    ax.plot(x, [s.memory.live_bytes / GIB for s in steps], label="live")
+    lines = [("predicted peak (plan)", verdict["predicted_peak"], "--")]
+    lines.append(("device total", verdict["device_total"], ":"))
+    for label, value, style in lines:
+        if value:
+            ax.axhline(value / GIB, linestyle=style, color="k", label=f"{label} {value / GIB:.1f}")
+    ax.axvline(verdict["first_step"], color="grey", linewidth=0.5, label="first request served")
+    ax.set_xlabel("step")
+    ax.set_ylabel("GiB")
+    ax.set_title(f"{log.name}: peak reserved {verdict['reserved'][2] / GIB:.2f} GiB")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def replay(log: Path, out: Path) -> dict[str, Any]:

@@ -32,6 +32,7 @@ def test_the_sharegpt_benchmark_runs_end_to_end_at_a_tiny_size(tmp_path):
     assert memory["segments"][0] > 0 and memory["reserved"][2] >= memory["reserved"][0]
     assert memory["flat"] == (done.returncode == 0)
     assert (out / "default.png").stat().st_size > 10_000
+    assert (out / "default.plan.png").stat().st_size > 10_000
     inspect = json.loads((out / "default.inspect.json").read_text())
     assert inspect["log"]["header"]["config"]["tokenizer"] == str(out / "tokenizer.json")
     assert "default" in (out / "table.txt").read_text().splitlines()[2]
