@@ -416,3 +416,21 @@ def test_spec_disabled_by_batch_size_keeps_memory_allocated_over_each_no_spec_st
             assert stretch[0].memory.live_bytes == stretch[-1].memory.live_bytes
     finally:
         release(engine)
+
+
+def test_the_device_memory_read_for_batch_limits_is_the_gpus_and_expandable_segments_are_on():
+    from memstep.core.device_limits import cuda_device_bytes, default_limits
+    from memstep.core.model_config import PRESETS
+    from memstep.executors.allocator import ALLOC_CONF, user_alloc_conf
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    read = cuda_device_bytes("auto")
+    assert read is not None and abs(read - total) < 0.02 * total
+    limits = default_limits(read, PRESETS["llama-3.1-8b"])
+    expected = (1024, 8192) if total >= 70 * 2**30 else (256, 2048)
+    assert (limits.max_num_seqs, limits.max_num_batched_tokens) <= expected
+    engine = make_engine("bfloat16")
+    try:
+        assert engine.executor.worker.alloc_conf == (user_alloc_conf() or ALLOC_CONF)
+    finally:
+        release(engine)
