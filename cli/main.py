@@ -93,12 +93,12 @@ def config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
     names = {f.name for f in attrs.fields(EngineConfig)}
     values = {k: v for k, v in vars(args).items() if k in names}
     values.update(overrides)
-    limits = ("max_num_seqs", "max_num_batched_tokens")
-    if any(values.get(name) is None for name in limits):
+    if values.get("max_num_seqs") is None or values.get("max_num_batched_tokens") is None:
         chosen = _device_limits(values)
-        for name in limits:
-            if values.get(name) is None:
-                values[name] = getattr(chosen, name)
+        if values.get("max_num_batched_tokens") is None:
+            values["max_num_batched_tokens"] = chosen.max_num_batched_tokens
+        if values.get("max_num_seqs") is None:  # a step never has more rows than tokens
+            values["max_num_seqs"] = min(chosen.max_num_seqs, values["max_num_batched_tokens"])
     return EngineConfig(**values)
 
 

@@ -65,6 +65,8 @@ def test_the_command_line_writes_the_chosen_limits_into_the_config(tmp_path, mon
     assert _limits(cli_main.config_from_args(parser.parse_args(model))) == (1024, 8192)
     given = parser.parse_args([*model, "--max-num-seqs", "64"])
     assert _limits(cli_main.config_from_args(given)) == (64, 8192)
+    few_tokens = parser.parse_args([*model, "--max-num-batched-tokens", "512"])
+    assert _limits(cli_main.config_from_args(few_tokens)) == (512, 512)
     on_cpu = parser.parse_args([*model, "--device", "cpu"])
     assert _limits(cli_main.config_from_args(on_cpu)) == (16, 512)
 
