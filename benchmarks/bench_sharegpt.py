@@ -129,11 +129,13 @@ def run_config(name: str, args: argparse.Namespace, tokenizer: Path) -> dict[str
         server.stop(timeout=120)
         server_log = server.log_path.read_text(errors="replace")
     (args.out / f"{name}.server.log").write_text(server_log)
-    result = {"config": name, "flags": flags, "bench": _bench_figures(bench_json)}
-    result["memory"] = memory_verdict(log, server_log)
+    verdict = memory_verdict(log, server_log)
+    result: dict[str, Any] = {"config": name, "flags": flags}
+    result["bench"] = _bench_figures(bench_json)
+    result["memory"] = verdict
     memstep("inspect", str(log), "--json", out=args.out / f"{name}.inspect.json")
     memstep("plot", str(log), "-o", str(args.out / f"{name}.png"))
-    plan_figure(log, result["memory"], args.out / f"{name}.plan.png")
+    plan_figure(log, verdict, args.out / f"{name}.plan.png")
     if args.replay:
         result["replay"] = replay(log, args.out / f"{name}.replay.json")
     (args.out / f"{name}.result.json").write_text(json.dumps(result, indent=2))
