@@ -4,16 +4,21 @@ Requests arrive with gamma-distributed gaps, as in vLLM's `benchmark_serving`: s
 `burstiness`, mean 1 / `request_rate` (burstiness 1 is a Poisson process; a rate of inf sends
 everything at once).  Every request streams, and every time is taken at the client: TTFT from
 sending to the first delta, ITL between deltas, TPOT = (E2E - TTFT) / (output tokens - 1).
-Without --host/--port the benchmark starts its own `memstep serve` with the engine flags given.
+Without --host/--port the benchmark starts its own `memstep serve` with the engine flags given
+(`--record PATH` keeps that server's event log).  Before the load one probe request (the first
+sample, two tokens) must succeed: an unreachable server or a failing first request ends the
+benchmark at once with a one-line reason and exit code 1, not a table of zeros.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import random
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -21,7 +26,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from memstep.api.client import AsyncClient, ServerError
+from memstep.api.client import AsyncClient, Client, ServerError
 from memstep.cli.datasets import Sample, load_dataset
 from memstep.cli.main import add_engine_arguments, config_from_args
 from memstep.cli.serve import ServerProcess
@@ -42,33 +47,79 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", help="an already running server (default: start one)")
     p.add_argument("--port", type=int, help="its port (default 5557 with --host)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds of server silence")
+    p.add_argument("--max-concurrency", type=int, help="at most this many requests in flight")
+    p.add_argument("--record", type=Path, help="keep the event log of the server bench starts")
     p.add_argument("--disable-tqdm", action="store_true")
     add_engine_arguments(p)
+
+
+class BenchFailed(RuntimeError):
+    """The benchmark cannot give meaningful numbers; the message says why, in one line."""
 
 
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     samples = _samples(args, cfg)
-    if args.host or args.port:
-        address = f"tcp://{args.host or '127.0.0.1'}:{args.port or 5557}"
-        results, duration = _run_load(args, address, samples)
-    else:
-        with ServerProcess(server_flags(cfg)) as server:
-            server.wait_ready(timeout=600)
-            results, duration = _run_load(args, server.address, samples)
+    try:
+        results, duration = _serve_and_load(args, cfg, samples)
+        if not any(r.ok for r in results):
+            raise BenchFailed(f"every request failed; the first: {results[0].error}")
+    except BenchFailed as exc:
+        print(f"memstep bench serve: error: {exc}", file=sys.stderr)
+        return 1
     metrics = compute_metrics(results, duration)
-    print(report(metrics, args, resolve(cfg.model, cfg.random_weights_seed).label))
+    print(report(metrics, args, resolve(cfg.model, cfg.random_weights_seed, cfg.tokenizer).label))
     if args.json:
         data = {**metrics, "config": _run_config(args, cfg), "requests": _per_request(results)}
         args.json.write_text(json.dumps(data, indent=2))
     return 0
 
 
+def _serve_and_load(
+    args: argparse.Namespace, cfg: EngineConfig, samples: list[Sample]
+) -> tuple[list[RequestResult], float]:
+    if args.host or args.port:
+        address = f"tcp://{args.host or '127.0.0.1'}:{args.port or 5557}"
+        check_server(address, samples[0], min(args.timeout, PROBE_TIMEOUT_S))
+        return _run_load(args, address, samples)
+    record = ["--record", str(args.record)] if args.record else []
+    with ServerProcess(server_flags(cfg) + record) as server:
+        try:
+            server.wait_ready(timeout=600)
+        except (RuntimeError, TimeoutError) as exc:
+            last = str(exc).strip().splitlines()[-1]
+            raise BenchFailed(f"the server did not start: {last}") from exc
+        check_server(server.address, samples[0], args.timeout)
+        return _run_load(args, server.address, samples)
+
+
+PROBE_TIMEOUT_S = 30.0  # a server given by --host/--port is already up: silence means unreachable
+
+
+def check_server(address: str, sample: Sample, timeout: float) -> None:
+    """One short request (the first sample's prompt, two tokens) that must come back."""
+    with Client(address, timeout=timeout) as client:
+        try:
+            client.generate(sample.prompt, max_tokens=2, ignore_eos=True)
+        except TimeoutError as exc:
+            raise BenchFailed(f"server {address} cannot be reached: {exc}") from exc
+        except ServerError as exc:
+            raise BenchFailed(f"the first request failed: {exc}") from exc
+
+
 def _samples(args: argparse.Namespace, cfg: EngineConfig) -> list[Sample]:
-    source = resolve(cfg.model, cfg.random_weights_seed)
+    source = resolve(cfg.model, cfg.random_weights_seed, cfg.tokenizer)
     mc = model_config(source)
     tokenizer = load_tokenizer(source, mc.vocab_size, mc.eos_token_ids)
     samples = load_dataset(args.dataset, args.num_prompts, tokenizer, args.sample_seed)
+    if not samples:
+        raise FileNotFoundError(f"dataset {args.dataset!r} yielded no prompts")
+    if len(samples) < args.num_prompts:
+        print(
+            f"memstep bench serve: warning: dataset {args.dataset!r} yielded {len(samples)} "
+            f"prompts of the {args.num_prompts} asked",
+            file=sys.stderr,
+        )
     if args.max_output_len:
         cap = args.max_output_len
         samples = [attrs.evolve(s, output_len=min(s.output_len, cap)) for s in samples]
@@ -131,12 +182,15 @@ async def benchmark(
 
     bar = tqdm(total=len(samples), desc="requests", disable=getattr(args, "disable_tqdm", False))
     client = AsyncClient(address, timeout=getattr(args, "timeout", 600.0))
+    limit = getattr(args, "max_concurrency", None)
+    slots = asyncio.Semaphore(limit) if limit else contextlib.nullcontext()
     try:
         start = time.perf_counter()
         tasks = []
         for sample, gap in zip(samples, gaps, strict=True):
             await asyncio.sleep(gap)
-            tasks.append(asyncio.create_task(_one(client, sample, ignore_eos, bar)))
+            one = _one(client, sample, ignore_eos, bar, slots)
+            tasks.append(asyncio.create_task(one))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
     finally:
@@ -145,7 +199,14 @@ async def benchmark(
     return list(results), duration
 
 
-async def _one(client: AsyncClient, sample: Sample, ignore_eos: bool, bar: Any) -> RequestResult:
+async def _one(
+    client: AsyncClient, sample: Sample, ignore_eos: bool, bar: Any, slots: Any
+) -> RequestResult:
+    async with slots:  # --max-concurrency: wait for a slot; the clock starts once sent
+        return await _timed(client, sample, ignore_eos, bar)
+
+
+async def _timed(client: AsyncClient, sample: Sample, ignore_eos: bool, bar: Any) -> RequestResult:
     result = RequestResult(prompt_len=sample.prompt_len)
     start = last = time.perf_counter()
     try:
@@ -216,6 +277,7 @@ def report(m: dict[str, Any], args: argparse.Namespace, model: str) -> str:
         _row("Model", model),
         _row("Dataset", f"{args.dataset} ({args.num_prompts} prompts)"),
         _row("Request rate (req/s)", f"{rate} (burstiness {args.burstiness:g})"),
+        _row("Maximum request concurrency", getattr(args, "max_concurrency", None)),
         _row("Successful requests", m["completed"]),
         _row("Failed requests", m["failed"]),
         _row("Benchmark duration (s)", f"{m['duration_s']:.2f}"),
@@ -246,6 +308,7 @@ def _run_config(args: argparse.Namespace, cfg: EngineConfig) -> dict[str, Any]:
         "dataset": args.dataset,
         "max_output_len": args.max_output_len,
         "ignore_eos": args.ignore_eos,
+        "max_concurrency": args.max_concurrency,
         "engine": cfg.to_dict(),
     }
 

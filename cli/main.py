@@ -13,11 +13,13 @@ import os
 import sys
 
 import attrs
+import structlog
 
 from memstep.cli.errors import UsageError
 from memstep.core.config import KV_CACHE_DTYPES, ConfigError, EngineConfig
+from memstep.core.device_limits import Limits, cuda_device_bytes, default_limits
 from memstep.core.logging import setup_logging
-from memstep.core.model_source import ModelError
+from memstep.core.model_source import ModelError, model_config, resolve
 from memstep.core.sampling_params import InvalidRequest
 from memstep.events.log import LogFormatError
 from memstep.executors.threads import prefer_passive_wait
@@ -30,6 +32,7 @@ COMMANDS = {  # name -> (module, one-line help); a module is imported only when 
     "replay": ("memstep.cli.replay", "replay an event log and compare"),
     "inspect": ("memstep.cli.inspect", "summarise an event log"),
     "plot": ("memstep.cli.plot", "plot memory over steps from an event log"),
+    "export-tokenizer": ("memstep.cli.export_tokenizer", "write a GGUF's tokenizer.json"),
 }
 USER_ERRORS = (ModelError, ConfigError, InvalidRequest, UsageError, LogFormatError, MemoryError)
 # a path that cannot be used (also any OSError that names its file): the user's to fix
@@ -44,11 +47,18 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--model", default=d.model, help="smollm2, a .gguf file, an HF folder, random:<preset>"
     )
+    g.add_argument(
+        "--tokenizer", help="a tokenizer.json or .gguf to use instead of the model's own"
+    )
     g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES)
     g.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
-    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    g.add_argument(
+        "--max-num-seqs", type=int, help="default: from the device (CPU 16, CUDA up to 1024)"
+    )
+    g.add_argument(
+        "--max-num-batched-tokens", type=int, help="default: from the device (CPU 512, CUDA 8192)"
+    )
     g.add_argument("--max-model-len", type=int, default=d.max_model_len)
     g.add_argument("--block-size", type=int, default=d.block_size)
     g.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks)
@@ -132,10 +142,33 @@ def add_speculation_arguments(g, d: EngineConfig | None) -> None:
 
 
 def config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
+    """The config of the flags given; batch limits not given are chosen for the device
+    (core/device_limits.py) and written into the config, so that the log records them."""
     names = {f.name for f in attrs.fields(EngineConfig)}
     values = {k: v for k, v in vars(args).items() if k in names}
     values.update(overrides)
+    if values.get("max_num_seqs") is None or values.get("max_num_batched_tokens") is None:
+        chosen = _device_limits(values)
+        if values.get("max_num_batched_tokens") is None:
+            values["max_num_batched_tokens"] = chosen.max_num_batched_tokens
+        if values.get("max_num_seqs") is None:  # a step never has more rows than tokens
+            values["max_num_seqs"] = min(chosen.max_num_seqs, values["max_num_batched_tokens"])
     return EngineConfig(**values)
+
+
+def _device_limits(values: dict) -> Limits:
+    device_bytes = cuda_device_bytes(values.get("device", "auto"))
+    model = None
+    if device_bytes is not None:
+        source = resolve(values.get("model", "smollm2"), 0, values.get("tokenizer"))
+        model = model_config(source)
+    dtype_bytes = 4 if values.get("dtype") == "float32" else 2
+    chosen = default_limits(device_bytes, model, dtype_bytes)
+    structlog.get_logger("memstep.cli").info(
+        "batch limits", max_num_seqs=chosen.max_num_seqs,
+        max_num_batched_tokens=chosen.max_num_batched_tokens, why=chosen.why,
+    )  # fmt: skip
+    return chosen
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:

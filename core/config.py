@@ -15,7 +15,8 @@ SPECULATIVE_METHODS = (None, "ngram", "draft")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 KV_CACHE_DTYPES = ("auto", "fp8")
-PLANTED_LEAKS = ("no_spec_hidden_states", "sampler_scratch")  # states/planted.py makes each
+# states/planted.py makes each
+PLANTED_LEAKS = ("no_spec_hidden_states", "sampler_scratch", "fragmenting_scratch")
 
 
 class ConfigError(ValueError):
@@ -32,6 +33,7 @@ class EngineConfig:
     """Everything the engine is started with; replay rebuilds an engine from `to_dict()`."""
 
     model: str = "smollm2"
+    tokenizer: str | None = None  # a tokenizer.json or .gguf instead of the model's own
     dtype: str = "auto"
     # KV cache element type: "auto" is the model's dtype; "fp8" stores float8 e4m3 (half the
     # bytes of bf16, no scale, saturating at +-448), converted back for attention

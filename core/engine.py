@@ -73,7 +73,7 @@ class Engine:
         self.cfg = cfg = cfg.replace(seed=seed)  # recorded: a replay draws nothing from entropy
         self.sinks = list(sinks)
         self.seeds = RequestSeeds(seed)
-        self.source = resolve(cfg.model, cfg.random_weights_seed)
+        self.source = resolve(cfg.model, cfg.random_weights_seed, cfg.tokenizer)
         self.model_cfg = model_config(self.source)
         self.max_model_len = min(cfg.max_model_len or 2048, self.model_cfg.max_context)
         mc = self.model_cfg

@@ -1,6 +1,10 @@
 """Where a model comes from: the shipped GGUF, a .gguf path, a Hugging Face folder, or random:.
 
 Reads metadata only (shapes, tokenizer, chat template); tensors are loaded by the executor.
+A separate tokenizer (`--tokenizer`: a tokenizer.json or a .gguf) replaces the model's own, so
+that random: models can be driven with real BPE token lengths.  A random model's vocabulary is
+widened to cover the tokenizer's ids (never narrowed, so the lm_head keeps the preset's cost);
+a real model refuses a tokenizer with ids beyond its vocabulary.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ class ModelSource:
     path: Path | None
     preset: str | None = None
     weights_seed: int = 0  # random: only; EngineConfig.random_weights_seed
+    tokenizer: Path | None = None  # a tokenizer.json or .gguf used instead of the model's own
 
     @property
     def is_random(self) -> bool:
@@ -54,22 +59,40 @@ class ModelSource:
 
     @cached_property
     def identity(self) -> str:
-        """A stable identity for the log header: the weights' hash, or the preset and seed."""
+        """A stable identity for the log header: the weights' hash, or the preset and seed;
+        with a separate tokenizer, its hash too."""
         if self.is_random:
-            return f"random:{self.preset}:seed={self.weights_seed}"
-        assert self.path is not None
-        files = [self.path] if self.path.is_file() else sorted(self.path.glob("*.safetensors"))
-        digest = hashlib.sha256()
-        for file in files:
-            stat = file.stat()
-            digest.update(f"{file.name}:{stat.st_size}".encode())
-            with file.open("rb") as fh:
-                digest.update(fh.read(1 << 20))  # size + first MiB: fast and stable
-        return f"{self.kind}:{digest.hexdigest()[:16]}"
+            model = f"random:{self.preset}:seed={self.weights_seed}"
+        else:
+            assert self.path is not None
+            files = [self.path] if self.path.is_file() else sorted(self.path.glob("*.safetensors"))
+            model = f"{self.kind}:{_digest(files)}"
+        return model if self.tokenizer is None else f"{model}:tokenizer={_digest([self.tokenizer])}"
 
 
-def resolve(spec: str, weights_seed: int = 0) -> ModelSource:
-    """Turn the user's `--model` string into a source, with a clear error when it cannot be."""
+def _digest(files: list[Path]) -> str:
+    digest = hashlib.sha256()
+    for file in files:
+        stat = file.stat()
+        digest.update(f"{file.name}:{stat.st_size}".encode())
+        with file.open("rb") as fh:
+            digest.update(fh.read(1 << 20))  # size + first MiB: fast and stable
+    return digest.hexdigest()[:16]
+
+
+def resolve(spec: str, weights_seed: int = 0, tokenizer: str | None = None) -> ModelSource:
+    """Turn the user's `--model` (and `--tokenizer`) into a source, with a clear error when
+    it cannot be."""
+    source = _resolve_model(spec, weights_seed)
+    if tokenizer is None:
+        return source
+    path = Path(tokenizer)
+    if not path.is_file() or path.suffix not in (".json", ".gguf"):
+        raise ModelError(f"tokenizer not found: {tokenizer} (give a tokenizer.json or a .gguf)")
+    return attrs.evolve(source, tokenizer=path)
+
+
+def _resolve_model(spec: str, weights_seed: int) -> ModelSource:
     if spec in ALIASES:
         path = shipped_gguf_path()
         if not path.is_file():
@@ -166,6 +189,21 @@ def hf_model_config(folder: Path) -> ModelConfig:
 
 
 def model_config(source: ModelSource) -> ModelConfig:
+    mc = _own_model_config(source)
+    if source.tokenizer is None:
+        return mc
+    vocab = tokenizer_vocab_size(source.tokenizer)
+    if source.is_random:
+        return attrs.evolve(mc, vocab_size=max(vocab, mc.vocab_size))
+    if vocab > mc.vocab_size:
+        raise ModelError(
+            f"tokenizer {source.tokenizer.name} has {vocab} ids; the model's vocabulary has "
+            f"{mc.vocab_size}"
+        )
+    return mc
+
+
+def _own_model_config(source: ModelSource) -> ModelConfig:
     if source.kind == "random":
         assert source.preset is not None
         return PRESETS[source.preset]
@@ -173,3 +211,16 @@ def model_config(source: ModelSource) -> ModelConfig:
     if source.kind == "gguf":
         return gguf_model_config(read_gguf(source.path))
     return hf_model_config(source.path)
+
+
+@functools.lru_cache(maxsize=4)
+def tokenizer_vocab_size(path: Path) -> int:
+    """Ids a tokenizer file can produce (its vocabulary and added tokens)."""
+    if path.suffix == ".gguf":
+        return len(gguf_field(read_gguf(path), "tokenizer.ggml.tokens") or [])
+    from tokenizers import Tokenizer
+
+    try:
+        return int(Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True))
+    except Exception as exc:  # tokenizers raises a bare Exception on a malformed file
+        raise ModelError(f"cannot read tokenizer {path}: {exc}") from exc

@@ -186,6 +186,8 @@ def _hf_tokenizer(folder: Path, eos: tuple[int, ...]) -> HFTokenizer:
 
 
 def load_tokenizer(source: ModelSource, vocab_size: int, eos: tuple[int, ...]) -> Tokenizer:
+    if source.tokenizer is not None:
+        return load_tokenizer_file(source.tokenizer, eos)
     if source.kind == "gguf":
         assert source.path is not None
         return _gguf_tokenizer(source.path)
@@ -193,3 +195,18 @@ def load_tokenizer(source: ModelSource, vocab_size: int, eos: tuple[int, ...]) -
         assert source.path is not None
         return _hf_tokenizer(source.path, eos)
     return ByteTokenizer(vocab_size, eos)
+
+
+def load_tokenizer_file(path: Path, eos: tuple[int, ...]) -> HFTokenizer:
+    """`--tokenizer`: a tokenizer.json (no chat template; `eos` stays the model's) or the
+    tokenizer of a .gguf file (its own template and end-of-sequence id)."""
+    if path.suffix == ".gguf":
+        return _gguf_tokenizer(path)
+    from tokenizers import Tokenizer as RawTokenizer
+
+    return HFTokenizer(RawTokenizer.from_file(str(path)), None, eos, "")
+
+
+def gguf_tokenizer_json(path: Path) -> str:
+    """The tokenizer of a .gguf file as tokenizer.json text (a few MB, without the weights)."""
+    return str(_gguf_tokenizer(path)._tok.to_str())

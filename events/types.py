@@ -149,7 +149,7 @@ class RequestFinished:
 class LeakSuspected:
     step: int  # step where the growth began
     kind: str
-    what: str  # "live_growth" | "held_after_exit"
+    what: str  # "live_growth" | "fragmentation" | "held_after_exit"
     nbytes: int
     detail: str
 

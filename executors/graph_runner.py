@@ -179,11 +179,14 @@ def capture_phase(
 
 def peak_figures(device: torch.device, memory_plan: MemoryPlan | None) -> dict:
     measured = torch.cuda.max_memory_allocated(device)
+    reserved = torch.cuda.max_memory_reserved(device)
     predicted = memory_plan.predicted_peak_bytes if memory_plan is not None else 0
     return {
         "predicted_peak_bytes": predicted,
         "measured_peak_bytes": measured,
         "peak_error": round(measured / predicted - 1.0, 4) if predicted else None,
+        "reserved_peak_bytes": reserved,  # the allocator's, warm-up and capture included
+        "reserved_within_plan": bool(predicted) and reserved <= predicted,
     }
 
 

@@ -1,9 +1,17 @@
 """Reports memory that grows while serving, from real measurements, not from the arena's books.
 
 After the first serving step nothing should be allocated that outlives a step: logits, sampler
-intermediates and every kind's buffers are persistent.  So live bytes (and, on CUDA, allocator
-segments) above the level measured after that step are growth; the detector names the step and
-kind where growth began, then watches the new level (one report per growth episode).
+intermediates and every kind's buffers are persistent.  Two kinds of growth over the level
+measured after that step are reported, because they have different causes and fixes:
+
+* `live_growth`: live bytes grew, so something kept a tensor (a leak);
+* `fragmentation`: reserved bytes grew while live bytes did not, so the caching allocator
+  took new memory (new or larger segments) for short-lived tensors of sizes it had no cached
+  block for: the seed's sampler incident.  Its detail names the allocator segments too.
+
+(On CPU reserved equals live, so only live growth can be seen there.)  The detector names the
+step and kind where growth began, then watches the new level: one report per growth episode,
+and none for `quiet_steps` after it.
 """
 
 from __future__ import annotations
@@ -16,7 +24,6 @@ class LeakDetector:
         self.quiet_steps = quiet_steps
         self.baseline: MemoryReport | None = None
         self._quiet_until = -1
-        self._pending: tuple[int, str, int] | None = None
 
     def observe(self, step: int, kind: str, mem: MemoryReport) -> list[LeakSuspected]:
         if self.baseline is None:
@@ -24,17 +31,19 @@ class LeakDetector:
             return []
         base = self.baseline
         grew = mem.live_bytes - base.live_bytes
-        new_segments = mem.num_segments - base.num_segments
+        reserved_grew = mem.reserved_bytes - base.reserved_bytes
         if step < self._quiet_until:
-            self.baseline = mem if grew > 0 else base
+            self.baseline = mem if grew > 0 or reserved_grew > 0 else base
             return []
-        if grew <= 0 and (new_segments <= 0 or mem.reserved_bytes <= base.reserved_bytes):
+        if grew <= 0 and reserved_grew <= 0:
             return []
         self.baseline = mem
         self._quiet_until = step + self.quiet_steps
         detail = (
-            f"live bytes {base.live_bytes} -> {mem.live_bytes} (+{grew}), "
+            f"live bytes {base.live_bytes} -> {mem.live_bytes} ({grew:+}), "
             f"segments {base.num_segments} -> {mem.num_segments}, "
-            f"reserved {base.reserved_bytes} -> {mem.reserved_bytes}"
+            f"reserved {base.reserved_bytes} -> {mem.reserved_bytes} ({reserved_grew:+})"
         )
-        return [LeakSuspected(step, kind, "live_growth", max(grew, 0), detail)]
+        if grew > 0:
+            return [LeakSuspected(step, kind, "live_growth", grew, detail)]
+        return [LeakSuspected(step, kind, "fragmentation", reserved_grew, detail)]

@@ -65,7 +65,8 @@ def _activation_peak(
 ) -> int:
     """Peak bytes of one forward of `max_num_batched_tokens` tokens (measured on CUDA, over
     `worst_case_prefill`: chunks that start their sequences, and chunks that continue one,
-    whose attention takes another path)."""
+    whose attention takes another path).  On CUDA the larger of the allocated and the reserved
+    peak: the plan bounds what the caching allocator reserves, not only what tensors hold."""
     t = cfg.max_num_batched_tokens
     if device.type != "cuda":
         per_token = model_cfg.hidden_size * 6 + model_cfg.intermediate_size * 3
@@ -81,6 +82,7 @@ def _activation_peak(
     kv = kv_cache.allocate(model_cfg.num_layers, shape, kv_dtype, device)
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
+    base_reserved = torch.cuda.memory_reserved(device)
     peak = 0
     for seqs in cases:
         torch.cuda.reset_peak_memory_stats(device)
@@ -90,7 +92,8 @@ def _activation_peak(
             model.logits(model.forward(batch, kv)[last])
             del batch
         torch.cuda.synchronize(device)
-        peak = max(peak, torch.cuda.max_memory_allocated(device) - base)
+        allocated = torch.cuda.max_memory_allocated(device) - base
+        peak = max(peak, allocated, torch.cuda.max_memory_reserved(device) - base_reserved)
     del kv
     torch.cuda.empty_cache()
     return peak
@@ -109,6 +112,8 @@ def plan_memory(
     rows = cfg.max_num_seqs * (cfg.num_lookahead_slots + 1)
     sampler = rows * model_cfg.vocab_size * (4 + 4 + 8) + rows * 4
     activation = _activation_peak(cfg, model_cfg, max_len, model, dtype, kv_dtype, device)
+    if device.type == "cuda":
+        activation += _eager_logits_bytes(cfg, model_cfg)
     page = _kv_page_bytes(cfg, model_cfg, kv_dtype, model_cfg.num_layers)
     draft_page = 0
     if cfg.speculative_method == "draft":
@@ -134,6 +139,15 @@ def plan_memory(
     kv = blocks * page
     predicted = weights + activation + sampler + arena + kv + graphs
     return MemoryPlan(weights, activation, sampler, kinds, arena, page, blocks, predicted, graphs)
+
+
+def _eager_logits_bytes(cfg: EngineConfig, model_cfg: ModelConfig) -> int:
+    """Float32 logits of an eager step that samples a row per sequence (a mixed step, or the
+    sampler's warm-up), and one copy of them (raw logits kept for logprobs): the profile's
+    worst case samples only a few rows, so these transients are planned here.  Without them
+    reserved memory could pass the predicted peak by ~1 GiB at 1,024 rows of a 128k vocab."""
+    rows = min(cfg.max_num_seqs, cfg.max_num_batched_tokens) * (cfg.num_lookahead_slots + 1)
+    return 2 * rows * model_cfg.vocab_size * 4
 
 
 def _kind_table(cfg: EngineConfig, model_cfg: ModelConfig, dtype, blocks: int) -> dict:

@@ -16,6 +16,7 @@ from memstep.core.sampling_params import SamplingParams
 from memstep.events.plan import PhaseReply, SeqPlan, SeqResult, StepPlan, StepResult
 from memstep.events.types import MemoryReport
 from memstep.executors import kv_cache, memory
+from memstep.executors.allocator import configure_cuda_allocator
 from memstep.executors.batch_builder import build_batch
 from memstep.executors.leak_detector import LeakDetector
 from memstep.executors.llama import LlamaModel
@@ -48,6 +49,8 @@ class Worker:
         self.cfg = cfg
         self.max_model_len = max_model_len
         self.device = pick_device(cfg)
+        # before the first CUDA allocation: serving's changing sizes must not take new segments
+        self.alloc_conf = configure_cuda_allocator() if self.device.type == "cuda" else ""
         self.dtype = pick_dtype(cfg, self.device)
         self.kv_dtype = kv_cache.kv_dtype(cfg.kv_cache_dtype, self.dtype)
         if cfg.num_threads:
@@ -55,7 +58,7 @@ class Worker:
         self.meter = memory.LiveTensorMeter()
         if self.device.type == "cpu":
             self.meter.exclude_existing()  # before the weights: everything after is this worker's
-        self.source = resolve(cfg.model, cfg.random_weights_seed)
+        self.source = resolve(cfg.model, cfg.random_weights_seed, cfg.tokenizer)
         self.model_cfg = model_config(self.source)
         self.weights = load_weights(self.source, self.model_cfg, self.dtype, self.device)
         self.meter.adopt(list(self.weights.values()))
@@ -91,6 +94,7 @@ class Worker:
                     self.cfg, self.model, self.kv, self.sampler, self.max_model_len
                 )
                 info |= peak_figures(self.device, self.memory_plan)
+                log.info("memory after capture", **peak_figures(self.device, self.memory_plan))
             self.meter.freeze()  # start-up objects are done; measure only what serving creates
         elif phase == "shutdown":
             self.requests.clear()
@@ -117,7 +121,9 @@ class Worker:
             self.spec = SpecDecoder(
                 cfg, self.model, self.forward, self.requests, self.sampler, spec, draft
             )
-        info = plan.to_dict()
+        info = plan.to_dict() | {"allocator_conf": self.alloc_conf}
+        if self.device.type == "cuda":
+            info["device_total_bytes"] = torch.cuda.get_device_properties(self.device).total_memory
         log.info("memory plan", **info)
         return info
 

@@ -36,7 +36,26 @@ class SamplerScratchPerStep(NoSpec):
         self.scratch.append(torch.empty(outputs.num_rows, vocab, device=outputs.hidden.device))
 
 
+class ScratchOfChangingSizes(NoSpec):
+    """Fragmentation without a leak: scratch allocated per step outside the planned memory,
+    64 MiB larger each step, and freed at once.  Live bytes stay flat, but once the size passes
+    the largest block the allocator has cached (within a few steps), it has to reserve more:
+    its reserved bytes (and, without expandable segments, its segments) grow every step."""
+
+    def __init__(self, env):
+        super().__init__(env)
+        self.num_steps = 0
+
+    def after_step(self, outputs: StepOutputs) -> None:
+        self.num_steps += 1
+        device = outputs.hidden.device
+        unit = 64 << 20 if device.type == "cuda" else 64 << 10  # the CPU has no cache to grow
+        scratch = torch.empty(self.num_steps * unit, dtype=torch.uint8, device=device)
+        del scratch
+
+
 PLANTS: dict[str, tuple[str, type[StepKind]]] = {
     "no_spec_hidden_states": ("no_spec", NoSpecKeepsHiddenStates),
     "sampler_scratch": ("no_spec", SamplerScratchPerStep),
+    "fragmenting_scratch": ("no_spec", ScratchOfChangingSizes),
 }

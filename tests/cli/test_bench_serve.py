@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import statistics
+import time
 
 import pytest
 
@@ -93,3 +94,63 @@ def test_bench_serve_against_a_running_server_with_a_jsonl_dataset(tmp_path, cap
     assert "Successful requests:                    6" in printed
     assert "Failed requests:                        1" in printed
     assert f"Total generated tokens:                 {sum(4 + i for i in range(6))}" in printed
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_bench_serve_fails_fast_when_the_server_cannot_be_reached(capsys):
+    argv = ["--dataset", "synthetic", "--num-prompts", "3", "--port", str(_free_port())]
+    start = time.monotonic()
+    assert bench_serve.main([*argv, "--timeout", "2", *TINY]) == 1
+    assert time.monotonic() - start < 30
+    captured = capsys.readouterr()
+    assert "cannot be reached" in captured.err and "Serving Benchmark" not in captured.out
+
+
+def test_bench_serve_fails_fast_when_the_first_request_fails(tmp_path, capsys):
+    dataset = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": "x" * 600, "output_len": 4}, {"prompt": "fine", "output_len": 4}]
+    dataset.write_text("\n".join(json.dumps(r) for r in rows))
+    assert bench_serve.main(["--dataset", str(dataset), "--num-prompts", "2", *TINY]) == 1
+    captured = capsys.readouterr()
+    assert "the first request failed" in captured.err and "Serving Benchmark" not in captured.out
+
+
+def test_bench_serve_records_the_log_with_a_real_tokenizer_and_a_concurrency_cap(tmp_path, capsys):
+    from memstep.cli.main import main as cli_main
+    from memstep.core.tokenizer import load_tokenizer_file
+    from memstep.events.types import RequestAdded, RequestFinished
+    from memstep.replay.recording import load
+
+    tok = tmp_path / "tokenizer.json"
+    assert cli_main(["export-tokenizer", "--out", str(tok)]) == 0
+    prompts = ["The weather today is", "Write a short poem about memory.", "Hello, world!"]
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text("\n".join(json.dumps({"prompt": p, "output_len": 5}) for p in prompts))
+    log, out = tmp_path / "server.memlog", tmp_path / "bench.json"
+    argv = ["--dataset", str(dataset), "--num-prompts", "5", "--ignore-eos", "--json", str(out)]
+    argv += ["--tokenizer", str(tok), "--record", str(log), "--max-concurrency", "1", *TINY]
+    assert bench_serve.main(argv) == 0
+    captured = capsys.readouterr()
+    assert "yielded 3 prompts of the 5 asked" in captured.err
+    assert "Maximum request concurrency:            1" in captured.out
+    bpe = load_tokenizer_file(tok, (2,))
+    data = json.loads(out.read_text())
+    assert data["requests"]["input_lens"] == [len(bpe.encode(p)) for p in prompts]
+    recording = load(log)  # kept after the server stopped
+    assert recording.config["tokenizer"] == str(tok) and recording.was_shut_down
+    added = [r for r in recording.records if isinstance(r, RequestAdded)]
+    assert [r.prompt_token_ids for r in added[1:]] == [bpe.encode(p) for p in prompts]
+    # one in flight at a time: each request is added after the one before it finished
+    events = [r for r in recording.records if isinstance(r, RequestAdded | RequestFinished)]
+    kinds = ["added" if isinstance(r, RequestAdded) else "finished" for r in events]
+    assert kinds == ["added", "finished"] * len(added)
+    capsys.readouterr()
+    assert cli_main(["replay", str(log)]) == 0  # the config's tokenizer rebuilds the same run
+    assert "identical" in capsys.readouterr().out.lower()

@@ -360,6 +360,29 @@ def test_planted_leaks_are_flagged_on_the_gpu(plant):
         release(engine)
 
 
+@pytest.mark.parametrize("plant", ["fragmenting_scratch", None])
+def test_planted_fragmentation_is_flagged_as_fragmentation_and_a_clean_run_is_silent(plant):
+    leaks: list[LeakSuspected] = []
+    sink = lambda rec: leaks.append(rec) if isinstance(rec, LeakSuspected) else None  # noqa: E731
+    engine = make_engine("bfloat16", sinks=[sink], debug_plant_leak=plant)
+    try:
+        prompts = random_prompts([12, 40, 100, 7], engine.model_cfg.vocab_size, 12)
+        for prompt in prompts:
+            engine.add_request(prompt, SamplingParams(max_tokens=80, ignore_eos=True))
+        first = engine.step_no
+        while engine.has_work():
+            engine.step()
+        if plant is None:
+            assert leaks == [], leaks
+            return
+        assert leaks, "the planted fragmentation was not flagged"
+        assert {leak.what for leak in leaks} == {"fragmentation"}, leaks
+        assert leaks[0].kind == "no_spec" and leaks[0].step - first <= 50
+        assert "segments" in leaks[0].detail and leaks[0].nbytes > 0
+    finally:
+        release(engine)
+
+
 def test_spec_disabled_by_batch_size_keeps_memory_allocated_over_each_no_spec_stretch():
     records: list[StepFinished] = []
     sink = lambda rec: records.append(rec) if isinstance(rec, StepFinished) else None  # noqa: E731
@@ -391,5 +414,23 @@ def test_spec_disabled_by_batch_size_keeps_memory_allocated_over_each_no_spec_st
         assert len(stretches) >= 2 and all(len(s) > 20 for s in stretches[:2])
         for stretch in stretches:
             assert stretch[0].memory.live_bytes == stretch[-1].memory.live_bytes
+    finally:
+        release(engine)
+
+
+def test_the_device_memory_read_for_batch_limits_is_the_gpus_and_expandable_segments_are_on():
+    from memstep.core.device_limits import cuda_device_bytes, default_limits
+    from memstep.core.model_config import PRESETS
+    from memstep.executors.allocator import ALLOC_CONF, user_alloc_conf
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    read = cuda_device_bytes("auto")
+    assert read is not None and abs(read - total) < 0.02 * total
+    limits = default_limits(read, PRESETS["llama-3.1-8b"])
+    expected = (1024, 8192) if total >= 70 * 2**30 else (256, 2048)
+    assert (limits.max_num_seqs, limits.max_num_batched_tokens) <= expected
+    engine = make_engine("bfloat16")
+    try:
+        assert engine.executor.worker.alloc_conf == (user_alloc_conf() or ALLOC_CONF)
     finally:
         release(engine)

@@ -1,0 +1,69 @@
+"""`--tokenizer`: a random: model driven by SmolLM2's real BPE tokenizer, from its GGUF or from
+the tokenizer.json that `memstep export-tokenizer` writes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from memstep.cli.main import main as cli_main
+from memstep.core.config import EngineConfig
+from memstep.core.model_source import ModelError, model_config, resolve, shipped_gguf_path
+from memstep.core.sampling_params import SamplingParams
+from memstep.events.types import EngineStarted
+from memstep.executors.inprocess import local_engine
+
+TEXT = "The quick brown fox jumps over the lazy dog, twice."
+
+
+@pytest.fixture(scope="module")
+def tokenizer_json(tmp_path_factory) -> str:
+    out = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    assert cli_main(["export-tokenizer", "--out", str(out)]) == 0
+    return str(out)
+
+
+def test_exported_tokenizer_encodes_as_the_gguf_does(tokenizer_json):
+    gguf = resolve("smollm2")
+    exported = resolve("random:tiny", tokenizer=tokenizer_json)
+    from memstep.core.tokenizer import load_tokenizer
+
+    ids = load_tokenizer(gguf, 49152, (2,)).encode(TEXT)
+    assert load_tokenizer(exported, 49152, (2,)).encode(TEXT) == ids
+    assert len(ids) < len(TEXT.encode()) / 2  # BPE, not the byte tokenizer
+
+
+@pytest.mark.parametrize("which", ["json", "gguf"])
+def test_random_model_with_a_real_tokenizer_serves_and_records_it(tokenizer_json, which):
+    path = tokenizer_json if which == "json" else str(shipped_gguf_path())
+    records: list[object] = []
+    cfg = EngineConfig(model="random:tiny", tokenizer=path, num_threads=1)
+    engine = local_engine(cfg, [records.append])
+    assert engine.model_cfg.vocab_size == 49152  # widened from the preset's 512
+    out = engine.generate([TEXT], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+    assert len(out.token_ids) == 6 and out.prompt_tokens == len(engine.tokenizer.encode(TEXT)) < 20
+    started = next(r for r in records if isinstance(r, EngineStarted))
+    assert started.config["tokenizer"] == path and "tokenizer=" in started.model_identity
+
+
+def test_a_tokenizer_larger_than_a_real_models_vocab_is_refused(tmp_path):
+    from tokenizers import Tokenizer, models
+
+    vocab = {f"w{i}": i for i in range(50_000)} | {"[UNK]": 50_000}
+    big = tmp_path / "big.json"
+    Tokenizer(models.WordLevel(vocab, unk_token="[UNK]")).save(str(big))
+    with pytest.raises(ModelError, match="50001 ids; the model's vocabulary has 49152"):
+        model_config(resolve("smollm2", tokenizer=str(big)))
+    assert model_config(resolve("random:tiny", tokenizer=str(big))).vocab_size == 50_001
+
+
+@pytest.mark.parametrize("bad", ["missing.json", "tokenizer.txt"])
+def test_a_bad_tokenizer_path_is_a_clear_error(tmp_path, bad):
+    (tmp_path / "tokenizer.txt").write_text("not a tokenizer")
+    with pytest.raises(ModelError, match="tokenizer not found"):
+        resolve("random:tiny", tokenizer=str(tmp_path / bad))
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps({"not": "a tokenizer"}))
+    with pytest.raises(ModelError, match="cannot read tokenizer"):
+        model_config(resolve("random:tiny", tokenizer=str(broken)))
