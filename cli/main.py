@@ -164,7 +164,8 @@ def _device_limits(values: dict) -> Limits:
         model = model_config(source)
     dtype_bytes = 4 if values.get("dtype") == "float32" else 2
     chosen = default_limits(device_bytes, model, dtype_bytes)
-    structlog.get_logger("memstep.cli").info(
+    say = structlog.get_logger("memstep.cli")
+    (say.info if device_bytes is not None else say.debug)(  # CPU: the defaults, nothing to say
         "batch limits", max_num_seqs=chosen.max_num_seqs,
         max_num_batched_tokens=chosen.max_num_batched_tokens, why=chosen.why,
     )  # fmt: skip

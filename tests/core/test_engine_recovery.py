@@ -37,7 +37,7 @@ def _of(records: list, cls: type) -> list:
 def _recording(records: list) -> Recording:
     started = records[0]
     header = {"config": started.config, "model_identity": started.model_identity}
-    return Recording(Path("in-memory"), header, records, None)
+    return Recording(Path("in-memory"), header, records, [])
 
 
 @pytest.fixture(scope="module")
