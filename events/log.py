@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
-from typing import Any, BinaryIO, Literal
+from typing import Any, BinaryIO, Literal, Self
 
 import attrs
 import msgpack
@@ -76,7 +76,25 @@ class _BadFrame(Exception):
 # --- writing -------------------------------------------------------------------------------
 
 
-class LogWriter:
+class ClosedOnExit:
+    """`with X(...) as x:` closes x at the end of the block, however it ends."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class LogWriter(ClosedOnExit):
     """Appends records to the log at `path`, optionally rotating into `path.1`, `path.2`, ...
 
     Every part starts with the same header, so each part reads on its own and `read_log` reads
@@ -135,17 +153,6 @@ class LogWriter:
     def close(self) -> None:
         self._file.close()
 
-    def __enter__(self) -> LogWriter:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
     def _should_rotate(self, frame_size: int) -> bool:
         if self._rotate_bytes is None or self._num_records == 0:
             return False
@@ -167,7 +174,7 @@ def _frame(payload: bytes) -> bytes:
 # --- reading -------------------------------------------------------------------------------
 
 
-class LogReader:
+class LogReader(ClosedOnExit):
     """Reads one log file: `header` on open, then records streamed by iteration.
 
     Iteration skips each torn, corrupt or undecodable stretch, warns, and lists it in `problems`
@@ -209,17 +216,6 @@ class LogReader:
 
     def close(self) -> None:
         self._file.close()
-
-    def __enter__(self) -> LogReader:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def _read_header(self) -> dict[str, Any]:
         magic = self._file.read(len(MAGIC))

@@ -14,10 +14,9 @@ import os
 import re
 import time
 from pathlib import Path
-from types import TracebackType
 
 from memstep.core.config import ConfigError
-from memstep.events.log import LogWriter, PathLike
+from memstep.events.log import ClosedOnExit, LogWriter, PathLike
 from memstep.events.types import EngineStarted, LeakSuspected, PhaseChanged, StepFinished
 
 DEFAULT_RECORD_PATH = "memstep-{time}.memlog"  # {time} becomes the local start time
@@ -30,7 +29,7 @@ class RecordPathTaken(ConfigError):
     """The log path exists already; a log is never overwritten."""
 
 
-class Recorder:
+class Recorder(ClosedOnExit):
     """A sink that writes every engine record to a `LogWriter` at `path`.
 
     Owns the writer, which it opens on the first record (it must be `EngineStarted`): the header
@@ -58,17 +57,6 @@ class Recorder:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
-
-    def __enter__(self) -> Recorder:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 def header_for(rec: object) -> dict:
