@@ -19,7 +19,10 @@ def test_inspect_json_adds_up_the_log(smol_log):
     records = load(smol_log.path).records
     steps = [r for r in records if isinstance(r, StepFinished)]
     work = smol_log.workload
-    assert s["log"]["header"]["config"] == smol_log.cfg.to_dict() and s["log"]["problem"] is None
+    recorded = s["log"]["header"]["config"]
+    assert isinstance(recorded["seed"], int)  # the engine-wide seed, drawn at start
+    assert recorded == smol_log.cfg.replace(seed=recorded["seed"]).to_dict()
+    assert s["log"]["problem"] is None
     assert s["requests"]["num_added"] == s["requests"]["num_finished"] == work.num_requests
     assert s["requests"]["reasons"]["abort"] == len(work.aborted)
     assert s["num_steps"] == len(steps) == sum(k["num_steps"] for k in s["kinds"].values())
