@@ -323,8 +323,10 @@ class AsyncClient:
 
     async def _call(self, msg: Any, expect: type[Any]) -> Any:
         await self._send(msg)
-        reply = await self._next(msg.request_id)
-        self._queues.pop(msg.request_id, None)
+        try:
+            reply = await self._next(msg.request_id)
+        finally:  # also when the caller gives up waiting (wait_for, cancel)
+            self._queues.pop(msg.request_id, None)
         return _expect(reply, expect)
 
     async def _read(self) -> None:

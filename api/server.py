@@ -23,6 +23,7 @@ import structlog
 import zmq
 from zmq.utils import z85
 
+from memstep.api.tally import Tally, host_rss_bytes
 from memstep.core.config import ConfigError
 from memstep.core.engine import Engine, UnknownRequest
 from memstep.core.outputs import RequestOutput
@@ -117,6 +118,7 @@ class Inflight:
     token_ids: list[int] = attrs.Factory(list)
     texts: list[str] = attrs.Factory(list)
     token_times: list[float] = attrs.Factory(list)
+    logprobs: list[list] = attrs.Factory(list)
 
     @property
     def peer(self) -> bytes:
@@ -126,8 +128,9 @@ class Inflight:
         usage = Usage(self.prompt_tokens, len(self.token_ids))
         ttft = self.token_times[0] if self.token_times else None
         timing = Timing(ttft, list(self.token_times), now - self.arrival)
+        text = "".join(self.texts)
         return GenerateDone(
-            self.request_id, "".join(self.texts), list(self.token_ids), reason, usage, timing
+            self.request_id, text, list(self.token_ids), reason, usage, timing, self.logprobs
         )
 
 
@@ -154,6 +157,8 @@ class Server:
         self.last_sent: dict[bytes, float] = {}  # for peers with requests in flight
         self.gone: set[bytes] = set()  # peers whose connection closed; dropped each turn
         self.finished: collections.Counter[str] = collections.Counter()
+        self.tally = Tally()
+        engine.sinks.append(self.tally)
         self.executor_death: str | None = None
         self.started = time.monotonic()
         self.last_keepalive = 0.0
@@ -374,7 +379,18 @@ class Server:
             kv_pages_used=blocks.num_used,
             memory=getattr(self.engine, "last_memory", None),
             finished=dict(self.finished),
+            prompt_tokens=self.tally.prompt_tokens,
+            generation_tokens=self.tally.generation_tokens,
+            num_preemptions=sched.num_preemptions,
+            num_leak_reports=self.tally.num_leak_reports,
+            steps=dict(self.tally.steps),
+            transitions=dict(self.tally.transitions),
+            host_rss_bytes=host_rss_bytes(self._pids()),
         )
+
+    def _pids(self) -> dict[str, int]:
+        executor = getattr(self.engine.executor, "pid", 0)
+        return {"core": os.getpid(), **({"executor": executor} if executor else {})}
 
     def _answer_zap(self) -> None:
         """ZAP (RFC 27): admit a CURVE client only if its public key is on the allowed list."""
@@ -398,12 +414,24 @@ class Server:
         inf.token_ids.extend(out.new_token_ids)
         inf.texts.append(out.new_text)
         inf.token_times.extend([now - inf.arrival] * len(out.new_token_ids))
+        logprobs = self._named_logprobs(out.new_token_ids, out.logprobs)
+        inf.logprobs.extend(logprobs)
         if inf.stream:
-            self._send(inf.envelope, GenerateDelta(inf.request_id, out.new_token_ids, out.new_text))
+            delta = GenerateDelta(inf.request_id, out.new_token_ids, out.new_text, logprobs)
+            self._send(inf.envelope, delta)
         if out.finished:
             reason = out.finish_reason or "stop"
             self._forget(out.request_id, reason)
             self._send(inf.envelope, inf.done(reason, now))
+
+    def _named_logprobs(self, tokens: list[int], logprobs: list[list]) -> list[list]:
+        """The engine's [logprob, [[id, logprob]...]] per token, with ids and texts added."""
+        decode = self.engine.tokenizer.decode
+        named = []
+        for token, (chosen, top) in zip(tokens, logprobs, strict=False):
+            alternatives = [[tid, decode([tid]), lp] for tid, lp in top]
+            named.append([token, decode([token]), chosen, alternatives])
+        return named
 
     def _send(self, envelope: list[bytes], msg: object) -> None:
         try:

@@ -67,6 +67,8 @@ class GenerateDelta:
     request_id: str
     token_ids: list[int]
     text: str
+    # per token when params.logprobs = N > 0: [id, text, logprob, [[id, text, logprob] x N]]
+    logprobs: list[list] = attrs.Factory(list)
 
 
 @record
@@ -94,6 +96,7 @@ class GenerateDone:
     finish_reason: str  # "stop" | "length" | "abort"
     usage: Usage
     timing: Timing
+    logprobs: list[list] = attrs.Factory(list)  # per token, as in GenerateDelta
 
 
 @record
@@ -132,6 +135,13 @@ class StatsReply:
     kv_pages_used: int
     memory: MemoryReport | None  # from the last StepFinished; None before the first step
     finished: dict[str, int]  # finished requests by reason, incl. "disconnect", "executor_dead"
+    prompt_tokens: int = 0  # totals since the server started
+    generation_tokens: int = 0
+    num_preemptions: int = 0
+    num_leak_reports: int = 0
+    steps: dict[str, int] = attrs.Factory(dict)  # steps run, by kind
+    transitions: dict[str, int] = attrs.Factory(dict)  # "old->new" kind changes
+    host_rss_bytes: dict[str, int] = attrs.Factory(dict)  # "core", "executor": resident bytes
 
 
 @record
