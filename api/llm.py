@@ -80,10 +80,7 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Complete each prompt (text or token ids); results in prompt order."""
-        is_one = isinstance(prompts, str) or (
-            isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int)
-        )
-        batch: list[Prompt] = [prompts] if is_one else list(prompts)  # type: ignore[list-item]
+        batch = _prompt_list(prompts)
         return self._run(
             batch, [p if isinstance(p, str) else None for p in batch], sampling_params, use_tqdm
         )
@@ -144,6 +141,16 @@ class LLM:
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         return self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+
+def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """One prompt (text or token ids) or many, as a list of prompts."""
+    if isinstance(prompts, str):
+        return [prompts]
+    items = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [items]  # type: ignore[list-item]
+    return items  # type: ignore[return-value]
 
 
 def _choice(index: int, row: dict[str, Any]) -> CompletionOutput:
