@@ -119,10 +119,9 @@ class Front:
             job = parse(await _json(request), self.model)
             rid = oai.new_id(job.chat)
             if job.stream:
-                streams = await self._start(job, rid)
-                return StreamingResponse(
-                    self._sse(job, rid, streams), media_type="text/event-stream"
-                )
+                streams, firsts = await self._start(job, rid)
+                events = self._sse(job, rid, streams, firsts)
+                return StreamingResponse(events, media_type="text/event-stream")
             dones = await self._until_done_or_gone(request, self._run(job, rid))
             return JSONResponse(oai.response(job, rid, dones))
         except OpenAIError as exc:
@@ -167,21 +166,31 @@ class Front:
         except ServerError as exc:
             raise _error_of(exc) from exc
 
-    async def _start(self, job: Job, rid: str) -> list[AsyncStream]:
-        """Send every choice as a streaming request; an error before the first byte is HTTP's."""
-        streams = []
-        for i in range(job.num_choices):
-            stream = await self.core.generate(
-                **job.prompt_of(i), stream=True, request_id=f"{rid}-{i}", **job.params[i]
-            )
-            assert isinstance(stream, AsyncStream)
-            streams.append(stream)
-        return streams
+    async def _start(self, job: Job, rid: str) -> tuple[list[AsyncStream], list[Any]]:
+        """Send every choice as a streaming request and await each one's first reply, so that a
+        refused request gets its HTTP status before the first byte of the stream."""
+        streams: list[AsyncStream] = []
+        try:
+            for i in range(job.num_choices):
+                stream = await self.core.generate(
+                    **job.prompt_of(i), stream=True, request_id=f"{rid}-{i}", **job.params[i]
+                )
+                assert isinstance(stream, AsyncStream)
+                streams.append(stream)
+            firsts = [await _first(stream) for stream in streams]
+        except ServerError as exc:
+            self._abort([s.request_id for s in streams if s.result is None])
+            raise _error_of(exc) from exc
+        return streams, firsts
 
-    async def _sse(self, job: Job, rid: str, streams: list[AsyncStream]) -> AsyncIterator[str]:
+    async def _sse(
+        self, job: Job, rid: str, streams: list[AsyncStream], firsts: list[Any]
+    ) -> AsyncIterator[str]:
         """SSE events: each choice's chunks as they come, its last with a finish_reason, then
         the usage chunk if asked for, then [DONE].  A closed connection aborts what is left."""
         queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        for i, first in enumerate(firsts):
+            queue.put_nowait((i, first))
         readers = [asyncio.create_task(_pump(i, s, queue)) for i, s in enumerate(streams)]
         dones: dict[int, GenerateDone] = {}
         offsets = [0] * len(streams)
@@ -228,12 +237,21 @@ class Front:
             log.info("client gone; request aborted", request_id=request_id)
 
 
+async def _first(stream: AsyncStream) -> Any:
+    """A stream's first reply: a GenerateDelta, or its GenerateDone when it had none."""
+    try:
+        return await stream.__anext__()
+    except StopAsyncIteration:
+        return stream.result
+
+
 async def _pump(index: int, stream: AsyncStream, queue: asyncio.Queue) -> None:
     """Move one choice's replies into the shared queue, then its GenerateDone or its error."""
     try:
-        async for delta in stream:
-            queue.put_nowait((index, delta))
-        queue.put_nowait((index, stream.result))
+        if stream.result is None:  # its GenerateDone may have come first
+            async for delta in stream:
+                queue.put_nowait((index, delta))
+            queue.put_nowait((index, stream.result))
     except ServerError as exc:
         queue.put_nowait((index, exc))
 

@@ -5,12 +5,16 @@ Requests arrive with gamma-distributed gaps, as in vLLM's `benchmark_serving`: s
 everything at once).  Every request streams, and every time is taken at the client: TTFT from
 sending to the first delta, ITL between deltas, TPOT = (E2E - TTFT) / (output tokens - 1).
 Without --host/--port the benchmark starts its own `memstep serve` with the engine flags given.
+`--backend openai|openai-chat` sends the same load over HTTP (`cli/bench_openai.py`), to that
+server's HTTP front or to any OpenAI-compatible server at `--base-url`.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import functools
 import json
 import math
 import random
@@ -19,9 +23,11 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import httpx
 import numpy as np
 
 from memstep.api.client import AsyncClient, ServerError
+from memstep.cli import bench_openai
 from memstep.cli.datasets import Sample, load_dataset
 from memstep.cli.main import add_engine_arguments, config_from_args
 from memstep.cli.serve import ServerProcess
@@ -43,19 +49,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, help="its port (default 5557 with --host)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds of server silence")
     p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument(
+        "--backend",
+        choices=bench_openai.BACKENDS,
+        default="zmq",
+        help="zmq: memstep's client API; openai: /v1/completions; openai-chat: "
+        "/v1/chat/completions (default: %(default)s)",
+    )
+    p.add_argument("--base-url", help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000")
+    p.add_argument(
+        "--max-concurrency", type=int, help="at most this many requests in flight (default: all)"
+    )
     add_engine_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     samples = _samples(args, cfg)
-    if args.host or args.port:
+    http = getattr(args, "backend", "zmq") != "zmq"
+    if args.base_url:
+        results, duration = _run_load(args, args.base_url.rstrip("/"), samples)
+    elif args.host or args.port:
         address = f"tcp://{args.host or '127.0.0.1'}:{args.port or 5557}"
         results, duration = _run_load(args, address, samples)
     else:
-        with ServerProcess(server_flags(cfg)) as server:
+        with ServerProcess(server_flags(cfg), http=http) as server:
             server.wait_ready(timeout=600)
-            results, duration = _run_load(args, server.address, samples)
+            address = server.http_url if http else server.address
+            results, duration = _run_load(args, address, samples)
     metrics = compute_metrics(results, duration)
     print(report(metrics, args, resolve(cfg.model, cfg.seed).label))
     if args.json:
@@ -130,19 +151,67 @@ async def benchmark(
     from tqdm import tqdm
 
     bar = tqdm(total=len(samples), desc="requests", disable=getattr(args, "disable_tqdm", False))
-    client = AsyncClient(address, timeout=getattr(args, "timeout", 600.0))
-    try:
-        start = time.perf_counter()
-        tasks = []
-        for sample, gap in zip(samples, gaps, strict=True):
-            await asyncio.sleep(gap)
-            tasks.append(asyncio.create_task(_one(client, sample, ignore_eos, bar)))
-        results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
-    finally:
-        await client.close()
-        bar.close()
+    limit = asyncio.Semaphore(getattr(args, "max_concurrency", None) or len(samples) or 1)
+    async with _backend(address, args) as send:
+        try:
+            start = time.perf_counter()
+            tasks = []
+            for sample, gap in zip(samples, gaps, strict=True):
+                await asyncio.sleep(gap)
+                tasks.append(asyncio.create_task(_limited(limit, send, sample, ignore_eos, bar)))
+            results = await asyncio.gather(*tasks)
+            duration = time.perf_counter() - start
+        finally:
+            bar.close()
     return list(results), duration
+
+
+@contextlib.asynccontextmanager
+async def _backend(address: str, args: Any) -> Any:
+    """The function that runs one request over the chosen API, and its connection."""
+    backend = getattr(args, "backend", "zmq")
+    timeout = getattr(args, "timeout", 600.0)
+    if backend == "zmq":
+        client = AsyncClient(address, timeout=timeout)
+        try:
+            yield functools.partial(_one, client)
+        finally:
+            await client.close()
+        return
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
+        model = await bench_openai.model_id(http, address)
+        yield functools.partial(_one_openai, http, address, model, backend == "openai-chat")
+
+
+async def _limited(limit: asyncio.Semaphore, send: Any, *args: Any) -> RequestResult:
+    async with limit:
+        return await send(*args)
+
+
+async def _one_openai(
+    http: httpx.AsyncClient,
+    url: str,
+    model: str,
+    chat: bool,
+    sample: Sample,
+    ignore_eos: bool,
+    bar: Any,
+) -> RequestResult:
+    """One request over HTTP, timed as `_one` times one over ZMQ."""
+    result = RequestResult(prompt_len=sample.prompt_len)
+    body = bench_openai.request_body(chat, model, sample.prompt, sample.output_len, ignore_eos)
+    try:
+        got = await bench_openai.stream(http, url, chat, body)
+        times = got.arrivals
+        result.ttft = times[0] - got.start if times else 0.0
+        result.itl = [later - earlier for earlier, later in zip(times, times[1:], strict=False)]
+        result.latency = time.perf_counter() - got.start
+        result.prompt_len, result.output_len = got.prompt_tokens, got.completion_tokens
+    except (bench_openai.HttpError, httpx.HTTPError) as exc:
+        result.error = str(exc)
+    bar.update(1)
+    return result
 
 
 async def _one(client: AsyncClient, sample: Sample, ignore_eos: bool, bar: Any) -> RequestResult:

@@ -158,6 +158,8 @@ def test_bad_requests_get_openai_error_objects(server, sdk):
     with pytest.raises(openai.BadRequestError) as bad:
         sdk.completions.create(model="smollm2", prompt=PROMPT, temperature=-1)
     assert "temperature" in bad.value.body["message"]
+    with pytest.raises(openai.BadRequestError):  # a stream is refused before its first byte
+        sdk.completions.create(model="smollm2", prompt=PROMPT, temperature=-1, stream=True)
     with pytest.raises(openai.NotFoundError):
         sdk.completions.create(model="gpt-4", prompt=PROMPT)
     r = httpx.post(server.http_url + "/v1/chat/completions", content=b"{not json")
