@@ -73,6 +73,7 @@ class ServerConfig:
     max_frame_bytes: int = 1 << 20  # larger frames get frame_too_large
     keepalive_s: float = 1.0
     idle_poll_s: float = 0.05
+    stats_interval_s: float = 10.0  # a "stats" log line this often while busy; 0: never
     curve_secret_key: bytes | None = None  # z85, 40 characters
     curve_client_keys: frozenset[bytes] = frozenset()  # z85 public keys allowed to connect
 
@@ -162,6 +163,7 @@ class Server:
         self.executor_death: str | None = None
         self.started = time.monotonic()
         self.last_keepalive = 0.0
+        self.last_stats = (self.started, 0)  # (time, generation tokens) of the last stats line
         self.stopping = False
         log.info("listening", endpoint=self.endpoint, curve=cfg.uses_curve)
 
@@ -213,6 +215,7 @@ class Server:
             self._step()
         self._keepalive()
         self._drop_gone_peers()
+        self._log_stats()
 
     def close(self) -> None:
         self.sock.close(0)
@@ -273,6 +276,29 @@ class Server:
                 envelopes[inf.peer] = inf.envelope
         for peer, ids in quiet.items():
             self._send(envelopes[peer], Keepalive(ids))
+
+    def _log_stats(self) -> None:
+        """The periodic "stats" line: load, KV pages, memory and tokens/s since the last one."""
+        now, interval = time.monotonic(), self.cfg.stats_interval_s
+        then, tokens_then = self.last_stats
+        if not interval or now - then < interval:
+            return
+        tokens = self.tally.generation_tokens
+        self.last_stats = (now, tokens)
+        if tokens == tokens_then and not self.inflight:
+            return  # idle: nothing worth a line
+        mem = getattr(self.engine, "last_memory", None)
+        log.info(
+            "stats",
+            running=len(self.engine.scheduler.running),
+            waiting=len(self.engine.scheduler.waiting),
+            kv_pages_used=self.engine.blocks.num_used,
+            kv_pages_total=self.engine.blocks.num_blocks,
+            live_bytes=mem.live_bytes if mem else 0,
+            reserved_bytes=mem.reserved_bytes if mem else 0,
+            host_rss_bytes=host_rss_bytes(self._pids()),
+            tokens_per_s=round((tokens - tokens_then) / (now - then), 1),
+        )
 
     # --- incoming messages -----------------------------------------------------------------
 
@@ -447,6 +473,16 @@ class Server:
 
     def _forget(self, engine_id: str, reason: str) -> None:
         inf = self.inflight.pop(engine_id)
+        log.info(
+            "request finished",
+            request_id=inf.request_id,
+            engine_id=engine_id,
+            prompt_tokens=inf.prompt_tokens,
+            completion_tokens=len(inf.token_ids),
+            finish_reason=reason,
+            ttft_s=round(inf.token_times[0], 4) if inf.token_times else None,
+            e2e_s=round(time.monotonic() - inf.arrival, 4),
+        )
         del self.by_client[(inf.peer, inf.request_id)]
         self.finished[reason] += 1
         if not any(other.peer == inf.peer for other in self.inflight.values()):

@@ -37,7 +37,7 @@ from memstep.core.tokenizer import load_tokenizer
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--num-prompts", type=int, default=100, help="requests to send")
     p.add_argument("--request-rate", type=float, default=math.inf, help="requests/s; inf: all")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 is Poisson")
     p.add_argument("--dataset", default="sharegpt", help="sharegpt, synthetic or a .jsonl file")
@@ -48,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", help="an already running server (default: start one)")
     p.add_argument("--port", type=int, help="its port (default 5557 with --host)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds of server silence")
-    p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     p.add_argument(
         "--backend",
         choices=bench_openai.BACKENDS,

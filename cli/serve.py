@@ -41,7 +41,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default=d.host, help="address to bind; non-loopback needs CURVE")
     g.add_argument("--port", type=int, default=d.port, help="0 picks a free port")
-    g.add_argument("--max-frame-bytes", type=int, default=d.max_frame_bytes)
+    g.add_argument(
+        "--max-frame-bytes",
+        type=int,
+        default=d.max_frame_bytes,
+        help="larger client frames get a frame_too_large error",
+    )
     g.add_argument(
         "--curve-secret-key",
         help="the server's z85 CURVE secret key, or a file holding it (plain or zmq certificate)",
@@ -58,6 +63,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds without a heartbeat before a live executor process counts as dead",
     )
     g.add_argument("--ready-file", type=Path, help="write {endpoint, pids} here when serving")
+    g.add_argument(
+        "--stats-interval",
+        type=float,
+        default=d.stats_interval_s,
+        help="seconds between 'stats' log lines while busy; 0: none (default: %(default)s)",
+    )
     h = p.add_argument_group("http")
     hd = HttpConfig()
     h.add_argument(
@@ -101,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
                 signal.signal(sig, lambda *_: server.stop())
             if http_sock is not None:
                 front = _start_front(args, http_sock, server, front_keys)
-            _announce(server, args.ready_file, front)
+            _announce(server, args.ready_file, front, recorder)
             server.serve_forever()
         finally:
             if front is not None:
@@ -122,6 +133,7 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         max_frame_bytes=args.max_frame_bytes,
         curve_secret_key=load_key(args.curve_secret_key) if args.curve_secret_key else None,
         curve_client_keys=keys,
+        stats_interval_s=args.stats_interval,
     )
 
 
@@ -163,7 +175,9 @@ def _shutdown(engine: Engine) -> None:
         engine.executor.close()
 
 
-def _announce(server: Server, ready_file: Path | None, front: HttpFront | None) -> None:
+def _announce(
+    server: Server, ready_file: Path | None, front: HttpFront | None, recorder: Any
+) -> None:
     info = {
         "endpoint": server.endpoint,
         "core_pid": os.getpid(),
@@ -172,6 +186,8 @@ def _announce(server: Server, ready_file: Path | None, front: HttpFront | None) 
         "http_pid": front.proc.pid if front is not None else 0,
     }
     print(f"memstep serve: ready on {server.endpoint}", flush=True)
+    if recorder is not None:
+        print(f"memstep serve: recording the event log to {recorder.path}", flush=True)
     if front is not None:
         print(f"memstep serve: OpenAI-compatible HTTP API on {front.url}/v1", flush=True)
     if ready_file is not None:

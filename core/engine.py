@@ -21,6 +21,7 @@ from memstep.core.outputs import Completion, RequestOutput
 from memstep.core.request import Request, Status
 from memstep.core.sampling_params import InvalidRequest, SamplingParams
 from memstep.core.scheduler import Scheduler, StepBatch
+from memstep.core.shapes import max_model_len
 from memstep.core.tokenizer import load_tokenizer
 from memstep.events.plan import SeqPlan, StepPlan, StepResult
 from memstep.events.types import (
@@ -57,7 +58,7 @@ class Engine:
         self.sinks = list(sinks)
         self.source = resolve(cfg.model, cfg.seed)
         self.model_cfg = model_config(self.source)
-        self.max_model_len = min(cfg.max_model_len or 2048, self.model_cfg.max_context)
+        self.max_model_len = max_model_len(cfg, self.model_cfg)  # ConfigError beyond the model
         mc = self.model_cfg
         self.tokenizer = load_tokenizer(self.source, mc.vocab_size, mc.eos_token_ids)
         self.step_no = 0
