@@ -218,8 +218,8 @@ class Client:
         return _final(msg)
 
     def _poll(self) -> bool:
-        """Wait for a reply up to `timeout`; until connected, at most `connect_timeout` since
-        the client was made, then ConnectionError: nothing listens there."""
+        """Wait for a reply up to `timeout`; until connected, also at most `connect_timeout`
+        since the client was made, then ConnectionError: nothing listens there."""
         deadline = time.monotonic() + self.timeout
         while self._monitor is not None:
             if self._monitor.poll(0):
@@ -232,6 +232,8 @@ class Client:
                 )
             if self._sock.poll(50):
                 return True
+            if time.monotonic() > deadline:
+                return False
         return bool(self._sock.poll(max(0, int((deadline - time.monotonic()) * 1000))))
 
     def _forget_monitor(self) -> None:

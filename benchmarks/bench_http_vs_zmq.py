@@ -6,7 +6,7 @@ machine's load hits both alike.  Reported: each run's output tok/s, TTFT and ITL
 of the medians of output tok/s (HTTP / ZMQ).
 
     python benchmarks/bench_http_vs_zmq.py [--model smollm2] [--num-prompts 32]
-        [--concurrency 16] [--output-len 64] [--repeats 3] [--dataset synthetic]
+        [--concurrency 16] [--output-len 64] [--repeats 3] [--dataset synthetic] [--num-threads N]
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dataset", default="synthetic")
     p.add_argument("--backends", default="zmq,openai", help="comma-separated, run alternately")
+    p.add_argument("--num-threads", type=int, help="the executor's torch threads")
     args = p.parse_args()
     load = argparse.Namespace(
         dataset=args.dataset,
@@ -46,6 +47,8 @@ def main() -> None:
     gaps = arrival_gaps(len(samples), float("inf"), 1.0, 0)
     flags = ["--model", args.model, "--dtype", args.dtype]
     flags += ["--max-num-seqs", str(args.concurrency), "--no-record"]
+    if args.num_threads:
+        flags += ["--num-threads", str(args.num_threads)]
     backends = args.backends.split(",")
     tps: dict[str, list[float]] = {b: [] for b in backends}
     with ServerProcess(flags, http=True) as server:
