@@ -120,17 +120,16 @@ def config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
 def add_global_arguments(p: argparse.ArgumentParser, defaults: bool) -> None:
     """--log-format and --log-level, before the command (with defaults) or after it (without,
     so that a value given before the command is kept)."""
-    kwargs = {} if defaults else {"default": argparse.SUPPRESS}
     p.add_argument(
         "--log-format",
         choices=["console", "json"],
+        default="console" if defaults else argparse.SUPPRESS,
         help="console for people, json lines for machines (default: console)",
-        **({"default": "console"} | kwargs),
     )
     p.add_argument(
         "--log-level",
+        default="info" if defaults else argparse.SUPPRESS,
         help="debug, info, warning or error (default: info)",
-        **({"default": "info"} | kwargs),
     )
 
 
