@@ -35,6 +35,7 @@ class Metrics:
             registry=self.registry,
         )
         self.e2e = self._histogram("e2e_request_latency_seconds", "request end-to-end latency")
+        self.queue = self._histogram("request_queue_time_seconds", "arrival to first scheduled")
 
     def _histogram(self, name: str, doc: str) -> Histogram:
         return Histogram(f"memstep:{name}", doc, buckets=LATENCY_BUCKETS, registry=self.registry)
@@ -48,6 +49,8 @@ class Metrics:
         for earlier, later in zip(times, times[1:], strict=False):
             self.itl.observe(later - earlier)
         self.e2e.observe(timing.e2e_s)
+        if timing.queue_s is not None:
+            self.queue.observe(timing.queue_s)
 
     def exposition(self, stats: StatsReply | None) -> bytes:
         self.core.stats = stats

@@ -29,6 +29,7 @@ from memstep.core.engine import Engine, UnknownRequest
 from memstep.core.outputs import RequestOutput
 from memstep.core.sampling_params import InvalidRequest, SamplingParams
 from memstep.events import codec
+from memstep.events.types import StepPlanned
 from memstep.events.version import VERSION
 from memstep.events.wire import (
     PROTOCOL_VERSION,
@@ -119,6 +120,7 @@ class Inflight:
     token_ids: list[int] = attrs.Factory(list)
     texts: list[str] = attrs.Factory(list)
     token_times: list[float] = attrs.Factory(list)
+    queue_s: float | None = None  # arrival to the first step that scheduled it
     logprobs: list[list] = attrs.Factory(list)
 
     @property
@@ -128,7 +130,7 @@ class Inflight:
     def done(self, reason: str, now: float) -> GenerateDone:
         usage = Usage(self.prompt_tokens, len(self.token_ids))
         ttft = self.token_times[0] if self.token_times else None
-        timing = Timing(ttft, list(self.token_times), now - self.arrival)
+        timing = Timing(ttft, list(self.token_times), now - self.arrival, self.queue_s)
         text = "".join(self.texts)
         return GenerateDone(
             self.request_id, text, list(self.token_ids), reason, usage, timing, self.logprobs
@@ -159,7 +161,7 @@ class Server:
         self.gone: set[bytes] = set()  # peers whose connection closed; dropped each turn
         self.finished: collections.Counter[str] = collections.Counter()
         self.tally = Tally()
-        engine.sinks.append(self.tally)
+        engine.sinks.extend([self.tally, self._note_scheduled])
         self.executor_death: str | None = None
         self.started = time.monotonic()
         self.last_keepalive = 0.0
@@ -276,6 +278,16 @@ class Server:
                 envelopes[inf.peer] = inf.envelope
         for peer, ids in quiet.items():
             self._send(envelopes[peer], Keepalive(ids))
+
+    def _note_scheduled(self, rec: object) -> None:
+        """Engine sink: a request's queue time ends with the first step planned to include it."""
+        if not isinstance(rec, StepPlanned):
+            return
+        now = time.monotonic()
+        for engine_id, _ in rec.batch:
+            inf = self.inflight.get(engine_id)
+            if inf is not None and inf.queue_s is None:
+                inf.queue_s = now - inf.arrival
 
     def _log_stats(self) -> None:
         """The periodic "stats" line: load, KV pages, memory and tokens/s since the last one."""

@@ -84,6 +84,7 @@ class Timing:
     ttft_s: float | None  # first token; None when none was produced
     token_times_s: list[float]  # each output token, in order
     e2e_s: float  # the finishing reply
+    queue_s: float | None = None  # first scheduled into a step; None when never scheduled
 
 
 @record

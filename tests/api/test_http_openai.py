@@ -194,6 +194,7 @@ def test_metrics_parse_and_move_as_requests_run(server, sdk):
         "memstep:e2e_request_latency_seconds_count",
         "memstep:time_to_first_token_seconds_count",
         "memstep:inter_token_latency_seconds_count",
+        "memstep:request_queue_time_seconds_count",
     ]
     for name in grew:
         assert after[(name, "")] > before.get((name, ""), 0), name

@@ -97,12 +97,14 @@ def test_serve_logs_each_request_a_stats_line_and_where_its_log_goes():
     with ServerProcess(["--log-format", "json", *args], log_level="info") as server:
         server.wait_ready()
         with Client(server.address, timeout=20) as client:
-            client.generate("abc", max_tokens=40, ignore_eos=True)
+            first = client.generate("abc", max_tokens=40, ignore_eos=True)
             client.generate("abcd", max_tokens=3, ignore_eos=True)
         time.sleep(0.5)
         text = server.log()
         log_path = server.dir / "events.memlog"
     assert f"memstep serve: recording the event log to {log_path}" in text
+    timing = first.timing  # type: ignore[union-attr]
+    assert timing.queue_s is not None and 0 <= timing.queue_s <= timing.ttft_s
     events = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
     done = [e for e in events if e.get("event") == "request finished"]
     assert [(e["prompt_tokens"], e["completion_tokens"], e["finish_reason"]) for e in done] == [
