@@ -27,7 +27,7 @@ import httpx
 import numpy as np
 
 from memstep.api.client import AsyncClient, ServerError
-from memstep.cli import bench_openai
+from memstep.cli import bench_openai, traffic_replay
 from memstep.cli.datasets import Sample, load_dataset
 from memstep.cli.main import add_engine_arguments, config_from_args
 from memstep.cli.serve import ServerProcess
@@ -40,7 +40,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=100, help="requests to send")
     p.add_argument("--request-rate", type=float, default=math.inf, help="requests/s; inf: all")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 is Poisson")
-    p.add_argument("--dataset", default="sharegpt", help="sharegpt, synthetic or a .jsonl file")
+    p.add_argument(
+        "--dataset",
+        default="sharegpt",
+        help="sharegpt, synthetic, a .jsonl file, or a serve log (.memlog) whose requests are "
+        "sent again at their recorded pace (see --speed)",
+    )
+    p.add_argument(
+        "--speed", type=float, default=1.0, help="replay a .memlog this many times faster"
+    )
     p.add_argument("--sample-seed", type=int, default=0, help="seed of sampling and arrivals")
     p.add_argument("--max-output-len", type=int, help="cap each request's output length")
     p.add_argument("--ignore-eos", action="store_true", help="always generate the full length")
@@ -65,6 +73,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
+    if str(args.dataset).endswith(".memlog"):
+        return _replay_log(args, cfg)
     samples = _samples(args, cfg)
     http = getattr(args, "backend", "zmq") != "zmq"
     if args.base_url:
@@ -81,6 +91,28 @@ def run(args: argparse.Namespace) -> int:
     print(report(metrics, args, resolve(cfg.model, cfg.seed).label))
     if args.json:
         data = {**metrics, "config": _run_config(args, cfg), "requests": _per_request(results)}
+        args.json.write_text(json.dumps(data, indent=2))
+    return 0
+
+
+def _replay_log(args: argparse.Namespace, cfg: EngineConfig) -> int:
+    """Send a serve log's requests again (cli/traffic_replay.py), over ZMQ."""
+    path = Path(args.dataset)
+    recorded = traffic_replay.load_recorded(path)
+    if args.host or args.port:
+        address = f"tcp://{args.host or '127.0.0.1'}:{args.port or 5557}"
+        results, duration = asyncio.run(
+            traffic_replay.replay(address, recorded, args.speed, args.timeout)
+        )
+    else:
+        with ServerProcess(server_flags(cfg)) as server:
+            server.wait_ready(timeout=600)
+            results, duration = asyncio.run(
+                traffic_replay.replay(server.address, recorded, args.speed, args.timeout)
+            )
+    data = traffic_replay.summary(recorded, results, duration)
+    print(traffic_replay.report(data, path, args.speed))
+    if args.json:
         args.json.write_text(json.dumps(data, indent=2))
     return 0
 
