@@ -41,6 +41,7 @@ from memstep.events.wire import GenerateDone, HealthReply
 log = structlog.get_logger("memstep.http")
 
 HEALTH_TIMEOUT_S = 2.0
+CORE_TIMEOUT_S = 600.0  # a request's silence before it fails: one step may be long on a busy CPU
 CLIENT_ERRORS = {"invalid_request", "invalid_field", "missing_field", "unknown_field"}
 UNAVAILABLE = {"executor_dead", "executor_error", "recovering"}
 
@@ -55,13 +56,14 @@ class Front:
         self.curve = curve
         self.client: AsyncClient | None = None
         self.ready_fd: int | None = None  # written to once serving
+        self.core_timeout = CORE_TIMEOUT_S
         self.created = int(time.time())
         self.prom = Metrics()
         self.aborts: set[asyncio.Task[None]] = set()
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
-        self.client = AsyncClient(self.address, timeout=30.0, **self.curve)
+        self.client = AsyncClient(self.address, timeout=self.core_timeout, **self.curve)
         log.info("http front ready", core=self.address, model=self.model)
         if self.ready_fd is not None:
             os.write(self.ready_fd, b"ready\n")
@@ -163,8 +165,8 @@ class Front:
             raise OpenAIError(499, "the client closed the connection", code="client_closed")
         try:
             return task.result()
-        except ServerError as exc:
-            raise _error_of(exc) from exc
+        except (ServerError, TimeoutError) as exc:
+            raise _error_of(_as_server_error(exc)) from exc
 
     async def _start(self, job: Job, rid: str) -> tuple[list[AsyncStream], list[Any]]:
         """Send every choice as a streaming request and await each one's first reply, so that a
@@ -178,9 +180,9 @@ class Front:
                 assert isinstance(stream, AsyncStream)
                 streams.append(stream)
             firsts = [await _first(stream) for stream in streams]
-        except ServerError as exc:
+        except (ServerError, TimeoutError) as exc:
             self._abort([s.request_id for s in streams if s.result is None])
-            raise _error_of(exc) from exc
+            raise _error_of(_as_server_error(exc)) from exc
         return streams, firsts
 
     async def _sse(
@@ -246,7 +248,8 @@ async def _first(stream: AsyncStream) -> Any:
 
 
 async def _pump(index: int, stream: AsyncStream, queue: asyncio.Queue) -> None:
-    """Move one choice's replies into the shared queue, then its GenerateDone or its error."""
+    """Move one choice's replies into the shared queue, then its GenerateDone or its error
+    (a silent core included: the stream must end, never wait for a reply that cannot come)."""
     try:
         if stream.result is None:  # its GenerateDone may have come first
             async for delta in stream:
@@ -254,6 +257,8 @@ async def _pump(index: int, stream: AsyncStream, queue: asyncio.Queue) -> None:
             queue.put_nowait((index, stream.result))
     except ServerError as exc:
         queue.put_nowait((index, exc))
+    except TimeoutError as exc:
+        queue.put_nowait((index, ServerError("core_timeout", str(exc))))
 
 
 def _end(done: GenerateDone) -> dict[str, Any]:
@@ -276,6 +281,10 @@ async def _disconnected(request: Request) -> None:
         await asyncio.sleep(0.1)
 
 
+def _as_server_error(exc: ServerError | TimeoutError) -> ServerError:
+    return exc if isinstance(exc, ServerError) else ServerError("core_timeout", str(exc))
+
+
 def _error_of(exc: ServerError) -> OpenAIError:
     """The OpenAI error for an ErrorReply of the core: 400 for bad input, 503 when it cannot
     serve now, 500 otherwise."""
@@ -283,6 +292,8 @@ def _error_of(exc: ServerError) -> OpenAIError:
         return OpenAIError(400, exc.message, code=exc.code)
     if exc.code in UNAVAILABLE:
         return OpenAIError(503, exc.message, "service_unavailable", code=exc.code)
+    if exc.code == "core_timeout":
+        return OpenAIError(504, exc.message, "timeout", code=exc.code)
     return OpenAIError(500, exc.message, "internal_error", code=exc.code)
 
 
@@ -314,6 +325,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=8000, help="port to bind (default: %(default)s)")
     p.add_argument("--fd", type=int, help="serve on this inherited listening socket instead")
     p.add_argument("--ready-fd", type=int, help="write a line to this pipe once serving")
+    p.add_argument(
+        "--core-timeout",
+        type=float,
+        default=CORE_TIMEOUT_S,
+        help="seconds of silence from the core before a request fails with 504 "
+        "(default: %(default)s)",
+    )
     p.add_argument("--log-level", default="warning", help="default: %(default)s")
     p.add_argument("--log-format", choices=["console", "json"], default="console")
     args = p.parse_args(argv)
@@ -321,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     api_key = os.environ.pop("MEMSTEP_API_KEY", None) or None  # not on the command line
     front = Front(args.zmq, args.model_name, api_key, _curve_from_env())
     front.ready_fd = args.ready_fd
+    front.core_timeout = args.core_timeout
     sock = socket.socket(fileno=args.fd) if args.fd is not None else None
     config = uvicorn.Config(
         build_app(front),
