@@ -9,8 +9,9 @@
 Replies are the records of `events/wire.py`: `GenerateDone` (text, token_ids, finish_reason,
 usage, timing), `GenerateDelta` (token_ids, text), `HealthReply`, `StatsReply`.  An ErrorReply
 raises `ServerError` with its code; `timeout` seconds without a word from the server (it sends a
-Keepalive every second while a request is in flight) raise `TimeoutError`.  Each client is one
-DEALER socket and may have many requests in flight.
+Keepalive every second while a request is in flight) raise `TimeoutError`.  `Client` raises
+`ConnectionError` after `connect_timeout` seconds when nothing accepts its connection at all.
+Each client is one DEALER socket and may have many requests in flight.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import asyncio
 import collections
 import contextlib
 import itertools
+import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -40,6 +42,7 @@ from memstep.events.wire import (
 )
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5557"
+CONNECT_TIMEOUT_S = 3.0
 
 
 class ServerError(RuntimeError):
@@ -133,14 +136,18 @@ class Client:
         address: str = DEFAULT_ADDRESS,
         *,
         timeout: float = 60.0,
+        connect_timeout: float = CONNECT_TIMEOUT_S,
         curve_server_key: Key | None = None,
         curve_public_key: Key | None = None,
         curve_secret_key: Key | None = None,
     ):
         self.address = address
         self.timeout = timeout
+        self.connect_timeout = connect_timeout
         self._ctx: zmq.Context = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
+        self._monitor: zmq.Socket | None = self._sock.get_monitor_socket(zmq.EVENT_CONNECTED)
+        self._born = time.monotonic()
         _connect(self._sock, address, curve_server_key, curve_public_key, curve_secret_key)
         self._ids = itertools.count()
         self._pending: dict[str, collections.deque[object]] = {}
@@ -180,6 +187,7 @@ class Client:
         return self._call(StatsRequest(self._new_id()), StatsReply)
 
     def close(self) -> None:
+        self._forget_monitor()
         self._sock.close(0)
 
     def __enter__(self) -> Client:
@@ -205,7 +213,7 @@ class Client:
         """The next reply to `request_id`, buffering replies to others meanwhile."""
         queue = self._pending.setdefault(request_id, collections.deque())
         while not queue:
-            if not self._sock.poll(int(self.timeout * 1000)):
+            if not self._poll():
                 raise TimeoutError(f"no word from {self.address} for {self.timeout} s")
             msg = codec.decode(self._sock.recv())
             waiting = self._pending.get(_addressee(msg) or "")  # None for a Keepalive
@@ -215,6 +223,31 @@ class Client:
         if isinstance(msg, ErrorReply):
             self._pending.pop(request_id, None)
         return _final(msg)
+
+    def _poll(self) -> bool:
+        """Wait for a reply up to `timeout`; until connected, also at most `connect_timeout`
+        since the client was made, then ConnectionError: nothing listens there."""
+        deadline = time.monotonic() + self.timeout
+        while self._monitor is not None:
+            if self._monitor.poll(0):
+                self._forget_monitor()  # connected: from now on only `timeout` counts
+                break
+            if time.monotonic() - self._born > self.connect_timeout:
+                raise ConnectionError(
+                    f"nothing accepts connections at {self.address} "
+                    f"(is `memstep serve` running there?)"
+                )
+            if self._sock.poll(50):
+                return True
+            if time.monotonic() > deadline:
+                return False
+        return bool(self._sock.poll(max(0, int((deadline - time.monotonic()) * 1000))))
+
+    def _forget_monitor(self) -> None:
+        if self._monitor is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(0)
+            self._monitor = None
 
 
 class Stream(_Replies):
@@ -332,8 +365,10 @@ class AsyncClient:
 
     async def _call(self, msg: Any, expect: type[Any]) -> Any:
         await self._send(msg)
-        reply = await self._next(msg.request_id)
-        self._queues.pop(msg.request_id, None)
+        try:
+            reply = await self._next(msg.request_id)
+        finally:  # also when the caller gives up waiting (wait_for, cancel)
+            self._queues.pop(msg.request_id, None)
         return _expect(reply, expect)
 
     async def _read(self) -> None:

@@ -29,12 +29,14 @@ import structlog
 import zmq
 from zmq.utils import z85
 
+from memstep.api.tally import Tally, host_rss_bytes
 from memstep.core.config import ConfigError
 from memstep.core.engine import Engine, UnknownRequest
 from memstep.core.outputs import RequestOutput
 from memstep.core.recovery import EngineDead
 from memstep.core.sampling_params import InvalidRequest, SamplingParams
 from memstep.events import codec
+from memstep.events.types import StepPlanned
 from memstep.events.version import VERSION
 from memstep.events.wire import (
     PROTOCOL_VERSION,
@@ -78,6 +80,7 @@ class ServerConfig:
     max_frame_bytes: int = 1 << 20  # larger frames get frame_too_large
     keepalive_s: float = 1.0
     idle_poll_s: float = 0.05
+    stats_interval_s: float = 10.0  # a "stats" log line this often while busy; 0: never
     curve_secret_key: bytes | None = None  # z85, 40 characters
     curve_client_keys: frozenset[bytes] = frozenset()  # z85 public keys allowed to connect
     dead_exit_s: float = 2.0  # once the engine gave up: answer health (dead) this long, then stop
@@ -125,6 +128,8 @@ class Inflight:
     texts: list[str] = attrs.Factory(list)
     token_times: list[float] = attrs.Factory(list)
     cached_tokens: int = 0  # prompt tokens the prefix cache held, known when it finishes
+    queue_s: float | None = None  # arrival to the first step that scheduled it
+    logprobs: list[list] = attrs.Factory(list)
 
     @property
     def peer(self) -> bytes:
@@ -133,9 +138,10 @@ class Inflight:
     def done(self, reason: str, now: float) -> GenerateDone:
         usage = Usage(self.prompt_tokens, len(self.token_ids), self.cached_tokens)
         ttft = self.token_times[0] if self.token_times else None
-        timing = Timing(ttft, list(self.token_times), now - self.arrival)
+        timing = Timing(ttft, list(self.token_times), now - self.arrival, self.queue_s)
+        text = "".join(self.texts)
         return GenerateDone(
-            self.request_id, "".join(self.texts), list(self.token_ids), reason, usage, timing
+            self.request_id, text, list(self.token_ids), reason, usage, timing, self.logprobs
         )
 
 
@@ -164,8 +170,11 @@ class Server:
         self.finished: collections.Counter[str] = collections.Counter()
         self.executor_death: str | None = None  # why the engine gave up on executors
         self.dead_since: float | None = None
+        self.tally = Tally()
+        engine.sinks.extend([self.tally, self._note_scheduled])
         self.started = time.monotonic()
         self.last_keepalive = 0.0
+        self.last_stats = (self.started, 0)  # (time, generation tokens) of the last stats line
         self.stopping = False
         log.info("listening", endpoint=self.endpoint, curve=cfg.uses_curve)
 
@@ -220,6 +229,7 @@ class Server:
         dead_for = time.monotonic() - (self.dead_since or time.monotonic())
         if self.dead_since is not None and dead_for > self.cfg.dead_exit_s:
             self.stopping = True
+        self._log_stats()
 
     def close(self) -> None:
         self.sock.close(0)
@@ -279,6 +289,39 @@ class Server:
                 envelopes[inf.peer] = inf.envelope
         for peer, ids in quiet.items():
             self._send(envelopes[peer], Keepalive(ids))
+
+    def _note_scheduled(self, rec: object) -> None:
+        """Engine sink: a request's queue time ends with the first step planned to include it."""
+        if not isinstance(rec, StepPlanned):
+            return
+        now = time.monotonic()
+        for engine_id, _ in rec.batch:
+            inf = self.inflight.get(engine_id)
+            if inf is not None and inf.queue_s is None:
+                inf.queue_s = now - inf.arrival
+
+    def _log_stats(self) -> None:
+        """The periodic "stats" line: load, KV pages, memory and tokens/s since the last one."""
+        now, interval = time.monotonic(), self.cfg.stats_interval_s
+        then, tokens_then = self.last_stats
+        if not interval or now - then < interval:
+            return
+        tokens = self.tally.generation_tokens
+        self.last_stats = (now, tokens)
+        if tokens == tokens_then and not self.inflight:
+            return  # idle: nothing worth a line
+        mem = getattr(self.engine, "last_memory", None)
+        log.info(
+            "stats",
+            running=len(self.engine.scheduler.running),
+            waiting=len(self.engine.scheduler.waiting),
+            kv_pages_used=self.engine.blocks.num_used,
+            kv_pages_total=self.engine.blocks.num_blocks,
+            live_bytes=mem.live_bytes if mem else 0,
+            reserved_bytes=mem.reserved_bytes if mem else 0,
+            host_rss_bytes=host_rss_bytes(self._pids()),
+            tokens_per_s=round((tokens - tokens_then) / (now - then), 1),
+        )
 
     # --- incoming messages -----------------------------------------------------------------
 
@@ -392,7 +435,18 @@ class Server:
             memory=getattr(self.engine, "last_memory", None),
             finished=dict(self.finished),
             kv_pages_cached=blocks.num_cached,
+            prompt_tokens=self.tally.prompt_tokens,
+            generation_tokens=self.tally.generation_tokens,
+            num_preemptions=sched.num_preemptions,
+            num_leak_reports=self.tally.num_leak_reports,
+            steps=dict(self.tally.steps),
+            transitions=dict(self.tally.transitions),
+            host_rss_bytes=host_rss_bytes(self._pids()),
         )
+
+    def _pids(self) -> dict[str, int]:
+        executor = getattr(self.engine.executor, "pid", 0)
+        return {"core": os.getpid(), **({"executor": executor} if executor else {})}
 
     def _answer_zap(self) -> None:
         """ZAP (RFC 27): admit a CURVE client only if its public key is on the allowed list."""
@@ -416,13 +470,25 @@ class Server:
         inf.token_ids.extend(out.new_token_ids)
         inf.texts.append(out.new_text)
         inf.token_times.extend([now - inf.arrival] * len(out.new_token_ids))
+        logprobs = self._named_logprobs(out.new_token_ids, out.logprobs)
+        inf.logprobs.extend(logprobs)
         if inf.stream:
-            self._send(inf.envelope, GenerateDelta(inf.request_id, out.new_token_ids, out.new_text))
+            delta = GenerateDelta(inf.request_id, out.new_token_ids, out.new_text, logprobs)
+            self._send(inf.envelope, delta)
         if out.finished:
             inf.cached_tokens = out.cached_tokens
             reason = out.finish_reason or "stop"
             self._forget(out.request_id, reason)
             self._send(inf.envelope, inf.done(reason, now))
+
+    def _named_logprobs(self, tokens: list[int], logprobs: list[list]) -> list[list]:
+        """The engine's [logprob, [[id, logprob]...]] per token, with ids and texts added."""
+        decode = self.engine.tokenizer.decode
+        named = []
+        for token, (chosen, top) in zip(tokens, logprobs, strict=False):
+            alternatives = [[tid, decode([tid]), lp] for tid, lp in top]
+            named.append([token, decode([token]), chosen, alternatives])
+        return named
 
     def _send(self, envelope: list[bytes], msg: object) -> None:
         try:
@@ -438,6 +504,16 @@ class Server:
 
     def _forget(self, engine_id: str, reason: str) -> None:
         inf = self.inflight.pop(engine_id)
+        log.info(
+            "request finished",
+            request_id=inf.request_id,
+            engine_id=engine_id,
+            prompt_tokens=inf.prompt_tokens,
+            completion_tokens=len(inf.token_ids),
+            finish_reason=reason,
+            ttft_s=round(inf.token_times[0], 4) if inf.token_times else None,
+            e2e_s=round(time.monotonic() - inf.arrival, 4),
+        )
         del self.by_client[(inf.peer, inf.request_id)]
         self.finished[reason] += 1
         if not any(other.peer == inf.peer for other in self.inflight.values()):

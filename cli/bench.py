@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import importlib
 
+from memstep.cli.help_format import HelpFormatter
+
 MODES = {"offline": "memstep.cli.bench_offline", "serve": "memstep.cli.bench_serve"}
 
 
@@ -12,7 +14,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="mode", required=True)
     for mode, module_name in MODES.items():
         module = importlib.import_module(module_name)
-        q = sub.add_parser(mode, help=(module.__doc__ or "").strip().splitlines()[0])
+        q = sub.add_parser(
+            mode,
+            help=(module.__doc__ or "").strip().splitlines()[0],
+            formatter_class=HelpFormatter,
+        )
         module.add_arguments(q)
         q.set_defaults(bench_run=module.run)
 

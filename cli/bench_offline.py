@@ -31,9 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--num-prompts", type=int, default=64, help="conversations for workload (b); 0 skips it"
     )
     p.add_argument("--dataset", default="sharegpt", help="sharegpt, synthetic or a .jsonl file")
-    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--batch", type=int, default=16, help="requests run at once")
     p.add_argument("--max-output-len", type=int, default=None, help="cap recorded reply lengths")
-    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--skip-hf", action="store_true", help="skip the transformers baseline")
     p.add_argument("--json", default=None, help="write the figures here")
     add_engine_arguments(p)
 

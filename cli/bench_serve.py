@@ -5,9 +5,11 @@ Requests arrive with gamma-distributed gaps, as in vLLM's `benchmark_serving`: s
 everything at once).  Every request streams, and every time is taken at the client: TTFT from
 sending to the first delta, ITL between deltas, TPOT = (E2E - TTFT) / (output tokens - 1).
 Without --host/--port the benchmark starts its own `memstep serve` with the engine flags given
-(`--record PATH` keeps that server's event log).  Before the load one probe request (the first
-sample, two tokens) must succeed: an unreachable server or a failing first request ends the
-benchmark at once with a one-line reason and exit code 1, not a table of zeros.
+(`--record PATH` keeps that server's event log).  `--backend openai|openai-chat` sends the same
+load over HTTP (`cli/bench_openai.py`), to that server's HTTP front or to any OpenAI-compatible
+server at `--base-url`.  Before the load one probe request (the first sample, two tokens) must
+succeed: an unreachable server or a failing first request ends the benchmark at once with a
+one-line reason and exit code 1, not a table of zeros.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import math
 import random
@@ -24,9 +27,11 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import httpx
 import numpy as np
 
 from memstep.api.client import AsyncClient, Client, ServerError
+from memstep.cli import bench_openai, traffic_replay
 from memstep.cli.datasets import Sample, load_dataset
 from memstep.cli.main import add_engine_arguments, config_from_args
 from memstep.cli.serve import ServerProcess
@@ -36,10 +41,18 @@ from memstep.core.tokenizer import load_tokenizer
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--num-prompts", type=int, default=100, help="requests to send")
     p.add_argument("--request-rate", type=float, default=math.inf, help="requests/s; inf: all")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 is Poisson")
-    p.add_argument("--dataset", default="sharegpt", help="sharegpt, synthetic or a .jsonl file")
+    p.add_argument(
+        "--dataset",
+        default="sharegpt",
+        help="sharegpt, synthetic, a .jsonl file, or a serve log (.memlog) whose requests are "
+        "sent again at their recorded pace (see --speed)",
+    )
+    p.add_argument(
+        "--speed", type=float, default=1.0, help="replay a .memlog this many times faster"
+    )
     p.add_argument("--sample-seed", type=int, default=0, help="seed of sampling and arrivals")
     p.add_argument("--max-output-len", type=int, help="cap each request's output length")
     p.add_argument("--ignore-eos", action="store_true", help="always generate the full length")
@@ -47,9 +60,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", help="an already running server (default: start one)")
     p.add_argument("--port", type=int, help="its port (default 5557 with --host)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds of server silence")
-    p.add_argument("--max-concurrency", type=int, help="at most this many requests in flight")
     p.add_argument("--record", type=Path, help="keep the event log of the server bench starts")
-    p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--backend",
+        choices=bench_openai.BACKENDS,
+        default="zmq",
+        help="zmq: memstep's client API; openai: /v1/completions; openai-chat: "
+        "/v1/chat/completions (default: %(default)s)",
+    )
+    p.add_argument("--base-url", help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000")
+    p.add_argument(
+        "--max-concurrency", type=int, help="at most this many requests in flight (default: all)"
+    )
     add_engine_arguments(p)
 
 
@@ -59,6 +82,8 @@ class BenchFailed(RuntimeError):
 
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
+    if str(args.dataset).endswith(".memlog"):
+        return _replay_log(args, cfg)
     samples = _samples(args, cfg)
     try:
         results, duration = _serve_and_load(args, cfg, samples)
@@ -78,19 +103,31 @@ def run(args: argparse.Namespace) -> int:
 def _serve_and_load(
     args: argparse.Namespace, cfg: EngineConfig, samples: list[Sample]
 ) -> tuple[list[RequestResult], float]:
+    http = getattr(args, "backend", "zmq") != "zmq"
+    if args.base_url:
+        url = args.base_url.rstrip("/")
+        asyncio.run(check_http(url, min(args.timeout, PROBE_TIMEOUT_S)))
+        return _run_load(args, url, samples)
     if args.host or args.port:
         address = f"tcp://{args.host or '127.0.0.1'}:{args.port or 5557}"
         check_server(address, samples[0], min(args.timeout, PROBE_TIMEOUT_S))
         return _run_load(args, address, samples)
-    record = ["--record", str(args.record)] if args.record else []
-    with ServerProcess(server_flags(cfg) + record) as server:
+    with _own_server(args, cfg, http) as server:
+        check_server(server.address, samples[0], args.timeout)
+        return _run_load(args, server.http_url if http else server.address, samples)
+
+
+@contextlib.contextmanager
+def _own_server(args: argparse.Namespace, cfg: EngineConfig, http: bool = False) -> Any:
+    """A `memstep serve` of this config, ready; --record keeps its log."""
+    record = ["--record", str(args.record)] if getattr(args, "record", None) else []
+    with ServerProcess(server_flags(cfg) + record, http=http) as server:
         try:
             server.wait_ready(timeout=600)
         except (RuntimeError, TimeoutError) as exc:
             last = str(exc).strip().splitlines()[-1]
             raise BenchFailed(f"the server did not start: {last}") from exc
-        check_server(server.address, samples[0], args.timeout)
-        return _run_load(args, server.address, samples)
+        yield server
 
 
 PROBE_TIMEOUT_S = 30.0  # a server given by --host/--port is already up: silence means unreachable
@@ -101,10 +138,40 @@ def check_server(address: str, sample: Sample, timeout: float) -> None:
     with Client(address, timeout=timeout) as client:
         try:
             client.generate(sample.prompt, max_tokens=2, ignore_eos=True)
-        except TimeoutError as exc:
+        except (TimeoutError, ConnectionError) as exc:
             raise BenchFailed(f"server {address} cannot be reached: {exc}") from exc
         except ServerError as exc:
             raise BenchFailed(f"the first request failed: {exc}") from exc
+
+
+async def check_http(url: str, timeout: float) -> None:
+    """The OpenAI-compatible server at `url` must answer /v1/models."""
+    async with httpx.AsyncClient(timeout=timeout) as http:
+        try:
+            await bench_openai.model_id(http, url)
+        except (bench_openai.HttpError, httpx.HTTPError) as exc:
+            raise BenchFailed(f"server {url} cannot be reached: {exc!r}") from exc
+
+
+def _replay_log(args: argparse.Namespace, cfg: EngineConfig) -> int:
+    """Send a serve log's requests again (cli/traffic_replay.py), over ZMQ."""
+    path = Path(args.dataset)
+    recorded = traffic_replay.load_recorded(path)
+    if args.host or args.port:
+        address = f"tcp://{args.host or '127.0.0.1'}:{args.port or 5557}"
+        results, duration = asyncio.run(
+            traffic_replay.replay(address, recorded, args.speed, args.timeout)
+        )
+    else:
+        with _own_server(args, cfg) as server:
+            results, duration = asyncio.run(
+                traffic_replay.replay(server.address, recorded, args.speed, args.timeout)
+            )
+    data = traffic_replay.summary(recorded, results, duration)
+    print(traffic_replay.report(data, path, args.speed))
+    if args.json:
+        args.json.write_text(json.dumps(data, indent=2))
+    return 0
 
 
 def _samples(args: argparse.Namespace, cfg: EngineConfig) -> list[Sample]:
@@ -181,32 +248,70 @@ async def benchmark(
     from tqdm import tqdm
 
     bar = tqdm(total=len(samples), desc="requests", disable=getattr(args, "disable_tqdm", False))
-    client = AsyncClient(address, timeout=getattr(args, "timeout", 600.0))
-    limit = getattr(args, "max_concurrency", None)
-    slots = asyncio.Semaphore(limit) if limit else contextlib.nullcontext()
-    try:
-        start = time.perf_counter()
-        tasks = []
-        for sample, gap in zip(samples, gaps, strict=True):
-            await asyncio.sleep(gap)
-            one = _one(client, sample, ignore_eos, bar, slots)
-            tasks.append(asyncio.create_task(one))
-        results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
-    finally:
-        await client.close()
-        bar.close()
+    limit = asyncio.Semaphore(getattr(args, "max_concurrency", None) or len(samples) or 1)
+    async with _backend(address, args) as send:
+        try:
+            start = time.perf_counter()
+            tasks = []
+            for sample, gap in zip(samples, gaps, strict=True):
+                await asyncio.sleep(gap)
+                tasks.append(asyncio.create_task(_limited(limit, send, sample, ignore_eos, bar)))
+            results = await asyncio.gather(*tasks)
+            duration = time.perf_counter() - start
+        finally:
+            bar.close()
     return list(results), duration
 
 
-async def _one(
-    client: AsyncClient, sample: Sample, ignore_eos: bool, bar: Any, slots: Any
+@contextlib.asynccontextmanager
+async def _backend(address: str, args: Any) -> Any:
+    """The function that runs one request over the chosen API, and its connection."""
+    backend = getattr(args, "backend", "zmq")
+    timeout = getattr(args, "timeout", 600.0)
+    if backend == "zmq":
+        client = AsyncClient(address, timeout=timeout)
+        try:
+            yield functools.partial(_one, client)
+        finally:
+            await client.close()
+        return
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
+        model = await bench_openai.model_id(http, address)
+        yield functools.partial(_one_openai, http, address, model, backend == "openai-chat")
+
+
+async def _limited(limit: asyncio.Semaphore, send: Any, *args: Any) -> RequestResult:
+    async with limit:
+        return await send(*args)
+
+
+async def _one_openai(
+    http: httpx.AsyncClient,
+    url: str,
+    model: str,
+    chat: bool,
+    sample: Sample,
+    ignore_eos: bool,
+    bar: Any,
 ) -> RequestResult:
-    async with slots:  # --max-concurrency: wait for a slot; the clock starts once sent
-        return await _timed(client, sample, ignore_eos, bar)
+    """One request over HTTP, timed as `_one` times one over ZMQ."""
+    result = RequestResult(prompt_len=sample.prompt_len)
+    body = bench_openai.request_body(chat, model, sample.prompt, sample.output_len, ignore_eos)
+    try:
+        got = await bench_openai.stream(http, url, chat, body)
+        times = got.arrivals
+        result.ttft = times[0] - got.start if times else 0.0
+        result.itl = [later - earlier for earlier, later in zip(times, times[1:], strict=False)]
+        result.latency = time.perf_counter() - got.start
+        result.prompt_len, result.output_len = got.prompt_tokens, got.completion_tokens
+    except (bench_openai.HttpError, httpx.HTTPError) as exc:
+        result.error = str(exc)
+    bar.update(1)
+    return result
 
 
-async def _timed(client: AsyncClient, sample: Sample, ignore_eos: bool, bar: Any) -> RequestResult:
+async def _one(client: AsyncClient, sample: Sample, ignore_eos: bool, bar: Any) -> RequestResult:
     result = RequestResult(prompt_len=sample.prompt_len)
     start = last = time.perf_counter()
     try:

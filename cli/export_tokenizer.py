@@ -15,7 +15,9 @@ from memstep.core.tokenizer import gguf_tokenizer_json
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2", help="smollm2 or a .gguf file")
-    p.add_argument("--out", type=Path, default=Path("tokenizer.json"))
+    p.add_argument(
+        "--out", type=Path, default=Path("tokenizer.json"), help="where the tokenizer.json goes"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -12,12 +12,12 @@ from memstep.replay.recorder import add_record_arguments, open_recorder
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prompt", required=True)
+    p.add_argument("--prompt", required=True, help="the prompt (a user message unless --raw)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    p.add_argument("--top-k", type=int, default=0, help="0 disables")
     p.add_argument(
         "--sampling-seed",
         "--request-seed",

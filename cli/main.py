@@ -16,6 +16,7 @@ import attrs
 import structlog
 
 from memstep.cli.errors import UsageError
+from memstep.cli.help_format import HelpFormatter
 from memstep.core.config import KV_CACHE_DTYPES, ConfigError, EngineConfig
 from memstep.core.device_limits import Limits, cuda_device_bytes, default_limits
 from memstep.core.logging import setup_logging
@@ -34,7 +35,10 @@ COMMANDS = {  # name -> (module, one-line help); a module is imported only when 
     "plot": ("memstep.cli.plot", "plot memory over steps from an event log"),
     "export-tokenizer": ("memstep.cli.export_tokenizer", "write a GGUF's tokenizer.json"),
 }
-USER_ERRORS = (ModelError, ConfigError, InvalidRequest, UsageError, LogFormatError, MemoryError)
+USER_ERRORS = (
+    ModelError, ConfigError, InvalidRequest, UsageError, LogFormatError, MemoryError,
+    ConnectionError,
+)  # fmt: skip
 # a path that cannot be used (also any OSError that names its file): the user's to fix
 PATH_ERRORS = (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError)
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -50,19 +54,39 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--tokenizer", help="a tokenizer.json or .gguf to use instead of the model's own"
     )
-    g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES)
-    g.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
+    dtypes = ["auto", "float32", "bfloat16", "float16"]
+    g.add_argument("--dtype", default=d.dtype, choices=dtypes, help="weights and activations")
     g.add_argument(
-        "--max-num-seqs", type=int, help="default: from the device (CPU 16, CUDA up to 1024)"
+        "--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES, help="KV pages"
+    )
+    g.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"], help="where")
+    g.add_argument(
+        "--max-num-seqs",
+        type=int,
+        help="requests in a batch at most (default: from the device; CPU 16, CUDA up to 1024)",
     )
     g.add_argument(
-        "--max-num-batched-tokens", type=int, help="default: from the device (CPU 512, CUDA 8192)"
+        "--max-num-batched-tokens",
+        type=int,
+        help="tokens in one step at most (default: from the device; CPU 512, CUDA 8192)",
     )
-    g.add_argument("--max-model-len", type=int, default=d.max_model_len)
-    g.add_argument("--block-size", type=int, default=d.block_size)
-    g.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks)
-    g.add_argument("--memory-utilization", type=float, default=d.memory_utilization)
+    g.add_argument(
+        "--max-model-len",
+        type=int,
+        default=d.max_model_len,
+        help="prompt + output tokens at most; beyond the model's context is an error "
+        "(None: the model's, capped at 2048)",
+    )
+    g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV page")
+    g.add_argument(
+        "--num-kv-blocks", type=int, default=d.num_kv_blocks, help="KV pages (None: profiled)"
+    )
+    g.add_argument(
+        "--memory-utilization",
+        type=float,
+        default=d.memory_utilization,
+        help="share of device memory the engine may plan for",
+    )
     g.add_argument(
         "--no-enable-prefix-caching",
         dest="enable_prefix_caching",
@@ -70,14 +94,16 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         help="compute every prompt in full instead of reusing cached KV pages of shared prefixes",
     )
     add_speculation_arguments(g, d)
-    g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")
+    g.add_argument(
+        "--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="run decode eagerly"
+    )
     g.add_argument(
         "--no-decode-ahead",
         dest="decode_ahead",
         action="store_false",
         help="do not replay the next decode step's graph while the core records this one",
     )
-    g.add_argument("--num-threads", type=int, default=None)
+    g.add_argument("--num-threads", type=int, default=None, help="torch threads (None: torch's)")
     g.add_argument(
         "--seed",
         type=int,
@@ -133,12 +159,19 @@ SPECULATION_FIELDS = (
 def add_speculation_arguments(g, d: EngineConfig | None) -> None:
     """The flags of SPECULATION_FIELDS; defaults from `d`, or all None when `d` is None (the
     caller keeps its own settings for flags not given)."""
-    g.add_argument("--speculative-method", choices=["ngram", "draft"], default=None)
+    g.add_argument(
+        "--speculative-method", choices=["ngram", "draft"], default=None, help="None: no drafts"
+    )
     tokens, layers = (None, None) if d is None else (d.num_speculative_tokens, d.draft_layers)
-    g.add_argument("--num-speculative-tokens", type=int, default=tokens)
-    g.add_argument("--speculative-disable-by-batch-size", type=int, default=None)
-    g.add_argument("--draft-layers", type=int, default=layers)
-    g.add_argument("--draft-model", default=None)
+    g.add_argument("--num-speculative-tokens", type=int, default=tokens, help="drafts per step")
+    g.add_argument(
+        "--speculative-disable-by-batch-size",
+        type=int,
+        default=None,
+        help="no speculation while the batch is this large or larger",
+    )
+    g.add_argument("--draft-layers", type=int, default=layers, help="layers of the draft model")
+    g.add_argument("--draft-model", default=None, help="the draft model (None: the target's)")
 
 
 def config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
@@ -172,13 +205,29 @@ def _device_limits(values: dict) -> Limits:
     return chosen
 
 
+def add_global_arguments(p: argparse.ArgumentParser, defaults: bool) -> None:
+    """--log-format and --log-level, before the command (with defaults) or after it (without,
+    so that a value given before the command is kept)."""
+    p.add_argument(
+        "--log-format",
+        choices=["console", "json"],
+        default="console" if defaults else argparse.SUPPRESS,
+        help="console for people, json lines for machines (default: console)",
+    )
+    p.add_argument(
+        "--log-level",
+        default="info" if defaults else argparse.SUPPRESS,
+        help="debug, info, warning or error (default: info)",
+    )
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="memstep", description=__doc__)
-    parser.add_argument("--log-format", choices=["console", "json"], default="console")
-    parser.add_argument("--log-level", default="info", help=", ".join(LOG_LEVELS))
+    add_global_arguments(parser, defaults=True)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module_name, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text)
+        p = sub.add_parser(name, help=help_text, formatter_class=HelpFormatter)
+        add_global_arguments(p, defaults=False)
         if name == command:
             module = importlib.import_module(module_name)
             module.add_arguments(p)

@@ -14,7 +14,7 @@ from memstep.states.planted import PLANTS
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", choices=sorted(SCENARIOS))
     p.add_argument("--steps", type=int, default=2000, help="length of the sustained stretch")
-    p.add_argument("--model", default="smollm2")
+    p.add_argument("--model", default="smollm2", help="the model the scenario runs")
     p.add_argument(
         "--plant-leak",
         choices=sorted(PLANTS),

@@ -1,11 +1,12 @@
-"""Serve the engine over the ZeroMQ client API, with the model in an executor process.
+"""Serve the engine over the ZeroMQ client API and OpenAI-compatible HTTP, with the model in an
+executor process.
 
-`memstep serve` (or `python -m memstep.cli.serve`) loads the tokenizer in the core,
-spawns the executor process (which loads the model), then answers clients until SIGINT or
-SIGTERM.  A lost executor is replaced (`--max-executor-restarts` within
-`--executor-restart-window` seconds); past that budget serve exits with code 3, for a supervisor
-to restart it.  `ServerProcess` runs the same command as a child process, for tests and
-`bench serve`.
+`memstep serve` (or `python -m memstep.cli.serve`) loads the tokenizer in the core, spawns the
+executor process (which loads the model) and the HTTP front process (a ZMQ client of the core,
+`api/http_server.py`), then answers clients until SIGINT or SIGTERM.  A lost executor is replaced
+(`--max-executor-restarts` within `--executor-restart-window` seconds); past that budget serve
+exits with code 3, for a supervisor to restart it.  `ServerProcess` runs the same command as a
+child process, for tests and `bench serve`.
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import attrs
 import structlog
 import zmq
 from zmq.utils import z85
 
+from memstep.api.http_front import HttpConfig, HttpFront, bind, curve_client_keys
 from memstep.api.server import Server, ServerConfig
 from memstep.cli.main import add_engine_arguments, config_from_args
 from memstep.core.config import ConfigError
@@ -45,7 +48,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default=d.host, help="address to bind; non-loopback needs CURVE")
     g.add_argument("--port", type=int, default=d.port, help="0 picks a free port")
-    g.add_argument("--max-frame-bytes", type=int, default=d.max_frame_bytes)
+    g.add_argument(
+        "--dead-exit-s",
+        type=float,
+        default=d.dead_exit_s,
+        help="once no executor can be started: answer health (dead) this long, then exit 3",
+    )
+    g.add_argument(
+        "--max-frame-bytes",
+        type=int,
+        default=d.max_frame_bytes,
+        help="larger client frames get a frame_too_large error",
+    )
     g.add_argument(
         "--curve-secret-key",
         help="a file holding the server's z85 CURVE secret key (plain or zmq certificate); "
@@ -63,23 +77,60 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds without a heartbeat before a live executor process counts as dead",
     )
     g.add_argument("--ready-file", type=Path, help="write {endpoint, pids} here when serving")
+    g.add_argument(
+        "--stats-interval",
+        type=float,
+        default=d.stats_interval_s,
+        help="seconds between 'stats' log lines while busy; 0: none (default: %(default)s)",
+    )
+    h = p.add_argument_group("http")
+    hd = HttpConfig()
+    h.add_argument(
+        "--http-host",
+        default=hd.host,
+        help="address of the OpenAI-compatible HTTP "
+        "API; non-loopback needs --api-key (default: %(default)s)",
+    )
+    h.add_argument(
+        "--http-port",
+        type=int,
+        default=hd.port,
+        help="port of the HTTP API; 0 picks a free one (default: %(default)s)",
+    )
+    h.add_argument("--no-http", dest="http", action="store_false", help="serve ZMQ only")
+    h.add_argument(
+        "--api-key",
+        default=os.environ.get("MEMSTEP_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $MEMSTEP_API_KEY, else none)",
+    )
     add_record_arguments(p, by_default=True)
     add_engine_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    server_cfg = _server_config(args)  # a refused bind fails here, before any model loads
+    server_cfg = _server_config(args)
+    http_cfg = HttpConfig(host=args.http_host, port=args.http_port, api_key=args.api_key)
+    http_sock = bind(http_cfg) if args.http else None  # fails here, before any model loads
+    front_keys = curve_client_keys() if http_sock is not None and server_cfg.uses_curve else None
+    if front_keys is not None:
+        keys = server_cfg.curve_client_keys | {front_keys[0]}
+        server_cfg = attrs.evolve(server_cfg, curve_client_keys=keys)
     recorder = open_recorder(args)
     sinks = [recorder] if recorder is not None else []
     engine = Engine(config_from_args(args), executor_factory=_executor_factory(args), sinks=sinks)
+    front = None
     try:
         server = Server(engine, server_cfg)
         try:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, lambda *_: server.stop())
-            _announce(server, args.ready_file)
+            if http_sock is not None:
+                front = _start_front(args, http_sock, server, front_keys)
+            _announce(server, args.ready_file, front, recorder)
             server.serve_forever()
         finally:
+            if front is not None:
+                front.stop()
             server.close()
     finally:
         _shutdown(engine)
@@ -101,7 +152,31 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         max_frame_bytes=args.max_frame_bytes,
         curve_secret_key=load_key(args.curve_secret_key) if args.curve_secret_key else None,
         curve_client_keys=keys,
+        stats_interval_s=args.stats_interval,
+        dead_exit_s=args.dead_exit_s,
     )
+
+
+def _start_front(
+    args: argparse.Namespace, sock: Any, server: Server, keys: tuple[bytes, bytes] | None
+) -> HttpFront:
+    curve = None
+    if keys is not None:
+        assert server.cfg.curve_secret_key is not None
+        server_public = zmq.curve_public(server.cfg.curve_secret_key).decode()
+        curve = f"{server_public} {keys[0].decode()} {keys[1].decode()}"
+    front = HttpFront(
+        sock,
+        server.endpoint,
+        server.engine.cfg.model,
+        api_key=args.api_key,
+        curve=curve,
+        log_level=getattr(args, "log_level", "warning"),
+        log_format=getattr(args, "log_format", "console"),
+    )
+    sock.close()  # the child holds it now
+    front.wait_ready()
+    return front
 
 
 def _executor_factory(args: argparse.Namespace) -> Any:
@@ -120,13 +195,21 @@ def _shutdown(engine: Engine) -> None:
         print(f"memstep serve: executor lost at shutdown: {exc}", file=sys.stderr)
 
 
-def _announce(server: Server, ready_file: Path | None) -> None:
+def _announce(
+    server: Server, ready_file: Path | None, front: HttpFront | None, recorder: Any
+) -> None:
     info = {
         "endpoint": server.endpoint,
         "core_pid": os.getpid(),
         "executor_pid": getattr(server.engine.executor, "pid", 0),
+        "http_url": front.url if front is not None else None,
+        "http_pid": front.proc.pid if front is not None else 0,
     }
     print(f"memstep serve: ready on {server.endpoint}", flush=True)
+    if recorder is not None:
+        print(f"memstep serve: recording the event log to {recorder.path}", flush=True)
+    if front is not None:
+        print(f"memstep serve: OpenAI-compatible HTTP API on {front.url}/v1", flush=True)
     if ready_file is not None:
         tmp = ready_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(info))
@@ -185,13 +268,14 @@ def _is_z85_key(text: str) -> bool:
 class ServerProcess:
     """`memstep serve` in a child process on a free port; owns the process and its log file."""
 
-    def __init__(self, args: list[str], log_level: str = "warning"):
+    def __init__(self, args: list[str], log_level: str = "warning", http: bool = False):
         self.dir = Path(tempfile.mkdtemp(prefix="memstep-serve-"))
         self.ready_file = self.dir / "ready.json"
         self.log_path = self.dir / "server.log"
         self.info: dict[str, Any] = {}
         cmd = [sys.executable, "-m", "memstep.cli.serve", "--log-level", log_level]
         cmd += ["--port", "0", "--ready-file", str(self.ready_file), *args]
+        cmd += ["--http-port", "0"] if http else ["--no-http"]
         if "--record" not in args and "--no-record" not in args:
             cmd += ["--record", str(self.dir / "events.memlog")]  # recorded, as by default
         with self.log_path.open("wb") as log_file:
@@ -200,6 +284,10 @@ class ServerProcess:
     @property
     def address(self) -> str:
         return str(self.info["endpoint"])
+
+    @property
+    def http_url(self) -> str:
+        return str(self.info["http_url"])
 
     def wait_ready(self, timeout: float = 120.0) -> dict[str, Any]:
         deadline = time.monotonic() + timeout

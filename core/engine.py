@@ -34,6 +34,7 @@ from memstep.core.request import Request, Status
 from memstep.core.sampling_params import InvalidRequest, SamplingParams
 from memstep.core.scheduler import Scheduler, StepBatch
 from memstep.core.seeding import RequestSeeds, engine_seed
+from memstep.core.shapes import max_model_len
 from memstep.core.tokenizer import load_tokenizer
 from memstep.events.plan import SeqPlan, StepPlan, StepResult
 from memstep.events.types import (
@@ -75,7 +76,7 @@ class Engine:
         self.seeds = RequestSeeds(seed)
         self.source = resolve(cfg.model, cfg.random_weights_seed, cfg.tokenizer)
         self.model_cfg = model_config(self.source)
-        self.max_model_len = min(cfg.max_model_len or 2048, self.model_cfg.max_context)
+        self.max_model_len = max_model_len(cfg, self.model_cfg)  # ConfigError beyond the model
         mc = self.model_cfg
         self.tokenizer = load_tokenizer(self.source, mc.vocab_size, mc.eos_token_ids)
         self.step_no = 0

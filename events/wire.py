@@ -67,6 +67,8 @@ class GenerateDelta:
     request_id: str
     token_ids: list[int]
     text: str
+    # per token when params.logprobs = N > 0: [id, text, logprob, [[id, text, logprob] x N]]
+    logprobs: list[list] = attrs.Factory(list)
 
 
 @record
@@ -83,6 +85,7 @@ class Timing:
     ttft_s: float | None  # first token; None when none was produced
     token_times_s: list[float]  # each output token, in order
     e2e_s: float  # the finishing reply
+    queue_s: float | None = None  # first scheduled into a step; None when never scheduled
 
 
 @record
@@ -95,6 +98,7 @@ class GenerateDone:
     finish_reason: str  # "stop" | "length" | "abort"
     usage: Usage
     timing: Timing
+    logprobs: list[list] = attrs.Factory(list)  # per token, as in GenerateDelta
 
 
 @record
@@ -134,6 +138,13 @@ class StatsReply:
     memory: MemoryReport | None  # from the last StepFinished; None before the first step
     finished: dict[str, int]  # finished requests by reason, incl. "disconnect", "executor_dead"
     kv_pages_cached: int = 0  # held by none, caching prefix blocks (reclaimable)
+    prompt_tokens: int = 0  # totals since the server started
+    generation_tokens: int = 0
+    num_preemptions: int = 0
+    num_leak_reports: int = 0
+    steps: dict[str, int] = attrs.Factory(dict)  # steps run, by kind
+    transitions: dict[str, int] = attrs.Factory(dict)  # "old->new" kind changes
+    host_rss_bytes: dict[str, int] = attrs.Factory(dict)  # "core", "executor": resident bytes
 
 
 @record

@@ -90,7 +90,9 @@ def add_record_arguments(p: argparse.ArgumentParser, by_default: bool = False) -
         + (f"; default {DEFAULT_RECORD_PATH}" if by_default else ""),
     )
     if by_default:
-        g.add_argument("--no-record", dest="record", action="store_const", const=None)
+        g.add_argument(
+            "--no-record", dest="record", action="store_const", const=None, help="record nothing"
+        )
     g.add_argument(
         "--record-rotate-bytes",
         type=parse_size,

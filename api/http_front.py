@@ -1,0 +1,106 @@
+"""Start and stop the HTTP front (`api/http_server.py`) as a child of `memstep serve`.
+
+The parent binds the HTTP socket itself, before any model loads, so a port in use or a refused
+address fails at once with a one-line error; the child inherits the listening socket.  The API
+key and the front's CURVE keys travel in the child's environment, never on its command line.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import subprocess
+import sys
+
+import attrs
+import zmq
+
+from memstep.api.server import is_loopback
+from memstep.core.config import ConfigError
+
+READY_TIMEOUT_S = 60.0
+
+
+@attrs.frozen(kw_only=True)
+class HttpConfig:
+    """Where the HTTP front listens.  A non-loopback host needs an API key."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: any free port
+    api_key: str | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if not (is_loopback(self.host) or self.api_key):
+            raise ConfigError(
+                f"refusing to serve HTTP on {self.host!r} without an API key: give --api-key "
+                "(or MEMSTEP_API_KEY), or bind to a loopback address"
+            )
+
+
+def bind(cfg: HttpConfig) -> socket.socket:
+    """The listening socket, or a ConfigError saying why it cannot be had."""
+    family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
+    try:
+        return socket.create_server((cfg.host, cfg.port), family=family, backlog=1024)
+    except OSError as exc:
+        raise ConfigError(f"cannot listen for HTTP on {cfg.host}:{cfg.port}: {exc}") from exc
+
+
+def curve_client_keys() -> tuple[bytes, bytes]:
+    """A fresh key pair for the front, to add to the core's allowed CURVE clients."""
+    return zmq.curve_keypair()
+
+
+class HttpFront:
+    """The front's child process; `url` is where it answers."""
+
+    def __init__(self, sock: socket.socket, zmq_address: str, model: str, **options: object):
+        host, port = sock.getsockname()[:2]
+        self.url = f"http://{_url_host(host)}:{port}"
+        read_fd, write_fd = os.pipe()
+        cmd = [sys.executable, "-m", "memstep.api.http_server", "--zmq", _reachable(zmq_address)]
+        cmd += ["--model-name", model, "--fd", str(sock.fileno()), "--ready-fd", str(write_fd)]
+        cmd += ["--log-level", str(options.get("log_level", "warning"))]
+        cmd += ["--log-format", str(options.get("log_format", "console"))]
+        env = dict(os.environ)
+        if options.get("api_key"):
+            env["MEMSTEP_API_KEY"] = str(options["api_key"])
+        if options.get("curve"):
+            env["MEMSTEP_FRONT_CURVE"] = str(options["curve"])
+        self.proc = subprocess.Popen(cmd, env=env, pass_fds=(sock.fileno(), write_fd))
+        os.close(write_fd)
+        self._ready_fd = read_fd
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
+        """Block until the front serves; RuntimeError if it exits or stays silent."""
+        try:
+            ready, _, _ = select.select([self._ready_fd], [], [], timeout)
+            line = os.read(self._ready_fd, 64) if ready else b""
+        finally:
+            os.close(self._ready_fd)
+        if not line:
+            self.stop()
+            raise RuntimeError(f"the HTTP front did not start (exit code {self.proc.returncode})")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _reachable(endpoint: str) -> str:
+    """The core's endpoint as a local client dials it (a wildcard bind becomes loopback)."""
+    for wildcard in ("0.0.0.0", "[::]", "*"):
+        endpoint = endpoint.replace(f"//{wildcard}:", "//127.0.0.1:")
+    return endpoint
+
+
+def _url_host(host: str) -> str:
+    if host in ("0.0.0.0", "::"):
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host

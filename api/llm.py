@@ -1,0 +1,157 @@
+"""`LLM`: the offline API, shaped like vLLM's, over an in-process engine.
+
+    from memstep import LLM, SamplingParams
+    llm = LLM(model="smollm2")
+    out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, n=2, seed=1))
+    print(out[0].outputs[0].text, out[0].outputs[1].token_ids, out[0].outputs[0].finish_reason)
+    print(llm.chat([{"role": "user", "content": "Hi!"}])[0].outputs[0].text)
+
+One call runs every prompt (times `n`) as one continuous batch, with a progress bar over the
+requests as they finish.  Choice j of a prompt samples with seed + j, so `n` choices differ while
+a given seed still reproduces the whole result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+from tqdm import tqdm
+
+from memstep.core import sampling_params as core_params
+from memstep.core.config import EngineConfig
+from memstep.core.engine import Engine
+from memstep.core.sampling_params import InvalidRequest
+from memstep.executors.inprocess import local_engine
+
+Prompt = str | list[int]
+Messages = list[dict[str, str]]
+
+
+@attrs.frozen(kw_only=True)
+class SamplingParams(core_params.SamplingParams):
+    """The engine's sampling params plus `n`, the number of completions per prompt."""
+
+    n: int = 1
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        if not (isinstance(self.n, int) and self.n >= 1):
+            raise InvalidRequest("n must be >= 1")
+
+    def for_choice(self, j: int) -> core_params.SamplingParams:
+        data = attrs.asdict(self)
+        del data["n"]
+        data["seed"] = None if self.seed is None else self.seed + j  # None: drawn per choice
+        return core_params.SamplingParams(**data)
+
+
+@attrs.define
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    logprobs: list[list] = attrs.Factory(list)
+
+
+@attrs.define
+class RequestOutput:
+    """All choices of one prompt, as vLLM's RequestOutput."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True
+
+
+class LLM:
+    """Owns an in-process engine (model loaded once) and runs batches of prompts on it."""
+
+    def __init__(self, model: str = "smollm2", **config: Any):
+        self.engine: Engine = local_engine(EngineConfig(model=model, **config))
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | core_params.SamplingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Complete each prompt (text or token ids); results in prompt order."""
+        batch = _prompt_list(prompts)
+        return self._run(
+            batch, [p if isinstance(p, str) else None for p in batch], sampling_params, use_tqdm
+        )
+
+    def chat(
+        self,
+        messages: Messages | Sequence[Messages],
+        sampling_params: SamplingParams | core_params.SamplingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Answer one conversation or many, through the model's chat template."""
+        chats = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        texts = [self.engine.tokenizer.apply_chat_template(list(m)) for m in chats]  # type: ignore[arg-type]
+        return self._run(list(texts), list(texts), sampling_params, use_tqdm)
+
+    def _run(
+        self,
+        prompts: list[Prompt],
+        texts: list[str | None],
+        params: SamplingParams | core_params.SamplingParams | None,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        params = params if params is not None else SamplingParams()
+        n = getattr(params, "n", 1)
+        choices = [
+            params.for_choice(j) if isinstance(params, SamplingParams) else params for j in range(n)
+        ]
+        ids = [[self.engine.add_request(p, c) for c in choices] for p in prompts]
+        bar = tqdm(total=len(prompts) * n, desc="requests", unit="req", disable=not use_tqdm)
+        done = self._until_idle(bar)
+        bar.close()
+        return [
+            RequestOutput(
+                request_id=row[0],
+                prompt=text,
+                prompt_token_ids=self._prompt_ids(prompt),
+                outputs=[_choice(j, done[rid]) for j, rid in enumerate(row)],
+            )
+            for row, prompt, text in zip(ids, prompts, texts, strict=True)
+        ]
+
+    def _until_idle(self, bar: tqdm) -> dict[str, Any]:
+        """Step the engine until every request finished, advancing `bar` as they do."""
+        done: dict[str, Any] = {}
+        while self.engine.has_work():
+            finished = 0
+            for out in self.engine.step():
+                row = done.setdefault(out.request_id, {"text": "", "ids": [], "logprobs": []})
+                row["text"] += out.new_text
+                row["ids"] += out.new_token_ids
+                row["logprobs"] += out.logprobs
+                if out.finished:
+                    row["reason"] = out.finish_reason or "stop"
+                    finished += 1
+            if finished:
+                bar.update(finished)
+        return done
+
+    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+        return self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+
+def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """One prompt (text or token ids) or many, as a list of prompts."""
+    if isinstance(prompts, str):
+        return [prompts]
+    items = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [items]  # type: ignore[list-item]
+    return items  # type: ignore[return-value]
+
+
+def _choice(index: int, row: dict[str, Any]) -> CompletionOutput:
+    return CompletionOutput(index, row["text"], row["ids"], row["reason"], row["logprobs"])

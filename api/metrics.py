@@ -1,0 +1,113 @@
+"""Prometheus metrics of the HTTP front, named `memstep:*`.
+
+Two sources.  Latency histograms (TTFT, inter-token, end to end) are observed by the front from
+the `Timing` of each request it answers.  Everything the core owns (requests running and waiting,
+KV pages, token and step totals, memory) is mirrored from a `StatsReply` fetched at each scrape,
+so the figures are the core's own, never counted a second time here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from memstep.events.wire import GenerateDone, StatsReply
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class Metrics:
+    """The registry `/metrics` exposes: latency histograms plus the core's mirrored stats."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.core = CoreStats()
+        self.registry.register(self.core)
+        self.ttft = self._histogram("time_to_first_token_seconds", "time to first token")
+        self.itl = Histogram(
+            "memstep:inter_token_latency_seconds",
+            "time between consecutive output tokens",
+            buckets=TOKEN_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = self._histogram("e2e_request_latency_seconds", "request end-to-end latency")
+        self.queue = self._histogram("request_queue_time_seconds", "arrival to first scheduled")
+
+    def _histogram(self, name: str, doc: str) -> Histogram:
+        return Histogram(f"memstep:{name}", doc, buckets=LATENCY_BUCKETS, registry=self.registry)
+
+    def observe(self, done: GenerateDone) -> None:
+        """Record one finished request's latencies."""
+        timing = done.timing
+        if timing.ttft_s is not None:
+            self.ttft.observe(timing.ttft_s)
+        times = timing.token_times_s
+        for earlier, later in zip(times, times[1:], strict=False):
+            self.itl.observe(later - earlier)
+        self.e2e.observe(timing.e2e_s)
+        if timing.queue_s is not None:
+            self.queue.observe(timing.queue_s)
+
+    def exposition(self, stats: StatsReply | None) -> bytes:
+        self.core.stats = stats
+        return generate_latest(self.registry)
+
+
+class CoreStats(Collector):
+    """Yields the core's figures from the last StatsReply (none before the first)."""
+
+    def __init__(self) -> None:
+        self.stats: StatsReply | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats
+        if s is None:
+            return
+        yield _gauge("num_requests_running", "requests in the running batch", s.num_running)
+        yield _gauge("num_requests_waiting", "requests waiting to be scheduled", s.num_waiting)
+        usage = s.kv_pages_used / s.kv_pages_total if s.kv_pages_total else 0.0
+        yield _gauge("kv_cache_usage_perc", "fraction of KV pages in use (0 to 1)", usage)
+        yield _gauge("kv_pages_used", "KV pages in use", s.kv_pages_used)
+        yield _gauge("kv_pages_total", "KV pages in the cache", s.kv_pages_total)
+        yield _counter("prompt_tokens", "prompt tokens admitted", s.prompt_tokens)
+        yield _counter("generation_tokens", "tokens generated", s.generation_tokens)
+        yield _counter("num_preemptions", "requests preempted (recomputed)", s.num_preemptions)
+        yield _counter("leak_reports", "leak reports (LeakSuspected records)", s.num_leak_reports)
+        yield _labelled("request_success", "finished requests", "finished_reason", s.finished)
+        yield _labelled("steps", "engine steps run", "kind", s.steps)
+        yield _labelled("step_transitions", "step-kind transitions", "transition", s.transitions)
+        yield from _memory(s)
+
+
+def _memory(s: StatsReply) -> Iterator[Metric]:
+    m = s.memory
+    if m is not None:
+        yield _gauge("memory_live_bytes", "device bytes live after the last step", m.live_bytes)
+        yield _gauge("memory_reserved_bytes", "bytes the allocator reserves", m.reserved_bytes)
+        yield _gauge("allocator_segments", "allocator segments (CPU: storages)", m.num_segments)
+        yield _gauge("arena_claimed_bytes", "bytes step kinds claim", m.arena_claimed_bytes)
+    rss = GaugeMetricFamily(
+        "memstep:host_rss_bytes", "resident host memory by process", labels=["process"]
+    )
+    for process, nbytes in sorted(s.host_rss_bytes.items()):
+        rss.add_metric([process], nbytes)
+    yield rss
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(f"memstep:{name}", doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(f"memstep:{name}", doc, value=value)
+
+
+def _labelled(name: str, doc: str, label: str, values: dict[str, int]) -> CounterMetricFamily:
+    family = CounterMetricFamily(f"memstep:{name}", doc, labels=[label])
+    for key, value in sorted(values.items()):
+        family.add_metric([key], value)
+    return family

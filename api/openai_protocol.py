@@ -1,0 +1,322 @@
+"""OpenAI's completions and chat completions, as JSON maps: requests in, responses out.
+
+`parse_completion` and `parse_chat` turn a request body into a `Job`: the prompts to run, the
+sampling params each choice sends over the ZMQ API, and how to shape the answer.  Anything the
+engine cannot honour is refused with an `OpenAIError` (HTTP status and OpenAI's error object)
+rather than silently ignored.  The response builders take the API's `GenerateDone` and
+`GenerateDelta` records; their field names follow OpenAI's API reference.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+from typing import Any
+
+import attrs
+
+from memstep.events.wire import GenerateDone
+
+# What each request field of OpenAI (and vLLM's extras) becomes in the engine's SamplingParams.
+SAMPLING_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "seed": "seed",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "ignore_eos": "ignore_eos",
+}
+COMMON_FIELDS = {"model", "n", "stream", "stream_options", "stop", "max_tokens", "user"}
+COMMON_FIELDS |= set(SAMPLING_FIELDS)
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
+MAX_N = 16
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's default, where the engine's own is greedy
+
+
+class OpenAIError(Exception):
+    """A request that fails; `body()` is OpenAI's error object, `status` its HTTP status."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", **extra):
+        super().__init__(message)
+        self.status = status
+        self.kind = kind
+        self.param = extra.get("param")
+        self.code = extra.get("code")
+
+    def body(self) -> dict[str, Any]:
+        error = {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}
+        return {"error": error}
+
+
+def bad(message: str, param: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, param=param, code="invalid_value")
+
+
+@attrs.frozen
+class Job:
+    """One HTTP request's work: each prompt runs `n` times, each run is one choice."""
+
+    chat: bool
+    model: str
+    prompts: list[dict[str, Any]]  # GenerateRequest's source: {"prompt": ...} or {"messages": ...}
+    params: list[dict[str, Any]]  # per choice, prompt-major: prompts[i // n] with params[i]
+    n: int
+    stream: bool
+    include_usage: bool
+    top_logprobs: int | None  # None: no logprobs in the answer
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.params)
+
+    def prompt_of(self, choice: int) -> dict[str, Any]:
+        return self.prompts[choice // self.n]
+
+
+# --- requests ------------------------------------------------------------------------------
+
+
+def parse_completion(body: Any, model: str) -> Job:
+    body = _object(body, COMPLETION_FIELDS)
+    if body.get("echo"):
+        raise bad("echo is not supported", "echo")
+    if body.get("best_of") not in (None, 1):
+        raise bad("best_of other than 1 is not supported", "best_of")
+    top = _int(body, "logprobs", 0, 5)
+    prompts = [{"prompt": p} for p in _prompts(body.get("prompt"))]
+    max_tokens = _int(body, "max_tokens", 1, None)
+    return _job(body, model, False, prompts, 16 if max_tokens is None else max_tokens, top)
+
+
+def parse_chat(body: Any, model: str) -> Job:
+    body = _object(body, CHAT_FIELDS)
+    messages = _messages(body.get("messages"))
+    top = _int(body, "top_logprobs", 0, 20)
+    if not body.get("logprobs"):
+        if top:
+            raise bad("top_logprobs needs logprobs: true", "top_logprobs")
+        top = None
+    elif top is None:
+        top = 0
+    given = _int(body, "max_completion_tokens", 1, None)
+    max_tokens = given if given is not None else _int(body, "max_tokens", 1, None)
+    return _job(body, model, True, [{"messages": messages}], max_tokens, top)
+
+
+def _job(
+    body: dict, model: str, chat: bool, prompts: list, max_tokens: int | None, top: int | None
+) -> Job:
+    name = body.get("model", model)
+    if name != model:
+        raise OpenAIError(404, f"The model `{name}` does not exist.", code="model_not_found")
+    n = _int(body, "n", 1, MAX_N) or 1
+    stream = _bool(body, "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise bad("stream_options takes only include_usage", "stream_options")
+    if options and not stream:
+        raise bad("stream_options is only allowed with stream: true", "stream_options")
+    base = _sampling(body, max_tokens, top)
+    params = [_choice_params(base, body.get("seed"), j) for _ in prompts for j in range(n)]
+    usage = bool(options.get("include_usage"))
+    return Job(chat, model, prompts, params, n, stream, usage, top)
+
+
+def _sampling(body: dict, max_tokens: int | None, top: int | None) -> dict[str, Any]:
+    params: dict[str, Any] = {"temperature": DEFAULT_TEMPERATURE}
+    for field, name in SAMPLING_FIELDS.items():
+        if body.get(field) is not None:
+            params[name] = body[field]
+    if max_tokens is not None:
+        params["max_tokens"] = max_tokens
+    if top is not None:
+        params["logprobs"] = max(top, 1)  # the chosen token's logprob comes with the top ones
+    stop = body.get("stop")
+    if stop is not None:
+        stops = [stop] if isinstance(stop, str) else stop
+        if not (isinstance(stops, list) and len(stops) <= 4):
+            raise bad("stop must be a string or a list of at most 4 strings", "stop")
+        params["stop"] = stops
+    return params
+
+
+def _choice_params(base: dict[str, Any], seed: Any, j: int) -> dict[str, Any]:
+    """Choice j's params: a given seed + j (reproducible, yet distinct choices), else random."""
+    if isinstance(seed, int) and not isinstance(seed, bool) and seed >= 0:
+        return {**base, "seed": seed + j}
+    return {**base, "seed": random.getrandbits(62)} if seed is None else base
+
+
+def _object(body: Any, allowed: set[str]) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise bad(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0])
+    return body
+
+
+def _int(body: dict, field: str, low: int, high: int | None) -> int | None:
+    value = body.get(field)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise bad(f"{field} must be an integer", field)
+    if value < low or (high is not None and value > high):
+        where = f"[{low}, {high}]" if high is not None else f">= {low}"
+        raise bad(f"{field} must be {where}, got {value}", field)
+    return value
+
+
+def _bool(body: dict, field: str) -> bool:
+    value = body.get(field, False)
+    if not isinstance(value, bool):
+        raise bad(f"{field} must be a boolean", field)
+    return value
+
+
+def _prompts(prompt: Any) -> list[str | list[int]]:
+    """OpenAI's prompt: a string, a list of strings, token ids, or a list of token id lists."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return [prompt]
+        if all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+        if all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompt):
+            return list(prompt)
+    raise bad("prompt must be a string, a list of strings, or token ids", "prompt")
+
+
+def _messages(messages: Any) -> list[dict[str, str]]:
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages must be a non-empty list", "messages")
+    return [_message(m) for m in messages]
+
+
+def _message(m: Any) -> dict[str, str]:
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise bad("each message needs a role", "messages")
+    content = m.get("content")
+    if isinstance(content, list):  # content parts: only text is understood
+        if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+            raise bad("only text content parts are supported", "messages")
+        content = "".join(str(p.get("text", "")) for p in content)
+    if not isinstance(content, str):
+        raise bad("message content must be a string or text parts", "messages")
+    return {"role": m["role"], "content": content}
+
+
+# --- responses -----------------------------------------------------------------------------
+
+
+def new_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    total = prompt_tokens + completion_tokens
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": total,
+    }
+
+
+def response(job: Job, rid: str, dones: list[GenerateDone]) -> dict[str, Any]:
+    """The whole answer of a non-streaming request, its choices in index order."""
+    choices = [_choice(job, i, d) for i, d in enumerate(dones)]
+    prompt_tokens = sum(d.usage.prompt_tokens for d in dones[:: job.n])
+    completion_tokens = sum(d.usage.completion_tokens for d in dones)
+    kind = "chat.completion" if job.chat else "text_completion"
+    return {
+        **_head(job, rid, kind),
+        "choices": choices,
+        "usage": usage(prompt_tokens, completion_tokens),
+    }
+
+
+def _choice(job: Job, index: int, done: GenerateDone) -> dict[str, Any]:
+    logprobs = format_logprobs(job, done.logprobs, 0)
+    if job.chat:
+        message = {"role": "assistant", "content": done.text}
+        return {
+            "index": index,
+            "message": message,
+            "logprobs": logprobs,
+            "finish_reason": done.finish_reason,
+        }
+    return {
+        "index": index,
+        "text": done.text,
+        "logprobs": logprobs,
+        "finish_reason": done.finish_reason,
+    }
+
+
+def chunk(
+    job: Job, rid: str, index: int, text: str, logprobs: list[list], offset: int, **extra: Any
+) -> dict[str, Any]:
+    """One streamed chunk of choice `index`; `extra` may set finish_reason or the chat role."""
+    lp = format_logprobs(job, logprobs, offset)
+    reason = extra.get("finish_reason")
+    if job.chat:
+        delta = {"role": "assistant"} if extra.get("role") else {}
+        delta["content"] = text
+        choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}
+        out = {**_head(job, rid, "chat.completion.chunk"), "choices": [choice]}
+    else:
+        choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": reason}
+        out = {**_head(job, rid, "text_completion"), "choices": [choice]}
+    if job.include_usage:
+        out["usage"] = None
+    return out
+
+
+def usage_chunk(job: Job, rid: str, dones: list[GenerateDone]) -> dict[str, Any]:
+    kind = "chat.completion.chunk" if job.chat else "text_completion"
+    prompt_tokens = sum(d.usage.prompt_tokens for d in dones[:: job.n])
+    completion_tokens = sum(d.usage.completion_tokens for d in dones)
+    return {
+        **_head(job, rid, kind),
+        "choices": [],
+        "usage": usage(prompt_tokens, completion_tokens),
+    }
+
+
+def _head(job: Job, rid: str, kind: str) -> dict[str, Any]:
+    return {"id": rid, "object": kind, "created": int(time.time()), "model": job.model}
+
+
+def format_logprobs(job: Job, tokens: list[list], offset: int) -> dict[str, Any] | None:
+    """OpenAI's logprobs object from the API's [id, text, logprob, [[id, text, logprob]...]]
+    per token; `offset` is the text offset of the first token (completions only)."""
+    if job.top_logprobs is None:
+        return None
+    top = job.top_logprobs
+    if job.chat:
+        content = [
+            {**_token(text, lp), "top_logprobs": [_token(t, p) for _, t, p in alts[:top]]}
+            for _, text, lp, alts in tokens
+        ]
+        return {"content": content}
+    offsets = []
+    for _, text, _, _ in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": [text for _, text, _, _ in tokens],
+        "token_logprobs": [lp for _, _, lp, _ in tokens],
+        "top_logprobs": [{t: p for _, t, p in alts[:top]} for _, _, _, alts in tokens],
+        "text_offset": offsets,
+    }
+
+
+def _token(text: str, logprob: float) -> dict[str, Any]:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}

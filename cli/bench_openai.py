@@ -1,0 +1,76 @@
+"""`bench serve`'s OpenAI backends: one streamed request to `/v1/completions` ("openai") or
+`/v1/chat/completions` ("openai-chat") of memstep's HTTP front or any OpenAI-compatible server.
+
+Times are taken as by the ZMQ backend: each SSE chunk that carries text is one arrival.  The token
+counts come from the server's `usage` (asked for with `stream_options.include_usage`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import attrs
+import httpx
+
+BACKENDS = ("zmq", "openai", "openai-chat")
+
+
+class HttpError(RuntimeError):
+    """A non-200 answer or an error event; the message is the server's."""
+
+
+@attrs.define
+class Streamed:
+    """When each text chunk of one request arrived (perf_counter), and the usage it reported."""
+
+    start: float
+    arrivals: list[float] = attrs.Factory(list)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+async def model_id(http: httpx.AsyncClient, base_url: str) -> str:
+    """The first model the server lists."""
+    reply = await http.get(f"{base_url}/v1/models")
+    reply.raise_for_status()
+    return str(reply.json()["data"][0]["id"])
+
+
+def request_body(chat: bool, model: str, prompt: str, max_tokens: int, ignore_eos: bool) -> dict:
+    """A greedy streaming request, as the ZMQ backend sends (temperature 0, the same limits)."""
+    body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "temperature": 0.0}
+    body |= {"stream": True, "stream_options": {"include_usage": True}}
+    if ignore_eos:
+        body["ignore_eos"] = True  # vLLM's extra, which memstep's front also takes
+    if chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    return body
+
+
+async def stream(http: httpx.AsyncClient, base_url: str, chat: bool, body: dict) -> Streamed:
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    out = Streamed(time.perf_counter())
+    async with http.stream("POST", base_url + path, json=body) as reply:
+        if reply.status_code != 200:
+            text = (await reply.aread()).decode(errors="replace")
+            raise HttpError(f"HTTP {reply.status_code}: {text[:300]}")
+        async for line in reply.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                _take(out, json.loads(line[6:]), chat)
+    return out
+
+
+def _take(out: Streamed, event: dict, chat: bool) -> None:
+    if "error" in event:
+        raise HttpError(str(event["error"].get("message")))
+    if event.get("usage"):
+        out.prompt_tokens = event["usage"]["prompt_tokens"]
+        out.completion_tokens = event["usage"]["completion_tokens"]
+    for choice in event.get("choices", []):
+        text = choice["delta"].get("content") if chat else choice.get("text")
+        if text:
+            out.arrivals.append(time.perf_counter())

@@ -1,0 +1,268 @@
+"""The HTTP front of a real `memstep serve` with SmolLM2, through the official `openai` SDK,
+raw SSE over curl, and `/metrics` read by prometheus_client's own parser."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from memstep.api.client import Client
+from memstep.cli.serve import ServerProcess
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def server():
+    args = ["--model", "smollm2", "--dtype", "float32", "--num-threads", "1"]
+    with ServerProcess(args, http=True) as proc:
+        proc.wait_ready(timeout=300)
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def sdk(server):
+    return openai.OpenAI(base_url=server.http_url + "/v1", api_key="none", max_retries=0)
+
+
+def test_sdk_chat_and_completions_say_paris(sdk):
+    chat = sdk.chat.completions.create(
+        model="smollm2", messages=QUESTION, temperature=0, max_tokens=16
+    )
+    assert "Paris" in chat.choices[0].message.content
+    assert chat.object == "chat.completion" and chat.choices[0].message.role == "assistant"
+    assert chat.usage.completion_tokens == 16 or chat.choices[0].finish_reason == "stop"
+    done = sdk.completions.create(model="smollm2", prompt=PROMPT, temperature=0, max_tokens=4)
+    assert "Paris" in done.choices[0].text and done.usage.prompt_tokens > 0
+
+
+def test_sdk_streams_say_paris_and_count_usage(sdk):
+    stream = sdk.chat.completions.create(
+        model="smollm2",
+        messages=QUESTION,
+        temperature=0,
+        max_tokens=16,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "Paris" in text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens >= 1
+
+
+def test_async_sdk_streaming_and_not_say_paris(server):
+    async def ask() -> tuple[str, str]:
+        client = openai.AsyncOpenAI(base_url=server.http_url + "/v1", api_key="x")
+        whole = await client.chat.completions.create(
+            model="smollm2", messages=QUESTION, temperature=0, max_tokens=16
+        )
+        stream = await client.completions.create(
+            model="smollm2", prompt=PROMPT, temperature=0, max_tokens=4, stream=True
+        )
+        parts = [chunk.choices[0].text async for chunk in stream]
+        await client.close()
+        return whole.choices[0].message.content, "".join(parts)
+
+    chat_text, streamed = asyncio.run(ask())
+    assert "Paris" in chat_text and "Paris" in streamed
+
+
+def test_n_and_seed_give_distinct_choices_that_repeat(sdk):
+    def ask(seed: int) -> list[str]:
+        reply = sdk.completions.create(
+            model="smollm2", prompt=PROMPT, n=2, seed=seed, temperature=1.0, max_tokens=12
+        )
+        assert [c.index for c in reply.choices] == [0, 1]
+        return [c.text for c in reply.choices]
+
+    first = ask(7)
+    assert first == ask(7)  # a seed makes the whole reply reproducible
+    assert first[0] != first[1]  # while the choices are distinct samples
+    assert ask(8) != first
+
+
+def test_chat_logprobs_are_the_models(sdk):
+    reply = sdk.chat.completions.create(
+        model="smollm2",
+        messages=QUESTION,
+        temperature=0,
+        max_tokens=6,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens
+    assert "".join(t.token for t in content) == reply.choices[0].message.content
+    for token in content:
+        tops = [t.logprob for t in token.top_logprobs]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True) and tops[0] <= 0.0
+        assert token.top_logprobs[0].token == token.token  # greedy picks the most likely
+        assert token.logprob == pytest.approx(tops[0])
+
+
+def test_completion_logprobs_and_stop(sdk):
+    plain = sdk.completions.create(
+        model="smollm2", prompt=PROMPT, temperature=0, max_tokens=8, logprobs=2
+    )
+    lp = plain.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 8
+    assert all(len(top) <= 2 for top in lp.top_logprobs) and lp.text_offset[0] == 0
+    text = plain.choices[0].text
+    word = text.split()[1]
+    cut = sdk.completions.create(
+        model="smollm2", prompt=PROMPT, temperature=0, max_tokens=8, stop=[word]
+    )
+    assert cut.choices[0].text == text[: text.index(word)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_curl_gets_sse_chunks_ending_in_done(server):
+    body = {"model": "smollm2", "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    body["stream"] = True
+    out = subprocess.run(
+        [
+            "curl",
+            "-sN",
+            server.http_url + "/v1/completions",
+            "-H",
+            "Content-Type: application/json",
+            "-d",
+            json.dumps(body),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    events = [e for e in out.stdout.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[6:]) for e in events[:-1]]
+    assert "Paris" in "".join(c["choices"][0]["text"] for c in chunks)
+
+
+def test_bad_requests_get_openai_error_objects(server, sdk):
+    with pytest.raises(openai.BadRequestError) as bad:
+        sdk.completions.create(model="smollm2", prompt=PROMPT, temperature=-1)
+    assert "temperature" in bad.value.body["message"]
+    with pytest.raises(openai.BadRequestError):  # a stream is refused before its first byte
+        sdk.completions.create(model="smollm2", prompt=PROMPT, temperature=-1, stream=True)
+    with pytest.raises(openai.NotFoundError):
+        sdk.completions.create(model="gpt-4", prompt=PROMPT)
+    r = httpx.post(server.http_url + "/v1/chat/completions", content=b"{not json")
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(server.http_url + "/v1/completions", json={"prompt": "x", "foo": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "foo"
+    assert sdk.models.list().data[0].id == "smollm2"
+    assert httpx.get(server.http_url + "/health").status_code == 200
+
+
+def test_metrics_parse_and_move_as_requests_run(server, sdk):
+    before = _metrics(server.http_url)
+    body = {"model": "smollm2", "prompt": PROMPT, "max_tokens": 300, "ignore_eos": True}
+    with httpx.stream(
+        "POST", server.http_url + "/v1/completions", json={**body, "stream": True}, timeout=60
+    ) as r:
+        lines = r.iter_lines()  # kept: a dropped iterator closes the connection
+        assert next(lines).startswith("data: ")
+        during = _metrics(server.http_url)
+        # leaving the block closes the connection mid-stream: the request is aborted
+    after = _wait_for(server, lambda m: m[("memstep:request_success_total", "abort")] >= 1)
+    sdk.completions.create(
+        model="smollm2", prompt=PROMPT, max_tokens=5, extra_body={"ignore_eos": True}
+    )
+    after = _metrics(server.http_url)
+    assert during[("memstep:num_requests_running", "")] == 1
+    assert during[("memstep:kv_cache_usage_perc", "")] > 0
+    assert after[("memstep:num_requests_running", "")] == 0
+    grew = [
+        "memstep:generation_tokens_total",
+        "memstep:prompt_tokens_total",
+        "memstep:e2e_request_latency_seconds_count",
+        "memstep:time_to_first_token_seconds_count",
+        "memstep:inter_token_latency_seconds_count",
+        "memstep:request_queue_time_seconds_count",
+    ]
+    for name in grew:
+        assert after[(name, "")] > before.get((name, ""), 0), name
+    assert after[("memstep:request_success_total", "length")] >= 1
+    assert sum(v for (n, _), v in after.items() if n == "memstep:steps_total") > 0
+    for name in ("memstep:memory_live_bytes", "memstep:memory_reserved_bytes"):
+        assert after[(name, "")] > 0
+    assert after[("memstep:host_rss_bytes", "core")] > 0
+    assert after[("memstep:host_rss_bytes", "executor")] > after[("memstep:host_rss_bytes", "core")]
+    assert ("memstep:leak_reports_total", "") in after
+    assert ("memstep:num_preemptions_total", "") in after
+
+
+def _metrics(url: str) -> dict[tuple[str, str], float]:
+    text = httpx.get(url + "/metrics").text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            label = next(iter(s.labels.values()), "") if len(s.labels) == 1 else ""
+            if "le" not in s.labels:
+                out[(s.name, label)] = s.value
+    return out
+
+
+def _wait_for(server, cond, timeout: float = 30.0) -> dict[tuple[str, str], float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = _metrics(server.http_url)
+        if cond(m) or time.monotonic() > deadline:
+            return m
+        time.sleep(0.2)
+
+
+# --- a tiny random model: the API key, and an executor killed under load -------------------
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    # no executor restarts: a killed executor is final, and the server stays up a minute to say so
+    args = ["--model", "random:tiny", "--num-threads", "1", "--api-key", "sesame"]
+    args += ["--max-executor-restarts", "0", "--dead-exit-s", "60"]
+    with ServerProcess(args, http=True) as proc:
+        proc.wait_ready()
+        yield proc
+
+
+def test_api_key_is_required_on_v1(tiny):
+    url = tiny.http_url
+    body = {"model": "random:tiny", "prompt": "abc", "max_tokens": 2}
+    r = httpx.post(url + "/v1/completions", json=body)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    wrong = {"Authorization": "Bearer open"}
+    assert httpx.post(url + "/v1/completions", json=body, headers=wrong).status_code == 401
+    right = {"Authorization": "Bearer sesame"}
+    assert httpx.post(url + "/v1/completions", json=body, headers=right).status_code == 200
+
+
+def test_a_killed_executor_turns_health_503_and_requests_into_openai_errors(tiny):
+    sdk = openai.OpenAI(base_url=tiny.http_url + "/v1", api_key="sesame", max_retries=0)
+    assert httpx.get(tiny.http_url + "/health").status_code == 200
+    with Client(tiny.address, timeout=20) as zmq_client:
+        os.kill(tiny.info["executor_pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while zmq_client.health().status == "ok" and time.monotonic() < deadline:
+            time.sleep(0.2)
+    health = httpx.get(tiny.http_url + "/health")
+    assert health.status_code == 503 and health.json()["status"] != "ok"
+    with pytest.raises(openai.APIStatusError) as err:
+        sdk.completions.create(model="random:tiny", prompt="abc", max_tokens=2)
+    assert err.value.status_code == 503
+    assert err.value.body["code"] == "executor_dead"

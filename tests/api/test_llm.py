@@ -1,0 +1,65 @@
+"""`from memstep import LLM, SamplingParams` with the real model: vLLM-shaped outputs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from memstep import LLM, SamplingParams
+from memstep.core.sampling_params import InvalidRequest
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(model="smollm2", dtype="float32")
+
+
+def test_chat_says_paris_in_vllm_shape(llm):
+    [out] = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(max_tokens=16),
+        use_tqdm=False,
+    )
+    choice = out.outputs[0]
+    assert "Paris" in choice.text and choice.finish_reason in ("stop", "length")
+    assert choice.token_ids and llm.engine.tokenizer.decode(choice.token_ids).startswith(
+        choice.text.strip()[:3]
+    )
+    assert out.prompt_token_ids and out.finished
+
+
+def test_generate_n_choices_distinct_and_seeded(llm):
+    params = SamplingParams(max_tokens=10, temperature=1.0, n=2, seed=11)
+    prompts = ["The capital of France is", [504, 3575, 282]]
+    first = llm.generate(prompts, params, use_tqdm=False)
+    again = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(o.outputs) for o in first] == [2, 2]
+    assert [c.index for c in first[0].outputs] == [0, 1]
+    assert first[0].outputs[0].text != first[0].outputs[1].text
+    assert [[c.token_ids for c in o.outputs] for o in first] == [
+        [c.token_ids for c in o.outputs] for o in again
+    ]
+    assert first[0].prompt == "The capital of France is" and first[1].prompt is None
+    assert first[1].prompt_token_ids == [504, 3575, 282]
+
+
+def test_a_progress_bar_counts_the_requests(llm, capsys):
+    llm.generate(["a", "b", "c"], SamplingParams(max_tokens=2, n=2))
+    err = capsys.readouterr().err
+    assert "6/6" in err and "req" in err
+
+
+def test_bad_params_are_refused_and_the_engine_keeps_serving(llm):
+    with pytest.raises(InvalidRequest, match="n must be"):
+        SamplingParams(n=0)
+    with pytest.raises(InvalidRequest, match="temperature"):
+        SamplingParams(temperature=-1.0)
+    assert llm.generate("Hi", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].text
+
+
+def test_importing_memstep_does_not_import_torch():
+    code = "import memstep, memstep.api.http_server, sys; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
