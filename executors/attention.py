@@ -1,8 +1,9 @@
 """Paged attention over a flattened token batch, in plain torch (Triton decode on CUDA).
 
 The KV cache's layout and storage are `kv_cache`'s; attention reads it in the model's dtype.
-Sequences are attended in groups: all short queries (decode, speculative verify) in one padded
-batch, each long prefill chunk on its own, so padding never multiplies prefill work.
+Sequences are attended in groups: short queries (decode, speculative verify) in one padded
+batch (on CUDA decodes apart, for the paged decode kernel), each long prefill chunk on its own,
+so padding never multiplies prefill work.
 """
 
 from __future__ import annotations

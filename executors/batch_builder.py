@@ -24,15 +24,25 @@ def slots_for(table: list[int], start: int, n: int, block_size: int) -> list[int
 
 
 def build_batch(
-    feeds: list[tuple[SeqPlan, list[int]]], block_size: int, device: torch.device
+    feeds: list[tuple[SeqPlan, list[int]]],
+    block_size: int,
+    device: torch.device,
+    split_decodes: bool | None = None,
 ) -> tuple[ForwardBatch, list[int]]:
     """`feeds` pairs each sequence with the tokens it feeds (its plan's, plus any drafts).
+    `split_decodes` (default: on CUDA) keeps one-token queries in a group of their own, for
+    the paged decode kernel, apart from other short queries: one 3-token prompt tail beside
+    500 decodes would otherwise make a padded group that gathers all 500 sequences' KV
+    (~1 GiB a layer, 8B model) in plain torch.
 
     Returns the batch and, per sequence, the row of its last fed token."""
+    if split_decodes is None:
+        split_decodes = device.type == "cuda"
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
     short: list[tuple[int, int, int, list[int]]] = []
+    decodes: list[tuple[int, int, int, list[int]]] = []
     equal: dict[tuple[int, int], list[tuple[int, int, int, list[int]]]] = {}
     groups: list[AttnGroup] = []
     last_rows: list[int] = []
@@ -43,7 +53,9 @@ def build_batch(
         slots.extend(slots_for(seq.block_table, seq.start_pos, n, block_size))
         last_rows.append(start_row + n - 1)
         item = (start_row, n, seq.start_pos + n, seq.block_table)
-        if n <= SHORT_QUERY:
+        if n == 1 and split_decodes:
+            decodes.append(item)
+        elif n <= SHORT_QUERY:
             short.append(item)
         elif device.type == "cuda":
             equal.setdefault((n, seq.start_pos + n), []).append(item)
@@ -57,9 +69,10 @@ def build_batch(
         for i in range(0, len(items), per_group):
             cols = (list(col) for col in zip(*items[i : i + per_group], strict=True))
             groups.append(build_group(*cols, block_size, device))
-    if short:
-        starts, q_lens, ctx, tables = (list(col) for col in zip(*short, strict=True))
-        groups.insert(0, build_group(starts, q_lens, ctx, tables, block_size, device))
+    for items in (short, decodes):  # decodes first, then other short queries, then prefills
+        if items:
+            starts, q_lens, ctx, tables = (list(col) for col in zip(*items, strict=True))
+            groups.insert(0, build_group(starts, q_lens, ctx, tables, block_size, device))
     batch = ForwardBatch(
         input_ids=torch.tensor(ids, dtype=torch.long, device=device),
         positions=torch.tensor(positions, dtype=torch.long, device=device),

@@ -81,3 +81,33 @@ def test_decode_rows_in_order_are_attended_in_place_like_gathered_rows():
         with_kernel = attention(q, k_cache, v_cache, batch, 0.3, paged_attention_reference)
 
         assert torch.allclose(with_kernel, attention(q, k_cache, v_cache, batch, 0.3), atol=1e-5)
+
+
+def test_decodes_kept_apart_from_other_short_queries_attend_like_one_padded_group():
+    """CUDA's layout (`split_decodes`): decodes make a decode-kernel group of their own, and a
+    3-token prompt tail and a 4-token verify a padded group, so that the padded group never
+    gathers the decodes' KV. Through a decode kernel (the plain-torch reference) the step
+    equals the single padded group that the CPU runs."""
+    from memstep.executors.kernels import paged_attention_reference
+
+    torch.manual_seed(2)
+    feeds = [
+        (seq("d0", 5, 1, [0, 1]), [1]),
+        (seq("s0", 6, 3, [2, 3, 4]), [1, 2, 3]),
+        (seq("v0", 2, 4, [5, 6]), [1, 2, 3, 4]),
+        (seq("d1", 7, 1, [7, 8]), [1]),
+        (seq("c0", 0, 10, [9, 10, 11]), list(range(10))),
+    ]
+    apart, _ = build_batch(feeds, BLOCK, CPU, split_decodes=True)
+    together, _ = build_batch(feeds, BLOCK, CPU, split_decodes=False)
+    decode, short = apart.groups[0], apart.groups[1]
+    assert decode.is_decode and decode.seq_lens.tolist() == [6, 8]
+    assert not short.is_decode and short.seq_lens.tolist() == [9, 6]
+    assert not together.groups[0].is_decode and len(together.groups[0].seq_lens) == 4
+    cache_shape = (12, BLOCK, KV_HEADS, DIM)
+    k_cache, v_cache = torch.randn(cache_shape), torch.randn(cache_shape)
+    q = torch.randn(apart.num_tokens, HEADS, DIM)
+
+    ours = attention(q, k_cache, v_cache, apart, 0.3, paged_attention_reference)
+
+    assert torch.allclose(ours, attention(q, k_cache, v_cache, together, 0.3), atol=1e-5)
