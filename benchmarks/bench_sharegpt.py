@@ -24,6 +24,14 @@ and the leak reports by kind.  It passes only with 0 new segments, 0 reserved gr
 <= predicted and 0 leak reports.
 
 A CPU check: `--model random:tiny --num-prompts 20 --request-rate 20 --configs default`.
+
+Measured (one H200, random:llama-3.1-8b bf16, SmolLM2's BPE tokenizer, 7,200 prompts at 60 req/s,
+`--configs default`, i.e. 1,024 seqs / 8,192 batched tokens, expandable segments): 0 new
+segments, reserved 125.49 GiB from the first served request to the last (plan 125.82 GiB,
+device 139.8 GiB), 0 leak reports; 23.2 req/s served, 7,004 output tok/s, TTFT mean 44.5 s
+(queueing: the engine serves fewer than arrive), TPOT mean 134 ms; 3,099 steps of ~100 ms, most
+of them mixed steps run eagerly.  Before decodes were kept apart from other short queries
+(executors/batch_builder.py), reserved grew 2.6 GiB past the plan on 1,200 prompts.
 """
 
 from __future__ import annotations
