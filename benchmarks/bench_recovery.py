@@ -79,7 +79,8 @@ def run(model_args: list[str], standby: str, kills: int) -> dict:
                 os.kill(pid, signal.SIGKILL)
                 _wait(client, lambda c, old=pid: c.health().executor_pid not in (0, old), "restart")
             _wait(client, lambda c: c.health().status == "ok", "healthy executor")
-            time.sleep(2.0)
+            if standby == "on":  # the next standby's memory is the price: count it
+                _wait(client, lambda c: "standby" in c.stats().host_rss_bytes, "standby")
             rss = client.stats().host_rss_bytes
         traffic.stopped.set()
         traffic.join(180)

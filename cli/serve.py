@@ -153,6 +153,8 @@ def run(args: argparse.Namespace) -> int:
         server = Server(engine, server_cfg)
         if point is not None:
             server.resume(point)
+            print(f"memstep serve: resumed {len(point.unfinished)} unfinished requests from "
+                  f"{args.resume}", flush=True)  # fmt: skip
         try:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, lambda *_: server.stop())

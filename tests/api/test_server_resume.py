@@ -161,12 +161,15 @@ def test_a_torn_log_tail_is_recomputed_and_a_client_ahead_of_it_waits(tmp_path):
         assert resumed.stop() == 0
         new_log = resumed.dir / "events.memlog"
         replayed = _memstep("replay", str(new_log))
+        shown = _memstep("inspect", str(new_log))
         link = load(new_log).header["resumed_from"]
     _assert_whole(held, expected)
     assert unknown.value.code == never.value.code == "unknown_request"
     assert len(fresh.token_ids) == 5
     assert "torn" in link["damaged"] and link["num_unfinished"] == len(requests)
     assert replayed.returncode == 0, replayed.stdout + replayed.stderr
+    assert f"resumed  from {old_log.resolve()}" in shown.stdout, shown.stdout
+    assert f"{len(requests)} unfinished requests re-admitted" in shown.stdout
 
 
 def test_resume_refuses_a_file_that_is_not_a_log(tmp_path):
