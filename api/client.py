@@ -31,6 +31,7 @@ from memstep.events import codec
 from memstep.events.wire import (
     AbortReply,
     AbortRequest,
+    AttachRequest,
     ErrorReply,
     GenerateDelta,
     GenerateDone,
@@ -174,6 +175,19 @@ class Client:
         while not isinstance(msg := self._next(rid), GenerateDone):
             pass
         self._pending.pop(rid, None)
+        return msg
+
+    def attach(
+        self, request_id: str, from_index: int = 0, stream: bool = True
+    ) -> GenerateDone | Stream:
+        """The rest of a request that a server which died was answering, from a server resumed
+        from its log (`serve --resume`): output tokens from `from_index` on."""
+        self._send(AttachRequest(request_id, from_index, stream))
+        if stream:
+            return Stream(self, request_id)
+        while not isinstance(msg := self._next(request_id), GenerateDone):
+            pass
+        self._pending.pop(request_id, None)
         return msg
 
     def abort(self, request_id: str) -> None:
@@ -329,6 +343,18 @@ class AsyncClient:
         while not isinstance(msg := await self._next(rid), GenerateDone):
             pass
         self._queues.pop(rid, None)
+        return msg
+
+    async def attach(
+        self, request_id: str, from_index: int = 0, stream: bool = True
+    ) -> GenerateDone | AsyncStream:
+        """As `Client.attach`."""
+        await self._send(AttachRequest(request_id, from_index, stream))
+        if stream:
+            return AsyncStream(self, request_id)
+        while not isinstance(msg := await self._next(request_id), GenerateDone):
+            pass
+        self._queues.pop(request_id, None)
         return msg
 
     async def abort(self, request_id: str) -> None:

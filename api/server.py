@@ -29,6 +29,7 @@ import structlog
 import zmq
 from zmq.utils import z85
 
+from memstep.api.reattach import Detached, Reattach
 from memstep.api.tally import Tally, host_rss_bytes
 from memstep.core.config import ConfigError
 from memstep.core.engine import Engine, UnknownRequest
@@ -36,12 +37,13 @@ from memstep.core.outputs import RequestOutput
 from memstep.core.recovery import EngineDead
 from memstep.core.sampling_params import InvalidRequest, SamplingParams
 from memstep.events import codec
-from memstep.events.types import StepPlanned
+from memstep.events.types import RequestNamed, StepPlanned
 from memstep.events.version import VERSION
 from memstep.events.wire import (
     PROTOCOL_VERSION,
     AbortReply,
     AbortRequest,
+    AttachRequest,
     ErrorReply,
     GenerateDelta,
     GenerateDone,
@@ -56,6 +58,7 @@ from memstep.events.wire import (
     WireError,
     decode_request,
 )
+from memstep.replay.resume import ResumePoint
 
 log = structlog.get_logger("memstep.server")
 
@@ -84,10 +87,15 @@ class ServerConfig:
     curve_secret_key: bytes | None = None  # z85, 40 characters
     curve_client_keys: frozenset[bytes] = frozenset()  # z85 public keys allowed to connect
     dead_exit_s: float = 2.0  # once the engine gave up: answer health (dead) this long, then stop
+    # while a new executor starts, new requests queue up to this many waiting, then get
+    # `recovering` errors: the queue drains only once the executor is back
+    max_waiting_while_recovering: int = 256
 
     def __attrs_post_init__(self) -> None:
         if self.max_frame_bytes < 1024:
             raise ConfigError("max_frame_bytes must be >= 1024")
+        if self.max_waiting_while_recovering < 0:
+            raise ConfigError("max_waiting_while_recovering must be >= 0")
         if (self.curve_secret_key is None) != (not self.curve_client_keys):
             raise ConfigError("CURVE needs both a server secret key and allowed client keys")
         if not (is_loopback(self.host) or self.uses_curve):
@@ -171,6 +179,7 @@ class Server:
         self.executor_death: str | None = None  # why the engine gave up on executors
         self.dead_since: float | None = None
         self.tally = Tally()
+        self.detached = Reattach()  # requests carried over from a dead server's log
         engine.sinks.extend([self.tally, self._note_scheduled])
         self.started = time.monotonic()
         self.last_keepalive = 0.0
@@ -230,6 +239,10 @@ class Server:
         if self.dead_since is not None and dead_for > self.cfg.dead_exit_s:
             self.stopping = True
         self._log_stats()
+
+    def resume(self, point: ResumePoint) -> None:
+        """Carry over the requests of a dead server's log (`serve --resume`), for AttachRequest."""
+        self.detached.adopt(self.engine, point)
 
     def close(self) -> None:
         self.sock.close(0)
@@ -360,6 +373,8 @@ class Server:
             self._send(envelope, self._health(msg))
         elif isinstance(msg, StatsRequest):
             self._send(envelope, self._stats(msg))
+        elif isinstance(msg, AttachRequest):
+            self._attach(envelope, msg)
         else:
             raise NotImplementedError(f"no handler for {type(msg).__name__}")
 
@@ -369,14 +384,52 @@ class Server:
         key = (envelope[0], msg.request_id)
         if key in self.by_client:
             raise RequestRefused("duplicate_request", f"request {msg.request_id!r} is in flight")
+        self._check_queue()
         prompt = self._prompt(msg)
         params = _sampling_params(msg.params)
         engine_id = self.engine.add_request(prompt, params, arrival_time=time.time())
+        self.engine.emit(RequestNamed(self.engine.step_no, engine_id, msg.request_id))
         num_prompt = self.engine.requests[engine_id].num_prompt_tokens
         inf = Inflight(envelope, msg.request_id, msg.stream, time.monotonic(), num_prompt)
         self.inflight[engine_id] = inf
         self.by_client[key] = engine_id
         self.last_sent.setdefault(inf.peer, inf.arrival)
+
+    def _check_queue(self) -> None:
+        limit = self.cfg.max_waiting_while_recovering
+        num_waiting = len(self.engine.scheduler.waiting)
+        if self.engine.is_recovering and num_waiting >= limit:
+            raise RequestRefused(
+                "recovering",
+                f"a new executor is starting and {num_waiting} requests wait for it "
+                f"(limit {limit}); retry in a few seconds",
+            )
+
+    def _attach(self, envelope: list[bytes], msg: AttachRequest) -> None:
+        """Hand a carried request (`serve --resume`) to the client that sent it before."""
+        if (envelope[0], msg.request_id) in self.by_client:
+            raise RequestRefused("duplicate_request", f"request {msg.request_id!r} is in flight")
+        held = self.detached.take(msg)
+        held.waiting = (envelope, msg)
+        if held.can_hand_over:
+            self._hand_over(held)
+
+    def _hand_over(self, held: Detached) -> None:
+        assert held.waiting is not None
+        (envelope, msg), held.waiting = held.waiting, None
+        self.detached.release(held)
+        now = time.monotonic()
+        inf = Inflight(envelope, msg.request_id, msg.stream, now, held.prompt_tokens)
+        inf.token_ids, inf.texts = list(held.token_ids), [held.text]
+        ids, text = held.tail(msg.from_index, self.engine.tokenizer.decode)
+        if msg.stream and (ids or text):
+            self._send(envelope, GenerateDelta(msg.request_id, ids, text))
+        if held.finish_reason is not None:
+            self._send(envelope, inf.done(held.finish_reason, now))
+            return
+        self.inflight[held.engine_id] = inf
+        self.by_client[(envelope[0], msg.request_id)] = held.engine_id
+        self.last_sent.setdefault(inf.peer, now)
 
     def _prompt(self, msg: GenerateRequest) -> str | list[int]:
         """Text or token ids; chat messages become ids here, so their text stays plain text."""
@@ -446,7 +499,9 @@ class Server:
 
     def _pids(self) -> dict[str, int]:
         executor = getattr(self.engine.executor, "pid", 0)
-        return {"core": os.getpid(), **({"executor": executor} if executor else {})}
+        standby = getattr(self.engine.executor_factory, "standby_pid", 0)  # a loaded spare
+        pids = {"core": os.getpid(), "executor": executor, "standby": standby}
+        return {name: pid for name, pid in pids.items() if pid}
 
     def _answer_zap(self) -> None:
         """ZAP (RFC 27): admit a CURVE client only if its public key is on the allowed list."""
@@ -466,6 +521,9 @@ class Server:
     def _deliver(self, out: RequestOutput, now: float) -> None:
         inf = self.inflight.get(out.request_id)
         if inf is None:
+            held = self.detached.deliver(out)
+            if held is not None:
+                self._hand_over(held)
             return
         inf.token_ids.extend(out.new_token_ids)
         inf.texts.append(out.new_text)

@@ -44,6 +44,14 @@ def to_json(recording: Recording, summary: LogSummary) -> dict[str, Any]:
     return {"log": log, **summary.to_dict()}
 
 
+def _resumed_from(link: dict) -> str:
+    """The header entry of a log written by `serve --resume`: the dead server's log."""
+    return (
+        f"resumed  from {link.get('path')} (up to step {link.get('last_step')}, "
+        f"{link.get('num_unfinished')} unfinished requests re-admitted)"
+    )
+
+
 def to_text(recording: Recording, s: LogSummary) -> str:
     h = recording.header
     problem = recording.describe_problem()
@@ -55,6 +63,7 @@ def to_text(recording: Recording, s: LogSummary) -> str:
                 f"created {h.get('created')})",
                 f"model    {recording.model_identity}",
                 f"config   {recording.highlights()}",
+                *([_resumed_from(h["resumed_from"])] if "resumed_from" in h else []),
                 *([f"! {problem}"] if problem else []),
             ]
         ),

@@ -32,12 +32,16 @@ from zmq.utils import z85
 from memstep.api.http_front import HttpConfig, HttpFront, bind, curve_client_keys
 from memstep.api.server import Server, ServerConfig
 from memstep.cli.main import add_engine_arguments, config_from_args
-from memstep.core.config import ConfigError
+from memstep.core.config import ConfigError, EngineConfig
+from memstep.core.device_limits import cuda_device_bytes
 from memstep.core.engine import Engine
 from memstep.core.logging import setup_logging
 from memstep.core.recovery import ExecutorDown
 from memstep.executors.remote import ProcessExecutor
+from memstep.executors.standby import StandbyExecutors
 from memstep.replay.recorder import add_record_arguments, open_recorder
+from memstep.replay.recording import load
+from memstep.replay.resume import resume_point
 
 log = structlog.get_logger("memstep.serve")
 EXIT_ENGINE_DEAD = 3  # the executor was lost more often than the restart budget allows
@@ -78,6 +82,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--ready-file", type=Path, help="write {endpoint, pids} here when serving")
     g.add_argument(
+        "--standby-executor",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="keep a second executor loaded for a recovery to adopt (seconds instead of a fresh "
+        "start; a second copy of the weights); auto: on the CPU only (default: %(default)s)",
+    )
+    g.add_argument(
+        "--max-waiting-while-recovering",
+        type=int,
+        default=d.max_waiting_while_recovering,
+        help="while a new executor starts, refuse new requests (error 'recovering') once this "
+        "many wait (default: %(default)s)",
+    )
+    g.add_argument(
+        "--resume",
+        type=Path,
+        metavar="LOG",
+        help="start from the event log of a server that died: its engine config, its unfinished "
+        "requests re-admitted, its clients' AttachRequests answered (docs/protocol.md)",
+    )
+    g.add_argument(
         "--stats-interval",
         type=float,
         default=d.stats_interval_s,
@@ -115,12 +140,21 @@ def run(args: argparse.Namespace) -> int:
     if front_keys is not None:
         keys = server_cfg.curve_client_keys | {front_keys[0]}
         server_cfg = attrs.evolve(server_cfg, curve_client_keys=keys)
-    recorder = open_recorder(args)
+    point = resume_point(load(args.resume)) if args.resume else None
+    cfg = config_from_args(args)
+    cfg = point.config(cfg) if point is not None else cfg
+    link = {"resumed_from": point.link()} if point is not None else None
+    recorder = open_recorder(args, header=link)
     sinks = [recorder] if recorder is not None else []
-    engine = Engine(config_from_args(args), executor_factory=_executor_factory(args), sinks=sinks)
+    factory = _executor_factory(args, cfg)
+    engine = Engine(cfg, executor_factory=factory, sinks=sinks)
     front = None
     try:
         server = Server(engine, server_cfg)
+        if point is not None:
+            server.resume(point)
+            print(f"memstep serve: resumed {len(point.unfinished)} unfinished requests from "
+                  f"{args.resume}", flush=True)  # fmt: skip
         try:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, lambda *_: server.stop())
@@ -134,6 +168,8 @@ def run(args: argparse.Namespace) -> int:
             server.close()
     finally:
         _shutdown(engine)
+        if isinstance(factory, StandbyExecutors):
+            factory.close()
         if recorder is not None:
             recorder.close()
     return 0 if engine.death is None else EXIT_ENGINE_DEAD
@@ -154,6 +190,7 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         curve_client_keys=keys,
         stats_interval_s=args.stats_interval,
         dead_exit_s=args.dead_exit_s,
+        max_waiting_while_recovering=args.max_waiting_while_recovering,
     )
 
 
@@ -179,13 +216,16 @@ def _start_front(
     return front
 
 
-def _executor_factory(args: argparse.Namespace) -> Any:
-    return functools.partial(
+def _executor_factory(args: argparse.Namespace, cfg: EngineConfig) -> Any:
+    """Executor processes; with a loaded standby (executors/standby.py) on the CPU or if asked."""
+    factory = functools.partial(
         ProcessExecutor,
         heartbeat_timeout=args.executor_timeout,
         log_level=getattr(args, "log_level", "warning"),  # set by the top-level parser
         log_format=getattr(args, "log_format", "console"),
     )
+    on_cpu = args.standby_executor == "auto" and cuda_device_bytes(cfg.device) is None
+    return StandbyExecutors(factory) if args.standby_executor == "on" or on_cpu else factory
 
 
 def _shutdown(engine: Engine) -> None:

@@ -46,6 +46,7 @@ from memstep.events.types import (
     RequestAborted,
     RequestAdded,
     RequestFinished,
+    RequestResumed,
     StepFinished,
     StepPlanned,
 )
@@ -84,6 +85,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
         self._ids = itertools.count()
+        self._resumed_ids: set[str] = set()  # kept from an earlier engine: never drawn again
         self.executor_factory = executor_factory
         self.restarts = RestartBudget(cfg.max_executor_restarts, cfg.executor_restart_window_s)
         self.recovery: Recovery | None = None
@@ -155,7 +157,7 @@ class Engine:
         params = params or SamplingParams()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate_prompt(ids, params)
-        request_id = request_id or f"req-{next(self._ids)}"
+        request_id = request_id or self._new_id()
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         if params.seed is None:
@@ -165,6 +167,39 @@ class Engine:
         req = Request(request_id, ids, params, self.tokenizer.decode)
         self.requests[request_id] = req
         self.scheduler.add(req)
+        return request_id
+
+    def resume_request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        output_ids: list[int],
+        arrival_time: float,
+    ) -> None:
+        """Queue a request an earlier engine's log left unfinished, with the tokens it produced:
+        recomputed and sampled on from there, as after an executor loss (`serve --resume`)."""
+        self.validate_prompt(prompt_ids, params)
+        if request_id in self.requests:
+            raise InvalidRequest(f"request id {request_id!r} is already in use")
+        if params.seed is None or len(output_ids) >= params.max_tokens:
+            raise InvalidRequest(f"request {request_id!r} has no seed or is already complete")
+        out = list(output_ids)
+        ids = list(prompt_ids)
+        self.emit(
+            RequestResumed(self.step_no, request_id, ids, params.to_dict(), out, arrival_time)
+        )
+        req = Request(request_id, ids, params, self.tokenizer.decode)
+        req.output_token_ids = out
+        req.detok.extend(out)
+        self.requests[request_id] = req
+        self._resumed_ids.add(request_id)
+        self.scheduler.add(req)
+
+    def _new_id(self) -> str:
+        """The next `req-N` that no request of this engine, resumed ones included, has had."""
+        while (request_id := f"req-{next(self._ids)}") in self._resumed_ids:
+            pass
         return request_id
 
     def validate_prompt(self, ids: list[int], params: SamplingParams) -> None:

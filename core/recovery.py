@@ -91,3 +91,8 @@ def executor_config(cfg: EngineConfig, from_step: int, restarted: bool) -> Engin
     kills = tuple(s for s in cfg.debug_kill_executor_at if s >= from_step)
     loop = cfg.debug_kill_restarted_executor and restarted
     return cfg.replace(debug_kill_executor_at=kills, debug_kill_restarted_executor=loop)
+
+
+def without_faults(cfg: EngineConfig) -> EngineConfig:
+    """`cfg` with no planted executor deaths: what a standby executor must have been loaded with."""
+    return cfg.replace(debug_kill_executor_at=(), debug_kill_restarted_executor=False)

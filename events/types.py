@@ -2,9 +2,9 @@
 
 One frozen attrs class per record, registered by name with `record`, so that the codec in
 `events/codec.py` can encode and decode any of them without pickling.  Inputs are the records a
-replay feeds back in (EngineStarted, RequestAdded, RequestAborted, ExecutorLost); everything else
-is derived and is compared field by field on replay, except the fields a record names in
-`WALL_CLOCK` (durations that no replay can reproduce).
+replay feeds back in (EngineStarted, RequestAdded, RequestAborted, ExecutorLost, RequestResumed,
+RequestNamed); everything else is derived and is compared field by field on replay, except the
+fields a record names in `WALL_CLOCK` (durations that no replay can reproduce).
 """
 
 from __future__ import annotations
@@ -86,6 +86,33 @@ class ExecutorLost:
     reason: str  # e.g. "executor process 123 died (killed by SIGKILL)"
     during: str  # "idle" (between steps), "step" (running `step`), "start" or a phase name
     gave_up: bool  # past the restart limit: every request failed, the engine is dead
+    INPUT: ClassVar[bool] = True
+
+
+@record
+class RequestResumed:
+    """A request that an earlier server's log left unfinished, re-admitted by `serve --resume`
+    with the tokens it had produced: recomputed and sampled on from there, as after an executor
+    loss, so it goes on as it would have without the crash (its seed is in `params`)."""
+
+    step: int
+    request_id: str
+    prompt_token_ids: list[int]
+    params: dict  # SamplingParams.to_dict(), with the seed the earlier engine recorded
+    output_token_ids: list[int]  # produced before the crash
+    arrival_time: float
+    INPUT: ClassVar[bool] = True
+
+
+@record
+class RequestNamed:
+    """The id a client gave a request (the engine's id is its own), recorded by the server so
+    that after a crash `serve --resume` can hand the request back to that client.  An input that
+    changes nothing in the engine: replay passes over it."""
+
+    step: int
+    request_id: str
+    client_id: str
     INPUT: ClassVar[bool] = True
 
 

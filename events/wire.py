@@ -53,8 +53,19 @@ class StatsRequest:
     request_id: str
 
 
+@record
+class AttachRequest:
+    """Receive the rest of a generate request that an earlier server was answering when it died,
+    from a server resumed from its log (`serve --resume`); replies as to a GenerateRequest."""
+
+    request_id: str  # the id the client gave that generate request
+    from_index: int = 0  # the first output token to send: how many the client already has
+    stream: bool = True
+
+
 API_REQUESTS: dict[str, type] = {
-    cls.__name__: cls for cls in (GenerateRequest, AbortRequest, HealthRequest, StatsRequest)
+    cls.__name__: cls
+    for cls in (GenerateRequest, AbortRequest, HealthRequest, StatsRequest, AttachRequest)
 }
 
 # --- server -> client ----------------------------------------------------------------------

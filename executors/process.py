@@ -125,6 +125,7 @@ class ExecutorProcess:
     def __init__(self, sock: zmq.Socket):
         self.sock = sock
         self.worker: Any = None
+        self.faults: Any = None  # the config whose test-only planted deaths apply
 
     def serve(self) -> None:
         self.sock.send(codec.encode(ExecutorHello(os.getpid(), VERSION, PROTOCOL_VERSION)))
@@ -150,7 +151,7 @@ class ExecutorProcess:
             return self._init(msg)
         if self.worker is None:
             return ExecutorError("bad_message", f"{type(msg).__name__} before ExecutorInit")
-        planted = planted_death(self.worker.cfg, msg)
+        planted = planted_death(self.faults, msg)
         if planted is not None:
             log.error("executor killing itself", reason=planted)
             os.kill(os.getpid(), signal.SIGKILL)
@@ -160,11 +161,22 @@ class ExecutorProcess:
             return self.worker.execute(msg)
         raise NotImplementedError(f"the executor does not handle {type(msg).__name__}")
 
-    def _init(self, msg: ExecutorInit) -> ExecutorReady:
+    def _init(self, msg: ExecutorInit) -> ExecutorReady | ExecutorError:
+        """Load the model; or, for a standby executor loaded already (executors/standby.py),
+        take the planted deaths of its new config: nothing else may differ."""
         from memstep.core.config import EngineConfig
+        from memstep.core.recovery import without_faults
         from memstep.executors.worker import Worker
 
-        self.worker = Worker(EngineConfig.from_dict(msg.config), msg.max_model_len)
+        cfg = EngineConfig.from_dict(msg.config)
+        if self.worker is None:
+            self.worker = Worker(cfg, msg.max_model_len)
+        elif (without_faults(cfg), msg.max_model_len) != (
+            without_faults(self.worker.cfg),
+            self.worker.max_model_len,
+        ):
+            return ExecutorError("bad_message", "loaded already, with another config")
+        self.faults = cfg
         return ExecutorReady(os.getpid(), str(self.worker.device))
 
     def _reply(self, rec: object) -> None:

@@ -128,6 +128,11 @@ class ProcessExecutor:
         self._ready = True  # importing torch can hold the GIL, and so the heartbeats, for seconds
         log.info("executor ready", pid=ready.pid, device=ready.device, endpoint=self.endpoint)
 
+    def adopt(self, cfg: EngineConfig, max_model_len: int) -> None:
+        """Take a loaded standby executor into service with `cfg` (its planted deaths may differ
+        from those it was loaded with; nothing else may)."""
+        self._call(ExecutorInit(cfg.to_dict(), max_model_len), ExecutorReady)
+
     # --- the executor interface ------------------------------------------------------------
 
     def enter_phase(self, phase: str, step: int) -> PhaseReply:

@@ -37,14 +37,16 @@ class Recorder(ClosedOnExit):
     use the recorder as a context manager.
     """
 
-    def __init__(self, path: PathLike, rotate_bytes: int | None = None):
+    def __init__(self, path: PathLike, rotate_bytes: int | None = None, header: dict | None = None):
         self.path = Path(path)
         self.rotate_bytes = rotate_bytes
+        self.extra_header = header or {}  # e.g. `resumed_from`: the log a resumed server read
         self.writer: LogWriter | None = None
 
     def __call__(self, rec: object) -> None:
         if self.writer is None:
-            self.writer = LogWriter(self.path, header_for(rec), self.rotate_bytes)
+            header = {**header_for(rec), **self.extra_header}
+            self.writer = LogWriter(self.path, header, self.rotate_bytes)
         self.writer.append(rec)
         if isinstance(rec, _FLUSH_ON):
             self.writer.flush()
@@ -103,7 +105,9 @@ def add_record_arguments(p: argparse.ArgumentParser, by_default: bool = False) -
 
 
 def open_recorder(
-    args_or_path: argparse.Namespace | PathLike | None, rotate_bytes: int | None = None
+    args_or_path: argparse.Namespace | PathLike | None,
+    rotate_bytes: int | None = None,
+    header: dict | None = None,
 ) -> Recorder | None:
     """A recorder for the parsed `--record` flags (or a path), None when not recording.
 
@@ -117,4 +121,4 @@ def open_recorder(
     path = Path(os.fspath(args_or_path).replace("{time}", time.strftime("%Y%m%d-%H%M%S")))
     if path.exists():
         raise RecordPathTaken(f"{path} exists; a log is never overwritten, choose another path")
-    return Recorder(path, rotate_bytes or None)
+    return Recorder(path, rotate_bytes or None, header)

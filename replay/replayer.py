@@ -34,6 +34,8 @@ from memstep.events.types import (
     ExecutorLost,
     RequestAborted,
     RequestAdded,
+    RequestNamed,
+    RequestResumed,
     is_input,
 )
 from memstep.executors.inprocess import InProcessExecutor
@@ -155,6 +157,12 @@ class _Feeder:
                 engine.add_request(ids, params, rec.request_id, rec.arrival_time)
             elif isinstance(rec, RequestAborted):
                 engine.abort(rec.request_id)
+            elif isinstance(rec, RequestResumed):
+                params = SamplingParams.from_dict(rec.params)
+                ids, out = list(rec.prompt_token_ids), list(rec.output_token_ids)
+                engine.resume_request(rec.request_id, ids, params, out, rec.arrival_time)
+            elif isinstance(rec, RequestNamed):
+                return  # the client's name for a request: nothing for the engine
             else:
                 raise TypeError(f"not an input record: {type(rec).__name__}")
         except (InvalidRequest, UnknownRequest) as exc:

@@ -24,6 +24,7 @@ from memstep.events.types import (
     RecoveryDone,
     RequestAdded,
     RequestFinished,
+    RequestResumed,
     StateEntered,
     StateExited,
     StepFinished,
@@ -141,7 +142,7 @@ def tokens_by_request(records: list[object]) -> dict[str, list[int]]:
 
 
 def _requests(records: list[object]) -> RequestTotals:
-    added = {r.request_id for r in records if isinstance(r, RequestAdded)}
+    added = {r.request_id for r in records if isinstance(r, RequestAdded | RequestResumed)}
     finished = [r for r in records if isinstance(r, RequestFinished)]
     return RequestTotals(
         num_added=len(added),

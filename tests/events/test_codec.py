@@ -26,6 +26,8 @@ from memstep.events.types import (
     RequestAborted,
     RequestAdded,
     RequestFinished,
+    RequestNamed,
+    RequestResumed,
     StateEntered,
     StateExited,
     StepFinished,
@@ -86,6 +88,15 @@ SAMPLES: list[object] = [
         step=12, num_losses=1, num_readmitted=16, num_waiting=20, tokens_to_recompute=512
     ),
     RecoveryDone(step=12, num_readmitted=16, tokens_to_recompute=512, num_starts=1, seconds=2.84),
+    RequestResumed(
+        step=0,
+        request_id="req-0007",
+        prompt_token_ids=[1, 15043, 29892, 920],
+        params={"temperature": 0.8, "max_tokens": 64, "seed": 1234},
+        output_token_ids=[319, 4086, 13],
+        arrival_time=1717171717.25,
+    ),
+    RequestNamed(step=3, request_id="req-0007", client_id="3f2a-story-0"),
 ]
 
 

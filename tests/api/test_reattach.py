@@ -1,0 +1,51 @@
+"""What a reconnecting client may ask of a carried request, and the text its tail continues with
+(a byte-level decoder, so that one character can span tokens)."""
+
+from __future__ import annotations
+
+import pytest
+
+from memstep.api.reattach import Detached, Reattach, released_text
+from memstep.core.engine import UnknownRequest
+from memstep.core.sampling_params import InvalidRequest
+from memstep.events.wire import AttachRequest
+
+WORD = list("hé!".encode())  # [104, 195, 169, 33]: "é" is two tokens
+
+
+def decode(ids: list[int]) -> str:
+    return bytes(ids).decode("utf-8", errors="replace")
+
+
+def _held(finish_reason: str | None) -> Reattach:
+    reattach = Reattach()
+    reattach.held["c1"] = Detached("req-1", 3, list(WORD), "hé!", finish_reason)
+    return reattach
+
+
+def test_a_tail_continues_the_text_the_client_was_shown():
+    held = Detached("req-1", 3, list(WORD), "hé!", "stop")
+    assert released_text(decode, WORD[:2]) == "h", "half a character is held back"
+    assert held.tail(2, decode) == ([169, 33], "é!")
+    assert held.tail(1, decode) == ([195, 169, 33], "é!")
+    assert held.tail(0, decode) == (WORD, "hé!")
+    assert held.tail(4, decode) == ([], "")
+
+
+def test_attach_refuses_what_it_cannot_serve():
+    with pytest.raises(UnknownRequest):
+        _held(None).take(AttachRequest("c2"))
+    with pytest.raises(InvalidRequest, match="from_index -1"):
+        _held(None).take(AttachRequest("c1", from_index=-1))
+    with pytest.raises(InvalidRequest, match="from_index 5"):
+        _held("stop").take(AttachRequest("c1", from_index=5))
+    ahead = _held(None).take(AttachRequest("c1", from_index=5))  # running: it waits
+    assert ahead.engine_id == "req-1"
+    reattach = _held(None)
+    reattach.take(AttachRequest("c1"))
+    with pytest.raises(UnknownRequest):
+        reattach.take(AttachRequest("c1"))  # handed to one client only
+    reattach = _held(None)
+    reattach.ambiguous.add("c1")
+    with pytest.raises(InvalidRequest, match="two unfinished requests"):
+        reattach.take(AttachRequest("c1"))
