@@ -31,6 +31,9 @@ BROKEN_EXIT_CODE = 4
 
 T = TypeVar("T")
 
+# torch 2.13 renamed all_gather_into_tensor (which now warns); older ones have only that name
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 def _broken(what: str, exc: BaseException) -> None:
     log.error("tensor-parallel group broken", during=what, error=str(exc))
@@ -68,6 +71,9 @@ class RankGroup:
             return torch.device(device_type)
         device = torch.device("cuda", self.rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
+        # without it every tensor an all-reduce touches is held for the NCCL stream until its
+        # event is seen, so the caching allocator could not reuse it at once and would grow
+        os.environ.setdefault("TORCH_NCCL_AVOID_RECORD_STREAMS", "1")
         self.compute = dist.new_group(backend="nccl", timeout=NCCL_TIMEOUT)
         return device
 
@@ -83,7 +89,7 @@ class RankGroup:
         n = x.shape[0]
         out = torch.empty((self.size * n, x.shape[1]), dtype=x.dtype, device=x.device)
         # into one tensor: all_gather's list of outputs outlives the call in a reference cycle
-        gather = dist.all_gather_into_tensor
+        gather = _all_gather_single
         _guard("all_gather", lambda: gather(out, x.contiguous(), group=self.compute))
         return out.view(self.size, n, -1).transpose(0, 1).reshape(n, -1)  # [N, size*C]
 
@@ -124,7 +130,7 @@ class RankGroup:
         such a list outlives the call in a reference cycle, which the leak detector would see."""
         sizes = torch.zeros(self.size, dtype=torch.int64)
         size = torch.tensor([len(frame)], dtype=torch.int64)
-        gather = dist.all_gather_into_tensor
+        gather = _all_gather_single
         _guard("all_gather", lambda: gather(sizes, size, group=self.control))
         longest = int(sizes.max().item())
         data = torch.zeros(longest, dtype=torch.uint8)
