@@ -133,15 +133,17 @@ def _exit(why: str) -> None:
     os._exit(3)
 
 
-def parent_watchdog() -> Callable[[HeartbeatThread], None]:
-    """For ranks 1..N-1, which have no heartbeat of their own: end when the parent is gone."""
+def watch_parent(interval: float = 0.2) -> None:
+    """For ranks 1..N-1, which have no heartbeat of their own: end when the parent (the core,
+    or `memstep executor`) is gone, from a thread, since the main one may wait in a collective."""
     parent = os.getppid()
 
-    def watch(_beat: HeartbeatThread) -> None:
-        if os.getppid() != parent:
-            _exit("the parent process is gone")
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval)
+        _exit("the parent process is gone")
 
-    return watch
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 class ExecutorProcess:
@@ -236,11 +238,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-level", default="warning")
     args = p.parse_args(argv)
     setup_logging(args.log_format, args.log_level)
-    ctx = zmq.Context()
     if args.rank > 0:
-        return _follower(ctx, args)
+        return _follower(args)
     if args.endpoint is None or args.heartbeat_endpoint is None:
         p.error("rank 0 needs --endpoint and --heartbeat-endpoint")
+    ctx = zmq.Context()
     ipc = args.endpoint.removeprefix("ipc://")
     watchdog = core_watchdog(args.core_timeout, Path(ipc).parent if ipc != args.endpoint else None)
     beat = HeartbeatThread(
@@ -271,10 +273,9 @@ def _join(args: argparse.Namespace) -> RankGroup:
     return RankGroup(args.rank, args.tensor_parallel_size, args.distributed_init_method)
 
 
-def _follower(ctx: zmq.Context, args: argparse.Namespace) -> int:
+def _follower(args: argparse.Namespace) -> int:
     """Rank R > 0: no socket to the core; rank 0 relays every message."""
-    watch = HeartbeatThread(ctx, "inproc://parent-watch", "rank", 0.2, True, parent_watchdog())
-    watch.start()  # its socket has no peer; it only runs the watchdog
+    watch_parent()
     ExecutorProcess(None, _join(args)).follow()
     return 0
 

@@ -22,6 +22,7 @@ from memstep.events.plan import StepPlan, StepResult
 from memstep.events.types import ExecutorLost, LeakSuspected, RecoveryDone
 from memstep.executors.inprocess import InProcessExecutor, local_engine
 from memstep.executors.local_ranks import loopback_init_method
+from memstep.executors.rank_group import BROKEN_EXIT_CODE
 from memstep.executors.remote import ProcessExecutor
 
 TINY = EngineConfig(model="random:tiny", num_threads=1, seed=5)  # 4 heads, 2 KV heads
@@ -156,5 +157,15 @@ def test_the_core_checks_every_local_rank_without_blocking():
                 executor.check()
                 time.sleep(0.02)
         assert executor.proc.poll() is not None, "rank 0 is killed with it"
+    finally:
+        executor.close()
+
+
+def test_a_rank_leaves_by_itself_when_rank_0_dies():
+    executor = ProcessExecutor(TINY.replace(tensor_parallel_size=2), 64)
+    try:
+        (rank1,) = executor.ranks.procs  # waiting in the broadcast of the core's next message
+        os.kill(executor.pid, signal.SIGKILL)
+        assert rank1.wait(timeout=30) == BROKEN_EXIT_CODE, "the broken group ends it"
     finally:
         executor.close()
