@@ -95,3 +95,10 @@ def test_shards_put_the_whole_model_back_together():
     assert embed.shape[0] == 2 * rows == 510
     assert torch.equal(embed[:509], whole["embed"]) and not embed[509:].any()
     assert torch.equal(shards[1]["norm"], whole["norm"])
+
+
+def test_the_70b_preset_has_llama_3_1_70b_s_size_and_splits_over_8():
+    model = PRESETS["llama-3.1-70b"]
+    assert 70.5e9 < model.num_params < 70.6e9  # Llama-3.1-70B: 70.55 B parameters
+    local = rank_model_config(model, 8)
+    assert (local.num_heads, local.num_kv_heads, local.intermediate_size) == (8, 1, 3584)
