@@ -34,6 +34,7 @@ COMMANDS = {  # name -> (module, one-line help); a module is imported only when 
     "inspect": ("memstep.cli.inspect", "summarise an event log"),
     "plot": ("memstep.cli.plot", "plot memory over steps from an event log"),
     "export-tokenizer": ("memstep.cli.export_tokenizer", "write a GGUF's tokenizer.json"),
+    "executor": ("memstep.cli.executor", "run tensor-parallel ranks for a core on another machine"),
 }
 USER_ERRORS = (
     ModelError, ConfigError, InvalidRequest, UsageError, LogFormatError, MemoryError,
@@ -104,6 +105,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         help="do not replay the next decode step's graph while the core records this one",
     )
     g.add_argument("--num-threads", type=int, default=None, help="torch threads (None: torch's)")
+    add_tensor_parallel_arguments(g, d)
     g.add_argument(
         "--seed",
         type=int,
@@ -137,6 +139,26 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "--debug-kill-restarted-executor",
         action="store_true",
         help="test-only: every restarted executor SIGKILLs itself in warmup (a crash loop)",
+    )
+
+
+def add_tensor_parallel_arguments(g, d: EngineConfig) -> None:
+    g.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=d.tensor_parallel_size,
+        help="split the model over this many executor ranks (one GPU each; gloo on CPU)",
+    )
+    g.add_argument(
+        "--distributed-init-method",
+        default=d.distributed_init_method,
+        help="tcp://HOST:PORT where the ranks meet (default: a free loopback port)",
+    )
+    g.add_argument(
+        "--num-local-ranks",
+        type=int,
+        default=d.num_local_ranks,
+        help="ranks started here (default: all); the others run `memstep executor --rank R`",
     )
 
 

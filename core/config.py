@@ -64,6 +64,12 @@ class EngineConfig:
     # one for the same sequences; used when the next plan is that step, dropped otherwise
     decode_ahead: bool = True
     num_threads: int | None = None
+    # tensor parallelism: the executor is this many ranks in one torch.distributed group
+    tensor_parallel_size: int = 1
+    # where the ranks meet (tcp://HOST:PORT); None: a free loopback port, every rank local
+    distributed_init_method: str | None = None
+    # ranks the core starts on this machine (0..n-1); the rest run `memstep executor --rank R`
+    num_local_ranks: int | None = None
     debug_plant_leak: str | None = None  # test-only: a deliberate leak from states/planted.py
     # executor crash recovery: past this many restarts within the window the engine gives up
     max_executor_restarts: int = 3
@@ -101,6 +107,7 @@ class EngineConfig:
         _check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks must be >= 1")
         _check(self.seed is None or 0 <= self.seed < 2**63, "seed must be in [0, 2**63)")
         _check(self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1")
+        _check_tensor_parallel(self)
         _check(self.max_executor_restarts >= 0, "max_executor_restarts must be >= 0")
         _check(self.executor_restart_window_s > 0, "executor_restart_window_s must be > 0")
         _check(
@@ -137,6 +144,27 @@ class EngineConfig:
 
     def replace(self, **changes: Any) -> EngineConfig:
         return attrs.evolve(self, **changes)
+
+
+def _check_tensor_parallel(cfg: EngineConfig) -> None:
+    tp, local = cfg.tensor_parallel_size, cfg.num_local_ranks
+    _check(tp >= 1, "tensor_parallel_size must be >= 1")
+    _check(
+        local is None or 1 <= local <= tp, "num_local_ranks must be in [1, tensor_parallel_size]"
+    )
+    method = cfg.distributed_init_method
+    _check(
+        method is None or method.startswith("tcp://") and ":" in method[6:],
+        f"distributed_init_method must look like tcp://HOST:PORT, got {method!r}",
+    )
+    _check(
+        local in (None, tp) or method is not None,
+        "ranks on other machines need --distributed-init-method tcp://HOST:PORT",
+    )
+    _check(
+        tp == 1 or cfg.speculative_method is None,
+        "speculative decoding runs only at tensor_parallel_size 1",
+    )
 
 
 def parse_override(text: str) -> tuple[str, Any]:

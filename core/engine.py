@@ -34,7 +34,7 @@ from memstep.core.request import Request, Status
 from memstep.core.sampling_params import InvalidRequest, SamplingParams
 from memstep.core.scheduler import Scheduler, StepBatch
 from memstep.core.seeding import RequestSeeds, engine_seed
-from memstep.core.shapes import max_model_len
+from memstep.core.shapes import check_tensor_parallel, max_model_len
 from memstep.core.tokenizer import load_tokenizer
 from memstep.events.plan import SeqPlan, StepPlan, StepResult
 from memstep.events.types import (
@@ -78,6 +78,7 @@ class Engine:
         self.source = resolve(cfg.model, cfg.random_weights_seed, cfg.tokenizer)
         self.model_cfg = model_config(self.source)
         self.max_model_len = max_model_len(cfg, self.model_cfg)  # ConfigError beyond the model
+        check_tensor_parallel(self.model_cfg, cfg.tensor_parallel_size)
         mc = self.model_cfg
         self.tokenizer = load_tokenizer(self.source, mc.vocab_size, mc.eos_token_ids)
         self.step_no = 0

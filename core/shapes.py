@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import attrs
+
 from memstep.core.config import ConfigError, EngineConfig
 from memstep.core.model_config import ModelConfig
 
@@ -30,3 +32,36 @@ def max_blocks_per_seq(max_len: int, lookahead: int, block_size: int) -> int:
     """KV pages one sequence may hold: its longest context, the drafts it verifies beyond it,
     and one page of slack for a decode replayed ahead."""
     return cdiv(max_len + lookahead, block_size) + 1
+
+
+def check_tensor_parallel(model: ModelConfig, size: int) -> None:
+    """Tensor parallelism splits query heads, KV heads and the MLP's width evenly over `size`
+    ranks (the vocabulary is padded instead); a model that does not split is a ConfigError."""
+    parts = {
+        "query heads": model.num_heads,
+        "KV heads": model.num_kv_heads,
+        "intermediate size": model.intermediate_size,
+    }
+    for what, n in parts.items():
+        if n % size:
+            raise ConfigError(
+                f"tensor_parallel_size {size} does not divide the model's {n} {what}; "
+                f"choose a size that divides {model.num_heads} and {model.num_kv_heads}"
+            )
+
+
+def vocab_shard_size(model: ModelConfig, size: int) -> int:
+    """Rows of the embedding and the head each rank holds: the vocabulary padded to `size`."""
+    return cdiv(model.vocab_size, size)
+
+
+def rank_model_config(model: ModelConfig, size: int) -> ModelConfig:
+    """One rank's share of `model` under tensor parallelism: its query and KV heads and its
+    slice of the MLP; hidden size and vocabulary stay whole (activations and sampled rows)."""
+    check_tensor_parallel(model, size)
+    return attrs.evolve(
+        model,
+        num_heads=model.num_heads // size,
+        num_kv_heads=model.num_kv_heads // size,
+        intermediate_size=model.intermediate_size // size,
+    )

@@ -50,6 +50,8 @@ class StepResult:
     exited: list[StateExited]  # the exit hook that ran before this step, if the kind changed
     entered: list[StateEntered]  # then the enter hook of this step's kind
     leaks: list[LeakSuspected]
+    # tensor parallelism: every rank's own report, rank 0's first (`memory` is rank 0's); else []
+    rank_memory: list[MemoryReport] = attrs.Factory(list)
 
 
 @record

@@ -15,7 +15,6 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from memstep.core.shapes import cdiv
 from memstep.executors.batch_builder import Feed, slot_of
@@ -148,7 +147,7 @@ class DecodeForward:
                 q, k_cache, v_cache, tables, seq_lens, model.scale, out, self.workspace
             )
 
-        residual = F.embedding(ins.ids[:bs], model.w["embed"])  # [bs, hidden]
+        residual = model.embed(ins.ids[:bs])  # [bs, hidden]
         x = model.fused_layers(residual, ins.positions[:bs], ins.slots[:bs], self.kv, attend)
         return self.hidden[:bs].copy_(x)
 

@@ -125,6 +125,9 @@ class GraphRunner:
         before = torch.cuda.memory_allocated()
         self.pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
+        # NCCL's watchdog thread queries the events of earlier collectives while we capture: a
+        # global capture would count those calls against it and fail
+        mode = "global" if self.decode.model.ranks is None else "thread_local"
         with torch.inference_mode():
             for bs in reversed(self.sizes):
                 self.inputs.fill_padding(bs)
@@ -134,8 +137,10 @@ class GraphRunner:
                         self.decode(bs)  # warm-up: compile, tune, allocate outside the capture
                 torch.cuda.current_stream().wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                    self.decode(bs)
+                with torch.cuda.graph(
+                    graph, pool=self.pool, stream=stream, capture_error_mode=mode
+                ):
+                    self.decode(bs)  # with tensor parallelism, its NCCL all-reduces too
                 self.graphs[bs] = graph
         torch.cuda.synchronize()
         return {

@@ -9,16 +9,19 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from memstep.core.config import EngineConfig
+from memstep.core.config import ConfigError, EngineConfig
 from memstep.core.engine import Engine
 from memstep.core.recovery import ExecutorDown
 from memstep.events.plan import PhaseReply, PhaseRequest, StepPlan, StepResult
 from memstep.executors.faults import planted_death
+from memstep.executors.remote import ProcessExecutor
 from memstep.executors.worker import Worker
 
 
 class InProcessExecutor:
     def __init__(self, cfg: EngineConfig, max_model_len: int):
+        if cfg.tensor_parallel_size > 1:
+            raise ConfigError("tensor-parallel ranks are processes: use the process executor")
         self.cfg = cfg
         self.worker: Worker | None = Worker(cfg, max_model_len)
 
@@ -42,5 +45,7 @@ class InProcessExecutor:
 
 
 def local_engine(cfg: EngineConfig, sinks: Iterable[Callable[[object], None]] = ()) -> Engine:
-    """An engine whose executor runs in this process."""
-    return Engine(cfg, InProcessExecutor, sinks)
+    """An engine whose executor runs in this process; under tensor parallelism its ranks are
+    processes (`ProcessExecutor`) whatever the caller's choice."""
+    factory = InProcessExecutor if cfg.tensor_parallel_size == 1 else ProcessExecutor
+    return Engine(cfg, factory, sinks)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from memstep.core.model_config import ModelConfig
 from memstep.executors.attention import ForwardBatch, attention
 from memstep.executors.kv_cache import write_kv
+from memstep.executors.rank_group import RankGroup
 from memstep.executors.weights import Weights
 
 
@@ -65,10 +66,23 @@ def wide_linear(device: torch.device, dtype: torch.dtype) -> Callable:
 
 
 class LlamaModel:
-    """Owns references to the weights (never copies them) and the rotary table."""
+    """Owns references to the weights (never copies them) and the rotary table.
 
-    def __init__(self, cfg: ModelConfig, weights: Weights, max_positions: int, decode_kernel=None):
+    Under tensor parallelism (`ranks`) `cfg` is this rank's share (`rank_model_config`) and the
+    weights are its shards (`sharding.py`): the attention output and the MLP's down projection
+    are partial sums, all-reduced; the embedding and the head cover a slice of the vocabulary.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: Weights,
+        max_positions: int,
+        decode_kernel=None,
+        ranks: RankGroup | None = None,
+    ):
         self.cfg = cfg
+        self.ranks = ranks
         self.w = weights
         self.num_layers = cfg.num_layers
         self.scale = cfg.head_dim**-0.5
@@ -92,7 +106,7 @@ class LlamaModel:
         if self.w["embed"].device.type == "cuda":
             return self._forward_fused(batch, kv_caches)
         cfg = self.cfg
-        h = F.embedding(batch.input_ids, self.w["embed"])
+        h = self.embed(batch.input_ids)
         cos = self.rope_cos[batch.positions].unsqueeze(1)
         sin = self.rope_sin[batch.positions].unsqueeze(1)
         nq, nkv, d = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
@@ -108,10 +122,10 @@ class LlamaModel:
             k_cache, v_cache = kv_caches[i]
             write_kv(k_cache, v_cache, k, v.reshape(t, cfg.num_kv_heads, d), batch.slot_mapping)
             o = attention(q, k_cache, v_cache, batch, self.scale, self.decode_kernel)
-            h = h + F.linear(o.reshape(t, nq), self.w[p + "wo"])
+            h = h + self.reduce(F.linear(o.reshape(t, nq), self.w[p + "wo"]))
             x = rms_norm(h, self.w[p + "mlp_norm"], cfg.rms_eps)
             gate, up = self.wide(x, self.w[p + "w_gate_up"]).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, self.w[p + "w_down"])
+            h = h + self.reduce(F.linear(F.silu(gate) * up, self.w[p + "w_down"]))
         return rms_norm(h, self.w["norm"], cfg.rms_eps)
 
     def _forward_fused(
@@ -123,7 +137,7 @@ class LlamaModel:
         def attend(q, k_cache, v_cache):
             return attention(q, k_cache, v_cache, batch, self.scale, self.decode_kernel)
 
-        residual = F.embedding(batch.input_ids, self.w["embed"])
+        residual = self.embed(batch.input_ids)
         return self.fused_layers(residual, batch.positions, batch.slot_mapping, kv_caches, attend)
 
     def fused_layers(
@@ -155,19 +169,45 @@ class LlamaModel:
                 qkv, self.cos, self.sin, positions, slots, k_cache, v_cache, cfg.num_heads
             )
             o = attend(q, k_cache, v_cache)
-            x = fused_add_rmsnorm(
-                F.linear(o.reshape(t, -1), w[p + "wo"]), residual, w[p + "mlp_norm"], cfg.rms_eps
-            )
-            down = F.linear(silu_mul(F.linear(x, w[p + "w_gate_up"])), w[p + "w_down"])
+            attn = self.reduce(F.linear(o.reshape(t, -1), w[p + "wo"]))
+            x = fused_add_rmsnorm(attn, residual, w[p + "mlp_norm"], cfg.rms_eps)
+            down = self.reduce(F.linear(silu_mul(F.linear(x, w[p + "w_gate_up"])), w[p + "w_down"]))
             last = i + 1 == self.num_layers
             next_norm = w["norm"] if last else w[f"layers.{i + 1}.attn_norm"]
             x = fused_add_rmsnorm(down, residual, next_norm, cfg.rms_eps)
         return x
 
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """[T] token ids -> [T, hidden]. Vocabulary-parallel: each rank looks up the ids of its
+        slice (others give zero rows) and the ranks sum: one all-reduce of [T, hidden]."""
+        table = self.w["embed"]
+        if self.ranks is None:
+            return F.embedding(ids, table)
+        local = ids - self.ranks.rank * table.shape[0]
+        mine = (local >= 0) & (local < table.shape[0])
+        h = F.embedding(torch.where(mine, local, 0), table) * mine.unsqueeze(-1).to(table.dtype)
+        return self.ranks.all_reduce(h)
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-parallel matmul's partial sums, summed over the ranks (in place)."""
+        return partial if self.ranks is None else self.ranks.all_reduce(partial)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] in float32. On CUDA in half precision the matmul writes
         float32 itself: no rounding of the logits to the weights' dtype, no second pass to
-        widen them (at 256 rows of Llama-3.1-8B on an H200: 0.40 ms instead of 0.48)."""
+        widen them (at 256 rows of Llama-3.1-8B on an H200: 0.40 ms instead of 0.48).
+
+        Vocabulary-parallel, every rank gets every rank's columns (all-gather) and samples the
+        whole rows itself, the same tokens on each (sampling is keyed by seed and position):
+        top-p, top-k, min-p, penalties and logprobs need whole rows, gathering them on rank 0
+        alone moves the same bytes into rank 0, and the ranks then need no second collective
+        to learn the sampled tokens."""
         if hidden.is_cuda and hidden.dtype != torch.float32:
-            return torch.mm(hidden, self.lm_head.t(), out_dtype=torch.float32)
-        return self.wide(hidden, self.lm_head).float()
+            local = torch.mm(hidden, self.lm_head.t(), out_dtype=torch.float32)
+        else:
+            local = self.wide(hidden, self.lm_head).float()
+        if self.ranks is None:
+            return local
+        whole = self.ranks.all_gather_columns(local)  # [N, padded vocab]
+        vocab = self.cfg.vocab_size
+        return whole if whole.shape[1] == vocab else whole[:, :vocab].contiguous()

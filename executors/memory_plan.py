@@ -37,6 +37,12 @@ class MemoryPlan:
     def to_dict(self) -> dict[str, Any]:
         return attrs.asdict(self)
 
+    def with_blocks(self, num_kv_blocks: int) -> MemoryPlan:
+        """The plan with fewer KV pages (the ranks of a group agree on the smallest count)."""
+        fewer = self.num_kv_blocks - num_kv_blocks
+        predicted = self.predicted_peak_bytes - fewer * self.kv_page_bytes
+        return attrs.evolve(self, num_kv_blocks=num_kv_blocks, predicted_peak_bytes=predicted)
+
 
 def _kv_page_bytes(cfg: EngineConfig, model: ModelConfig, dtype: torch.dtype, layers: int) -> int:
     return 2 * layers * nbytes_of((cfg.block_size, model.num_kv_heads, model.head_dim), dtype)

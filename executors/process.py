@@ -6,6 +6,16 @@ StepResult, ExecutorError).  A PAIR socket of its own, driven by a thread, carri
 both ways; the process exits when the core's heartbeats stop or its parent dies, so an executor
 is never orphaned.  The model and every tensor live here; the worker is imported only
 after the core sent ExecutorInit.
+
+Tensor parallelism (`--tensor-parallel-size N`): this process is one of N ranks in a
+torch.distributed group (`rank_group.py`).  Rank 0 alone speaks to the core, as above; it
+broadcasts each message it receives to the other ranks and gathers their replies into its own
+(`rank_replies.py`).  A broadcast rather than a fan-out from the core: the core keeps one peer,
+one socket and one reply per message whatever N is; the ranks receive the very bytes rank 0
+acts on, in the order it acts on them, over the group they must share anyway (and, on another
+machine, without a second connection to the core); and the broadcast costs one small message
+per step on the control group, ~0.1 ms on a loopback, next to steps of milliseconds.  Ranks
+1..N-1 (`follow`) exit when their parent dies, or when a collective fails because a peer did.
 """
 
 from __future__ import annotations
@@ -21,7 +31,7 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import zmq
@@ -40,6 +50,10 @@ from memstep.events.wire import (
     Heartbeat,
 )
 from memstep.executors.faults import planted_death
+from memstep.executors.rank_replies import merge_replies
+
+if TYPE_CHECKING:  # imports torch: the core imports this module and must not load it
+    from memstep.executors.rank_group import RankGroup
 
 log = structlog.get_logger("memstep.executor.process")
 
@@ -119,15 +133,31 @@ def _exit(why: str) -> None:
     os._exit(3)
 
 
-class ExecutorProcess:
-    """Answers the core's messages on the main socket, one at a time, until ExecutorStop."""
+def watch_parent(interval: float = 0.2) -> None:
+    """For ranks 1..N-1, which have no heartbeat of their own: end when the parent (the core,
+    or `memstep executor`) is gone, from a thread, since the main one may wait in a collective."""
+    parent = os.getppid()
 
-    def __init__(self, sock: zmq.Socket):
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval)
+        _exit("the parent process is gone")
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+class ExecutorProcess:
+    """Answers the core's messages on the main socket, one at a time, until ExecutorStop; as
+    rank 0 of a tensor-parallel group (`ranks`), with every rank doing the same."""
+
+    def __init__(self, sock: zmq.Socket | None, ranks: RankGroup | None = None):
         self.sock = sock
+        self.ranks = ranks
         self.worker: Any = None
         self.faults: Any = None  # the config whose test-only planted deaths apply
 
     def serve(self) -> None:
+        assert self.sock is not None
         self.sock.send(codec.encode(ExecutorHello(os.getpid(), VERSION, PROTOCOL_VERSION)))
         while True:
             frame = self.sock.recv()
@@ -136,15 +166,32 @@ class ExecutorProcess:
             except codec.CodecError as exc:
                 self._reply(ExecutorError("bad_message", str(exc)))
                 continue
+            if self.ranks is not None:
+                self.ranks.broadcast_frame(frame)
             if isinstance(msg, ExecutorStop):
                 log.info("executor stopping", reason=msg.reason)
                 return
-            try:
-                reply = self.handle(msg)
-            except Exception as exc:
-                log.exception("executor failed", message=type(msg).__name__)
-                reply = ExecutorError("exception", _describe(exc))
+            reply = self.answer(msg)
+            if self.ranks is not None:
+                others = self.ranks.gather_frames(codec.encode(reply))[1:]
+                reply = merge_replies([reply, *(codec.decode(f) for f in others)])
             self._reply(reply)
+
+    def follow(self) -> None:
+        """Ranks 1..N-1: answer what rank 0 broadcasts, until ExecutorStop."""
+        assert self.ranks is not None
+        while True:
+            msg = codec.decode(self.ranks.broadcast_frame(None))
+            if isinstance(msg, ExecutorStop):
+                return
+            self.ranks.gather_frames(codec.encode(self.answer(msg)))
+
+    def answer(self, msg: object) -> object:
+        try:
+            return self.handle(msg)
+        except Exception as exc:
+            log.exception("executor failed", message=type(msg).__name__)
+            return ExecutorError("exception", _describe(exc))
 
     def handle(self, msg: object) -> object:
         if isinstance(msg, ExecutorInit):
@@ -170,7 +217,7 @@ class ExecutorProcess:
 
         cfg = EngineConfig.from_dict(msg.config)
         if self.worker is None:
-            self.worker = Worker(cfg, msg.max_model_len)
+            self.worker = Worker(cfg, msg.max_model_len, self.ranks)
         elif (without_faults(cfg), msg.max_model_len) != (
             without_faults(self.worker.cfg),
             self.worker.max_model_len,
@@ -180,6 +227,7 @@ class ExecutorProcess:
         return ExecutorReady(os.getpid(), str(self.worker.device))
 
     def _reply(self, rec: object) -> None:
+        assert self.sock is not None
         self.sock.send(codec.encode(rec))
 
 
@@ -191,14 +239,21 @@ def _describe(exc: BaseException) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m memstep.executors.process")
-    p.add_argument("--endpoint", required=True, help="the core's ROUTER, e.g. ipc:///tmp/x.sock")
-    p.add_argument("--heartbeat-endpoint", required=True, help="the core's heartbeat PAIR")
+    p.add_argument("--endpoint", help="the core's ROUTER, e.g. ipc:///tmp/x.sock (rank 0)")
+    p.add_argument("--heartbeat-endpoint", help="the core's heartbeat PAIR (rank 0)")
     p.add_argument("--heartbeat-interval", type=float, default=0.2)
     p.add_argument("--core-timeout", type=float, default=10.0, help="exit after this silence")
+    p.add_argument("--rank", type=int, default=0, help="this process's tensor-parallel rank")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--distributed-init-method", help="tcp://HOST:PORT where the ranks meet")
     p.add_argument("--log-format", choices=["console", "json"], default="console")
     p.add_argument("--log-level", default="warning")
     args = p.parse_args(argv)
     setup_logging(args.log_format, args.log_level)
+    if args.rank > 0:
+        return _follower(args)
+    if args.endpoint is None or args.heartbeat_endpoint is None:
+        p.error("rank 0 needs --endpoint and --heartbeat-endpoint")
     ctx = zmq.Context()
     ipc = args.endpoint.removeprefix("ipc://")
     watchdog = core_watchdog(args.core_timeout, Path(ipc).parent if ipc != args.endpoint else None)
@@ -211,12 +266,29 @@ def main(argv: list[str] | None = None) -> int:
         watchdog=watchdog,
     )
     beat.start()
+    ranks = _join(args) if args.tensor_parallel_size > 1 else None
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.ROUTING_ID, MAIN_ID)
     sock.setsockopt(zmq.LINGER, 1000)
     sock.connect(args.endpoint)
-    ExecutorProcess(sock).serve()
+    ExecutorProcess(sock, ranks).serve()
     sock.close()
+    return 0
+
+
+def _join(args: argparse.Namespace) -> RankGroup:
+    if args.distributed_init_method is None:
+        raise SystemExit("tensor parallelism needs --distributed-init-method tcp://HOST:PORT")
+    from memstep.executors.rank_group import RankGroup
+
+    log.info("joining", rank=args.rank, size=args.tensor_parallel_size)
+    return RankGroup(args.rank, args.tensor_parallel_size, args.distributed_init_method)
+
+
+def _follower(args: argparse.Namespace) -> int:
+    """Rank R > 0: no socket to the core; rank 0 relays every message."""
+    watch_parent()
+    ExecutorProcess(None, _join(args)).follow()
     return 0
 
 

@@ -13,6 +13,10 @@ killed); until the model has loaded the limit is `start_timeout`, since importin
 the GIL, and so the heartbeat thread, for seconds.  An executor whose core stops beating exits
 by itself.  After death every call raises `ExecutorDied`; the engine then starts a new executor
 (core/recovery.py).
+
+Tensor parallelism: rank 0 is the process above; the core also starts the other ranks of this
+machine (`local_ranks.py`) and watches them with the same `check()`: any rank's death is the
+executor's.
 """
 
 from __future__ import annotations
@@ -20,7 +24,6 @@ from __future__ import annotations
 import collections
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -40,6 +43,12 @@ from memstep.events.wire import (
     ExecutorInit,
     ExecutorReady,
     ExecutorStop,
+)
+from memstep.executors.local_ranks import (
+    LocalRanks,
+    how_it_ended,
+    loopback_init_method,
+    rank_arguments,
 )
 from memstep.executors.process import MAIN_ID, HeartbeatThread
 from memstep.executors.threads import executor_env
@@ -95,12 +104,16 @@ class ProcessExecutor:
         self._beat.start()
         self._ready = False
         self._closed = False
+        init_method = cfg.distributed_init_method or loopback_init_method()
+        ranks_args = rank_arguments(cfg, init_method)
+        log_args = ["--log-level", log_level, "--log-format", log_format]
         self.proc = subprocess.Popen(
-            self._command(heartbeat_timeout * 2, log_level, log_format),
+            self._command(heartbeat_timeout * 2, log_level, log_format) + ranks_args,
             stdin=subprocess.DEVNULL,
             stdout=sys.stderr.fileno(),
             env=executor_env(os.environ),
         )
+        self.ranks = LocalRanks(cfg, init_method, executor_env(os.environ), log_args)
         try:
             self._handshake(cfg, max_model_len)
         except BaseException:
@@ -153,6 +166,7 @@ class ProcessExecutor:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self.ranks.wait(timeout=5)
         self._beat.stop()
         self._sock.close(0)
         self._ctx.term()
@@ -177,10 +191,13 @@ class ProcessExecutor:
             self._die(reason)
 
     def _why_dead(self) -> str | None:
+        others = self.ranks.why_dead()  # first: rank 0 exits when a peer's death broke the group
         code = self.proc.poll()
         if code is not None:
-            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-            return f"executor process {self.proc.pid} died ({how})"
+            first = f"executor process {self.proc.pid} died ({how_it_ended(code)})"
+            return first if others is None else f"{others}; {first}"
+        if others is not None:
+            return others
         limit = self.heartbeat_timeout if self._ready else self.start_timeout
         if self._beat.silent_for() > limit:
             return f"executor process {self.proc.pid} sent no heartbeat for {limit:.1f} s"
@@ -192,6 +209,7 @@ class ProcessExecutor:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        self.ranks.kill()
         raise ExecutorDied(reason)
 
     # --- messages --------------------------------------------------------------------------

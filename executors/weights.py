@@ -14,6 +14,7 @@ import torch
 
 from memstep.core.model_config import ModelConfig
 from memstep.core.model_source import ModelError, ModelSource, read_gguf
+from memstep.executors.sharding import Shard
 
 Weights = dict[str, torch.Tensor]
 
@@ -129,38 +130,50 @@ def _assemble(
     return weights
 
 
-def _random(cfg: ModelConfig, seed: int, dtype: torch.dtype, device: torch.device) -> Weights:
+def _random(
+    cfg: ModelConfig, seed: int, dtype: torch.dtype, device: torch.device, shard: Shard
+) -> Weights:
+    """Seeded normal weights, each made whole (in the same order at any tensor-parallel size,
+    so every rank's piece is a slice of the one model) and cut to `shard` at once."""
     gen = torch.Generator(device=device).manual_seed(seed)
     h, d = cfg.hidden_size, cfg.head_dim
+    weights: Weights = {}
 
-    def normal(*shape: int, std: float = 0.02) -> torch.Tensor:
+    def normal(name: str, *shape: int, std: float = 0.02) -> None:
         t = torch.empty(*shape, dtype=dtype, device=device)
-        return t.normal_(0.0, std, generator=gen)
+        weights[name] = shard(name, t.normal_(0.0, std, generator=gen))
 
-    weights: Weights = {
-        "embed": normal(cfg.vocab_size, h),
-        "norm": torch.ones(h, dtype=dtype, device=device),
-    }
+    def ones(name: str) -> None:
+        weights[name] = torch.ones(h, dtype=dtype, device=device)
+
+    normal("embed", cfg.vocab_size, h)
+    ones("norm")
     if not cfg.tie_embeddings:
-        weights["lm_head"] = normal(cfg.vocab_size, h)
+        normal("lm_head", cfg.vocab_size, h)
     qkv_out = d * (cfg.num_heads + 2 * cfg.num_kv_heads)
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
-        weights[p + "attn_norm"] = torch.ones(h, dtype=dtype, device=device)
-        weights[p + "wqkv"] = normal(qkv_out, h)
-        weights[p + "wo"] = normal(h, cfg.num_heads * d)
-        weights[p + "mlp_norm"] = torch.ones(h, dtype=dtype, device=device)
-        weights[p + "w_gate_up"] = normal(2 * cfg.intermediate_size, h)
-        weights[p + "w_down"] = normal(h, cfg.intermediate_size)
+        ones(p + "attn_norm")
+        normal(p + "wqkv", qkv_out, h)
+        normal(p + "wo", h, cfg.num_heads * d)
+        ones(p + "mlp_norm")
+        normal(p + "w_gate_up", 2 * cfg.intermediate_size, h)
+        normal(p + "w_down", h, cfg.intermediate_size)
     return weights
 
 
 def load_weights(
-    source: ModelSource, cfg: ModelConfig, dtype: torch.dtype, device: torch.device
+    source: ModelSource,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    shard: Shard | None = None,
 ) -> Weights:
-    """Every tensor of the model in `dtype` on `device`; random: weights are made there."""
+    """Every tensor of the model in `dtype` on `device`, or this rank's piece of it (`shard`,
+    tensor parallelism); random: weights are made there."""
+    shard = shard or Shard(cfg)
     if source.kind == "random":
-        return _random(cfg, source.weights_seed, dtype, device)
+        return _random(cfg, source.weights_seed, dtype, device, shard)
     assert source.path is not None
     loaded = _load_gguf(source.path, cfg) if source.kind == "gguf" else _load_hf(source.path, cfg)
-    return {k: v.to(device=device, dtype=dtype).contiguous() for k, v in loaded.items()}
+    return {k: shard(k, v).to(device=device, dtype=dtype).contiguous() for k, v in loaded.items()}

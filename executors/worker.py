@@ -13,6 +13,7 @@ import torch
 from memstep.core.config import EngineConfig
 from memstep.core.model_source import model_config, resolve
 from memstep.core.sampling_params import SamplingParams
+from memstep.core.shapes import rank_model_config
 from memstep.events.plan import PhaseReply, SeqPlan, SeqResult, StepPlan, StepResult
 from memstep.events.types import MemoryReport
 from memstep.executors import kv_cache, memory
@@ -21,8 +22,10 @@ from memstep.executors.batch_builder import build_batch
 from memstep.executors.leak_detector import LeakDetector
 from memstep.executors.llama import LlamaModel
 from memstep.executors.memory_plan import MemoryPlan, plan_memory
+from memstep.executors.rank_group import RankGroup
 from memstep.executors.request_states import RequestStates
 from memstep.executors.sampler import PendingLogprobs, Row, Sampler
+from memstep.executors.sharding import Shard
 from memstep.executors.weights import load_weights
 from memstep.states.arena import Arena
 from memstep.states.catalog import make_kinds
@@ -45,12 +48,20 @@ def pick_dtype(cfg: EngineConfig, device: torch.device) -> torch.dtype:
 
 
 class Worker:
-    def __init__(self, cfg: EngineConfig, max_model_len: int):
-        self.cfg = cfg
+    """One executor rank's worker. Under tensor parallelism (`ranks`) every rank runs the same
+    plans on its shard of the model, in lock-step: the same phases, kinds and collectives, and
+    each measures and watches its own memory."""
+
+    def __init__(self, cfg: EngineConfig, max_model_len: int, ranks: RankGroup | None = None):
+        # every rank must decide alike whether a plan matches a replay ahead: off under TP
+        self.cfg = cfg if ranks is None else cfg.replace(decode_ahead=False)
+        self.ranks = ranks
         self.max_model_len = max_model_len
         self.device = pick_device(cfg)
         # before the first CUDA allocation: serving's changing sizes must not take new segments
         self.alloc_conf = configure_cuda_allocator() if self.device.type == "cuda" else ""
+        if ranks is not None:
+            self.device = ranks.device(self.device.type)  # cuda:<rank's GPU>, its NCCL group
         self.dtype = pick_dtype(cfg, self.device)
         self.kv_dtype = kv_cache.kv_dtype(cfg.kv_cache_dtype, self.dtype)
         if cfg.num_threads:
@@ -59,10 +70,15 @@ class Worker:
         if self.device.type == "cpu":
             self.meter.exclude_existing()  # before the weights: everything after is this worker's
         self.source = resolve(cfg.model, cfg.random_weights_seed, cfg.tokenizer)
-        self.model_cfg = model_config(self.source)
-        self.weights = load_weights(self.source, self.model_cfg, self.dtype, self.device)
+        whole = model_config(self.source)
+        size = 1 if ranks is None else ranks.size
+        self.model_cfg = rank_model_config(whole, size)  # this rank's heads and MLP slice
+        shard = Shard(whole, 0 if ranks is None else ranks.rank, size)
+        self.weights = load_weights(self.source, whole, self.dtype, self.device, shard)
         self.meter.adopt(list(self.weights.values()))
-        self.model = LlamaModel(self.model_cfg, self.weights, max_model_len + 16, self._kernel())
+        self.model = LlamaModel(
+            self.model_cfg, self.weights, max_model_len + 16, self._kernel(), ranks
+        )
         self.lifecycle = Lifecycle()
         self.requests = RequestStates()
         self.detector = LeakDetector()
@@ -105,6 +121,8 @@ class Worker:
         plan = plan_memory(
             cfg, mc, self.max_model_len, self.model, self.dtype, self.kv_dtype, self.device
         )
+        if self.ranks is not None:  # every rank holds the same pages: those that fit on each
+            plan = plan.with_blocks(self.ranks.min_int(plan.num_kv_blocks))
         self.memory_plan = plan
         kinds = make_kinds(KindEnv(cfg, mc, self.dtype, plan.num_kv_blocks))
         self.lifecycle.install(kinds, Arena(plan.arena_bytes, self.device))
@@ -215,6 +233,8 @@ class Worker:
         return results, h
 
     def _measure(self) -> MemoryReport:
+        if self.ranks is not None and self.device.type == "cpu":
+            self.ranks.settle()
         figures = memory.measure(self.device, self.meter)
         used = 0  # pages in use are the core's knowledge; it fills this in
         return MemoryReport(
