@@ -265,14 +265,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         setup_logging(args.log_format, log_level(args.log_level))
         return int(args.run(args) or 0)
-    except USER_ERRORS as exc:
+    except BrokenPipeError:  # piped into a reader that stopped early (`| head`): not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # quiet exit-time flush
+        return 141
+    except USER_ERRORS as exc:  # ConnectionError among them: BrokenPipeError is caught above
         print(f"memstep: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
-    except BrokenPipeError:  # piped into a reader that stopped early (`| head`): not an error
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # quiet exit-time flush
-        return 141
     except OSError as exc:
         if exc.filename is None and not isinstance(exc, PATH_ERRORS):
             raise

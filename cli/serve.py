@@ -318,6 +318,8 @@ class ServerProcess:
         cmd += ["--http-port", "0"] if http else ["--no-http"]
         if "--record" not in args and "--no-record" not in args:
             cmd += ["--record", str(self.dir / "events.memlog")]  # recorded, as by default
+        if "--standby-executor" not in args:  # a second loading executor would skew benchmarks
+            cmd += ["--standby-executor", "off"]
         with self.log_path.open("wb") as log_file:
             self.proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
 
