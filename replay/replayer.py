@@ -34,7 +34,7 @@ from memstep.events.types import (
     ExecutorLost,
     RequestAborted,
     RequestAdded,
-    is_input,
+    is_derived,
 )
 from memstep.executors.inprocess import InProcessExecutor
 from memstep.replay.recording import Recording
@@ -57,7 +57,7 @@ class ReplayRun:
 
     @property
     def derived(self) -> list[object]:
-        return [r for r in self.records if not is_input(r)]
+        return [r for r in self.records if is_derived(r)]
 
 
 def replay(

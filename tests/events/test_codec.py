@@ -26,6 +26,7 @@ from memstep.events.types import (
     RequestAborted,
     RequestAdded,
     RequestFinished,
+    RequestTimed,
     StateEntered,
     StateExited,
     StepFinished,
@@ -86,6 +87,9 @@ SAMPLES: list[object] = [
         step=12, num_losses=1, num_readmitted=16, num_waiting=20, tokens_to_recompute=512
     ),
     RecoveryDone(step=12, num_readmitted=16, tokens_to_recompute=512, num_starts=1, seconds=2.84),
+    RequestTimed(
+        step=31, request_id="req-7", reason="length", ttft_s=0.041, e2e_s=1.93, queue_s=None
+    ),
 ]
 
 
@@ -261,6 +265,9 @@ def test_extra_field_is_named(rec):
 
 def wrong_value(tp: Any) -> object:
     """A value that the annotation `tp` must refuse."""
+    given = [a for a in typing.get_args(tp) if a is not type(None)]
+    if len(given) == 1 and type(None) in typing.get_args(tp):
+        return wrong_value(given[0])  # X | None refuses what X refuses
     if tp is int:
         return True  # a bool is not an int
     if tp in (float, bool, bytes):
