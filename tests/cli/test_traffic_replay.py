@@ -13,6 +13,7 @@ from memstep.api.client import Client
 from memstep.cli import bench_serve, traffic_replay
 from memstep.cli.serve import ServerProcess
 from memstep.cli.traffic_replay import load_recorded
+from memstep.events.log import read_log
 from memstep.events.types import RequestTimed
 from memstep.replay.compare import compare
 from memstep.replay.recording import load
@@ -77,16 +78,21 @@ def test_the_timings_are_no_part_of_the_exact_replay(recorded_log):
 
 
 def test_replay_against_another_config_keeps_pace_and_completions(recorded_log, tmp_path, capsys):
-    out = tmp_path / "replay.json"
+    out, log = tmp_path / "replay.json", tmp_path / "replayed.memlog"
     argv = ["--dataset", str(recorded_log), "--json", str(out), *TINY, "--max-num-seqs", "2"]
-    assert bench_serve.main(argv) == 0
+    assert bench_serve.main([*argv, "--record", str(log)]) == 0
+    # the replaying server's own log: each request arrived within 20 ms of its recorded offset,
+    # and was given the recorded tokens, under a config the recording did not have
+    recorded, again = load_recorded(recorded_log), load_recorded(log)
+    assert [a.offset_s for a in again] == pytest.approx([r.offset_s for r in recorded], abs=0.02)
+    assert [a.token_ids for a in again] == [r.token_ids for r in recorded]
+    assert read_log(log)[0]["config"]["max_num_seqs"] == 2
     data = json.loads(out.read_text())
     assert (data["requests"], data["failed"]) == (len(GAPS), 0)
     assert data["max_lag_ms"] < 20.0  # each request left within 20 ms of its recorded offset
     assert data["identical"] == data["compared"] == len(GAPS)
     latency = data["latency"]
     assert latency["requests"] == len(GAPS)
-    recorded = load_recorded(recorded_log)
     ttfts = sorted(r.timed.ttft_s * 1000 for r in recorded)
     assert latency["ttft_recorded_ms"]["median"] == pytest.approx(ttfts[len(GAPS) // 2])
     for name in ("ttft", "tpot", "e2el"):  # the replay's own, measured afresh
