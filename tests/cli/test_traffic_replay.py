@@ -115,3 +115,6 @@ def test_a_changed_seed_is_caught(recorded_log, tmp_path):
         results, duration = asyncio.run(traffic_replay.replay(server.address, changed, 4.0, 20))
     data = traffic_replay.summary(recorded, results, duration)
     assert data["identical"] == len(GAPS) - 1
+    # --speed 4: the recorded second of arrivals is sent in a quarter of it, each on time
+    assert recorded[-1].offset_s / 4 <= duration < recorded[-1].offset_s
+    assert data["max_lag_ms"] < 20.0
