@@ -113,6 +113,7 @@ def test_health_is_503_while_a_new_executor_starts_then_200_again():
         server.wait_ready()
         url = server.http_url
         assert httpx.get(url + "/health").json()["status"] == "ok"
+        _unknown_paths_and_methods_get_openai_errors(url)
         os.kill(server.info["executor_pid"], signal.SIGKILL)
         seen: list[tuple[int, str]] = []
         deadline = time.monotonic() + 60
@@ -147,3 +148,12 @@ def test_a_client_that_hangs_up_on_a_whole_completion_aborts_it():
             assert stats.finished.get("abort", 0) == 1, stats.finished
             assert stats.finished.get("length", 0) == 0  # it did not run to its end
             assert stats.num_running == 0 and stats.kv_pages_used == 0
+
+
+def _unknown_paths_and_methods_get_openai_errors(url: str) -> None:
+    missing = httpx.post(url + "/v1/embeddings", json={})
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
+    assert "/v1/embeddings" in missing.json()["error"]["message"]
+    wrong = httpx.get(url + "/v1/completions")
+    assert wrong.status_code == 405 and wrong.json()["error"]["code"] == 405
+    assert "POST" in wrong.headers["allow"]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import time
 
 import attrs
@@ -118,3 +120,11 @@ def test_a_changed_seed_is_caught(recorded_log, tmp_path):
     # --speed 4: the recorded second of arrivals is sent in a quarter of it, each on time
     assert recorded[-1].offset_s / 4 <= duration < recorded[-1].offset_s
     assert data["max_lag_ms"] < 20.0
+
+
+@pytest.mark.parametrize("flags", [["--backend", "openai"], ["--base-url", "http://127.0.0.1:1"]])
+def test_a_log_over_http_is_a_one_line_error(recorded_log, flags):
+    cmd = [sys.executable, "-m", "memstep.cli.main", "bench", "serve", "--dataset", recorded_log]
+    res = subprocess.run([*map(str, cmd), *flags], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert res.stderr.strip().splitlines()[-1].startswith("memstep: error: --dataset RUN.memlog")
