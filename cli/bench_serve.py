@@ -166,12 +166,14 @@ def _replay_log(args: argparse.Namespace, cfg: EngineConfig) -> int:
     if args.host or args.port:
         address = f"tcp://{args.host or '127.0.0.1'}:{args.port or 5557}"
         results, duration = asyncio.run(
-            traffic_replay.replay(address, recorded, args.speed, args.timeout)
+            traffic_replay.replay(address, recorded, args.speed, args.timeout, args.disable_tqdm)
         )
     else:
         with _own_server(args, cfg) as server:
             results, duration = asyncio.run(
-                traffic_replay.replay(server.address, recorded, args.speed, args.timeout)
+                traffic_replay.replay(
+                    server.address, recorded, args.speed, args.timeout, args.disable_tqdm
+                )
             )
     data = traffic_replay.summary(recorded, results, duration)
     print(traffic_replay.report(data, path, args.speed))

@@ -20,6 +20,7 @@ from typing import Any
 
 import attrs
 import numpy as np
+from tqdm import tqdm
 
 from memstep.api.client import AsyncClient, ServerError
 from memstep.events.log import read_log
@@ -108,10 +109,12 @@ def _arrival(rec: RequestAdded) -> float:
 
 
 async def replay(
-    address: str, recorded: list[Recorded], speed: float, timeout: float
+    address: str, recorded: list[Recorded], speed: float, timeout: float, quiet: bool = True
 ) -> tuple[list[Replayed], float]:
-    """Send every request at its recorded offset / speed; results in log order, wall time."""
+    """Send every request at its recorded offset / speed; results in log order, wall time.
+    Unless `quiet`, a bar on stderr counts the requests as they finish."""
     client = AsyncClient(address, timeout=timeout)
+    bar = tqdm(total=len(recorded), desc="traffic replay", unit="req", disable=quiet)
     try:
         start = time.perf_counter()
         tasks = []
@@ -119,10 +122,13 @@ async def replay(
             due = start + rec.offset_s / speed
             await asyncio.sleep(max(0.0, due - time.perf_counter()))
             lag = time.perf_counter() - due
-            tasks.append(asyncio.create_task(_one(client, rec, lag)))
+            task = asyncio.create_task(_one(client, rec, lag))
+            task.add_done_callback(lambda _: bar.update(1))
+            tasks.append(task)
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
     finally:
+        bar.close()
         await client.close()
     return list(results), duration
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 import time
@@ -100,7 +101,9 @@ def test_replay_against_another_config_keeps_pace_and_completions(recorded_log, 
     for name in ("ttft", "tpot", "e2el"):  # the replay's own, measured afresh
         assert latency[f"{name}_replayed_ms"]["median"] > 0
         assert latency[f"{name}_replayed_ms"] != latency[f"{name}_recorded_ms"]
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert re.search(rf"traffic replay: 100%\|[^|]*\| {len(GAPS)}/{len(GAPS)} \[", captured.err)
+    printed = captured.out
     assert "Traffic Replay Result" in printed and "Identical completions" in printed
     table = printed[printed.index("Server latency (ms)") :]
     assert "recorded" in table and "replayed" in table
