@@ -27,6 +27,7 @@ from typing import Any
 import structlog
 import uvicorn
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -307,11 +308,20 @@ def build_app(front: Front) -> Starlette:
     ]
     app = Starlette(routes=routes, lifespan=front.lifespan)
     app.add_exception_handler(OpenAIError, _openai_error)  # type: ignore[arg-type]
+    app.add_exception_handler(HTTPException, _routing_error)  # type: ignore[arg-type]
     return app
 
 
 async def _openai_error(request: Request, exc: OpenAIError) -> Response:
     return JSONResponse(exc.body(), exc.status)
+
+
+async def _routing_error(request: Request, exc: HTTPException) -> Response:
+    """An unknown path (404) or method (405), in OpenAI's error object as every other error."""
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    message = f"{request.method} {request.url.path}: {exc.detail}"
+    error = OpenAIError(exc.status_code, message, kind, code=exc.status_code)
+    return JSONResponse(error.body(), exc.status_code, headers=exc.headers)
 
 
 # --- the process ---------------------------------------------------------------------------

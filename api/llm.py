@@ -108,7 +108,7 @@ class LLM:
         choices = [
             params.for_choice(j) if isinstance(params, SamplingParams) else params for j in range(n)
         ]
-        ids = [[self.engine.add_request(p, c) for c in choices] for p in prompts]
+        ids = self._add_all(prompts, choices)
         bar = tqdm(total=len(prompts) * n, desc="requests", unit="req", disable=not use_tqdm)
         done = self._until_idle(bar)
         bar.close()
@@ -121,6 +121,22 @@ class LLM:
             )
             for row, prompt, text in zip(ids, prompts, texts, strict=True)
         ]
+
+    def _add_all(
+        self, prompts: list[Prompt], choices: list[core_params.SamplingParams]
+    ) -> list[list[str]]:
+        """Queue every choice of every prompt, or none: a refused prompt (too long, say) aborts
+        the ones queued before it, so that the next call does not run them."""
+        added: list[str] = []
+        try:
+            for prompt in prompts:
+                added += [self.engine.add_request(prompt, c) for c in choices]
+        except InvalidRequest:
+            for rid in added:
+                self.engine.abort(rid)
+            raise
+        n = len(choices)
+        return [added[i : i + n] for i in range(0, len(added), n)]
 
     def _until_idle(self, bar: tqdm) -> dict[str, Any]:
         """Step the engine until every request finished, advancing `bar` as they do."""

@@ -37,7 +37,7 @@ from memstep.core.outputs import RequestOutput
 from memstep.core.recovery import EngineDead
 from memstep.core.sampling_params import InvalidRequest, SamplingParams
 from memstep.events import codec
-from memstep.events.types import RequestNamed, StepPlanned
+from memstep.events.types import RequestNamed, RequestTimed, StepPlanned
 from memstep.events.version import VERSION
 from memstep.events.wire import (
     PROTOCOL_VERSION,
@@ -536,7 +536,7 @@ class Server:
         if out.finished:
             inf.cached_tokens = out.cached_tokens
             reason = out.finish_reason or "stop"
-            self._forget(out.request_id, reason)
+            self._forget(out.request_id, reason, now)
             self._send(inf.envelope, inf.done(reason, now))
 
     def _named_logprobs(self, tokens: list[int], logprobs: list[list]) -> list[list]:
@@ -560,8 +560,14 @@ class Server:
 
     # --- ends of requests ------------------------------------------------------------------
 
-    def _forget(self, engine_id: str, reason: str) -> None:
+    def _forget(self, engine_id: str, reason: str, now: float | None = None) -> None:
+        """Drop a request that ended (at `now`, monotonic); its latencies go to the event log
+        (RequestTimed, the figures its GenerateDone carries) and to a log line."""
         inf = self.inflight.pop(engine_id)
+        ttft = inf.token_times[0] if inf.token_times else None
+        e2e = (time.monotonic() if now is None else now) - inf.arrival
+        step = self.engine.step_no
+        self.engine.emit(RequestTimed(step, engine_id, reason, ttft, e2e, inf.queue_s))
         log.info(
             "request finished",
             request_id=inf.request_id,
@@ -569,8 +575,8 @@ class Server:
             prompt_tokens=inf.prompt_tokens,
             completion_tokens=len(inf.token_ids),
             finish_reason=reason,
-            ttft_s=round(inf.token_times[0], 4) if inf.token_times else None,
-            e2e_s=round(time.monotonic() - inf.arrival, 4),
+            ttft_s=round(ttft, 4) if ttft is not None else None,
+            e2e_s=round(e2e, 4),
         )
         del self.by_client[(inf.peer, inf.request_id)]
         self.finished[reason] += 1

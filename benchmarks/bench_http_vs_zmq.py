@@ -5,6 +5,17 @@ runs alternating between `bench serve`'s backends (zmq, then openai, ...) so tha
 machine's load hits both alike.  Reported: each run's output tok/s, TTFT and ITL, and the ratio
 of the medians of output tok/s (HTTP / ZMQ).
 
+Every run must cost the engine the same: the server runs without prefix caching (otherwise a run
+would reuse the prompts' KV that the run before it left, and whichever backend follows a run of
+the same prompts would look faster), and one discarded run warms the server up first.  `openai`
+sends the prompt as ZMQ does; `openai-chat` wraps it in the chat template (longer prompts), so
+its figures are not a like-for-like comparison with ZMQ's.
+
+On a shared machine the ratio drifts with other people's load, so each run also reports the CPU
+seconds each process spent (core, executor, HTTP front, this client; from /proc): what the HTTP
+path itself costs, whatever the machine is doing.  Printed at the end: the medians, their ratio,
+and the median of each repeat's own HTTP / ZMQ ratio.
+
     python benchmarks/bench_http_vs_zmq.py [--model smollm2] [--num-prompts 32]
         [--concurrency 16] [--output-len 64] [--repeats 3] [--dataset synthetic] [--num-threads N]
 """
@@ -13,14 +24,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import resource
 import statistics
+import time
+from pathlib import Path
+from typing import Any
 
 from memstep.cli.bench_serve import _samples, arrival_gaps, benchmark, compute_metrics
 from memstep.cli.serve import ServerProcess
 from memstep.core.config import EngineConfig
 
+TICKS = os.sysconf("SC_CLK_TCK")
+PROCESSES = ("core", "executor", "http")
 
-def main() -> None:
+
+def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", default="smollm2")
     p.add_argument("--dtype", default="float32")
@@ -31,7 +50,11 @@ def main() -> None:
     p.add_argument("--dataset", default="synthetic")
     p.add_argument("--backends", default="zmq,openai", help="comma-separated, run alternately")
     p.add_argument("--num-threads", type=int, help="the executor's torch threads")
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse()
     load = argparse.Namespace(
         dataset=args.dataset,
         num_prompts=args.num_prompts,
@@ -46,7 +69,7 @@ def main() -> None:
     samples = _samples(load, cfg)
     gaps = arrival_gaps(len(samples), float("inf"), 1.0, 0)
     flags = ["--model", args.model, "--dtype", args.dtype]
-    flags += ["--max-num-seqs", str(args.concurrency), "--no-record"]
+    flags += ["--max-num-seqs", str(args.concurrency), "--no-record", "--no-enable-prefix-caching"]
     if args.num_threads:
         flags += ["--num-threads", str(args.num_threads)]
     backends = args.backends.split(",")
@@ -54,27 +77,57 @@ def main() -> None:
     with ServerProcess(flags, http=True) as server:
         server.wait_ready(timeout=600)
         urls = {"zmq": server.address, "openai": server.http_url, "openai-chat": server.http_url}
+        pids = {name: int(server.info[f"{name}_pid"]) for name in PROCESSES}
+        asyncio.run(benchmark(server.address, samples, gaps, True, load))  # warm-up, not counted
         for repeat in range(args.repeats):
             for backend in backends:
                 load.backend = backend
+                before = cpu_seconds(pids)
                 results, duration = asyncio.run(benchmark(urls[backend], samples, gaps, True, load))
+                used = {k: v - before[k] for k, v in cpu_seconds(pids).items()}
                 m = compute_metrics(results, duration)
                 tps[backend].append(m["output_throughput"])
-                print(
-                    f"run {repeat} {backend:<12} ok {m['completed']:>3} failed {m['failed']} "
-                    f"output {m['output_throughput']:7.1f} tok/s  "
-                    f"TTFT median {m['median_ttft_ms']:7.1f} ms  "
-                    f"ITL median {m['median_itl_ms']:6.1f} ms",
-                    flush=True,
-                )
+                print(f"run {repeat} {backend:<12} {describe(m, used)}", flush=True)
+    summarise(backends, tps)
+
+
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """User + system CPU seconds of each server process so far, and of this client."""
+    out = {}
+    for name, pid in pids.items():
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        out[name] = (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    return out | {"client": me.ru_utime + me.ru_stime}
+
+
+def describe(m: dict[str, Any], used: dict[str, float]) -> str:
+    cpu = " ".join(f"{name} {seconds:.2f}" for name, seconds in used.items())
+    return (
+        f"ok {m['completed']:>3} failed {m['failed']} "
+        f"in/out tokens {m['total_input_tokens']}/{m['total_output_tokens']}  "
+        f"output {m['output_throughput']:7.1f} tok/s  "
+        f"TTFT median {m['median_ttft_ms']:7.1f} ms  ITL median {m['median_itl_ms']:6.1f} ms  "
+        f"CPU s: {cpu}"
+    )
+
+
+def summarise(backends: list[str], tps: dict[str, list[float]]) -> None:
     medians = {b: statistics.median(v) for b, v in tps.items()}
     for backend, value in medians.items():
         print(f"median output tok/s {backend:<12} {value:7.1f}")
-    if "zmq" in medians:
-        for backend in backends:
-            if backend != "zmq":
-                print(f"{backend} / zmq: {medians[backend] / medians['zmq']:.3f}")
+    if "zmq" not in medians:
+        return
+    for backend in backends:
+        if backend != "zmq":
+            pairs = [h / z for h, z in zip(tps[backend], tps["zmq"], strict=True)]
+            print(
+                f"{backend} / zmq: {medians[backend] / medians['zmq']:.3f} (medians), "
+                f"{statistics.median(pairs):.3f} (median of the repeats' own ratios)"
+            )
 
 
 if __name__ == "__main__":
+    started = time.perf_counter()
     main()
+    print(f"took {time.perf_counter() - started:.0f} s")

@@ -9,18 +9,23 @@ Both run in this process, one after the other, and the ratio is printed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
+from collections.abc import Iterator
 
 import torch
+from tqdm import tqdm
 
 from memstep.cli.datasets import Sample, load_dataset
 from memstep.cli.errors import UsageError
 from memstep.cli.main import add_engine_arguments, config_from_args
+from memstep.cli.progress import Progress, add_progress_argument
 from memstep.core.engine import Engine
 from memstep.core.model_source import ModelSource, resolve
 from memstep.core.sampling_params import SamplingParams
+from memstep.events.types import RequestFinished
 from memstep.executors.inprocess import local_engine
 from memstep.executors.worker import pick_device, pick_dtype
 
@@ -35,6 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-output-len", type=int, default=None, help="cap recorded reply lengths")
     p.add_argument("--skip-hf", action="store_true", help="skip the transformers baseline")
     p.add_argument("--json", default=None, help="write the figures here")
+    add_progress_argument(p)
     add_engine_arguments(p)
 
 
@@ -76,30 +82,47 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def run_single(engine: Engine, model, prompts: list[list[int]], new_tokens: int) -> dict:
+@contextlib.contextmanager
+def requests_bar(engine: Engine, total: int, desc: str, quiet: bool) -> Iterator[None]:
+    """A bar of the engine's finished requests, on stderr, while the block runs."""
+    with Progress(total, desc, "req", RequestFinished, quiet) as bar:
+        engine.sinks.append(bar)
+        try:
+            yield
+        finally:
+            engine.sinks.remove(bar)
+
+
+def run_single(
+    engine: Engine, model, prompts: list[list[int]], new_tokens: int, quiet: bool
+) -> dict:
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
-    engine.generate(prompts[:1], SamplingParams(max_tokens=4))  # warm
-    ours = [timed(lambda p=p: engine.generate([p], params)) for p in prompts]
+    engine.generate([*prompts[:1]], SamplingParams(max_tokens=4))  # warm
+    with requests_bar(engine, len(prompts), "(a) memstep", quiet):
+        ours = [timed(lambda p=p: engine.generate([p], params)) for p in prompts]
     out = {"memstep_tok_s": new_tokens / statistics.median(ours)}
     if model is not None:
         hf_generate(model, prompts[:1], 4)
-        theirs = [timed(lambda p=p: hf_generate(model, [p], new_tokens)) for p in prompts]
+        rows = tqdm(prompts, "(a) transformers", unit="req", disable=quiet)
+        theirs = [timed(lambda p=p: hf_generate(model, [p], new_tokens)) for p in rows]
         out["hf_tok_s"] = new_tokens / statistics.median(theirs)
         out["ratio"] = out["memstep_tok_s"] / out["hf_tok_s"]
     return out
 
 
-def run_sharegpt(engine: Engine, model, samples: list[Sample], batch: int) -> dict:
+def run_sharegpt(engine: Engine, model, samples: list[Sample], batch: int, quiet: bool) -> dict:
     tok = engine.tokenizer
     prompts = [tok.encode(s.prompt) for s in samples]
     params = [SamplingParams(max_tokens=s.output_len, ignore_eos=True) for s in samples]
     useful = sum(s.output_len for s in samples)
-    ours = timed(lambda: engine.generate(prompts, params))
+    with requests_bar(engine, len(prompts), "(b) memstep", quiet):
+        ours = timed(lambda: engine.generate([*prompts], params))
     out = {"output_tokens": useful, "memstep_s": ours, "memstep_tok_s": useful / ours}
     if model is not None:
 
         def hf_all() -> None:
-            for i in range(0, len(prompts), batch):
+            starts = range(0, len(prompts), batch)
+            for i in tqdm(starts, "(b) transformers", unit="batch", disable=quiet):
                 rows = samples[i : i + batch]
                 hf_generate(model, prompts[i : i + batch], max(s.output_len for s in rows))
 
@@ -123,12 +146,12 @@ def run(args: argparse.Namespace) -> int:
         cap = args.max_output_len
         samples = [Sample(s.prompt, s.prompt_len, min(s.output_len, cap)) for s in samples]
     singles = [tok.encode(s.prompt) for s in samples[: args.num_single]]
-    a = run_single(engine, model, singles, 64)
+    a = run_single(engine, model, singles, 64, args.disable_tqdm)
     print(f"(a) one at a time, 64 tokens: memstep {a['memstep_tok_s']:.1f} tok/s", end="")
     print(f", HF {a['hf_tok_s']:.1f} tok/s, ratio {a['ratio']:.2f}x" if model else "")
     b = {}
     if args.num_prompts:
-        b = run_sharegpt(engine, model, samples[args.num_single :], args.batch)
+        b = run_sharegpt(engine, model, samples[args.num_single :], args.batch, args.disable_tqdm)
         print(
             f"(b) {len(samples) - args.num_single} {args.dataset}, {b['output_tokens']} output "
             "tokens: "

@@ -33,6 +33,7 @@ import numpy as np
 from memstep.api.client import AsyncClient, Client, ServerError
 from memstep.cli import bench_openai, traffic_replay
 from memstep.cli.datasets import Sample, load_dataset
+from memstep.cli.errors import UsageError
 from memstep.cli.main import add_engine_arguments, config_from_args
 from memstep.cli.serve import ServerProcess
 from memstep.core.config import EngineConfig
@@ -155,17 +156,24 @@ async def check_http(url: str, timeout: float) -> None:
 
 def _replay_log(args: argparse.Namespace, cfg: EngineConfig) -> int:
     """Send a serve log's requests again (cli/traffic_replay.py), over ZMQ."""
+    if args.backend != "zmq" or args.base_url:
+        raise UsageError(
+            "--dataset RUN.memlog replays over memstep's ZMQ API (the recorded token ids and "
+            "seeds): give --host/--port, not --backend openai* or --base-url"
+        )
     path = Path(args.dataset)
     recorded = traffic_replay.load_recorded(path)
     if args.host or args.port:
         address = f"tcp://{args.host or '127.0.0.1'}:{args.port or 5557}"
         results, duration = asyncio.run(
-            traffic_replay.replay(address, recorded, args.speed, args.timeout)
+            traffic_replay.replay(address, recorded, args.speed, args.timeout, args.disable_tqdm)
         )
     else:
         with _own_server(args, cfg) as server:
             results, duration = asyncio.run(
-                traffic_replay.replay(server.address, recorded, args.speed, args.timeout)
+                traffic_replay.replay(
+                    server.address, recorded, args.speed, args.timeout, args.disable_tqdm
+                )
             )
     data = traffic_replay.summary(recorded, results, duration)
     print(traffic_replay.report(data, path, args.speed))

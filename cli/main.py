@@ -27,7 +27,7 @@ from memstep.executors.threads import prefer_passive_wait
 
 COMMANDS = {  # name -> (module, one-line help); a module is imported only when its command runs
     "generate": ("memstep.cli.generate", "generate a completion for one prompt"),
-    "serve": ("memstep.cli.serve", "serve the ZMQ client API"),
+    "serve": ("memstep.cli.serve", "serve the OpenAI HTTP API and the ZMQ client API"),
     "bench": ("memstep.cli.bench", "benchmarks: offline, serve"),
     "scenario": ("memstep.cli.scenario", "run a memory-incident scenario"),
     "replay": ("memstep.cli.replay", "replay an event log and compare"),

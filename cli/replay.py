@@ -14,7 +14,9 @@ import argparse
 import json
 import sys
 
+from memstep.cli.progress import Progress, add_progress_argument
 from memstep.core.config import parse_override
+from memstep.events.types import StepFinished
 from memstep.replay.recording import load
 from memstep.replay.replayer import ReplayStalled, replay
 from memstep.replay.report import EXIT_CORRUPT, EXIT_DIVERGED, build_report
@@ -38,6 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="what-if run: override an engine config field (repeatable); reports differences",
     )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    add_progress_argument(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -47,8 +50,10 @@ def run(args: argparse.Namespace) -> int:
     if problem is not None:
         what = "the records before the first gap" if recording.is_corrupt else "what it holds"
         print(f"memstep: warning: {problem}; replaying {what}", file=sys.stderr)
+    steps = sum(isinstance(r, StepFinished) for r in recording.records)
     try:
-        replay_run = replay(recording, overrides)
+        with Progress(steps, "replay", "step", StepFinished, args.disable_tqdm) as bar:
+            replay_run = replay(recording, overrides, sinks=(bar,))
     except ReplayStalled as exc:
         print(f"memstep: replay stalled: {exc}", file=sys.stderr)
         return 1

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 
 from memstep.cli.main import SPECULATION_FIELDS, add_speculation_arguments
-from memstep.cli.scenarios import SCENARIOS, format_table, run_scenario
-from memstep.events.types import LeakSuspected
+from memstep.cli.progress import Progress, add_progress_argument
+from memstep.cli.scenarios import SCENARIOS, format_table, num_driven_steps, run_scenario
+from memstep.events.types import LeakSuspected, StepFinished
 from memstep.replay.recorder import add_record_arguments, open_recorder
 from memstep.states.planted import PLANTS
 
@@ -24,6 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculation (the scenario's own settings unless given)")
     add_speculation_arguments(g, None)
     add_record_arguments(p, by_default=True)
+    add_progress_argument(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -32,9 +34,11 @@ def run(args: argparse.Namespace) -> int:
     given = {
         name: getattr(args, name) for name in SPECULATION_FIELDS if getattr(args, name) is not None
     }
-    records, rows = run_scenario(
-        args.name, args.steps, args.model, args.plant_leak, sinks, overrides=given
-    )
+    total = num_driven_steps(args.name, args.steps)
+    with Progress(total, args.name, "step", StepFinished, args.disable_tqdm) as bar:
+        records, rows = run_scenario(
+            args.name, args.steps, args.model, args.plant_leak, [*sinks, bar], overrides=given
+        )
     if recorder is not None:
         recorder.close()
     leaks = [r for r in records if isinstance(r, LeakSuspected)]

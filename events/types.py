@@ -3,8 +3,10 @@
 One frozen attrs class per record, registered by name with `record`, so that the codec in
 `events/codec.py` can encode and decode any of them without pickling.  Inputs are the records a
 replay feeds back in (EngineStarted, RequestAdded, RequestAborted, ExecutorLost, RequestResumed,
-RequestNamed); everything else is derived and is compared field by field on replay, except the
-fields a record names in `WALL_CLOCK` (durations that no replay can reproduce).
+RequestNamed); observations (`OBSERVED`: what a server measured around the engine, such as a
+request's latencies) are neither fed back nor reproduced; everything else is derived and is
+compared field by field on replay, except the fields a record names in `WALL_CLOCK` (durations
+that no replay can reproduce).
 """
 
 from __future__ import annotations
@@ -204,5 +206,25 @@ class RecoveryDone:
     WALL_CLOCK: ClassVar[tuple[str, ...]] = ("seconds",)
 
 
+@record
+class RequestTimed:
+    """A request's latencies as the API server measured them (seconds since it received the
+    request), written beside its RequestFinished so that a log keeps the run's TTFT and end-to-end
+    times for a traffic replay to compare with.  Wall time: an observation, not derived."""
+
+    step: int
+    request_id: str
+    reason: str  # the server's end of the request: a finish reason, "disconnect" or an error
+    ttft_s: float | None  # the first token; None when none was produced
+    e2e_s: float
+    queue_s: float | None  # first scheduled into a step; None when never scheduled
+    OBSERVED: ClassVar[bool] = True
+
+
 def is_input(rec: object) -> bool:
     return bool(getattr(type(rec), "INPUT", False))
+
+
+def is_derived(rec: object) -> bool:
+    """Emitted by the engine from its inputs, so a replay emits it again."""
+    return not (is_input(rec) or getattr(type(rec), "OBSERVED", False))

@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 
 from memstep.events.log import LogFormatError, LogProblem, PathLike, read_log
-from memstep.events.types import EngineStarted, PhaseChanged, is_input
+from memstep.events.types import EngineStarted, PhaseChanged, is_derived, is_input
 
 _HIGHLIGHTS = ("model", "dtype", "max_num_seqs", "max_num_batched_tokens", "speculative_method")
 _SPEC_HIGHLIGHTS = ("num_speculative_tokens", "speculative_disable_by_batch_size")
@@ -50,7 +50,7 @@ class Recording:
     @property
     def derived(self) -> list[object]:
         """Everything the engine derived from its inputs, in the order it was emitted."""
-        return [r for r in self.records if not is_input(r)]
+        return [r for r in self.records if is_derived(r)]
 
     @property
     def last_step(self) -> int:

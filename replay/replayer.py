@@ -36,7 +36,7 @@ from memstep.events.types import (
     RequestAdded,
     RequestNamed,
     RequestResumed,
-    is_input,
+    is_derived,
 )
 from memstep.executors.inprocess import InProcessExecutor
 from memstep.replay.recording import Recording
@@ -59,27 +59,28 @@ class ReplayRun:
 
     @property
     def derived(self) -> list[object]:
-        return [r for r in self.records if not is_input(r)]
+        return [r for r in self.records if is_derived(r)]
 
 
 def replay(
     recording: Recording,
     overrides: dict[str, Any] | None = None,
     executor_factory: Callable = InProcessExecutor,
+    sinks: tuple[Callable[[object], None], ...] = (),
 ) -> ReplayRun:
     """Replay `recording` through a fresh engine built from its header's config (+ `overrides`).
 
     A damaged or unfinished log is replayed up to the last step it recorded (a what-if run goes
     on until its inputs are served); a corrupt one only up to its first gap, since a lost record
     may have been an input.  The engine is shut down when the recorded one was; otherwise its
-    shutdown records are not collected.
+    shutdown records are not collected.  `sinks` see every record too (a progress bar).
     """
     recording = recording.before_damage()
     cfg = EngineConfig.from_dict({**recording.config, **(overrides or {})})
     records: list[object] = []
     feeder = _Feeder(recording.inputs)
     scripted = _ScriptedLosses(feeder.pending, executor_factory)
-    engine = Engine(cfg, scripted.start, sinks=[records.append])
+    engine = Engine(cfg, scripted.start, sinks=[records.append, *sinks])
     stop = None if recording.is_complete or overrides else recording.last_step
     try:
         _run(engine, feeder, stop)

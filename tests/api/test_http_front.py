@@ -104,3 +104,56 @@ def _wait_http(url: str, timeout: float = 60.0) -> None:
             pass
         time.sleep(0.2)
     raise TimeoutError(f"no HTTP front at {url}")
+
+
+def test_health_is_503_while_a_new_executor_starts_then_200_again():
+    """A killed executor with restarts left: /health says 503 "recovering" until the new one is
+    ready, a request sent meanwhile waits and succeeds, then /health is 200 again."""
+    with ServerProcess(["--model", "random:tiny", "--num-threads", "1"], http=True) as server:
+        server.wait_ready()
+        url = server.http_url
+        assert httpx.get(url + "/health").json()["status"] == "ok"
+        _unknown_paths_and_methods_get_openai_errors(url)
+        os.kill(server.info["executor_pid"], signal.SIGKILL)
+        seen: list[tuple[int, str]] = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            reply = httpx.get(url + "/health", timeout=10)
+            seen.append((reply.status_code, reply.json()["status"]))
+            if seen[-1] == (503, "recovering"):
+                break
+            time.sleep(0.02)
+        assert seen[-1] == (503, "recovering"), seen
+        body = {"model": "random:tiny", "prompt": "abc", "max_tokens": 3}
+        during = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert during.status_code == 200 and during.json()["usage"]["completion_tokens"] == 3
+        _wait_http(url)
+        assert httpx.get(url + "/health").json()["status"] == "ok"
+
+
+def test_a_client_that_hangs_up_on_a_whole_completion_aborts_it():
+    """Not streamed: the front notices the closed connection and aborts the request in the core,
+    which frees its pages long before its max_tokens."""
+    with ServerProcess(["--model", "random:tiny", "--num-threads", "1"], http=True) as server:
+        server.wait_ready()
+        body = {"model": "random:tiny", "prompt": "abc", "max_tokens": 500, "ignore_eos": True}
+        with Client(server.address, timeout=20) as core:
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(server.http_url + "/v1/completions", json=body, timeout=0.25)
+            deadline = time.monotonic() + 20
+            stats = core.stats()
+            while stats.finished.get("abort", 0) == 0 and time.monotonic() < deadline:
+                time.sleep(0.1)
+                stats = core.stats()
+            assert stats.finished.get("abort", 0) == 1, stats.finished
+            assert stats.finished.get("length", 0) == 0  # it did not run to its end
+            assert stats.num_running == 0 and stats.kv_pages_used == 0
+
+
+def _unknown_paths_and_methods_get_openai_errors(url: str) -> None:
+    missing = httpx.post(url + "/v1/embeddings", json={})
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
+    assert "/v1/embeddings" in missing.json()["error"]["message"]
+    wrong = httpx.get(url + "/v1/completions")
+    assert wrong.status_code == 405 and wrong.json()["error"]["code"] == 405
+    assert "POST" in wrong.headers["allow"]

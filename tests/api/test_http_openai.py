@@ -200,8 +200,12 @@ def test_metrics_parse_and_move_as_requests_run(server, sdk):
         assert after[(name, "")] > before.get((name, ""), 0), name
     assert after[("memstep:request_success_total", "length")] >= 1
     assert sum(v for (n, _), v in after.items() if n == "memstep:steps_total") > 0
+    assert sum(v for (n, _), v in after.items() if n == "memstep:step_transitions_total") > 0
     for name in ("memstep:memory_live_bytes", "memstep:memory_reserved_bytes"):
         assert after[(name, "")] > 0
+    assert after[("memstep:allocator_segments", "")] > 0
+    assert after[("memstep:arena_claimed_bytes", "")] >= 0
+    assert during[("memstep:kv_pages_used", "")] > after[("memstep:kv_pages_used", "")]
     assert after[("memstep:host_rss_bytes", "core")] > 0
     assert after[("memstep:host_rss_bytes", "executor")] > after[("memstep:host_rss_bytes", "core")]
     assert ("memstep:leak_reports_total", "") in after

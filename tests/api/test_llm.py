@@ -59,6 +59,15 @@ def test_bad_params_are_refused_and_the_engine_keeps_serving(llm):
     assert llm.generate("Hi", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].text
 
 
+def test_a_refused_prompt_in_a_batch_leaves_nothing_queued(llm):
+    too_long = [504] * (llm.engine.max_model_len + 1)
+    with pytest.raises(InvalidRequest, match="context"):
+        llm.generate(["Hi", "Hello", too_long], SamplingParams(max_tokens=2, n=2), use_tqdm=False)
+    assert not llm.engine.requests and not llm.engine.has_work()
+    [out] = llm.generate("Hi", SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(out.outputs) == 1 and out.outputs[0].token_ids
+
+
 def test_importing_memstep_does_not_import_torch():
     code = "import memstep, memstep.api.http_server, sys; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

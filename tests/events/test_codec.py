@@ -28,6 +28,7 @@ from memstep.events.types import (
     RequestFinished,
     RequestNamed,
     RequestResumed,
+    RequestTimed,
     StateEntered,
     StateExited,
     StepFinished,
@@ -97,6 +98,9 @@ SAMPLES: list[object] = [
         arrival_time=1717171717.25,
     ),
     RequestNamed(step=3, request_id="req-0007", client_id="3f2a-story-0"),
+    RequestTimed(
+        step=31, request_id="req-7", reason="length", ttft_s=0.041, e2e_s=1.93, queue_s=None
+    ),
 ]
 
 
@@ -272,6 +276,9 @@ def test_extra_field_is_named(rec):
 
 def wrong_value(tp: Any) -> object:
     """A value that the annotation `tp` must refuse."""
+    given = [a for a in typing.get_args(tp) if a is not type(None)]
+    if len(given) == 1 and type(None) in typing.get_args(tp):
+        return wrong_value(given[0])  # X | None refuses what X refuses
     if tp is int:
         return True  # a bool is not an int
     if tp in (float, bool, bytes):
