@@ -118,7 +118,9 @@ def workload_prompts(engine: Engine, workload: str, args) -> list[list[int]]:
     if workload == "shared":
         return shared_prompts(engine, args.num_requests, args.system_tokens)
     samples = sample_sharegpt(args.num_sharegpt, engine.tokenizer, seed=args.seed)
-    return [engine.tokenizer.encode(s.prompt) for s in samples]
+    prompts = [engine.tokenizer.encode(s.prompt) for s in samples]
+    fits = engine.max_model_len - args.max_tokens  # a small model's context (random:tiny's 512)
+    return [p for p in prompts if len(p) <= fits]
 
 
 def run(cfg: EngineConfig, workload: str, args) -> Figures:
