@@ -28,10 +28,11 @@ against 42.23 tok/s (0.94x), and 0.94x again with the off run first (OpenMP thre
 Measured on 2026-12-01, ShareGPT with `--num-sharegpt 16` (the machine's load average 7 to 13 on
 2 cores): the block manager costs 42.9 us a step with caching on against 24.4 us off (464 against
 318 Python calls a step; 228 sha256 block hashes over the run's 22 steps), 0.0021% of the
-model's median step of 867 ms.  Paired: the 22 steps took 99.9 s on, 101.4 s off (0.985), CPU
-1.037.  Whole runs, --repeats 3: throughput on/off 0.954 (CPU 1.055) starting with on, 0.809
-(CPU 1.007) starting with off, where one setting's three runs spanned 4.40 to 7.53 tok/s: the
-wall-time ratios of whole runs measure the machine, the trace measures caching.
+model's median step of 867 ms.  Paired, twice: the 22 steps took 99.9 s on, 101.4 s off (0.985,
+CPU 1.037), then 88.1 s against 86.8 s (1.015, CPU 0.994).  Whole runs, --repeats 3:
+throughput on/off 0.954 (CPU 1.055) starting with on, 0.809 (CPU 1.007) starting with off, where
+one setting's three runs spanned 4.40 to 7.53 tok/s: the wall-time ratios of whole runs measure
+the machine, the trace measures caching.
 """
 
 from __future__ import annotations
