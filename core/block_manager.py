@@ -91,8 +91,9 @@ class BlockManager:
 
     def lookup(self, tokens: list[int], extra: bytes = b"") -> Prefix:
         """The longest run of cached full blocks that starts `tokens`, leaving at least one
-        token to compute (its logits are sampled)."""
-        if not self.enable_caching:
+        token to compute (its logits are sampled).  Hashes blocks only until the first miss,
+        and none while nothing is cached."""
+        if not self._cached:  # caching off, or nothing to match yet
             return Prefix()
         bs = self.block_size
         prefix = Prefix()
@@ -127,14 +128,21 @@ class BlockManager:
         token_at: Callable[[int, int], list[int]],
         extra: bytes = b"",
     ) -> None:
-        """Cache the request's full blocks whose KV is computed (slots below `num_computed`)."""
+        """Cache the request's full blocks whose KV is computed (slots below `num_computed`).
+        Called for every running request every step, so a step that fills no block returns
+        before any other work; each block is hashed once, when it fills."""
         if not self.enable_caching:
             return
         chain = self._chains.setdefault(request_id, [])
         table = self.table(request_id)
         bs = self.block_size
-        for i in range(len(chain), min(num_computed // bs, len(table))):
-            h = block_hash(chain[-1] if chain else None, token_at(i * bs, (i + 1) * bs), extra)
+        first, stop = len(chain), min(num_computed // bs, len(table))
+        if stop <= first:
+            return
+        tokens = token_at(first * bs, stop * bs)  # every newly full block in one slice
+        for i in range(first, stop):
+            j = (i - first) * bs
+            h = block_hash(chain[-1] if chain else None, tokens[j : j + bs], extra)
             chain.append(h)
             page = table[i]
             if h not in self._cached and page not in self._hash_of:
