@@ -10,7 +10,7 @@ from __future__ import annotations
 import structlog
 import torch
 
-from memstep.core.config import EngineConfig
+from memstep.core.config import ConfigError, EngineConfig
 from memstep.core.model_source import model_config, resolve
 from memstep.core.sampling_params import SamplingParams
 from memstep.events.plan import PhaseReply, SeqPlan, SeqResult, StepPlan, StepResult
@@ -18,6 +18,7 @@ from memstep.events.types import MemoryReport
 from memstep.executors import kv_cache, memory
 from memstep.executors.allocator import configure_cuda_allocator
 from memstep.executors.batch_builder import build_batch
+from memstep.executors.cpu_features import has_native_bf16
 from memstep.executors.leak_detector import LeakDetector
 from memstep.executors.llama import LlamaModel
 from memstep.executors.memory_plan import MemoryPlan, plan_memory
@@ -39,9 +40,20 @@ def pick_device(cfg: EngineConfig) -> torch.device:
 
 
 def pick_dtype(cfg: EngineConfig, device: torch.device) -> torch.dtype:
+    """With "auto": bfloat16 on CUDA and on a CPU with native bf16 matmuls, float32 elsewhere."""
     if cfg.dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        native = device.type == "cuda" or has_native_bf16()
+        return torch.bfloat16 if native else torch.float32
     return getattr(torch, cfg.dtype)  # config.DTYPES names torch dtypes
+
+
+def pick_quantization(cfg: EngineConfig, kind: str, device: torch.device) -> str:
+    """With "auto": q4 for a GGUF on the CPU (its Q4_1 codes as shipped), none elsewhere."""
+    if cfg.quantization == "auto":
+        return "q4" if kind == "gguf" and device.type == "cpu" else "none"
+    if cfg.quantization != "none" and device.type != "cpu":
+        raise ConfigError(f"quantization {cfg.quantization!r} runs on the CPU only, not {device}")
+    return cfg.quantization
 
 
 class Worker:
@@ -60,7 +72,16 @@ class Worker:
             self.meter.exclude_existing()  # before the weights: everything after is this worker's
         self.source = resolve(cfg.model, cfg.random_weights_seed, cfg.tokenizer)
         self.model_cfg = model_config(self.source)
-        self.weights = load_weights(self.source, self.model_cfg, self.dtype, self.device)
+        self.quantization = pick_quantization(cfg, self.source.kind, self.device)
+        log.info(
+            "precision",
+            dtype=str(self.dtype).removeprefix("torch."),
+            quantization=self.quantization,
+            native_bf16=has_native_bf16() if self.device.type == "cpu" else None,
+        )
+        self.weights = load_weights(
+            self.source, self.model_cfg, self.dtype, self.device, self.quantization
+        )
         self.meter.adopt(list(self.weights.values()))
         self.model = LlamaModel(self.model_cfg, self.weights, max_model_len + 16, self._kernel())
         self.lifecycle = Lifecycle()
