@@ -62,8 +62,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--quantization",
         default=d.quantization,
-        choices=QUANTIZATIONS,
-        help="weight-only quantized CPU matmuls (auto: q4 for a GGUF, none elsewhere)",
+        help=f"weight-only quantized CPU matmuls, one of {', '.join(QUANTIZATIONS)} "
+        "(auto: q4 for a GGUF, none elsewhere); a bad value is a one-line error",
     )
     g.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"], help="where")
     g.add_argument(

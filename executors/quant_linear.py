@@ -17,6 +17,7 @@ Every matrix is checked against its float values when it is made (`verify`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import numpy as np
@@ -113,23 +114,44 @@ def _in_bf16(mm: Linear) -> Linear:
     return linear
 
 
-def verify(name: str, linear: Linear, reference: torch.Tensor) -> None:
-    """Raise QuantizationError unless `linear` reproduces float `reference` ([N, K]) on probes
-    that sum each group of 32 inputs, flat and ramped: every group's scale and zero counts.
-    Allowed: PROBE_TOLERANCE of the probe's sum times its group's largest |w| (bfloat16
-    rounding of the scale, the zero, which lies within the group's range, and the output)."""
-    n, k = reference.shape
-    probes = torch.zeros(2, k // GROUP, k)
-    ramp = (torch.arange(GROUP) + 1) / GROUP  # exact in bfloat16
-    for g in range(k // GROUP):
-        probes[0, g, g * GROUP : (g + 1) * GROUP] = 1.0
-        probes[1, g, g * GROUP : (g + 1) * GROUP] = ramp
-    x = probes.reshape(-1, k)
-    w = reference.float()
-    group_max = w.abs().reshape(n, -1, GROUP).amax(-1).repeat_interleave(GROUP, 1)
-    got = linear(x.to(torch.bfloat16)).float()
-    bound = PROBE_TOLERANCE * (x @ group_max.t()) + 1e-6
-    excess = ((got - x @ w.t()).abs() / bound).max().item()
+def _ramp() -> torch.Tensor:
+    return (torch.arange(GROUP) + 1) / GROUP  # exact in bfloat16
+
+
+def float_probe_sums(w: torch.Tensor) -> torch.Tensor:
+    """[3, N, K / 32] for a float matrix: each group's sum, its ramp-weighted sum, its max |w|."""
+    groups = w.float().reshape(w.shape[0], -1, GROUP)
+    return torch.stack([groups.sum(-1), groups @ _ramp(), groups.abs().amax(-1)])
+
+
+def q4_probe_sums(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """`float_probe_sums` of code * d + m without making the matrix (max |w| bounded above)."""
+    groups = codes.reshape(codes.shape[0], -1, GROUP)
+    ramp = _ramp()
+    flat = d * groups.sum(-1, dtype=torch.int32) + GROUP * m
+    ramped = d * (groups.to(torch.int32) * (ramp * GROUP).int()).sum(-1) / GROUP + ramp.sum() * m
+    return torch.stack([flat, ramped, torch.maximum(m.abs(), (m + 15 * d).abs())])
+
+
+@functools.lru_cache(maxsize=8)
+def _probes(groups: int) -> torch.Tensor:
+    """[2 G, 32 G] bfloat16: row g sums group g's inputs, row G + g ramps them."""
+    eye = torch.eye(groups).repeat_interleave(GROUP, 1)  # [G, K]: 1 on group g's inputs
+    probes = torch.stack([eye, eye * _ramp().repeat(groups)]).reshape(-1, groups * GROUP)
+    return probes.to(torch.bfloat16)
+
+
+def verify(name: str, linear: Linear, sums: torch.Tensor) -> None:
+    """Raise QuantizationError unless `linear` reproduces the float matrix whose
+    `float_probe_sums` are `sums`, on probes that sum each group of 32 inputs, flat and ramped:
+    every group's scale and zero counts. Allowed: PROBE_TOLERANCE of the probe's sum times the
+    group's largest |w| (bfloat16 rounding of the scale, of the zero, which lies within the
+    group's range, and of the output)."""
+    groups = sums.shape[2]
+    got = linear(_probes(groups)).float().reshape(2, groups, -1).transpose(1, 2)
+    weight = torch.tensor([GROUP, _ramp().sum().item()])[:, None, None]
+    bound = PROBE_TOLERANCE * weight * sums[2] + 1e-6
+    excess = ((got - sums[:2]).abs() / bound).max().item()
     if not excess <= 1.0:
         raise QuantizationError(
             f"{name}: quantized matrix is off its float values by {excess:.1f}x the tolerance"
@@ -161,9 +183,10 @@ def _quantized(name: str, w: torch.Tensor, mode: str) -> dict[str, torch.Tensor]
     """Matrix `name` in `mode`'s form, checked against the values it stands for."""
     if mode == "int8":
         made = quantize_int8(name, w)
-        reference = made[name + ".int8"].float() * made[name + ".int8_scales"].float()[:, None]
+        scales = made[name + ".int8_scales"].float()[:, None]
+        sums = float_probe_sums(made[name + ".int8"].float() * scales)
     else:
         codes, d, m = quantize_q4(w)
-        made, reference = pack_q4(name, codes, d, m), dequantize_q4(codes, d, m)
-    verify(name, make_linear(made, name), reference)
+        made, sums = pack_q4(name, codes, d, m), q4_probe_sums(codes, d, m)
+    verify(name, make_linear(made, name), sums)
     return made

@@ -110,7 +110,7 @@ def _load_gguf_q4(path: Path, cfg: ModelConfig) -> Weights:
     weights = _assemble_gguf(raw, cfg, path, partial=True)
     for name in codes:
         made = ql.pack_q4(name, codes[name], d[name], m[name])
-        ql.verify(name, ql.make_linear(made, name), ql.dequantize_q4(codes[name], d[name], m[name]))
+        ql.verify(name, ql.make_linear(made, name), ql.q4_probe_sums(codes[name], d[name], m[name]))
         weights |= made
     missing = [n for n in ql.layer_matrices(cfg.num_layers) if n not in weights and n not in codes]
     if missing or "embed" not in weights or "norm" not in weights:

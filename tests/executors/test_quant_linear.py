@@ -3,6 +3,9 @@ the float reference, a planted wrong scale caught at load, and the precision pic
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -78,14 +81,17 @@ def test_a_planted_wrong_scale_is_caught(mode):
     else:
         made = ql.quantize_int8("w", w)
         w = made["w.int8"].float() * made["w.int8_scales"].float()[:, None]
-    ql.verify("w", ql.make_linear(made, "w"), w)  # the honest one passes
+    sums = ql.float_probe_sums(w)
+    if mode == "q4":
+        assert torch.allclose(sums[:2], ql.q4_probe_sums(codes, d, m)[:2], rtol=1e-5, atol=1e-5)
+    ql.verify("w", ql.make_linear(made, "w"), sums)  # the honest one passes
     scales = made[f"w.{'int4' if mode == 'q4' else 'int8'}_scales"]
     if mode == "q4":
         scales[2, 5, 0] *= 2  # one group's scale: group 2 of row 5
     else:
         scales[5] *= 1.05  # one row's scale, 5% off
     with pytest.raises(ql.QuantizationError, match="w: quantized matrix is off"):
-        ql.verify("w", ql.make_linear(made, "w"), w)
+        ql.verify("w", ql.make_linear(made, "w"), sums)
 
 
 def test_quantize_weights_replaces_every_matrix_and_keeps_the_embedding():
@@ -110,8 +116,7 @@ def test_the_precision_is_picked_from_the_model_the_device_and_the_cpu():
     assert has_native_bf16(frozenset({"avx2", "avx512_bf16"}))
     assert has_native_bf16(frozenset({"amx_bf16"}))
     assert not has_native_bf16(frozenset({"avx2", "avx512f", "avx512bw"}))
-    want = torch.bfloat16 if has_native_bf16() else torch.float32
-    assert pick_dtype(cfg, CPU) == want
+    assert pick_dtype(cfg, CPU) == torch.float32
     assert pick_dtype(cfg.replace(dtype="float32"), CPU) == torch.float32
 
 
@@ -119,3 +124,19 @@ def test_a_bad_quantization_is_a_config_error():
     with pytest.raises(ConfigError, match="quantization must be one of"):
         EngineConfig(quantization="q3")
     assert EngineConfig.from_dict({"model": "smollm2"}).quantization == "none"  # an older log
+
+
+@pytest.mark.parametrize("value", ["q3", "Q4", ""])
+def test_a_bad_quantization_flag_is_a_one_line_error(value):
+    argv = ["generate", "--model", "random:tiny", "--num-threads", "1", "--prompt", "hi"]
+    res = subprocess.run(
+        [sys.executable, "-m", "memstep.cli.main", *argv, "--quantization", value],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert res.stderr.count("\n") == 1 and res.stderr.startswith("memstep: error: "), res.stderr
+    assert (
+        f"quantization must be one of ('auto', 'none', 'int8', 'q4'), got {value!r}" in res.stderr
+    )
