@@ -17,7 +17,7 @@ import structlog
 
 from memstep.cli.errors import UsageError
 from memstep.cli.help_format import HelpFormatter
-from memstep.core.config import KV_CACHE_DTYPES, ConfigError, EngineConfig
+from memstep.core.config import KV_CACHE_DTYPES, QUANTIZATIONS, ConfigError, EngineConfig
 from memstep.core.device_limits import Limits, cuda_device_bytes, default_limits
 from memstep.core.logging import setup_logging
 from memstep.core.model_source import ModelError, model_config, resolve
@@ -59,6 +59,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default=d.dtype, choices=dtypes, help="weights and activations")
     g.add_argument(
         "--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES, help="KV pages"
+    )
+    g.add_argument(
+        "--quantization",
+        default=d.quantization,
+        help=f"weight-only quantized CPU matmuls, one of {', '.join(QUANTIZATIONS)} "
+        "(auto: q4 for a GGUF, none elsewhere); a bad value is a one-line error",
     )
     g.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"], help="where")
     g.add_argument(

@@ -15,6 +15,8 @@ SPECULATIVE_METHODS = (None, "ngram", "draft")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 KV_CACHE_DTYPES = ("auto", "fp8")
+# weight-only quantized matmuls on the CPU; "auto": q4 for a GGUF (its Q4_1 codes as shipped)
+QUANTIZATIONS = ("auto", "none", "int8", "q4")
 # states/planted.py makes each
 PLANTED_LEAKS = ("no_spec_hidden_states", "sampler_scratch", "fragmenting_scratch")
 
@@ -38,6 +40,7 @@ class EngineConfig:
     # KV cache element type: "auto" is the model's dtype; "fp8" stores float8 e4m3 (half the
     # bytes of bf16, no scale, saturating at +-448), converted back for attention
     kv_cache_dtype: str = "auto"
+    quantization: str = "auto"  # QUANTIZATIONS; executors/quant_linear.py
     device: str = "auto"
     # engine-wide: requests without a seed draw theirs from it; None: drawn from OS entropy at
     # start (core/seeding.py), and the engine records the drawn value in its config
@@ -84,6 +87,10 @@ class EngineConfig:
         _check(
             self.kv_cache_dtype in KV_CACHE_DTYPES,
             f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}",
+        )
+        _check(
+            self.quantization in QUANTIZATIONS,
+            f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}",
         )
         _check(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
         _check(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
@@ -140,6 +147,8 @@ class EngineConfig:
         _check(not unknown, f"unknown config keys: {sorted(unknown)}")
         if "random_weights_seed" not in data:  # an older log: its `seed` seeded random: weights
             data = {**data, "random_weights_seed": data.get("seed") or 0}
+        if "quantization" not in data:  # an older log: its weights were never quantized
+            data = {**data, "quantization": "none"}
         return cls(**data)
 
     def replace(self, **changes: Any) -> EngineConfig:

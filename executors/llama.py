@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from memstep.core.model_config import ModelConfig
 from memstep.executors.attention import ForwardBatch, attention
 from memstep.executors.kv_cache import write_kv
+from memstep.executors.quant_linear import Linear, make_linear
 from memstep.executors.rank_group import RankGroup
 from memstep.executors.weights import Weights
 
@@ -95,6 +96,17 @@ class LlamaModel:
         self.rope_sin = torch.cat([-self.sin, self.sin], dim=-1)
         self.lm_head = weights.get("lm_head", weights["embed"])
         self.wide = wide_linear(device, self.lm_head.dtype)
+        self.layers = [self._layer(i) for i in range(self.num_layers)]
+        self.head = make_linear({"lm_head": self.lm_head, **weights}, "lm_head", self.wide)
+
+    def _layer(self, i: int) -> tuple[torch.Tensor, Linear, Linear, torch.Tensor, Linear, Linear]:
+        """Layer i's norms and matmuls, looked up once: (attn_norm, qkv, wo, mlp_norm,
+        gate_up, down), each matmul a `Linear` over its float or quantized weight."""
+        p = f"layers.{i}."
+        wide = {"wqkv": self.wide, "wo": F.linear, "w_gate_up": self.wide, "w_down": F.linear}
+        mm = {key: make_linear(self.w, p + key, dense) for key, dense in wide.items()}
+        norms = self.w[p + "attn_norm"], self.w[p + "mlp_norm"]
+        return norms[0], mm["wqkv"], mm["wo"], norms[1], mm["w_gate_up"], mm["w_down"]
 
     def use_decode_attention(self, kernel: Callable) -> None:
         """Attend decode rows with `kernel` from now on (the capture phase's, with its
@@ -112,20 +124,17 @@ class LlamaModel:
         nq, nkv, d = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
         nqk = cfg.num_heads + cfg.num_kv_heads
         t = batch.num_tokens
-        for i in range(self.num_layers):
-            p = f"layers.{i}."
-            x = rms_norm(h, self.w[p + "attn_norm"], cfg.rms_eps)
-            qkv = self.wide(x, self.w[p + "wqkv"])
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=False):
+            attn_norm, wqkv, wo, mlp_norm, w_gate_up, w_down = layer
+            qkv = wqkv(rms_norm(h, attn_norm, cfg.rms_eps))
             qk = apply_rope(qkv[:, : nq + nkv].reshape(t, nqk, d), cos, sin)  # q and k at once
             q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
             v = qkv[:, nq + nkv :]
-            k_cache, v_cache = kv_caches[i]
             write_kv(k_cache, v_cache, k, v.reshape(t, cfg.num_kv_heads, d), batch.slot_mapping)
             o = attention(q, k_cache, v_cache, batch, self.scale, self.decode_kernel)
-            h = h + self.reduce(F.linear(o.reshape(t, nq), self.w[p + "wo"]))
-            x = rms_norm(h, self.w[p + "mlp_norm"], cfg.rms_eps)
-            gate, up = self.wide(x, self.w[p + "w_gate_up"]).chunk(2, dim=-1)
-            h = h + self.reduce(F.linear(F.silu(gate) * up, self.w[p + "w_down"]))
+            h = h + self.reduce(wo(o.reshape(t, nq)))
+            gate, up = w_gate_up(rms_norm(h, mlp_norm, cfg.rms_eps)).chunk(2, dim=-1)
+            h = h + self.reduce(w_down(F.silu(gate) * up))
         return rms_norm(h, self.w["norm"], cfg.rms_eps)
 
     def _forward_fused(
@@ -205,7 +214,7 @@ class LlamaModel:
         if hidden.is_cuda and hidden.dtype != torch.float32:
             local = torch.mm(hidden, self.lm_head.t(), out_dtype=torch.float32)
         else:
-            local = self.wide(hidden, self.lm_head).float()
+            local = self.head(hidden).float()
         if self.ranks is None:
             return local
         whole = self.ranks.all_gather_columns(local)  # [N, padded vocab]

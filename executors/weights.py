@@ -14,6 +14,7 @@ import torch
 
 from memstep.core.model_config import ModelConfig
 from memstep.core.model_source import ModelError, ModelSource, read_gguf
+from memstep.executors import quant_linear as ql
 from memstep.executors.sharding import Shard
 
 Weights = dict[str, torch.Tensor]
@@ -49,45 +50,98 @@ def unpermute_rotary(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.reshape(num_heads, head_dim // 2, 2, inp).transpose(1, 2).reshape(out, inp)
 
 
+# each fused tensor of a layer and the checkpoint tensors it is made of, in row order
+_FUSED = {
+    "attn_norm": ("attn_norm",),
+    "wqkv": ("q", "k", "v"),
+    "wo": ("wo",),
+    "mlp_norm": ("mlp_norm",),
+    "w_gate_up": ("gate", "up"),
+    "w_down": ("w_down",),
+}
+
+
 def _fuse_layers(
-    raw: dict[str, torch.Tensor], cfg: ModelConfig, prefix: str, names: dict[str, str]
+    raw: dict[str, torch.Tensor],
+    cfg: ModelConfig,
+    prefix: str,
+    names: dict[str, str],
+    partial: bool = False,
 ) -> Weights:
     """Each layer's tensors (`prefix` formatted with the layer index, then `names[key]`), with
-    q, k, v and gate, up concatenated into the fused matrices the model multiplies by."""
+    q, k, v and gate, up concatenated into the fused matrices the model multiplies by.
+    `partial`: a fused tensor whose parts are not all in `raw` is left out (and they stay)."""
     weights: Weights = {}
     for i in range(cfg.num_layers):
-        get = lambda key, i=i: raw.pop(prefix.format(i=i) + names[key])  # noqa: E731
-        p = f"layers.{i}."
-        weights[p + "attn_norm"] = get("attn_norm")
-        weights[p + "wqkv"] = torch.cat([get("q"), get("k"), get("v")], dim=0)
-        weights[p + "wo"] = get("wo")
-        weights[p + "mlp_norm"] = get("mlp_norm")
-        weights[p + "w_gate_up"] = torch.cat([get("gate"), get("up")], dim=0)
-        weights[p + "w_down"] = get("w_down")
+        for fused, keys in _FUSED.items():
+            sources = [prefix.format(i=i) + names[key] for key in keys]
+            if partial and not all(src in raw for src in sources):
+                continue
+            parts = [raw.pop(src) for src in sources]
+            weights[f"layers.{i}.{fused}"] = parts[0] if len(parts) == 1 else torch.cat(parts)
     return weights
 
 
 @functools.lru_cache(maxsize=1)
 def _load_gguf(path: Path, cfg: ModelConfig) -> Weights:
     """Dequantized float32 tensors, cached: engines of one process share them read-only."""
+    raw = {t.name: _dequantize(t, path) for t in read_gguf(path).tensors}
+    return _assemble_gguf(raw, cfg, path)
+
+
+@functools.lru_cache(maxsize=1)
+def _load_gguf_q4(path: Path, cfg: ModelConfig) -> Weights:
+    """The decoder's Q4_1 matrices packed with their codes, scales and minimums as shipped
+    (`quant_linear`'s q4 form), every other tensor dequantized to float32; cached as above.
+    A fused matrix with a part of another type is dequantized whole (quantized later)."""
+    from gguf import GGMLQuantizationType
+
+    tensors = {t.name: t for t in read_gguf(path).tensors}
+    raw: dict[str, torch.Tensor] = {}
+    parts: tuple[dict[str, torch.Tensor], ...] = ({}, {}, {})  # codes, d, m by tensor name
+    for name, t in tensors.items():
+        if t.tensor_type == GGMLQuantizationType.Q4_1 and name.startswith("blk."):
+            for part, tensor in zip(parts, ql.q4_1_codes(t.data), strict=True):
+                part[name] = tensor
+        else:
+            raw[name] = _dequantize(t, path)
+    codes, d, m = (_assemble_gguf(part, cfg, path, partial=True) for part in parts)
+    for left in parts[0]:  # parts of matrices not wholly Q4_1
+        raw[left] = _dequantize(tensors[left], path)
+    weights = _assemble_gguf(raw, cfg, path, partial=True)
+    for name in codes:
+        made = ql.pack_q4(name, codes[name], d[name], m[name])
+        ql.verify(name, ql.make_linear(made, name), ql.q4_probe_sums(codes[name], d[name], m[name]))
+        weights |= made
+    missing = [n for n in ql.layer_matrices(cfg.num_layers) if n not in weights and n not in codes]
+    if missing or "embed" not in weights or "norm" not in weights:
+        raise ModelError(f"missing tensors for {missing[:3] or 'embed/norm'} in {path.name}")
+    return weights
+
+
+def _dequantize(t, path: Path) -> torch.Tensor:
     from gguf import quants
 
-    reader = read_gguf(path)
-    raw: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
-        try:
-            array = quants.dequantize(t.data, t.tensor_type)
-        except Exception as exc:
-            raise ModelError(f"cannot dequantize {t.name} in {path.name}: {exc}") from exc
-        raw[t.name] = torch.from_numpy(np.array(array, dtype=np.float32))  # owned, writable
+    try:
+        array = quants.dequantize(t.data, t.tensor_type)
+    except Exception as exc:
+        raise ModelError(f"cannot dequantize {t.name} in {path.name}: {exc}") from exc
+    return torch.from_numpy(np.array(array, dtype=np.float32))  # owned, writable
+
+
+def _assemble_gguf(
+    raw: dict[str, torch.Tensor], cfg: ModelConfig, path: Path, partial: bool = False
+) -> Weights:
+    """memstep's weights from a GGUF's tensors by name: q and k rows back from llama.cpp's
+    rotary order, then `_assemble`'s fusing."""
     for i in range(cfg.num_layers):
-        raw[f"blk.{i}.attn_q.weight"] = unpermute_rotary(
-            raw[f"blk.{i}.attn_q.weight"], cfg.num_heads
-        )
-        key = f"blk.{i}.attn_k.weight"
-        raw[key] = unpermute_rotary(raw[key], cfg.num_kv_heads)
+        for key, heads in (("attn_q", cfg.num_heads), ("attn_k", cfg.num_kv_heads)):
+            name = f"blk.{i}.{key}.weight"
+            if name in raw:
+                raw[name] = unpermute_rotary(raw[name], heads)
     names = ("token_embd.weight", "output_norm.weight", "output.weight")
-    return _assemble(raw, cfg, ("blk.{i}.", _GGUF_LAYER), names, f"{path.name} (a Llama GGUF)")
+    layers = ("blk.{i}.", _GGUF_LAYER)
+    return _assemble(raw, cfg, layers, names, f"{path.name} (a Llama GGUF)", partial)
 
 
 def _load_hf(folder: Path, cfg: ModelConfig) -> Weights:
@@ -114,17 +168,19 @@ def _assemble(
     layers: tuple[str, dict[str, str]],
     names: tuple[str, str, str],
     what: str,
+    partial: bool = False,
 ) -> Weights:
     """The engine's weights from a checkpoint's tensors: fused layers (`layers`: the prefix and
     names of `_fuse_layers`), then the embedding, the final norm and (untied) the head, named
-    in `names`; a missing tensor is a ModelError."""
-    embed, norm, head = names
+    in `names`; a missing tensor is a ModelError, or with `partial` left out."""
+    weights = _fuse_layers(raw, cfg, *layers, partial=partial)
+    own = {"embed": names[0], "norm": names[1]}
+    if not cfg.tie_embeddings:
+        own["lm_head"] = names[2]
     try:
-        weights = _fuse_layers(raw, cfg, *layers)
-        weights["embed"] = raw.pop(embed)
-        weights["norm"] = raw.pop(norm)
-        if not cfg.tie_embeddings:
-            weights["lm_head"] = raw.pop(head)
+        for key, name in own.items():
+            if not partial or name in raw:
+                weights[key] = raw.pop(name)
     except KeyError as exc:
         raise ModelError(f"missing tensor {exc} in {what}") from exc
     return weights
@@ -168,12 +224,34 @@ def load_weights(
     dtype: torch.dtype,
     device: torch.device,
     shard: Shard | None = None,
+    quantization: str = "none",
 ) -> Weights:
-    """Every tensor of the model in `dtype` on `device`, or this rank's piece of it (`shard`,
-    tensor parallelism); random: weights are made there."""
+    """Every tensor of the model on `device`, or this rank's piece of it (`shard`, tensor
+    parallelism): floats in `dtype`, and with `quantization` ("int8" or "q4", CPU only, one
+    rank) the decoder's matrices and the head in `quant_linear`'s forms; a GGUF's Q4_1 matrices
+    keep their own codes under q4. random: weights are made there."""
     shard = shard or Shard(cfg)
     if source.kind == "random":
-        return _random(cfg, source.weights_seed, dtype, device, shard)
-    assert source.path is not None
-    loaded = _load_gguf(source.path, cfg) if source.kind == "gguf" else _load_hf(source.path, cfg)
-    return {k: shard(k, v).to(device=device, dtype=dtype).contiguous() for k, v in loaded.items()}
+        weights = _random(cfg, source.weights_seed, dtype, device, shard)
+    else:
+        assert source.path is not None
+        if source.kind == "hf":
+            loaded = _load_hf(source.path, cfg)
+        elif quantization == "q4":
+            loaded = _load_gguf_q4(source.path, cfg)
+        else:
+            loaded = _load_gguf(source.path, cfg)
+        weights = {k: _placed(k, v, device, dtype, shard) for k, v in loaded.items()}
+    if quantization == "none":
+        return weights
+    return ql.quantize_weights(weights, quantization, cfg.num_layers)
+
+
+def _placed(
+    name: str, t: torch.Tensor, device: torch.device, dtype: torch.dtype, shard: Shard
+) -> torch.Tensor:
+    """A float tensor (this rank's shard of it) in `dtype` on `device`; quantized codes and
+    scales as they are (quantization runs on one rank only)."""
+    if ql.is_quantized_part(name):
+        return t.to(device=device)
+    return shard(name, t).to(device=device, dtype=dtype).contiguous()

@@ -22,14 +22,15 @@ CHAT_QUESTIONS = [
 
 @pytest.fixture(scope="session")
 def smol_engine() -> Engine:
-    """SmolLM2-135M-Instruct in float32 with default limits (16 sequences)."""
-    return local_engine(EngineConfig(model="smollm2", dtype="float32"))
+    """SmolLM2-135M-Instruct in float32, unquantized (HF parity is exact), default limits."""
+    return local_engine(EngineConfig(model="smollm2", dtype="float32", quantization="none"))
 
 
 @pytest.fixture(scope="session")
 def fp8_smol_engine() -> Engine:
     """The same model and limits with an fp8 KV cache."""
-    return local_engine(EngineConfig(model="smollm2", dtype="float32", kv_cache_dtype="fp8"))
+    cfg = EngineConfig(model="smollm2", dtype="float32", quantization="none", kv_cache_dtype="fp8")
+    return local_engine(cfg)
 
 
 @pytest.fixture(scope="session")

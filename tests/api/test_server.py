@@ -33,7 +33,8 @@ STYLES += ["Explain simply. ", "Kindly: "]
 
 @pytest.fixture(scope="module")
 def server():
-    args = ["--model", "smollm2", "--dtype", "float32", "--max-num-seqs", str(NUM_CLIENTS)]
+    args = ["--model", "smollm2", "--dtype", "float32", "--quantization", "none"]
+    args += ["--max-num-seqs", str(NUM_CLIENTS)]
     args += ["--num-threads", "1"]  # one thread per process: robust when the CPU is shared
     with ServerProcess(args) as proc:
         yield proc  # each test waits for it: the first computes its reference meanwhile

@@ -28,7 +28,7 @@ from memstep.executors.inprocess import local_engine
 from memstep.replay.recording import load
 
 TINY = ["--model", "random:tiny", "--num-threads", "1"]
-SMOL = ["--model", "smollm2", "--dtype", "float32", "--num-threads", "1"]
+SMOL = ["--model", "smollm2", "--dtype", "float32", "--quantization", "none", "--num-threads", "1"]
 KILL_STEPS = (5, 14, 24)
 
 
@@ -41,7 +41,7 @@ def _requests(n_seeded: int, n_greedy: int, max_tokens: int, **extra) -> list:
 
 
 def _clean_run(model: str, requests: list) -> list[Completion]:
-    engine = local_engine(EngineConfig(model=model, dtype="float32"))
+    engine = local_engine(EngineConfig(model=model, dtype="float32", quantization="none"))
     return engine.generate([p for p, _ in requests], [sp for _, sp in requests])
 
 

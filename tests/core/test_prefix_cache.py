@@ -13,7 +13,7 @@ from memstep.core.tokenizer import load_tokenizer
 from memstep.executors.inprocess import local_engine
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
-BASE = dict(model="smollm2", dtype="float32", num_threads=2)
+BASE = dict(model="smollm2", dtype="float32", quantization="none", num_threads=2)
 
 
 def shared_prompts(tokenizer, block_size: int) -> tuple[list[int], list[list[int]]]:

@@ -61,6 +61,7 @@ def run_crossing(engine: Engine, prompts) -> tuple[dict[str, list[int]], str, di
 def test_greedy_spec_equals_greedy_across_threshold_crossings(method, k, reference, chat_prompts):
     cfg = EngineConfig(
         dtype="float32",
+        quantization="none",
         speculative_method=method,
         num_speculative_tokens=k,
         speculative_disable_by_batch_size=4,
@@ -84,6 +85,7 @@ def test_greedy_spec_equals_greedy_with_an_fp8_kv_cache(fp8_smol_engine, chat_pr
     fp8_reference = [c.token_ids for c in fp8_smol_engine.generate(chat_prompts, params)]
     cfg = EngineConfig(
         dtype="float32",
+        quantization="none",
         kv_cache_dtype="fp8",
         speculative_method="ngram",
         num_speculative_tokens=3,
@@ -97,7 +99,9 @@ def test_greedy_spec_equals_greedy_with_an_fp8_kv_cache(fp8_smol_engine, chat_pr
 
 def test_acceptance_is_counted(chat_prompts):
     engine = local_engine(
-        EngineConfig(dtype="float32", speculative_method="draft", draft_layers=30)
+        EngineConfig(
+            dtype="float32", quantization="none", speculative_method="draft", draft_layers=30
+        )
     )
     finished = []
     engine.sinks.append(lambda r: type(r).__name__ == "StepFinished" and finished.append(r))

