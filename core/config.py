@@ -16,7 +16,12 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 KV_CACHE_DTYPES = ("auto", "fp8")
 # states/planted.py makes each
-PLANTED_LEAKS = ("no_spec_hidden_states", "sampler_scratch", "fragmenting_scratch")
+PLANTED_LEAKS = (
+    "no_spec_hidden_states",
+    "sampler_scratch",
+    "fragmenting_scratch",
+    "executor_host_bytes",
+)
 
 
 class ConfigError(ValueError):
@@ -65,6 +70,8 @@ class EngineConfig:
     decode_ahead: bool = True
     num_threads: int | None = None
     debug_plant_leak: str | None = None  # test-only: a deliberate leak from states/planted.py
+    # resident host memory may grow this much over its level after the first step, per process
+    host_leak_tolerance_mib: int = 64
     # executor crash recovery: past this many restarts within the window the engine gives up
     max_executor_restarts: int = 3
     executor_restart_window_s: float = 600.0
@@ -102,6 +109,7 @@ class EngineConfig:
         _check(self.seed is None or 0 <= self.seed < 2**63, "seed must be in [0, 2**63)")
         _check(self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1")
         _check(self.max_executor_restarts >= 0, "max_executor_restarts must be >= 0")
+        _check(self.host_leak_tolerance_mib >= 1, "host_leak_tolerance_mib must be >= 1")
         _check(self.executor_restart_window_s > 0, "executor_restart_window_s must be > 0")
         _check(
             all(type(s) is int and s >= 0 for s in self.debug_kill_executor_at),

@@ -11,6 +11,7 @@ import structlog
 import torch
 
 from memstep.core.config import EngineConfig
+from memstep.core.host_memory import rss_bytes
 from memstep.core.model_source import model_config, resolve
 from memstep.core.sampling_params import SamplingParams
 from memstep.events.plan import PhaseReply, SeqPlan, SeqResult, StepPlan, StepResult
@@ -28,6 +29,7 @@ from memstep.states.arena import Arena
 from memstep.states.catalog import make_kinds
 from memstep.states.kinds import KindEnv, Spec, StepOutputs
 from memstep.states.lifecycle import Lifecycle
+from memstep.states.startup import Capture, Warmup
 
 log = structlog.get_logger("memstep.executor")
 
@@ -65,7 +67,7 @@ class Worker:
         self.model = LlamaModel(self.model_cfg, self.weights, max_model_len + 16, self._kernel())
         self.lifecycle = Lifecycle()
         self.requests = RequestStates()
-        self.detector = LeakDetector()
+        self.detector = LeakDetector(host_tolerance=cfg.host_leak_tolerance_mib << 20)
         self.memory_plan: MemoryPlan | None = None
         self.spec = None
         self.graphs = None  # CUDA: the decode graphs (graph_runner.GraphRunner), built at capture
@@ -85,14 +87,19 @@ class Worker:
         if phase == "profile":
             info = self._profile()
         elif phase == "warmup":
-            info = self._warmup()
+            warmup = self.lifecycle.kinds["warmup"]
+            assert isinstance(warmup, Warmup)
+            info = self._warmup(warmup.dummy_logits)
         elif phase == "capture":
             if self.device.type == "cuda":  # imports Triton: never on CPU
                 from memstep.executors.graph_runner import capture_phase, peak_figures
 
+                capture = self.lifecycle.kinds["capture"]
+                assert isinstance(capture, Capture)
                 self.graphs, info = capture_phase(
-                    self.cfg, self.model, self.kv, self.sampler, self.max_model_len
-                )
+                    self.cfg, self.model, self.kv, self.sampler, self.max_model_len,
+                    capture.dummy_hidden,
+                )  # fmt: skip
                 info |= peak_figures(self.device, self.memory_plan)
                 log.info("memory after capture", **peak_figures(self.device, self.memory_plan))
             self.meter.freeze()  # start-up objects are done; measure only what serving creates
@@ -106,12 +113,12 @@ class Worker:
             cfg, mc, self.max_model_len, self.model, self.dtype, self.kv_dtype, self.device
         )
         self.memory_plan = plan
-        kinds = make_kinds(KindEnv(cfg, mc, self.dtype, plan.num_kv_blocks))
+        kinds = make_kinds(KindEnv(cfg, mc, self.dtype, plan.num_kv_blocks, self.device.type))
         self.lifecycle.install(kinds, Arena(plan.arena_bytes, self.device))
         shape = (plan.num_kv_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim)
         self.kv = kv_cache.allocate(mc.num_layers, shape, self.kv_dtype, self.device)
         rows = self.cfg.max_num_seqs * (self.cfg.num_lookahead_slots + 1)
-        self.sampler = Sampler(rows, self.model_cfg.vocab_size, self.device)
+        self.sampler = Sampler(rows, mc.vocab_size, self.device, self.model.logits_in_place)
         if cfg.is_speculative:
             from memstep.executors.spec_decode import SpecDecoder, draft_model
 
@@ -127,13 +134,16 @@ class Worker:
         log.info("memory plan", **info)
         return info
 
-    def _warmup(self) -> dict:
-        """Run the model and the sampler at every batch size serving will see."""
+    def _warmup(self, dummy_logits: torch.Tensor) -> dict:
+        """Run the sampler, every filter on, at every batch size serving will see, over the
+        warm-up kind's dummy logits ([max rows, vocab], seeded noise)."""
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+        noise = torch.Generator(device=self.device).manual_seed(0)
+        torch.randn(dummy_logits.shape, generator=noise, out=dummy_logits)
         params = SamplingParams(temperature=0.7, top_p=0.9, top_k=50, min_p=0.01, seed=0).to_dict()
         for rows in range(1, self.sampler.max_rows + 1):
-            logits = torch.zeros(rows, self.model_cfg.vocab_size, device=self.device)
+            logits = dummy_logits[:rows]
             sp = SamplingParams.from_dict(params)
             sample_rows = [Row(sp, 0, [], 0) for _ in range(rows)]
             self.sampler.sample(self.sampler.distribution(logits, sample_rows), sample_rows)
@@ -160,7 +170,8 @@ class Worker:
             results, hidden = self._run_plain(plan.seqs)
         for res in results:
             self.requests.append(res.request_id, res.token_ids)
-        self.lifecycle.kinds[plan.kind].after_step(StepOutputs(hidden, hidden.shape[0]))
+        admitted = sum(1 for seq in plan.seqs if seq.params)
+        self.lifecycle.kinds[plan.kind].after_step(StepOutputs(hidden, hidden.shape[0], admitted))
         del hidden
         mem = self._measure()
         leaks = move.leaks + self.detector.observe(plan.step, plan.kind, mem)
@@ -196,10 +207,10 @@ class Worker:
         h = hidden[: len(picked)] if picked == list(range(len(picked))) else hidden[picked]
         if not sampled:
             return [], h
-        logits = self.model.logits(h)
+        logits = self.model.logits(h, self.sampler.logits_out(len(picked)))
         rows = self.sample_rows(sampled)
         want_logprobs = max(row.params.logprobs for row in rows)
-        raw = logits.clone() if want_logprobs else None
+        raw = self.sampler.keep_raw(logits) if want_logprobs else None
         pending = self.sampler.sample_logits(logits, rows)
         figures = PendingLogprobs(raw, pending.device, want_logprobs) if raw is not None else None
         # a graph step where every sequence samples: replay the next one while the core records
@@ -224,4 +235,5 @@ class Worker:
             num_allocs=figures["num_allocs"],
             arena_claimed_bytes=self.lifecycle.claimed_bytes,
             kv_pages_used=used,
+            executor_rss_bytes=rss_bytes(),
         )
