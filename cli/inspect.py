@@ -113,8 +113,9 @@ def _transitions(s: LogSummary) -> str:
 
 
 def _ledger(s: LogSummary) -> str:
-    """Each kind's claims and releases in exact bytes: a kind still entered when the log ends
-    holds its buffers yet; any other difference is an exit that did not give back its entry."""
+    """Each kind's claims and releases in exact bytes.  A kind entered more often than exited
+    (the log ends in it, or its executor was lost in it) is "not exited"; any other difference
+    is an exit that did not give back what its entries took."""
     unbalanced = [
         kind for kind, k in s.ledger.items() if not k.is_balanced and k.num_exits >= k.num_entries
     ]
@@ -123,7 +124,7 @@ def _ledger(s: LogSummary) -> str:
         head = f"ledger: NOT BALANCED for {', '.join(unbalanced)}"
     rows = [
         [kind, k.num_entries, k.num_exits, f"{k.claimed:,}", f"{k.released:,}",
-         f"{k.claimed - k.released:+,}" if k.num_exits >= k.num_entries else "held at end"]
+         f"{k.claimed - k.released:+,}" if k.num_exits >= k.num_entries else "not exited"]
         for kind, k in s.ledger.items()
     ]  # fmt: skip
     headers = ["kind", "entries", "exits", "claimed (B)", "released (B)", "claimed - released"]

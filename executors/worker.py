@@ -89,7 +89,7 @@ class Worker:
         elif phase == "warmup":
             warmup = self.lifecycle.kinds["warmup"]
             assert isinstance(warmup, Warmup)
-            info = self._warmup(warmup.dummy_logits)
+            info = self._warmup(warmup.dummy_hidden)
         elif phase == "capture":
             if self.device.type == "cuda":  # imports Triton: never on CPU
                 from memstep.executors.graph_runner import capture_phase, peak_figures
@@ -134,15 +134,18 @@ class Worker:
         log.info("memory plan", **info)
         return info
 
-    def _warmup(self, dummy_logits: torch.Tensor) -> dict:
-        """Run the sampler, every filter on, at every batch size serving will see, over the
-        warm-up kind's dummy logits ([max rows, vocab], seeded noise)."""
+    def _warmup(self, dummy_hidden: torch.Tensor) -> dict:
+        """Run the head once at the most rows, and the sampler, every filter on, at every batch
+        size serving will see, from the warm-up kind's dummy batch ([max rows, hidden], seeded
+        noise)."""
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         noise = torch.Generator(device=self.device).manual_seed(0)
-        torch.randn(dummy_logits.shape, generator=noise, out=dummy_logits)
+        torch.randn(dummy_hidden.shape, generator=noise, out=dummy_hidden)
+        most = self.sampler.max_rows
+        dummy_logits = self.model.logits(dummy_hidden, self.sampler.logits_out(most))
         params = SamplingParams(temperature=0.7, top_p=0.9, top_k=50, min_p=0.01, seed=0).to_dict()
-        for rows in range(1, self.sampler.max_rows + 1):
+        for rows in range(1, most + 1):
             logits = dummy_logits[:rows]
             sp = SamplingParams.from_dict(params)
             sample_rows = [Row(sp, 0, [], 0) for _ in range(rows)]

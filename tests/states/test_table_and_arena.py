@@ -115,7 +115,7 @@ def test_every_kind_releases_to_the_byte_what_it_claimed(draft, monkeypatch):
     totals = _ledger_totals(_crossings(draft))
     assert set(totals) == {"warmup", "capture", "no_spec", "spec"}
     assert totals["spec"][0] > 0 and totals["spec"][0] % 256 == 0
-    assert totals["warmup"][0] == 3 * (3 + 1) * 512 * 4, "dummy logits: sampler rows x vocab"
+    assert totals["warmup"][0] == 3 * (3 + 1) * 64 * 4, "dummy batch: sampler rows x hidden"
     assert totals["capture"] == [0, 0], "nothing to capture on the CPU"
     assert all(claimed == released for claimed, released in totals.values()), totals
 
