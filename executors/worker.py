@@ -11,7 +11,6 @@ import structlog
 import torch
 
 from memstep.core.config import EngineConfig
-from memstep.core.host_memory import rss_bytes
 from memstep.core.model_source import model_config, resolve
 from memstep.core.sampling_params import SamplingParams
 from memstep.events.plan import PhaseReply, SeqPlan, SeqResult, StepPlan, StepResult
@@ -19,6 +18,7 @@ from memstep.events.types import MemoryReport
 from memstep.executors import kv_cache, memory
 from memstep.executors.allocator import configure_cuda_allocator
 from memstep.executors.batch_builder import build_batch
+from memstep.executors.host_allocator import HostTrim, bound_onednn_caches
 from memstep.executors.leak_detector import LeakDetector
 from memstep.executors.llama import LlamaModel
 from memstep.executors.memory_plan import MemoryPlan, plan_memory
@@ -57,6 +57,8 @@ class Worker:
         self.kv_dtype = kv_cache.kv_dtype(cfg.kv_cache_dtype, self.dtype)
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
+        bound_onednn_caches()  # before the first matmul: their growth was the executor's RSS
+        self.host_trim = HostTrim()
         self.meter = memory.LiveTensorMeter()
         if self.device.type == "cpu":
             self.meter.exclude_existing()  # before the weights: everything after is this worker's
@@ -238,5 +240,5 @@ class Worker:
             num_allocs=figures["num_allocs"],
             arena_claimed_bytes=self.lifecycle.claimed_bytes,
             kv_pages_used=used,
-            executor_rss_bytes=rss_bytes(),
+            executor_rss_bytes=self.host_trim.measure(),
         )

@@ -1,16 +1,22 @@
 """Host memory: each process's resident bytes in every step's memory report, the watch that
 reports their growth past a tolerance, a planted host leak in a real executor process flagged
-and named, a clean run silent, and replay leaving the OS's figures out of its comparison."""
+and named, a clean run silent, replay leaving the OS's figures out of its comparison, and the
+executor's bound on oneDNN's per-shape caches (the soak's growth) against unbounded ones."""
 
 from __future__ import annotations
 
+import os
+
 import attrs
+import pytest
+import torch
 
 from memstep.core.config import EngineConfig
 from memstep.core.engine import Engine
 from memstep.core.host_memory import MIB, HostWatch, rss_bytes
 from memstep.core.sampling_params import SamplingParams
 from memstep.events.types import LeakSuspected, MemoryReport, StepFinished
+from memstep.executors import host_allocator
 from memstep.executors.remote import ProcessExecutor
 from memstep.replay.compare import compare
 
@@ -86,3 +92,44 @@ def test_replay_leaves_host_figures_out_but_not_device_figures():
     recorded = _step(500 * MIB, [])
     edited = attrs.evolve(recorded[0], memory=attrs.evolve(recorded[0].memory, live_bytes=1))
     assert not compare(recorded, [edited]).is_identical
+
+
+SHAPES = """
+import sys, torch
+from memstep.core.host_memory import rss_bytes
+from memstep.executors import host_allocator
+from memstep.executors.llama import wide_linear
+if sys.argv[1] == "bounded":
+    host_allocator.bound_onednn_caches()
+torch.set_num_threads(1)
+linear = wide_linear(torch.device("cpu"), torch.float32)
+w = torch.randn(1536, 576)  # SmolLM2's gate-up
+linear(torch.randn(3, 576), w)
+trim = host_allocator.HostTrim()
+start = rss_bytes()
+for m in range(1, 201):  # a new number of tokens each step, as prompts of new lengths bring
+    linear(torch.randn(m, 576), w)
+    end = trim.measure()
+print(end - start)
+"""
+
+
+def _growth(mode: str) -> int:
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in host_allocator.CACHE_ENV_NAMES}
+    done = subprocess.run(
+        [sys.executable, "-c", SHAPES, mode], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    return int(done.stdout.split()[-1])
+
+
+def test_bounded_onednn_caches_keep_host_memory_flat_over_new_shapes():
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN in this torch")
+    unbounded, bounded = _growth("unbounded"), _growth("bounded")
+    assert unbounded > 64 * MIB, "1,024-entry caches: ~0.6 MiB kept for every new shape"
+    # 32 shapes' worth of primitives and up to 16 MiB not yet trimmed: 121 MiB against 27 seen
+    assert bounded < 48 * MIB and 3 * bounded < unbounded, (bounded, unbounded)
