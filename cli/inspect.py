@@ -70,6 +70,7 @@ def to_text(recording: Recording, s: LogSummary) -> str:
         _requests(s),
         _steps(s),
         _transitions(s),
+        _ledger(s),
         _memory(s),
         _prefix_cache(s),
         _leaks(s),
@@ -120,6 +121,25 @@ def _transitions(s: LogSummary) -> str:
     return head + ("\n" + render(headers, rows, left=2) if rows else "")
 
 
+def _ledger(s: LogSummary) -> str:
+    """Each kind's claims and releases in exact bytes.  A kind entered more often than exited
+    (the log ends in it, or its executor was lost in it) is "not exited"; any other difference
+    is an exit that did not give back what its entries took."""
+    unbalanced = [
+        kind for kind, k in s.ledger.items() if not k.is_balanced and k.num_exits >= k.num_entries
+    ]
+    head = "ledger: every kind released to the byte what it claimed"
+    if unbalanced:
+        head = f"ledger: NOT BALANCED for {', '.join(unbalanced)}"
+    rows = [
+        [kind, k.num_entries, k.num_exits, f"{k.claimed:,}", f"{k.released:,}",
+         f"{k.claimed - k.released:+,}" if k.num_exits >= k.num_entries else "not exited"]
+        for kind, k in s.ledger.items()
+    ]  # fmt: skip
+    headers = ["kind", "entries", "exits", "claimed (B)", "released (B)", "claimed - released"]
+    return head + ("\n" + render(headers, rows) if rows else "")
+
+
 def _memory(s: LogSummary) -> str:
     head = (
         f"memory: peak live {fmt_bytes(s.peak_live_bytes)}, final live "
@@ -127,6 +147,12 @@ def _memory(s: LogSummary) -> str:
         f"peak arena claimed {fmt_bytes(s.peak_arena_claimed_bytes)}, "
         f"peak KV pages {s.peak_kv_pages_used}"
     )
+    for process, rss in s.host_rss.items():
+        head += (
+            f"\nhost RSS {process}: {fmt_bytes(rss.first)} after the first step, peak "
+            f"{fmt_bytes(rss.peak)}, final {fmt_bytes(rss.final)} "
+            f"({fmt_bytes(rss.final - rss.first, signed=True)})"
+        )
     if not s.stretches:
         return head
     kinds = [

@@ -18,7 +18,12 @@ KV_CACHE_DTYPES = ("auto", "fp8")
 # weight-only quantized matmuls on the CPU; "auto": q4 for a GGUF (its Q4_1 codes as shipped)
 QUANTIZATIONS = ("auto", "none", "int8", "q4")
 # states/planted.py makes each
-PLANTED_LEAKS = ("no_spec_hidden_states", "sampler_scratch", "fragmenting_scratch")
+PLANTED_LEAKS = (
+    "no_spec_hidden_states",
+    "sampler_scratch",
+    "fragmenting_scratch",
+    "executor_host_bytes",
+)
 
 
 class ConfigError(ValueError):
@@ -74,6 +79,8 @@ class EngineConfig:
     # ranks the core starts on this machine (0..n-1); the rest run `memstep executor --rank R`
     num_local_ranks: int | None = None
     debug_plant_leak: str | None = None  # test-only: a deliberate leak from states/planted.py
+    # resident host memory may grow this much over its level after the first step, per process
+    host_leak_tolerance_mib: int = 64
     # executor crash recovery: past this many restarts within the window the engine gives up
     max_executor_restarts: int = 3
     executor_restart_window_s: float = 600.0
@@ -116,6 +123,7 @@ class EngineConfig:
         _check(self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1")
         _check_tensor_parallel(self)
         _check(self.max_executor_restarts >= 0, "max_executor_restarts must be >= 0")
+        _check(self.host_leak_tolerance_mib >= 1, "host_leak_tolerance_mib must be >= 1")
         _check(self.executor_restart_window_s > 0, "executor_restart_window_s must be > 0")
         _check(
             all(type(s) is int and s >= 0 for s in self.debug_kill_executor_at),

@@ -20,6 +20,7 @@ import structlog
 
 from memstep.core.block_manager import BlockManager
 from memstep.core.config import EngineConfig
+from memstep.core.host_memory import HostWatch, rss_bytes
 from memstep.core.model_source import model_config, resolve
 from memstep.core.outputs import Completion, RequestOutput
 from memstep.core.recovery import (
@@ -93,6 +94,7 @@ class Engine:
         self.death: str | None = None  # why the engine gave up on executors
         self.num_losses = 0
         self._aborted_in_recovery: list[str] = []
+        self.host_watch = HostWatch("core", cfg.host_leak_tolerance_mib << 20)
         self.emit(EngineStarted(VERSION, cfg.to_dict(), self.source.identity))
         for stage in START_STAGES:
             self._start_stage(stage)
@@ -320,17 +322,25 @@ class Engine:
             if not s.request.is_finished:  # a finished request cached its blocks in _finish
                 self._cache_blocks(s.request)
         used, cached = self.blocks.num_used, self.blocks.num_cached
-        memory = attrs.evolve(result.memory, kv_pages_used=used, kv_pages_cached=cached)
+        memory = attrs.evolve(
+            result.memory, kv_pages_used=used, kv_pages_cached=cached, core_rss_bytes=rss_bytes()
+        )
         proposed = sum(r.num_proposed for r in result.seqs)
         accepted = sum(r.num_accepted for r in result.seqs)
         self.emit(StepFinished(self.step_no, batch.kind, sampled, proposed, accepted, memory))
         if proposed:
             log.debug("spec step", step=self.step_no, proposed=proposed, accepted=accepted)
-        for leak in result.leaks:
+        for leak in [*result.leaks, *self._watch_core(batch.kind, memory.core_rss_bytes)]:
             log.warning("leak suspected", **attrs.asdict(leak))
             self.emit(leak)
         self.last_memory = memory
         return outputs
+
+    def _watch_core(self, kind: str, rss: int) -> list:
+        """Host growth of this process; an executor in this process reports it already."""
+        if not getattr(self.executor, "pid", None):
+            return []
+        return self.host_watch.observe(self.step_no, kind, rss)
 
     def _append(self, req: Request, tokens: list[int], logprobs: list[list]) -> RequestOutput:
         """Append sampled tokens one by one until a stop condition; the output of this step."""

@@ -39,6 +39,10 @@ class MemoryReport:
     arena_claimed_bytes: int  # bytes the arena ledger says are claimed by step kinds
     kv_pages_used: int  # held by requests
     kv_pages_cached: int = 0  # held by none, caching a prefix block: reclaimable KV, not a leak
+    executor_rss_bytes: int = 0  # host: the executor process's resident bytes (0: not measured)
+    core_rss_bytes: int = 0  # host: the engine core's (the same process for an in-process one)
+    # the OS's figures, moved by everything else on the host: no replay can reproduce them
+    HOST_MEASURED: ClassVar[tuple[str, ...]] = ("executor_rss_bytes", "core_rss_bytes")
 
 
 @record
@@ -178,7 +182,7 @@ class RequestFinished:
 class LeakSuspected:
     step: int  # step where the growth began
     kind: str
-    what: str  # "live_growth" | "fragmentation" | "held_after_exit"
+    what: str  # "live_growth" | "fragmentation" | "held_after_exit" | "host_growth"
     nbytes: int
     detail: str
 
@@ -228,3 +232,14 @@ def is_input(rec: object) -> bool:
 def is_derived(rec: object) -> bool:
     """Emitted by the engine from its inputs, so a replay emits it again."""
     return not (is_input(rec) or getattr(type(rec), "OBSERVED", False))
+
+
+def unreplayable_fields(cls: type) -> tuple[str, ...]:
+    """Fields of `cls` no replay can reproduce: wall-clock durations, host memory figures."""
+    return (*getattr(cls, "WALL_CLOCK", ()), *getattr(cls, "HOST_MEASURED", ()))
+
+
+def is_host_measured(rec: object) -> bool:
+    """A record made from host memory figures alone (a host-growth report): replay compares
+    none, since the OS's figures differ from run to run."""
+    return isinstance(rec, LeakSuspected) and rec.what == "host_growth"

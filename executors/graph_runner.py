@@ -163,10 +163,12 @@ def capture_phase(
     kv: list[tuple[torch.Tensor, torch.Tensor]],
     sampler: Sampler,
     max_len: int,
+    dummy_hidden: torch.Tensor,
 ) -> tuple[GraphRunner, dict]:
     """Build the decode runner and capture its graphs (`cuda_graphs=False` keeps the fused
     decode but runs it eagerly), point the model's eager decode attention at the runner's
-    workspace, then warm every shape serving allocates."""
+    workspace, then warm every shape serving allocates; `dummy_hidden` ([max_num_seqs, hidden],
+    the capture kind's) is the decode batch the sampler is warmed from."""
     lookahead = cfg.num_lookahead_slots
     runner = GraphRunner(model, kv, cfg.max_num_seqs, max_len, lookahead, cfg.block_size)
     info: dict = {"graph_static_bytes": runner.decode.nbytes}
@@ -176,7 +178,7 @@ def capture_phase(
     model.use_decode_attention(runner.eager_attention())
     with torch.inference_mode():
         warm_eager(cfg, model, kv, max_len)
-        warm_sampler(model, sampler, runner)
+        warm_sampler(model, sampler, runner.sizes, dummy_hidden)
     torch.cuda.synchronize()
     log.info("capture", **info)
     return runner, info
@@ -238,20 +240,25 @@ def decodes_beside_prefill(
     return shapes
 
 
-def warm_sampler(model: LlamaModel, sampler: Sampler, runner: GraphRunner) -> None:
-    """The sampler at every captured size, from the decode path's own hidden-state buffer,
-    with every filter on (and greedy rows, penalties and logprobs), into its persistent buffers.
-    """
+def warm_sampler(
+    model: LlamaModel, sampler: Sampler, sizes: list[int], dummy_hidden: torch.Tensor
+) -> None:
+    """The sampler at every captured size, from the dummy decode batch `dummy_hidden` (seeded
+    noise), with every filter on (and greedy rows, penalties and logprobs), into its persistent
+    buffers."""
+    noise = torch.Generator(device=dummy_hidden.device).manual_seed(0)
+    torch.randn(dummy_hidden.shape, generator=noise, out=dummy_hidden)
     params = [
         SamplingParams(temperature=0.7, top_p=0.9, top_k=50, min_p=0.01, logprobs=2, seed=0),
         SamplingParams(temperature=0.0, repetition_penalty=1.1, frequency_penalty=0.1, seed=0),
     ]
-    for n in runner.sizes:
+    for n in sizes:
         n = min(n, sampler.max_rows)
-        logits = model.logits(runner.decode.hidden[:n])
+        logits = model.logits(dummy_hidden[:n], sampler.logits_out(n))
         rows = [Row(params[i % 2], 3, [1, 2, 3], 1) for i in range(n)]
-        raw = logits.clone()
+        raw = sampler.keep_raw(logits)
         tokens = sampler.sample(sampler.distribution(logits, rows), rows)
-        top_logprobs(raw, tokens, 2)
+        top_logprobs(raw, tokens, 2, in_place=True)
         greedy = [Row(SamplingParams(seed=0), 3, [1, 2, 3], 1)] * n  # the all-greedy shortcut
-        sampler.sample_logits(model.logits(runner.decode.hidden[:n]), greedy).tolist()
+        logits = model.logits(dummy_hidden[:n], sampler.logits_out(n))
+        sampler.sample_logits(logits, greedy).tolist()

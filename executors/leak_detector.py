@@ -12,20 +12,29 @@ measured after that step are reported, because they have different causes and fi
 (On CPU reserved equals live, so only live growth can be seen there.)  The detector names the
 step and kind where growth began, then watches the new level: one report per growth episode,
 and none for `quiet_steps` after it.
+
+A third kind, `host_growth`, watches the executor's resident host memory, which no tensor figure
+shows (core/host_memory.py): growth past `host_tolerance` bytes.
 """
 
 from __future__ import annotations
 
+from memstep.core.host_memory import MIB, HostWatch
 from memstep.events.types import LeakSuspected, MemoryReport
 
 
 class LeakDetector:
-    def __init__(self, quiet_steps: int = 50):
+    def __init__(self, quiet_steps: int = 50, host_tolerance: int = 64 * MIB):
         self.quiet_steps = quiet_steps
         self.baseline: MemoryReport | None = None
         self._quiet_until = -1
+        self.host = HostWatch("executor", host_tolerance)
 
     def observe(self, step: int, kind: str, mem: MemoryReport) -> list[LeakSuspected]:
+        host = self.host.observe(step, kind, mem.executor_rss_bytes)
+        return self._device(step, kind, mem) + host
+
+    def _device(self, step: int, kind: str, mem: MemoryReport) -> list[LeakSuspected]:
         if self.baseline is None:
             self.baseline = mem
             return []

@@ -17,6 +17,7 @@ from memstep.core.shapes import cdiv, max_blocks_per_seq
 from memstep.events.plan import SeqPlan
 from memstep.executors import kv_cache
 from memstep.executors.batch_builder import build_batch
+from memstep.executors.sampler import sampler_nbytes
 from memstep.states.arena import nbytes_of
 from memstep.states.catalog import KINDS
 from memstep.states.kinds import KindEnv
@@ -116,7 +117,7 @@ def plan_memory(
 ) -> MemoryPlan:
     weights = sum(t.numel() * t.element_size() for t in model.w.values())
     rows = cfg.max_num_seqs * (cfg.num_lookahead_slots + 1)
-    sampler = rows * model_cfg.vocab_size * (4 + 4 + 8) + rows * 4
+    sampler = sampler_nbytes(rows, model_cfg.vocab_size, in_place_logits=device.type == "cuda")
     activation = _activation_peak(cfg, model_cfg, max_len, model, dtype, kv_dtype, device)
     if device.type == "cuda":
         activation += _eager_logits_bytes(cfg, model_cfg)
@@ -134,13 +135,13 @@ def plan_memory(
     elif device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         fixed = weights + activation + sampler + graphs
-        fixed += _kind_bytes(cfg, model_cfg, dtype, 1, exclude_draft_kv=True)
+        fixed += _kind_bytes(cfg, model_cfg, dtype, 1, device.type, exclude_draft_kv=True)
         blocks = int((total * cfg.memory_utilization - fixed) // (page + draft_page))
     else:
         blocks = min(cfg.cpu_kv_cache_bytes // (page + draft_page), wanted)
     if blocks < 1:
         raise MemoryError("no memory left for the KV cache; lower max_num_batched_tokens")
-    kinds = _kind_table(cfg, model_cfg, dtype, blocks)
+    kinds = _kind_table(KindEnv(cfg, model_cfg, dtype, blocks, device.type))
     arena = max(kinds.values(), default=0) + 256 * max(1, len(kinds))
     kv = blocks * page
     predicted = weights + activation + sampler + arena + kv + graphs
@@ -148,21 +149,22 @@ def plan_memory(
 
 
 def _eager_logits_bytes(cfg: EngineConfig, model_cfg: ModelConfig) -> int:
-    """Float32 logits of an eager step that samples a row per sequence (a mixed step, or the
-    sampler's warm-up), and one copy of them (raw logits kept for logprobs): the profile's
-    worst case samples only a few rows, so these transients are planned here.  Without them
+    """Float32 logits of an eager worst-case step that samples a row per sequence and one copy
+    of them (the capture phase's eager warm-up makes both outside the sampler's persistent
+    buffers, before serving): the profile's worst case samples only a few rows, so these
+    transients are planned here.  Without them
     reserved memory could pass the predicted peak by ~1 GiB at 1,024 rows of a 128k vocab."""
     rows = min(cfg.max_num_seqs, cfg.max_num_batched_tokens) * (cfg.num_lookahead_slots + 1)
     return 2 * rows * model_cfg.vocab_size * 4
 
 
-def _kind_table(cfg: EngineConfig, model_cfg: ModelConfig, dtype, blocks: int) -> dict:
-    env = KindEnv(cfg, model_cfg, dtype, blocks)
+def _kind_table(env: KindEnv) -> dict:
+    """Each kind's buffer bytes: the arena holds the largest, since one kind holds it at a time."""
     return {name: sum(b.nbytes for b in cls(env).buffers()) for name, cls in KINDS.items()}
 
 
-def _kind_bytes(cfg, model_cfg, dtype, blocks: int, exclude_draft_kv: bool) -> int:
-    env = KindEnv(cfg, model_cfg, dtype, blocks)
+def _kind_bytes(cfg, model_cfg, dtype, blocks: int, device_type: str, exclude_draft_kv: bool):
+    env = KindEnv(cfg, model_cfg, dtype, blocks, device_type)
     return max(
         sum(b.nbytes for b in cls(env).buffers() if not (exclude_draft_kv and b.name == "draft_kv"))
         for cls in KINDS.values()

@@ -35,19 +35,37 @@ class Row:
 
 
 class Sampler:
-    def __init__(self, max_rows: int, vocab_size: int, device: torch.device):
+    """Owns the persistent sampling buffers, sized for `max_rows` (the memory plan counts them:
+    `sampler_bytes`): the logits the head writes into (where it can: `in_place_logits`), a copy
+    of them kept for log-probabilities, the filtered distribution, its sorted copy and order."""
+
+    def __init__(
+        self, max_rows: int, vocab_size: int, device: torch.device, in_place_logits: bool = False
+    ):
         self.max_rows = max_rows
         self.vocab_size = vocab_size
         f32 = torch.float32
-        self.probs = torch.zeros(max_rows, vocab_size, dtype=f32, device=device)
-        self.sorted = torch.zeros(max_rows, vocab_size, dtype=f32, device=device)
-        self.order = torch.zeros(max_rows, vocab_size, dtype=torch.long, device=device)
+        shape = (max_rows, vocab_size)
+        self.logits = torch.zeros(shape, dtype=f32, device=device) if in_place_logits else None
+        self.raw = torch.zeros(shape, dtype=f32, device=device)  # logits, then log-softmax
+        self.probs = torch.zeros(shape, dtype=f32, device=device)
+        self.sorted = torch.zeros(shape, dtype=f32, device=device)
+        self.order = torch.zeros(shape, dtype=torch.long, device=device)
         self.uniforms = torch.zeros(max_rows, dtype=f32, device=device)
 
     @property
     def nbytes(self) -> int:
-        bufs = (self.probs, self.sorted, self.order, self.uniforms)
-        return sum(b.numel() * b.element_size() for b in bufs)
+        bufs = (self.logits, self.raw, self.probs, self.sorted, self.order, self.uniforms)
+        return sum(b.numel() * b.element_size() for b in bufs if b is not None)
+
+    def logits_out(self, num_rows: int) -> torch.Tensor | None:
+        """Where the head may write `num_rows` rows of logits; None where it cannot."""
+        return None if self.logits is None else self.logits[:num_rows]
+
+    def keep_raw(self, logits: torch.Tensor) -> torch.Tensor:
+        """A copy of `logits` ([R, V] float32) that the sampler's in-place filters leave alone,
+        for log-probabilities: `PendingLogprobs` turns it into their log-softmax in place."""
+        return self.raw[: logits.shape[0]].copy_(logits)
 
     def distribution(self, logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
         """The filtered distribution each row samples from, in `self.probs[:R]` ([R, V])."""
@@ -160,6 +178,11 @@ def to_device(values: list[float], device: torch.device) -> torch.Tensor:
     return host.to(device, non_blocking=True)
 
 
+def sampler_nbytes(max_rows: int, vocab_size: int, in_place_logits: bool) -> int:
+    """The bytes of a `Sampler`'s buffers, for the memory plan."""
+    return max_rows * vocab_size * (4 * (3 + in_place_logits) + 8) + max_rows * 4
+
+
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor, scratch: torch.Tensor) -> list[int]:
     """Token i of each row where the running mass first exceeds u * total; probs: [R, V]."""
     return PendingTokens(inverse_cdf_on_device(probs, u, scratch), probs).tolist()
@@ -204,20 +227,26 @@ def apply_penalties(logits: torch.Tensor, row: Row) -> None:
         logits[ids] -= p.frequency_penalty * freq + p.presence_penalty
 
 
-def top_logprobs(logits: torch.Tensor, tokens: list[int], n: int) -> list[list]:
-    """[chosen logprob, [[id, logprob] x n]] for each row, from the raw model logits."""
+def top_logprobs(
+    logits: torch.Tensor, tokens: list[int], n: int, in_place: bool = False
+) -> list[list]:
+    """[chosen logprob, [[id, logprob] x n]] for each row, from the raw model logits; with
+    `in_place`, `logits` (a float32 buffer of the caller's) become their log-softmax instead of
+    being copied."""
     index = torch.tensor(tokens, dtype=torch.long).to(logits.device)
-    return PendingLogprobs(logits, index, n).rows(tokens, tokens)
+    work = logits if in_place else logits.to(torch.float32, copy=True)
+    return PendingLogprobs(work, index, n).rows(tokens, tokens)
 
 
 class PendingLogprobs:
     """Each row's log-probability of its sampled token and its top `n`, computed on the device
-    from the raw logits and the device's tokens, and already on their way to the host: every
-    figure crosses in one transfer, queued before any later device work."""
+    from the raw logits (float32, overwritten with their log-softmax) and the device's tokens,
+    and already on their way to the host: every figure crosses in one transfer, queued before
+    any later device work."""
 
     def __init__(self, logits: torch.Tensor, tokens: torch.Tensor, n: int):
         self.n = n
-        self._logp = torch.log_softmax(logits.float(), dim=-1)
+        self._logp = torch.log_softmax(logits, dim=-1, out=logits)  # float32, in place
         # a row the host settles later (-1 - token) is gathered at its drawn token for now
         index = torch.where(tokens < 0, -1 - tokens, tokens)[:, None]
         parts = [self._logp.gather(1, index)]

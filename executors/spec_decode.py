@@ -123,8 +123,8 @@ class SpecDecoder:
         h = hidden[rows_idx]
         if not owners:
             return [], h
-        logits = self.target.logits(h)
-        raw = logits.clone() if any(r.params.logprobs for r in sample_rows) else None
+        logits = self.target.logits(h, self.sampler.logits_out(len(rows_idx)))
+        raw = self.sampler.keep_raw(logits) if any(r.params.logprobs for r in sample_rows) else None
         probs = self.sampler.distribution(logits, sample_rows)
         results = []
         offset = 0
@@ -132,12 +132,14 @@ class SpecDecoder:
             seq_drafts = drafts_of.get(seq.request_id, [])
             rows = sample_rows[offset : offset + n]
             q = q_of.get(seq.request_id)
-            tokens, accepted = accept_drafts(probs[offset : offset + n], rows, seq_drafts, q)
+            residual = self.spec.held["residual"]
+            tokens, accepted = accept_drafts(
+                probs[offset : offset + n], rows, seq_drafts, q, residual
+            )
             logprobs = []
             if raw is not None and rows[0].params.logprobs:
-                logprobs = top_logprobs(
-                    raw[offset : offset + len(tokens)], tokens, rows[0].params.logprobs
-                )
+                own = raw[offset : offset + len(tokens)]
+                logprobs = top_logprobs(own, tokens, rows[0].params.logprobs, in_place=True)
             proposed = len(seq_drafts)
             results.append(SeqResult(seq.request_id, tokens, logprobs, proposed, accepted))
             if self.draft is not None and seq.request_id in drafts_of:
@@ -147,12 +149,16 @@ class SpecDecoder:
         return results, h
 
 
-def accept_drafts(p: torch.Tensor, rows: list[Row], drafts: list[int], q) -> tuple[list[int], int]:
+def accept_drafts(
+    p: torch.Tensor, rows: list[Row], drafts: list[int], q, residual: torch.Tensor
+) -> tuple[list[int], int]:
     """Tokens appended (accepted drafts, then one more) and how many drafts were accepted.
 
     p: [len(drafts) + 1, V] target distributions; q: [>= len(drafts), V] draft distributions,
-    or None for a deterministic proposer (q one-hot at the draft)."""
+    or None for a deterministic proposer (q one-hot at the draft); residual: [2, V] float32
+    workspace (the `spec` kind's) for a rejected draft's distribution and its running sum."""
     out: list[int] = []
+    dist, scratch = residual[0:1], residual[1:2]
     for j, d in enumerate(drafts):
         pos, seed = rows[j].position, rows[j].seed
         q_d = 1.0 if q is None else float(q[j, d])
@@ -160,17 +166,17 @@ def accept_drafts(p: torch.Tensor, rows: list[Row], drafts: list[int], q) -> tup
         if q_d > 0 and uniform(seed, pos, ACCEPT) < p_d / q_d:
             out.append(d)
             continue
-        residual = p[j].clone()
         if q is None:
-            residual[d] = 0.0
+            dist[0].copy_(p[j])
+            dist[0, d] = 0.0
         else:
-            residual = (residual - q[j]).clamp_(min=0.0)
-        if float(residual.sum()) <= 0.0:
-            residual = p[j].clone()
+            torch.sub(p[j], q[j], out=dist[0]).clamp_(min=0.0)
+        if float(dist.sum()) <= 0.0:
+            dist[0].copy_(p[j])
         u = torch.tensor([uniform(seed, pos, SAMPLE)])
-        out.append(inverse_cdf(residual[None], u, torch.empty_like(residual[None]))[0])
+        out.append(inverse_cdf(dist, u, scratch)[0])
         return out, j
     j = len(drafts)
     u = torch.tensor([uniform(rows[j].seed, rows[j].position, SAMPLE)])
-    out.append(inverse_cdf(p[j : j + 1], u, torch.empty_like(p[j : j + 1]))[0])
+    out.append(inverse_cdf(p[j : j + 1], u, scratch)[0])
     return out, len(drafts)

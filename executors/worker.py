@@ -20,6 +20,7 @@ from memstep.executors import kv_cache, memory
 from memstep.executors.allocator import configure_cuda_allocator
 from memstep.executors.batch_builder import build_batch
 from memstep.executors.cpu_features import has_native_bf16
+from memstep.executors.host_allocator import HostTrim, bound_onednn_caches
 from memstep.executors.leak_detector import LeakDetector
 from memstep.executors.llama import LlamaModel
 from memstep.executors.memory_plan import MemoryPlan, plan_memory
@@ -32,6 +33,7 @@ from memstep.states.arena import Arena
 from memstep.states.catalog import make_kinds
 from memstep.states.kinds import KindEnv, Spec, StepOutputs
 from memstep.states.lifecycle import Lifecycle
+from memstep.states.startup import Capture, Warmup
 
 log = structlog.get_logger("memstep.executor")
 
@@ -84,6 +86,8 @@ class Worker:
         self.kv_dtype = kv_cache.kv_dtype(cfg.kv_cache_dtype, self.dtype)
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
+        bound_onednn_caches()  # before the first matmul: their growth was the executor's RSS
+        self.host_trim = HostTrim()
         self.meter = memory.LiveTensorMeter()
         if self.device.type == "cpu":
             self.meter.exclude_existing()  # before the weights: everything after is this worker's
@@ -110,7 +114,7 @@ class Worker:
         )
         self.lifecycle = Lifecycle()
         self.requests = RequestStates()
-        self.detector = LeakDetector()
+        self.detector = LeakDetector(host_tolerance=cfg.host_leak_tolerance_mib << 20)
         self.memory_plan: MemoryPlan | None = None
         self.spec = None
         self.graphs = None  # CUDA: the decode graphs (graph_runner.GraphRunner), built at capture
@@ -130,14 +134,19 @@ class Worker:
         if phase == "profile":
             info = self._profile()
         elif phase == "warmup":
-            info = self._warmup()
+            warmup = self.lifecycle.kinds["warmup"]
+            assert isinstance(warmup, Warmup)
+            info = self._warmup(warmup.dummy_hidden)
         elif phase == "capture":
             if self.device.type == "cuda":  # imports Triton: never on CPU
                 from memstep.executors.graph_runner import capture_phase, peak_figures
 
+                capture = self.lifecycle.kinds["capture"]
+                assert isinstance(capture, Capture)
                 self.graphs, info = capture_phase(
-                    self.cfg, self.model, self.kv, self.sampler, self.max_model_len
-                )
+                    self.cfg, self.model, self.kv, self.sampler, self.max_model_len,
+                    capture.dummy_hidden,
+                )  # fmt: skip
                 info |= peak_figures(self.device, self.memory_plan)
                 log.info("memory after capture", **peak_figures(self.device, self.memory_plan))
             self.meter.freeze()  # start-up objects are done; measure only what serving creates
@@ -153,12 +162,12 @@ class Worker:
         if self.ranks is not None:  # every rank holds the same pages: those that fit on each
             plan = plan.with_blocks(self.ranks.min_int(plan.num_kv_blocks))
         self.memory_plan = plan
-        kinds = make_kinds(KindEnv(cfg, mc, self.dtype, plan.num_kv_blocks))
+        kinds = make_kinds(KindEnv(cfg, mc, self.dtype, plan.num_kv_blocks, self.device.type))
         self.lifecycle.install(kinds, Arena(plan.arena_bytes, self.device))
         shape = (plan.num_kv_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim)
         self.kv = kv_cache.allocate(mc.num_layers, shape, self.kv_dtype, self.device)
         rows = self.cfg.max_num_seqs * (self.cfg.num_lookahead_slots + 1)
-        self.sampler = Sampler(rows, self.model_cfg.vocab_size, self.device)
+        self.sampler = Sampler(rows, mc.vocab_size, self.device, self.model.logits_in_place)
         if cfg.is_speculative:
             from memstep.executors.spec_decode import SpecDecoder, draft_model
 
@@ -174,13 +183,19 @@ class Worker:
         log.info("memory plan", **info)
         return info
 
-    def _warmup(self) -> dict:
-        """Run the model and the sampler at every batch size serving will see."""
+    def _warmup(self, dummy_hidden: torch.Tensor) -> dict:
+        """Run the head once at the most rows, and the sampler, every filter on, at every batch
+        size serving will see, from the warm-up kind's dummy batch ([max rows, hidden], seeded
+        noise)."""
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+        noise = torch.Generator(device=self.device).manual_seed(0)
+        torch.randn(dummy_hidden.shape, generator=noise, out=dummy_hidden)
+        most = self.sampler.max_rows
+        dummy_logits = self.model.logits(dummy_hidden, self.sampler.logits_out(most))
         params = SamplingParams(temperature=0.7, top_p=0.9, top_k=50, min_p=0.01, seed=0).to_dict()
-        for rows in range(1, self.sampler.max_rows + 1):
-            logits = torch.zeros(rows, self.model_cfg.vocab_size, device=self.device)
+        for rows in range(1, most + 1):
+            logits = dummy_logits[:rows]
             sp = SamplingParams.from_dict(params)
             sample_rows = [Row(sp, 0, [], 0) for _ in range(rows)]
             self.sampler.sample(self.sampler.distribution(logits, sample_rows), sample_rows)
@@ -207,7 +222,8 @@ class Worker:
             results, hidden = self._run_plain(plan.seqs)
         for res in results:
             self.requests.append(res.request_id, res.token_ids)
-        self.lifecycle.kinds[plan.kind].after_step(StepOutputs(hidden, hidden.shape[0]))
+        admitted = sum(1 for seq in plan.seqs if seq.params)
+        self.lifecycle.kinds[plan.kind].after_step(StepOutputs(hidden, hidden.shape[0], admitted))
         del hidden
         mem = self._measure()
         leaks = move.leaks + self.detector.observe(plan.step, plan.kind, mem)
@@ -243,10 +259,10 @@ class Worker:
         h = hidden[: len(picked)] if picked == list(range(len(picked))) else hidden[picked]
         if not sampled:
             return [], h
-        logits = self.model.logits(h)
+        logits = self.model.logits(h, self.sampler.logits_out(len(picked)))
         rows = self.sample_rows(sampled)
         want_logprobs = max(row.params.logprobs for row in rows)
-        raw = logits.clone() if want_logprobs else None
+        raw = self.sampler.keep_raw(logits) if want_logprobs else None
         pending = self.sampler.sample_logits(logits, rows)
         figures = PendingLogprobs(raw, pending.device, want_logprobs) if raw is not None else None
         # a graph step where every sequence samples: replay the next one while the core records
@@ -273,4 +289,5 @@ class Worker:
             num_allocs=figures["num_allocs"],
             arena_claimed_bytes=self.lifecycle.claimed_bytes,
             kv_pages_used=used,
+            executor_rss_bytes=self.host_trim.measure(),
         )

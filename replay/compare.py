@@ -16,6 +16,7 @@ from typing import Any
 import attrs
 
 from memstep.events import codec
+from memstep.events.types import REGISTRY, is_host_measured, unreplayable_fields
 
 Path = tuple[str | int, ...]
 
@@ -62,9 +63,9 @@ class Comparison:
 
 
 def compare(recorded: list[object], replayed: list[object]) -> Comparison:
-    """Compare two streams of derived records."""
-    rec_objs = [_comparable(r) for r in recorded]
-    rep_objs = [_comparable(r) for r in replayed]
+    """Compare two streams of derived records, less those made of host memory figures."""
+    rec_objs = [_comparable(r) for r in recorded if not is_host_measured(r)]
+    rep_objs = [_comparable(r) for r in replayed if not is_host_measured(r)]
     first = _first_divergence(rec_objs, rep_objs)
     rec_keyed, rep_keyed = _keyed(rec_objs), _keyed(rep_objs)
     fields: Counter[str] = Counter()
@@ -108,10 +109,17 @@ def differences(a: Any, b: Any, path: Path = ()) -> Iterator[tuple[Path, Any, An
 
 
 def _comparable(rec: object) -> dict:
-    """The record as the codec writes it, less its wall-clock fields (no replay repeats them)."""
-    obj = codec.to_obj(rec)
-    for name in getattr(type(rec), "WALL_CLOCK", ()):
+    """The record as the codec writes it, less the fields no replay repeats (wall-clock, host
+    memory), in it and in the records it holds."""
+    return _without_unreplayable(codec.to_obj(rec))
+
+
+def _without_unreplayable(obj: dict) -> dict:
+    for name in unreplayable_fields(REGISTRY[obj["t"]]):
         obj.pop(name, None)
+    for value in obj.values():
+        if type(value) is dict and "t" in value:
+            _without_unreplayable(value)
     return obj
 
 

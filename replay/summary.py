@@ -70,10 +70,35 @@ class Transition:
 
 
 @attrs.frozen
+class KindLedger:
+    """What one kind's enter hooks claimed and its exit hooks released, over the whole log: equal
+    to the byte when every exit gave back what its entry took."""
+
+    claimed: int
+    released: int
+    num_entries: int
+    num_exits: int
+
+    @property
+    def is_balanced(self) -> bool:
+        return self.claimed == self.released
+
+
+@attrs.frozen
+class HostRss:
+    """A process's resident host bytes after the first step, at their peak, after the last."""
+
+    first: int
+    peak: int
+    final: int
+
+
+@attrs.frozen
 class LogSummary:
     requests: RequestTotals
     kinds: dict[str, KindTotals]
     transitions: list[Transition]
+    ledger: dict[str, KindLedger]  # kind -> its claims and releases, start-up kinds included
     stretches: list[Stretch]
     leaks: list[LeakSuspected]
     phases: list[list]  # [step, old, new]
@@ -90,6 +115,7 @@ class LogSummary:
     num_prefix_hits: int  # admissions that reused cached pages (StepPlanned.cached)
     peak_kv_pages_cached: int  # pages held by no request that cache a prefix block
     final_kv_pages_cached: int
+    host_rss: dict[str, HostRss]  # "executor", "core": where measured
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -112,6 +138,7 @@ def summarize(records: list[object]) -> LogSummary:
         requests=_requests(records),
         kinds=_kinds(steps, planned, stretches),
         transitions=_transitions(records),
+        ledger=_ledger(records),
         stretches=stretches,
         leaks=[r for r in records if isinstance(r, LeakSuspected)],
         phases=[[r.step, r.old, r.new] for r in records if isinstance(r, PhaseChanged)],
@@ -128,6 +155,7 @@ def summarize(records: list[object]) -> LogSummary:
         num_prefix_hits=sum(len(p.cached) for p in planned.values()),
         peak_kv_pages_cached=max((m.kv_pages_cached for m in mems), default=0),
         final_kv_pages_cached=mems[-1].kv_pages_cached if mems else 0,
+        host_rss=_host_rss(mems),
     )
 
 
@@ -176,16 +204,40 @@ def _kinds(
 
 
 def _transitions(records: list[object]) -> list[Transition]:
-    """Each time a serving kind is entered: from which state, and the bytes moved."""
+    """Each time a kind (warmup, capture, a serving kind) is entered: from which state, and the
+    bytes moved.  A phase change comes before the exit and entry records it caused."""
     out: list[Transition] = []
-    state = "boot"
+    source = "boot"
     released = 0
     for rec in records:
         if isinstance(rec, PhaseChanged):
-            state = rec.new
+            source = rec.old
         elif isinstance(rec, StateExited):
-            released = rec.bytes_released
+            source, released = rec.kind, rec.bytes_released
         elif isinstance(rec, StateEntered):
-            out.append(Transition(rec.step, state, rec.kind, released, rec.bytes_claimed))
-            state, released = rec.kind, 0
+            out.append(Transition(rec.step, source, rec.kind, released, rec.bytes_claimed))
+            source, released = rec.kind, 0
+    return out
+
+
+def _ledger(records: list[object]) -> dict[str, KindLedger]:
+    totals: dict[str, list[int]] = {}
+    for rec in records:
+        if isinstance(rec, StateEntered):
+            t = totals.setdefault(rec.kind, [0, 0, 0, 0])
+            t[0] += rec.bytes_claimed
+            t[2] += 1
+        elif isinstance(rec, StateExited):
+            t = totals.setdefault(rec.kind, [0, 0, 0, 0])
+            t[1] += rec.bytes_released
+            t[3] += 1
+    return {kind: KindLedger(*t) for kind, t in totals.items()}
+
+
+def _host_rss(mems: list) -> dict[str, HostRss]:
+    out = {}
+    for process in ("executor", "core"):
+        figures = [getattr(m, f"{process}_rss_bytes") for m in mems]
+        if any(figures):
+            out[process] = HostRss(figures[0], max(figures), figures[-1])
     return out

@@ -1,8 +1,10 @@
 """The memory timeline of a log as a PNG: what every step left alive, with the step kinds behind.
 
-Top panel: live and reserved bytes after each step, leak reports marked.  Bottom panel: bytes
-the arena ledger says are claimed by step kinds, and KV pages in use and pages cached for prefix
-reuse (right axis); the title carries the prefix-cache hit rate.  Both panels shade each step by
+Top panel: live and reserved bytes after each step, and each process's resident host memory,
+leak reports marked.  Bottom panel: bytes the arena ledger says are claimed by step kinds, with
+what the start-up kinds (warmup, capture) claimed and released before the first step, and KV
+pages in use and pages cached for prefix reuse (right axis); the title carries the prefix-cache
+hit rate.  Both panels shade each step by
 its kind and draw a dotted line at every transition between kinds; a lost executor is a solid
 dark red line, labelled with its recovery time.
 Rendered with matplotlib's Agg canvas (no display, no global backend switch).
@@ -21,8 +23,10 @@ from matplotlib.patches import Patch
 from memstep.events.types import ExecutorLost, LeakSuspected, RecoveryDone, StepFinished
 from memstep.replay.recording import Recording
 from memstep.replay.summary import summarize
+from memstep.replay.text_table import fmt_bytes
 
 KIND_COLORS = {"no_spec": "#d6e4f0", "spec": "#fbd9b5"}
+STARTUP_KINDS = ("warmup", "capture")
 OTHER_COLORS = ("#dcedc8", "#e1bee7", "#fff9c4")
 LOSS_COLOR = "#8b0000"
 MIB = 1 << 20
@@ -41,6 +45,10 @@ def plot_memory(recording: Recording, output: str | Path) -> Path:
     top.plot(x, [m.live_bytes / MIB for m in mem], color="C0", lw=1.6, label="live", ds=STEPS)
     reserved = [m.reserved_bytes / MIB for m in mem]
     top.plot(x, reserved, color="C1", lw=1.0, ls="--", label="reserved", ds=STEPS)
+    for color, process in (("C5", "executor"), ("C6", "core")):
+        rss = [getattr(m, f"{process}_rss_bytes") / MIB for m in mem]
+        if any(rss):
+            top.plot(x, rss, color=color, lw=1.0, ls="-.", label=f"{process} RSS", ds=STEPS)
     bottom.plot(x, [m.arena_claimed_bytes / MIB for m in mem], color="C2", lw=1.4, ds=STEPS)
     pages = bottom.twinx()
     pages.plot(x, [m.kv_pages_used for m in mem], color="C3", lw=1.0, alpha=0.8, ds=STEPS)
@@ -61,6 +69,7 @@ def plot_memory(recording: Recording, output: str | Path) -> Path:
     _leaks(top, leaks, dict(zip(x, mem, strict=True)))
     top.set_ylabel("live / reserved (MiB)")
     bottom.set_ylabel("arena claimed (MiB)")
+    _startup(bottom, recording.records)
     bottom.set_xlabel("step")
     losses = _losses(top, recording.records)
     handles = _legend(top, kinds, colors, bool(changes), bool(leaks))
@@ -103,6 +112,21 @@ def _leaks(ax: Axes, leaks: list[LeakSuspected], mem_at: dict) -> None:
         ax.annotate(
             f"leak: {leak.kind} {leak.what}", (leak.step, y), xytext=(6, 6),
             textcoords="offset points", color="red", fontsize=8,
+        )  # fmt: skip
+
+
+def _startup(ax: Axes, records: list[object]) -> None:
+    """What each start-up kind claimed and released, in a corner: they run before step 0."""
+    ledger = summarize(records).ledger
+    lines = [
+        f"{kind}: claimed {fmt_bytes(k.claimed)}, released {fmt_bytes(k.released)}"
+        for kind, k in ledger.items()
+        if kind in STARTUP_KINDS
+    ]
+    if lines:
+        ax.annotate(
+            "before step 0:\n" + "\n".join(lines), (0.99, 0.95), xycoords="axes fraction",
+            ha="right", va="top", fontsize=8, color="0.25",
         )  # fmt: skip
 
 

@@ -1,12 +1,19 @@
-"""Every serving step kind by name, and the kinds one engine runs: a planted leak, where the
-config asks for one, stands in for the kind it imitates."""
+"""Every step kind by name (the start-up phases that own buffers, and the serving kinds), and
+the kinds one engine runs: a planted leak, where the config asks for one, stands in for the kind
+it imitates."""
 
 from __future__ import annotations
 
 from memstep.states.kinds import KindEnv, NoSpec, Spec, StepKind
 from memstep.states.planted import PLANTS
+from memstep.states.startup import Capture, Warmup
 
-KINDS: dict[str, type[StepKind]] = {"no_spec": NoSpec, "spec": Spec}
+KINDS: dict[str, type[StepKind]] = {
+    "warmup": Warmup,
+    "capture": Capture,
+    "no_spec": NoSpec,
+    "spec": Spec,
+}
 
 
 def make_kinds(env: KindEnv) -> dict[str, StepKind]:

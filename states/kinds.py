@@ -36,6 +36,12 @@ class KindEnv:
     model: ModelConfig
     dtype: torch.dtype
     num_kv_blocks: int
+    device_type: str = "cpu"
+
+    @property
+    def sampler_rows(self) -> int:
+        """The most rows one step samples: every sequence, each with its drafts."""
+        return self.cfg.max_num_seqs * (self.cfg.num_lookahead_slots + 1)
 
 
 @attrs.define
@@ -44,6 +50,7 @@ class StepOutputs:
 
     hidden: torch.Tensor  # [R, hidden] final hidden states of the sampled rows
     num_rows: int
+    num_admitted: int = 0  # requests whose first plan this step was
 
 
 class StepKind:
@@ -90,7 +97,8 @@ class NoSpec(StepKind):
 
 
 class Spec(StepKind):
-    """Speculative steps: owns the draft tokens, their probabilities and the draft KV cache.
+    """Speculative steps: owns the acceptance workspace and, with a draft model, the drafts'
+    probabilities and the draft KV cache (n-gram drafts are deterministic: no probabilities).
 
     `draft_len[request_id]` is how many of a request's tokens the draft KV holds; it is dropped
     on exit with the draft KV itself, so re-entering `spec` rebuilds the draft state from the
@@ -106,11 +114,10 @@ class Spec(StepKind):
     def buffers(self) -> list[BufferSpec]:
         cfg, model = self.env.cfg, self.env.model
         k, rows = cfg.num_speculative_tokens, cfg.max_num_seqs
-        specs = [
-            BufferSpec("draft_tokens", (rows, k), torch.long),
-            BufferSpec("draft_probs", (rows, k, model.vocab_size), torch.float32),
-        ]
+        # a rejected draft's residual distribution [0] and its running sum [1]
+        specs = [BufferSpec("residual", (2, model.vocab_size), torch.float32)]
         if cfg.speculative_method == "draft":
+            specs.append(BufferSpec("draft_probs", (rows, k, model.vocab_size), torch.float32))
             draft = draft_config(cfg, model)
             blocks, size = self.env.num_kv_blocks, cfg.block_size
             shape = (2, draft.num_layers, blocks, size, draft.num_kv_heads, draft.head_dim)

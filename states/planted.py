@@ -54,8 +54,24 @@ class ScratchOfChangingSizes(NoSpec):
         del scratch
 
 
+class ExecutorKeepsRequestBytes(NoSpec):
+    """A host leak no tensor figure shows: the executor keeps 4 MiB of Python bytes for every
+    request it admits (a per-request cache that is never evicted)."""
+
+    NBYTES = 4 << 20
+
+    def __init__(self, env):
+        super().__init__(env)
+        self.kept: list[bytes] = []
+
+    def after_step(self, outputs: StepOutputs) -> None:
+        for _ in range(outputs.num_admitted):
+            self.kept.append(bytes([len(self.kept) % 251 + 1]) * self.NBYTES)  # touched pages
+
+
 PLANTS: dict[str, tuple[str, type[StepKind]]] = {
     "no_spec_hidden_states": ("no_spec", NoSpecKeepsHiddenStates),
     "sampler_scratch": ("no_spec", SamplerScratchPerStep),
     "fragmenting_scratch": ("no_spec", ScratchOfChangingSizes),
+    "executor_host_bytes": ("no_spec", ExecutorKeepsRequestBytes),
 }

@@ -1,7 +1,8 @@
 """The one table of legal moves between engine phases and serving step kinds.
 
-Phases run boot -> profile -> warmup -> capture -> serve; during serve every step is a kind
-(`spec`, `no_spec`).  `serve` itself is not a state: entering serve means entering the kind of
+Phases run boot -> profile -> warmup -> capture -> serve; `warmup` and `capture` are kinds with
+buffers and hooks of their own (`startup.py`), and during serve every step is a kind (`spec`,
+`no_spec`).  `serve` itself is not a state: entering serve means entering the kind of
 the first serving step.  Any state may go to `shutdown`, and any serving kind to `recover`.
 """
 

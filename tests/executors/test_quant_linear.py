@@ -96,10 +96,11 @@ def test_a_planted_wrong_scale_is_caught(mode):
 
 def test_quantize_weights_replaces_every_matrix_and_keeps_the_embedding():
     from memstep.core.model_config import PRESETS
+    from memstep.executors.sharding import Shard
     from memstep.executors.weights import _random
 
     cfg = PRESETS["tiny"]
-    weights = _random(cfg, 0, torch.float32, CPU)
+    weights = _random(cfg, 0, torch.float32, CPU, Shard(cfg))
     out = ql.quantize_weights(weights, "q4", cfg.num_layers)
     for name in ql.layer_matrices(cfg.num_layers):
         assert name not in out and name + ".int4" in out

@@ -132,7 +132,7 @@ def first_tokens(rule, q_is_none: bool) -> torch.Tensor:
         rows = [Row(params, 10, [], 0), Row(params, 11, [], 0)]
         q = None if q_is_none else Q[None]
         draft = 1 if q_is_none else int(torch.multinomial(Q, 1, generator=gen))
-        tokens, _ = rule(torch.stack([P, P]), rows, [draft], q)
+        tokens, _ = rule(torch.stack([P, P]), rows, [draft], q, torch.empty(2, len(P)))
         counts[tokens[0]] += 1
     return counts
 
@@ -151,10 +151,10 @@ def test_sampled_tokens_follow_the_target_distribution(q_is_none):
 
 
 def test_a_wrong_acceptance_rule_fails_the_same_test():
-    def always_accept(p, rows, drafts, q):
+    def always_accept(p, rows, drafts, q, residual):
         return list(drafts), len(drafts)
 
-    def resample_from_p(p, rows, drafts, q):  # rejects correctly, then forgets the residual
+    def resample_from_p(p, rows, drafts, q, residual):  # rejects right, then forgets the residual
         u = uniform(rows[0].params.seed, rows[0].position, ACCEPT)
         if u < min(1.0, float(p[0, drafts[0]] / q[0, drafts[0]])):
             return [drafts[0]], 1

@@ -12,7 +12,13 @@ import pytest
 from replay_helpers import memstep
 
 from memstep.events.log import LogWriter, read_log
-from memstep.events.types import LedgerEntry, RequestFinished, StateEntered, StepFinished
+from memstep.events.types import (
+    LedgerEntry,
+    RequestFinished,
+    StateEntered,
+    StateExited,
+    StepFinished,
+)
 
 RESERVED = ("format_version", "memstep_version", "created")
 
@@ -54,6 +60,14 @@ def edit_ledger(records: list) -> tuple[int, object, str, int, int]:
     return i, attrs.evolve(rec, ledger=ledger), "ledger[0].nbytes", old, old + 256
 
 
+def edit_warmup_release(records: list) -> tuple[int, object, str, int, int]:
+    """Say warm-up's exit hook gave back 256 bytes fewer than its entry claimed."""
+    i = next(i for i, r in enumerate(records) if isinstance(r, StateExited) and r.kind == "warmup")
+    rec = records[i]
+    old = rec.bytes_released
+    return i, attrs.evolve(rec, bytes_released=old - 256), "bytes_released", old, old - 256
+
+
 def edit_live_bytes(records: list) -> tuple[int, object, str, int, int]:
     """Report 4 KiB more live bytes after the last step."""
     i = max(i for i, r in enumerate(records) if isinstance(r, StepFinished))
@@ -68,6 +82,7 @@ def edit_live_bytes(records: list) -> tuple[int, object, str, int, int]:
     [
         (edit_token, "StepFinished.sampled"),
         (edit_ledger, "StateEntered.ledger.nbytes"),
+        (edit_warmup_release, "StateExited.bytes_released"),
         (edit_live_bytes, "StepFinished.memory.live_bytes"),
     ],
 )
@@ -89,6 +104,21 @@ def test_one_edited_field_is_reported_at_its_step_and_field(tiny_log, tmp_path, 
     assert code == 1
     assert f"DIVERGED first at step {new.step}, {event}, field {field}" in text
     assert f"recorded {edited}, replayed {original}" in text
+
+
+def test_inspect_names_the_kind_whose_ledger_does_not_balance(tiny_log, tmp_path):
+    code, text, _ = memstep("inspect", str(tiny_log.path))
+    assert code == 0 and "ledger: every kind released to the byte what it claimed" in text
+    _, records, _ = read_log(tiny_log.path)
+    index, new, *_ = edit_warmup_release(records)
+    log = tmp_path / "edited.memlog"
+    rewrite(tiny_log.path, log, index, new)
+    code, text, _ = memstep("inspect", str(log))
+    assert code == 0 and "ledger: NOT BALANCED for warmup" in text
+    ledger = text[text.index("ledger: NOT BALANCED") :].splitlines()
+    row = next(line.split() for line in ledger if line.startswith("  warmup "))
+    claimed, released = (int(v.replace(",", "")) for v in row[3:5])
+    assert claimed - released == 256 and row[5] == "+256"
 
 
 def test_dropped_record_is_reported_missing(tiny_log, tmp_path):

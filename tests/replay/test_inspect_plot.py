@@ -30,8 +30,13 @@ def test_inspect_json_adds_up_the_log(smol_log):
     assert s["num_proposed"] == sum(st.num_proposed for st in steps) > 0
     assert len(s["transitions"]) == sum(isinstance(r, StateEntered) for r in records)
     assert {(t["source"], t["target"]) for t in s["transitions"]} == {
-        ("capture", "no_spec"), ("no_spec", "spec"), ("spec", "no_spec")
+        ("profile", "warmup"), ("warmup", "capture"), ("capture", "no_spec"),
+        ("no_spec", "spec"), ("spec", "no_spec"),
     }  # fmt: skip
+    assert set(s["ledger"]) == {"warmup", "capture", "no_spec", "spec"}
+    assert all(k["claimed"] == k["released"] for k in s["ledger"].values()), s["ledger"]
+    assert s["ledger"]["warmup"]["claimed"] > 0 and s["ledger"]["warmup"]["num_exits"] == 1
+    assert s["host_rss"]["executor"]["peak"] > 0
     stretches = s["stretches"]
     assert sum(st["num_steps"] for st in stretches) == len(steps)
     assert all(a["kind"] != b["kind"] for a, b in zip(stretches, stretches[1:], strict=False))

@@ -17,6 +17,7 @@ from memstep.events.types import (
     EngineStarted,
     RequestAdded,
     StateEntered,
+    StateExited,
     StepFinished,
     StepPlanned,
     is_input,
@@ -54,8 +55,9 @@ def test_header_and_first_record_and_one_flush_per_step(tmp_path):
     assert grown > size
     _, records, problems = read_log(path)
     assert problems == []
-    kinds = [RequestAdded, StepPlanned, StateEntered, StepFinished]
-    assert [type(r) for r in records[-4:]] == kinds
+    kinds = [RequestAdded, StepPlanned, StateExited, StateEntered, StepFinished]
+    assert [type(r) for r in records[-5:]] == kinds
+    assert (records[-3].kind, records[-2].kind) == ("capture", "no_spec")
     engine.shutdown()
     recorder.close()
 

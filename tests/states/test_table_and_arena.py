@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 
+import attrs
 import pytest
 import torch
 
@@ -47,7 +48,7 @@ class SpecKeepsItsBuffer(kinds_module.Spec):
     """Keeps a claimed buffer on self past its exit hook: the check must say so."""
 
     def on_enter(self):
-        self.kept = self.held["draft_tokens"]
+        self.kept = self.held["residual"]
 
 
 def test_buffer_held_after_exit_is_reported(monkeypatch):
@@ -64,7 +65,7 @@ def test_buffer_held_after_exit_is_reported(monkeypatch):
     gc.collect()
     held = [r for r in records if type(r).__name__ == "LeakSuspected"]
     assert [(r.kind, r.what) for r in held][:1] == [("spec", "held_after_exit")]
-    assert "spec.draft_tokens" in held[0].detail
+    assert "spec.residual" in held[0].detail
 
 
 def _ledger_totals(records: list) -> dict[str, list[int]]:
@@ -78,15 +79,22 @@ def _ledger_totals(records: list) -> dict[str, list[int]]:
     return totals
 
 
+class SpecWithAnOddBuffer(kinds_module.Spec):
+    """The spec kind plus a buffer of 3 x 3 x 8 = 72 bytes, not a multiple of the alignment."""
+
+    def buffers(self):
+        return [*super().buffers(), kinds_module.BufferSpec("odd", (3, 3), torch.long)]
+
+
 def _crossings(draft_layers: int | None = None) -> list:
-    """spec -> no_spec -> spec crossings with buffers of sizes that are not 256-aligned."""
+    """warmup -> capture -> spec -> no_spec -> spec crossings, then shutdown."""
     extra = {"draft_layers": draft_layers} if draft_layers else {}
     cfg = EngineConfig(
         model="random:tiny",
         speculative_method="draft" if draft_layers else "ngram",
         speculative_disable_by_batch_size=2,
         num_speculative_tokens=3,
-        max_num_seqs=3,  # draft_tokens: 3 x 3 x 8 = 72 bytes, not a multiple of the alignment
+        max_num_seqs=3,
         **extra,
     )
     records: list = []
@@ -102,10 +110,34 @@ def _crossings(draft_layers: int | None = None) -> list:
 
 
 @pytest.mark.parametrize("draft", [None, 1], ids=["ngram", "draft"])
-def test_every_kind_releases_to_the_byte_what_it_claimed(draft):
+def test_every_kind_releases_to_the_byte_what_it_claimed(draft, monkeypatch):
+    monkeypatch.setitem(catalog.KINDS, "spec", SpecWithAnOddBuffer)
     totals = _ledger_totals(_crossings(draft))
+    assert set(totals) == {"warmup", "capture", "no_spec", "spec"}
     assert totals["spec"][0] > 0 and totals["spec"][0] % 256 == 0
+    assert totals["warmup"][0] == 3 * (3 + 1) * 64 * 4, "dummy batch: sampler rows x hidden"
+    assert totals["capture"] == [0, 0], "nothing to capture on the CPU"
     assert all(claimed == released for claimed, released in totals.values()), totals
+
+
+def test_spec_claims_only_what_its_method_uses():
+    """n-gram drafts are deterministic: no draft probabilities, no draft KV; no method keeps
+    draft tokens in a buffer."""
+    env = kinds_module.KindEnv(EngineConfig(model="random:tiny"), _tiny(), torch.float32, 8)
+    names = {b.name for b in kinds_module.Spec(env).buffers()}
+    assert names == {"residual"}
+    env = attrs.evolve(env, cfg=EngineConfig(model="random:tiny", speculative_method="draft"))
+    assert {b.name for b in kinds_module.Spec(env).buffers()} == {
+        "residual",
+        "draft_probs",
+        "draft_kv",
+    }
+
+
+def _tiny():
+    from memstep.core.model_config import PRESETS
+
+    return PRESETS["tiny"]
 
 
 def test_shutdown_exits_the_last_kind_and_keeps_its_leaks(monkeypatch):

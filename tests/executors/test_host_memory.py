@@ -1,0 +1,135 @@
+"""Host memory: each process's resident bytes in every step's memory report, the watch that
+reports their growth past a tolerance, a planted host leak in a real executor process flagged
+and named, a clean run silent, replay leaving the OS's figures out of its comparison, and the
+executor's bound on oneDNN's per-shape caches (the soak's growth) against unbounded ones."""
+
+from __future__ import annotations
+
+import os
+
+import attrs
+import pytest
+import torch
+
+from memstep.core.config import EngineConfig
+from memstep.core.engine import Engine
+from memstep.core.host_memory import MIB, HostWatch, rss_bytes
+from memstep.core.sampling_params import SamplingParams
+from memstep.events.types import LeakSuspected, MemoryReport, StepFinished
+from memstep.executors import host_allocator
+from memstep.executors.remote import ProcessExecutor
+from memstep.replay.compare import compare
+
+
+def watch(series: list[int], tolerance: int = 64 * MIB) -> list[LeakSuspected]:
+    w = HostWatch("executor", tolerance)
+    return [leak for step, rss in enumerate(series) for leak in w.observe(step, "k", rss)]
+
+
+def test_growth_within_the_tolerance_is_silent():
+    assert watch([500 * MIB + (i % 7) * 9 * MIB for i in range(300)]) == []
+
+
+def test_growth_past_the_tolerance_is_named_host_memory_once_per_tolerance():
+    series = [500 * MIB] * 5 + [500 * MIB + i * 4 * MIB for i in range(1, 40)]
+    leaks = watch(series)
+    # 4 MiB a step: past 64 MiB at the 17th step of growth, and again 17 steps later
+    assert [(leak.step, leak.what) for leak in leaks] == [(21, "host_growth"), (38, "host_growth")]
+    assert leaks[0].nbytes == 68 * MIB
+    assert "host memory: executor RSS 500.0 MiB at step 0 -> 568.0 MiB" in leaks[0].detail
+
+
+def test_an_unmeasured_process_is_silent():
+    assert watch([0] * 10 + [10**12] * 10) == []
+
+
+def _run(plant: str | None, num_requests: int = 48) -> list[object]:
+    """random:tiny in a real executor process; short requests, all at once."""
+    cfg = EngineConfig(model="random:tiny", max_num_seqs=8, num_threads=1, debug_plant_leak=plant)
+    records: list[object] = []
+    engine = Engine(cfg, ProcessExecutor, [records.append])
+    try:
+        for i in range(num_requests):
+            engine.add_request([1 + i % 50, 2, 3, 4], SamplingParams(max_tokens=4, seed=i))
+        engine.run_until_idle()
+    finally:
+        engine.shutdown()
+    return records
+
+
+def test_a_planted_host_leak_is_flagged_within_50_steps_and_named():
+    records = _run("executor_host_bytes")
+    steps = [r for r in records if isinstance(r, StepFinished)]
+    leaks = [r for r in records if isinstance(r, LeakSuspected)]
+    assert leaks, "4 MiB kept per request: 17 requests pass the 64 MiB tolerance"
+    first = leaks[0]
+    assert (first.what, first.kind) == ("host_growth", "no_spec")
+    assert first.step - steps[0].step < 50
+    assert "host memory: executor RSS" in first.detail and first.nbytes > 64 * MIB
+    assert all(leak.what == "host_growth" for leak in leaks), "no tensor grew"
+    assert steps[-1].memory.executor_rss_bytes - steps[0].memory.executor_rss_bytes > 64 * MIB
+
+
+def test_a_clean_run_is_silent_and_reports_both_processes():
+    records = _run(None)
+    assert [r for r in records if isinstance(r, LeakSuspected)] == []
+    mems = [r.memory for r in records if isinstance(r, StepFinished)]
+    assert all(m.executor_rss_bytes > 0 and m.core_rss_bytes > 0 for m in mems)
+    assert mems[0].core_rss_bytes != mems[0].executor_rss_bytes, "two processes"
+    assert abs(mems[-1].core_rss_bytes - rss_bytes()) < 64 * MIB
+
+
+def _step(rss: int, leaks: list[LeakSuspected]) -> list[object]:
+    mem = MemoryReport(1000, 1000, 3, 0, 0, 0, 0, executor_rss_bytes=rss, core_rss_bytes=rss)
+    return [StepFinished(7, "no_spec", [], 0, 0, mem), *leaks]
+
+
+def test_replay_leaves_host_figures_out_but_not_device_figures():
+    host = LeakSuspected(7, "no_spec", "host_growth", 70 * MIB, "host memory: ...")
+    assert compare(_step(500 * MIB, [host]), _step(900 * MIB, [])).is_identical
+    device = LeakSuspected(7, "no_spec", "live_growth", 4096, "live bytes ...")
+    assert not compare(_step(500 * MIB, [device]), _step(500 * MIB, [])).is_identical
+    recorded = _step(500 * MIB, [])
+    edited = attrs.evolve(recorded[0], memory=attrs.evolve(recorded[0].memory, live_bytes=1))
+    assert not compare(recorded, [edited]).is_identical
+
+
+SHAPES = """
+import sys, torch
+from memstep.core.host_memory import rss_bytes
+from memstep.executors import host_allocator
+from memstep.executors.llama import wide_linear
+if sys.argv[1] == "bounded":
+    host_allocator.bound_onednn_caches()
+torch.set_num_threads(1)
+linear = wide_linear(torch.device("cpu"), torch.float32)
+w = torch.randn(1536, 576)  # SmolLM2's gate-up
+linear(torch.randn(3, 576), w)
+trim = host_allocator.HostTrim()
+start = rss_bytes()
+for m in range(1, 201):  # a new number of tokens each step, as prompts of new lengths bring
+    linear(torch.randn(m, 576), w)
+    end = trim.measure()
+print(end - start)
+"""
+
+
+def _growth(mode: str) -> int:
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in host_allocator.CACHE_ENV_NAMES}
+    done = subprocess.run(
+        [sys.executable, "-c", SHAPES, mode], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    return int(done.stdout.split()[-1])
+
+
+def test_bounded_onednn_caches_keep_host_memory_flat_over_new_shapes():
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN in this torch")
+    unbounded, bounded = _growth("unbounded"), _growth("bounded")
+    assert unbounded > 64 * MIB, "1,024-entry caches: ~0.6 MiB kept for every new shape"
+    # 32 shapes' worth of primitives and up to 16 MiB not yet trimmed: 121 MiB against 27 seen
+    assert bounded < 48 * MIB and 3 * bounded < unbounded, (bounded, unbounded)
