@@ -13,9 +13,10 @@ broadcasts each message it receives to the other ranks and gathers their replies
 (`rank_replies.py`).  A broadcast rather than a fan-out from the core: the core keeps one peer,
 one socket and one reply per message whatever N is; the ranks receive the very bytes rank 0
 acts on, in the order it acts on them, over the group they must share anyway (and, on another
-machine, without a second connection to the core); and the broadcast costs one small message
-per step on the control group, ~0.1 ms on a loopback, next to steps of milliseconds.  Ranks
-1..N-1 (`follow`) exit when their parent dies, or when a collective fails because a peer did.
+machine, without a second connection to the core).  The price, per message: two small gloo
+broadcasts out and two all-gathers back (each ~0.3-0.5 ms over loopback on the crowded 2-core
+machine of docs/tensor_parallel.md; tens of microseconds on an idle host).  Ranks 1..N-1
+(`follow`) exit when their parent dies, or when a collective fails because a peer did.
 """
 
 from __future__ import annotations

@@ -135,6 +135,30 @@ def test_a_rank_started_by_memstep_executor_joins_over_tcp_loopback():
         rank1.kill()
 
 
+def test_a_rank_of_memstep_executor_joins_the_group_a_recovery_makes():
+    method = loopback_init_method()
+    cfg = TINY.replace(tensor_parallel_size=2, distributed_init_method=method, num_local_ranks=1)
+    argv = [sys.executable, "-m", "memstep.cli.main", "--log-level", "warning", "executor"]
+    argv += ["--rank", "1", "--tensor-parallel-size", "2", "--distributed-init-method", method]
+    rank1 = subprocess.Popen(argv)  # starts its rank again each time a group ends
+    records: list[object] = []
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    try:
+        engine = Engine(cfg, ProcessExecutor, [records.append])
+        try:
+            request = engine.add_request(PROMPTS[0], params)
+            tokens = [t for out in engine.step() for t in out.new_token_ids]
+            os.kill(engine.executor.pid, signal.SIGKILL)  # rank 0; rank 1 runs elsewhere
+            tokens += engine.run_until_idle()[request].token_ids
+        finally:
+            engine.shutdown()
+    finally:
+        rank1.terminate()
+        rank1.wait(timeout=30)
+    assert any(isinstance(r, RecoveryDone) for r in records), "a new group served the rest"
+    assert tokens == _tokens(local_engine(TINY), PROMPTS[:1], params)[0]
+
+
 def test_a_model_that_does_not_split_is_a_clear_config_error():
     with pytest.raises(ConfigError, match="does not divide the model's 9 query heads"):
         local_engine(EngineConfig(model="random:smollm2-135m", tensor_parallel_size=2))
