@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import attrs
+import msgpack
 
 from memstep.events import codec
 from memstep.events.types import REGISTRY, is_host_measured, unreplayable_fields
@@ -103,6 +104,12 @@ def differences(a: Any, b: Any, path: Path = ()) -> Iterator[tuple[Path, Any, An
             yield (*path, "len"), len(a), len(b)
     elif type(a) is not type(b) or a != b:
         yield path, a, b
+
+
+def replayable_bytes(records: list[object]) -> list[bytes]:
+    """Each record's msgpack bytes less what no replay repeats (wall-clock durations, host
+    memory figures, host-growth reports): what "byte for byte" means for a replay."""
+    return [msgpack.packb(_comparable(r)) for r in records if not is_host_measured(r)]
 
 
 # --- helpers -------------------------------------------------------------------------------

@@ -9,9 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_tp.py"
 
 
+@pytest.mark.slow  # 80-125 s on 2 cores; the TP must-shows have their own tests in make test
 def test_the_tensor_parallel_benchmark_runs_end_to_end_on_a_cpu(tmp_path):
     argv = ["--out", str(tmp_path), "--model", "random:tiny", "--big-model", "random:tiny"]
     argv += ["--device", "cpu", "--dtype", "float32", "--num-threads", "1", "--sizes", "2,4"]

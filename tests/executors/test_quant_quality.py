@@ -34,6 +34,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
 
 
+@pytest.mark.slow  # ~70 s: q4 is opt-in (auto is none) until it meets the quality bar
 def test_q4_stays_near_float32(q4_engine, smol_engine, chat_prompts):
     params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
     ours = q4_engine.generate(chat_prompts, params)

@@ -6,7 +6,6 @@ from __future__ import annotations
 from replay_helpers import isolate_heap
 
 from memstep.core.sampling_params import SamplingParams
-from memstep.events import codec
 from memstep.events.types import (
     LeakSuspected,
     RequestAborted,
@@ -15,6 +14,7 @@ from memstep.events.types import (
     StateEntered,
     StepFinished,
 )
+from memstep.replay.compare import replayable_bytes
 from memstep.replay.recording import load
 from memstep.replay.replayer import replay
 from memstep.replay.report import build_report
@@ -46,8 +46,8 @@ def test_replay_reproduces_every_derived_record_byte_for_byte(smol_log):
     rec = load(smol_log.path)
     isolate_heap()
     run = replay(rec)
-    recorded = [codec.encode(r) for r in rec.derived]
-    replayed = [codec.encode(r) for r in run.derived]
+    recorded = replayable_bytes(rec.derived)
+    replayed = replayable_bytes(run.derived)
     report = build_report(rec, run)
     assert len(recorded) > 400
     # every token, transition, ledger line and memory report
