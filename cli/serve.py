@@ -29,7 +29,13 @@ import structlog
 import zmq
 from zmq.utils import z85
 
-from memstep.api.http_front import HttpConfig, HttpFront, bind, curve_client_keys
+from memstep.api.http_front import (
+    HttpConfig,
+    HttpFront,
+    bind,
+    curve_client_keys,
+    stop_process,
+)
 from memstep.api.server import Server, ServerConfig
 from memstep.cli.main import add_engine_arguments, config_from_args
 from memstep.core.config import ConfigError, EngineConfig
@@ -348,14 +354,7 @@ class ServerProcess:
 
     def stop(self, timeout: float = 15.0) -> int:
         """SIGTERM, then SIGKILL after `timeout`; the executor exits with its parent."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return stop_process(self.proc, timeout)
 
     def __enter__(self) -> ServerProcess:
         return self

@@ -96,19 +96,8 @@ PRESETS: dict[str, ModelConfig] = {
         eos_token_ids=(128001, 128009),
         rope_scaling=_LLAMA3_SCALING,
     ),
-    "llama-3.1-70b": ModelConfig(
-        num_layers=80,
-        hidden_size=8192,
-        intermediate_size=28672,
-        num_heads=64,
-        num_kv_heads=8,
-        vocab_size=128256,
-        head_dim=128,
-        rope_theta=500000.0,
-        max_context=131072,
-        tie_embeddings=False,
-        bos_token_id=128000,
-        eos_token_ids=(128001, 128009),
-        rope_scaling=_LLAMA3_SCALING,
-    ),
 }
+# Llama-3.1-70B: the 8B's vocabulary, rotary and KV heads, wider and deeper
+PRESETS["llama-3.1-70b"] = attrs.evolve(
+    PRESETS["llama-3.1-8b"], num_layers=80, hidden_size=8192, intermediate_size=28672, num_heads=64
+)
