@@ -16,7 +16,9 @@ ShareGPT run and replays the trace on a bare block manager, on and off: the fast
 `--bookkeeping-reps` replays and the exact count of Python calls, per step of the run.
 
     python benchmarks/bench_prefix_cache.py [--model smollm2] [--num-threads 2]
-        [--num-requests 64] [--system-tokens 1000] [--max-tokens 16] [--num-sharegpt 64]
+        [--device cpu] [--dtype float32] [--tokenizer FILE] [--dataset sharegpt|FILE.jsonl]
+        [--max-num-seqs N] [--max-num-batched-tokens N] [--num-requests 64]
+        [--system-tokens 1000] [--max-tokens 16] [--num-sharegpt 64]
         [--workloads shared,sharegpt,paired,bookkeeping] [--repeats 1] [--off-first]
         [--bookkeeping-reps 30] [--trace FILE] [--save-trace FILE] [--json FILE]
 
@@ -53,7 +55,7 @@ from memstep.executors.threads import prefer_passive_wait
 # whichever run meets more neighbours loses by far more than caching could cost
 prefer_passive_wait()
 
-from memstep.cli.datasets import sample_sharegpt  # noqa: E402
+from memstep.cli.datasets import load_dataset  # noqa: E402
 from memstep.core.block_manager import BlockManager, Prefix  # noqa: E402
 from memstep.core.config import EngineConfig  # noqa: E402
 from memstep.core.engine import Engine  # noqa: E402
@@ -134,10 +136,23 @@ def serve(engine: Engine, prompts: list[list[int]], max_tokens: int) -> Figures:
 def workload_prompts(engine: Engine, workload: str, args) -> list[list[int]]:
     if workload == "shared":
         return shared_prompts(engine, args.num_requests, args.system_tokens)
-    samples = sample_sharegpt(args.num_sharegpt, engine.tokenizer, seed=args.seed)
+    samples = load_dataset(args.dataset, args.num_sharegpt, engine.tokenizer, seed=args.seed)
     prompts = [engine.tokenizer.encode(s.prompt) for s in samples]
     fits = engine.max_model_len - args.max_tokens  # a small model's context (random:tiny's 512)
-    return [p for p in prompts if len(p) <= fits]
+    return unshared([p for p in prompts if len(p) <= fits], engine.cfg.block_size)
+
+
+def unshared(prompts: list[list[int]], block_size: int) -> list[list[int]]:
+    """The prompts whose first full block no earlier prompt has (a few ShareGPT conversations
+    open alike), so that no prompt can reuse another's page."""
+    seen: set[tuple[int, ...]] = set()
+    kept = []
+    for p in prompts:
+        first = tuple(p[:block_size])
+        if len(first) < block_size or first not in seen:
+            seen.add(first)
+            kept.append(p)
+    return kept
 
 
 def run(cfg: EngineConfig, workload: str, args) -> Figures:
@@ -437,6 +452,10 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--num-threads", type=int, default=2)
+    ap.add_argument("--tokenizer", default=None, help="tokenizer.json or .gguf (random: models)")
+    ap.add_argument("--dataset", default="sharegpt", help="sharegpt, or a JSONL file of prompts")
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="the engine's default")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="the same")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--system-tokens", type=int, default=1000)
     ap.add_argument("--num-sharegpt", type=int, default=64)
@@ -451,8 +470,17 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write the figures here")
     args = ap.parse_args()
     base = EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device, num_threads=args.num_threads
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        num_threads=args.num_threads,
+        tokenizer=args.tokenizer,
     )
+    limits = {
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+    }
+    base = base.replace(**{k: v for k, v in limits.items() if v is not None})
     special = {"bookkeeping": bookkeeping, "paired": paired}
     report = {
         w: special[w](base, args) if w in special else compare(base, w, args)

@@ -39,8 +39,11 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -74,6 +77,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--replay", action="store_true", help="replay each log and compare")
     p.add_argument("--export-dataset", type=Path, help="write the sampled prompts as JSONL; stop")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds of server silence")
+    p.add_argument(
+        "--kill-executor-at",
+        default="",
+        help="SIGKILL the executor this many seconds after the load starts (comma-separated)",
+    )
     return p.parse_args(argv)
 
 
@@ -134,8 +142,10 @@ def run_config(name: str, args: argparse.Namespace, tokenizer: Path) -> dict[str
         bench += ["--timeout", str(args.timeout), *flags]
         if args.max_output_len:
             bench += ["--max-output-len", str(args.max_output_len)]
+        killer = ExecutorKiller(server.address, args.kill_executor_at)
         table = memstep(*bench, out=args.out / f"{name}.bench.txt")
         print(table, flush=True)
+        killer.join()
         server.stop(timeout=120)
         server_log = server.log_path.read_text(errors="replace")
     (args.out / f"{name}.server.log").write_text(server_log)
@@ -143,6 +153,7 @@ def run_config(name: str, args: argparse.Namespace, tokenizer: Path) -> dict[str
     result: dict[str, Any] = {"config": name, "flags": flags}
     result["bench"] = _bench_figures(bench_json)
     result["memory"] = verdict
+    result["recoveries"] = recoveries(log, killer.kills)
     memstep("inspect", str(log), "--json", out=args.out / f"{name}.inspect.json")
     memstep("plot", str(log), "-o", str(args.out / f"{name}.png"))
     plan_figure(log, verdict, args.out / f"{name}.plan.png")
@@ -150,6 +161,47 @@ def run_config(name: str, args: argparse.Namespace, tokenizer: Path) -> dict[str
         result["replay"] = replay(log, args.out / f"{name}.replay.json")
     (args.out / f"{name}.result.json").write_text(json.dumps(result, indent=2))
     return result
+
+
+class ExecutorKiller(threading.Thread):
+    """SIGKILLs the server's executor at the given seconds from now (a comma-separated list),
+    each time once the server is healthy again; `kills` holds each kill's pid and moment."""
+
+    def __init__(self, address: str, at: str):
+        super().__init__(name="executor-killer", daemon=True)
+        self.address, self.start_s = address, time.monotonic()
+        self.at = sorted(float(x) for x in at.split(",") if x.strip())
+        self.kills: list[dict[str, float]] = []
+        self.start()
+
+    def run(self) -> None:
+        from memstep.api.client import Client
+
+        with Client(self.address, timeout=60) as client:
+            for moment in self.at:
+                time.sleep(max(0.0, self.start_s + moment - time.monotonic()))
+                while client.health().status != "ok":
+                    time.sleep(0.5)
+                pid = client.health().executor_pid
+                os.kill(pid, signal.SIGKILL)
+                self.kills.append({"pid": pid, "at_s": round(time.monotonic() - self.start_s, 1)})
+                print(f"killed executor {pid} at {self.kills[-1]['at_s']} s", flush=True)
+
+
+def recoveries(log: Path, kills: list[dict[str, float]]) -> dict[str, Any]:
+    """The engine's own record of each recovery (RecoveryDone) beside the kills made."""
+    from memstep.events.types import ExecutorLost, RecoveryDone
+    from memstep.replay.recording import load
+
+    records = load(log).records
+    done = [r for r in records if isinstance(r, RecoveryDone)]
+    return {
+        "kills": kills,
+        "losses": [r.reason for r in records if isinstance(r, ExecutorLost)],
+        "seconds": [round(r.seconds, 2) for r in done],
+        "readmitted": [r.num_readmitted for r in done],
+        "tokens_recomputed": [r.tokens_to_recompute for r in done],
+    }
 
 
 def _bench_figures(path: Path) -> dict[str, Any]:
@@ -294,6 +346,13 @@ def table(results: list[dict[str, Any]]) -> str:
             + (f"; replay {'identical' if r['replay']['identical'] else 'DIVERGED'}"
                if "replay" in r else "")
         )  # fmt: skip
+        rec = r.get("recoveries") or {}
+        if rec.get("kills"):
+            lines.append(
+                f"{r['config']}: executor killed {len(rec['kills'])}x at "
+                f"{[k['at_s'] for k in rec['kills']]} s; recoveries {rec['seconds']} s, "
+                f"re-admitted {rec['readmitted']} requests, {rec['tokens_recomputed']} tokens"
+            )
     return "\n".join(lines)
 
 

@@ -95,11 +95,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "start; a second copy of the weights); auto: on the CPU only (default: %(default)s)",
     )
     g.add_argument(
-        "--max-waiting-while-recovering",
+        "--max-new-while-recovering",
         type=int,
-        default=d.max_waiting_while_recovering,
-        help="while a new executor starts, refuse new requests (error 'recovering') once this "
-        "many wait (default: %(default)s)",
+        default=d.max_new_while_recovering,
+        help="while a new executor starts, queue this many new requests, then refuse more "
+        "(error 'recovering'); waiting and running requests are all kept (default: %(default)s)",
     )
     g.add_argument(
         "--resume",
@@ -196,7 +196,7 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         curve_client_keys=keys,
         stats_interval_s=args.stats_interval,
         dead_exit_s=args.dead_exit_s,
-        max_waiting_while_recovering=args.max_waiting_while_recovering,
+        max_new_while_recovering=args.max_new_while_recovering,
     )
 
 

@@ -243,22 +243,27 @@ def decodes_beside_prefill(
 def warm_sampler(
     model: LlamaModel, sampler: Sampler, sizes: list[int], dummy_hidden: torch.Tensor
 ) -> None:
-    """The sampler at every captured size, from the dummy decode batch `dummy_hidden` (seeded
-    noise), with every filter on (and greedy rows, penalties and logprobs), into its persistent
-    buffers."""
+    """The head and the sampler at every captured size, from the dummy decode batch
+    `dummy_hidden` (seeded noise), into the sampler's persistent buffers: every filter on (and a
+    greedy row with penalties, and logprobs) at the sizes that meet the filters' allocations
+    (`Sampler.warm_sizes`, and the largest), the all-greedy shortcut at every size. Penalties
+    allocate per row, not per batch: one such row is enough."""
     noise = torch.Generator(device=dummy_hidden.device).manual_seed(0)
     torch.randn(dummy_hidden.shape, generator=noise, out=dummy_hidden)
     params = [
         SamplingParams(temperature=0.7, top_p=0.9, top_k=50, min_p=0.01, logprobs=2, seed=0),
         SamplingParams(temperature=0.0, repetition_penalty=1.1, frequency_penalty=0.1, seed=0),
     ]
-    for n in sizes:
-        n = min(n, sampler.max_rows)
+    most = min(sampler.max_rows, dummy_hidden.shape[0])
+    filtered = {min(n, most) for n in [*sampler.warm_sizes(), max(sizes)]}
+    greedy = Row(SamplingParams(seed=0), 3, [1, 2, 3], 1)
+    for n in sorted({min(n, most) for n in sizes} | filtered):
         logits = model.logits(dummy_hidden[:n], sampler.logits_out(n))
-        rows = [Row(params[i % 2], 3, [1, 2, 3], 1) for i in range(n)]
         raw = sampler.keep_raw(logits)
-        tokens = sampler.sample(sampler.distribution(logits, rows), rows)
-        top_logprobs(raw, tokens, 2, in_place=True)
-        greedy = [Row(SamplingParams(seed=0), 3, [1, 2, 3], 1)] * n  # the all-greedy shortcut
-        logits = model.logits(dummy_hidden[:n], sampler.logits_out(n))
-        sampler.sample_logits(logits, greedy).tolist()
+        tokens = None
+        if n in filtered:  # the filters' allocations depend on the rows of a pass only
+            rows = [Row(params[int(i == 1)], 3, [1, 2, 3], 1) for i in range(n)]  # one penalised
+            tokens = sampler.sample(sampler.distribution(logits, rows), rows)
+            logits = model.logits(dummy_hidden[:n], sampler.logits_out(n))  # filtered in place
+        picked = sampler.sample_logits(logits, [greedy] * n).tolist()  # the all-greedy shortcut
+        top_logprobs(raw, tokens or picked, 2, in_place=True)

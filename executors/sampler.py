@@ -16,6 +16,28 @@ import torch
 from memstep.core.sampling_params import SamplingParams
 from memstep.executors.random_stream import SAMPLE, uniform
 
+FILTER_ELEMENTS = 1 << 21  # elements of the vocabulary a filter pass works on at most
+
+
+@attrs.frozen
+class Filters:
+    """One row's min-p, top-k and top-p, each off (0.0, 0, 1.0) for a greedy row or where the
+    request did not ask for it (a top-k of the whole vocabulary included)."""
+
+    min_p: float
+    top_k: int
+    top_p: float
+
+    @classmethod
+    def of(cls, p: SamplingParams, vocab_size: int) -> Filters:
+        if p.is_greedy:
+            return cls(0.0, 0, 1.0)
+        return cls(p.min_p, p.top_k if p.top_k < vocab_size else 0, p.top_p)
+
+    @property
+    def active(self) -> bool:
+        return self.min_p > 0.0 or self.top_k > 0 or self.top_p < 1.0
+
 
 @attrs.frozen
 class Row:
@@ -40,7 +62,12 @@ class Sampler:
     of them kept for log-probabilities, the filtered distribution, its sorted copy and order."""
 
     def __init__(
-        self, max_rows: int, vocab_size: int, device: torch.device, in_place_logits: bool = False
+        self,
+        max_rows: int,
+        vocab_size: int,
+        device: torch.device,
+        in_place_logits: bool = False,
+        filter_elements: int = FILTER_ELEMENTS,
     ):
         self.max_rows = max_rows
         self.vocab_size = vocab_size
@@ -52,6 +79,14 @@ class Sampler:
         self.sorted = torch.zeros(shape, dtype=f32, device=device)
         self.order = torch.zeros(shape, dtype=torch.long, device=device)
         self.uniforms = torch.zeros(max_rows, dtype=f32, device=device)
+        # rows a filter pass works on at once: its scratch (a sort's, the cumulative mass) is
+        # about 30 bytes per element of that many rows of the vocabulary
+        self.filter_rows = max(1, min(max_rows, filter_elements // vocab_size))
+
+    def warm_sizes(self) -> list[int]:
+        """Batch sizes that meet every allocation a `distribution` makes: each row count a filter
+        pass can work on, then the most rows (the small per-row vectors at their largest)."""
+        return sorted({*range(1, self.filter_rows + 1), self.max_rows})
 
     @property
     def nbytes(self) -> int:
@@ -81,27 +116,45 @@ class Sampler:
         greedy = [i for i, row in enumerate(rows) if row.params.is_greedy]
         if greedy:
             _one_hot_argmax(logits, probs, greedy)
-        for i, row in enumerate(rows):
-            p = row.params
-            if p.is_greedy:
-                continue
-            if p.min_p > 0.0:
-                probs[i].masked_fill_(probs[i] < p.min_p * probs[i].max(), 0.0)
-            if p.top_k > 0 and p.top_k < self.vocab_size:
-                kth = torch.topk(probs[i], p.top_k).values[-1]
-                probs[i].masked_fill_(probs[i] < kth, 0.0)
-            if p.top_p < 1.0:
-                self._top_p(i, p.top_p)
+        filters = [Filters.of(row.params, self.vocab_size) for row in rows]
+        if any(f.active for f in filters):
+            step = self.filter_rows
+            for start in range(0, r, step):
+                part = filters[start : start + step]
+                if any(f.active for f in part):
+                    self._filter(start, part)
         return probs
 
-    def _top_p(self, i: int, top_p: float) -> None:
-        vals, order = self.sorted[i], self.order[i]
-        torch.sort(self.probs[i], descending=True, out=(vals, order))
-        total = vals.sum()
-        torch.cumsum(vals, dim=0, out=vals)
-        # keep the smallest prefix whose mass reaches top_p (always at least one token)
-        cut = int(torch.searchsorted(vals, top_p * total)) + 1
-        self.probs[i].index_fill_(0, order[cut:], 0.0)
+    def _filter(self, start: int, part: list[Filters]) -> None:
+        """min-p, top-k and top-p on rows `start:start + len(part)` of `probs`, in one pass over
+        them (at most `filter_rows` rows, so that the pass's scratch stays small): the rows
+        sorted once, each filter a cut of the sorted row (ties with the k-th value kept), and
+        the kept values written back in vocabulary order. Every reduction is along a row (max,
+        sort, cumsum), so a row's result does not depend on the rows beside it."""
+        n, end = len(part), start + len(part)
+        probs = self.probs[start:end]
+        device = probs.device
+        if any(f.min_p > 0.0 for f in part):
+            min_p = to_device([f.min_p for f in part], device)
+            floor = probs.amax(dim=-1, keepdim=True).mul_(min_p[:, None])
+            probs.masked_fill_(probs < floor, 0.0)
+        if not any(f.top_k or f.top_p < 1.0 for f in part):
+            return
+        vals, order = self.sorted[start:end], self.order[start:end]
+        torch.sort(probs, dim=-1, descending=True, stable=True, out=(vals, order))
+        if any(f.top_k for f in part):
+            kth = [(f.top_k or self.vocab_size) - 1 for f in part]
+            kth_at = torch.tensor(kth, dtype=torch.long).to(device)
+            vals.masked_fill_(vals < vals.gather(1, kth_at[:, None]), 0.0)
+        if any(f.top_p < 1.0 for f in part):
+            top_p = to_device([f.top_p for f in part], device)
+            mass = torch.cumsum(vals, dim=-1)
+            # keep the smallest prefix whose mass reaches top_p (always at least one token)
+            cut = torch.searchsorted(mass, top_p[:, None] * mass[:, -1:]).add_(1)
+            cut.masked_fill_((top_p >= 1.0)[:, None], self.vocab_size)
+            at = torch.arange(self.vocab_size, device=device).expand(n, -1)
+            vals.masked_fill_(at >= cut, 0.0)
+        probs.scatter_(1, order, vals)
 
     def sample(self, probs: torch.Tensor, rows: list[Row], stream: int = SAMPLE) -> list[int]:
         """One token per row by inverse CDF, with the row's counter-based uniform."""

@@ -184,9 +184,9 @@ class Worker:
         return info
 
     def _warmup(self, dummy_hidden: torch.Tensor) -> dict:
-        """Run the head once at the most rows, and the sampler, every filter on, at every batch
-        size serving will see, from the warm-up kind's dummy batch ([max rows, hidden], seeded
-        noise)."""
+        """Run the head once at the most rows, and the sampler, every filter on, at the batch
+        sizes that meet all its allocations (`Sampler.warm_sizes`), from the warm-up kind's
+        dummy batch ([max rows, hidden], seeded noise)."""
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         noise = torch.Generator(device=self.device).manual_seed(0)
@@ -194,7 +194,7 @@ class Worker:
         most = self.sampler.max_rows
         dummy_logits = self.model.logits(dummy_hidden, self.sampler.logits_out(most))
         params = SamplingParams(temperature=0.7, top_p=0.9, top_k=50, min_p=0.01, seed=0).to_dict()
-        for rows in range(1, most + 1):
+        for rows in self.sampler.warm_sizes():
             logits = dummy_logits[:rows]
             sp = SamplingParams.from_dict(params)
             sample_rows = [Row(sp, 0, [], 0) for _ in range(rows)]

@@ -1,5 +1,6 @@
-"""New requests while a new executor starts: queued up to `--max-waiting-while-recovering`
-waiting requests, then refused with a typed `recovering` error; served again once recovered.
+"""New requests while a new executor starts: queued up to `--max-new-while-recovering` of them
+(the running requests, re-admitted, do not count), then refused with a typed `recovering`
+error; served again once recovered.
 
 The standby executor is off here, so that the recovery lasts the seconds of a fresh start.
 """
@@ -13,8 +14,8 @@ from memstep.api.client import AsyncClient, Client, ServerError
 from memstep.cli.serve import ServerProcess
 
 TINY = ["--model", "random:tiny", "--num-threads", "1", "--standby-executor", "off"]
-LIMIT = 4
-NUM_RUNNING = 2  # re-admitted by the recovery: they count as waiting
+LIMIT = 2
+NUM_RUNNING = 2  # re-admitted by the recovery: kept beside the limit
 NUM_NEW = 5
 
 
@@ -40,7 +41,7 @@ async def _during_recovery(address: str) -> tuple[list, list]:
 
 
 def test_new_requests_queue_during_recovery_until_the_limit_then_get_recovering():
-    args = [*TINY, "--debug-kill-executor-at", "3", "--max-waiting-while-recovering", str(LIMIT)]
+    args = [*TINY, "--debug-kill-executor-at", "3", "--max-new-while-recovering", str(LIMIT)]
     with ServerProcess(args) as server:
         server.wait_ready()
         answers, finished = asyncio.run(asyncio.wait_for(_during_recovery(server.address), 120))
@@ -49,9 +50,9 @@ def test_new_requests_queue_during_recovery_until_the_limit_then_get_recovering(
             health = client.health()
     served = [a for a in answers if not isinstance(a, BaseException)]
     refused = [a for a in answers if isinstance(a, ServerError)]
-    assert len(served) == LIMIT - NUM_RUNNING, answers
+    assert len(served) == LIMIT, answers
     assert len(refused) == NUM_NEW - len(served) and all(e.code == "recovering" for e in refused)
-    assert "limit 4" in refused[0].message
+    assert "limit 2" in refused[0].message
     assert all(len(done.token_ids) == 4 for done in served)
     assert [len(done.token_ids) for done in finished] == [100] * NUM_RUNNING
     assert health.status == "ok" and len(after.token_ids) == 3

@@ -146,3 +146,34 @@ def test_logprobs_returned_per_token(smol_engine, chat_prompts):
     assert len(done.logprobs) == 4
     for tok, (chosen, top) in zip(done.token_ids, done.logprobs, strict=True):
         assert len(top) == 3 and top[0][0] == tok and math.isclose(top[0][1], chosen)
+
+
+def test_filter_passes_leave_each_row_as_alone():
+    """Rows filtered in passes of a few rows at once (here 3) get the very distribution each
+    gets alone: min-p, top-k (ties with the k-th kept), top-p, greedy and unfiltered rows mixed,
+    across the passes' edges."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(10, 50, generator=gen)
+    logits[4, :6] = 3.0  # a tie across the top-k cut
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.9),
+        SamplingParams(temperature=1.0, top_k=5),
+        SamplingParams(),
+        SamplingParams(temperature=1.3, min_p=0.05),
+        SamplingParams(temperature=1.0, top_k=4),
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=0.9, top_k=20, top_p=0.5, min_p=0.01),
+        SamplingParams(temperature=1.0, top_p=0.99),
+        SamplingParams(temperature=1.0, top_k=50),
+        SamplingParams(temperature=0.5, top_p=0.3),
+    ]
+    rows = [Row(p, 3, [], 0) for p in params]
+    batch = Sampler(10, 50, torch.device("cpu"), filter_elements=150)
+    assert batch.filter_rows == 3
+    together = batch.distribution(logits.clone(), rows)
+    for i, row in enumerate(rows):
+        alone = Sampler(1, 50, torch.device("cpu")).distribution(logits[i : i + 1].clone(), [row])
+        assert torch.equal(together[i], alone[0]), i
+    assert int((together[4] > 0).sum()) == 6, "the tie at the 4th value keeps all six"
+    assert int((together[1] > 0).sum()) == 5 and int((together[2] > 0).sum()) == 1
+    assert int((together[5] > 0).sum()) == 50 and int((together[8] > 0).sum()) == 50
