@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import attrs
 
@@ -26,10 +26,22 @@ from memstep.core.shapes import cdiv
 def block_hash(parent: bytes | None, tokens: list[int], extra: bytes = b"") -> bytes:
     """The key of a full block: it names every token before it through `parent`, so equal keys
     mean equal prefixes (not just equal blocks).  sha256, stable across processes and replays."""
-    h = hashlib.sha256(parent or b"root")
-    h.update(struct.pack(f"<{len(tokens)}q", *tokens))
-    h.update(extra)
-    return h.digest()
+    return next(chain_hashes(parent, tokens, len(tokens), extra))
+
+
+def chain_hashes(
+    parent: bytes | None, tokens: list[int], block_size: int, extra: bytes = b""
+) -> Iterator[bytes]:
+    """`block_hash` of each full block of `tokens` in turn, each the parent of the next; the
+    tokens packed once for all blocks (hashing is most of what caching costs a step)."""
+    packed = struct.pack(f"<{len(tokens)}q", *tokens)
+    width = 8 * block_size
+    for start in range(0, len(packed) - width + 1, width):
+        h = hashlib.sha256(parent or b"root")
+        h.update(packed[start : start + width])
+        h.update(extra)
+        parent = h.digest()
+        yield parent
 
 
 @attrs.frozen
@@ -97,14 +109,13 @@ class BlockManager:
             return Prefix()
         bs = self.block_size
         prefix = Prefix()
-        parent = None
-        for i in range((len(tokens) - 1) // bs):
-            parent = block_hash(parent, tokens[i * bs : (i + 1) * bs], extra)
-            page = self._cached.get(parent)
+        full = (len(tokens) - 1) // bs
+        for h in chain_hashes(None, tokens[: full * bs], bs, extra):
+            page = self._cached.get(h)
             if page is None:
                 break
             prefix.pages.append(page)
-            prefix.hashes.append(parent)
+            prefix.hashes.append(h)
         return prefix
 
     def allocate(self, request_id: str, prefix: Prefix, num_tokens: int) -> bool:
@@ -140,11 +151,9 @@ class BlockManager:
         if stop <= first:
             return
         tokens = token_at(first * bs, stop * bs)  # every newly full block in one slice
-        for i in range(first, stop):
-            j = (i - first) * bs
-            h = block_hash(chain[-1] if chain else None, tokens[j : j + bs], extra)
+        hashes = chain_hashes(chain[-1] if chain else None, tokens, bs, extra)
+        for page, h in zip(table[first:stop], hashes, strict=True):
             chain.append(h)
-            page = table[i]
             if h not in self._cached and page not in self._hash_of:
                 self._cached[h] = page
                 self._hash_of[page] = h

@@ -306,21 +306,24 @@ class Engine:
         by_id = {r.request_id: r for r in result.seqs}
         outputs: list[RequestOutput] = []
         sampled: list[list] = []
+        filled: list[Request] = []  # requests with a block newly full of computed KV
         for s in batch.seqs:
             req = s.request
             res = by_id.get(req.request_id)
+            blocks_before = self._full_blocks(req)
             req.num_computed += s.num_tokens
-            if res is None:
-                continue
-            req.num_computed += len(res.token_ids) - 1
-            req.num_proposed += res.num_proposed
-            req.num_accepted += res.num_accepted
-            out = self._append(req, res.token_ids, res.logprobs)
-            sampled.append([req.request_id, out.new_token_ids])
-            outputs.append(out)
-        for s in batch.seqs:
-            if not s.request.is_finished:  # a finished request cached its blocks in _finish
-                self._cache_blocks(s.request)
+            if res is not None:
+                req.num_computed += len(res.token_ids) - 1
+                req.num_proposed += res.num_proposed
+                req.num_accepted += res.num_accepted
+                out = self._append(req, res.token_ids, res.logprobs)
+                sampled.append([req.request_id, out.new_token_ids])
+                outputs.append(out)
+            if self._full_blocks(req) > blocks_before:
+                filled.append(req)
+        for req in filled:
+            if not req.is_finished:  # a finished request cached its blocks in _finish
+                self._cache_blocks(req)
         used, cached = self.blocks.num_used, self.blocks.num_cached
         memory = attrs.evolve(
             result.memory, kv_pages_used=used, kv_pages_cached=cached, core_rss_bytes=rss_bytes()
@@ -376,9 +379,16 @@ class Engine:
             out.num_proposed, out.num_accepted = req.num_proposed, req.num_accepted
         return out
 
+    def _full_blocks(self, req: Request) -> int:
+        """The request's blocks full of computed KV (drafts past a stop are not tokens). The
+        prefix cache holds them all once a step is done: a step that fills none has nothing to
+        offer it, so most decode steps skip `BlockManager.commit` (a running request's blocks
+        fill one in `block_size` steps)."""
+        return min(req.num_computed, req.num_tokens) // self.cfg.block_size
+
     def _cache_blocks(self, req: Request) -> None:
         """Offer the request's full blocks of computed KV to the prefix cache."""
-        num_valid = min(req.num_computed, req.num_tokens)  # drafts past a stop are not tokens
+        num_valid = min(req.num_computed, req.num_tokens)
         self.blocks.commit(req.request_id, num_valid, req.token_at)
 
     def _finish(self, req: Request, reason: str) -> None:
