@@ -28,7 +28,7 @@ lint: install
 	$(BIN)/mypy .
 
 test: install lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=20
 
 test-gpu: install
 	$(BIN)/python -m pytest -q -m gpu
