@@ -17,6 +17,7 @@ from memstep.core.sampling_params import SamplingParams
 from memstep.executors.random_stream import SAMPLE, uniform
 
 FILTER_ELEMENTS = 1 << 21  # elements of the vocabulary a filter pass works on at most
+CANDIDATES = 1024  # on the CPU, tokens a top-k or top-p cut is tried on before a whole sort
 
 
 @attrs.frozen
@@ -37,6 +38,60 @@ class Filters:
     @property
     def active(self) -> bool:
         return self.min_p > 0.0 or self.top_k > 0 or self.top_p < 1.0
+
+
+@attrs.frozen
+class Cuts:
+    """The top-k and top-p cut-offs of rows that have one, as tensors on their device."""
+
+    kth_at: torch.Tensor | None  # [m, 1] int64: where the k-th value sits (k - 1; V - 1 if none)
+    has_k: torch.Tensor  # [m, 1] bool
+    top_p: torch.Tensor | None  # [m, 1] float32 (1.0 where none)
+
+    @classmethod
+    def of(cls, part: list[Filters], vocab_size: int, device: torch.device) -> Cuts:
+        has_k = torch.tensor([bool(f.top_k) for f in part])[:, None].to(device)
+        kth_at = None
+        if any(f.top_k for f in part):
+            kth = [(f.top_k or vocab_size) - 1 for f in part]
+            kth_at = torch.tensor(kth, dtype=torch.long)[:, None].to(device)
+        top_p = None
+        if any(f.top_p < 1.0 for f in part):
+            top_p = to_device([f.top_p for f in part], device)[:, None]
+        return cls(kth_at, has_k, top_p)
+
+    def apply(self, vals: torch.Tensor, rows: torch.Tensor) -> bool:
+        """Cut `vals` ([m, C], each row's C most probable values of `rows`, sorted) in place:
+        top-k keeps the values at least the k-th's, then top-p the smallest prefix whose mass
+        reaches top-p of the row's (the kept values' under top-k, else the whole row's in
+        vocabulary order; at least one token). Whether every cut fell strictly inside the C
+        values, which is always so when C is the vocabulary."""
+        m, width = vals.shape
+        inside = torch.ones((m, 1), dtype=torch.bool, device=vals.device)
+        last = vals[:, -1:].clone()
+        if self.kth_at is not None:
+            kth = vals.gather(1, self.kth_at.clamp(max=width - 1))
+            inside &= ~self.has_k | (self.kth_at < width) & (kth > last)
+            vals.masked_fill_(vals < kth, 0.0)
+        if self.top_p is not None:
+            mass = torch.cumsum(vals, dim=-1)
+            total = torch.where(self.has_k, mass[:, -1:], torch.cumsum(rows, dim=-1)[:, -1:])
+            at = torch.searchsorted(mass, self.top_p * total)
+            every = self.top_p >= 1.0
+            at_value = vals.gather(1, at.clamp(max=width - 1))
+            inside &= every | (at < width) & (at_value > last)
+            cut = at.add_(1).masked_fill_(every, width)
+            vals.masked_fill_(torch.arange(width, device=vals.device).expand(m, -1) >= cut, 0.0)
+        return width == rows.shape[1] or bool(inside.all())
+
+
+def top_by_id(rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's k largest values and their token ids, by value descending, equal values by
+    token id (the order of a stable sort of the whole row)."""
+    vals, ids = torch.topk(rows, k, dim=-1)
+    ids, by_id = ids.sort(dim=-1)
+    vals, order = vals.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
+    return vals, ids.gather(1, order)
 
 
 @attrs.frozen
@@ -68,6 +123,7 @@ class Sampler:
         device: torch.device,
         in_place_logits: bool = False,
         filter_elements: int = FILTER_ELEMENTS,
+        candidates: int = CANDIDATES,
     ):
         self.max_rows = max_rows
         self.vocab_size = vocab_size
@@ -82,6 +138,7 @@ class Sampler:
         # rows a filter pass works on at once: its scratch (a sort's, the cumulative mass) is
         # about 30 bytes per element of that many rows of the vocabulary
         self.filter_rows = max(1, min(max_rows, filter_elements // vocab_size))
+        self.candidates = min(candidates, vocab_size)  # tokens a CPU cut tries first (`_cut`)
 
     def warm_sizes(self) -> list[int]:
         """Batch sizes that meet every allocation a `distribution` makes: each row count a filter
@@ -127,10 +184,8 @@ class Sampler:
 
     def _filter(self, start: int, part: list[Filters]) -> None:
         """min-p, top-k and top-p on rows `start:start + len(part)` of `probs`, in one pass over
-        them (at most `filter_rows` rows, so that the pass's scratch stays small): the rows
-        sorted once, each filter a cut of the sorted row (ties with the k-th value kept), and
-        the kept values written back in vocabulary order. Every reduction is along a row (max,
-        sort, cumsum), so a row's result does not depend on the rows beside it."""
+        them (at most `filter_rows` rows, so that the pass's scratch stays small). Every
+        reduction is along a row, so a row's result does not depend on the rows beside it."""
         n, end = len(part), start + len(part)
         probs = self.probs[start:end]
         device = probs.device
@@ -138,23 +193,37 @@ class Sampler:
             min_p = to_device([f.min_p for f in part], device)
             floor = probs.amax(dim=-1, keepdim=True).mul_(min_p[:, None])
             probs.masked_fill_(probs < floor, 0.0)
-        if not any(f.top_k or f.top_p < 1.0 for f in part):
+        need = [i for i, f in enumerate(part) if f.top_k or f.top_p < 1.0]
+        if not need:
             return
-        vals, order = self.sorted[start:end], self.order[start:end]
-        torch.sort(probs, dim=-1, descending=True, stable=True, out=(vals, order))
-        if any(f.top_k for f in part):
-            kth = [(f.top_k or self.vocab_size) - 1 for f in part]
-            kth_at = torch.tensor(kth, dtype=torch.long).to(device)
-            vals.masked_fill_(vals < vals.gather(1, kth_at[:, None]), 0.0)
-        if any(f.top_p < 1.0 for f in part):
-            top_p = to_device([f.top_p for f in part], device)
-            mass = torch.cumsum(vals, dim=-1)
-            # keep the smallest prefix whose mass reaches top_p (always at least one token)
-            cut = torch.searchsorted(mass, top_p[:, None] * mass[:, -1:]).add_(1)
-            cut.masked_fill_((top_p >= 1.0)[:, None], self.vocab_size)
-            at = torch.arange(self.vocab_size, device=device).expand(n, -1)
-            vals.masked_fill_(at >= cut, 0.0)
-        probs.scatter_(1, order, vals)
+        cuts = Cuts.of([part[i] for i in need], self.vocab_size, device)
+        if len(need) == n:
+            self._cut(probs, cuts, start)
+            return
+        index = torch.tensor(need, device=device)
+        rows = probs.index_select(0, index)
+        self._cut(rows, cuts, start)
+        probs.index_copy_(0, index, rows)
+
+    def _cut(self, rows: torch.Tensor, cuts: Cuts, start: int) -> None:
+        """Top-k and top-p of `rows` ([m, V]), in place: each a cut of the row sorted by
+        probability (ties by token id), the kept values written back in vocabulary order.
+
+        On the CPU, where sorting a whole row of the vocabulary costs tens of milliseconds, the
+        cuts are first tried on each row's `candidates` most probable tokens: where every cut
+        falls strictly inside them (the value at the cut above the last candidate's, so that no
+        tie crosses the edge) the result is the whole sort's to the bit; else the rows are sorted
+        whole."""
+        m, vocab = rows.shape
+        if rows.device.type == "cpu" and self.candidates < vocab:
+            vals, idx = top_by_id(rows, self.candidates)
+            if cuts.apply(vals, rows):
+                rows.zero_().scatter_(1, idx, vals)
+                return
+        vals, order = self.sorted[start : start + m], self.order[start : start + m]
+        torch.sort(rows, dim=-1, descending=True, stable=True, out=(vals, order))
+        cuts.apply(vals, rows)
+        rows.scatter_(1, order, vals)
 
     def sample(self, probs: torch.Tensor, rows: list[Row], stream: int = SAMPLE) -> list[int]:
         """One token per row by inverse CDF, with the row's counter-based uniform."""

@@ -177,3 +177,45 @@ def test_filter_passes_leave_each_row_as_alone():
     assert int((together[4] > 0).sum()) == 6, "the tie at the 4th value keeps all six"
     assert int((together[1] > 0).sum()) == 5 and int((together[2] > 0).sum()) == 1
     assert int((together[5] > 0).sum()) == 50 and int((together[8] > 0).sum()) == 50
+
+
+def test_cpu_cuts_on_candidates_equal_the_whole_sort():
+    """On the CPU a top-k or top-p cut is tried on each row's few most probable tokens first;
+    where it falls inside them the distribution equals the whole sort's to the bit, ties by
+    token id included, and where it does not (flat rows, a k past the candidates, a tie across
+    their edge) the rows are sorted whole."""
+    gen = torch.Generator().manual_seed(11)
+    peaked = torch.randn(8, 50, generator=gen) * 4.0
+    peaked[3, [4, 9, 17]] = peaked[3].max() + 1.0  # a tie at the top
+    flat = torch.randn(4, 50, generator=gen) * 0.1
+    tie_edge = -torch.arange(50, dtype=torch.float32)
+    tie_edge[:6] = torch.arange(10.0, 4.0, -1.0)
+    tie_edge[[6, 9, 31, 40]] = 4.0  # the 7th to 10th values tie, across the 8 candidates' edge
+    params = [
+        SamplingParams(temperature=1.0, top_p=0.5),
+        SamplingParams(temperature=0.7, top_k=3),
+        SamplingParams(temperature=1.0, top_k=5, top_p=0.8),
+        SamplingParams(temperature=1.0, top_p=0.6, min_p=0.05),
+        SamplingParams(temperature=1.0, top_k=2),
+        SamplingParams(temperature=1.0, top_k=20),  # past the candidates
+        SamplingParams(temperature=0.5, top_p=0.3),
+        SamplingParams(temperature=1.0, top_p=0.95),
+    ]
+
+    def both(logits: torch.Tensor, rows: list[Row]) -> tuple[torch.Tensor, Sampler]:
+        n = len(rows)
+        fast = Sampler(n, 50, torch.device("cpu"), candidates=8)
+        whole = Sampler(n, 50, torch.device("cpu"), candidates=50)
+        got = fast.distribution(logits.clone(), rows).clone()
+        assert torch.equal(got, whole.distribution(logits.clone(), rows))
+        return got, fast
+
+    rows = [Row(p, 3, [], 0) for p in params]
+    both(peaked, rows)
+    _, fast = both(peaked[:5], rows[:5])
+    assert not fast.sorted.any(), "the candidates sufficed: nothing was sorted whole"
+    _, fast = both(flat, [Row(SamplingParams(temperature=1.0, top_p=0.9), 3, [], 0)] * 4)
+    assert fast.sorted.any(), "a flat row's top-p cut lies past 8 candidates"
+    tie = [Row(SamplingParams(temperature=1.0, top_k=7), 3, [], 0)]
+    kept, fast = both(tie_edge[None], tie)
+    assert fast.sorted.any() and int((kept > 0).sum()) == 10, "the 7th value's tie: 10 kept"
