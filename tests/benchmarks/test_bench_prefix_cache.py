@@ -18,7 +18,7 @@ from memstep.core.config import EngineConfig
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_prefix_cache.py"
 TINY = EngineConfig(model="random:tiny", num_threads=1)
-ARGS = argparse.Namespace(num_sharegpt=12, max_tokens=6, seed=0)
+ARGS = argparse.Namespace(num_sharegpt=12, max_tokens=6, seed=0, dataset="sharegpt")
 
 
 def load_bench():
