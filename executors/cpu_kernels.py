@@ -118,39 +118,52 @@ static inline void weights_q8_0(const uint8_t *b, vec *w) {
     w[1] = VMUL(c[1], d);
 }
 
-/* y[r, n] for rows r0..r0+nr of x and weight row n (G blocks of `bs` bytes at `w`) */
-static inline __attribute__((always_inline)) void row_dot(
-    const float *x, const uint8_t *w, float *y, int64_t r0, int nr,
-    int64_t n, int64_t N, int64_t K, int64_t G, int bs)
+/* y[r, n] for rows r0..r0+nr of x and weight rows n..n+nw (G blocks of `bs` bytes each, from
+   `w`): each output accumulates its groups left to right, whatever nr and nw, so a row's result
+   does not depend on the batch; several weight rows at once give a few rows of x independent
+   chains of FMAs to overlap */
+static inline __attribute__((always_inline)) void tile_dot(
+    const float *x, const uint8_t *w, float *y, int64_t r0, int nr, int64_t n, int nw,
+    int64_t N, int64_t K, int64_t G, int bs)
 {
-    vec acc[ROWS];
-    for (int r = 0; r < nr; r++) acc[r] = VZERO;
+    vec acc[4][ROWS];
+    for (int j = 0; j < nw; j++)
+        for (int r = 0; r < nr; r++) acc[j][r] = VZERO;
     for (int64_t g = 0; g < G; g++) {
-        vec wv[2];
-        if (bs == 20) weights_q4_1(w + g * bs, wv); else weights_q8_0(w + g * bs, wv);
-        for (int r = 0; r < nr; r++) {
-            const float *xr = x + (r0 + r) * K + g * GROUP;
-            acc[r] = VFMA(wv[0], vload(xr), acc[r]);
-            acc[r] = VFMA(wv[1], vload(xr + LANES), acc[r]);
+        for (int j = 0; j < nw; j++) {
+            vec wv[2];
+            const uint8_t *b = w + ((n + j) * G + g) * bs;
+            if (bs == 20) weights_q4_1(b, wv); else weights_q8_0(b, wv);
+            for (int r = 0; r < nr; r++) {
+                const float *xr = x + (r0 + r) * K + g * GROUP;
+                acc[j][r] = VFMA(wv[0], vload(xr), acc[j][r]);
+                acc[j][r] = VFMA(wv[1], vload(xr + LANES), acc[j][r]);
+            }
         }
     }
-    for (int r = 0; r < nr; r++) y[(r0 + r) * N + n] = vsum(acc[r]);
+    for (int j = 0; j < nw; j++)
+        for (int r = 0; r < nr; r++) y[(r0 + r) * N + n + j] = vsum(acc[j][r]);
 }
 
-#define TAIL(k) case k: row_dot(x, row, y, r0, k, n, N, K, G, bs); break;
+#define WIDE 4  /* weight rows per tile for 1-3 rows of x, 2 for 4-7, 1 from 8 */
+#define TAIL(k, nw) case k: \
+    for (int64_t j = n0; j + nw <= n1; j += nw) tile_dot(x, w, y, r0, k, j, nw, N, K, G, bs); \
+    for (int64_t j = n1 - (n1 - n0) % nw; j < n1; j++) \
+        tile_dot(x, w, y, r0, k, j, 1, N, K, G, bs); \
+    break;
 
 static inline __attribute__((always_inline)) void blocks_mm(
     const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K, int bs)
 {
     const int64_t G = K / GROUP;
     #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const uint8_t *row = w + n * G * bs;
-        int64_t r0 = 0;
-        for (; r0 + ROWS <= M; r0 += ROWS) row_dot(x, row, y, r0, ROWS, n, N, K, G, bs);
-        switch (M - r0) {  /* constant row counts: the accumulators stay in registers */
-        TAIL(15) TAIL(14) TAIL(13) TAIL(12) TAIL(11) TAIL(10) TAIL(9) TAIL(8)
-        TAIL(7) TAIL(6) TAIL(5) TAIL(4) TAIL(3) TAIL(2) TAIL(1)
+    for (int64_t n0 = 0; n0 < N; n0 += WIDE) {
+        int64_t n1 = n0 + WIDE < N ? n0 + WIDE : N, r0 = 0;
+        for (; r0 + ROWS <= M; r0 += ROWS)
+            for (int64_t n = n0; n < n1; n++) tile_dot(x, w, y, r0, ROWS, n, 1, N, K, G, bs);
+        switch (M - r0) {  /* constant sizes: the accumulators stay in registers */
+        TAIL(15, 1) TAIL(14, 1) TAIL(13, 1) TAIL(12, 1) TAIL(11, 1) TAIL(10, 1) TAIL(9, 1)
+        TAIL(8, 1) TAIL(7, 2) TAIL(6, 2) TAIL(5, 2) TAIL(4, 2) TAIL(3, 4) TAIL(2, 4) TAIL(1, 4)
         default: break;
         }
     }
@@ -257,6 +270,35 @@ void decode_attention(const float *q, int64_t qs, const float *kc, const float *
         }
     }
 }
+
+/* rotate q and k of each token (Hugging Face's halves: x1 cos - x2 sin, x2 cos + x1 sin, the
+   same float32 operations as llama.apply_rope), q in place in qkv, k and v into flat slot
+   slots[t] of the caches (none where negative); qkv: [T, (H + 2 KVH) * D], row stride qs;
+   cos, sin: [P, D / 2]; caches [blocks, BS, KVH, D] float32 */
+void rope_write_kv(float *qkv, int64_t qs, const float *cos, const float *sin,
+                   const int64_t *pos, const int64_t *slots, float *kc, float *vc,
+                   int64_t T, int64_t H, int64_t KVH, int64_t D)
+{
+    const int64_t half = D / 2;
+    #pragma omp parallel for schedule(static) if (T > 8)
+    for (int64_t t = 0; t < T; t++) {
+        float *row = qkv + t * qs;
+        const float *c = cos + pos[t] * half, *s = sin + pos[t] * half;
+        for (int64_t hh = 0; hh < H + KVH; hh++) {
+            float *x = row + hh * D;
+            float *to = hh < H ? x : (slots[t] >= 0 ? kc + (slots[t] * KVH + hh - H) * D : 0);
+            if (!to) continue;
+            for (int64_t i = 0; i < half; i++) {
+                float x1 = x[i], x2 = x[i + half];
+                float a = x1 * c[i] - x2 * s[i], b = x2 * c[i] + x1 * s[i];
+                to[i] = a;
+                to[i + half] = b;
+            }
+        }
+        if (slots[t] >= 0)
+            memcpy(vc + slots[t] * KVH * D, row + (H + KVH) * D, KVH * D * sizeof(float));
+    }
+}
 """
 
 
@@ -276,7 +318,7 @@ def _library() -> ctypes.CDLL | None:
     if not path.exists():
         try:
             _build(compiler, path)
-        except (OSError, subprocess.CalledProcessError):
+        except (OSError, subprocess.SubprocessError):
             return None
     lib = ctypes.CDLL(str(path))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
@@ -285,6 +327,7 @@ def _library() -> ctypes.CDLL | None:
     lib.q4_1_dequant.argtypes = [ptr, ptr, i64, i64]
     lib.decode_attention.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64] + [i64] * 6
     lib.decode_attention.argtypes += [ctypes.c_float]
+    lib.rope_write_kv.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr] + [i64] * 4
     return lib
 
 
@@ -364,3 +407,27 @@ def decode_attention(
         b, h, kvh, d, block_size, tables.shape[1], scale,
     )  # fmt: skip
     return out
+
+
+def rope_and_write_kv(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    num_heads: int,
+) -> torch.Tensor:
+    """The CPU's `rope_and_write_kv` (executors/kernels), float32: qkv [T, (H + 2 KVH) * D],
+    cos, sin [P, D / 2], positions and slots [T] int64. Rotates q in place and returns it as a
+    [T, H, D] view of qkv; writes rotated k and v into the caches."""
+    t = qkv.shape[0]
+    _, _, kvh, d = k_cache.shape
+    assert qkv.stride(1) == 1 and cos.is_contiguous() and sin.is_contiguous()
+    pos, at = positions.contiguous(), slots.contiguous()
+    _library().rope_write_kv(
+        qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), pos.data_ptr(),
+        at.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), t, num_heads, kvh, d,
+    )  # fmt: skip
+    return qkv[:, : num_heads * d].view(t, num_heads, d)

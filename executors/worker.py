@@ -58,10 +58,12 @@ def pick_quantization(cfg: EngineConfig, source: ModelSource, device: torch.devi
     """With "auto": q4 for a GGUF whose decoder matrices are all Q4_1 (the shipped SmolLM2), on
     a CPU where `cpu_kernels` built: the file's own blocks multiplied in float32, whose greedy
     text equals float32's on the parity test's 8 prompts over 64 tokens (first-token log-prob
-    error 2e-5 nats) at ~4x float32's decode speed (benchmarks/bench_llamacpp.py); else none."""
+    error 2e-5 nats) at ~4x float32's decode speed (benchmarks/bench_llamacpp.py), on one rank;
+    else none."""
     if cfg.quantization == "auto":
         is_q4_1 = source.kind == "gguf" and source.path is not None and gguf_is_q4_1(source.path)
-        return "q4" if device.type == "cpu" and is_q4_1 and cpu_kernels.available() else "none"
+        one_cpu = device.type == "cpu" and cfg.tensor_parallel_size == 1
+        return "q4" if one_cpu and is_q4_1 and cpu_kernels.available() else "none"
     if cfg.quantization != "none" and device.type != "cpu":
         raise ConfigError(f"quantization {cfg.quantization!r} runs on the CPU only, not {device}")
     if cfg.quantization == "q4" and not cpu_kernels.available():

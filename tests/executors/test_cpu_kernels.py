@@ -73,3 +73,28 @@ def test_decode_attention_equals_torch_s_on_pages_in_any_order():
     empty = torch.tensor([37, 1, 130, 0], dtype=torch.int32)
     cpu_kernels.decode_attention(q, k_cache, v_cache, group.block_tables, empty, 0.125, out)
     assert torch.equal(out[:3], got[:3]) and torch.equal(out[3], torch.zeros(heads, dim))
+
+
+def test_rope_and_kv_write_are_apply_rope_s_bit_for_bit():
+    from memstep.core.model_config import PRESETS
+    from memstep.executors.kv_cache import write_kv
+    from memstep.executors.llama import apply_rope, rope_inv_freq
+
+    cfg = PRESETS["tiny"]
+    heads, kv_heads, dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(5, (heads + 2 * kv_heads) * dim, generator=gen)
+    freqs = torch.outer(torch.arange(64, dtype=torch.float32), rope_inv_freq(cfg))
+    positions, slots = torch.tensor([0, 1, 2, 40, 63]), torch.tensor([3, 4, 5, -1, 17])
+    caches = [torch.zeros(4, 8, kv_heads, dim) for _ in range(4)]
+    got = cpu_kernels.rope_and_write_kv(
+        qkv.clone(), freqs.cos(), freqs.sin(), positions, slots, *caches[:2], heads
+    )
+    cos = torch.cat([freqs.cos(), freqs.cos()], -1)[positions].unsqueeze(1)
+    sin = torch.cat([-freqs.sin(), freqs.sin()], -1)[positions].unsqueeze(1)
+    qk = apply_rope(qkv[:, : (heads + kv_heads) * dim].reshape(5, -1, dim), cos, sin)
+    v = qkv[:, (heads + kv_heads) * dim :].reshape(5, kv_heads, dim)
+    kept = slots >= 0  # torch's write has no "skip" slot
+    write_kv(*caches[2:], qk[kept, heads:], v[kept], slots[kept])
+    assert torch.equal(got, qk[:, :heads])
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])

@@ -99,6 +99,7 @@ def test_the_precision_is_picked_from_the_model_the_device_and_the_cpu():
     with pytest.raises(ConfigError, match="CPU only"):
         pick_quantization(cfg.replace(quantization="int8"), shipped, torch.device("cuda"))
     assert pick_quantization(cfg, shipped, torch.device("cuda")) == "none"
+    assert pick_quantization(cfg.replace(tensor_parallel_size=2), shipped, CPU) == "none"
     assert has_native_bf16(frozenset({"avx2", "avx512_bf16"}))
     assert has_native_bf16(frozenset({"amx_bf16"}))
     assert not has_native_bf16(frozenset({"avx2", "avx512f", "avx512bw"}))
