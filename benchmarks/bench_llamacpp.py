@@ -125,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--llama-bench", default=None, help="the llama-bench binary")
     p.add_argument("--json", type=Path, default=None, help="write every round's figures here")
     args = p.parse_args(argv)
+    from memstep.executors.threads import prefer_passive_wait
 
+    prefer_passive_wait()  # as the memstep command and its executor run: before torch loads
     import random
 
     from memstep.core.model_source import shipped_gguf_path

@@ -17,10 +17,11 @@ The C source below is compiled once per machine with the system's C compiler (`-
 with ctypes; it runs on the OpenMP pool torch already loaded (the same libgomp.so.1), so
 `torch.set_num_threads` sets its threads too. `available()` says whether that worked.
 
-`decode_attention` is the CPU's counterpart of the CUDA paged decode kernel: one query token per
-sequence, read from the cache pages in place, each (sequence, head) alone. In torch the same
-work was a gather of the pages and an attention call per layer, ~90 us of the ~210 us a
-SmolLM2 layer took at batch 1 (2 cores).
+`decode_attention` is the CPU's counterpart of the CUDA paged decode kernel (one query token per
+sequence, read from the cache pages in place, each sequence and head alone) and
+`rope_and_write_kv` of its rotary + KV write: in torch they were a gather of the pages and an
+attention call, and ~10 small ops, per layer. A SmolLM2 q4 decode step at batch 1 went from 14.1
+to 11.4 ms with them, and at 16 streams from 88 to 65 ms (2 cores, 2026-12-01).
 """
 
 from __future__ import annotations

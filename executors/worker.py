@@ -45,10 +45,9 @@ def pick_device(cfg: EngineConfig) -> torch.device:
 
 
 def pick_dtype(cfg: EngineConfig, device: torch.device) -> torch.dtype:
-    """With "auto": bfloat16 on CUDA, float32 on the CPU. A CPU's native bf16 matmuls serve
-    the quantized linears (their kernels take bf16 rows); bf16 activations throughout are
-    --dtype bfloat16: on SmolLM2 q4 they doubled the first-token log-prob error against
-    float32 (0.084 nats against 0.040 at most over the parity test's 8 prompts)."""
+    """With "auto": bfloat16 on CUDA, float32 on the CPU, where q4's kernels multiply in float32
+    (int8's take bf16 rows, on the CPU's native bf16 matmuls where it has them); bf16
+    activations throughout are --dtype bfloat16."""
     if cfg.dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, cfg.dtype)  # config.DTYPES names torch dtypes
@@ -58,8 +57,8 @@ def pick_quantization(cfg: EngineConfig, source: ModelSource, device: torch.devi
     """With "auto": q4 for a GGUF whose decoder matrices are all Q4_1 (the shipped SmolLM2), on
     a CPU where `cpu_kernels` built: the file's own blocks multiplied in float32, whose greedy
     text equals float32's on the parity test's 8 prompts over 64 tokens (first-token log-prob
-    error 2e-5 nats) at ~4x float32's decode speed (benchmarks/bench_llamacpp.py), on one rank;
-    else none."""
+    error 2e-5 nats) at 2.4-4x float32's decode speed (benchmarks/bench_llamacpp.py), on one
+    rank; else none."""
     if cfg.quantization == "auto":
         is_q4_1 = source.kind == "gguf" and source.path is not None and gguf_is_q4_1(source.path)
         one_cpu = device.type == "cpu" and cfg.tensor_parallel_size == 1
