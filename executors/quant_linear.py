@@ -50,8 +50,8 @@ def q4_1_rows(data: np.ndarray) -> torch.Tensor:
 
 
 def quantize_q4(w: torch.Tensor) -> torch.Tensor:
-    """Float [N, K] -> Q4_1 rows as llama.cpp makes them: each group's minimum m and range / 15
-    as d (both fp16), codes rounded from the fp16 values."""
+    """Float [N, K] -> Q4_1 rows: each group's minimum m and range / 15 as d (both fp16), the
+    codes rounded against those fp16 values."""
     groups = w.float().reshape(w.shape[0], -1, GROUP)
     m = groups.amin(-1).half()
     d = ((groups.amax(-1) - m.float()) / 15).half()
