@@ -322,13 +322,12 @@ def _library() -> ctypes.CDLL | None:
         except (OSError, subprocess.SubprocessError):
             return None
     lib = ctypes.CDLL(str(path))
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.q4_1_mm.argtypes = [ptr, ptr, ptr, i64, i64, i64]
-    lib.q8_0_mm.argtypes = [ptr, ptr, ptr, i64, i64, i64]
-    lib.q4_1_dequant.argtypes = [ptr, ptr, i64, i64]
-    lib.decode_attention.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64] + [i64] * 6
-    lib.decode_attention.argtypes += [ctypes.c_float]
-    lib.rope_write_kv.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr] + [i64] * 4
+    p, i, f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    lib.q4_1_mm.argtypes = [p, p, p, i, i, i]
+    lib.q8_0_mm.argtypes = [p, p, p, i, i, i]
+    lib.q4_1_dequant.argtypes = [p, p, i, i]
+    lib.decode_attention.argtypes = [p, i, p, p, p, p, p, i, i, i, i, i, i, i, f]
+    lib.rope_write_kv.argtypes = [p, i, p, p, p, p, p, p, i, i, i, i]
     return lib
 
 
@@ -349,12 +348,19 @@ def available() -> bool:
     return _library() is not None
 
 
+def _kernels() -> ctypes.CDLL:
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("memstep's CPU kernels are not built: no C compiler could build them")
+    return lib
+
+
 def q4_1_mm(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """x [M, K] float32 @ W^T -> [M, N] float32; blocks: [N, K / 32 * 20] uint8 (Q4_1 rows)."""
     x = x.contiguous()
     m, k = x.shape
     y = torch.empty(m, blocks.shape[0], dtype=torch.float32)
-    _library().q4_1_mm(x.data_ptr(), blocks.data_ptr(), y.data_ptr(), m, blocks.shape[0], k)
+    _kernels().q4_1_mm(x.data_ptr(), blocks.data_ptr(), y.data_ptr(), m, blocks.shape[0], k)
     return y
 
 
@@ -363,7 +369,7 @@ def q8_0_mm(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     m, k = x.shape
     y = torch.empty(m, blocks.shape[0], dtype=torch.float32)
-    _library().q8_0_mm(x.data_ptr(), blocks.data_ptr(), y.data_ptr(), m, blocks.shape[0], k)
+    _kernels().q8_0_mm(x.data_ptr(), blocks.data_ptr(), y.data_ptr(), m, blocks.shape[0], k)
     return y
 
 
@@ -371,7 +377,7 @@ def q4_1_dequant(blocks: torch.Tensor) -> torch.Tensor:
     """Q4_1 rows ([N, K / 32 * 20] uint8) -> float32 [N, K], gguf's values (d * code + m)."""
     n, k = blocks.shape[0], blocks.shape[1] // Q4_1_BLOCK * GROUP
     out = torch.empty(n, k, dtype=torch.float32)
-    _library().q4_1_dequant(blocks.data_ptr(), out.data_ptr(), n, k)
+    _kernels().q4_1_dequant(blocks.data_ptr(), out.data_ptr(), n, k)
     return out
 
 
@@ -402,7 +408,7 @@ def decode_attention(
         out = torch.empty(q.shape, dtype=torch.float32)
     assert q.stride()[1:] == (d, 1) and out.stride()[1:] == (d, 1)
     tables, lens = block_tables.contiguous(), seq_lens.contiguous()
-    _library().decode_attention(
+    _kernels().decode_attention(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
         tables.data_ptr(), lens.data_ptr(), out.data_ptr(), out.stride(0),
         b, h, kvh, d, block_size, tables.shape[1], scale,
@@ -427,7 +433,7 @@ def rope_and_write_kv(
     _, _, kvh, d = k_cache.shape
     assert qkv.stride(1) == 1 and cos.is_contiguous() and sin.is_contiguous()
     pos, at = positions.contiguous(), slots.contiguous()
-    _library().rope_write_kv(
+    _kernels().rope_write_kv(
         qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), pos.data_ptr(),
         at.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), t, num_heads, kvh, d,
     )  # fmt: skip
