@@ -10,7 +10,38 @@ process (the engine's own step loop, prefix caching off so that each prompt is c
   whole run (prefill included), and over the decode steps alone.
 
 Each round runs llama-bench and then memstep, so that the ratios of a round compare figures
-taken a moment apart on a shared machine; the summary gives medians over the rounds.
+taken a moment apart on a shared machine; the summary gives medians over the rounds (of each
+figure and of each round's ratios). memstep runs with the executor's passive OpenMP wait policy
+(executors/threads.py) unless the environment names one: with torch's spinning default, a
+neighbour on the 2 cores made memstep's steps wait out scheduler slices (decode at 0.02-0.16x
+llama.cpp's, float32 and int8, in the first runs below).
+
+Measured 2026-12-01, 2 threads, `--rounds 3`, the shipped SmolLM2-135M-Instruct Q4_1 GGUF, on
+a 2-core AMD EPYC (Zen 4, AVX-512 with bf16) shared with other jobs: llama.cpp's tg64 ran at
+58-72 tok/s (121-125 in a quieter moment). Medians, tok/s, and the median of the rounds' ratios:
+
+    --quantization        prefill (ratio)    decode (ratio)       16 streams: total / decode
+    auto = q4, float32    311 / 176 (1.76)   38.9 / 58.9 (0.63)   74.7 (1.25) / 143 (2.27)
+    q4 before (bf16 int4) 318 / 181 (1.76)   44.5 / 71.9 (0.62)   81.0 (1.12) / 163 (2.26)
+    none                  327 / 177 (1.85)   17.9 / 68.1 (0.26)   71.9 (1.06) / 125 (1.78)
+    none before           300 / 174 (1.71)   16.4 / 67.5 (0.24)   68.2 (1.02) / 110 (1.63)
+    int8                  283 / 171 (1.64)   33.6 / 69.7 (0.50)   73.6 (1.04) / 150 (2.12)
+
+"before" is the main branch ahead of issue #20's work (auto was none; q4 multiplied in bf16 with
+torch's int4 kernel, and its greedy text equalled float32's on 1 of the parity test's 8 prompts);
+q4 now multiplies the file's blocks in float32 (executors/cpu_kernels.py) and keeps float32's
+text on 8 of 8, at the same speed. In a quiet moment (the same day, in-process, spinning wait)
+a q4 decode step took 11.4 ms at batch 1 (88 tok/s, 0.7x llama.cpp's 121-125) and 64.7 ms at 16
+streams (247 tok/s, 2.0x). The passive policy's price is larger than threads.py measured before
+the compiled kernels (each a parallel region, ~150 a step): alternating runs with one core
+mostly free gave 21.6-28.8 ms a batch-1 step passive against 13.0-15.4 ms with libgomp's
+default, and 71-72 ms against 58-60 ms at 16 streams.
+
+The goals not met, and why: 16 streams' total includes their 2,048 prompt tokens, which even
+llama.cpp's own pp128 speed takes longer to compute than 4x its tg64 allows for the 1,024 output
+tokens; and a 16-stream decode step is compute-bound: 16 x 270 MFLOP in float32, where 4x a quiet
+llama.cpp (~480 tok/s) would need ~130 GFLOP/s of the ~170 two Zen 4 cores peak at, every other
+op included (llama.cpp multiplies 8-bit activations by 4-bit weights in integer dot products).
 
     python benchmarks/bench_llamacpp.py [--rounds 3] [--threads 2] [--quantization auto]
         [--llama-bench PATH] [--json out.json]
@@ -125,7 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--llama-bench", default=None, help="the llama-bench binary")
     p.add_argument("--json", type=Path, default=None, help="write every round's figures here")
     args = p.parse_args(argv)
+    from memstep.executors.threads import prefer_passive_wait
 
+    prefer_passive_wait()  # as the memstep command and its executor run: before torch loads
     import random
 
     from memstep.core.model_source import shipped_gguf_path
@@ -149,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             row["ratio_prefill"] = row["prefill"] / row["llama_prefill"]
             row["ratio_decode"] = row["decode"] / row["llama_decode"]
             row["ratio_concurrent"] = row["concurrent"] / row["llama_decode"]
+            row["ratio_concurrent_decode"] = row["concurrent_decode"] / row["llama_decode"]
         rounds.append(row)
         print(f"round {i + 1}: " + "  ".join(f"{k}={v:.2f}" for k, v in row.items()), flush=True)
     engine.shutdown()
@@ -165,13 +199,14 @@ def print_summary(rounds: list[dict[str, float]], threads: int) -> None:
         ("prefill pp128", "prefill", "llama_prefill", "ratio_prefill", 0.5),
         ("decode tg64, 1 stream", "decode", "llama_decode", "ratio_decode", 0.5),
         (f"{STREAMS} streams, total", "concurrent", "llama_decode", "ratio_concurrent", 4.0),
-    ]
+        (f"{STREAMS} streams, decode", "concurrent_decode", "llama_decode",
+         "ratio_concurrent_decode", 4.0),
+    ]  # fmt: skip
     for label, ours, theirs, ratio, goal in lines:
         text = f"  {label:24s} memstep {med[ours]:8.1f}"
         if theirs in med:
             text += f"   llama.cpp {med[theirs]:8.1f}   ratio {med[ratio]:.2f} (goal {goal})"
         print(text)
-    print(f"  {STREAMS} streams, decode steps   memstep {med['concurrent_decode']:8.1f}")
 
 
 if __name__ == "__main__":

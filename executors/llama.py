@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from memstep.core.model_config import ModelConfig
+from memstep.executors import cpu_kernels
 from memstep.executors.attention import ForwardBatch, attention
 from memstep.executors.kv_cache import write_kv
 from memstep.executors.quant_linear import Linear, make_linear
@@ -96,6 +97,9 @@ class LlamaModel:
         self.rope_sin = torch.cat([-self.sin, self.sin], dim=-1)
         self.lm_head = weights.get("lm_head", weights["embed"])
         self.wide = wide_linear(device, self.lm_head.dtype)
+        # float32 on the CPU: rotary and the KV write by cpu_kernels (with a float32 cache)
+        fp32_cpu = device.type == "cpu" and self.lm_head.dtype == torch.float32
+        self.cpu_kernels = fp32_cpu and ranks is None and cpu_kernels.available()
         self.layers = [self._layer(i) for i in range(self.num_layers)]
         self.head = make_linear({"lm_head": self.lm_head, **weights}, "lm_head", self.wide)
 
@@ -119,18 +123,26 @@ class LlamaModel:
             return self._forward_fused(batch, kv_caches)
         cfg = self.cfg
         h = self.embed(batch.input_ids)
-        cos = self.rope_cos[batch.positions].unsqueeze(1)
-        sin = self.rope_sin[batch.positions].unsqueeze(1)
         nq, nkv, d = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
         nqk = cfg.num_heads + cfg.num_kv_heads
         t = batch.num_tokens
+        compiled = self.cpu_kernels and kv_caches[0][0].dtype == torch.float32
+        if not compiled:
+            cos = self.rope_cos[batch.positions].unsqueeze(1)
+            sin = self.rope_sin[batch.positions].unsqueeze(1)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=False):
             attn_norm, wqkv, wo, mlp_norm, w_gate_up, w_down = layer
             qkv = wqkv(rms_norm(h, attn_norm, cfg.rms_eps))
-            qk = apply_rope(qkv[:, : nq + nkv].reshape(t, nqk, d), cos, sin)  # q and k at once
-            q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
-            v = qkv[:, nq + nkv :]
-            write_kv(k_cache, v_cache, k, v.reshape(t, cfg.num_kv_heads, d), batch.slot_mapping)
+            if compiled:  # the same arithmetic in one call
+                q = cpu_kernels.rope_and_write_kv(
+                    qkv, self.cos, self.sin, batch.positions, batch.slot_mapping,
+                    k_cache, v_cache, cfg.num_heads,
+                )  # fmt: skip
+            else:
+                qk = apply_rope(qkv[:, : nq + nkv].reshape(t, nqk, d), cos, sin)  # q, k at once
+                q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+                v = qkv[:, nq + nkv :].reshape(t, cfg.num_kv_heads, d)
+                write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
             o = attention(q, k_cache, v_cache, batch, self.scale, self.decode_kernel)
             h = h + self.reduce(wo(o.reshape(t, nq)))
             gate, up = w_gate_up(rms_norm(h, mlp_norm, cfg.rms_eps)).chunk(2, dim=-1)

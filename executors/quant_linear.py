@@ -1,18 +1,22 @@
 """Weight-only quantized linears for the CPU, kept in the weights dict as plain tensors.
 
-Two forms, both multiplied by torch's CPU weight-only kernels:
+Two forms:
 
-* q4: 4-bit codes in groups of 32 inputs, a scale and a minimum per group (w = code * d + m),
-  the layout of the shipped GGUF's Q4_1 matrices, whose codes are kept exactly as shipped.
-  Stored as `NAME.int4` (torch's packed int4, [N, K/2] uint8) and `NAME.int4_scales`
-  ([K/32, N, 2] bfloat16: d and the zero m + 8 d, as the kernel takes them).
-* int8: one symmetric scale per output row: `NAME.int8` ([N, K] int8), `NAME.int8_scales` ([N]).
+* q4: the rows of a GGUF's blocks as the file ships them, multiplied in float32 by
+  `cpu_kernels` (compiled C): `NAME.q4_1` ([N, K / 32 * 20] uint8: groups of 32 inputs, w =
+  code * d + m) for the decoder's matrices, `lm_head.q8_0` ([V, K / 32 * 34]: w = q * d) for
+  the head, the GGUF's Q8_0 embedding (4 bits would throw half of it away). The products are
+  those of the float32 model on gguf's dequantized values up to float32 rounding, so greedy
+  text stays with float32's (tests/executors/test_quant_quality.py). A model without blocks
+  (a Hugging Face folder, random:) is quantized into them here (`quantize_q4`, `quantize_q8_0`).
+* int8: one symmetric scale per output row: `NAME.int8` ([N, K] int8), `NAME.int8_scales` ([N]),
+  multiplied by torch's weight-only kernel, fast only on bfloat16 rows (float32 rows take a
+  scalar path: 12 ms instead of 0.11 ms for SmolLM2's gate_up at one row, torch 2.13), so its
+  scales are bfloat16 and a float32 model's rows are rounded to bfloat16 for the matmul; each
+  matrix is checked against its float values when it is made (`verify`).
 
 Keeping them as tensors lets the memory plan, the live-tensor meter and the draft model read
-them like any other weight. torch 2.13's CPU kernels are fast only on bfloat16 rows (float32
-rows take a scalar path: 12 ms instead of 0.11 ms for SmolLM2's gate_up at one row), so the
-scales are bfloat16 and a float32 model's rows are rounded to bfloat16 for the matmul.
-Every matrix is checked against its float values when it is made (`verify`).
+them like any other weight.
 """
 
 from __future__ import annotations
@@ -24,8 +28,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from memstep.executors import cpu_kernels
+
 GROUP = 32  # inputs per q4 group, as in GGUF's Q4_1
-_Q4_1_BLOCK_BYTES = 20  # fp16 d, fp16 m, 16 bytes of 32 nibbles
+# rows from which a q4 matmul multiplies gguf's float32 values made for the call (prefills)
+DEQUANT_ROWS = 32
 # |error| allowed per probe output, as a fraction of its bound (see `verify`): bfloat16 rounds
 # scales, zeros and outputs to 2^-9 each
 PROBE_TOLERANCE = 2**-6
@@ -37,39 +44,32 @@ class QuantizationError(RuntimeError):
     """A quantized matrix does not reproduce the float values it was made from."""
 
 
-def q4_1_codes(data: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A GGUF Q4_1 matrix's rows ([N, K / 32 * 20] bytes) -> codes [N, K] uint8 and d, m
-    [N, K / 32] float32; block i holds inputs 32 i.. (low nibbles first, then high ones)."""
-    n = data.shape[0]
-    blocks = np.ascontiguousarray(data).reshape(n, -1, _Q4_1_BLOCK_BYTES)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    nibbles = blocks[..., 4:]
-    codes = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(n, -1)
-    return torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(m)
+def q4_1_rows(data: np.ndarray) -> torch.Tensor:
+    """A GGUF Q4_1 matrix's data ([N, K / 32 * 20] bytes) as an owned uint8 tensor."""
+    return torch.from_numpy(np.array(data, dtype=np.uint8, copy=True))
 
 
-def quantize_q4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Float [N, K] -> codes, d, m as Q4_1 makes them: each group's minimum and range / 15."""
+def quantize_q4(w: torch.Tensor) -> torch.Tensor:
+    """Float [N, K] -> Q4_1 rows: each group's minimum m and range / 15 as d (both fp16), the
+    codes rounded against those fp16 values."""
     groups = w.float().reshape(w.shape[0], -1, GROUP)
-    m = groups.amin(-1)
-    d = (groups.amax(-1) - m) / 15
-    step = torch.where(d > 0, d, torch.ones_like(d))
-    codes = torch.round((groups - m[..., None]) / step[..., None]).clamp(0, 15)
-    return codes.to(torch.uint8).reshape(w.shape), d, m
+    m = groups.amin(-1).half()
+    d = ((groups.amax(-1) - m.float()) / 15).half()
+    step = torch.where(d > 0, d.float(), torch.ones_like(d, dtype=torch.float32))
+    codes = torch.round((groups - m.float()[..., None]) / step[..., None]).clamp(0, 15)
+    codes = codes.to(torch.uint8)
+    nibbles = codes[..., :16] | (codes[..., 16:] << 4)
+    scales = torch.stack([d, m], -1).view(torch.uint8)  # [N, G, 4]: d then m, little-endian
+    return torch.cat([scales, nibbles], -1).reshape(w.shape[0], -1)
 
 
-def dequantize_q4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """Float32 [N, K] with gguf's arithmetic (d * code + m), so equal to its dequantized load."""
-    d_full, m_full = d.repeat_interleave(GROUP, 1), m.repeat_interleave(GROUP, 1)
-    return d_full * codes.float() + m_full
-
-
-def pack_q4(name: str, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> dict:
-    """`NAME.int4` and `NAME.int4_scales` for `codes` ([N, K]) with per-group d and m."""
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
-    scales = torch.stack([d, m + 8 * d], dim=-1).transpose(0, 1)  # kernel: (code - 8) d + zero
-    return {name + ".int4": packed, name + ".int4_scales": scales.to(torch.bfloat16).contiguous()}
+def quantize_q8_0(w: torch.Tensor) -> torch.Tensor:
+    """Float [N, K] -> Q8_0 rows: per group of 32, d = max |w| / 127 (fp16), q = round(w / d)."""
+    groups = w.float().reshape(w.shape[0], -1, GROUP)
+    d = (groups.abs().amax(-1) / 127).half()
+    step = torch.where(d > 0, d.float(), torch.ones_like(d, dtype=torch.float32))
+    q = torch.round(groups / step[..., None]).clamp(-127, 127).to(torch.int8).view(torch.uint8)
+    return torch.cat([d[..., None].view(torch.uint8), q], -1).reshape(w.shape[0], -1)
 
 
 def quantize_int8(name: str, w: torch.Tensor) -> dict:
@@ -82,27 +82,48 @@ def quantize_int8(name: str, w: torch.Tensor) -> dict:
 
 def is_quantized_part(name: str) -> bool:
     """Whether weight `name` is a quantized matrix's codes or scales (kept in their dtype)."""
-    return name.rsplit(".", 1)[-1] in ("int4", "int4_scales", "int8", "int8_scales")
+    return name.rsplit(".", 1)[-1] in ("q4_1", "q8_0", "int8", "int8_scales")
 
 
 def is_quantized(weights: dict[str, torch.Tensor], name: str) -> bool:
-    return name + ".int4" in weights or name + ".int8" in weights
+    return any(name + suffix in weights for suffix in (".q4_1", ".q8_0", ".int8"))
 
 
 def make_linear(weights: dict[str, torch.Tensor], name: str, dense: Callable = F.linear) -> Linear:
     """x [T, K] -> x @ W^T [T, N] for matrix `name`: its quantized form if it has one, else
     `dense(x, weights[name])`."""
-    if name + ".int4" in weights:
-        packed, scales = weights[name + ".int4"], weights[name + ".int4_scales"]
-        group = packed.shape[1] * 2 // scales.shape[0]
-        int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
-        return _in_bf16(lambda x: int4_mm(x, packed, group, scales))
+    if name + ".q4_1" in weights:
+        return _q4_1_linear(weights[name + ".q4_1"])
+    if name + ".q8_0" in weights:
+        blocks = weights[name + ".q8_0"]
+        return _in_float32(lambda x: cpu_kernels.q8_0_mm(x, blocks))
     if name + ".int8" in weights:
         codes, scales = weights[name + ".int8"], weights[name + ".int8_scales"]
         int8_mm = torch.ops.aten._weight_int8pack_mm
         return _in_bf16(lambda x: int8_mm(x, codes, scales))
     w = weights[name]
     return lambda x: dense(x, w)
+
+
+def _q4_1_linear(blocks: torch.Tensor) -> Linear:
+    """The kernel up to DEQUANT_ROWS rows; past them (prefills), gguf's float32 values made for
+    the call and multiplied by torch's matmul, compute-bound where the kernel is not."""
+
+    def linear(x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] < DEQUANT_ROWS:
+            return cpu_kernels.q4_1_mm(x, blocks)
+        return F.linear(x, cpu_kernels.q4_1_dequant(blocks))
+
+    return _in_float32(linear)
+
+
+def _in_float32(mm: Linear) -> Linear:
+    def linear(x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return mm(x)
+        return mm(x.float()).to(x.dtype)
+
+    return linear
 
 
 def _in_bf16(mm: Linear) -> Linear:
@@ -122,15 +143,6 @@ def float_probe_sums(w: torch.Tensor) -> torch.Tensor:
     """[3, N, K / 32] for a float matrix: each group's sum, its ramp-weighted sum, its max |w|."""
     groups = w.float().reshape(w.shape[0], -1, GROUP)
     return torch.stack([groups.sum(-1), groups @ _ramp(), groups.abs().amax(-1)])
-
-
-def q4_probe_sums(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """`float_probe_sums` of code * d + m without making the matrix (max |w| bounded above)."""
-    groups = codes.reshape(codes.shape[0], -1, GROUP)
-    ramp = _ramp()
-    flat = d * groups.sum(-1, dtype=torch.int32) + GROUP * m
-    ramped = d * (groups.to(torch.int32) * (ramp * GROUP).int()).sum(-1) / GROUP + ramp.sum() * m
-    return torch.stack([flat, ramped, torch.maximum(m.abs(), (m + 15 * d).abs())])
 
 
 @functools.lru_cache(maxsize=8)
@@ -168,25 +180,25 @@ def quantize_weights(
     weights: dict[str, torch.Tensor], mode: str, num_layers: int
 ) -> dict[str, torch.Tensor]:
     """`weights` with each float decoder matrix (and the head) replaced by its `mode` form;
-    matrices already quantized stay as they are. q4 quantizes the head to int8: it is the
-    GGUF's Q8_0 embedding, and 4 bits would throw half of it away. A tied head keeps the float
-    embedding for the lookup beside its int8 copy."""
+    matrices already quantized stay as they are. q4 keeps the head in Q8_0 blocks, int8 in
+    int8. A tied head keeps the float embedding for the lookup beside its quantized copy."""
     out = dict(weights)
     for name in layer_matrices(num_layers):
         if not is_quantized(out, name):
             out |= _quantized(name, out.pop(name), mode)
+    if is_quantized(out, "lm_head"):
+        return out
     head = out.pop("lm_head") if "lm_head" in out else out["embed"]
+    if mode == "q4":
+        return out | {"lm_head.q8_0": quantize_q8_0(head)}
     return out | _quantized("lm_head", head, "int8")
 
 
 def _quantized(name: str, w: torch.Tensor, mode: str) -> dict[str, torch.Tensor]:
-    """Matrix `name` in `mode`'s form, checked against the values it stands for."""
-    if mode == "int8":
-        made = quantize_int8(name, w)
-        scales = made[name + ".int8_scales"].float()[:, None]
-        sums = float_probe_sums(made[name + ".int8"].float() * scales)
-    else:
-        codes, d, m = quantize_q4(w)
-        made, sums = pack_q4(name, codes, d, m), q4_probe_sums(codes, d, m)
-    verify(name, make_linear(made, name), sums)
+    """Matrix `name` in `mode`'s form; int8 is checked against the values it stands for."""
+    if mode == "q4":
+        return {name + ".q4_1": quantize_q4(w)}
+    made = quantize_int8(name, w)
+    scales = made[name + ".int8_scales"].float()[:, None]
+    verify(name, make_linear(made, name), float_probe_sums(made[name + ".int8"].float() * scales))
     return made

@@ -89,31 +89,39 @@ def _load_gguf(path: Path, cfg: ModelConfig) -> Weights:
     return _assemble_gguf(raw, cfg, path)
 
 
+@functools.lru_cache(maxsize=4)
+def gguf_is_q4_1(path: Path) -> bool:
+    """Whether every decoder matrix of the GGUF at `path` is stored in Q4_1 blocks."""
+    from gguf import GGMLQuantizationType
+
+    matrices = set(_GGUF_LAYER.values()) - {_GGUF_LAYER["attn_norm"], _GGUF_LAYER["mlp_norm"]}
+    types = [t.tensor_type for t in read_gguf(path).tensors if t.name.split(".", 2)[-1] in matrices]
+    return bool(types) and all(t == GGMLQuantizationType.Q4_1 for t in types)
+
+
 @functools.lru_cache(maxsize=1)
 def _load_gguf_q4(path: Path, cfg: ModelConfig) -> Weights:
-    """The decoder's Q4_1 matrices packed with their codes, scales and minimums as shipped
-    (`quant_linear`'s q4 form), every other tensor dequantized to float32; cached as above.
-    A fused matrix with a part of another type is dequantized whole (quantized later)."""
+    """The decoder's Q4_1 matrices and a tied Q8_0 embedding's head kept in the file's blocks
+    (`quant_linear`'s q4 form), every tensor dequantized to float32 beside them (the embedding
+    for its lookup) or instead (the norms, and matrices of other types, quantized later);
+    cached as above. A fused matrix with a part of another type is dequantized whole."""
     from gguf import GGMLQuantizationType
 
     tensors = {t.name: t for t in read_gguf(path).tensors}
-    raw: dict[str, torch.Tensor] = {}
-    parts: tuple[dict[str, torch.Tensor], ...] = ({}, {}, {})  # codes, d, m by tensor name
-    for name, t in tensors.items():
-        if t.tensor_type == GGMLQuantizationType.Q4_1 and name.startswith("blk."):
-            for part, tensor in zip(parts, ql.q4_1_codes(t.data), strict=True):
-                part[name] = tensor
-        else:
-            raw[name] = _dequantize(t, path)
-    codes, d, m = (_assemble_gguf(part, cfg, path, partial=True) for part in parts)
-    for left in parts[0]:  # parts of matrices not wholly Q4_1
-        raw[left] = _dequantize(tensors[left], path)
+    q4_1 = {
+        name
+        for name, t in tensors.items()
+        if t.tensor_type == GGMLQuantizationType.Q4_1 and name.startswith("blk.")
+    }
+    blocks = {name: ql.q4_1_rows(tensors[name].data) for name in q4_1}
+    fused = _assemble_gguf(blocks, cfg, path, partial=True)  # takes what it fuses from blocks
+    raw = {name: _dequantize(tensors[name], path) for name in tensors.keys() - q4_1 | blocks.keys()}
     weights = _assemble_gguf(raw, cfg, path, partial=True)
-    for name in codes:
-        made = ql.pack_q4(name, codes[name], d[name], m[name])
-        ql.verify(name, ql.make_linear(made, name), ql.q4_probe_sums(codes[name], d[name], m[name]))
-        weights |= made
-    missing = [n for n in ql.layer_matrices(cfg.num_layers) if n not in weights and n not in codes]
+    weights |= {name + ".q4_1": rows for name, rows in fused.items()}
+    embed = tensors.get("token_embd.weight")
+    if cfg.tie_embeddings and embed is not None and embed.tensor_type == GGMLQuantizationType.Q8_0:
+        weights["lm_head.q8_0"] = ql.q4_1_rows(embed.data)
+    missing = [n for n in ql.layer_matrices(cfg.num_layers) if n not in weights and n not in fused]
     if missing or "embed" not in weights or "norm" not in weights:
         raise ModelError(f"missing tensors for {missing[:3] or 'embed/norm'} in {path.name}")
     return weights

@@ -11,12 +11,12 @@ import structlog
 import torch
 
 from memstep.core.config import ConfigError, EngineConfig
-from memstep.core.model_source import model_config, resolve
+from memstep.core.model_source import ModelSource, model_config, resolve
 from memstep.core.sampling_params import SamplingParams
 from memstep.core.shapes import rank_model_config
 from memstep.events.plan import PhaseReply, SeqPlan, SeqResult, StepPlan, StepResult
 from memstep.events.types import MemoryReport
-from memstep.executors import kv_cache, memory
+from memstep.executors import cpu_kernels, kv_cache, memory
 from memstep.executors.allocator import configure_cuda_allocator
 from memstep.executors.batch_builder import build_batch
 from memstep.executors.cpu_features import has_native_bf16
@@ -28,7 +28,7 @@ from memstep.executors.rank_group import RankGroup
 from memstep.executors.request_states import RequestStates
 from memstep.executors.sampler import PendingLogprobs, Row, Sampler
 from memstep.executors.sharding import Shard
-from memstep.executors.weights import load_weights
+from memstep.executors.weights import gguf_is_q4_1, load_weights
 from memstep.states.arena import Arena
 from memstep.states.catalog import make_kinds
 from memstep.states.kinds import KindEnv, Spec, StepOutputs
@@ -45,25 +45,28 @@ def pick_device(cfg: EngineConfig) -> torch.device:
 
 
 def pick_dtype(cfg: EngineConfig, device: torch.device) -> torch.dtype:
-    """With "auto": bfloat16 on CUDA, float32 on the CPU. A CPU's native bf16 matmuls serve
-    the quantized linears (their kernels take bf16 rows); bf16 activations throughout are
-    --dtype bfloat16: on SmolLM2 q4 they doubled the first-token log-prob error against
-    float32 (0.084 nats against 0.040 at most over the parity test's 8 prompts)."""
+    """With "auto": bfloat16 on CUDA, float32 on the CPU, where q4's kernels multiply in float32
+    (int8's take bf16 rows, on the CPU's native bf16 matmuls where it has them); bf16
+    activations throughout are --dtype bfloat16."""
     if cfg.dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, cfg.dtype)  # config.DTYPES names torch dtypes
 
 
-def pick_quantization(cfg: EngineConfig, kind: str, device: torch.device) -> str:
-    """With "auto": none (float32 weights, whose greedy text equals Hugging Face's). q4 is not
-    the default yet: on SmolLM2's 8 parity prompts its greedy text equals float32's on 1 of 8
-    over 64 tokens (the issue's bar is 6), and its speed gain was not measured on a quiet
-    machine; `kind` is kept for when it is."""
-    del kind
+def pick_quantization(cfg: EngineConfig, source: ModelSource, device: torch.device) -> str:
+    """With "auto": q4 for a GGUF whose decoder matrices are all Q4_1 (the shipped SmolLM2), on
+    a CPU where `cpu_kernels` built: the file's own blocks multiplied in float32, whose greedy
+    text equals float32's on the parity test's 8 prompts over 64 tokens (first-token log-prob
+    error 2e-5 nats) at 2.4-4x float32's decode speed (benchmarks/bench_llamacpp.py), on one
+    rank; else none."""
     if cfg.quantization == "auto":
-        return "none"
+        is_q4_1 = source.kind == "gguf" and source.path is not None and gguf_is_q4_1(source.path)
+        one_cpu = device.type == "cpu" and cfg.tensor_parallel_size == 1
+        return "q4" if one_cpu and is_q4_1 and cpu_kernels.available() else "none"
     if cfg.quantization != "none" and device.type != "cpu":
         raise ConfigError(f"quantization {cfg.quantization!r} runs on the CPU only, not {device}")
+    if cfg.quantization == "q4" and not cpu_kernels.available():
+        raise ConfigError("quantization 'q4' needs a C compiler (cc) to build its CPU kernels")
     return cfg.quantization
 
 
@@ -96,7 +99,7 @@ class Worker:
         size = 1 if ranks is None else ranks.size
         self.model_cfg = rank_model_config(whole, size)  # this rank's heads and MLP slice
         shard = Shard(whole, 0 if ranks is None else ranks.rank, size)
-        self.quantization = pick_quantization(cfg, self.source.kind, self.device)
+        self.quantization = pick_quantization(cfg, self.source, self.device)
         if self.quantization != "none" and ranks is not None:
             raise ConfigError("quantized weights run on one rank: --tensor-parallel-size 1")
         log.info(
@@ -120,8 +123,9 @@ class Worker:
         self.graphs = None  # CUDA: the decode graphs (graph_runner.GraphRunner), built at capture
 
     def _kernel(self):
-        if self.device.type != "cuda":
-            return None
+        if self.device.type == "cpu":
+            usable = self.kv_dtype == torch.float32 and cpu_kernels.attends(self.model_cfg.head_dim)
+            return cpu_kernels.decode_attention if usable else None
         from memstep.executors.kernels import paged_decode_attention
 
         return paged_decode_attention

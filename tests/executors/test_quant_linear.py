@@ -1,5 +1,6 @@
-"""Weight-only quantized linears: the GGUF's Q4_1 codes kept exactly, products within a bound of
-the float reference, a planted wrong scale caught at load, and the precision picked at start."""
+"""Weight-only quantized linears: blocks made here as gguf makes them, products within a bound of
+the float reference (float32 rounding for q4), a planted wrong int8 scale caught at load, and the
+precision picked at start."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from memstep.core.config import ConfigError, EngineConfig
+from memstep.core.model_source import resolve
 from memstep.executors import quant_linear as ql
 from memstep.executors.cpu_features import has_native_bf16
 from memstep.executors.worker import pick_dtype, pick_quantization
@@ -26,30 +28,22 @@ def random_matrix(n: int, k: int, seed: int) -> torch.Tensor:
     )
 
 
-def q4_1_bytes(codes: np.ndarray, d: np.ndarray, m: np.ndarray) -> np.ndarray:
-    """Rows of GGUF Q4_1 blocks written the way llama.cpp writes them."""
-    n, k = codes.shape
-    blocks = np.zeros((n, k // 32, 20), dtype=np.uint8)
-    blocks[..., 0:2] = d.astype(np.float16)[..., None].view(np.uint8)
-    blocks[..., 2:4] = m.astype(np.float16)[..., None].view(np.uint8)
-    groups = codes.reshape(n, k // 32, 32).astype(np.uint8)
-    blocks[..., 4:] = groups[..., :16] | (groups[..., 16:] << 4)
-    return blocks.reshape(n, -1)
-
-
-def test_q4_1_blocks_give_back_their_codes_and_gguf_s_exact_values():
+def gguf_values(blocks: torch.Tensor, kind: str) -> torch.Tensor:
+    """gguf's own dequantization of rows of blocks."""
     from gguf import GGMLQuantizationType, quants
 
-    rng = np.random.default_rng(0)
-    codes = rng.integers(0, 16, (8, 128))
-    d = rng.uniform(0.001, 0.02, (8, 4)).astype(np.float16).astype(np.float32)
-    m = rng.uniform(-0.2, 0.0, (8, 4)).astype(np.float16).astype(np.float32)
-    data = q4_1_bytes(codes, d, m)
-    got_codes, got_d, got_m = ql.q4_1_codes(data)
-    assert np.array_equal(got_codes.numpy(), codes)
-    assert np.array_equal(got_d.numpy(), d) and np.array_equal(got_m.numpy(), m)
-    want = quants.dequantize(data, GGMLQuantizationType.Q4_1)
-    assert torch.equal(ql.dequantize_q4(got_codes, got_d, got_m), torch.from_numpy(want))
+    kind_type = {"q4_1": GGMLQuantizationType.Q4_1, "q8_0": GGMLQuantizationType.Q8_0}[kind]
+    return torch.from_numpy(np.array(quants.dequantize(blocks.numpy(), kind_type)))
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_blocks_made_here_are_gguf_s_and_near_the_float_matrix(kind):
+    w = random_matrix(8, 128, seed=0)
+    blocks = ql.quantize_q4(w) if kind == "q4_1" else ql.quantize_q8_0(w)
+    assert blocks.dtype == torch.uint8 and blocks.shape == (8, 4 * (20 if kind == "q4_1" else 34))
+    values = gguf_values(blocks, kind)
+    steps = w.reshape(8, 4, 32).abs().amax(-1).repeat_interleave(32, 1)
+    assert ((values - w).abs() <= steps / (15 if kind == "q4_1" else 127)).all()
 
 
 @pytest.mark.parametrize("mode", ["q4", "int8"])
@@ -57,39 +51,27 @@ def test_q4_1_blocks_give_back_their_codes_and_gguf_s_exact_values():
 def test_quantized_product_is_within_bound_of_the_float_one(mode, rows):
     w = random_matrix(96, 256, seed=rows)
     if mode == "q4":
-        codes, d, m = ql.quantize_q4(w)
-        reference = ql.dequantize_q4(codes, d, m)
-        made = ql.pack_q4("w", codes, d, m)
+        made = {"w.q4_1": ql.quantize_q4(w)}
+        reference, bound = gguf_values(made["w.q4_1"], "q4_1"), 2**-20  # float32 products
     else:
         made = ql.quantize_int8("w", w)
         reference = made["w.int8"].float() * made["w.int8_scales"].float()[:, None]
+        bound = 2**-7  # bfloat16 rows
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(1))
     got = ql.make_linear(made, "w")(x)
     assert got.dtype == torch.float32 and got.shape == (rows, 96)
     scale = x.abs() @ reference.abs().t()
-    assert ((got - x @ reference.t()).abs() / scale).max() < 2**-7
+    assert ((got - x @ reference.t()).abs() / scale).max() < bound
     # and the quantized weights stay near the float ones they were made from
     assert (reference - w).abs().max() < (w.abs().max() / (7 if mode == "q4" else 127))
 
 
-@pytest.mark.parametrize("mode", ["q4", "int8"])
-def test_a_planted_wrong_scale_is_caught(mode):
-    w = random_matrix(64, 192, seed=3)
-    if mode == "q4":
-        codes, d, m = ql.quantize_q4(w)
-        made, w = ql.pack_q4("w", codes, d, m), ql.dequantize_q4(codes, d, m)
-    else:
-        made = ql.quantize_int8("w", w)
-        w = made["w.int8"].float() * made["w.int8_scales"].float()[:, None]
+def test_a_planted_wrong_int8_scale_is_caught():
+    made = ql.quantize_int8("w", random_matrix(64, 192, seed=3))
+    w = made["w.int8"].float() * made["w.int8_scales"].float()[:, None]
     sums = ql.float_probe_sums(w)
-    if mode == "q4":
-        assert torch.allclose(sums[:2], ql.q4_probe_sums(codes, d, m)[:2], rtol=1e-5, atol=1e-5)
     ql.verify("w", ql.make_linear(made, "w"), sums)  # the honest one passes
-    scales = made[f"w.{'int4' if mode == 'q4' else 'int8'}_scales"]
-    if mode == "q4":
-        scales[2, 5, 0] *= 2  # one group's scale: group 2 of row 5
-    else:
-        scales[5] *= 1.05  # one row's scale, 5% off
+    made["w.int8_scales"][5] *= 1.05  # one row's scale, 5% off
     with pytest.raises(ql.QuantizationError, match="w: quantized matrix is off"):
         ql.verify("w", ql.make_linear(made, "w"), sums)
 
@@ -103,18 +85,21 @@ def test_quantize_weights_replaces_every_matrix_and_keeps_the_embedding():
     weights = _random(cfg, 0, torch.float32, CPU, Shard(cfg))
     out = ql.quantize_weights(weights, "q4", cfg.num_layers)
     for name in ql.layer_matrices(cfg.num_layers):
-        assert name not in out and name + ".int4" in out
-    assert "lm_head.int8" in out and torch.equal(out["embed"], weights["embed"])
+        assert name not in out and name + ".q4_1" in out
+    assert "lm_head.q8_0" in out and torch.equal(out["embed"], weights["embed"])
 
 
 def test_the_precision_is_picked_from_the_model_the_device_and_the_cpu():
     cfg = EngineConfig()
-    assert pick_quantization(cfg, "gguf", CPU) == "none"  # until q4 meets the quality bar
-    assert pick_quantization(cfg.replace(quantization="q4"), "gguf", CPU) == "q4"
-    assert pick_quantization(cfg, "hf", CPU) == "none"
-    assert pick_quantization(cfg.replace(quantization="none"), "gguf", CPU) == "none"
+    shipped = resolve("smollm2")
+    assert pick_quantization(cfg, shipped, CPU) == "q4"  # its Q4_1 blocks, float32 products
+    assert pick_quantization(cfg.replace(quantization="none"), shipped, CPU) == "none"
+    assert pick_quantization(cfg, resolve("random:tiny"), CPU) == "none"
+    assert pick_quantization(cfg.replace(quantization="q4"), resolve("random:tiny"), CPU) == "q4"
     with pytest.raises(ConfigError, match="CPU only"):
-        pick_quantization(cfg.replace(quantization="int8"), "gguf", torch.device("cuda"))
+        pick_quantization(cfg.replace(quantization="int8"), shipped, torch.device("cuda"))
+    assert pick_quantization(cfg, shipped, torch.device("cuda")) == "none"
+    assert pick_quantization(cfg.replace(tensor_parallel_size=2), shipped, CPU) == "none"
     assert has_native_bf16(frozenset({"avx2", "avx512_bf16"}))
     assert has_native_bf16(frozenset({"amx_bf16"}))
     assert not has_native_bf16(frozenset({"avx2", "avx512f", "avx512bw"}))

@@ -1,13 +1,11 @@
-"""q4 on the real SmolLM2 (q4 weights with the GGUF's own Q4_1 codes, float32
-activations rounded to bf16 at each quantized matmul) against float32, unquantized (whose greedy
-text equals Hugging Face's): over the parity test's 8 chat prompts, the first token and its
-log-prob, and how far greedy text runs before it parts from float32's.
+"""q4 on the real SmolLM2 (the GGUF's own Q4_1 blocks multiplied in float32 by cpu_kernels, the
+default for this file on a CPU) against float32, unquantized (whose greedy text equals Hugging
+Face's): over the parity test's 8 chat prompts, the first token's log-prob and how far greedy
+text runs before it parts from float32's.
 
-Measured (64 tokens): first difference at tokens [19, 17, 64, 10, 10, 2, 2, 46], so equal text
-on 1 of 8 and 21 tokens in common on average; first tokens equal on 8 of 8, log-prob error at
-most 0.040 nats. The issue's bar (equal on 6 of 8) is not met: an error of this size turns the
-near-ties of a 135M model's greedy path; llama.cpp on the same file rounds activations to 8 bits
-(Q8_1) and parts from float32 likewise.
+Measured (64 tokens, 2026-12-01): equal text on 8 of 8, first-token log-prob error at most
+2e-5 nats. The earlier q4 (torch's bfloat16 int4 kernel: activations, scales and outputs in
+bf16) parted from float32 at tokens [19, 17, 64, 10, 10, 2, 2, 46] (1 of 8 equal, error 0.040).
 """
 
 from __future__ import annotations
@@ -19,8 +17,8 @@ from memstep.core.sampling_params import SamplingParams
 from memstep.executors.inprocess import local_engine
 
 NEW_TOKENS = 64
-FIRST_LOGPROB_ERROR = 0.1  # nats
-MIN_MEAN_COMMON = 10  # tokens of greedy text in common with float32, on average
+FIRST_LOGPROB_ERROR = 1e-3  # nats
+MIN_EQUAL = 6  # of the 8 prompts, greedy text equal to float32's over NEW_TOKENS (the issue's bar)
 
 
 @pytest.fixture(scope="module")
@@ -34,14 +32,13 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
 
 
-@pytest.mark.slow  # ~70 s: q4 is opt-in (auto is none) until it meets the quality bar
-def test_q4_stays_near_float32(q4_engine, smol_engine, chat_prompts):
+def test_q4_stays_with_float32(q4_engine, smol_engine, chat_prompts):
     params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
     ours = q4_engine.generate(chat_prompts, params)
     reference = smol_engine.generate(chat_prompts, params)
     common = [common_prefix(a.token_ids, b.token_ids) for a, b in zip(ours, reference, strict=True)]
     assert min(common) >= 1, common  # every first token
-    assert sum(common) / len(common) >= MIN_MEAN_COMMON, common
+    assert sum(c == NEW_TOKENS for c in common) >= MIN_EQUAL, common
     for a, b in zip(ours, reference, strict=True):
         assert abs(a.logprobs[0][0] - b.logprobs[0][0]) < FIRST_LOGPROB_ERROR
     assert "Paris" in ours[0].text

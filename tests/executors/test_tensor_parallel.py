@@ -69,7 +69,9 @@ def test_two_ranks_give_one_rank_s_greedy_tokens_and_each_rank_s_memory():
 
 
 def test_smollm2_at_three_ranks_gives_one_rank_s_greedy_tokens():
-    cfg = EngineConfig(model="smollm2", num_threads=1, seed=5, max_model_len=256)
+    cfg = EngineConfig(
+        model="smollm2", quantization="none", num_threads=1, seed=5, max_model_len=256
+    )
     prompt: list[str | list[int]] = ["The capital of France is"]
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     one = _tokens(local_engine(cfg), prompt, params)

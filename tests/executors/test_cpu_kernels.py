@@ -1,0 +1,100 @@
+"""The CPU's compiled kernels on the shipped GGUF's own blocks: gguf's values exactly, float32
+products, a row's result whatever else is in the batch, and paged decode attention equal to
+torch's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from memstep.core.model_source import read_gguf, shipped_gguf_path
+from memstep.executors import cpu_kernels
+from memstep.executors.attention import build_group, torch_group_attention
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler")
+
+
+@pytest.fixture(scope="module")
+def gguf_tensors():
+    return {t.name: t for t in read_gguf(shipped_gguf_path()).tensors}
+
+
+def blocks_and_values(tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    from gguf import quants
+
+    values = np.array(quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+    return torch.from_numpy(np.array(tensor.data)), torch.from_numpy(values)
+
+
+def test_q4_1_dequant_is_gguf_s_arithmetic_bit_for_bit(gguf_tensors):
+    blocks, values = blocks_and_values(gguf_tensors["blk.0.ffn_down.weight"])
+    assert torch.equal(cpu_kernels.q4_1_dequant(blocks), values)
+
+
+@pytest.mark.parametrize("name", ["blk.3.ffn_up.weight", "token_embd.weight"])
+@pytest.mark.parametrize("rows", [1, 5, 16, 19])
+def test_products_are_float32_products_of_gguf_s_values(gguf_tensors, name, rows):
+    tensor = gguf_tensors[name]
+    blocks, values = blocks_and_values(tensor)
+    if name == "token_embd.weight":
+        blocks, values = blocks[:4096], values[:4096]  # enough rows of the 49152
+    mm = cpu_kernels.q4_1_mm if tensor.tensor_type.name == "Q4_1" else cpu_kernels.q8_0_mm
+    x = torch.randn(rows, values.shape[1], generator=torch.Generator().manual_seed(rows))
+    exact = x.double() @ values.double().t()
+    got = mm(x, blocks)
+    scale = x.abs().double() @ values.abs().double().t()
+    assert ((got.double() - exact).abs() / scale).max() < 2**-20
+
+
+def test_a_row_s_product_does_not_depend_on_the_batch(gguf_tensors):
+    blocks, values = blocks_and_values(gguf_tensors["blk.1.attn_q.weight"])
+    x = torch.randn(19, values.shape[1], generator=torch.Generator().manual_seed(0))
+    batch = cpu_kernels.q4_1_mm(x, blocks)
+    for i in (0, 7, 16, 18):
+        assert torch.equal(cpu_kernels.q4_1_mm(x[i : i + 1], blocks)[0], batch[i])
+
+
+def test_decode_attention_equals_torch_s_on_pages_in_any_order():
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, block_size = 9, 3, 64, 16
+    k_cache = torch.randn(40, block_size, kv_heads, dim, generator=gen) * 3
+    v_cache = torch.randn(40, block_size, kv_heads, dim, generator=gen)
+    tables = [[3, 7, 9], [5], [10 + i for i in range(9)][::-1], [0]]
+    lens = [37, 1, 130, 1]
+    q = torch.randn(4, heads + kv_heads, dim, generator=gen)[:, :heads]  # strided rows, as qkv's
+    group = build_group([0, 1, 2, 3], [1] * 4, lens, tables, block_size, torch.device("cpu"))
+    want = torch_group_attention(q, k_cache, v_cache, group, 0.125)[:, 0]
+    got = cpu_kernels.decode_attention(
+        q, k_cache, v_cache, group.block_tables, group.seq_lens, 0.125
+    )
+    assert (got - want).abs().max() < 1e-5
+    out = torch.full((4, heads, dim), float("nan"))
+    empty = torch.tensor([37, 1, 130, 0], dtype=torch.int32)
+    cpu_kernels.decode_attention(q, k_cache, v_cache, group.block_tables, empty, 0.125, out)
+    assert torch.equal(out[:3], got[:3]) and torch.equal(out[3], torch.zeros(heads, dim))
+
+
+def test_rope_and_kv_write_are_apply_rope_s_bit_for_bit():
+    from memstep.core.model_config import PRESETS
+    from memstep.executors.kv_cache import write_kv
+    from memstep.executors.llama import apply_rope, rope_inv_freq
+
+    cfg = PRESETS["tiny"]
+    heads, kv_heads, dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(5, (heads + 2 * kv_heads) * dim, generator=gen)
+    freqs = torch.outer(torch.arange(64, dtype=torch.float32), rope_inv_freq(cfg))
+    positions, slots = torch.tensor([0, 1, 2, 40, 63]), torch.tensor([3, 4, 5, -1, 17])
+    caches = [torch.zeros(4, 8, kv_heads, dim) for _ in range(4)]
+    got = cpu_kernels.rope_and_write_kv(
+        qkv.clone(), freqs.cos(), freqs.sin(), positions, slots, *caches[:2], heads
+    )
+    cos = torch.cat([freqs.cos(), freqs.cos()], -1)[positions].unsqueeze(1)
+    sin = torch.cat([-freqs.sin(), freqs.sin()], -1)[positions].unsqueeze(1)
+    qk = apply_rope(qkv[:, : (heads + kv_heads) * dim].reshape(5, -1, dim), cos, sin)
+    v = qkv[:, (heads + kv_heads) * dim :].reshape(5, kv_heads, dim)
+    kept = slots >= 0  # torch's write has no "skip" slot
+    write_kv(*caches[2:], qk[kept, heads:], v[kept], slots[kept])
+    assert torch.equal(got, qk[:, :heads])
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
