@@ -33,6 +33,10 @@ class AttnGroup:
     is_decode: bool  # every query is one token: the Triton decode kernel applies
     first_row: int  # the queries are rows first_row.. + B * Q in order, no padding; else -1
     is_fresh: bool  # in one run of rows, each chunk a whole context: plain causal attention
+    # each real query as a decode row of its own, in valid_rows' order (short queries on the
+    # CPU): its sequence's pages [N, NB] int32 and its context up to itself [N] int32
+    query_tables: torch.Tensor | None = None
+    query_lens: torch.Tensor | None = None
 
 
 @attrs.frozen
@@ -72,6 +76,10 @@ def build_group(
     mask[:, :, 0] |= q_pos < 0
     flat = (q_pos >= 0).flatten().nonzero().squeeze(1)
     in_order = rows == list(range(starts[0], starts[0] + b * q))
+    query_tables = query_lens = None
+    if q > 1 and q <= SHORT_QUERY and device.type == "cpu":
+        query_tables = table.repeat_interleave(torch.tensor(q_lens), dim=0)
+        query_lens = (q_pos.flatten()[flat] + 1).to(torch.int32)
     return AttnGroup(
         token_index=index.to(device),
         q_valid=(q_pos >= 0).to(device),
@@ -83,6 +91,8 @@ def build_group(
         is_decode=q == 1,
         first_row=starts[0] if in_order else -1,
         is_fresh=in_order and ctx_lens == q_lens,
+        query_tables=query_tables,
+        query_lens=query_lens,
     )
 
 
@@ -148,6 +158,13 @@ def attention(
             else:
                 index = group.token_index[:, 0]
                 out[index] = decode_kernel(q[index], k_cache, v_cache, tables, lens, scale)
+            continue
+        if group.query_lens is not None and decode_kernel is not None:
+            # speculative verify on the CPU: each query a decode row, as plain decode attends it
+            tables, lens = group.query_tables, group.query_lens
+            out[group.valid_rows] = decode_kernel(
+                q[group.valid_rows], k_cache, v_cache, tables, lens, scale
+            )
             continue
         res = torch_group_attention(q, k_cache, v_cache, group, scale).flatten(0, 1)
         if group.first_row >= 0:

@@ -357,19 +357,20 @@ def _kernels() -> ctypes.CDLL:
 
 def q4_1_mm(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """x [M, K] float32 @ W^T -> [M, N] float32; blocks: [N, K / 32 * 20] uint8 (Q4_1 rows)."""
-    x = x.contiguous()
-    m, k = x.shape
-    y = torch.empty(m, blocks.shape[0], dtype=torch.float32)
-    _kernels().q4_1_mm(x.data_ptr(), blocks.data_ptr(), y.data_ptr(), m, blocks.shape[0], k)
-    return y
+    return _block_mm(_kernels().q4_1_mm, x, blocks)
 
 
 def q8_0_mm(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """x [M, K] float32 @ W^T -> [M, N] float32; blocks: [N, K / 32 * 34] uint8 (Q8_0 rows)."""
+    return _block_mm(_kernels().q8_0_mm, x, blocks)
+
+
+def _block_mm(entry, x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """The matmul of a C entry point over rows of quantized blocks."""
     x = x.contiguous()
     m, k = x.shape
     y = torch.empty(m, blocks.shape[0], dtype=torch.float32)
-    _kernels().q8_0_mm(x.data_ptr(), blocks.data_ptr(), y.data_ptr(), m, blocks.shape[0], k)
+    entry(x.data_ptr(), blocks.data_ptr(), y.data_ptr(), m, blocks.shape[0], k)
     return y
 
 
