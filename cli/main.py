@@ -34,6 +34,7 @@ COMMANDS = {  # name -> (module, one-line help); a module is imported only when 
     "inspect": ("memstep.cli.inspect", "summarise an event log"),
     "plot": ("memstep.cli.plot", "plot memory over steps from an event log"),
     "export-tokenizer": ("memstep.cli.export_tokenizer", "write a GGUF's tokenizer.json"),
+    "train-draft": ("memstep.cli.train_draft", "train the EAGLE-style draft head for a model"),
     "executor": ("memstep.cli.executor", "run tensor-parallel ranks for a core on another machine"),
 }
 USER_ERRORS = (
@@ -188,7 +189,10 @@ def add_speculation_arguments(g, d: EngineConfig | None) -> None:
     """The flags of SPECULATION_FIELDS; defaults from `d`, or all None when `d` is None (the
     caller keeps its own settings for flags not given)."""
     g.add_argument(
-        "--speculative-method", choices=["ngram", "draft"], default=None, help="None: no drafts"
+        "--speculative-method",
+        choices=["ngram", "draft", "eagle"],
+        default=None,
+        help="None: no drafts",
     )
     tokens, layers = (None, None) if d is None else (d.num_speculative_tokens, d.draft_layers)
     g.add_argument("--num-speculative-tokens", type=int, default=tokens, help="drafts per step")
@@ -199,7 +203,12 @@ def add_speculation_arguments(g, d: EngineConfig | None) -> None:
         help="no speculation while the batch is this large or larger",
     )
     g.add_argument("--draft-layers", type=int, default=layers, help="layers of the draft model")
-    g.add_argument("--draft-model", default=None, help="the draft model (None: the target's)")
+    g.add_argument(
+        "--draft-model",
+        default=None,
+        help="draft: a model (None: the target's first layers); eagle: a head's .npz from "
+        "train-draft (None: smollm2's own)",
+    )
 
 
 def config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:

@@ -1,6 +1,7 @@
 """The two production incidents as runnable scenarios, and the per-kind memory verdict.
 
-* `spec-disable`: speculation on with `speculative_disable_by_batch_size=2`; traffic keeps at
+* `spec-disable`: speculation (EAGLE on smollm2, as in the incident: drafts from the target's
+  hidden states) on with `speculative_disable_by_batch_size=2`; traffic keeps at
   least 4 requests running for a long stretch (so steps run as `no_spec`), then drops to one
   (`spec`) and rises again.  Live bytes and the arena ledger at the end of every `no_spec`
   stretch must equal those at its start, to the byte.
@@ -95,12 +96,14 @@ def _keep_running(engine: Engine, want: int, params: Callable[[int], SamplingPar
 
 
 def spec_disable_config(model: str, plant: str | None = None) -> EngineConfig:
+    """The seed's mechanism where the model has an EAGLE head (smollm2): drafts from hidden
+    states the `spec` kind holds between steps; n-gram drafts elsewhere."""
     return EngineConfig(
         model=model,
         dtype="float32",
         max_num_seqs=4,
         max_num_batched_tokens=256,
-        speculative_method="ngram",
+        speculative_method="eagle" if model == "smollm2" else "ngram",
         num_speculative_tokens=3,
         speculative_disable_by_batch_size=2,
         debug_plant_leak=plant,

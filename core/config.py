@@ -11,7 +11,7 @@ from typing import Any
 
 import attrs
 
-SPECULATIVE_METHODS = (None, "ngram", "draft")
+SPECULATIVE_METHODS = (None, "ngram", "draft", "eagle")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 KV_CACHE_DTYPES = ("auto", "fp8")
@@ -20,6 +20,7 @@ QUANTIZATIONS = ("auto", "none", "int8", "q4")
 # states/planted.py makes each
 PLANTED_LEAKS = (
     "no_spec_hidden_states",
+    "spec_holder_hidden_states",
     "sampler_scratch",
     "fragmenting_scratch",
     "executor_host_bytes",
@@ -64,6 +65,8 @@ class EngineConfig:
     num_speculative_tokens: int = 3
     speculative_disable_by_batch_size: int | None = None
     draft_layers: int = 4
+    # "draft": a model folder or GGUF (None: the target's first layers); "eagle": a head's .npz
+    # from `memstep train-draft` (None: the head committed for smollm2)
     draft_model: str | None = None
     ngram_max: int = 3
     ngram_min: int = 1
@@ -110,6 +113,11 @@ class EngineConfig:
         )
         _check(1 <= self.num_speculative_tokens <= 16, "num_speculative_tokens must be in [1, 16]")
         _check(self.draft_layers >= 1, "draft_layers must be >= 1")
+        _check(
+            self.speculative_method != "eagle" or self.draft_model or self.model == "smollm2",
+            "speculative_method 'eagle' needs draft_model, a head trained for this model "
+            "(`memstep train-draft --model M --out HEAD.npz`); only smollm2 has one built in",
+        )
         _check(1 <= self.ngram_min <= self.ngram_max, "need 1 <= ngram_min <= ngram_max")
         disable = self.speculative_disable_by_batch_size
         _check(disable is None or disable >= 1, "speculative_disable_by_batch_size must be >= 1")

@@ -1,7 +1,8 @@
-"""Draft proposers for speculative decoding: n-gram prompt lookup, and a draft model.
+"""Draft proposers for speculative decoding: n-gram prompt lookup, a draft model, and an
+EAGLE-style head over the target's hidden states.
 
-Both return, per sequence, up to k draft tokens and the distribution each was drawn from
-(`None` for a deterministic proposal, i.e. a one-hot distribution).
+Each returns, per sequence, up to k draft tokens; the draft model also the distribution each
+was drawn from (the others propose deterministically: a one-hot distribution, `None`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch
 
 from memstep.events.plan import SeqPlan
 from memstep.executors.batch_builder import build_batch
+from memstep.executors.eagle import EagleHead
 from memstep.executors.llama import LlamaModel
 from memstep.executors.random_stream import DRAFT
 from memstep.executors.request_states import RequestStates
@@ -90,3 +92,35 @@ class DraftModelProposer:
                 spec.draft_len[seqs[i].request_id] = pos
                 feeds[i] = attrs.evolve(feeds[i], start_pos=pos, token_ids=[picked[r]])
         return drafts, [probs_buf[i] for i in range(len(seqs))]
+
+
+class EagleProposer:
+    """Drafts from each request's last hidden state, held in the `spec` kind's
+    `previous_hidden_states` (`Spec.keep_hidden`, after every spec step). A request without a
+    fresh one (just admitted, or `spec` just re-entered) drafts nothing this step: its verify
+    forward gives the hidden state for the next."""
+
+    def __init__(self, head: EagleHead, spec: Spec, requests: RequestStates):
+        self.head = head
+        self.spec = spec
+        self.requests = requests
+
+    def propose(self, seqs: list[SeqPlan], ks: list[int]) -> list[list[int]]:
+        drafts: list[list[int]] = [[] for _ in seqs]
+        who, rows, last = [], [], []
+        for i, seq in enumerate(seqs):
+            tokens = self.requests[seq.request_id].tokens
+            row = self.spec.hidden_row(seq.request_id, len(tokens))
+            if row is not None and ks[i] > 0:
+                who.append(i)
+                rows.append(row)
+                last.append(tokens[-1])
+        if not who:
+            return drafts
+        held = self.spec.held["previous_hidden_states"]
+        device = held.device
+        hidden = held[torch.tensor(rows, device=device)]
+        proposed = self.head.draft(hidden, torch.tensor(last, device=device), max(ks)).tolist()
+        for r, i in enumerate(who):
+            drafts[i] = proposed[r][: ks[i]]
+        return drafts

@@ -10,15 +10,17 @@ draw is keyed by (seed, position, stream), so results do not depend on the batch
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
-from memstep.core.config import EngineConfig
+from memstep.core.config import ConfigError, EngineConfig
 from memstep.core.model_config import ModelConfig
 from memstep.events.plan import SeqPlan, SeqResult, StepPlan
 from memstep.executors.batch_builder import Feed
+from memstep.executors.eagle import EagleHead, default_head_path
 from memstep.executors.llama import LlamaModel
-from memstep.executors.proposers import DraftModelProposer, ngram_propose
+from memstep.executors.proposers import DraftModelProposer, EagleProposer, ngram_propose
 from memstep.executors.random_stream import ACCEPT, SAMPLE, uniform
 from memstep.executors.request_states import RequestStates
 from memstep.executors.sampler import Row, Sampler, inverse_cdf, top_logprobs
@@ -49,9 +51,22 @@ def draft_model(
     return LlamaModel(dcfg, weights, max_len + cfg.num_speculative_tokens + 16)
 
 
+def eagle_head(cfg: EngineConfig, target: LlamaModel) -> EagleHead | None:
+    """The EAGLE head of `speculative_method="eagle"`: `draft_model`'s .npz, or the one committed
+    for smollm2; None for other methods."""
+    if cfg.speculative_method != "eagle":
+        return None
+    path = Path(cfg.draft_model) if cfg.draft_model else default_head_path(cfg.model)
+    if path is None or not path.is_file():
+        raise ConfigError(f"no EAGLE head at {path}: `memstep train-draft --out PATH` makes one")
+    mc = target.cfg
+    return EagleHead(path, target.w["embed"], target.lm_head, mc.vocab_size, mc.rms_eps)
+
+
 class SpecDecoder:
     """Runs `spec` steps. Owns nothing between steps: the draft state lives in the `spec` kind
-    (its buffers and `draft_len`), the request states in the worker's `RequestStates`."""
+    (its buffers, `draft_len` and `hidden_of`), the request states in the worker's
+    `RequestStates`."""
 
     def __init__(
         self,
@@ -62,6 +77,7 @@ class SpecDecoder:
         sampler: Sampler,
         spec: Spec,
         draft: LlamaModel | None,
+        head: EagleHead | None = None,
     ):
         self.cfg = cfg
         self.target = target
@@ -72,6 +88,7 @@ class SpecDecoder:
         self.draft: DraftModelProposer | None = None
         if draft is not None:
             self.draft = DraftModelProposer(draft, spec, requests, sampler, cfg.block_size)
+        self.eagle = None if head is None else EagleProposer(head, spec, requests)
 
     def forget(self, request_id: str) -> None:
         self.spec.forget(request_id)
@@ -80,6 +97,8 @@ class SpecDecoder:
         cfg = self.cfg
         if self.draft is not None:
             return self.draft.propose(seqs, [seq.num_drafts for seq in seqs])
+        if self.eagle is not None:
+            return self.eagle.propose(seqs, [seq.num_drafts for seq in seqs]), [None] * len(seqs)
         drafts = [
             ngram_propose(
                 self.requests[s.request_id].tokens, s.num_drafts, cfg.ngram_max, cfg.ngram_min
@@ -125,17 +144,25 @@ class SpecDecoder:
             return [], h
         logits = self.target.logits(h, self.sampler.logits_out(len(rows_idx)))
         raw = self.sampler.keep_raw(logits) if any(r.params.logprobs for r in sample_rows) else None
-        probs = self.sampler.distribution(logits, sample_rows)
+        # greedy rows without penalties: a one-hot target at each argmax (accept_greedy)
+        if all(r.params.is_greedy and not r.params.has_penalties for r in sample_rows):
+            probs, choices = None, logits.argmax(dim=-1).tolist()
+        else:
+            probs, choices = self.sampler.distribution(logits, sample_rows), []
         results = []
         offset = 0
+        kept: list[tuple[str, int]] = []  # (request, tokens it will have) for keep_hidden
+        kept_rows: list[int] = []
         for seq, n in owners:
             seq_drafts = drafts_of.get(seq.request_id, [])
             rows = sample_rows[offset : offset + n]
             q = q_of.get(seq.request_id)
             residual = self.spec.held["residual"]
-            tokens, accepted = accept_drafts(
-                probs[offset : offset + n], rows, seq_drafts, q, residual
-            )
+            if probs is None:
+                tokens, accepted = accept_greedy(choices[offset : offset + n], seq_drafts)
+            else:
+                p = probs[offset : offset + n]
+                tokens, accepted = accept_drafts(p, rows, seq_drafts, q, residual)
             logprobs = []
             if raw is not None and rows[0].params.logprobs:
                 own = raw[offset : offset + len(tokens)]
@@ -145,8 +172,23 @@ class SpecDecoder:
             if self.draft is not None and seq.request_id in drafts_of:
                 base = len(self.requests[seq.request_id].tokens)
                 self.spec.draft_len[seq.request_id] = base + min(accepted, max(proposed - 1, 0))
+            # the hidden state that chose the last token appended
+            kept.append((seq.request_id, len(self.requests[seq.request_id].tokens) + len(tokens)))
+            kept_rows.append(offset + accepted)
             offset += n
+        if self.eagle is not None:
+            self.spec.keep_hidden(kept, h[torch.tensor(kept_rows, device=h.device)])
         return results, h
+
+
+def accept_greedy(choices: list[int], drafts: list[int]) -> tuple[list[int], int]:
+    """`accept_drafts` where every target row is one-hot at `choices` (greedy, no penalties):
+    the drafts up to the first that is not the target's choice, then the choice there. Any
+    draft distribution gives the same: p(d) / q(d) is 0 off the choice and >= 1 on it."""
+    for j, d in enumerate(drafts):
+        if d != choices[j]:
+            return [*drafts[:j], choices[j]], j
+    return [*drafts, choices[len(drafts)]], len(drafts)
 
 
 def accept_drafts(

@@ -7,6 +7,7 @@ answers with sampled tokens and a real memory report.
 
 from __future__ import annotations
 
+import attrs
 import structlog
 import torch
 
@@ -15,7 +16,7 @@ from memstep.core.model_source import ModelSource, model_config, resolve
 from memstep.core.sampling_params import SamplingParams
 from memstep.core.shapes import rank_model_config
 from memstep.events.plan import PhaseReply, SeqPlan, SeqResult, StepPlan, StepResult
-from memstep.events.types import MemoryReport
+from memstep.events.types import LeakSuspected, MemoryReport
 from memstep.executors import cpu_kernels, kv_cache, memory
 from memstep.executors.allocator import configure_cuda_allocator
 from memstep.executors.batch_builder import build_batch
@@ -32,7 +33,7 @@ from memstep.executors.weights import gguf_is_q4_1, load_weights
 from memstep.states.arena import Arena
 from memstep.states.catalog import make_kinds
 from memstep.states.kinds import KindEnv, Spec, StepOutputs
-from memstep.states.lifecycle import Lifecycle
+from memstep.states.lifecycle import Lifecycle, growth_of
 from memstep.states.startup import Capture, Warmup
 
 log = structlog.get_logger("memstep.executor")
@@ -115,9 +116,16 @@ class Worker:
         self.model = LlamaModel(
             self.model_cfg, self.weights, max_model_len + 16, self._kernel(), ranks
         )
+        self.eagle = None
+        if cfg.speculative_method == "eagle":
+            from memstep.executors.spec_decode import eagle_head
+
+            self.eagle = eagle_head(cfg, self.model)
+            self.meter.adopt(self.eagle.tensors())
         self.lifecycle = Lifecycle()
         self.requests = RequestStates()
         self.detector = LeakDetector(host_tolerance=cfg.host_leak_tolerance_mib << 20)
+        self._holdings: dict | None = None  # the kinds' holdings at the last leak report
         self.memory_plan: MemoryPlan | None = None
         self.spec = None
         self.graphs = None  # CUDA: the decode graphs (graph_runner.GraphRunner), built at capture
@@ -160,9 +168,11 @@ class Worker:
 
     def _profile(self) -> dict:
         cfg, mc = self.cfg, self.model_cfg
+        head_bytes = 0 if self.eagle is None else self.eagle.nbytes
         plan = plan_memory(
-            cfg, mc, self.max_model_len, self.model, self.dtype, self.kv_dtype, self.device
-        )
+            cfg, mc, self.max_model_len, self.model, self.dtype, self.kv_dtype, self.device,
+            head_bytes,
+        )  # fmt: skip
         if self.ranks is not None:  # every rank holds the same pages: those that fit on each
             plan = plan.with_blocks(self.ranks.min_int(plan.num_kv_blocks))
         self.memory_plan = plan
@@ -179,7 +189,7 @@ class Worker:
             assert isinstance(spec, Spec)
             draft = draft_model(cfg, mc, self.weights, self.dtype, self.device, self.max_model_len)
             self.spec = SpecDecoder(
-                cfg, self.model, self.forward, self.requests, self.sampler, spec, draft
+                cfg, self.model, self.forward, self.requests, self.sampler, spec, draft, self.eagle
             )
         info = plan.to_dict() | {"allocator_conf": self.alloc_conf}
         if self.device.type == "cuda":
@@ -230,8 +240,21 @@ class Worker:
         self.lifecycle.kinds[plan.kind].after_step(StepOutputs(hidden, hidden.shape[0], admitted))
         del hidden
         mem = self._measure()
-        leaks = move.leaks + self.detector.observe(plan.step, plan.kind, mem)
+        leaks = move.leaks + self._named(self.detector.observe(plan.step, plan.kind, mem))
         return StepResult(plan.step, plan.kind, results, mem, move.exited, move.entered, leaks)
+
+    def _named(self, leaks: list[LeakSuspected]) -> list[LeakSuspected]:
+        """Live-growth reports, with what the step kinds hold that grew since the last."""
+        if self._holdings is None or any(leak.what == "live_growth" for leak in leaks):
+            before, self._holdings = self._holdings or {}, self.lifecycle.holdings()
+            grew = growth_of(before, self._holdings)
+            leaks = [
+                attrs.evolve(leak, detail=f"{leak.detail}; grew: {grew}")
+                if leak.what == "live_growth"
+                else leak
+                for leak in leaks
+            ]
+        return leaks
 
     def forward(
         self, feeds: list[tuple[SeqPlan, list[int]]], on_graph: bool | None = None

@@ -20,6 +20,6 @@ def make_kinds(env: KindEnv) -> dict[str, StepKind]:
     kinds: dict[str, StepKind] = {name: cls(env) for name, cls in KINDS.items()}
     plant = env.cfg.debug_plant_leak
     if plant is not None:
-        kind_name, cls = PLANTS[plant]
-        kinds[kind_name] = cls(env)
+        kind_name, make = PLANTS[plant]
+        kinds[kind_name] = make(env, kinds)
     return kinds

@@ -98,11 +98,13 @@ class NoSpec(StepKind):
 
 class Spec(StepKind):
     """Speculative steps: owns the acceptance workspace and, with a draft model, the drafts'
-    probabilities and the draft KV cache (n-gram drafts are deterministic: no probabilities).
+    probabilities and the draft KV cache (n-gram drafts are deterministic: no probabilities);
+    with an EAGLE head, `previous_hidden_states`: each request's last hidden state, one row each.
 
-    `draft_len[request_id]` is how many of a request's tokens the draft KV holds; it is dropped
-    on exit with the draft KV itself, so re-entering `spec` rebuilds the draft state from the
-    request's tokens instead of trusting anything stale.
+    `draft_len[request_id]` is how many of a request's tokens the draft KV holds, and
+    `hidden_of[request_id]` the row of its hidden state and how many tokens that state follows;
+    both are dropped on exit with the buffers themselves, so re-entering `spec` rebuilds the
+    draft state from the request's tokens instead of trusting anything stale.
     """
 
     name = "spec"
@@ -110,6 +112,8 @@ class Spec(StepKind):
     def __init__(self, env: KindEnv):
         super().__init__(env)
         self.draft_len: dict[str, int] = {}
+        self.hidden_of: dict[str, tuple[int, int]] = {}
+        self._free_rows: list[int] = []
 
     def buffers(self) -> list[BufferSpec]:
         cfg, model = self.env.cfg, self.env.model
@@ -122,13 +126,47 @@ class Spec(StepKind):
             blocks, size = self.env.num_kv_blocks, cfg.block_size
             shape = (2, draft.num_layers, blocks, size, draft.num_kv_heads, draft.head_dim)
             specs.append(BufferSpec("draft_kv", shape, self.env.dtype))
+        if cfg.speculative_method == "eagle":
+            shape = (rows, model.hidden_size)
+            specs.append(BufferSpec("previous_hidden_states", shape, self.env.dtype))
         return specs
+
+    def on_enter(self) -> None:
+        self._free_rows = list(range(self.env.cfg.max_num_seqs - 1, -1, -1))
 
     def on_exit(self) -> None:
         self.draft_len.clear()
+        self.hidden_of.clear()
+        self._free_rows = []
 
     def forget(self, request_id: str) -> None:
         self.draft_len.pop(request_id, None)
+        held = self.hidden_of.pop(request_id, None)
+        if held is not None:
+            self._free_rows.append(held[0])
+
+    def keep_hidden(self, owners: list[tuple[str, int]], hidden: torch.Tensor) -> None:
+        """Hold `hidden` [N, H] as the last hidden states of `owners` ([(request, tokens it
+        follows)]). A request past the buffer's rows (none free) just drafts nothing."""
+        buffer = self.held["previous_hidden_states"]
+        rows, picked = [], []
+        for i, (request_id, num_tokens) in enumerate(owners):
+            row = self.hidden_of.get(request_id, (None, 0))[0]
+            if row is None and self._free_rows:
+                row = self._free_rows.pop()
+            if row is not None:
+                self.hidden_of[request_id] = (row, num_tokens)
+                rows.append(row)
+                picked.append(i)
+        if rows:
+            index = torch.tensor(rows, device=buffer.device)
+            buffer.index_copy_(0, index, hidden[torch.tensor(picked, device=hidden.device)])
+
+    def hidden_row(self, request_id: str, num_tokens: int) -> int | None:
+        """The row of the request's hidden state if it follows exactly its `num_tokens` tokens;
+        None when there is none, or a stale one."""
+        row, follows = self.hidden_of.get(request_id, (None, -1))
+        return row if follows == num_tokens else None
 
 
 def draft_config(cfg: EngineConfig, model: ModelConfig) -> ModelConfig:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 
 import attrs
+import torch
 
 from memstep.events.types import LeakSuspected, StateEntered, StateExited
 from memstep.states import table
@@ -67,8 +68,45 @@ class Lifecycle:
         ]
         return exited, leaks
 
+    def holdings(self) -> dict[str, tuple[int, int, str]]:
+        """What each kind keeps outside its arena buffers: per attribute holding tensors (in
+        lists, tuples or dicts too), their count, bytes and shapes ("[4, 576] float32")."""
+        out = {}
+        for kind in self.kinds.values():
+            for attr, value in vars(kind).items():
+                if attr in ("held", "env"):
+                    continue
+                tensors = _tensors_in(value)
+                if tensors:
+                    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+                    shapes = sorted({f"{list(t.shape)} {str(t.dtype)[6:]}" for t in tensors})
+                    out[f"{kind.name}.{attr}"] = (len(tensors), nbytes, ", ".join(shapes))
+        return out
+
     def _enter(self, target: str, step: int) -> list[StateEntered]:
         if target not in self.kinds or self.arena is None:
             return []
         claimed = self.kinds[target].enter(self.arena, step)
         return [StateEntered(step, target, claimed, self.arena.ledger())]
+
+
+def _tensors_in(value: object, depth: int = 3) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if depth == 0:
+        return []
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, list | tuple):
+        return [t for item in value for t in _tensors_in(item, depth - 1)]
+    return []
+
+
+def growth_of(before: dict, after: dict) -> str:
+    """The holdings that grew between two `holdings()`, as a leak report names them."""
+    grew = []
+    for path, (count, nbytes, shapes) in after.items():
+        count0, nbytes0, _ = before.get(path, (0, 0, ""))
+        if nbytes > nbytes0:
+            grew.append(f"{path} +{count - count0} tensors {shapes} ({nbytes - nbytes0:+,} B)")
+    return "; ".join(grew) or "held by no step kind"

@@ -6,9 +6,11 @@ a plant replays with the same plant and the same leak report.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from memstep.states.kinds import NoSpec, StepKind, StepOutputs
+from memstep.states.kinds import KindEnv, NoSpec, StepKind, StepOutputs
 
 
 class NoSpecKeepsHiddenStates(NoSpec):
@@ -69,9 +71,30 @@ class ExecutorKeepsRequestBytes(NoSpec):
             self.kept.append(bytes([len(self.kept) % 251 + 1]) * self.NBYTES)  # touched pages
 
 
-PLANTS: dict[str, tuple[str, type[StepKind]]] = {
-    "no_spec_hidden_states": ("no_spec", NoSpecKeepsHiddenStates),
-    "sampler_scratch": ("no_spec", SamplerScratchPerStep),
-    "fragmenting_scratch": ("no_spec", ScratchOfChangingSizes),
-    "executor_host_bytes": ("no_spec", ExecutorKeepsRequestBytes),
+class NoSpecFeedsSpecHolder(NoSpec):
+    """The seed incident in its own shape: with EAGLE the `spec` kind holds the requests' hidden
+    states, and the path where speculation is disabled by batch size still appends each step's
+    hidden states to that holder (`spec.previous_hidden_states`), which nothing frees while
+    `spec` is off, nor when it exits."""
+
+    def __init__(self, env, kinds: dict[str, StepKind]):
+        super().__init__(env)
+        self.spec = kinds["spec"]
+        self.spec.previous_hidden_states = []  # type: ignore[attr-defined]
+
+    def after_step(self, outputs: StepOutputs) -> None:
+        self.spec.previous_hidden_states.append(outputs.hidden.clone())  # type: ignore[attr-defined]
+
+
+def _alone(cls: type[StepKind]) -> Callable[[KindEnv, dict[str, StepKind]], StepKind]:
+    return lambda env, kinds: cls(env)
+
+
+# name -> (the kind it stands in for, its factory over the env and the other kinds)
+PLANTS: dict[str, tuple[str, Callable[[KindEnv, dict[str, StepKind]], StepKind]]] = {
+    "no_spec_hidden_states": ("no_spec", _alone(NoSpecKeepsHiddenStates)),
+    "spec_holder_hidden_states": ("no_spec", NoSpecFeedsSpecHolder),
+    "sampler_scratch": ("no_spec", _alone(SamplerScratchPerStep)),
+    "fragmenting_scratch": ("no_spec", _alone(ScratchOfChangingSizes)),
+    "executor_host_bytes": ("no_spec", _alone(ExecutorKeepsRequestBytes)),
 }

@@ -22,8 +22,10 @@ def test_spec_disabled_by_batch_size_sustained_is_clean():
     assert not [r for r in records if isinstance(r, LeakSuspected)]
 
 
-def test_spec_disable_with_the_original_bug_is_flagged_within_50_steps():
-    records, rows = run_scenario("spec-disable", 120, "smollm2", plant="no_spec_hidden_states")
+def flagged_within_50_steps(plant: str, steps: int) -> LeakSuspected:
+    """The first leak report of spec-disable with `plant`, checked: live growth in no_spec,
+    within 50 steps of the first no_spec step, and the stretch's verdict LEAK."""
+    records, rows = run_scenario("spec-disable", steps, "smollm2", plant=plant)
     first_no_spec = next(
         r.step for r in records if isinstance(r, StepFinished) and r.kind == "no_spec"
     )
@@ -32,6 +34,12 @@ def test_spec_disable_with_the_original_bug_is_flagged_within_50_steps():
     assert leaks[0].kind == "no_spec" and leaks[0].what == "live_growth"
     assert first_no_spec <= leaks[0].step < first_no_spec + 50
     assert {r.kind: r.verdict for r in rows}["no_spec"] == "LEAK"
+    return leaks[0]
+
+
+def test_spec_disable_with_the_original_bug_is_flagged_within_50_steps():
+    leak = flagged_within_50_steps("no_spec_hidden_states", 120)
+    assert "grew: no_spec.previous_hidden_states +" in leak.detail, leak.detail
 
 
 def test_sampler_rise_after_capture_adds_zero_bytes():
@@ -48,3 +56,12 @@ def test_sampler_scratch_per_step_is_flagged_within_50_steps():
     leaks = [r for r in records if isinstance(r, LeakSuspected)]
     assert leaks and leaks[0].kind == "no_spec" and leaks[0].step < 50
     assert rows[0].verdict == "LEAK"
+
+
+def test_spec_disable_with_the_seed_shape_is_flagged_and_named():
+    """The incident in its own shape: with EAGLE the spec kind holds hidden states, and the
+    no_spec path appends every step's to that holder. The report names the holder, the
+    tensors' shape and dtype."""
+    leak = flagged_within_50_steps("spec_holder_hidden_states", 60)
+    assert "grew: spec.previous_hidden_states +" in leak.detail, leak.detail
+    assert "[4, 576] float32" in leak.detail

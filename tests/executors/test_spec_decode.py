@@ -12,7 +12,7 @@ from memstep.executors.inprocess import local_engine
 from memstep.executors.proposers import ngram_propose
 from memstep.executors.random_stream import ACCEPT, uniform
 from memstep.executors.sampler import Row
-from memstep.executors.spec_decode import accept_drafts
+from memstep.executors.spec_decode import accept_drafts, accept_greedy
 
 MAX_TOKENS = [6 + 3 * i for i in range(8)]
 
@@ -56,7 +56,8 @@ def run_crossing(engine: Engine, prompts) -> tuple[dict[str, list[int]], str, di
 
 @pytest.mark.parametrize(
     "method, k",
-    [("ngram", 1), ("ngram", 3), ("ngram", 5), ("draft", 1), ("draft", 3), ("draft", 5)],
+    [("ngram", 1), ("ngram", 3), ("ngram", 5), ("draft", 1), ("draft", 3), ("draft", 5)]
+    + [("eagle", 1), ("eagle", 4)],
 )
 def test_greedy_spec_equals_greedy_across_threshold_crossings(method, k, reference, chat_prompts):
     cfg = EngineConfig(
@@ -109,6 +110,22 @@ def test_acceptance_is_counted(chat_prompts):
     proposed = sum(r.num_proposed for r in finished)
     accepted = sum(r.num_accepted for r in finished)
     assert proposed > 0 and accepted == proposed, "a draft identical to the target is always right"
+
+
+def test_greedy_acceptance_is_the_rule_with_one_hot_targets():
+    """The greedy shortcut appends exactly what the general rule does with a one-hot p, with
+    or without a draft distribution."""
+    gen = torch.Generator().manual_seed(0)
+    vocab = 5
+    for case in range(300):
+        n = int(torch.randint(0, 4, (1,), generator=gen))
+        choices = torch.randint(0, vocab, (n + 1,), generator=gen).tolist()
+        drafts = [c if torch.rand(1, generator=gen) < 0.6 else (c + 1) % vocab for c in choices[:n]]
+        p = torch.nn.functional.one_hot(torch.tensor(choices), vocab).float()
+        q = torch.softmax(torch.randn(max(n, 1), vocab, generator=gen), -1) if case % 2 else None
+        rows = [Row(SamplingParams(seed=case), 10 + j, [], 0) for j in range(n + 1)]
+        expected = accept_drafts(p, rows, drafts, q, torch.empty(2, vocab))
+        assert accept_greedy(choices, drafts) == expected
 
 
 def test_ngram_lookup():

@@ -1,0 +1,168 @@
+"""EAGLE-style speculation: drafts from hidden states the `spec` kind holds, lossless, rebuilt
+after every re-entry, and a head that `memstep train-draft` makes and the engine loads."""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import pytest
+import torch
+
+from memstep.cli.main import main
+from memstep.core.config import ConfigError, EngineConfig
+from memstep.core.model_source import model_config, resolve
+from memstep.core.sampling_params import SamplingParams
+from memstep.events.types import StateEntered, StateExited, StepFinished
+from memstep.executors import spec_decode
+from memstep.executors.eagle import SMOLLM2_HEAD, EagleHead
+from memstep.executors.inprocess import local_engine
+from memstep.states.arena import Arena
+from memstep.states.kinds import KindEnv, Spec
+
+
+def eagle_config(**kw) -> EngineConfig:
+    return EngineConfig(speculative_method="eagle", num_speculative_tokens=3, **kw)
+
+
+def test_the_committed_head_drafts_what_the_target_says_often(chat_prompts):
+    """A trained head: on greedy chat replies at least a third of its drafts are accepted (an
+    untrained one gets ~0); and the output is the plain greedy output."""
+    engine = local_engine(eagle_config(max_num_seqs=4))
+    done = engine.generate(chat_prompts[:4], SamplingParams(max_tokens=48))
+    proposed = sum(c.num_proposed for c in done)
+    accepted = sum(c.num_accepted for c in done)
+    assert proposed > 50 and accepted / proposed > 0.33, (accepted, proposed)
+    plain = local_engine(EngineConfig(max_num_seqs=4))
+    assert [c.token_ids for c in done] == [
+        c.token_ids for c in plain.generate(chat_prompts[:4], SamplingParams(max_tokens=48))
+    ]
+
+
+def test_hidden_states_are_rebuilt_after_each_reentry(chat_prompts):
+    """After `spec` is re-entered no request drafts from a hidden state kept before: the first
+    spec step of each stretch proposes nothing, later ones do; `previous_hidden_states` is
+    claimed on every entry and released on every exit."""
+    engine = local_engine(eagle_config(max_num_seqs=8, speculative_disable_by_batch_size=4))
+    records: list[object] = []
+    engine.sinks.append(records.append)
+    greedy = SamplingParams(max_tokens=40, ignore_eos=True)
+    first = [engine.add_request(chat_prompts[i], greedy) for i in range(2)]
+    for _ in range(8):
+        engine.step()
+    for i in range(2, 6):
+        engine.add_request(chat_prompts[i], SamplingParams(max_tokens=6, ignore_eos=True))
+    engine.run_until_idle()
+    steps = [r for r in records if isinstance(r, StepFinished)]
+    stretches: list[list[StepFinished]] = []
+    for r in steps:
+        if r.kind == "spec" and (not stretches or stretches[-1][-1].step != r.step - 1):
+            stretches.append([])
+        if r.kind == "spec":
+            stretches[-1].append(r)
+    assert len(stretches) >= 2, "spec, no_spec, then spec again"
+    for stretch in stretches[1:]:
+        assert stretch[0].num_proposed == 0, "drafted from a hidden state kept before the exit"
+        assert sum(r.num_proposed for r in stretch[1:]) > 0
+    entered = [r for r in records if isinstance(r, StateEntered) and r.kind == "spec"]
+    exited = [r for r in records if isinstance(r, StateExited) and r.kind == "spec"]
+    assert len(entered) == len(stretches) and len(exited) >= len(stretches) - 1
+    assert all(r.bytes_claimed > 0 for r in entered)
+    assert {r.bytes_claimed for r in entered} == {r.bytes_released for r in exited}
+    assert len(first) == 2
+
+
+def test_a_hidden_state_is_used_only_for_the_tokens_it_follows():
+    cfg = eagle_config(max_num_seqs=2)
+    env = KindEnv(cfg, model_config(resolve("smollm2")), torch.float32, 8)
+    spec, arena = Spec(env), Arena(1 << 20, torch.device("cpu"))
+    spec.enter(arena, 0)
+    spec.keep_hidden([("a", 10), ("b", 7)], torch.ones(2, env.model.hidden_size))
+    assert spec.hidden_row("a", 10) is not None and spec.hidden_row("a", 11) is None
+    spec.keep_hidden([("c", 3)], torch.ones(1, env.model.hidden_size))
+    assert spec.hidden_row("c", 3) is None, "two rows, both taken: c drafts nothing"
+    spec.forget("a")
+    spec.keep_hidden([("c", 3)], torch.ones(1, env.model.hidden_size))
+    assert spec.hidden_row("c", 3) is not None, "a's row went back to the free rows"
+    spec.exit(arena, 1)
+    spec.enter(arena, 2)
+    assert spec.hidden_row("b", 7) is None, "nothing survives an exit"
+
+
+# --- lossless at temperature > 0 -----------------------------------------------------------
+
+RUNS = 640
+CRITICAL = 20.5  # chi-square, 5 degrees of freedom, p = 0.001
+
+
+def second_tokens(engine, prompt: list[int]) -> tuple[collections.Counter, int, int]:
+    """Over RUNS seeds at temperature 1: the second reply tokens of the runs whose first was
+    the most common one (that first token, then the drafted position's samples)."""
+    params = [SamplingParams(max_tokens=2, temperature=1.0, seed=s) for s in range(RUNS)]
+    done = engine.generate([prompt] * RUNS, params)
+    firsts = collections.Counter(c.token_ids[0] for c in done)
+    mode = firsts.most_common(1)[0][0]
+    seconds = collections.Counter(c.token_ids[1] for c in done if c.token_ids[0] == mode)
+    return seconds, mode, sum(c.num_proposed for c in done)
+
+
+def chi_square(counts: collections.Counter, top: dict[int, float]) -> float:
+    n = sum(counts.values())
+    observed = [counts.get(t, 0) for t in top] + [n - sum(counts.get(t, 0) for t in top)]
+    expected = [p * n for p in top.values()] + [(1.0 - sum(top.values())) * n]
+    return sum((o - e) ** 2 / e for o, e in zip(observed, expected, strict=True))
+
+
+def target_top5(prompt: list[int]) -> dict[int, float]:
+    engine = local_engine(EngineConfig(max_num_seqs=2))
+    done = engine.generate([prompt], SamplingParams(max_tokens=1, logprobs=5))
+    return {int(tok): math.exp(lp) for tok, lp in done[0].logprobs[0][1]}
+
+
+@pytest.fixture(scope="module")
+def drafted_position(chat_prompts):
+    prompt = chat_prompts[0]
+    engine = local_engine(eagle_config(max_num_seqs=64))
+    seconds, mode, proposed = second_tokens(engine, prompt)
+    return prompt, seconds, mode, proposed
+
+
+def test_sampled_tokens_at_a_drafted_position_follow_the_target(drafted_position):
+    prompt, seconds, mode, proposed = drafted_position
+    assert proposed > 0 and sum(seconds.values()) > 200
+    assert chi_square(seconds, target_top5(prompt + [mode])) < CRITICAL
+
+
+def test_the_same_test_fails_when_every_draft_is_accepted(drafted_position, monkeypatch):
+    prompt, _, mode, _ = drafted_position
+
+    def always_accept(p, rows, drafts, q, residual):
+        return [*drafts, int(p[len(drafts)].argmax())], len(drafts)
+
+    monkeypatch.setattr(spec_decode, "accept_drafts", always_accept)
+    seconds, broken_mode, _ = second_tokens(local_engine(eagle_config(max_num_seqs=64)), prompt)
+    assert broken_mode == mode
+    assert chi_square(seconds, target_top5(prompt + [mode])) > CRITICAL
+
+
+# --- the head and its training command -----------------------------------------------------
+
+
+def test_train_draft_writes_a_head_the_engine_loads(tmp_path, chat_prompts):
+    out = tmp_path / "head.npz"
+    argv = ["train-draft", "--prompts", "4", "--max-tokens", "12", "--epochs", "1"]
+    assert main([*argv, "--draft-vocab", "512", "--intermediate", "64", "--out", str(out)]) == 0
+    engine = local_engine(eagle_config(max_num_seqs=2, draft_model=str(out)))
+    done = engine.generate(chat_prompts[:1], SamplingParams(max_tokens=8))
+    assert done[0].num_proposed > 0 and len(done[0].token_ids) == 8
+
+
+def test_a_head_for_another_model_or_none_is_a_clear_error(tmp_path):
+    cfg = model_config(resolve("smollm2"))
+    embed = torch.zeros(cfg.vocab_size + 1, cfg.hidden_size)
+    with pytest.raises(ConfigError, match="vocabulary"):
+        EagleHead(SMOLLM2_HEAD, embed, embed, cfg.vocab_size + 1, 1e-5)
+    with pytest.raises(ConfigError, match="draft_model"):
+        EngineConfig(model="random:tiny", speculative_method="eagle")
+    with pytest.raises(ConfigError, match="no EAGLE head"):
+        local_engine(eagle_config(draft_model=str(tmp_path / "missing.npz")))
