@@ -167,7 +167,11 @@ class BlockManager:
         return self.extra_blocks_for(request_id, num_tokens) <= self.num_free
 
     def ensure(self, request_id: str, num_tokens: int) -> bool:
-        """Grow the request's table to hold `num_tokens` slots; all or nothing."""
+        """Grow the request's table to hold `num_tokens` slots; all or nothing.  Called for every
+        running request every step: a table that holds them already returns at once."""
+        table = self._tables.get(request_id)
+        if table is not None and len(table) * self.block_size >= num_tokens:
+            return True
         extra = self.extra_blocks_for(request_id, num_tokens)
         if extra > self.num_free:
             return False

@@ -5,13 +5,17 @@ short window: the tokens already shown (`prefix`) and the new ones after them.  
 once it no longer ends in U+FFFD (a UTF-8 character split across tokens); the last call of a
 request releases whatever is left.  The concatenated pieces equal `decode(all output tokens)` for
 byte-level BPE and byte tokenizers (tests/core/test_detokenizer.py).
+
+One decode a call: the window's start stays put while it is short, so the text of the tokens
+already shown is the previous call's decode; it moves `WINDOW` tokens behind the read position
+once the window is twice that long, and only then is the shown part decoded on its own.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-WINDOW = 6  # tokens before the new ones that are decoded with them, for merge context
+WINDOW = 6  # tokens before the new ones that are decoded with them, for merge context (at least)
 
 
 class IncrementalText:
@@ -20,19 +24,24 @@ class IncrementalText:
         self.text = ""
         self._prefix = 0  # first token of the decoded window
         self._read = 0  # tokens whose text is already in `text`
+        self._shown = ""  # decode(ids[_prefix:_read])
 
     def extend(self, ids: list[int], final: bool = False) -> str:
         """`ids` is the whole output so far; returns the text that the new tokens add."""
         if len(ids) <= self._read and not final:
             return ""
-        shown = self._decode(ids[self._prefix : self._read])
         full = self._decode(ids[self._prefix :])
         if full.endswith("\ufffd") and not final:
             return ""  # an unfinished character: wait for the token that completes it
+        shown = self._shown
         # a window that reads differently on its own falls back to the whole output, once
         in_context = full.startswith(shown)
         piece = full[len(shown) :] if in_context else self._decode(ids)[len(self.text) :]
         self.text += piece
         self._read = len(ids)
-        self._prefix = max(0, self._read - WINDOW)
+        if self._read - self._prefix > 2 * WINDOW:
+            self._prefix = self._read - WINDOW
+            self._shown = self._decode(ids[self._prefix : self._read])
+        else:
+            self._shown = full
         return piece

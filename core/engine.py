@@ -37,7 +37,7 @@ from memstep.core.scheduler import Scheduler, StepBatch
 from memstep.core.seeding import RequestSeeds, engine_seed
 from memstep.core.shapes import check_tensor_parallel, max_model_len
 from memstep.core.tokenizer import load_tokenizer
-from memstep.events.plan import SeqPlan, StepPlan, StepResult
+from memstep.events.plan import SeqPlan, SeqResult, StepPlan, StepResult
 from memstep.events.types import (
     EngineStarted,
     ExecutorLost,
@@ -262,29 +262,34 @@ class Engine:
 
     def _plan(self, batch: StepBatch) -> StepPlan:
         seqs = []
+        composition: list[list] = []
         cached: list[list] = []  # the record of reused pages: replay reproduces the hits
+        table_of = self.blocks.table
         for s in batch.seqs:
             req = s.request
-            start = req.num_computed
-            table = list(self.blocks.table(req.request_id))
-            first = start == req.admitted_at  # an admission's first plan
-            if first and start:
-                cached.append([req.request_id, start, table[: start // self.cfg.block_size]])
+            start, stop = req.num_computed, req.num_computed + s.num_tokens
+            table = list(table_of(req.request_id))
+            params: dict = {}
+            prefix_ids: list[int] = []
+            if start == req.admitted_at:  # an admission's first plan
+                params, prefix_ids = req.params.to_dict(), req.token_at(0, start)
+                if start:
+                    cached.append([req.request_id, start, table[: start // self.cfg.block_size]])
             seqs.append(
                 SeqPlan(
                     request_id=req.request_id,
                     start_pos=start,
-                    token_ids=req.token_at(start, start + s.num_tokens),
+                    token_ids=req.token_at(start, stop),
                     block_table=table,
-                    samples=s.samples,
+                    samples=stop == req.num_tokens,  # Scheduled.samples
                     num_drafts=s.num_drafts,
                     prompt_len=req.num_prompt_tokens,
-                    params=req.params.to_dict() if first else {},
-                    prefix_ids=req.token_at(0, start) if first else [],
+                    params=params,
+                    prefix_ids=prefix_ids,
                 )
             )
+            composition.append([req.request_id, s.num_tokens])
         finished, self._finished_ids = self._finished_ids, []
-        composition = [[s.request.request_id, s.num_tokens] for s in batch.seqs]
         self.emit(StepPlanned(self.step_no, batch.kind, composition, batch.num_tokens, cached))
         return StepPlan(self.step_no, batch.kind, seqs, finished)
 
@@ -303,24 +308,7 @@ class Engine:
                 bytes_claimed=sum(r.bytes_claimed for r in result.entered),
                 live_bytes=result.memory.live_bytes,
             )
-        by_id = {r.request_id: r for r in result.seqs}
-        outputs: list[RequestOutput] = []
-        sampled: list[list] = []
-        filled: list[Request] = []  # requests with a block newly full of computed KV
-        for s in batch.seqs:
-            req = s.request
-            res = by_id.get(req.request_id)
-            blocks_before = self._full_blocks(req)
-            req.num_computed += s.num_tokens
-            if res is not None:
-                req.num_computed += len(res.token_ids) - 1
-                req.num_proposed += res.num_proposed
-                req.num_accepted += res.num_accepted
-                out = self._append(req, res.token_ids, res.logprobs)
-                sampled.append([req.request_id, out.new_token_ids])
-                outputs.append(out)
-            if self._full_blocks(req) > blocks_before:
-                filled.append(req)
+        outputs, sampled, filled = self._advance(batch, result.seqs)
         for req in filled:
             if not req.is_finished:  # a finished request cached its blocks in _finish
                 self._cache_blocks(req)
@@ -345,31 +333,60 @@ class Engine:
             return []
         return self.host_watch.observe(self.step_no, kind, rss)
 
+    def _advance(
+        self, batch: StepBatch, results: list[SeqResult]
+    ) -> tuple[list[RequestOutput], list[list], list[Request]]:
+        """Move each scheduled request on by the tokens it computed and sampled: this step's
+        outputs, the record of sampled tokens, and the requests with a block newly full of
+        computed KV.  Every running request passes here every step, so it calls little."""
+        by_id = {r.request_id: r for r in results}
+        bs = self.cfg.block_size
+        outputs: list[RequestOutput] = []
+        sampled: list[list] = []
+        filled: list[Request] = []
+        for s in batch.seqs:
+            req = s.request
+            res = by_id.get(req.request_id)
+            # full blocks of computed KV (drafts past a stop are not tokens); the prefix cache
+            # holds them all once a step is done, so only a step that fills one offers it more
+            # (a running request's blocks fill one in `block_size` steps)
+            full_before = min(req.num_computed, req.num_tokens) // bs
+            req.num_computed += s.num_tokens
+            if res is not None:
+                req.num_computed += len(res.token_ids) - 1
+                req.num_proposed += res.num_proposed
+                req.num_accepted += res.num_accepted
+                out = self._append(req, res.token_ids, res.logprobs)
+                sampled.append([req.request_id, out.new_token_ids])
+                outputs.append(out)
+            if min(req.num_computed, req.num_tokens) // bs > full_before:
+                filled.append(req)
+        return outputs, sampled, filled
+
     def _append(self, req: Request, tokens: list[int], logprobs: list[list]) -> RequestOutput:
         """Append sampled tokens one by one until a stop condition; the output of this step."""
         p = req.params
         old_len = len(req.detok.text)
-        new: list[int] = []
         reason = None
-        for i, tok in enumerate(tokens):
+        num_new = 0
+        eos = () if p.ignore_eos else self.model_cfg.eos_token_ids
+        for tok in tokens:
             req.output_token_ids.append(tok)
-            if i < len(logprobs):
-                req.output_logprobs.append(logprobs[i])
-            new.append(tok)
-            if not p.ignore_eos and tok in self.model_cfg.eos_token_ids or tok in p.stop_token_ids:
+            num_new += 1
+            if tok in eos or tok in p.stop_token_ids:
                 reason = "stop"
             elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
                 reason = "length"
             if reason:
                 break
-        req.detok.extend(req.output_token_ids, final=reason is not None)
-        text = req.detok.text
+        new = tokens[:num_new]
+        req.output_logprobs.extend(logprobs[:num_new])
+        text = req.detok.extend(req.output_token_ids, final=reason is not None)
         if p.stop and reason is None or reason == "length" and p.stop:
-            cut = _find_stop(text, p.stop, old_len)
+            cut = _find_stop(req.detok.text, p.stop, old_len)
             if cut is not None:
-                text, reason = text[:cut], "stop"
-        out = RequestOutput(req.request_id, new, text[old_len:])
-        out.logprobs = logprobs[: len(new)]
+                text, reason = req.detok.text[old_len:cut], "stop"
+        out = RequestOutput(req.request_id, new, text, logprobs=logprobs[:num_new])
         if reason:
             self._finish(req, reason)
             out.finished, out.finish_reason = True, reason
@@ -378,13 +395,6 @@ class Engine:
             out.completion_tokens = len(req.output_token_ids)
             out.num_proposed, out.num_accepted = req.num_proposed, req.num_accepted
         return out
-
-    def _full_blocks(self, req: Request) -> int:
-        """The request's blocks full of computed KV (drafts past a stop are not tokens). The
-        prefix cache holds them all once a step is done: a step that fills none has nothing to
-        offer it, so most decode steps skip `BlockManager.commit` (a running request's blocks
-        fill one in `block_size` steps)."""
-        return min(req.num_computed, req.num_tokens) // self.cfg.block_size
 
     def _cache_blocks(self, req: Request) -> None:
         """Offer the request's full blocks of computed KV to the prefix cache."""

@@ -54,3 +54,39 @@ def test_a_final_call_releases_what_is_left():
     inc = IncrementalText(tok.decode)
     assert inc.extend(ids) == ""
     assert inc.extend(ids, final=True) == "\ufffd" == tok.decode(ids)
+
+
+def window_per_call_pieces(decode, ids: list[int], ends: list[int]) -> list[str]:
+    """The pieces of the earlier detokenizer, which decoded the shown window afresh each call."""
+    text, prefix, read, pieces = "", 0, 0, []
+    for n in ends:
+        final = n == len(ids)
+        shown, full = decode(ids[prefix:read]), decode(ids[prefix:n])
+        if full.endswith("\ufffd") and not final:
+            pieces.append("")
+            continue
+        piece = full[len(shown) :] if full.startswith(shown) else decode(ids[:n])[len(text) :]
+        text += piece
+        read, prefix = n, max(0, n - 6)
+        pieces.append(piece)
+    return pieces
+
+
+@pytest.mark.parametrize("kind", ["bytes", "smollm2"])
+def test_pieces_are_those_of_a_window_decoded_afresh_each_call(smol_engine, kind):
+    """One decode a call streams the very pieces that two did, on random ids (invalid UTF-8,
+    end-of-sequence ids that decode to nothing) as on text."""
+    tok = ByteTokenizer(512, (1,)) if kind == "bytes" else smol_engine.tokenizer
+    rng = random.Random(7)
+    for seed in range(60):
+        if seed % 2:
+            ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 200))]
+        else:
+            ids = [i for text in rng.choices(TEXTS, k=4) for i in tok.encode(text)]
+        ends, n = [], 0
+        while n < len(ids):
+            n = min(len(ids), n + rng.randint(1, rng.choice([1, 3])))
+            ends.append(n)
+        inc = IncrementalText(tok.decode)
+        pieces = [inc.extend(ids[:n], final=n == len(ids)) for n in ends]
+        assert pieces == window_per_call_pieces(tok.decode, ids, ends), seed

@@ -1,0 +1,119 @@
+"""Engine-core host time per step with about a thousand running decodes (issue #15).
+
+An in-process engine with the smallest random model keeps `--requests` requests decoding (short
+prompts, EOS ignored, long outputs).  Each step's wall time is split into the time inside
+`executor.execute` and the rest, the core's own work (schedule, plan, record, detokenize, emit);
+the medians over `--steps` steady-state steps are printed.  `--record` adds an event-log
+`Recorder` to the sinks; `--profile N` prints the N costliest functions of the core's steps.
+The executor runs on one CPU thread by default, so that its thread pool does not compete with the
+core on a small machine (the core's time, not the model's, is measured).
+
+    python benchmarks/bench_core_overhead.py [--requests 1000] [--steps 50] [--warmup 5]
+        [--record] [--profile 25] [--num-threads 1] [--set KEY=VALUE ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from memstep.core.config import EngineConfig, parse_override
+from memstep.core.sampling_params import SamplingParams
+from memstep.events.types import EngineStarted
+from memstep.events.version import VERSION
+from memstep.executors.inprocess import local_engine
+from memstep.replay.recorder import Recorder
+
+
+class TimedExecutor:
+    """Wraps an executor: adds up the time spent in `execute`, which `profiler` does not see."""
+
+    def __init__(self, inner: object):
+        self.inner = inner
+        self.seconds = 0.0
+        self.profiler: cProfile.Profile | None = None
+
+    def execute(self, plan: object) -> object:
+        if self.profiler is not None:
+            self.profiler.disable()
+        start = time.perf_counter()
+        try:
+            return self.inner.execute(plan)  # type: ignore[attr-defined]
+        finally:
+            self.seconds += time.perf_counter() - start
+            if self.profiler is not None:
+                self.profiler.enable()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--requests", type=int, default=1000)
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--warmup", type=int, default=5, help="decode steps before measuring")
+    p.add_argument("--record", action="store_true", help="write the event log while stepping")
+    p.add_argument("--profile", type=int, default=0, metavar="N", help="print N top functions")
+    p.add_argument("--num-threads", type=int, default=1)
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    args = p.parse_args()
+    max_tokens = args.warmup + args.steps + 16  # nobody finishes while measured
+    cfg = EngineConfig(
+        model="random:tiny",
+        device="cpu",
+        max_num_seqs=1024,
+        max_num_batched_tokens=16384,
+        num_kv_blocks=args.requests * (max_tokens // 16 + 2),
+        num_threads=args.num_threads,
+    )
+    cfg = cfg.replace(**dict(parse_override(text) for text in args.overrides))
+    engine = local_engine(cfg)
+    engine.executor = timed = TimedExecutor(engine.executor)
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.record:
+            recorder = Recorder(Path(tmp) / "core.memlog")
+            recorder(EngineStarted(VERSION, engine.cfg.to_dict(), engine.source.identity))
+            engine.sinks.append(recorder)
+        for i in range(args.requests):
+            prompt = [(7 * i + j) % 250 + 10 for j in range(4 + i % 5)]
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=i, ignore_eos=True)
+            engine.add_request(prompt, params)
+        for _ in range(1 + args.warmup):  # the prefill, then a few decodes
+            engine.step()
+        profiler = cProfile.Profile()
+        totals, inside = [], []
+        for _ in range(args.steps):
+            timed.seconds = 0.0
+            if args.profile:
+                timed.profiler = profiler
+                profiler.enable()
+            start = time.perf_counter()
+            engine.step()
+            totals.append(time.perf_counter() - start)
+            profiler.disable()
+            timed.profiler = None
+            inside.append(timed.seconds)
+        running = len(engine.scheduler.running)
+        engine.shutdown()
+        if args.record:
+            recorder.close()
+    cores = [t - x for t, x in zip(totals, inside, strict=True)]
+    med = statistics.median
+    print(f"model {engine.source.label}, {running} running decodes, {args.steps} steps", end="")
+    print(", recording" if args.record else "")
+    print(f"step total    median {1e3 * med(totals):8.2f} ms")
+    print(f"executor      median {1e3 * med(inside):8.2f} ms")
+    print(f"core (rest)   median {1e3 * med(cores):8.2f} ms  (min {1e3 * min(cores):.2f} ms)")
+    if args.profile:
+        stats = pstats.Stats(profiler).strip_dirs().sort_stats("tottime")
+        stats.print_stats(args.profile)
+
+
+if __name__ == "__main__":
+    main()
