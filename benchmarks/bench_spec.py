@@ -1,8 +1,9 @@
 """Speculative decoding on SmolLM2: acceptance and tokens/s, with and without each proposer.
 
-Runs in one process: for each method (none, ngram, draft, eagle) and concurrency (1, 8), a copy-inviting
-workload (quote a passage back) and free generation, greedy, 64 new tokens; prints tok/s, the
-ratio to no speculation in the same run, and the acceptance rate and mean accepted length.
+Runs in one process: for each method (none, ngram, draft, eagle) and concurrency (1, 8), a
+copy-inviting workload (quote a passage back) and free generation, greedy, 64 new tokens;
+prints tok/s, the ratio to no speculation in the same run, and the acceptance rate and mean
+accepted length.
 
     python benchmarks/bench_spec.py [--tokens 64] [--draft-layers 8] [--k 3] [--methods none,eagle]
 
@@ -63,7 +64,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--draft-layers", type=int, default=8)
-    ap.add_argument("--methods", default="none,ngram,draft,eagle", help="comma-separated; none first")
+    ap.add_argument(
+        "--methods", default="none,ngram,draft,eagle", help="comma-separated; none first"
+    )
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     base: dict[tuple[str, int], float] = {}

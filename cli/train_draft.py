@@ -45,7 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--unroll", type=int, default=2, help="draft positions trained per sample")
     p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--feature-weight", type=float, default=0.5, help="of the hidden-state loss")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cache", type=Path, help="keep the hidden states read here, and reuse them")
@@ -172,7 +173,7 @@ def train(
     params = init_params(embed.shape[1], args.intermediate, args.seed)
     for p in params.values():
         p.requires_grad_(True)
-    opt = torch.optim.AdamW(params.values(), lr=args.lr, weight_decay=0.0)
+    opt = torch.optim.AdamW(params.values(), lr=args.lr, weight_decay=args.weight_decay)
     steps = args.epochs * math.ceil(len(starts) / args.batch)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, args.lr, total_steps=steps, pct_start=0.05)
     gen = torch.Generator().manual_seed(args.seed)
