@@ -86,7 +86,9 @@ def read_exchanges(args, tok, model: LlamaModel, block_size: int, started: float
     token there, and answer[i] (padded), the token a draft step reads beside it."""
     pairs = sharegpt_pairs()
     random.Random(args.seed).shuffle(pairs)
-    features, tokens, chosen = [], [], []
+    features: list[torch.Tensor] = []
+    tokens: list[torch.Tensor] = []
+    chosen: list[torch.Tensor] = []
     for human, reply in pairs:
         if len(features) == args.conversations:
             break
@@ -204,7 +206,8 @@ def train(
 
 def unroll_starts(lengths: list[int], unroll: int) -> torch.Tensor:
     """Flat indices j where rows j .. j + unroll all belong to one exchange."""
-    out, offset = [], 0
+    out: list[int] = []
+    offset = 0
     for n in lengths:
         out.extend(range(offset, offset + n - unroll))
         offset += n

@@ -114,7 +114,7 @@ class EngineConfig:
         _check(1 <= self.num_speculative_tokens <= 16, "num_speculative_tokens must be in [1, 16]")
         _check(self.draft_layers >= 1, "draft_layers must be >= 1")
         _check(
-            self.speculative_method != "eagle" or self.draft_model or self.model == "smollm2",
+            self.speculative_method != "eagle" or bool(self.draft_model) or self.model == "smollm2",
             "speculative_method 'eagle' needs draft_model, a head trained for this model "
             "(`memstep train-draft --model M --out HEAD.npz`); only smollm2 has one built in",
         )

@@ -161,9 +161,9 @@ def attention(
             continue
         if group.query_lens is not None and decode_kernel is not None:
             # speculative verify on the CPU: each query a decode row, as plain decode attends it
-            tables, lens = group.query_tables, group.query_lens
-            out[group.valid_rows] = decode_kernel(
-                q[group.valid_rows], k_cache, v_cache, tables, lens, scale
+            index = group.valid_rows
+            out[index] = decode_kernel(
+                q[index], k_cache, v_cache, group.query_tables, group.query_lens, scale
             )
             continue
         res = torch_group_attention(q, k_cache, v_cache, group, scale).flatten(0, 1)

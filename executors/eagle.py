@@ -83,7 +83,7 @@ def save_head(path: Path, params: dict[str, torch.Tensor], vocab: torch.Tensor, 
         arrays["meta_" + key] = np.asarray(value, dtype=np.int64)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("wb") as fh:
-        np.savez(fh, **arrays)
+        np.savez(fh, **arrays)  # type: ignore[arg-type]
 
 
 class EagleHead:

@@ -127,8 +127,8 @@ class Spec(StepKind):
             shape = (2, draft.num_layers, blocks, size, draft.num_kv_heads, draft.head_dim)
             specs.append(BufferSpec("draft_kv", shape, self.env.dtype))
         if cfg.speculative_method == "eagle":
-            shape = (rows, model.hidden_size)
-            specs.append(BufferSpec("previous_hidden_states", shape, self.env.dtype))
+            rows_shape = (rows, model.hidden_size)
+            specs.append(BufferSpec("previous_hidden_states", rows_shape, self.env.dtype))
         return specs
 
     def on_enter(self) -> None:
