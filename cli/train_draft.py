@@ -6,7 +6,9 @@ hidden state at t-1 and token t, the hidden state at t and the target's choice t
 over a few draft positions so that it also learns from its own predictions. The labels are the
 target's choices, not the text's: the head learns what the target would say.
 
-    memstep train-draft [--conversations 1200] [--max-tokens 320] [--epochs 1] [--out PATH]
+    memstep train-draft [--conversations 800] [--max-tokens 320] [--epochs 3] [--out PATH]
+
+The defaults made the committed head (8.5 min of reading and 4 min of training on 2 cores).
 
 The written `.npz` is what `--speculative-method eagle` loads (`--draft-model PATH`); the one
 for SmolLM2 is committed (executors/drafts/).
@@ -37,16 +39,16 @@ from memstep.executors.llama import LlamaModel
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2")
     p.add_argument("--out", type=Path, default=SMOLLM2_HEAD, help="where the .npz goes")
-    p.add_argument("--conversations", type=int, default=1200, help="ShareGPT exchanges read")
+    p.add_argument("--conversations", type=int, default=800, help="ShareGPT exchanges read")
     p.add_argument("--max-prompt-tokens", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=320, help="reply tokens per exchange, at most")
     p.add_argument("--draft-vocab", type=int, default=6144, help="the target's most chosen tokens")
-    p.add_argument("--intermediate", type=int, default=1024, help="the block's MLP width")
-    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--intermediate", type=int, default=512, help="the block's MLP width")
+    p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--unroll", type=int, default=2, help="draft positions trained per sample")
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--feature-weight", type=float, default=0.5, help="of the hidden-state loss")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cache", type=Path, help="keep the hidden states read here, and reuse them")
