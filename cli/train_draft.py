@@ -37,21 +37,27 @@ from memstep.executors.llama import LlamaModel
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2")
+    p.add_argument("--model", default="smollm2", help="the target model")
     p.add_argument("--out", type=Path, default=SMOLLM2_HEAD, help="where the .npz goes")
     p.add_argument("--conversations", type=int, default=800, help="ShareGPT exchanges read")
-    p.add_argument("--max-prompt-tokens", type=int, default=256)
-    p.add_argument("--max-tokens", type=int, default=320, help="reply tokens per exchange, at most")
+    p.add_argument(
+        "--max-prompt-tokens", type=int, default=256, help="longer questions are skipped"
+    )
+    p.add_argument(
+        "--max-tokens", type=int, default=320, help="answer tokens per exchange, at most"
+    )
     p.add_argument("--draft-vocab", type=int, default=6144, help="the target's most chosen tokens")
     p.add_argument("--intermediate", type=int, default=512, help="the block's MLP width")
-    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--epochs", type=int, default=3, help="passes over what was read")
     p.add_argument("--unroll", type=int, default=2, help="draft positions trained per sample")
-    p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--batch", type=int, default=256, help="samples per optimizer step")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW's peak learning rate")
+    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW's weight decay")
     p.add_argument("--feature-weight", type=float, default=0.5, help="of the hidden-state loss")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cache", type=Path, help="keep the hidden states read here, and reuse them")
+    p.add_argument("--seed", type=int, default=0, help="the exchanges' order and the init")
+    p.add_argument(
+        "--cache", type=Path, default=None, help="keep the hidden states read here, and reuse them"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
