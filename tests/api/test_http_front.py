@@ -25,7 +25,8 @@ def test_the_front_reaches_a_curve_core_that_still_refuses_strangers(tmp_path):
     (tmp_path / "server.secret").write_bytes(SERVER_SECRET)
     args = ["--model", "random:tiny", "--num-threads", "1", "--host", "0.0.0.0"]
     args += ["--curve-secret-key", str(tmp_path / "server.secret")]
-    args += ["--curve-client-keys", CLIENT_PUBLIC.decode()]
+    # one argument: a z85 key may begin with "-", which argparse would take for a flag
+    args += [f"--curve-client-keys={CLIENT_PUBLIC.decode()}"]
     with ServerProcess(args, http=True) as server:
         server.wait_ready()
         body = {"model": "random:tiny", "prompt": "abc", "max_tokens": 3}
