@@ -165,7 +165,7 @@ def draft_vocabulary(tokens: list[torch.Tensor], size: int, always: list[int]) -
 
 def train(
     args: argparse.Namespace,
-    data: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]],
+    data: Exchanges,
     embed: torch.Tensor,
     head: torch.Tensor,
     vocab: torch.Tensor,

@@ -14,8 +14,9 @@ The attention half of EAGLE's decoder layer is left out: the target's hidden sta
 carries the context, and without it the draft keeps no KV cache; its only state between steps
 is the hidden state of each request (the `spec` kind's `previous_hidden_states`).
 
-The weights are trained by `memstep train-draft` (self-distillation from the target's greedy
-replies to ShareGPT prompts) and stored as a plain `.npz` (read with `allow_pickle=False`).
+The weights are trained by `memstep train-draft` (self-distillation: the target reads ShareGPT
+answers and its own greedy choices are the labels) and stored as a plain `.npz` (read with
+`allow_pickle=False`).
 """
 
 from __future__ import annotations

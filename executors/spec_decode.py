@@ -172,9 +172,11 @@ class SpecDecoder:
             if self.draft is not None and seq.request_id in drafts_of:
                 base = len(self.requests[seq.request_id].tokens)
                 self.spec.draft_len[seq.request_id] = base + min(accepted, max(proposed - 1, 0))
-            # the hidden state that chose the last token appended
-            kept.append((seq.request_id, len(self.requests[seq.request_id].tokens) + len(tokens)))
-            kept_rows.append(offset + accepted)
+            if self.eagle is not None:  # the hidden state that chose the last token appended
+                kept.append(
+                    (seq.request_id, len(self.requests[seq.request_id].tokens) + len(tokens))
+                )
+                kept_rows.append(offset + accepted)
             offset += n
         if self.eagle is not None:
             self.spec.keep_hidden(kept, h[torch.tensor(kept_rows, device=h.device)])
