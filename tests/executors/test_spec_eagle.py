@@ -75,7 +75,7 @@ def test_hidden_states_are_rebuilt_after_each_reentry(chat_prompts):
 def test_a_hidden_state_is_used_only_for_the_tokens_it_follows():
     cfg = eagle_config(max_num_seqs=2)
     env = KindEnv(cfg, model_config(resolve("smollm2")), torch.float32, 8)
-    spec, arena = Spec(env), Arena(1 << 20, torch.device("cpu"))
+    spec, arena = Spec(env), Arena(4 << 20, torch.device("cpu"))
     spec.enter(arena, 0)
     spec.keep_hidden([("a", 10), ("b", 7)], torch.ones(2, env.model.hidden_size))
     assert spec.hidden_row("a", 10) is not None and spec.hidden_row("a", 11) is None
@@ -167,6 +167,24 @@ def test_train_draft_writes_a_head_the_engine_loads(tmp_path, chat_prompts):
     argv = ["train-draft", "--conversations", "4", "--max-tokens", "12", "--epochs", "1"]
     assert main([*argv, "--draft-vocab", "512", "--intermediate", "64", "--out", str(out)]) == 0
     engine = local_engine(eagle_config(max_num_seqs=2, draft_model=str(out)))
+    done = engine.generate(chat_prompts[:1], SamplingParams(max_tokens=8))
+    assert done[0].num_proposed > 0 and len(done[0].token_ids) == 8
+
+
+def test_train_draft_from_exported_questions_without_attention(tmp_path, chat_prompts):
+    """`--export-prompts` writes the questions a GPU machine without the dataset reads with
+    `--prompts`; `--no-attention` makes a head that keeps no context."""
+    questions = tmp_path / "q.jsonl"
+    assert main(["train-draft", "--export-prompts", str(questions), "--conversations", "3"]) == 0
+    assert len(questions.read_text().splitlines()) == 3
+    out = tmp_path / "head.npz"
+    argv = ["train-draft", "--prompts", str(questions), "--no-attention", "--max-tokens", "12"]
+    argv += ["--epochs", "1", "--draft-vocab", "512", "--intermediate", "64", "--out", str(out)]
+    assert main(argv) == 0
+    engine = local_engine(eagle_config(max_num_seqs=2, draft_model=str(out)))
+    assert engine.executor.worker.eagle.attn is None
+    spec = engine.executor.worker.lifecycle.kinds["spec"]
+    assert "draft_context" not in [b.name for b in spec.buffers()]
     done = engine.generate(chat_prompts[:1], SamplingParams(max_tokens=8))
     assert done[0].num_proposed > 0 and len(done[0].token_ids) == 8
 

@@ -1,0 +1,129 @@
+"""EAGLE's attention half: training unrolls exactly the chain that serving drafts, and each
+request's context (the keys of the pairs its head has read) grows with its tokens and starts
+again whenever its state is not fresh."""
+
+from __future__ import annotations
+
+import torch
+
+from memstep.cli.draft_trainer import pass_masks, unrolled
+from memstep.core.config import EngineConfig
+from memstep.core.model_source import model_config, resolve
+from memstep.core.sampling_params import SamplingParams
+from memstep.events.types import StepFinished
+from memstep.executors.eagle import SMOLLM2_HEAD, AttnShape, EagleHead, init_params, save_head
+from memstep.executors.inprocess import local_engine
+from memstep.states.kinds import KindEnv, Spec
+
+HIDDEN, VOCAB = 64, 96
+
+
+def a_head(tmp_path) -> tuple[EagleHead, torch.Tensor, torch.Tensor]:
+    """A random head with attention over a made-up target (hidden 64, vocabulary 96), its
+    residual branches scaled up so that attention and MLP both move the drafts."""
+    attn = AttnShape(heads=4, kv_heads=2, head_dim=16, theta=10000.0, window=256)
+    params = init_params(HIDDEN, 48, seed=3, attention=attn)
+    params["o"] *= 200
+    params["down"] *= 200
+    gen = torch.Generator().manual_seed(4)
+    embed = torch.randn(VOCAB, HIDDEN, generator=gen)
+    lm_head = torch.randn(VOCAB, HIDDEN, generator=gen)
+    vocab = torch.arange(VOCAB - 1, -1, -1)  # reversed: draft ids are not target ids
+    meta = {"hidden": HIDDEN, "vocab": VOCAB, "heads": 4, "kv_heads": 2, "head_dim": 16}
+    path = tmp_path / "head.npz"
+    save_head(path, params, vocab, meta | {"rope_theta": 10000, "window": 256})
+    head = EagleHead(path, embed, lm_head, VOCAB, 1e-5, int8=False)
+    return head, embed, lm_head
+
+
+def test_training_unrolls_the_chain_that_serving_drafts(tmp_path):
+    """From the last true pair s, serving drafts d1, d2, d3 attending the context of pairs
+    0..s and then its own drafts' pairs; the trainer's passes 1, 2, 3 at s, s+1, s+2 over the
+    same tokens choose the same drafts."""
+    head, embed, _ = a_head(tmp_path)
+    assert head.attn is not None
+    gen = torch.Generator().manual_seed(5)
+    length, s = 12, 6
+    feats = torch.randn(length, HIDDEN, generator=gen)
+    tokens = torch.randint(0, VOCAB, (length,), generator=gen)
+    positions = torch.arange(s + 1)
+    keys, values = head.keys(feats[: s + 1], tokens[: s + 1], positions)
+    kv = torch.stack([keys, values]).unsqueeze(0)  # [1, 2, s + 1, kv heads, d]
+    valid = torch.ones(1, s + 1, dtype=torch.bool)
+    context = (kv, valid, torch.tensor([s]))
+    drafts = head.draft(feats[s : s + 1], tokens[s : s + 1], 3, context)[0].tolist()
+    chain = tokens.clone()
+    chain[s + 1], chain[s + 2] = drafts[0], drafts[1]  # the tokens the chain read
+    passes = list(
+        unrolled(
+            head.params,
+            embed,
+            head.head,
+            feats.unsqueeze(0),
+            chain.unsqueeze(0),
+            3,
+            head.attn,
+            1e-5,
+        )
+    )
+    trained = [int(head.vocab[passes[u][1][0, s + u].argmax()]) for u in range(3)]
+    assert trained == drafts
+
+
+def test_pass_masks_read_the_true_pairs_then_the_chain():
+    masks = pass_masks(5, 3, window=3, device="cpu")
+    # pass 1 at 4: true pairs 2..4 (the window of 3); pass 3 at 4: true pairs 0..2, then the
+    # chain's pass-2 key at 3 and its own at 4
+    assert masks[0][4].tolist() == [False, False, True, True, True]
+    third = masks[2][4].view(3, 5)
+    assert third[0].tolist() == [True, True, True, False, False]
+    assert third[1].tolist() == [False, False, False, True, False]
+    assert third[2].tolist() == [False, False, False, False, True]
+
+
+def test_only_a_head_with_attention_claims_a_context(tmp_path):
+    model = model_config(resolve("smollm2"))
+    with_attention = Spec(KindEnv(eagle_config(max_num_seqs=2), model, torch.float32, 8)).buffers()
+    context = [b for b in with_attention if b.name == "draft_context"]
+    assert context and context[0].shape == (2, 2, 256, model.num_kv_heads, model.head_dim)
+    params = init_params(model.hidden_size, 32, seed=0)
+    plain = tmp_path / "plain.npz"
+    save_head(plain, params, torch.arange(64), {"hidden": model.hidden_size, "vocab": 1})
+    cfg = eagle_config(max_num_seqs=2, draft_model=str(plain))
+    assert "draft_context" not in [
+        b.name for b in Spec(KindEnv(cfg, model, torch.float32, 8)).buffers()
+    ]
+
+
+def eagle_config(**kw) -> EngineConfig:
+    return EngineConfig(speculative_method="eagle", num_speculative_tokens=3, **kw)
+
+
+def test_the_context_holds_a_pair_per_token_and_restarts_on_reentry(chat_prompts):
+    """A request's context has read one pair per token it was given in `spec`; after a
+    `no_spec` stretch it starts again from the first `spec` step after it."""
+    assert SMOLLM2_HEAD.exists()
+    engine = local_engine(eagle_config(max_num_seqs=4, speculative_disable_by_batch_size=2))
+    spec = engine.executor.worker.lifecycle.kinds["spec"]
+    assert isinstance(spec, Spec)
+    kinds: list[str] = []
+    engine.sinks.append(lambda r: isinstance(r, StepFinished) and kinds.append(r.kind))
+    rid = engine.add_request(chat_prompts[0], SamplingParams(max_tokens=48, ignore_eos=True))
+    since, crossed, checked = 0, False, 0
+    step = 0
+    while engine.has_work():
+        if step == 6:  # two more requests: no_spec until they finish
+            for i in (1, 2):
+                engine.add_request(chat_prompts[i], SamplingParams(max_tokens=3, ignore_eos=True))
+        step += 1
+        outs = engine.step()
+        mine = sum(len(o.new_token_ids) for o in outs if o.request_id == rid)
+        if kinds[-1] != "spec":
+            since, crossed = 0, True
+            assert rid not in spec.context_of
+            continue
+        since += mine
+        if rid in spec.context_of:
+            assert spec.context_of[rid] == since
+            checked += crossed
+    assert crossed and checked > 3
