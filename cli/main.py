@@ -44,6 +44,8 @@ USER_ERRORS = (
 # a path that cannot be used (also any OSError that names its file): the user's to fix
 PATH_ERRORS = (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError)
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+KEY_FLAGS = ("--curve-client-keys", "--curve-secret-key")  # values that may begin with "-"
+Z85 = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#"
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -276,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     prefer_passive_wait()  # before a sub-command imports torch: an in-process executor runs here
     command = next((a for a in argv if a in COMMANDS), None)
-    args = build_parser(command).parse_args(argv)
+    args = build_parser(command).parse_args(attach_dashed_keys(argv))
     try:
         setup_logging(args.log_format, log_level(args.log_level))
         return int(args.run(args) or 0)
@@ -293,6 +295,27 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"memstep: error: {describe_path_error(exc)}", file=sys.stderr)
         return 2
+
+
+def attach_dashed_keys(argv: list[str]) -> list[str]:
+    """A z85 key may begin with "-" (1 in 85 do), which argparse reads as a flag: after a key
+    flag, such a value (40-character z85 keys, comma-separated) is attached as `FLAG=VALUE`."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        value = argv[i + 1] if i + 1 < len(argv) else ""
+        keys = value.split(",")
+        if argv[i] in KEY_FLAGS and value.startswith("-") and all(_z85_shaped(k) for k in keys):
+            out.append(f"{argv[i]}={value}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
+def _z85_shaped(text: str) -> bool:
+    return len(text) == 40 and all(c in Z85 for c in text)
 
 
 def log_level(name: str) -> str:

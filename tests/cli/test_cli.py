@@ -54,3 +54,23 @@ def test_random_model_is_labelled_random():
     )
     assert res.returncode == 0, res.stderr
     assert "random:tiny (seeded random weights" in res.stdout
+
+
+def test_a_curve_key_beginning_with_a_dash_is_read_as_the_flags_value():
+    """1 z85 key in 85 begins with "-": after a key flag it is the flag's value, not a flag."""
+    import zmq
+
+    from memstep.cli.main import attach_dashed_keys, build_parser
+
+    public = zmq.curve_keypair()[0].decode()
+    dashed = "-" + public[1:]
+    argv = ["serve", "--curve-client-keys", f"{dashed},{public}", "--curve-secret-key", dashed]
+    with pytest.raises(SystemExit):  # what argparse alone makes of it
+        build_parser("serve").parse_args(argv)
+    args = build_parser("serve").parse_args(attach_dashed_keys(argv))
+    assert args.curve_client_keys == f"{dashed},{public}" and args.curve_secret_key == dashed
+    # a flag after a key flag stays a flag (argparse then says the value is missing)
+    assert attach_dashed_keys(["--curve-client-keys", "--port"]) == [
+        "--curve-client-keys",
+        "--port",
+    ]
