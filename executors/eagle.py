@@ -49,6 +49,14 @@ def head_path(cfg) -> Path | None:
     return Path(cfg.draft_model) if cfg.draft_model else default_head_path(cfg.model)
 
 
+def draft_context(cfg) -> int:
+    """The `spec` kind's `draft_context` length (`KindEnv.draft_context`): CONTEXT for an eagle
+    head with attention, else 0."""
+    if cfg.speculative_method != "eagle" or not has_attention(head_path(cfg)):
+        return 0
+    return CONTEXT
+
+
 @functools.lru_cache(maxsize=8)
 def has_attention(path: Path | None) -> bool:
     """Whether the head at `path` has the attention half (and so a context to hold)."""

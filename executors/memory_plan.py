@@ -17,6 +17,7 @@ from memstep.core.shapes import cdiv, max_blocks_per_seq
 from memstep.events.plan import SeqPlan
 from memstep.executors import kv_cache
 from memstep.executors.batch_builder import build_batch
+from memstep.executors.eagle import draft_context
 from memstep.executors.sampler import sampler_nbytes
 from memstep.states.arena import nbytes_of
 from memstep.states.catalog import KINDS
@@ -143,7 +144,7 @@ def plan_memory(
         blocks = min(cfg.cpu_kv_cache_bytes // (page + draft_page), wanted)
     if blocks < 1:
         raise MemoryError("no memory left for the KV cache; lower max_num_batched_tokens")
-    kinds = _kind_table(KindEnv(cfg, model_cfg, dtype, blocks, device.type))
+    kinds = _kind_table(KindEnv(cfg, model_cfg, dtype, blocks, device.type, draft_context(cfg)))
     arena = max(kinds.values(), default=0) + 256 * max(1, len(kinds))
     kv = blocks * page
     predicted = weights + activation + sampler + arena + kv + graphs
@@ -166,7 +167,7 @@ def _kind_table(env: KindEnv) -> dict:
 
 
 def _kind_bytes(cfg, model_cfg, dtype, blocks: int, device_type: str, exclude_draft_kv: bool):
-    env = KindEnv(cfg, model_cfg, dtype, blocks, device_type)
+    env = KindEnv(cfg, model_cfg, dtype, blocks, device_type, draft_context(cfg))
     return max(
         sum(b.nbytes for b in cls(env).buffers() if not (exclude_draft_kv and b.name == "draft_kv"))
         for cls in KINDS.values()

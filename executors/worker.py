@@ -21,6 +21,7 @@ from memstep.executors import cpu_kernels, kv_cache, memory
 from memstep.executors.allocator import configure_cuda_allocator
 from memstep.executors.batch_builder import build_batch
 from memstep.executors.cpu_features import has_native_bf16
+from memstep.executors.eagle import draft_context
 from memstep.executors.host_allocator import HostTrim, bound_onednn_caches
 from memstep.executors.leak_detector import LeakDetector
 from memstep.executors.llama import LlamaModel
@@ -176,7 +177,8 @@ class Worker:
         if self.ranks is not None:  # every rank holds the same pages: those that fit on each
             plan = plan.with_blocks(self.ranks.min_int(plan.num_kv_blocks))
         self.memory_plan = plan
-        kinds = make_kinds(KindEnv(cfg, mc, self.dtype, plan.num_kv_blocks, self.device.type))
+        env = KindEnv(cfg, mc, self.dtype, plan.num_kv_blocks, self.device.type, draft_context(cfg))
+        kinds = make_kinds(env)
         self.lifecycle.install(kinds, Arena(plan.arena_bytes, self.device))
         shape = (plan.num_kv_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim)
         self.kv = kv_cache.allocate(mc.num_layers, shape, self.kv_dtype, self.device)

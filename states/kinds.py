@@ -14,7 +14,6 @@ import torch
 
 from memstep.core.config import EngineConfig
 from memstep.core.model_config import ModelConfig
-from memstep.executors.eagle import CONTEXT, has_attention, head_path
 from memstep.states.arena import Arena, nbytes_of
 
 
@@ -38,6 +37,7 @@ class KindEnv:
     dtype: torch.dtype
     num_kv_blocks: int
     device_type: str = "cpu"
+    draft_context: int = 0  # pairs an EAGLE head with attention reads back; 0: no such head
 
     @property
     def sampler_rows(self) -> int:
@@ -102,7 +102,7 @@ class Spec(StepKind):
     probabilities and the draft KV cache (n-gram drafts are deterministic: no probabilities);
     with an EAGLE head, `previous_hidden_states`: each request's last hidden state, one row each,
     and for a head with attention `draft_context`: the keys and values of the pairs it has read,
-    in the same row (the last `CONTEXT` of them, ring-wise).
+    in the same row (the last `env.draft_context` of them, ring-wise).
 
     `draft_len[request_id]` is how many of a request's tokens the draft KV holds,
     `hidden_of[request_id]` the row of its hidden state and how many tokens that state follows,
@@ -134,8 +134,8 @@ class Spec(StepKind):
         if cfg.speculative_method == "eagle":
             rows_shape = (rows, model.hidden_size)
             specs.append(BufferSpec("previous_hidden_states", rows_shape, self.env.dtype))
-            if has_attention(head_path(cfg)):
-                context = (rows, 2, CONTEXT, model.num_kv_heads, model.head_dim)
+            if self.env.draft_context:
+                context = (rows, 2, self.env.draft_context, model.num_kv_heads, model.head_dim)
                 specs.append(BufferSpec("draft_context", context, self.env.dtype))
         return specs
 

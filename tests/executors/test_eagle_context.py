@@ -11,7 +11,14 @@ from memstep.core.config import EngineConfig
 from memstep.core.model_source import model_config, resolve
 from memstep.core.sampling_params import SamplingParams
 from memstep.events.types import StepFinished
-from memstep.executors.eagle import SMOLLM2_HEAD, AttnShape, EagleHead, init_params, save_head
+from memstep.executors.eagle import (
+    SMOLLM2_HEAD,
+    AttnShape,
+    EagleHead,
+    draft_context,
+    init_params,
+    save_head,
+)
 from memstep.executors.inprocess import local_engine
 from memstep.states.kinds import KindEnv, Spec
 
@@ -83,7 +90,10 @@ def test_pass_masks_read_the_true_pairs_then_the_chain():
 
 def test_only_a_head_with_attention_claims_a_context(tmp_path):
     model = model_config(resolve("smollm2"))
-    with_attention = Spec(KindEnv(eagle_config(max_num_seqs=2), model, torch.float32, 8)).buffers()
+    cfg = eagle_config(max_num_seqs=2)
+    with_attention = Spec(
+        KindEnv(cfg, model, torch.float32, 8, "cpu", draft_context(cfg))
+    ).buffers()
     context = [b for b in with_attention if b.name == "draft_context"]
     assert context and context[0].shape == (2, 2, 256, model.num_kv_heads, model.head_dim)
     params = init_params(model.hidden_size, 32, seed=0)
@@ -91,7 +101,8 @@ def test_only_a_head_with_attention_claims_a_context(tmp_path):
     save_head(plain, params, torch.arange(64), {"hidden": model.hidden_size, "vocab": 1})
     cfg = eagle_config(max_num_seqs=2, draft_model=str(plain))
     assert "draft_context" not in [
-        b.name for b in Spec(KindEnv(cfg, model, torch.float32, 8)).buffers()
+        b.name
+        for b in Spec(KindEnv(cfg, model, torch.float32, 8, "cpu", draft_context(cfg))).buffers()
     ]
 
 

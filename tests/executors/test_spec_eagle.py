@@ -15,7 +15,7 @@ from memstep.core.model_source import model_config, resolve
 from memstep.core.sampling_params import SamplingParams
 from memstep.events.types import StateEntered, StateExited, StepFinished
 from memstep.executors import spec_decode
-from memstep.executors.eagle import SMOLLM2_HEAD, EagleHead
+from memstep.executors.eagle import SMOLLM2_HEAD, EagleHead, draft_context
 from memstep.executors.inprocess import local_engine
 from memstep.states.arena import Arena
 from memstep.states.kinds import KindEnv, Spec
@@ -74,7 +74,9 @@ def test_hidden_states_are_rebuilt_after_each_reentry(chat_prompts):
 
 def test_a_hidden_state_is_used_only_for_the_tokens_it_follows():
     cfg = eagle_config(max_num_seqs=2)
-    env = KindEnv(cfg, model_config(resolve("smollm2")), torch.float32, 8)
+    env = KindEnv(
+        cfg, model_config(resolve("smollm2")), torch.float32, 8, "cpu", draft_context(cfg)
+    )
     spec, arena = Spec(env), Arena(4 << 20, torch.device("cpu"))
     spec.enter(arena, 0)
     spec.keep_hidden([("a", 10), ("b", 7)], torch.ones(2, env.model.hidden_size))
