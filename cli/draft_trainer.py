@@ -60,6 +60,7 @@ def unrolled(
     bsz, length, _ = feats.shape
     positions = torch.arange(length, device=feats.device)
     masks = pass_masks(length, passes, attn.window, feats.device) if attn else []
+    rotation = attn.rotation(positions, feats.dtype) if attn else None
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
     hidden = feats
@@ -68,7 +69,7 @@ def unrolled(
         x = pair_input(mm, embed, hidden, tokens)
         attended = None
         if attn is not None:
-            q, k, v = qkv(params, mm, x, positions, attn, eps)
+            q, k, v = qkv(params, mm, x, rotation, attn, eps)
             keys.append(k)
             values.append(v)
             reps = attn.heads // attn.kv_heads

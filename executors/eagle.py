@@ -106,14 +106,23 @@ class AttnShape:
     theta: float
     window: int
 
-    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotary embedding of x [..., T, heads, head_dim] at positions [..., T]."""
+    def rotation(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotation:
+        """cos and sin [..., 1, head_dim / 2] at positions [...], for `qkv`."""
         half = self.head_dim // 2
-        freq = self.theta ** -(torch.arange(half, device=x.device, dtype=torch.float32) / half)
-        angle = positions.to(torch.float32).unsqueeze(-1) * freq  # [..., T, half]
-        cos, sin = angle.cos().unsqueeze(-2).to(x.dtype), angle.sin().unsqueeze(-2).to(x.dtype)
-        x1, x2 = x[..., :half], x[..., half:]
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        device = positions.device
+        freq = self.theta ** -(torch.arange(half, device=device, dtype=torch.float32) / half)
+        angle = positions.to(torch.float32).unsqueeze(-1) * freq
+        return angle.cos().unsqueeze(-2).to(dtype), angle.sin().unsqueeze(-2).to(dtype)
+
+
+Rotation = tuple[torch.Tensor, torch.Tensor]
+
+
+def rotate(x: torch.Tensor, rotation: Rotation) -> torch.Tensor:
+    """Rotary embedding of x [..., heads, head_dim] by `AttnShape.rotation`'s cos and sin."""
+    cos, sin = rotation
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
 class Matmuls:
@@ -129,16 +138,25 @@ class Matmuls:
         weights["head"] = head
         if "q" in params:
             weights["qkv"] = torch.cat([params["q"], params["k"], params["v"]])
-        self.linears: dict[str, Callable[[torch.Tensor], torch.Tensor]]
+        self.linears: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
+        self.held: list[torch.Tensor] = []  # what the linears read: for the memory plan
         if not int8:
             self.linears = {n: functools.partial(F.linear, weight=w) for n, w in weights.items()}
+            self.held = list(weights.values())
             return
         from memstep.executors.quant_linear import make_linear, quantize_int8
 
-        self.linears = {n: make_linear(quantize_int8(n, w), n) for n, w in weights.items()}
+        for n, w in weights.items():
+            parts = quantize_int8(n, w)
+            self.linears[n] = make_linear(parts, n)
+            self.held += parts.values()
 
     def __call__(self, name: str, x: torch.Tensor) -> torch.Tensor:
         return self.linears[name](x)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What the linears read: int8 rows and scales, or the float matrices."""
+        return self.held
 
 
 def pair_input(
@@ -152,18 +170,18 @@ def qkv(
     params: dict[str, torch.Tensor],
     mm: Matmuls,
     x: torch.Tensor,
-    positions: torch.Tensor,
+    rotation: Rotation,
     a: AttnShape,
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Queries [..., heads, d], keys and values [..., kv_heads, d] of block inputs x [..., H];
-    queries and keys rotated to their positions [...]."""
+    queries and keys rotated to their positions (`AttnShape.rotation`)."""
     n = F.rms_norm(x, x.shape[-1:], params["attn_norm"], eps)
     kv = a.kv_heads * a.head_dim
     q, k, v = mm("qkv", n).split([a.heads * a.head_dim, kv, kv], dim=-1)
     q = q.unflatten(-1, (a.heads, a.head_dim))
     k = k.unflatten(-1, (a.kv_heads, a.head_dim))
-    return a.rotate(q, positions), a.rotate(k, positions), v.unflatten(-1, (a.kv_heads, -1))
+    return rotate(q, rotation), rotate(k, rotation), v.unflatten(-1, (a.kv_heads, -1))
 
 
 def block_out(
@@ -213,6 +231,7 @@ class EagleHead:
         eps: float,
         kv_shape: tuple[int, int] | None = None,
         int8: bool | None = None,
+        max_positions: int = 4096,
     ):
         with np.load(path, allow_pickle=False) as data:
             arrays = {name: data[name] for name in data.files}
@@ -234,15 +253,25 @@ class EagleHead:
                 raise ConfigError(f"{path.name}'s attention does not match this model's heads")
             names += ATTENTION
         device, dtype = embed.device, embed.dtype
-        self.params = {n: torch.from_numpy(arrays[n]).to(device=device, dtype=dtype) for n in names}
+        params = {n: torch.from_numpy(arrays[n]).to(device=device, dtype=dtype) for n in names}
         self.vocab = torch.from_numpy(arrays["vocab"]).to(device=device, dtype=torch.long)
         self.embed = embed
-        self.head = head[self.vocab].contiguous()  # [draft vocab, H]
         self.eps = eps
-        self.mm = Matmuls(self.params, self.head, device.type == "cpu" if int8 is None else int8)
+        int8 = device.type == "cpu" if int8 is None else int8
+        # the target's head over the draft vocabulary, [draft vocab, H], among the matrices
+        self.mm = Matmuls(params, head[self.vocab].contiguous(), int8)
+        self.params = {n: t for n, t in params.items() if t.dim() == 1}  # the norms; the rest: mm
+        self.table: Rotation | None = None  # cos and sin [max_positions, 1, d / 2]
+        if self.attn is not None:
+            self.table = self.attn.rotation(torch.arange(max_positions, device=device), dtype)
+
+    def rotation(self, positions: torch.Tensor) -> Rotation:
+        assert self.table is not None
+        return self.table[0][positions], self.table[1][positions]
 
     def tensors(self) -> list[torch.Tensor]:
-        return [*self.params.values(), self.vocab, self.head]
+        table = list(self.table) if self.table is not None else []
+        return [*self.params.values(), self.vocab, *self.mm.tensors(), *table]
 
     @property
     def nbytes(self) -> int:
@@ -255,7 +284,7 @@ class EagleHead:
         their context positions [N]: what the context holds of them."""
         assert self.attn is not None
         x = pair_input(self.mm, self.embed, hidden, tokens)
-        _, k, v = qkv(self.params, self.mm, x, positions, self.attn, self.eps)
+        _, k, v = qkv(self.params, self.mm, x, self.rotation(positions), self.attn, self.eps)
         return k, v
 
     def draft(
@@ -284,7 +313,9 @@ class EagleHead:
         mask = valid
         for step in range(k):
             x = pair_input(self.mm, self.embed, hidden, tokens)
-            q, key, value = qkv(self.params, self.mm, x, position + step, a, self.eps)
+            q, key, value = qkv(
+                self.params, self.mm, x, self.rotation(position + step), a, self.eps
+            )
             if step > 0:  # this draft's pair: its keys join the context for the rest
                 keys = torch.cat([keys, key.unsqueeze(1)], dim=1)
                 values = torch.cat([values, value.unsqueeze(1)], dim=1)

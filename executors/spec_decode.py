@@ -60,7 +60,17 @@ def eagle_head(cfg: EngineConfig, target: LlamaModel) -> EagleHead | None:
         raise ConfigError(f"no EAGLE head at {path}: `memstep train-draft --out PATH` makes one")
     mc = target.cfg
     kv_shape = (mc.num_kv_heads, mc.head_dim)
-    return EagleHead(path, target.w["embed"], target.lm_head, mc.vocab_size, mc.rms_eps, kv_shape)
+    positions = target.cos.shape[0]  # the target's own rotary table: no context reads past it
+    return EagleHead(
+        path,
+        target.w["embed"],
+        target.lm_head,
+        mc.vocab_size,
+        mc.rms_eps,
+        kv_shape,
+        None,
+        positions,
+    )
 
 
 class SpecDecoder:

@@ -4,6 +4,7 @@ again whenever its state is not fresh."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from memstep.cli.draft_trainer import pass_masks, unrolled
@@ -47,7 +48,7 @@ def test_training_unrolls_the_chain_that_serving_drafts(tmp_path):
     """From the last true pair s, serving drafts d1, d2, d3 attending the context of pairs
     0..s and then its own drafts' pairs; the trainer's passes 1, 2, 3 at s, s+1, s+2 over the
     same tokens choose the same drafts."""
-    head, embed, _ = a_head(tmp_path)
+    head, embed, lm_head = a_head(tmp_path)
     assert head.attn is not None
     gen = torch.Generator().manual_seed(5)
     length, s = 12, 6
@@ -63,9 +64,9 @@ def test_training_unrolls_the_chain_that_serving_drafts(tmp_path):
     chain[s + 1], chain[s + 2] = drafts[0], drafts[1]  # the tokens the chain read
     passes = list(
         unrolled(
-            head.params,
+            {n: torch.from_numpy(a).float() for n, a in np.load(tmp_path / "head.npz").items()},
             embed,
-            head.head,
+            lm_head[head.vocab],
             feats.unsqueeze(0),
             chain.unsqueeze(0),
             3,
