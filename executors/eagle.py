@@ -1,22 +1,24 @@
 """An EAGLE-style draft head: drafts from the target's own last hidden state.
 
 The target's final hidden state at position t-1 (what its head turns into token t) and the
-embedding of token t go through one small block that predicts the target's hidden state at t;
-the target's own head, over a draft vocabulary of its most frequent reply tokens, turns that
-into the draft for t+1, and the predicted state feeds the next draft:
+embedding of token t, a pair, go through one decoder layer that predicts the target's hidden
+state at t; the target's own head, over a draft vocabulary of its most frequent reply tokens,
+turns that into the draft for t+1, and the predicted state and the draft make the next pair:
 
     x = fc([embed(token); hidden])                      # [B, 2H] -> [B, H]
-    x = x + down(silu(gate) * up)(rms_norm(x))          # a decoder layer's MLP half
+    x = x + o(attention(rms_norm(x), context))          # over the request's earlier pairs
+    x = x + down(silu(gate) * up)(rms_norm(x))          # the MLP half
     hidden' = rms_norm(x)                               # the predicted hidden state
     logits = hidden' @ head[vocab].T                    # [B, draft vocab]
 
-The attention half of EAGLE's decoder layer is left out: the target's hidden state already
-carries the context, and without it the draft keeps no KV cache; its only state between steps
-is the hidden state of each request (the `spec` kind's `previous_hidden_states`).
+The context is the keys and values of the pairs read since the request's state was last fresh
+(the `spec` kind's `draft_context`, the last CONTEXT of them); a head trained without the
+attention half (`train-draft --no-attention`) keeps none, only each request's hidden state
+(`previous_hidden_states`).
 
-The weights are trained by `memstep train-draft` (self-distillation: the target reads ShareGPT
-answers and its own greedy choices are the labels) and stored as a plain `.npz` (read with
-`allow_pickle=False`).
+The weights are trained by `memstep train-draft` (self-distillation: the target answers
+questions and reads its answers, and its own greedy choices are the labels;
+cli/draft_trainer.py) and stored as a plain `.npz` (read with `allow_pickle=False`).
 """
 
 from __future__ import annotations
