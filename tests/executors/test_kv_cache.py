@@ -102,3 +102,53 @@ def test_fp8_cache_serves_the_real_model_close_to_the_fp32_cache(
     )
     assert 0 < worst < FP8_LOGPROB_TOLERANCE
     assert same >= len(exact) - 2
+
+
+def _lengths(n: int) -> list[SamplingParams]:
+    """Greedy, 6 to 27 tokens: requests end at different steps, so batch-mates change."""
+    return [SamplingParams(max_tokens=6 + 3 * i, ignore_eos=True) for i in range(n)]
+
+
+def _arrivals(engine, prompts) -> list[list[int]]:
+    """3 requests, 3 steps, then 5 more join: other batch-mates than all 8 at once."""
+    params = _lengths(len(prompts))
+    ids = [engine.add_request(prompts[i], params[i]) for i in range(3)]
+    tokens: dict[str, list[int]] = {}
+    for _ in range(3):
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    ids += [engine.add_request(prompts[i], params[i]) for i in range(3, len(prompts))]
+    while engine.has_work():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    return [tokens[i] for i in ids]
+
+
+def _batch_and_arrivals(chat_prompts) -> tuple[list[list[int]], list[list[int]]]:
+    cfg = EngineConfig(
+        dtype="float32", quantization="none", kv_cache_dtype="fp8", enable_prefix_caching=False
+    )
+    params = _lengths(len(chat_prompts))
+    batch = [c.token_ids for c in local_engine(cfg).generate(chat_prompts, params)]
+    return batch, _arrivals(local_engine(cfg), chat_prompts)
+
+
+def test_an_fp8_cache_gives_a_sequence_its_tokens_whatever_shares_its_batch(chat_prompts):
+    """The CPU attends each sequence of a padded group alone: padded beside longer ones, the
+    last bits of its attention changed, and an fp8 store rounded that up to a whole step (one
+    of these prompts parted between one batch of 8 and these arrivals)."""
+    batch, arrived = _batch_and_arrivals(chat_prompts)
+    assert batch == arrived
+
+
+def test_the_batch_check_fires_when_attention_depends_on_the_group(chat_prompts, monkeypatch):
+    from memstep.executors import attention
+
+    plain = attention.torch_group_attention
+
+    def by_group_size(q, k_cache, v_cache, group, scale):
+        return plain(q, k_cache, v_cache, group, scale) * (1 + 0.2 * group.token_index.shape[0])
+
+    monkeypatch.setattr(attention, "torch_group_attention", by_group_size)
+    batch, arrived = _batch_and_arrivals(chat_prompts)
+    assert batch != arrived
