@@ -118,14 +118,10 @@ def torch_group_attention(
             out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask, scale=scale)
         return out.reshape(b, h, nq, d).transpose(1, 2)
     gqa = k.shape[1] != qg.shape[1]
-    if qg.shape[0] == 1:
-        out = F.scaled_dot_product_attention(
-            qg, k, v, attn_mask=group.mask, scale=scale, enable_gqa=gqa
-        )
-        return out.transpose(1, 2)
-    # each sequence alone, over its own context and queries: what a sequence's tokens get must
-    # not depend on which others share its group (padding them to the longest changes the
-    # last bits, which an fp8 cache then rounds up to a whole step)
+    # each sequence alone, over its own context and queries, whether its group holds others or
+    # not: what a sequence's tokens get must not depend on which others share its group
+    # (padding them to the longest changes the last bits, which an fp8 cache then rounds up to
+    # a whole step)
     out = torch.zeros_like(qg)
     q_lens = group.q_valid.sum(dim=1).tolist()
     for b, (n, ctx) in enumerate(zip(q_lens, group.seq_lens.tolist(), strict=True)):
