@@ -31,6 +31,13 @@ def draft_vocabulary(tokens: list[torch.Tensor], size: int, always: list[int]) -
     return torch.tensor(picked[:size])
 
 
+def draft_labels(vocab: torch.Tensor, vocab_size: int, device) -> torch.Tensor:
+    """Each target token's index in the draft vocabulary, -100 (ignored) for the others."""
+    labels = torch.full((vocab_size,), -100, dtype=torch.long, device=device)
+    labels[vocab.to(device)] = torch.arange(len(vocab), device=device)
+    return labels
+
+
 def pass_masks(length: int, passes: int, window: int, device) -> list[torch.Tensor]:
     """For pass u (1-based), which keys query i may read among [pass 1 keys; ...; pass u keys]
     ([T, u * T], True = read): pass 1's keys up to position i - u + 1 (the target's pairs, at
@@ -57,7 +64,7 @@ def unrolled(
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """(predicted states [B, T, H], logits [B, T, V]) of each pass over padded exchanges:
     index i of pass u predicts F[i + 1] from a chain that left the target's states at i-u+1."""
-    bsz, length, _ = feats.shape
+    length = feats.shape[1]
     positions = torch.arange(length, device=feats.device)
     masks = pass_masks(length, passes, attn.window, feats.device) if attn else []
     rotation = attn.rotation(positions, feats.dtype) if attn else None
@@ -72,10 +79,13 @@ def unrolled(
             q, k, v = qkv(params, mm, x, rotation, attn, eps)
             keys.append(k)
             values.append(v)
-            reps = attn.heads // attn.kv_heads
-            kk = torch.cat(keys, dim=1).repeat_interleave(reps, dim=2).transpose(1, 2)
-            vv = torch.cat(values, dim=1).repeat_interleave(reps, dim=2).transpose(1, 2)
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), kk, vv, attn_mask=masks[u])
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2),
+                torch.cat(keys, dim=1).transpose(1, 2),
+                torch.cat(values, dim=1).transpose(1, 2),
+                attn_mask=masks[u],
+                enable_gqa=True,
+            )
             attended = out.transpose(1, 2).flatten(2)
         predicted, logits = block_out(params, mm, x, attended, eps)
         yield predicted, logits
@@ -97,7 +107,7 @@ def padded(data: Exchanges, pick: list[int], device) -> tuple[torch.Tensor, ...]
     return feats.to(device), tokens.to(device), chosen.to(device), lengths.to(device)
 
 
-def pass_terms(preds, feats, chosen, lengths, labels, u: int):
+def pass_terms(feats, chosen, lengths, labels, u: int):
     """Of pass u (0-based): which indices count ([B, T-1]: a next position exists and the chain
     started inside the answer), the labels there and the true next states."""
     _, length = chosen.shape
@@ -127,8 +137,7 @@ def fit(
     """Fit a head: per pass, cross-entropy of the target's choice over the draft vocabulary plus
     `feature_weight` x smooth-L1 to the target's next state."""
     device = embed.device
-    labels = torch.full((int(embed.shape[0]),), -100, dtype=torch.long, device=device)
-    labels[vocab.to(device)] = torch.arange(len(vocab), device=device)
+    labels = draft_labels(vocab, int(embed.shape[0]), device)
     covered = float((labels[torch.cat(data[2]).to(device)] >= 0).float().mean())
     log(f"the draft vocabulary holds {covered:.1%} of the target's choices")
     params = {
@@ -147,7 +156,7 @@ def fit(
             for u, (pred, logits) in enumerate(
                 unrolled(params, embed, head, feats, tokens, passes, attn, eps)
             ):
-                valid, target, truth = pass_terms(pred, feats, chosen, lengths, labels, u)
+                valid, target, truth = pass_terms(feats, chosen, lengths, labels, u)
                 logits, pred = logits[:, :-1][valid], pred[:, :-1][valid]
                 loss = loss + F.cross_entropy(logits, target[valid], ignore_index=-100)
                 loss = loss + feature_weight * F.smooth_l1_loss(pred, truth[valid])
@@ -175,20 +184,19 @@ def accepted_lengths(
     """Mean drafts a greedy target accepts per step, drafting k = 1 .. passes tokens, from every
     position of the held-out exchanges (k = 1: the first draft's accuracy)."""
     device = embed.device
-    labels = torch.full((int(embed.shape[0]),), -100, dtype=torch.long, device=device)
-    labels[vocab.to(device)] = torch.arange(len(vocab), device=device)
+    labels = draft_labels(vocab, int(embed.shape[0]), device)
     sums, count = [0.0] * passes, 0
     for start in range(0, len(data[1]), batch):
         pick = list(range(start, min(start + batch, len(data[1]))))
         feats, tokens, chosen, lengths = padded(data, pick, device)
         hits = []
-        for u, (pred, logits) in enumerate(
+        for u, (_, logits) in enumerate(
             unrolled(params, embed, head, feats, tokens, passes, attn, eps)
         ):
-            valid, target, _ = pass_terms(pred, feats, chosen, lengths, labels, u)
+            valid, target, _ = pass_terms(feats, chosen, lengths, labels, u)
             hit = (logits[:, :-1].argmax(-1) == target) & valid
             hits.append(F.pad(hit, (0, passes)))  # room to look u positions ahead
-        starts = pass_terms(None, feats, chosen, lengths, labels, 0)[0]
+        starts = pass_terms(feats, chosen, lengths, labels, 0)[0]
         chain = starts.clone()
         for u in range(passes):
             chain = chain & hits[u][:, u : u + starts.shape[1]]

@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     if args.export_prompts is not None:
         return export_prompts(args)
     # on a CPU float32 weights: the same values as the q4 blocks, read faster in long prefills
-    on_cpu = args.device in ("auto", "cpu") and not torch.cuda.is_available()
+    on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
     cfg = EngineConfig(
         model=args.model,
         device=args.device,
@@ -135,7 +135,13 @@ def run(args: argparse.Namespace) -> int:
     embed, head = embed.float(), head.float()[vocab.to(embed.device)]
     eps = mc.rms_eps
     engine.shutdown()
-    hyper = dict(
+    params = fit(
+        train,
+        embed,
+        head,
+        vocab,
+        eps,
+        attn,
         intermediate=args.intermediate,
         passes=args.unroll,
         epochs=args.epochs,
@@ -145,7 +151,6 @@ def run(args: argparse.Namespace) -> int:
         feature_weight=args.feature_weight,
         seed=args.seed,
     )
-    params = fit(train, embed, head, vocab, eps, attn, **hyper)  # type: ignore[arg-type]
     for label, part in (("train", train), ("held-out", test)):
         some = tuple(p[: len(test[0])] for p in part)
         lengths = accepted_lengths(params, some, embed, head, vocab, eps, attn, args.unroll)
@@ -161,13 +166,12 @@ def pick_exchanges(args: argparse.Namespace, tok) -> list[tuple[list[int], list[
     """(prompt ids in the chat template, ShareGPT's answer ids, empty unless `--replies
     sharegpt`) for `--conversations` questions of at most `--max-prompt-tokens`, shuffled by
     `--seed`."""
-    return [
-        (prompt, tok.encode(reply)[: args.max_tokens]) for _, reply, prompt in picked(args, tok)
-    ]
+    return [(prompt, answer) for _, prompt, answer in picked(args, tok)]
 
 
-def picked(args: argparse.Namespace, tok) -> list[tuple[str, str, list[int]]]:
-    """(question, its ShareGPT answer, the question's prompt ids) of the exchanges picked."""
+def picked(args: argparse.Namespace, tok) -> list[tuple[str, list[int], list[int]]]:
+    """(question, its prompt ids, its ShareGPT answer's ids up to `--max-tokens`) of the
+    exchanges picked."""
     if args.prompts is not None:
         rows = [json.loads(line) for line in args.prompts.read_text().splitlines() if line]
         pairs = [(row["prompt"], row.get("reply", "")) for row in rows]
@@ -178,15 +182,16 @@ def picked(args: argparse.Namespace, tok) -> list[tuple[str, str, list[int]]]:
     else:
         pairs = [(q, "") for q in sharegpt_questions()]
     random.Random(args.seed).shuffle(pairs)
-    out: list[tuple[str, str, list[int]]] = []
+    out: list[tuple[str, list[int], list[int]]] = []
     for human, reply in pairs:
         if len(out) == args.conversations:
             break
         prompt = tok.encode_chat([{"role": "user", "content": human}])
-        short = args.replies == "sharegpt" and len(tok.encode(reply)) < 8
+        answer = tok.encode(reply)[: args.max_tokens]
+        short = args.replies == "sharegpt" and len(answer) < 8
         if len(prompt) > args.max_prompt_tokens or short:
             continue
-        out.append((human, reply, prompt))
+        out.append((human, prompt, answer))
     return out
 
 
