@@ -45,7 +45,6 @@ USER_ERRORS = (
 PATH_ERRORS = (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError)
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 KEY_FLAGS = ("--curve-client-keys", "--curve-secret-key")  # values that may begin with "-"
-Z85 = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#"
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -300,22 +299,22 @@ def main(argv: list[str] | None = None) -> int:
 def attach_dashed_keys(argv: list[str]) -> list[str]:
     """A z85 key may begin with "-" (1 in 85 do), which argparse reads as a flag: after a key
     flag, such a value (40-character z85 keys, comma-separated) is attached as `FLAG=VALUE`."""
+    if not any(a in KEY_FLAGS for a in argv):
+        return argv
+    from memstep.cli.serve import is_z85_key
+
     out: list[str] = []
     i = 0
     while i < len(argv):
         value = argv[i + 1] if i + 1 < len(argv) else ""
         keys = value.split(",")
-        if argv[i] in KEY_FLAGS and value.startswith("-") and all(_z85_shaped(k) for k in keys):
+        if argv[i] in KEY_FLAGS and value.startswith("-") and all(map(is_z85_key, keys)):
             out.append(f"{argv[i]}={value}")
             i += 2
         else:
             out.append(argv[i])
             i += 1
     return out
-
-
-def _z85_shaped(text: str) -> bool:
-    return len(text) == 40 and all(c in Z85 for c in text)
 
 
 def log_level(name: str) -> str:

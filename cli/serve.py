@@ -183,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _server_config(args: argparse.Namespace) -> ServerConfig:
     keys = load_keys(args.curve_client_keys) if args.curve_client_keys else frozenset()
-    if args.curve_secret_key and _is_z85_key(args.curve_secret_key):
+    if args.curve_secret_key and is_z85_key(args.curve_secret_key):
         log.warning(
             "CURVE secret key given inline: any local user can read it in /proc/PID/cmdline "
             "or ps; give --curve-secret-key a file readable only by you instead"
@@ -267,7 +267,7 @@ def _announce(
 
 def load_key(text: str) -> bytes:
     """A z85 key given inline, in a plain file, or as the secret of a zmq certificate file."""
-    if _is_z85_key(text):
+    if is_z85_key(text):
         return text.encode()
     path = Path(text)
     if not path.is_file():
@@ -279,7 +279,7 @@ def load_key(text: str) -> bytes:
     except (ValueError, OSError):
         secret = path.read_text().strip().encode()
     key = secret or public
-    if key is None or not _is_z85_key(key.decode()):
+    if key is None or not is_z85_key(key.decode()):
         raise ConfigError(f"{path} holds no z85 CURVE key")
     return key
 
@@ -293,13 +293,13 @@ def load_keys(text: str) -> frozenset[bytes]:
         return frozenset(zmq.auth.load_certificate(f)[0] for f in sorted(path.glob("*.key")))
     items = path.read_text().split() if path.is_file() else text.split(",")
     keys = [item.strip() for item in items if item.strip()]
-    bad = [k for k in keys if not _is_z85_key(k)]
+    bad = [k for k in keys if not is_z85_key(k)]
     if bad or not keys:
         raise ConfigError(f"not z85 CURVE public keys: {bad or text!r}")
     return frozenset(k.encode() for k in keys)
 
 
-def _is_z85_key(text: str) -> bool:
+def is_z85_key(text: str) -> bool:
     if len(text) != 40:
         return False
     try:

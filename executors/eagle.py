@@ -301,35 +301,29 @@ class EagleHead:
         With attention, `context` is (keys and values [B, 2, L, kv heads, d] holding each row's
         pairs up to and including (hidden, token), which of the L slots hold one [B, L], and
         that last pair's position [B]); each draft's own pair joins the keys for the next."""
+        if context is not None:
+            kv, mask, position = context
+            keys, values = kv[:, 0], kv[:, 1]  # [B, L, kv heads, d]
         drafts = []
-        if self.attn is None:
-            for _ in range(k):
-                x = pair_input(self.mm, self.embed, hidden, tokens)
-                hidden, logits = block_out(self.params, self.mm, x, None, self.eps)
-                tokens = self.vocab[logits.argmax(dim=-1)]
-                drafts.append(tokens)
-            return torch.stack(drafts, dim=1)
-        assert context is not None
-        a, (kv, valid, position) = self.attn, context
-        keys, values = kv[:, 0], kv[:, 1]  # [B, L, kv heads, d]
-        mask = valid
         for step in range(k):
             x = pair_input(self.mm, self.embed, hidden, tokens)
-            q, key, value = qkv(
-                self.params, self.mm, x, self.rotation(position + step), a, self.eps
-            )
-            if step > 0:  # this draft's pair: its keys join the context for the rest
-                keys = torch.cat([keys, key.unsqueeze(1)], dim=1)
-                values = torch.cat([values, value.unsqueeze(1)], dim=1)
-                mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
-            out = F.scaled_dot_product_attention(
-                q.unsqueeze(2),  # [B, heads, 1, d]
-                keys.transpose(1, 2),
-                values.transpose(1, 2),
-                attn_mask=mask[:, None, None, :],
-                enable_gqa=True,
-            )
-            hidden, logits = block_out(self.params, self.mm, x, out.flatten(1), self.eps)
+            attended = None
+            if self.attn is not None:
+                assert context is not None
+                rotation = self.rotation(position + step)
+                q, key, value = qkv(self.params, self.mm, x, rotation, self.attn, self.eps)
+                if step > 0:  # this draft's pair: its keys join the context for the rest
+                    keys = torch.cat([keys, key.unsqueeze(1)], dim=1)
+                    values = torch.cat([values, value.unsqueeze(1)], dim=1)
+                    mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+                attended = F.scaled_dot_product_attention(
+                    q.unsqueeze(2),  # [B, heads, 1, d]
+                    keys.transpose(1, 2),
+                    values.transpose(1, 2),
+                    attn_mask=mask[:, None, None, :],
+                    enable_gqa=True,
+                ).flatten(1)
+            hidden, logits = block_out(self.params, self.mm, x, attended, self.eps)
             tokens = self.vocab[logits.argmax(dim=-1)]
             drafts.append(tokens)
         return torch.stack(drafts, dim=1)
