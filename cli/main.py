@@ -301,7 +301,7 @@ def attach_dashed_keys(argv: list[str]) -> list[str]:
     flag, such a value (40-character z85 keys, comma-separated) is attached as `FLAG=VALUE`."""
     if not any(a in KEY_FLAGS for a in argv):
         return argv
-    from memstep.cli.serve import is_z85_key
+    from memstep.cli.curve_keys import is_z85_key
 
     out: list[str] = []
     i = 0

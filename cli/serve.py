@@ -27,7 +27,6 @@ from typing import Any
 import attrs
 import structlog
 import zmq
-from zmq.utils import z85
 
 from memstep.api.http_front import (
     HttpConfig,
@@ -37,6 +36,7 @@ from memstep.api.http_front import (
     stop_process,
 )
 from memstep.api.server import Server, ServerConfig
+from memstep.cli.curve_keys import is_z85_key
 from memstep.cli.main import add_engine_arguments, config_from_args
 from memstep.core.config import ConfigError, EngineConfig
 from memstep.core.device_limits import cuda_device_bytes
@@ -297,15 +297,6 @@ def load_keys(text: str) -> frozenset[bytes]:
     if bad or not keys:
         raise ConfigError(f"not z85 CURVE public keys: {bad or text!r}")
     return frozenset(k.encode() for k in keys)
-
-
-def is_z85_key(text: str) -> bool:
-    if len(text) != 40:
-        return False
-    try:
-        return len(z85.decode(text)) == 32
-    except (ValueError, KeyError, TypeError):
-        return False
 
 
 # --- as a child process ----------------------------------------------------------------------
