@@ -206,11 +206,13 @@ def decode_breakdown(records: list[dict], batch: int) -> dict:
     }
 
 
-def run_throughput(engine, clock: StepClock, batch: int, vocab: int) -> dict:
+def run_throughput(engine, clock: StepClock, batch: int, vocab: int, run: int = 0) -> dict:
+    """`batch` requests of PROMPT_LEN random tokens + OUTPUT_LEN, all at once. Each `run`
+    gets prompts of its own: repeated prompts would be prefix-cache hits, prefill skipped."""
     from memstep.core.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=OUTPUT_LEN, ignore_eos=True)
-    for prompt in random_prompts(batch, PROMPT_LEN, vocab, 1000 + batch):
+    for prompt in random_prompts(batch, PROMPT_LEN, vocab, 1000 * (run + 1) + batch):
         engine.add_request(prompt, params)
     clock.records.clear()
     torch.cuda.synchronize()
@@ -557,7 +559,9 @@ def main() -> None:
     run_throughput(engine, clock, 8, vocab)  # warm the serving loop
     for batch in (1, 64, 256):
         if batch <= options.max_num_seqs:
-            runs = [run_throughput(engine, clock, batch, vocab) for _ in range(options.repeats)]
+            runs = [
+                run_throughput(engine, clock, batch, vocab, run) for run in range(options.repeats)
+            ]
             result = cold_and_warm([r["tok_per_s"] for r in runs])
             result["last_run"] = runs[-1]
             report[f"memstep_{batch}"] = result

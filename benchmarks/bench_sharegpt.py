@@ -33,6 +33,16 @@ device 139.8 GiB), 0 leak reports; 23.2 req/s served, 7,004 output tok/s, TTFT m
 of them mixed steps run eagerly.  Before decodes were kept apart from other short queries
 (executors/batch_builder.py), reserved grew 2.6 GiB past the plan on 1,200 prompts.
 
+With packed attention (every prompt of a step in one flash call a layer, 2026-12-01, torch 2.11):
+7,200 prompts served at 20.2 req/s, 6,102 output tok/s, TTFT mean 54.5 s, TPOT mean 156 ms. The
+first try gathered every packed sequence's keys in one call: warm-up's short chunks at 2,048-token
+contexts took reserved 1.9 GiB past the plan (127.7 GiB against 125.8). Calls now gather at most
+16,384 keys and the profile runs that shape: 2,400 prompts then kept reserved at 125.4 GiB (plan
+125.8), 0 new segments, 0 leak reports; 21.5 req/s, 6,482 output tok/s. Throughput did not rise:
+at 1,000 running requests every step is an eager mixed step (a new prompt arrives every 17 ms),
+and its host time (Python launches for 32 layers, the engine core, the plan) bounds it, not the
+attention calls the packing removed (see bench_mixed.py).
+
 Executor kills (`--kill-executor-at 12,32`, 2,400 prompts, same device and model, 2026-12-01):
 recovered in 20.4 s and 17.6 s (the engine's RecoveryDone: loss to the new executor profiled,
 warmed up and captured; 202 and 32 requests re-admitted, 28,670 and 8,374 tokens recomputed), 0

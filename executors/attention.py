@@ -1,12 +1,16 @@
 """Paged attention over a flattened token batch, in plain torch (Triton decode on CUDA).
 
 The KV cache's layout and storage are `kv_cache`'s; attention reads it in the model's dtype.
-Sequences are attended in groups: short queries (decode, speculative verify) in one padded
-batch (on CUDA decodes apart, for the paged decode kernel), each long prefill chunk on its own,
-so padding never multiplies prefill work.
+Sequences are attended in groups. On the CPU: short queries (decode, speculative verify) in one
+padded batch, each long prefill chunk on its own, so padding never multiplies prefill work. On
+CUDA: decodes apart, for the paged decode kernel, and every other query of the step in one
+packed group (`PackedGroup`): one variable-length flash attention call a layer, whatever the
+number of prompts, where a group per prompt made a step of many prompts launch-bound.
 """
 
 from __future__ import annotations
+
+import functools
 
 import attrs
 import torch
@@ -14,11 +18,10 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from memstep.core.shapes import cdiv
-from memstep.executors.kv_cache import gather_kv
+from memstep.executors.kv_cache import gather_kv, gather_slots
 
 SHORT_QUERY = 8  # queries up to this many tokens share one padded attention call
 _CUDA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-_CAUSAL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 
 
 @attrs.frozen
@@ -32,7 +35,6 @@ class AttnGroup:
     seq_lens: torch.Tensor  # [B] int32 context length after this step
     is_decode: bool  # every query is one token: the Triton decode kernel applies
     first_row: int  # the queries are rows first_row.. + B * Q in order, no padding; else -1
-    is_fresh: bool  # in one run of rows, each chunk a whole context: plain causal attention
     # each real query as a decode row of its own, in valid_rows' order (short queries on the
     # CPU): its sequence's pages [N, NB] int32 and its context up to itself [N] int32
     query_tables: torch.Tensor | None = None
@@ -40,11 +42,26 @@ class AttnGroup:
 
 
 @attrs.frozen
+class PackedGroup:
+    """Sequences whose queries are attended in one variable-length call: sequence i's queries
+    are the last q_i of its context k_i (causal, aligned to the context's end); its keys are
+    read from the cache by slot, every sequence's after the other's."""
+
+    rows: torch.Tensor  # [Nq] the queries' rows of the flattened batch, sequence after sequence
+    first_row: int  # rows are first_row.. + Nq in order, no gap; else -1
+    kv_slots: torch.Tensor  # [Nk] flat cache slot of each key: sequence i's 0..k_i - 1 in turn
+    cu_q: torch.Tensor  # [B + 1] int32 offsets of each sequence's queries
+    cu_k: torch.Tensor  # [B + 1] int32 offsets of each sequence's keys
+    q_lens: tuple[int, ...]
+    k_lens: tuple[int, ...]
+
+
+@attrs.frozen
 class ForwardBatch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     slot_mapping: torch.Tensor  # [T] flat KV slot of each token
-    groups: tuple[AttnGroup, ...]
+    groups: tuple[AttnGroup | PackedGroup, ...]
     num_tokens: int
 
 
@@ -90,10 +107,82 @@ def build_group(
         seq_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=device),
         is_decode=q == 1,
         first_row=starts[0] if in_order else -1,
-        is_fresh=in_order and ctx_lens == q_lens,
         query_tables=query_tables,
         query_lens=query_lens,
     )
+
+
+def build_packed(
+    starts: list[int],
+    q_lens: list[int],
+    ctx_lens: list[int],
+    tables: list[list[int]],
+    block_size: int,
+    device: torch.device,
+) -> PackedGroup:
+    """One packed group; seq i's queries are rows starts[i]..+q_lens[i] at the end of ctx."""
+    rows: list[int] = []
+    slots: list[int] = []
+    cu_q, cu_k = [0], [0]
+    for start, n, ctx, table in zip(starts, q_lens, ctx_lens, tables, strict=True):
+        rows.extend(range(start, start + n))
+        for page in range(cdiv(ctx, block_size)):
+            base = table[page] * block_size
+            slots.extend(range(base, base + min(block_size, ctx - page * block_size)))
+        cu_q.append(cu_q[-1] + n)
+        cu_k.append(cu_k[-1] + ctx)
+    in_order = rows == list(range(starts[0], starts[0] + len(rows)))
+    return PackedGroup(
+        rows=torch.tensor(rows, dtype=torch.long).to(device),
+        first_row=starts[0] if in_order else -1,
+        kv_slots=torch.tensor(slots, dtype=torch.long).to(device),
+        cu_q=torch.tensor(cu_q, dtype=torch.int32).to(device),
+        cu_k=torch.tensor(cu_k, dtype=torch.int32).to(device),
+        q_lens=tuple(q_lens),
+        k_lens=tuple(ctx_lens),
+    )
+
+
+@functools.cache
+def has_varlen_flash() -> bool:
+    """Whether this torch has the variable-length flash attention op (CUDA builds)."""
+    return hasattr(torch.ops.aten, "_flash_attention_forward") and torch.cuda.is_available()
+
+
+def packed_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: PackedGroup, scale: float
+) -> torch.Tensor:
+    """q: [T, H, D] for the whole batch; returns [Nq, H, D] for the group's queries, in order.
+
+    In half precision on CUDA: flash attention over the packed queries and keys, one call
+    (grouped-query heads read in place; causal with fewer queries than keys is aligned to the
+    end, as each chunk's queries are). Elsewhere (float32 on CUDA, the CPU): each sequence
+    alone, with its mask, the same arithmetic as the masked group path."""
+    if group.first_row >= 0:
+        qs = q[group.first_row : group.first_row + len(group.rows)]
+    else:
+        qs = q[group.rows]
+    k = gather_slots(k_cache, group.kv_slots, q.dtype)  # [Nk, KVH, D]
+    v = gather_slots(v_cache, group.kv_slots, q.dtype)
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and has_varlen_flash():
+        return torch.ops.aten._flash_attention_forward(
+            qs, k, v, group.cu_q, group.cu_k, max(group.q_lens), max(group.k_lens),
+            0.0, True, False, scale=scale,
+        )[0]  # fmt: skip
+    out = torch.empty_like(qs)
+    q_at = k_at = 0
+    for n, ctx in zip(group.q_lens, group.k_lens, strict=True):
+        mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(ctx - n)
+        out[q_at : q_at + n] = F.scaled_dot_product_attention(
+            qs[q_at : q_at + n].transpose(0, 1),
+            k[k_at : k_at + ctx].transpose(0, 1),
+            v[k_at : k_at + ctx].transpose(0, 1),
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=k.shape[1] != qs.shape[1],
+        ).transpose(0, 1)
+        q_at, k_at = q_at + n, k_at + ctx
+    return out
 
 
 def torch_group_attention(
@@ -102,8 +191,6 @@ def torch_group_attention(
     """q: [T, H, D] for the whole batch; returns [B, Q, H, D] for this group's queries."""
     k = gather_kv(k_cache, group.block_tables, q.dtype)
     v = gather_kv(v_cache, group.block_tables, q.dtype)
-    if q.is_cuda and group.is_fresh and q.dtype != torch.float32:
-        return fresh_causal_attention(q, k, v, group, scale)
     qg = q[group.token_index].transpose(1, 2)  # [B, H, Q, D]
     if q.is_cuda:
         # torch's first choice on Hopper, cuDNN, builds an execution plan for every new shape
@@ -136,22 +223,6 @@ def torch_group_attention(
     return out.transpose(1, 2)
 
 
-def fresh_causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: AttnGroup, scale: float
-) -> torch.Tensor:
-    """Chunks that each start their sequence, laid out in one run of rows: causal attention
-    over their own keys, by flash attention (CUDA, half precision). No mask to build or read,
-    grouped-query heads read in place, no gather of the queries, nothing planned per shape."""
-    b, nq = group.token_index.shape
-    qg = q[group.first_row : group.first_row + b * nq].view(b, nq, *q.shape[1:]).transpose(1, 2)
-    # keys past the chunk are the unused end of its last page; flash's causal mask needs
-    # as many keys as queries
-    k, v = k[:, :, :nq], v[:, :, :nq]
-    with sdpa_kernel(_CAUSAL_BACKENDS):
-        out = F.scaled_dot_product_attention(qg, k, v, is_causal=True, scale=scale, enable_gqa=True)
-    return out.transpose(1, 2)
-
-
 def attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -163,6 +234,13 @@ def attention(
     """Attention for every token of the batch; q: [T, H, D] -> [T, H, D]."""
     out = torch.empty_like(q)
     for group in batch.groups:
+        if isinstance(group, PackedGroup):
+            res = packed_attention(q, k_cache, v_cache, group, scale)
+            if group.first_row >= 0:
+                out[group.first_row : group.first_row + res.shape[0]] = res
+            else:
+                out[group.rows] = res
+            continue
         if group.is_decode and decode_kernel is not None:
             tables, lens = group.block_tables, group.seq_lens
             if group.first_row >= 0:  # rows in order: the kernel reads and writes them in place

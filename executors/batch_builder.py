@@ -7,11 +7,18 @@ from collections.abc import Sequence
 import torch
 
 from memstep.events.plan import SeqPlan
-from memstep.executors.attention import SHORT_QUERY, AttnGroup, ForwardBatch, build_group
+from memstep.executors.attention import (
+    SHORT_QUERY,
+    AttnGroup,
+    ForwardBatch,
+    PackedGroup,
+    build_group,
+    build_packed,
+)
 
 Feed = tuple[SeqPlan, Sequence[int]]  # a sequence and the tokens it feeds this step
 
-PREFILL_GROUP_TOKENS = 2048  # CUDA: most queries of equal prefill chunks in one attention call
+PACKED_KEYS = 16384  # context keys one packed attention call gathers, at most (or one context)
 
 
 def slot_of(table: Sequence[int], position: int, block_size: int) -> int:
@@ -23,28 +30,49 @@ def slots_for(table: list[int], start: int, n: int, block_size: int) -> list[int
     return [slot_of(table, p, block_size) for p in range(start, start + n)]
 
 
+def packed_parts(items: list[tuple[int, int, int, list[int]]]) -> list[list]:
+    """`items` in runs of at most PACKED_KEYS context keys (a longer context alone): each run is
+    one packed attention call, whose gathered keys and values are then bounded whatever the
+    step holds (1,024 verifies at 2,048 tokens of context would gather 8 GiB a layer of an 8B
+    model in one call)."""
+    parts: list[list] = []
+    keys = 0
+    for item in items:
+        ctx = item[2]
+        if not parts or keys + ctx > PACKED_KEYS:
+            parts.append([])
+            keys = 0
+        parts[-1].append(item)
+        keys += ctx
+    return parts
+
+
 def build_batch(
     feeds: list[tuple[SeqPlan, list[int]]],
     block_size: int,
     device: torch.device,
     split_decodes: bool | None = None,
+    packed: bool | None = None,
 ) -> tuple[ForwardBatch, list[int]]:
     """`feeds` pairs each sequence with the tokens it feeds (its plan's, plus any drafts).
     `split_decodes` (default: on CUDA) keeps one-token queries in a group of their own, for
     the paged decode kernel, apart from other short queries: one 3-token prompt tail beside
     500 decodes would otherwise make a padded group that gathers all 500 sequences' KV
-    (~1 GiB a layer, 8B model) in plain torch.
+    (~1 GiB a layer, 8B model) in plain torch. `packed` (default: on CUDA, which implies
+    `split_decodes`) puts every query but the decodes in one `PackedGroup`.
 
     Returns the batch and, per sequence, the row of its last fed token."""
+    if packed is None:
+        packed = device.type == "cuda"
     if split_decodes is None:
-        split_decodes = device.type == "cuda"
+        split_decodes = device.type == "cuda" or packed
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
     short: list[tuple[int, int, int, list[int]]] = []
     decodes: list[tuple[int, int, int, list[int]]] = []
-    equal: dict[tuple[int, int], list[tuple[int, int, int, list[int]]]] = {}
-    groups: list[AttnGroup] = []
+    groups: list[AttnGroup | PackedGroup] = []
+    others: list[tuple[int, int, int, list[int]]] = []  # packed: every query but the decodes
     last_rows: list[int] = []
     for seq, tokens in feeds:
         start_row, n = len(ids), len(tokens)
@@ -55,20 +83,15 @@ def build_batch(
         item = (start_row, n, seq.start_pos + n, seq.block_table)
         if n == 1 and split_decodes:
             decodes.append(item)
+        elif packed:
+            others.append(item)
         elif n <= SHORT_QUERY:
             short.append(item)
-        elif device.type == "cuda":
-            equal.setdefault((n, seq.start_pos + n), []).append(item)
-        else:
+        else:  # one call per chunk: its results never depend on what else is in the batch
             groups.append(build_group(*map(lambda x: [x], item), block_size, device))
-    # CUDA: equal chunks (same length, same context) share one attention call, up to
-    # PREFILL_GROUP_TOKENS queries, so a step of many short prompts is not launch-bound. The CPU
-    # keeps one call per chunk: its results then never depend on what else is in the batch.
-    for (n, _), items in equal.items():
-        per_group = max(1, PREFILL_GROUP_TOKENS // n)
-        for i in range(0, len(items), per_group):
-            cols = (list(col) for col in zip(*items[i : i + per_group], strict=True))
-            groups.append(build_group(*cols, block_size, device))
+    for part in packed_parts(others):
+        cols = (list(col) for col in zip(*part, strict=True))
+        groups.append(build_packed(*cols, block_size, device))
     for items in (short, decodes):  # decodes first, then other short queries, then prefills
         if items:
             starts, q_lens, ctx, tables = (list(col) for col in zip(*items, strict=True))

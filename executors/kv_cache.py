@@ -66,3 +66,9 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtyp
     # index_select: ~5x faster than cache[block_tables]
     pages = _raw(cache).index_select(0, block_tables.flatten()).view(cache.dtype).to(dtype)
     return pages.reshape(b, nb * cache.shape[1], *cache.shape[2:]).transpose(1, 2)
+
+
+def gather_slots(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The cache's flat slots `slots` ([N]) as [N, KVH, D] of `dtype`."""
+    kvh, d = cache.shape[-2:]
+    return _raw(cache).view(-1, kvh, d).index_select(0, slots).view(cache.dtype).to(dtype)

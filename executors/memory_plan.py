@@ -16,6 +16,7 @@ from memstep.core.model_config import ModelConfig
 from memstep.core.shapes import cdiv, max_blocks_per_seq
 from memstep.events.plan import SeqPlan
 from memstep.executors import kv_cache
+from memstep.executors.attention import SHORT_QUERY
 from memstep.executors.batch_builder import build_batch
 from memstep.executors.eagle import draft_context
 from memstep.executors.sampler import sampler_nbytes
@@ -72,15 +73,18 @@ def _activation_peak(
     cfg: EngineConfig, model_cfg: ModelConfig, max_len: int, model, dtype, kv_dtype, device
 ) -> int:
     """Peak bytes of one forward of `max_num_batched_tokens` tokens (measured on CUDA, over
-    `worst_case_prefill`: chunks that start their sequences, and chunks that continue one,
-    whose attention takes another path).  On CUDA the larger of the allocated and the reserved
-    peak: the plan bounds what the caching allocator reserves, not only what tensors hold."""
+    `worst_case_prefill`: chunks that start their sequences, chunks that continue one, and
+    short chunks at the end of long contexts, whose packed attention gathers the most keys).
+    On CUDA the larger of the allocated and the reserved peak: the plan bounds what the
+    caching allocator reserves, not only what tensors hold."""
     t = cfg.max_num_batched_tokens
     if device.type != "cuda":
         per_token = model_cfg.hidden_size * 6 + model_cfg.intermediate_size * 3
         per_token += model_cfg.head_dim * (model_cfg.num_heads + 2 * model_cfg.num_kv_heads)
         return t * per_token * torch.empty((), dtype=dtype).element_size()
     cases = [worst_case_prefill(cfg, max_len), worst_case_prefill(cfg, max_len, chunk=max_len - 1)]
+    # short chunks at the end of long contexts: packed attention gathers the most keys
+    cases.append(worst_case_prefill(cfg, max_len, chunk=SHORT_QUERY + 1))
     shape = (
         len(cases[0][0].block_table),
         cfg.block_size,

@@ -204,31 +204,35 @@ def test_fp32_prefill_and_graph_decode_logits_match_reference(fp32_engine):
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (32, 8, 128)])
-def test_fresh_chunks_by_flash_attention_match_the_masked_path(heads, kv_heads, dim):
-    """Equal prompts in a row of a bf16 step (SmolLM2's and Llama-3.1-8B's head shapes, 40
-    tokens: the last page half used) take the causal flash path; the same group through the
-    masked path that chunks continuing a context take gives the same attention."""
-    import attrs
+def test_packed_queries_by_varlen_flash_match_each_sequence_alone(heads, kv_heads, dim):
+    """A bf16 step's packed group (a verify, a fresh prompt, a chunk continuing 100 cached
+    tokens, decodes between them; SmolLM2's and Llama-3.1-8B's head shapes) by one flash
+    call equals float32 attention of each sequence alone with its mask."""
+    from memstep.events.plan import SeqPlan
+    from memstep.executors.attention import PackedGroup, attention, has_varlen_flash
+    from memstep.executors.batch_builder import build_batch
 
-    from memstep.executors.attention import build_group, torch_group_attention
-
-    block, n, seqs = 16, 40, 3
+    assert has_varlen_flash()
+    block = 16
+    lens = [("d0", 40, 1), ("v0", 30, 4), ("f0", 0, 37), ("d1", 9, 1), ("c0", 100, 64)]
+    feeds, page = [], 0
+    for name, start, n in lens:
+        pages = list(range(page, page + (start + n + block - 1) // block))
+        page += len(pages)
+        feeds.append((SeqPlan(name, start, [1] * n, pages, True, 0, start + n, {}), [1] * n))
+    batch, _ = build_batch(feeds, block, torch.device("cuda"))
+    assert isinstance(batch.groups[-1], PackedGroup) and batch.groups[-1].first_row == -1
     torch.manual_seed(0)
-    pages = [[3 * i + j for j in range(3)] for i in range(seqs)]
-    group = build_group([i * n for i in range(seqs)], [n] * seqs, [n] * seqs, pages, block, "cuda")
-    assert group.is_fresh
-    cache = (3 * seqs, block, kv_heads, dim)
+    cache = (page, block, kv_heads, dim)
     k_cache = torch.randn(cache, device="cuda", dtype=torch.bfloat16)
     v_cache = torch.randn(cache, device="cuda", dtype=torch.bfloat16)
-    q = torch.randn(seqs * n, heads, dim, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(batch.num_tokens, heads, dim, device="cuda", dtype=torch.bfloat16)
 
-    flash = torch_group_attention(q, k_cache, v_cache, group, dim**-0.5)
-    masked = torch_group_attention(
-        q, k_cache, v_cache, attrs.evolve(group, is_fresh=False), dim**-0.5
-    )
+    flash = attention(q, k_cache, v_cache, batch, dim**-0.5)
+    alone = attention(q.float(), k_cache.float(), v_cache.float(), batch, dim**-0.5)
 
-    assert flash.shape == masked.shape == (seqs, n, heads, dim)
-    assert relative_error(flash.float(), masked.float()) < 1e-2
+    packed = batch.groups[-1].rows
+    assert relative_error(flash[packed].float(), alone[packed]) < 1e-2
 
 
 @pytest.mark.parametrize("engine_name", ["fp32_engine", "bf16_engine"])

@@ -1,0 +1,309 @@
+"""Mixed steps and whole runs on a GPU against an ideal engine, in one run (issue 15, Must show 3).
+
+On random:llama-3.1-8b in bf16, one engine (256 sequences, 8,192 batched tokens):
+
+- the device's copy bandwidth and bf16 matmul rate;
+- the decode step at 256 sequences (graph replay + head) and a mixed step (the same 256 decodes
+  beside a 512-token prompt chunk, + the head over the 257 sampled rows), for a chunk that
+  starts its prompt and for one that continues it; the goal is mixed <= 1.5 x (decode step +
+  the chunk's FLOPs at the matmul rate);
+- where a mixed step's time goes: host time to build and launch it, the sum of its kernels'
+  device time (a profile), and its kernels by name;
+- 64 and 256 concurrent requests of 128 prompt + 128 output tokens through the engine, against
+  an ideal engine: every prompt's FLOPs at the matmul rate, then each decode step at its roofline
+  (the larger of weights + KV read at the copy bandwidth and its FLOPs at the matmul rate); the
+  goal is >= 85% of the ideal's tokens/s.
+
+    python benchmarks/bench_mixed.py [--out DIR] [--repeats 3] [--iters 10]
+
+Measured on one H200 (2026-12-01, torch 2.11, copy 4.2 TB/s, bf16 matmul 763-782 TFLOP/s),
+three runs: the decode step at 256 takes 8.3-8.6 ms. A mixed step with a chunk starting its
+prompt: kernels 19.0-19.5 ms (1.03-1.05x of the 18.2-18.6 ms ideal); wall 29-40 ms (1.60-2.16x).
+With a chunk continuing 512 cached tokens: kernels 19.6-19.8 ms; wall 23.6-34.9 ms (1.28-1.88x).
+The kernels are within 1.1x of the ideal. The wall is the host's: an eager forward takes 20-35 ms
+of Python and launches (0.6-1 ms a layer) on this machine's shared CPU, so the goal holds only
+when the host is quick. 256 decodes beside 24 prompts of as many lengths (4,056 tokens): 127-131
+ms packed against 227-245 ms with an attention call per prompt (the ideal: 118-121 ms). 64
+concurrent: 74.9-77.0% of the ideal; 256 concurrent: 61.2-61.9% (goal 85%). At 256 the decode
+step's GEMMs already run at 92% of the matmul rate and decode attention reads KV at 73% of the
+copy bandwidth, but the two run one after the other, where the ideal counts the larger alone.
+In-process serving, 192 decoding with 4 prompts arriving a step: 25-28 ms a step, 20-22 ms of
+it the forward's host time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_gpu import (  # noqa: E402
+    MODEL,
+    OUTPUT_LEN,
+    PROMPT_LEN,
+    StepClock,
+    copy_bandwidth,
+    decode_feeds,
+    kernel_profile,
+    matmul_rate,
+    model_step_ms,
+    random_prompts,
+    run_throughput,
+)
+from bench_kernels import import_memstep  # noqa: E402
+
+DECODES, CHUNK = 256, 512
+CONTEXT = 192  # the decodes' context, as bench_gpu's decode steps
+
+
+def mixed_feeds(worker, chunk_start: int):
+    """256 decodes at CONTEXT beside one CHUNK-token chunk of a prompt starting at
+    `chunk_start` (0: the prompt's first chunk; else its cached prefix is that long)."""
+    from memstep.core.shapes import cdiv
+    from memstep.events.plan import SeqPlan
+
+    block = worker.cfg.block_size
+    feeds = decode_feeds(DECODES, CONTEXT, block)
+    first_page = max(page for seq, _ in feeds for page in seq.block_table) + 1
+    pages = list(range(first_page, first_page + cdiv(chunk_start + CHUNK, block)))
+    chunk = SeqPlan("chunk", chunk_start, [7] * CHUNK, pages, True, 0, chunk_start + CHUNK, {})
+    return [*feeds, (chunk, chunk.token_ids)]
+
+
+def timed_step(worker, feeds, iters: int, packed: bool = True) -> dict:
+    """Building the batch, forward and head over each feed's last row, from a quiet device to
+    the last kernel's end (wall clock: host work counts), and the kernels' own time in a
+    profile. `packed=False`: every chunk its own attention call, as before the packed group."""
+    from memstep.executors.batch_builder import build_batch
+
+    model = worker.model
+    worker.graphs.drop_ahead()
+
+    def run():
+        batch, last_rows = build_batch(feeds, worker.cfg.block_size, worker.device, packed=packed)
+        return model.logits(model.forward(batch, worker.kv)[last_rows])
+
+    with torch.inference_mode():
+        for _ in range(10):  # new shapes: Triton specializations, allocator blocks
+            run()
+        walls = []
+        for _ in range(iters):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            run()
+            torch.cuda.synchronize()
+            walls.append((time.perf_counter() - start) * 1e3)
+        kernels = kernel_times(run)
+    return {
+        "step_ms": round(statistics.median(walls), 3),
+        "kernels_ms": round(sum(k["ms"] for k in kernels), 3),
+        "kernels": kernels[:12],
+    }
+
+
+def prefill_feeds(worker, lengths: list[int], first_page: int = 0):
+    """Fresh prompts of `lengths` tokens, as a step of prefills only."""
+    from memstep.core.shapes import cdiv
+    from memstep.events.plan import SeqPlan
+
+    feeds = []
+    for i, length in enumerate(lengths):
+        pages = list(range(first_page, first_page + cdiv(length, worker.cfg.block_size)))
+        first_page += len(pages)
+        seq = SeqPlan(f"p{i}", 0, [9] * length, pages, True, 0, length, {})
+        feeds.append((seq, seq.token_ids))
+    return feeds
+
+
+def kernel_times(fn, runs: int = 3) -> list[dict]:
+    """Device time per kernel name, per run of fn, over `runs` profiled runs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(runs):
+            fn()
+        torch.cuda.synchronize()
+    rows = []
+    for event in prof.key_averages():
+        us = getattr(event, "device_time_total", 0) or getattr(event, "cuda_time_total", 0)
+        if us > 0:
+            rows.append({"kernel": event.key[:80], "ms": us / runs / 1e3, "calls": event.count})
+    rows.sort(key=lambda r: -r["ms"])
+    return [{**r, "ms": round(r["ms"], 4)} for r in rows]
+
+
+def arrivals_run(engine, clock, vocab: int, running: int, per_step: int, steps: int) -> dict:
+    """Serving's steady state in one process: `running` requests decoding while `per_step`
+    new ones (128-token prompts, 8 tokens out) arrive every step, so every step is a mixed
+    step run eagerly. Medians of the steps' wall time split as StepClock splits it."""
+    from memstep.core.sampling_params import SamplingParams
+
+    long = SamplingParams(max_tokens=steps + 64, ignore_eos=True)
+    short = SamplingParams(max_tokens=8, ignore_eos=True)
+    for prompt in random_prompts(running, PROMPT_LEN, vocab, 77):
+        engine.add_request(prompt, long)
+    while len(engine.scheduler.running) < running:
+        clock.step()
+    clock.records.clear()
+    for i in range(steps):
+        for prompt in random_prompts(per_step, PROMPT_LEN, vocab, 10_000 + i):
+            engine.add_request(prompt, short)
+        clock.step()
+    keys = ("total", "forward", "worker_execute", "executor_execute")
+    med = {k: statistics.median(r.get(k, 0.0) for r in clock.records) * 1e3 for k in keys}
+    while engine.has_work():
+        clock.step()
+    return {
+        "running": running,
+        "new_per_step": per_step,
+        "step_ms": round(med["total"], 2),
+        "forward_host_ms": round(med["forward"], 2),
+        "executor_ms": round(med["executor_execute"], 2),
+        "engine_core_ms": round(med["total"] - med["executor_execute"], 2),
+    }
+
+
+def ideal_run(batch: int, model_cfg, weight_bytes: int, bandwidth: float, rate: float) -> dict:
+    """An ideal engine's time for `batch` requests of PROMPT_LEN + OUTPUT_LEN tokens: the
+    prompts' FLOPs at the matmul rate (their first tokens with them), then OUTPUT_LEN - 1
+    decode steps each at its roofline."""
+    m = model_cfg
+    flops_per_token = weight_bytes  # bf16: 2 bytes a parameter, 2 FLOPs a parameter
+    prefill = batch * PROMPT_LEN * flops_per_token / rate
+    kv_per_token = m.num_layers * 2 * m.num_kv_heads * m.head_dim * 2  # bf16 K and V
+    decode = 0.0
+    for step in range(1, OUTPUT_LEN):
+        read = weight_bytes + batch * (PROMPT_LEN + step) * kv_per_token
+        decode += max(read / bandwidth, batch * flops_per_token / rate)
+    seconds = prefill + decode
+    return {
+        "prefill_s": round(prefill, 4),
+        "decode_s": round(decode, 4),
+        "tok_per_s": round(batch * OUTPUT_LEN / seconds, 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("."))
+    parser.add_argument("--repeats", type=int, default=3, help="runs per concurrency (median)")
+    parser.add_argument("--iters", type=int, default=10, help="timed mixed steps (median)")
+    options = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_mixed needs a CUDA device")
+    import_memstep()
+    import structlog
+
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    from memstep.core.config import EngineConfig
+    from memstep.core.model_source import model_config, resolve
+    from memstep.executors.inprocess import local_engine
+
+    bandwidth, rate = copy_bandwidth(), matmul_rate()
+    report: dict = {
+        "device": torch.cuda.get_device_name(),
+        "model": f"{MODEL} bf16",
+        "copy_bw_tb_s": round(bandwidth / 1e12, 3),
+        "matmul_tflops": round(rate / 1e12, 1),
+    }
+    print(f"copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
+    model_cfg = model_config(resolve(MODEL, 0))
+    cfg = EngineConfig(model=MODEL, dtype="bfloat16", max_num_seqs=256, max_num_batched_tokens=8192)
+    engine = local_engine(cfg)
+    worker = engine.executor.worker
+    # the bytes a decode step reads, all but the embedding table (it gathers rows of it); as
+    # bf16, half as many parameters, each a multiply-add per token
+    weight_bytes = sum(
+        t.numel() * t.element_size() for name, t in worker.weights.items() if name != "embed"
+    )
+    flops_per_token = weight_bytes  # 2 x (weight_bytes / 2) parameters
+
+    for batch in (64, 256):
+        report[f"decode_step_{batch}"] = model_step_ms(worker, batch, CONTEXT)
+        report[f"decode_kernels_{batch}"] = kernel_profile(worker, batch, CONTEXT)
+    decode = report["decode_step_256"]
+    ideal_ms = decode["graph_plus_head_ms"] + CHUNK * flops_per_token / rate * 1e3
+    report["mixed"] = []
+    for start in (0, 512):
+        for packed in (True, False):
+            feeds = mixed_feeds(worker, start)
+            mixed = {"chunk_start": start, "packed": packed}
+            mixed |= timed_step(worker, feeds, options.iters, packed)
+            mixed["ideal_ms"] = round(ideal_ms, 3)
+            mixed["ratio_to_ideal"] = round(mixed["step_ms"] / ideal_ms, 3)
+            report["mixed"].append(mixed)
+            print(
+                f"mixed step (256 decodes + {CHUNK}-token chunk at {start}, packed {packed}):"
+                f" {mixed['step_ms']} ms, kernels {mixed['kernels_ms']} ms; decode step"
+                f" {decode['graph_plus_head_ms']} ms + chunk FLOPs = {ideal_ms:.2f} ms ->"
+                f" {mixed['ratio_to_ideal']}x (goal <= 1.5x)",
+                flush=True,
+            )
+    # what the engine's first step of the 64-request run does; then ShareGPT-like: 256 decodes
+    # beside 24 prompts of as many lengths (100..376 tokens), with and without the packed group
+    many = mixed_feeds(worker, 0)[:DECODES]
+    first_page = max(page for seq, _ in many for page in seq.block_table) + 1
+    many += prefill_feeds(worker, [100 + 12 * i for i in range(24)], first_page)
+    shapes = {
+        f"prefill_64x{PROMPT_LEN}": (prefill_feeds(worker, [PROMPT_LEN] * 64), True),
+        "256_decodes_24_prompts": (many, True),
+        "256_decodes_24_prompts_unpacked": (many, False),
+    }
+    for name, (feeds, packed) in shapes.items():
+        tokens = sum(len(tokens) for seq, tokens in feeds if len(tokens) > 1)
+        step = timed_step(worker, feeds, options.iters, packed)
+        flops_ms = tokens * flops_per_token / rate * 1e3
+        decodes = len(feeds) - sum(1 for _, tokens in feeds if len(tokens) > 1)
+        ideal = flops_ms + (decode["graph_plus_head_ms"] if decodes == DECODES else 0.0)
+        step |= {"prompt_tokens": tokens, "ideal_ms": round(ideal, 3)}
+        step["ratio_to_ideal"] = round(step["step_ms"] / ideal, 3)
+        report[name] = step
+        print(f"{name}: {step['step_ms']} ms, kernels {step['kernels_ms']} ms, ideal {ideal:.2f}")
+
+    clock = StepClock(engine)
+    vocab = model_cfg.vocab_size
+    run_throughput(engine, clock, 8, vocab)  # warm the serving loop
+    for batch in (64, 256):
+        runs = [run_throughput(engine, clock, batch, vocab, run) for run in range(options.repeats)]
+        rates = [r["tok_per_s"] for r in runs]
+        ideal = ideal_run(batch, model_cfg, weight_bytes, bandwidth, rate)
+        measured = statistics.median(rates)
+        steps = [
+            {k: round(v * 1e3, 2) if k != "batch" else v for k, v in r.items()}
+            for r in clock.records
+        ]
+        records = clock.records  # the last run's steps
+        full = [r["total"] for r in records if r["batch"] == batch]
+        report[f"concurrent_{batch}"] = {
+            "last_run_decode_steps_s": round(sum(full), 4),
+            "last_run_other_steps_s": round(sum(r["total"] for r in records) - sum(full), 4),
+            "runs_tok_per_s": rates,
+            "median_tok_per_s": measured,
+            "ideal": ideal,
+            "of_ideal": round(measured / ideal["tok_per_s"], 3),
+            "last_run": runs[-1],
+            "last_run_steps_ms": steps,
+        }
+        print(
+            f"{batch} concurrent: {rates} tok/s, ideal {ideal['tok_per_s']} ->"
+            f" {measured / ideal['tok_per_s']:.1%} (goal >= 85%)",
+            flush=True,
+        )
+    report["arrivals"] = arrivals_run(engine, clock, vocab, 192, 4, 40)
+    print(f"mixed steps in serving: {report['arrivals']}", flush=True)
+    clock.close()
+    engine.shutdown()
+    options.out.mkdir(parents=True, exist_ok=True)
+    (options.out / "bench_mixed.json").write_text(json.dumps(report, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
