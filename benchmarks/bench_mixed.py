@@ -22,7 +22,7 @@ prompt: kernels 19.0-19.5 ms (1.03-1.05x of the 18.2-18.6 ms ideal); wall 29-40 
 With a chunk continuing 512 cached tokens: kernels 19.6-19.8 ms; wall 23.6-34.9 ms (1.28-1.88x).
 The kernels are within 1.1x of the ideal. The wall is the host's: an eager forward takes 20-35 ms
 of Python and launches (0.6-1 ms a layer) on this machine's shared CPU, so the goal holds only
-when the host is quick. 256 decodes beside 24 prompts of as many lengths (4,056 tokens): 127-131
+when the host is quick. 256 decodes beside 24 prompts of as many lengths (5,712 tokens): 127-131
 ms packed against 227-245 ms with an attention call per prompt (the ideal: 118-121 ms). 64
 concurrent: 74.9-77.0% of the ideal; 256 concurrent: 61.2-61.9% (goal 85%). At 256 the decode
 step's GEMMs already run at 92% of the matmul rate and decode attention reads KV at 73% of the

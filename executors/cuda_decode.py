@@ -20,6 +20,7 @@ from memstep.core.shapes import cdiv
 from memstep.executors.batch_builder import Feed, slot_of
 from memstep.executors.kernels import DecodeWorkspace, paged_decode_attention
 from memstep.executors.llama import LlamaModel
+from memstep.states.arena import tensor_bytes
 
 # split-K partition of the decode attention: on an H200, one sequence at 193 tokens of
 # context took 10.4 us with 64-token partitions, 12.0 with 128 and 14.7 with 256
@@ -136,7 +137,7 @@ class DecodeForward:
     @property
     def nbytes(self) -> int:
         bufs = (self.workspace.partial_out, self.workspace.partial_lse, self.attn_out, self.hidden)
-        return sum(b.numel() * b.element_size() for b in bufs)
+        return tensor_bytes(bufs)
 
     def __call__(self, bs: int) -> torch.Tensor:
         model, ins = self.model, self.inputs

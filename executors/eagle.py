@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from memstep.core.config import ConfigError
+from memstep.states.arena import tensor_bytes
 
 DRAFTS = Path(__file__).parent / "drafts"
 SMOLLM2_HEAD = DRAFTS / "smollm2-eagle.npz"
@@ -277,7 +278,7 @@ class EagleHead:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors())
+        return tensor_bytes(self.tensors())
 
     def keys(
         self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor

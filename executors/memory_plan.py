@@ -20,7 +20,7 @@ from memstep.executors.attention import SHORT_QUERY
 from memstep.executors.batch_builder import build_batch
 from memstep.executors.eagle import draft_context
 from memstep.executors.sampler import sampler_nbytes
-from memstep.states.arena import nbytes_of
+from memstep.states.arena import nbytes_of, tensor_bytes
 from memstep.states.catalog import KINDS
 from memstep.states.kinds import KindEnv
 
@@ -122,7 +122,7 @@ def plan_memory(
     head_bytes: int = 0,
 ) -> MemoryPlan:
     """`head_bytes`: an EAGLE head's, held beside the weights."""
-    weights = sum(t.numel() * t.element_size() for t in model.w.values()) + head_bytes
+    weights = tensor_bytes(model.w.values()) + head_bytes
     rows = cfg.max_num_seqs * (cfg.num_lookahead_slots + 1)
     sampler = sampler_nbytes(rows, model_cfg.vocab_size, in_place_logits=device.type == "cuda")
     activation = _activation_peak(cfg, model_cfg, max_len, model, dtype, kv_dtype, device)

@@ -15,6 +15,7 @@ import torch
 
 from memstep.core.sampling_params import SamplingParams
 from memstep.executors.random_stream import SAMPLE, uniform
+from memstep.states.arena import tensor_bytes
 
 FILTER_ELEMENTS = 1 << 21  # elements of the vocabulary a filter pass works on at most
 CANDIDATES = 1024  # on the CPU, tokens a top-k or top-p cut is tried on before a whole sort
@@ -148,7 +149,7 @@ class Sampler:
     @property
     def nbytes(self) -> int:
         bufs = (self.logits, self.raw, self.probs, self.sorted, self.order, self.uniforms)
-        return sum(b.numel() * b.element_size() for b in bufs if b is not None)
+        return tensor_bytes(bufs)
 
     def logits_out(self, num_rows: int) -> torch.Tensor | None:
         """Where the head may write `num_rows` rows of logits; None where it cannot."""

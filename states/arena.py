@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Iterable
 
 import torch
 
@@ -25,6 +26,11 @@ class ArenaFull(RuntimeError):
 
 def nbytes_of(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """The bytes of the elements of `tensors` (None counts nothing)."""
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 def _aligned(n: int) -> int:

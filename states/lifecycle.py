@@ -14,7 +14,7 @@ import torch
 
 from memstep.events.types import LeakSuspected, StateEntered, StateExited
 from memstep.states import table
-from memstep.states.arena import Arena
+from memstep.states.arena import Arena, tensor_bytes
 from memstep.states.kinds import StepKind
 
 
@@ -78,7 +78,7 @@ class Lifecycle:
                     continue
                 tensors = _tensors_in(value)
                 if tensors:
-                    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+                    nbytes = tensor_bytes(tensors)
                     shapes = sorted({f"{list(t.shape)} {str(t.dtype)[6:]}" for t in tensors})
                     out[f"{kind.name}.{attr}"] = (len(tensors), nbytes, ", ".join(shapes))
         return out
