@@ -328,6 +328,25 @@ def allocator_figures() -> tuple[int, int]:
     return stats["segment.all.current"], stats["reserved_bytes.all.current"]
 
 
+def test_reserved_memory_after_warmup_and_capture_is_within_the_plan():
+    """Warm-up runs every shape serving allocates for (short chunks at the end of long
+    contexts among them, whose packed attention gathers the most keys): the allocator's
+    reserved peak stays within the profile's predicted peak. The executor runs in a process
+    of its own, as served: this one's CUDA memory (other tests' engines) is not its."""
+    from memstep.executors.remote import ProcessExecutor
+
+    cfg = EngineConfig(
+        model=SMOL, dtype="bfloat16", max_num_seqs=32, max_model_len=512, num_kv_blocks=1024
+    )
+    engine = Engine(cfg, ProcessExecutor)
+    try:
+        figures = engine.captured
+        assert figures["reserved_peak_bytes"] <= figures["predicted_peak_bytes"], figures
+        assert figures["reserved_within_plan"]
+    finally:
+        release(engine)
+
+
 def test_no_new_allocator_segments_after_warmup_and_capture():
     leaks: list[LeakSuspected] = []
     sink = lambda rec: leaks.append(rec) if isinstance(rec, LeakSuspected) else None  # noqa: E731
