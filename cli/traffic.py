@@ -1,5 +1,6 @@
-"""Synthetic traffic that stresses memory: random sampling parameters, and waves of requests
-whose concurrency climbs 1, 2, 4, ... up to a cap (the GPU memory test and benchmark use it).
+"""Synthetic traffic: random sampling parameters, waves of requests whose concurrency climbs
+1, 2, 4, ... up to a cap (the GPU memory test and benchmark use it), and staggered arrivals
+(a few requests alone for some steps, then the rest: other batch-mates than all at once).
 """
 
 from __future__ import annotations
@@ -49,3 +50,32 @@ def rising_waves(engine: Engine, num_requests: int, max_concurrency: int, seed: 
             steps += 1
         wave = min(2 * wave, max_concurrency)
     return steps
+
+
+def staggered(
+    engine: Engine,
+    prompts: list[list[int]],
+    params: list[SamplingParams],
+    first: int = 3,
+    steps: int = 3,
+    request_ids: list[str] | None = None,
+) -> list[list[int]]:
+    """The first `first` prompts run `steps` steps alone, then the rest join; runs until idle.
+    Each prompt's generated tokens, in order."""
+    names: list[str | None] = list(request_ids) if request_ids else [None] * len(prompts)
+    tokens: dict[str, list[int]] = {}
+
+    def add(i: int) -> str:
+        return engine.add_request(prompts[i], params[i], request_id=names[i])
+
+    def step() -> None:
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+
+    ids = [add(i) for i in range(first)]
+    for _ in range(steps):
+        step()
+    ids += [add(i) for i in range(first, len(prompts))]
+    while engine.has_work():
+        step()
+    return [tokens[i] for i in ids]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from memstep.cli.traffic import staggered
 from memstep.core.config import EngineConfig
 from memstep.core.sampling_params import SamplingParams
 from memstep.executors import kv_cache
@@ -109,28 +110,14 @@ def _lengths(n: int) -> list[SamplingParams]:
     return [SamplingParams(max_tokens=6 + 3 * i, ignore_eos=True) for i in range(n)]
 
 
-def _arrivals(engine, prompts) -> list[list[int]]:
-    """3 requests, 3 steps, then 5 more join: other batch-mates than all 8 at once."""
-    params = _lengths(len(prompts))
-    ids = [engine.add_request(prompts[i], params[i]) for i in range(3)]
-    tokens: dict[str, list[int]] = {}
-    for _ in range(3):
-        for out in engine.step():
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-    ids += [engine.add_request(prompts[i], params[i]) for i in range(3, len(prompts))]
-    while engine.has_work():
-        for out in engine.step():
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-    return [tokens[i] for i in ids]
-
-
 def _batch_and_arrivals(chat_prompts) -> tuple[list[list[int]], list[list[int]]]:
     cfg = EngineConfig(
         dtype="float32", quantization="none", kv_cache_dtype="fp8", enable_prefix_caching=False
     )
     params = _lengths(len(chat_prompts))
     batch = [c.token_ids for c in local_engine(cfg).generate(chat_prompts, params)]
-    return batch, _arrivals(local_engine(cfg), chat_prompts)
+    # 3 requests, 3 steps, then 5 more join: other batch-mates than all 8 at once
+    return batch, staggered(local_engine(cfg), chat_prompts, params)
 
 
 def test_an_fp8_cache_gives_a_sequence_its_tokens_whatever_shares_its_batch(chat_prompts):

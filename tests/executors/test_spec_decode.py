@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from memstep.cli.traffic import staggered
 from memstep.core.config import EngineConfig
 from memstep.core.engine import Engine
 from memstep.core.sampling_params import SamplingParams
@@ -40,17 +41,11 @@ def run_crossing(engine: Engine, prompts) -> tuple[dict[str, list[int]], str, di
             )
         )
     )
-    ids = [engine.add_request(prompts[i], greedy(i), request_id=f"p{i}") for i in range(3)]
-    tokens: dict[str, list[int]] = {}
-    for _ in range(3):
-        for out in engine.step():
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-    ids += [engine.add_request(prompts[i], greedy(i), request_id=f"p{i}") for i in range(3, 8)]
-    while engine.has_work():
-        for out in engine.step():
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    ids = [f"p{i}" for i in range(8)]
+    params = [greedy(i) for i in range(8)]
+    outputs = staggered(engine, prompts[:8], params, request_ids=ids)
     engine.sinks.pop()
-    assert sorted(tokens) == sorted(ids)
+    tokens = dict(zip(ids, outputs, strict=True))
     return tokens, "".join("s" if k == "spec" else "n" for k in kinds), spans
 
 
