@@ -83,7 +83,8 @@ def _activation_peak(
         per_token += model_cfg.head_dim * (model_cfg.num_heads + 2 * model_cfg.num_kv_heads)
         return t * per_token * torch.empty((), dtype=dtype).element_size()
     cases = [worst_case_prefill(cfg, max_len), worst_case_prefill(cfg, max_len, chunk=max_len - 1)]
-    # short chunks at the end of long contexts: packed attention gathers the most keys
+    # short chunks (9 tokens) at the end of long contexts: packed attention gathers the most
+    # keys per query, PACKED_KEYS a call
     cases.append(worst_case_prefill(cfg, max_len, chunk=SHORT_QUERY + 1))
     shape = (
         len(cases[0][0].block_table),
