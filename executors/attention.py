@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from memstep.core.shapes import cdiv
-from memstep.executors.kv_cache import gather_kv, gather_slots
+from memstep.executors.kv_cache import gather_kv, gather_slots, slots_for
 
-SHORT_QUERY = 8  # queries up to this many tokens share one padded attention call
+SHORT_QUERY = 8  # CPU: queries up to this many tokens share one padded attention call
 _CUDA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -126,9 +126,7 @@ def build_packed(
     cu_q, cu_k = [0], [0]
     for start, n, ctx, table in zip(starts, q_lens, ctx_lens, tables, strict=True):
         rows.extend(range(start, start + n))
-        for page in range(cdiv(ctx, block_size)):
-            base = table[page] * block_size
-            slots.extend(range(base, base + min(block_size, ctx - page * block_size)))
+        slots.extend(slots_for(table, 0, ctx, block_size))
         cu_q.append(cu_q[-1] + n)
         cu_k.append(cu_k[-1] + ctx)
     in_order = rows == list(range(starts[0], starts[0] + len(rows)))

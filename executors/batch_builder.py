@@ -15,19 +15,11 @@ from memstep.executors.attention import (
     build_group,
     build_packed,
 )
+from memstep.executors.kv_cache import slots_for
 
 Feed = tuple[SeqPlan, Sequence[int]]  # a sequence and the tokens it feeds this step
 
 PACKED_KEYS = 16384  # context keys one packed attention call gathers, at most (or one context)
-
-
-def slot_of(table: Sequence[int], position: int, block_size: int) -> int:
-    """The flat KV slot of `position` in a sequence whose pages are `table`."""
-    return table[position // block_size] * block_size + position % block_size
-
-
-def slots_for(table: list[int], start: int, n: int, block_size: int) -> list[int]:
-    return [slot_of(table, p, block_size) for p in range(start, start + n)]
 
 
 def packed_parts(items: list[tuple[int, int, int, list[int]]]) -> list[list]:

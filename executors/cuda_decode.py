@@ -17,8 +17,9 @@ import numpy as np
 import torch
 
 from memstep.core.shapes import cdiv
-from memstep.executors.batch_builder import Feed, slot_of
+from memstep.executors.batch_builder import Feed
 from memstep.executors.kernels import DecodeWorkspace, paged_decode_attention
+from memstep.executors.kv_cache import slot_of
 from memstep.executors.llama import LlamaModel
 from memstep.states.arena import tensor_bytes
 

@@ -13,7 +13,8 @@ from collections.abc import Sequence
 
 import attrs
 
-from memstep.executors.batch_builder import Feed, slot_of
+from memstep.executors.batch_builder import Feed
+from memstep.executors.kv_cache import slot_of
 from memstep.executors.sampler import HostCopy
 
 

@@ -11,10 +11,30 @@ dtype.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 KV_FP8 = torch.float8_e4m3fn
 KV_FP8_MAX = 448.0
+
+
+def slot_of(table: Sequence[int], position: int, block_size: int) -> int:
+    """The flat KV slot of `position` in a sequence whose pages are `table`."""
+    return table[position // block_size] * block_size + position % block_size
+
+
+def slots_for(table: Sequence[int], start: int, n: int, block_size: int) -> list[int]:
+    """The flat KV slots of positions start..start+n-1, a page's run at a time."""
+    out: list[int] = []
+    position, stop = start, start + n
+    while position < stop:
+        page, offset = divmod(position, block_size)
+        take = min(block_size - offset, stop - position)
+        base = table[page] * block_size + offset
+        out.extend(range(base, base + take))
+        position += take
+    return out
 
 
 def kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:

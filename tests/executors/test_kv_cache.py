@@ -139,3 +139,11 @@ def test_the_batch_check_fires_when_attention_depends_on_the_group(chat_prompts,
     monkeypatch.setattr(attention, "torch_group_attention", by_group_size)
     batch, arrived = _batch_and_arrivals(chat_prompts)
     assert batch != arrived
+
+
+def test_slots_for_runs_a_page_at_a_time_to_the_slots_of_each_position():
+    table = [7, 2, 9, 4]
+    for start in range(0, 12):
+        for n in range(0, 16 - start):
+            want = [kv_cache.slot_of(table, p, 4) for p in range(start, start + n)]
+            assert kv_cache.slots_for(table, start, n, 4) == want, (start, n)
