@@ -263,21 +263,16 @@ def model_step_ms(worker, batch: int, context: int) -> dict:
     return {"graph_ms": round(replay, 3), "graph_plus_head_ms": round(step, 3)}
 
 
-def kernel_profile(worker, batch: int, context: int) -> list[dict]:
-    """CUDA time per kernel name over 5 eager runs of the fused decode forward at `batch`."""
+def kernel_times(fn, runs: int) -> list[dict]:
+    """CUDA time and calls per kernel name, per run of fn, over `runs` profiled runs; the
+    costliest first."""
     from torch.profiler import ProfilerActivity, profile
 
-    runner = worker.graphs
-    runner.drop_ahead()  # runs here overwrite the decode buffers
-    size = runner.padded_size(batch)
-    with torch.inference_mode():
-        runner.inputs.fill(decode_feeds(batch, context, worker.cfg.block_size), size)
-        runner.decode(size)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(runs):
+            fn()
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                runner.decode(size)
-            torch.cuda.synchronize()
     rows = []
     for event in prof.key_averages():
         us: float = getattr(event, "device_time_total", 0) or getattr(event, "cuda_time_total", 0)
@@ -285,12 +280,31 @@ def kernel_profile(worker, batch: int, context: int) -> list[dict]:
             rows.append(
                 {
                     "kernel": event.key[:90],
-                    "ms_per_step": us / 5 / 1e3,
-                    "calls_per_step": event.count / 5,
+                    "ms_per_run": us / runs / 1e3,
+                    "calls_per_run": event.count / runs,
                 }
             )
-    rows.sort(key=lambda r: -r["ms_per_step"])
-    return [{**r, "ms_per_step": round(r["ms_per_step"], 4)} for r in rows[:15]]
+    rows.sort(key=lambda r: -r["ms_per_run"])
+    return rows
+
+
+def kernel_profile(worker, batch: int, context: int) -> list[dict]:
+    """CUDA time per kernel name over 5 eager runs of the fused decode forward at `batch`."""
+    runner = worker.graphs
+    runner.drop_ahead()  # runs here overwrite the decode buffers
+    size = runner.padded_size(batch)
+    with torch.inference_mode():
+        runner.inputs.fill(decode_feeds(batch, context, worker.cfg.block_size), size)
+        runner.decode(size)
+        rows = kernel_times(lambda: runner.decode(size), 5)
+    return [
+        {
+            "kernel": r["kernel"],
+            "ms_per_step": round(r["ms_per_run"], 4),
+            "calls_per_step": r["calls_per_run"],
+        }
+        for r in rows[:15]
+    ]
 
 
 def attention_sweep(worker) -> list[dict]:

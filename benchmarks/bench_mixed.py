@@ -52,6 +52,7 @@ from bench_gpu import (  # noqa: E402
     copy_bandwidth,
     decode_feeds,
     kernel_profile,
+    kernel_times,
     matmul_rate,
     model_step_ms,
     random_prompts,
@@ -100,11 +101,11 @@ def timed_step(worker, feeds, iters: int, packed: bool = True) -> dict:
             run()
             torch.cuda.synchronize()
             walls.append((time.perf_counter() - start) * 1e3)
-        kernels = kernel_times(run)
+        kernels = kernel_times(run, 3)
     return {
         "step_ms": round(statistics.median(walls), 3),
-        "kernels_ms": round(sum(k["ms"] for k in kernels), 3),
-        "kernels": kernels[:12],
+        "kernels_ms": round(sum(k["ms_per_run"] for k in kernels), 3),
+        "kernels": [{**k, "ms_per_run": round(k["ms_per_run"], 4)} for k in kernels[:12]],
     }
 
 
@@ -120,24 +121,6 @@ def prefill_feeds(worker, lengths: list[int], first_page: int = 0):
         seq = SeqPlan(f"p{i}", 0, [9] * length, pages, True, 0, length, {})
         feeds.append((seq, seq.token_ids))
     return feeds
-
-
-def kernel_times(fn, runs: int = 3) -> list[dict]:
-    """Device time per kernel name, per run of fn, over `runs` profiled runs."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(runs):
-            fn()
-        torch.cuda.synchronize()
-    rows = []
-    for event in prof.key_averages():
-        us = getattr(event, "device_time_total", 0) or getattr(event, "cuda_time_total", 0)
-        if us > 0:
-            rows.append({"kernel": event.key[:80], "ms": us / runs / 1e3, "calls": event.count})
-    rows.sort(key=lambda r: -r["ms"])
-    return [{**r, "ms": round(r["ms"], 4)} for r in rows]
 
 
 def arrivals_run(engine, clock, vocab: int, running: int, per_step: int, steps: int) -> dict:
