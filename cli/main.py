@@ -15,6 +15,7 @@ import sys
 import attrs
 import structlog
 
+from memstep.cli.curve_keys import attach_dashed_keys
 from memstep.cli.errors import UsageError
 from memstep.cli.help_format import HelpFormatter
 from memstep.core.config import KV_CACHE_DTYPES, QUANTIZATIONS, ConfigError, EngineConfig
@@ -44,7 +45,6 @@ USER_ERRORS = (
 # a path that cannot be used (also any OSError that names its file): the user's to fix
 PATH_ERRORS = (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError)
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-KEY_FLAGS = ("--curve-client-keys", "--curve-secret-key")  # values that may begin with "-"
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -294,27 +294,6 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"memstep: error: {describe_path_error(exc)}", file=sys.stderr)
         return 2
-
-
-def attach_dashed_keys(argv: list[str]) -> list[str]:
-    """A z85 key may begin with "-" (1 in 85 do), which argparse reads as a flag: after a key
-    flag, such a value (40-character z85 keys, comma-separated) is attached as `FLAG=VALUE`."""
-    if not any(a in KEY_FLAGS for a in argv):
-        return argv
-    from memstep.cli.curve_keys import is_z85_key
-
-    out: list[str] = []
-    i = 0
-    while i < len(argv):
-        value = argv[i + 1] if i + 1 < len(argv) else ""
-        keys = value.split(",")
-        if argv[i] in KEY_FLAGS and value.startswith("-") and all(map(is_z85_key, keys)):
-            out.append(f"{argv[i]}={value}")
-            i += 2
-        else:
-            out.append(argv[i])
-            i += 1
-    return out
 
 
 def log_level(name: str) -> str:

@@ -36,7 +36,7 @@ from memstep.api.http_front import (
     stop_process,
 )
 from memstep.api.server import Server, ServerConfig
-from memstep.cli.curve_keys import is_z85_key
+from memstep.cli.curve_keys import attach_dashed_keys, is_z85_key
 from memstep.cli.main import add_engine_arguments, config_from_args
 from memstep.core.config import ConfigError, EngineConfig
 from memstep.core.device_limits import cuda_device_bytes
@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-format", choices=["console", "json"], default="console")
     p.add_argument("--log-level", default="warning")
     add_arguments(p)
-    args = p.parse_args(argv)
+    args = p.parse_args(attach_dashed_keys(sys.argv[1:] if argv is None else argv))
     setup_logging(args.log_format, args.log_level)
     try:
         return run(args)

@@ -60,7 +60,8 @@ def test_a_curve_key_beginning_with_a_dash_is_read_as_the_flags_value():
     """1 z85 key in 85 begins with "-": after a key flag it is the flag's value, not a flag."""
     import zmq
 
-    from memstep.cli.main import attach_dashed_keys, build_parser
+    from memstep.cli.curve_keys import attach_dashed_keys
+    from memstep.cli.main import build_parser
 
     public = zmq.curve_keypair()[0].decode()
     dashed = "-" + public[1:]
@@ -74,3 +75,17 @@ def test_a_curve_key_beginning_with_a_dash_is_read_as_the_flags_value():
         "--curve-client-keys",
         "--port",
     ]
+
+
+def test_the_server_module_entry_reads_a_dashed_curve_key_as_the_flags_value():
+    """`python -m memstep.cli.serve` (how ServerProcess starts a server) parses its own
+    arguments: a secret key beginning with "-" is still the flag's value. --help after it
+    exits 0 once the key is read; argparse alone stops at the key with exit status 2."""
+    import zmq
+
+    from memstep.cli import serve
+
+    dashed = "-" + zmq.curve_keypair()[1].decode()[1:]
+    with pytest.raises(SystemExit) as done:
+        serve.main(["--curve-secret-key", dashed, "--help"])
+    assert done.value.code == 0
