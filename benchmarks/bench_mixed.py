@@ -14,7 +14,10 @@ On random:llama-3.1-8b in bf16, one engine (256 sequences, 8,192 batched tokens)
   (the larger of weights + KV read at the copy bandwidth and its FLOPs at the matmul rate); the
   goal is >= 85% of the ideal's tokens/s.
 
-    python benchmarks/bench_mixed.py [--out DIR] [--repeats 3] [--iters 10]
+    python benchmarks/bench_mixed.py [--out DIR] [--repeats 3] [--iters 10] [--piecewise]
+
+`--piecewise` serves with `piecewise_graphs` (executors/piecewise.py) and times the mixed step
+through them beside the eager rows; not yet run on a GPU.
 
 Measured on one H200 (2026-12-01, torch 2.11, copy 4.2 TB/s, bf16 matmul 763-782 TFLOP/s),
 three runs: the decode step at 256 takes 8.3-8.6 ms. A mixed step with a chunk starting its
@@ -78,17 +81,24 @@ def mixed_feeds(worker, chunk_start: int):
     return [*feeds, (chunk, chunk.token_ids)]
 
 
-def timed_step(worker, feeds, iters: int, packed: bool = True) -> dict:
+def timed_step(worker, feeds, iters: int, mode: str = "packed") -> dict:
     """Building the batch, forward and head over each feed's last row, from a quiet device to
     the last kernel's end (wall clock: host work counts), and the kernels' own time in a
-    profile. `packed=False`: every chunk its own attention call, as before the packed group."""
+    profile. `mode`: "packed" runs the model's eager forward; "unpacked" the same with every
+    chunk its own attention call, as before the packed group; "piecewise" the worker's
+    forward, which replays the piecewise graphs (`--piecewise`)."""
     from memstep.executors.batch_builder import build_batch
 
     model = worker.model
     worker.graphs.drop_ahead()
 
     def run():
-        batch, last_rows = build_batch(feeds, worker.cfg.block_size, worker.device, packed=packed)
+        if mode == "piecewise":
+            hidden, last_rows = worker.forward(feeds)
+            return model.logits(hidden[last_rows])
+        batch, last_rows = build_batch(
+            feeds, worker.cfg.block_size, worker.device, packed=mode == "packed"
+        )
         return model.logits(model.forward(batch, worker.kv)[last_rows])
 
     with torch.inference_mode():
@@ -179,6 +189,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--repeats", type=int, default=3, help="runs per concurrency (median)")
     parser.add_argument("--iters", type=int, default=10, help="timed mixed steps (median)")
+    parser.add_argument(
+        "--piecewise", action="store_true", help="serve with piecewise graphs, and time them"
+    )
     options = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_mixed needs a CUDA device")
@@ -199,7 +212,14 @@ def main() -> None:
     }
     print(f"copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
     model_cfg = model_config(resolve(MODEL, 0))
-    cfg = EngineConfig(model=MODEL, dtype="bfloat16", max_num_seqs=256, max_num_batched_tokens=8192)
+    cfg = EngineConfig(
+        model=MODEL,
+        dtype="bfloat16",
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+        piecewise_graphs=options.piecewise,
+    )
+    report["piecewise_graphs"] = options.piecewise
     engine = local_engine(cfg)
     worker = engine.executor.worker
     # the bytes a decode step reads, all but the embedding table (it gathers rows of it); as
@@ -215,16 +235,17 @@ def main() -> None:
     decode = report["decode_step_256"]
     ideal_ms = decode["graph_plus_head_ms"] + CHUNK * flops_per_token / rate * 1e3
     report["mixed"] = []
+    modes = ["piecewise"] * options.piecewise + ["packed", "unpacked"]
     for start in (0, 512):
-        for packed in (True, False):
+        for mode in modes:
             feeds = mixed_feeds(worker, start)
-            mixed = {"chunk_start": start, "packed": packed}
-            mixed |= timed_step(worker, feeds, options.iters, packed)
+            mixed = {"chunk_start": start, "mode": mode}
+            mixed |= timed_step(worker, feeds, options.iters, mode)
             mixed["ideal_ms"] = round(ideal_ms, 3)
             mixed["ratio_to_ideal"] = round(mixed["step_ms"] / ideal_ms, 3)
             report["mixed"].append(mixed)
             print(
-                f"mixed step (256 decodes + {CHUNK}-token chunk at {start}, packed {packed}):"
+                f"mixed step (256 decodes + {CHUNK}-token chunk at {start}, {mode}):"
                 f" {mixed['step_ms']} ms, kernels {mixed['kernels_ms']} ms; decode step"
                 f" {decode['graph_plus_head_ms']} ms + chunk FLOPs = {ideal_ms:.2f} ms ->"
                 f" {mixed['ratio_to_ideal']}x (goal <= 1.5x)",
@@ -236,13 +257,13 @@ def main() -> None:
     first_page = max(page for seq, _ in many for page in seq.block_table) + 1
     many += prefill_feeds(worker, [100 + 12 * i for i in range(24)], first_page)
     shapes = {
-        f"prefill_64x{PROMPT_LEN}": (prefill_feeds(worker, [PROMPT_LEN] * 64), True),
-        "256_decodes_24_prompts": (many, True),
-        "256_decodes_24_prompts_unpacked": (many, False),
+        f"prefill_64x{PROMPT_LEN}": (prefill_feeds(worker, [PROMPT_LEN] * 64), "packed"),
+        "256_decodes_24_prompts": (many, "packed"),
+        "256_decodes_24_prompts_unpacked": (many, "unpacked"),
     }
-    for name, (feeds, packed) in shapes.items():
+    for name, (feeds, mode) in shapes.items():
         tokens = sum(len(tokens) for seq, tokens in feeds if len(tokens) > 1)
-        step = timed_step(worker, feeds, options.iters, packed)
+        step = timed_step(worker, feeds, options.iters, mode)
         flops_ms = tokens * flops_per_token / rate * 1e3
         decodes = len(feeds) - sum(1 for _, tokens in feeds if len(tokens) > 1)
         ideal = flops_ms + (decode["graph_plus_head_ms"] if decodes == DECODES else 0.0)

@@ -211,6 +211,8 @@ def server_flags(cfg: EngineConfig) -> list[str]:
             continue
         if field.name in ("cuda_graphs", "decode_ahead", "enable_prefix_caching"):  # store_false
             flags.append("--no-" + field.name.replace("_", "-"))
+        elif value is True:  # store_true
+            flags.append("--" + field.name.replace("_", "-"))
         else:
             flags += ["--" + field.name.replace("_", "-"), str(value)]
     return flags

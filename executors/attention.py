@@ -228,9 +228,11 @@ def attention(
     batch: ForwardBatch,
     scale: float,
     decode_kernel=None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention for every token of the batch; q: [T, H, D] -> [T, H, D]."""
-    out = torch.empty_like(q)
+    """Attention for every token of the batch; q: [T, H, D] -> [T, H, D], into `out` if given
+    (a static buffer of the piecewise graphs)."""
+    out = torch.empty_like(q) if out is None else out
     for group in batch.groups:
         if isinstance(group, PackedGroup):
             res = packed_attention(q, k_cache, v_cache, group, scale)

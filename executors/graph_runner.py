@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import structlog
 import torch
@@ -28,7 +29,11 @@ from memstep.executors.decode_ahead import Ahead
 from memstep.executors.kernels import paged_decode_attention
 from memstep.executors.llama import LlamaModel
 from memstep.executors.memory_plan import MemoryPlan, worst_case_prefill
+from memstep.executors.piecewise import PiecewiseRunner
 from memstep.executors.sampler import PendingTokens, Row, Sampler, top_logprobs
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE
 
 log = structlog.get_logger("memstep.executor")
 
@@ -63,10 +68,11 @@ class GraphRunner:
         self.inputs = DecodeInputs(max_num_seqs, max_blocks, block_size, device)
         self.decode = DecodeForward(model, kv_caches, self.inputs)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.pool: tuple[int, int] | None = None  # the graphs' shared memory pool
+        self.pool: _POOL_HANDLE | None = None  # the graphs' shared memory pool
         self.num_replays = 0
         self.ahead: Ahead | None = None  # a step replayed before its plan came
         self.num_ahead = self.num_ahead_used = 0  # replayed ahead; of those, used
+        self.pieces: PiecewiseRunner | None = None  # eager steps' graphs, when configured
 
     def padded_size(self, n: int) -> int:
         return next(s for s in self.sizes if s >= n)
@@ -120,11 +126,13 @@ class GraphRunner:
         self.ahead = Ahead([seq.request_id for seq, _ in feeds], starts, slots, tokens.host)
 
     def capture(self) -> dict:
-        """Capture every size, largest first, into one pool; figures for the phase reply."""
+        """Capture every size, largest first, into one pool, then the piecewise graphs of
+        eager steps (`pieces`, if any) into the same pool; figures for the phase reply."""
         start = time.perf_counter()
         before = torch.cuda.memory_allocated()
         self.pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
+        info: dict = {}
         # NCCL's watchdog thread queries the events of earlier collectives while we capture: a
         # global capture would count those calls against it and fail
         mode = "global" if self.decode.model.ranks is None else "thread_local"
@@ -143,9 +151,11 @@ class GraphRunner:
                     self.decode(bs)  # with tensor parallelism, its NCCL all-reduces too
                 self.graphs[bs] = graph
         torch.cuda.synchronize()
-        return {
+        info["graph_capture_seconds"] = round(time.perf_counter() - start, 3)
+        if self.pieces is not None:
+            info |= self.pieces.capture(self.pool, stream)
+        return info | {
             "graph_sizes": list(self.sizes),
-            "graph_capture_seconds": round(time.perf_counter() - start, 3),
             "graph_pool_bytes": torch.cuda.memory_allocated() - before,
         }
 
@@ -166,12 +176,15 @@ def capture_phase(
     dummy_hidden: torch.Tensor,
 ) -> tuple[GraphRunner, dict]:
     """Build the decode runner and capture its graphs (`cuda_graphs=False` keeps the fused
-    decode but runs it eagerly), point the model's eager decode attention at the runner's
+    decode but runs it eagerly) and, with `piecewise_graphs` on one rank, the eager steps'
+    piecewise graphs; point the model's eager decode attention at the runner's
     workspace, then warm every shape serving allocates; `dummy_hidden` ([max_num_seqs, hidden],
     the capture kind's) is the decode batch the sampler is warmed from."""
     lookahead = cfg.num_lookahead_slots
     runner = GraphRunner(model, kv, cfg.max_num_seqs, max_len, lookahead, cfg.block_size)
     info: dict = {"graph_static_bytes": runner.decode.nbytes}
+    if cfg.cuda_graphs and cfg.piecewise_graphs and model.ranks is None:
+        runner.pieces = PiecewiseRunner(model, kv, cfg.max_num_batched_tokens)
     if cfg.cuda_graphs:
         info |= runner.capture()
     info["decode_ahead"] = cfg.cuda_graphs and cfg.decode_ahead  # the core reserves for it

@@ -6,6 +6,7 @@ tied or separate output head.  A draft model is the same class running only the 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -65,6 +66,14 @@ def wide_linear(device: torch.device, dtype: torch.dtype) -> Callable:
     if onednn is None or not (on_cpu_fp32 and torch.backends.mkldnn.is_available()):
         return F.linear
     return lambda x, w: onednn(x, w, None, "none", [], "")
+
+
+@functools.cache
+def _kernels():
+    """The Triton kernels package, imported on first use: never on a CPU-only path."""
+    from memstep.executors import kernels
+
+    return kernels
 
 
 class LlamaModel:
@@ -174,29 +183,44 @@ class LlamaModel:
         and the decode graphs alike. `residual` ([T, hidden], the embeddings) is updated in
         place; `attend(q, k_cache, v_cache)` is the caller's attention, [T, H, D] -> [T, H, D].
         Returns the final norm's output."""
-        from memstep.executors.kernels import (
-            fused_add_rmsnorm,
-            rmsnorm,
-            rope_and_write_kv,
-            silu_mul,
+        x = self.first_norm(residual)
+        for i in range(self.num_layers):
+            q = self.layer_in(i, x, positions, slots, kv_caches)
+            x = self.layer_out(i, attend(q, *kv_caches[i]), residual)
+        return x
+
+    def first_norm(self, residual: torch.Tensor) -> torch.Tensor:
+        """Layer 0's attention norm of the embeddings (Triton)."""
+        return _kernels().rmsnorm(residual, self.w["layers.0.attn_norm"], self.cfg.rms_eps)
+
+    def layer_in(
+        self,
+        i: int,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """Layer i up to its attention (Triton + cuBLAS): qkv of `x` (its normed input), rotary,
+        and the batch's K/V written to layer i's cache at `slots` (none where negative).
+        Returns q, [T, H, D] (a view of the qkv rows)."""
+        k_cache, v_cache = kv_caches[i]
+        qkv = F.linear(x, self.w[f"layers.{i}.wqkv"])
+        return _kernels().rope_and_write_kv(
+            qkv, self.cos, self.sin, positions, slots, k_cache, v_cache, self.cfg.num_heads
         )
 
-        cfg, w, t = self.cfg, self.w, residual.shape[0]
-        x = rmsnorm(residual, w["layers.0.attn_norm"], cfg.rms_eps)
-        for i, (k_cache, v_cache) in enumerate(kv_caches[: self.num_layers]):
-            p = f"layers.{i}."
-            qkv = F.linear(x, w[p + "wqkv"])
-            q = rope_and_write_kv(
-                qkv, self.cos, self.sin, positions, slots, k_cache, v_cache, cfg.num_heads
-            )
-            o = attend(q, k_cache, v_cache)
-            attn = self.reduce(F.linear(o.reshape(t, -1), w[p + "wo"]))
-            x = fused_add_rmsnorm(attn, residual, w[p + "mlp_norm"], cfg.rms_eps)
-            down = self.reduce(F.linear(silu_mul(F.linear(x, w[p + "w_gate_up"])), w[p + "w_down"]))
-            last = i + 1 == self.num_layers
-            next_norm = w["norm"] if last else w[f"layers.{i + 1}.attn_norm"]
-            x = fused_add_rmsnorm(down, residual, next_norm, cfg.rms_eps)
-        return x
+    def layer_out(self, i: int, o: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """Layer i from its attention output `o` ([T, H, D]): wo and the MLP, each added to
+        `residual` in place. Returns the next layer's normed input (after the last layer, the
+        final norm's output)."""
+        k, cfg, w, p = _kernels(), self.cfg, self.w, f"layers.{i}."
+        attn = self.reduce(F.linear(o.reshape(o.shape[0], -1), w[p + "wo"]))
+        x = k.fused_add_rmsnorm(attn, residual, w[p + "mlp_norm"], cfg.rms_eps)
+        down = self.reduce(F.linear(k.silu_mul(F.linear(x, w[p + "w_gate_up"])), w[p + "w_down"]))
+        last = i + 1 == self.num_layers
+        next_norm = w["norm"] if last else w[f"layers.{i + 1}.attn_norm"]
+        return k.fused_add_rmsnorm(down, residual, next_norm, cfg.rms_eps)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """[T] token ids -> [T, hidden]. Vocabulary-parallel: each rank looks up the ids of its

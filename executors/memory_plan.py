@@ -35,7 +35,7 @@ class MemoryPlan:
     kv_page_bytes: int
     num_kv_blocks: int
     predicted_peak_bytes: int
-    graph_bytes: int = 0  # CUDA: the decode graphs' static buffers and pool (estimated)
+    graph_bytes: int = 0  # CUDA: the graphs' static buffers and pool (estimated)
 
     def to_dict(self) -> dict[str, Any]:
         return attrs.asdict(self)
@@ -186,6 +186,10 @@ def _graph_bytes(cfg: EngineConfig, model_cfg: ModelConfig, blocks: int, dtype: 
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
     shape = (m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim, m.intermediate_size)
     graphs = static_bytes(cfg.max_num_seqs, blocks, cfg.block_size, *shape, dtype_bytes)
+    if cfg.cuda_graphs and cfg.piecewise_graphs and cfg.tensor_parallel_size == 1:
+        from memstep.executors.piecewise import piecewise_bytes
+
+        graphs += piecewise_bytes(cfg.max_num_batched_tokens, *shape, dtype_bytes)
     return graphs + CAPTURE_MARGIN
 
 

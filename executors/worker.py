@@ -268,6 +268,9 @@ class Worker:
                 return self.graphs.run(feeds)  # decode-only: a captured graph
             self.graphs.drop_ahead()
         batch, last_rows = build_batch(feeds, self.cfg.block_size, self.device)
+        pieces = self.graphs.pieces if self.graphs is not None else None
+        if pieces is not None and pieces.can_run(batch.num_tokens):
+            return pieces.run(batch), last_rows  # a view of a static buffer, as a graph's
         return self.model.forward(batch, self.kv), last_rows
 
     def sample_rows(self, seqs: list[SeqPlan]) -> list[Row]:

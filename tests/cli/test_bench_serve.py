@@ -50,9 +50,17 @@ def test_metrics_follow_vllms_definitions():
 
 
 def test_server_flags_rebuild_the_same_engine_config():
-    cfg = EngineConfig(model="random:tiny", max_num_seqs=4, cuda_graphs=False, num_threads=1)
+    cfg = EngineConfig(
+        model="random:tiny",
+        max_num_seqs=4,
+        cuda_graphs=False,
+        num_threads=1,
+        piecewise_graphs=True,
+        debug_kill_restarted_executor=True,
+    )
     flags = server_flags(cfg)
     assert flags[:2] == ["--model", "random:tiny"] and "--no-cuda-graphs" in flags
+    assert "--piecewise-graphs" in flags and "True" not in flags  # store_true flags: no value
     p = argparse.ArgumentParser()
     serve.add_arguments(p)
     assert config_from_args(p.parse_args(flags)) == cfg

@@ -274,6 +274,44 @@ def test_graph_replay_equals_eager_decode(engine_name, request):
     assert slots == expected
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_piecewise_graphs_equal_the_eager_forward_of_a_mixed_step(dtype):
+    """Two decodes beside a continued 20-token chunk (22 tokens, the 32 bucket's graphs):
+    logits through the captured pieces equal the eager forward's within the dtype's
+    tolerance, and every bucket was captured, L + 1 graphs each."""
+    engine = make_engine(dtype, piecewise_graphs=True)
+    try:
+        worker = engine.executor.worker
+        pieces = worker.graphs.pieces
+        assert sorted(pieces.graphs) == pieces.sizes
+        assert all(len(g) == worker.model.num_layers + 1 for g in pieces.graphs.values())
+        vocab, block = engine.model_cfg.vocab_size, worker.cfg.block_size
+        prompts = random_prompts([7, 30, 19], vocab, 6)
+        conts = random_prompts([1, 1, 20], vocab, 7)
+        feeds = []  # two decodes and a 20-token chunk, at the end of each prompt
+        for i, (prompt, cont) in enumerate(zip(prompts, conts, strict=True)):
+            table = list(range(4 * i, 4 * i + 4))
+            seq = SeqPlan(f"s{i}", len(prompt), cont, table, True, 0, len(prompt), {})
+            feeds.append((seq, cont))
+        with torch.inference_mode():
+            worker.forward(_feeds(prompts, conts, 0, block, 4))
+            assert sum(len(t) for _, t in feeds) == 22 and pieces.padded_size(22) == 32
+            runs = pieces.num_runs
+            hidden, rows = worker.forward(feeds)
+            graphed = worker.model.logits(hidden[rows]).clone()
+            assert pieces.num_runs == runs + 1
+            worker.graphs.pieces = None
+            try:
+                hidden, rows = worker.forward(feeds)
+            finally:
+                worker.graphs.pieces = pieces
+            eager = worker.model.logits(hidden[rows])
+        tolerance = 1e-5 if dtype == "float32" else 2e-2
+        assert relative_error(graphed, eager) < tolerance
+    finally:
+        release(engine)
+
+
 def staggered_tokens(engine: Engine, num_requests: int, seed: int) -> dict[str, list[int]]:
     """Requests with random sampling and lengths, one joining every fifth step; the tokens
     each one got."""
@@ -328,15 +366,22 @@ def allocator_figures() -> tuple[int, int]:
     return stats["segment.all.current"], stats["reserved_bytes.all.current"]
 
 
-def test_reserved_memory_after_warmup_and_capture_is_within_the_plan():
+@pytest.mark.parametrize("piecewise", [False, True])
+def test_reserved_memory_after_warmup_and_capture_is_within_the_plan(piecewise):
     """Warm-up runs every shape serving allocates for (short chunks at the end of long
     contexts among them, whose packed attention gathers the most keys): the allocator's
-    reserved peak stays within the profile's predicted peak. The executor runs in a process
-    of its own, as served: this one's CUDA memory (other tests' engines) is not its."""
+    reserved peak stays within the profile's predicted peak, with the piecewise graphs' pool
+    and buffers too. The executor runs in a process of its own, as served: this one's CUDA
+    memory (other tests' engines) is not its."""
     from memstep.executors.remote import ProcessExecutor
 
     cfg = EngineConfig(
-        model=SMOL, dtype="bfloat16", max_num_seqs=32, max_model_len=512, num_kv_blocks=1024
+        model=SMOL,
+        dtype="bfloat16",
+        max_num_seqs=32,
+        max_model_len=512,
+        num_kv_blocks=1024,
+        piecewise_graphs=piecewise,
     )
     engine = Engine(cfg, ProcessExecutor)
     try:
@@ -347,17 +392,20 @@ def test_reserved_memory_after_warmup_and_capture_is_within_the_plan():
         release(engine)
 
 
-def test_no_new_allocator_segments_after_warmup_and_capture():
+@pytest.mark.parametrize("piecewise", [False, True])
+def test_no_new_allocator_segments_after_warmup_and_capture(piecewise):
     leaks: list[LeakSuspected] = []
     sink = lambda rec: leaks.append(rec) if isinstance(rec, LeakSuspected) else None  # noqa: E731
-    engine = make_engine("bfloat16", sinks=[sink], max_num_seqs=32)
+    engine = make_engine("bfloat16", sinks=[sink], max_num_seqs=32, piecewise_graphs=piecewise)
     try:
         segments, reserved = allocator_figures()
 
         steps = rising_waves(engine, num_requests=400, max_concurrency=32, seed=8)
 
         assert steps > 300
-        assert engine.executor.worker.graphs.num_replays > steps // 2
+        runner = engine.executor.worker.graphs
+        assert runner.num_replays > steps // 2
+        assert (runner.pieces is not None and runner.pieces.num_runs > 10) is piecewise
         assert allocator_figures() == (segments, reserved)
         assert leaks == []
     finally:
