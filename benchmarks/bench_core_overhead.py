@@ -3,8 +3,10 @@
 An in-process engine with the smallest random model keeps `--requests` requests decoding (short
 prompts, EOS ignored, long outputs).  Each step's wall time is split into the time inside
 `executor.execute` and the rest, the core's own work (schedule, plan, record, detokenize, emit);
-the medians over `--steps` steady-state steps are printed.  `--record` adds an event-log
-`Recorder` to the sinks; `--profile N` prints the N costliest functions of the core's steps.
+the medians over `--steps` steady-state steps are printed, and the codec's time for the last
+step's plan and result (which a process executor encodes and decodes each step).  `--record`
+adds an event-log `Recorder` to the sinks; `--profile N` prints the N costliest functions of
+the core's steps.
 The executor runs on one CPU thread by default, so that its thread pool does not compete with the
 core on a small machine (the core's time, not the model's, is measured).
 
@@ -24,6 +26,7 @@ from pathlib import Path
 
 from memstep.core.config import EngineConfig, parse_override
 from memstep.core.sampling_params import SamplingParams
+from memstep.events import codec
 from memstep.events.types import EngineStarted
 from memstep.events.version import VERSION
 from memstep.executors.inprocess import local_engine
@@ -37,13 +40,16 @@ class TimedExecutor:
         self.inner = inner
         self.seconds = 0.0
         self.profiler: cProfile.Profile | None = None
+        self.last: tuple[object, object] | None = None  # the last plan and its result
 
     def execute(self, plan: object) -> object:
         if self.profiler is not None:
             self.profiler.disable()
         start = time.perf_counter()
         try:
-            return self.inner.execute(plan)  # type: ignore[attr-defined]
+            result = self.inner.execute(plan)  # type: ignore[attr-defined]
+            self.last = (plan, result)
+            return result
         finally:
             self.seconds += time.perf_counter() - start
             if self.profiler is not None:
@@ -110,9 +116,27 @@ def main() -> None:
     print(f"step total    median {1e3 * med(totals):8.2f} ms")
     print(f"executor      median {1e3 * med(inside):8.2f} ms")
     print(f"core (rest)   median {1e3 * med(cores):8.2f} ms  (min {1e3 * min(cores):.2f} ms)")
+    assert timed.last is not None
+    for name, rec in zip(("plan", "result"), timed.last, strict=True):
+        data = codec.encode(rec)
+        enc = med(timed_call(lambda rec=rec: codec.encode(rec)))
+        dec = med(timed_call(lambda data=data: codec.decode(data)))
+        print(
+            f"codec {name:<7} {len(data) / 1e3:8.1f} kB  encode {1e3 * enc:.2f} ms, "
+            f"decode {1e3 * dec:.2f} ms  (a process executor pays both each step)"
+        )
     if args.profile:
         stats = pstats.Stats(profiler).strip_dirs().sort_stats("tottime")
         stats.print_stats(args.profile)
+
+
+def timed_call(fn, times: int = 20) -> list[float]:
+    seconds = []
+    for _ in range(times):
+        start = time.perf_counter()
+        fn()
+        seconds.append(time.perf_counter() - start)
+    return seconds
 
 
 if __name__ == "__main__":

@@ -360,6 +360,27 @@ def test_unpack_refuses_ext_types_at_any_depth(value):
             codec.unpack(msgpack.packb(wrapped))
 
 
+@pytest.mark.parametrize(
+    "value",
+    [nested(codec.MAX_DEPTH + 1), {"a": [msgpack.Timestamp(1, 0)]}, {"a": msgpack.ExtType(5, b"")}],
+    ids=["deep", "timestamp", "ext"],
+)
+def test_decode_walks_untyped_fields_as_unpack_walks_frames(value):
+    """`decode` walks only untyped list and dict fields (the rest is typed): a value there
+    nested too deeply or holding an ext type is refused as a whole frame is, and named; the
+    same value typed elsewhere fails that field's check."""
+    seq = plan.SeqPlan("r", 0, [1], [0], True, 0, 1, {})
+    obj = to_obj(plan.StepPlan(0, "no_spec", [seq], []))
+    obj["seqs"][0]["params"] = {"stop": value}
+    with pytest.raises(CodecError, match="value of type|nested deeper") as err:
+        decode(msgpack.packb(obj))
+    assert "ExtType" in str(err.value) or "StepPlan.seqs[0]: SeqPlan.params" in str(err.value)
+    obj["seqs"][0]["params"] = {}
+    obj["seqs"][0]["prefix_ids"] = [value]
+    with pytest.raises(CodecError, match=r"SeqPlan.prefix_ids\[0\]: expected int|ExtType"):
+        decode(msgpack.packb(obj))
+
+
 def test_every_record_fits_within_max_depth():
     assert all(len(schema_depths(cls)) <= codec.MAX_DEPTH for cls in REGISTRY.values())
     assert max(len(schema_depths(cls)) for cls in REGISTRY.values()) >= 4  # nesting counted
