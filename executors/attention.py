@@ -27,11 +27,10 @@ _CUDA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 @attrs.frozen
 class AttnGroup:
     token_index: torch.Tensor  # [B, Q] rows of the flattened batch (padding points at row 0)
-    q_valid: torch.Tensor  # [B, Q] False on padding
+    q_pos: torch.Tensor  # [B, Q] position of each query in its sequence, -1 on padding
     valid_flat: torch.Tensor  # [N] flat index b * Q + q of each real query, found on the host
     valid_rows: torch.Tensor  # [N] its row in the flattened batch
     block_tables: torch.Tensor  # [B, NB] int32 page ids covering the group's longest context
-    mask: torch.Tensor  # [B, 1, Q, L] True where query may attend key
     seq_lens: torch.Tensor  # [B] int32 context length after this step
     is_decode: bool  # every query is one token: the Triton decode kernel applies
     first_row: int  # the queries are rows first_row.. + B * Q in order, no padding; else -1
@@ -76,22 +75,22 @@ def build_group(
     """One attention group; seq i's queries are rows starts[i]..+q_lens[i] at the end of ctx."""
     b, q = len(starts), max(q_lens)
     nb = max(cdiv(c, block_size) for c in ctx_lens)
-    rows: list[int] = []  # built as flat lists, one tensor each: no small tensor per sequence
-    positions: list[int] = []
-    pages: list[int] = []
-    for start, n, ctx, row in zip(starts, q_lens, ctx_lens, tables, strict=True):
-        rows += [*range(start, start + n), *[0] * (q - n)]
-        positions += [*range(ctx - n, ctx), *[-1] * (q - n)]
+    pages: list[int] = []  # built as flat lists, one tensor each: no small tensor per sequence
+    for ctx, row in zip(ctx_lens, tables, strict=True):
         used = cdiv(ctx, block_size)
-        pages += [*row[:used], *[0] * (nb - used)]
+        pages += row[:used]
+        pages += [0] * (nb - used)
+    if q == 1:  # decodes: no padding (a step of a thousand runs this)
+        rows, positions = starts, [ctx - 1 for ctx in ctx_lens]
+    else:
+        rows, positions = [], []
+        for start, n, ctx in zip(starts, q_lens, ctx_lens, strict=True):
+            rows += [*range(start, start + n), *[0] * (q - n)]
+            positions += [*range(ctx - n, ctx), *[-1] * (q - n)]
     index = torch.tensor(rows, dtype=torch.long).view(b, q)
     q_pos = torch.tensor(positions, dtype=torch.long).view(b, q)
     table = torch.tensor(pages, dtype=torch.int32).view(b, nb)  # as the decode kernel reads
-    k_pos = torch.arange(nb * block_size)
-    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (q_pos[:, :, None] >= 0)
-    # padded query rows attend key 0 so that softmax stays finite; their output is dropped
-    mask[:, :, 0] |= q_pos < 0
-    flat = (q_pos >= 0).flatten().nonzero().squeeze(1)
+    flat = torch.arange(b) if q == 1 else (q_pos >= 0).flatten().nonzero().squeeze(1)
     in_order = rows == list(range(starts[0], starts[0] + b * q))
     query_tables = query_lens = None
     if q > 1 and q <= SHORT_QUERY and device.type == "cpu":
@@ -99,11 +98,10 @@ def build_group(
         query_lens = (q_pos.flatten()[flat] + 1).to(torch.int32)
     return AttnGroup(
         token_index=index.to(device),
-        q_valid=(q_pos >= 0).to(device),
+        q_pos=q_pos.to(device),
         valid_flat=flat.to(device),
         valid_rows=index.flatten()[flat].to(device),
         block_tables=table.to(device),
-        mask=mask[:, None].to(device),
         seq_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=device),
         is_decode=q == 1,
         first_row=starts[0] if in_order else -1,
@@ -183,6 +181,17 @@ def packed_attention(
     return out
 
 
+def group_mask(group: AttnGroup, num_keys: int) -> torch.Tensor:
+    """[B, 1, Q, num_keys] True where a query may attend a key (made where the torch path
+    needs it, on the group's device: a decode kernel never reads it). Padded query rows attend
+    key 0 so that softmax stays finite; their output is dropped."""
+    q_pos = group.q_pos[:, :, None]
+    k_pos = torch.arange(num_keys, device=q_pos.device)
+    mask = (k_pos[None, None, :] <= q_pos) & (q_pos >= 0)
+    mask[:, :, 0] |= group.q_pos < 0
+    return mask[:, None]
+
+
 def torch_group_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: AttnGroup, scale: float
 ) -> torch.Tensor:
@@ -190,6 +199,7 @@ def torch_group_attention(
     k = gather_kv(k_cache, group.block_tables, q.dtype)
     v = gather_kv(v_cache, group.block_tables, q.dtype)
     qg = q[group.token_index].transpose(1, 2)  # [B, H, Q, D]
+    mask = group_mask(group, k.shape[2])
     if q.is_cuda:
         # torch's first choice on Hopper, cuDNN, builds an execution plan for every new shape
         # (found costing a second in the middle of serving); memory-efficient attention builds
@@ -198,9 +208,9 @@ def torch_group_attention(
         b, h, nq, d = qg.shape
         kvh = k.shape[1]
         folded = qg.reshape(b, kvh, h // kvh * nq, d)
-        mask = group.mask.repeat(1, 1, h // kvh, 1)
+        folded_mask = mask.repeat(1, 1, h // kvh, 1)
         with sdpa_kernel(_CUDA_BACKENDS):
-            out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask, scale=scale)
+            out = F.scaled_dot_product_attention(folded, k, v, attn_mask=folded_mask, scale=scale)
         return out.reshape(b, h, nq, d).transpose(1, 2)
     gqa = k.shape[1] != qg.shape[1]
     # each sequence alone, over its own context and queries, whether its group holds others or
@@ -208,13 +218,13 @@ def torch_group_attention(
     # (padding them to the longest changes the last bits, which an fp8 cache then rounds up to
     # a whole step)
     out = torch.zeros_like(qg)
-    q_lens = group.q_valid.sum(dim=1).tolist()
+    q_lens = (group.q_pos >= 0).sum(dim=1).tolist()
     for b, (n, ctx) in enumerate(zip(q_lens, group.seq_lens.tolist(), strict=True)):
         out[b : b + 1, :, :n] = F.scaled_dot_product_attention(
             qg[b : b + 1, :, :n],
             k[b : b + 1, :, :ctx],
             v[b : b + 1, :, :ctx],
-            attn_mask=group.mask[b : b + 1, :, :n, :ctx],
+            attn_mask=mask[b : b + 1, :, :n, :ctx],
             scale=scale,
             enable_gqa=gqa,
         )

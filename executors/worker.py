@@ -261,7 +261,9 @@ class Worker:
     def forward(
         self, feeds: list[tuple[SeqPlan, list[int]]], on_graph: bool | None = None
     ) -> tuple[torch.Tensor, list[int]]:
-        """Hidden states of the fed tokens and each feed's last row. `on_graph`: whether the
+        """Hidden states of the fed tokens and each feed's last row: from a decode graph, the
+        piecewise graphs (other steps, with `piecewise_graphs`) or the eager forward; the first
+        two are views of static buffers, valid until the next forward. `on_graph`: whether the
         decode graphs can run these feeds, when the caller has asked them already."""
         if self.graphs is not None:
             if self.graphs.can_run(feeds) if on_graph is None else on_graph:
