@@ -14,7 +14,7 @@ import attrs
 import torch
 
 from memstep.core.sampling_params import SamplingParams
-from memstep.executors.random_stream import SAMPLE, uniform
+from memstep.executors.random_stream import SAMPLE, uniforms
 from memstep.states.arena import tensor_bytes
 
 FILTER_ELEMENTS = 1 << 21  # elements of the vocabulary a filter pass works on at most
@@ -233,8 +233,8 @@ class Sampler:
     def _sample(self, probs: torch.Tensor, rows: list[Row], stream: int) -> PendingTokens:
         r = len(rows)
         u = self.uniforms[:r]
-        draws = [uniform(row.seed, row.position, stream) for row in rows]
-        u.copy_(to_device(draws, u.device))
+        draws = uniforms([row.seed for row in rows], [row.position for row in rows], stream)
+        u.copy_(to_device(draws.tolist(), u.device))
         return PendingTokens(inverse_cdf_on_device(probs, u, self.sorted[:r]), probs)
 
     def sample_logits(self, logits: torch.Tensor, rows: list[Row]) -> PendingTokens:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+import random
 from collections import Counter
 
 import torch
 
 from memstep.core.sampling_params import SamplingParams
-from memstep.executors.random_stream import uniform
+from memstep.executors.random_stream import ACCEPT, DRAFT, SAMPLE, uniform, uniforms
 from memstep.executors.sampler import Row, Sampler, top_logprobs
 
 V = 8
@@ -102,6 +103,17 @@ def test_uniform_is_keyed_by_seed_and_position():
     assert len({uniform(1, p) for p in range(100)}) == 100
     assert uniform(1, 5) != uniform(2, 5)
     assert all(0.0 <= uniform(s, p) < 1.0 for s in range(20) for p in range(20))
+
+
+def test_batched_uniforms_are_the_scalar_ones_to_the_bit():
+    """The sampler draws a batch's uniforms in numpy; each must be `uniform`'s exactly (a
+    recorded log replays the tokens only then), over seeds past 64 bits and negative ones."""
+    rng = random.Random(3)
+    seeds = [rng.randrange(-(2**70), 2**70) for _ in range(2000)] + [0, -1, 2**64 - 1]
+    positions = [rng.randrange(0, 2**40) for _ in seeds]
+    for stream in (SAMPLE, ACCEPT, DRAFT):
+        batched = uniforms(seeds, positions, stream).tolist()
+        assert batched == [uniform(s, p, stream) for s, p in zip(seeds, positions, strict=True)]
 
 
 def test_top_logprobs_are_log_softmax():
