@@ -34,6 +34,18 @@ def max_blocks_per_seq(max_len: int, lookahead: int, block_size: int) -> int:
     return cdiv(max_len + lookahead, block_size) + 1
 
 
+def layer_activation_elements(model: ModelConfig) -> int:
+    """Elements of one token's activations inside a decoder layer on CUDA, each intermediate
+    counted once: four hidden-sized (residual, norms, attention and MLP outputs), q, k and v,
+    and three of the MLP's width (gate and up, their product). The graphs' pools hold these."""
+    m = model
+    return (
+        4 * m.hidden_size
+        + (m.num_heads + 2 * m.num_kv_heads) * m.head_dim
+        + 3 * m.intermediate_size
+    )
+
+
 def check_tensor_parallel(model: ModelConfig, size: int) -> None:
     """Tensor parallelism splits query heads, KV heads and the MLP's width evenly over `size`
     ranks (the vocabulary is padded instead); a model that does not split is a ConfigError."""

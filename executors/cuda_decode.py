@@ -16,7 +16,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from memstep.core.shapes import cdiv
+from memstep.core.model_config import ModelConfig
+from memstep.core.shapes import cdiv, layer_activation_elements
 from memstep.executors.batch_builder import Feed
 from memstep.executors.kernels import DecodeWorkspace, paged_decode_attention
 from memstep.executors.kv_cache import slot_of
@@ -155,23 +156,16 @@ class DecodeForward:
 
 
 def static_bytes(
-    max_seqs: int,
-    max_blocks: int,
-    block_size: int,
-    hidden: int,
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-    intermediate: int,
-    dtype_bytes: int,
+    max_seqs: int, max_blocks: int, block_size: int, model: ModelConfig, dtype_bytes: int
 ) -> int:
     """Bytes the decode path holds once captured, over-estimated: buffers, a workspace for
     every row, and the graph pool's activations at the largest batch (each intermediate
     counted once, with a 2x margin)."""
-    rows = max_seqs
+    rows, heads, head_dim = max_seqs, model.num_heads, model.head_dim
     metadata = 4 * (4 * rows + rows * max_blocks) * 2
     parts = cdiv(max_blocks * block_size, DECODE_PARTITION)
     workspace = 4 * rows * heads * parts * (head_dim + 1)
-    buffers = dtype_bytes * rows * (heads * head_dim + hidden)
-    per_row = 4 * hidden + (heads + 2 * kv_heads) * head_dim + 3 * intermediate
-    return metadata + workspace + buffers + 2 * dtype_bytes * rows * per_row
+    buffers = dtype_bytes * rows * (heads * head_dim + model.hidden_size)
+    return (
+        metadata + workspace + buffers + 2 * dtype_bytes * rows * layer_activation_elements(model)
+    )

@@ -182,14 +182,12 @@ def _kind_bytes(cfg, model_cfg, dtype, blocks: int, device_type: str, exclude_dr
 def _graph_bytes(cfg: EngineConfig, model_cfg: ModelConfig, blocks: int, dtype: torch.dtype) -> int:
     from memstep.executors.cuda_decode import static_bytes
 
-    m = model_cfg
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
-    shape = (m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim, m.intermediate_size)
-    graphs = static_bytes(cfg.max_num_seqs, blocks, cfg.block_size, *shape, dtype_bytes)
+    graphs = static_bytes(cfg.max_num_seqs, blocks, cfg.block_size, model_cfg, dtype_bytes)
     if cfg.cuda_graphs and cfg.piecewise_graphs and cfg.tensor_parallel_size == 1:
         from memstep.executors.piecewise import piecewise_bytes
 
-        graphs += piecewise_bytes(cfg.max_num_batched_tokens, *shape, dtype_bytes)
+        graphs += piecewise_bytes(cfg.max_num_batched_tokens, model_cfg, dtype_bytes)
     return graphs + CAPTURE_MARGIN
 
 

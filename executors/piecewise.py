@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from memstep.core.model_config import ModelConfig
+from memstep.core.shapes import layer_activation_elements
 from memstep.executors.attention import ForwardBatch, attention
 from memstep.executors.llama import LlamaModel
 from memstep.states.arena import tensor_bytes
@@ -165,18 +167,10 @@ class PiecewiseRunner:
         }
 
 
-def piecewise_bytes(
-    max_tokens: int,
-    hidden: int,
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-    intermediate: int,
-    dtype_bytes: int,
-) -> int:
+def piecewise_bytes(max_tokens: int, model: ModelConfig, dtype_bytes: int) -> int:
     """Bytes the piecewise graphs hold, over-estimated: the static buffers at the largest
     bucket, and the pool's intermediates of one piece there (each counted once, 2x margin)."""
     rows = bucket_sizes(max_tokens)[-1]
-    static = rows * (3 * 8 + dtype_bytes * (2 * hidden + 2 * heads * head_dim))
-    per_row = 4 * hidden + (heads + 2 * kv_heads) * head_dim + 3 * intermediate
-    return static + 2 * dtype_bytes * rows * per_row
+    q_width = model.num_heads * model.head_dim
+    static = rows * (3 * 8 + dtype_bytes * (2 * model.hidden_size + 2 * q_width))
+    return static + 2 * dtype_bytes * rows * layer_activation_elements(model)

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
+
+if not torch.cuda.is_available():  # before anything imports triton: see test_kernels.py
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from memstep.core.config import EngineConfig
 from memstep.core.engine import Engine

@@ -1,39 +1,31 @@
 """Piecewise graphs of eager steps (executors/piecewise.py), their pieces run eagerly on the CPU.
 
 The pieces are CUDA's fused layers (Triton kernels), so without CUDA they run in Triton's
-interpreter, which must be chosen before triton is imported (see test_kernels.py). Capture
-itself needs CUDA: test_gpu.py replays the captured graphs against the eager forward.
+interpreter, which tests/conftest.py chooses before anything imports triton (see
+test_kernels.py). Capture itself needs CUDA: test_gpu.py replays the captured graphs against
+the eager forward.
 """
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
-_IS_INTERPRETED = not torch.cuda.is_available()
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-_TOO_LATE = _IS_INTERPRETED and "triton" in sys.modules and not _INTERPRET
-if _IS_INTERPRETED:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from memstep.core.model_config import PRESETS
+from memstep.core.model_source import resolve
+from memstep.events.plan import SeqPlan
+from memstep.executors import kv_cache
+from memstep.executors.batch_builder import build_batch
+from memstep.executors.llama import LlamaModel
+from memstep.executors.piecewise import PiecewiseRunner, bucket_sizes, piecewise_bytes
+from memstep.executors.weights import load_weights
+
 pytest.importorskip("triton")
+from memstep.executors.kernels import triton_available  # noqa: E402
 
-from memstep.core.model_config import PRESETS  # noqa: E402
-from memstep.core.model_source import resolve  # noqa: E402
-from memstep.events.plan import SeqPlan  # noqa: E402
-from memstep.executors import kv_cache  # noqa: E402
-from memstep.executors.batch_builder import build_batch  # noqa: E402
-from memstep.executors.llama import LlamaModel  # noqa: E402
-from memstep.executors.piecewise import (  # noqa: E402
-    PiecewiseRunner,
-    bucket_sizes,
-    piecewise_bytes,
+pytestmark = pytest.mark.skipif(
+    not triton_available(), reason="needs CUDA, or TRITON_INTERPRET=1 (tests/conftest.py)"
 )
-from memstep.executors.weights import load_weights  # noqa: E402
-
-pytestmark = pytest.mark.skipif(_TOO_LATE, reason="triton was imported before TRITON_INTERPRET")
 CPU = torch.device("cpu")
 BLOCK = 4
 PAGES = 40
@@ -123,6 +115,4 @@ def test_a_lost_pad_slot_writes_padding_into_the_cache():
 def test_the_plan_estimate_covers_the_static_buffers():
     model = tiny_model()
     runner = PiecewiseRunner(model, caches(model), max_tokens=64)
-    c = model.cfg
-    shape = (c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size)
-    assert runner.nbytes <= piecewise_bytes(64, *shape, 4)
+    assert runner.nbytes <= piecewise_bytes(64, model.cfg, 4)
