@@ -6,7 +6,8 @@ prompts, EOS ignored, long outputs).  Each step's wall time is split into the ti
 the medians over `--steps` steady-state steps are printed, and the codec's time for the last
 step's plan and result (which a process executor encodes and decodes each step).  `--record`
 adds an event-log `Recorder` to the sinks; `--profile N` prints the N costliest functions of
-the core's steps.
+the core's steps. `--process` runs the executor in a process of its own, as `memstep serve`
+does: the executor's figure is then its round trip (the codec, the socket and its own work).
 The executor runs on one CPU thread by default, so that its thread pool does not compete with the
 core on a small machine (the core's time, not the model's, is measured).
 
@@ -25,11 +26,13 @@ import time
 from pathlib import Path
 
 from memstep.core.config import EngineConfig, parse_override
+from memstep.core.engine import Engine
 from memstep.core.sampling_params import SamplingParams
 from memstep.events import codec
 from memstep.events.types import EngineStarted
 from memstep.events.version import VERSION
 from memstep.executors.inprocess import local_engine
+from memstep.executors.remote import ProcessExecutor
 from memstep.replay.recorder import Recorder
 
 
@@ -67,6 +70,11 @@ def main() -> None:
     p.add_argument("--record", action="store_true", help="write the event log while stepping")
     p.add_argument("--profile", type=int, default=0, metavar="N", help="print N top functions")
     p.add_argument("--num-threads", type=int, default=1)
+    p.add_argument(
+        "--process",
+        action="store_true",
+        help="the executor in its own process, as served: `executor` is then the round trip",
+    )
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args()
     max_tokens = args.warmup + args.steps + 16  # nobody finishes while measured
@@ -79,7 +87,7 @@ def main() -> None:
         num_threads=args.num_threads,
     )
     cfg = cfg.replace(**dict(parse_override(text) for text in args.overrides))
-    engine = local_engine(cfg)
+    engine = Engine(cfg, ProcessExecutor) if args.process else local_engine(cfg)
     engine.executor = timed = TimedExecutor(engine.executor)
     with tempfile.TemporaryDirectory() as tmp:
         if args.record:
@@ -111,7 +119,9 @@ def main() -> None:
             recorder.close()
     cores = [t - x for t, x in zip(totals, inside, strict=True)]
     med = statistics.median
+    where = "its own process" if args.process else "this process"
     print(f"model {engine.source.label}, {running} running decodes, {args.steps} steps", end="")
+    print(f", the executor in {where}", end="")
     print(", recording" if args.record else "")
     print(f"step total    median {1e3 * med(totals):8.2f} ms")
     print(f"executor      median {1e3 * med(inside):8.2f} ms")
