@@ -1,7 +1,9 @@
 """The one codec for every registered record: msgpack bytes <-> plain maps <-> attrs records.
 
 A record travels as a msgpack map ``{"t": ClassName, <field>: <value>, ...}``; a field typed as
-another record (or a list or dict of them) nests the same kind of map.  Pickle is never used.
+another record (or a list or dict of them) nests the same kind of map, except a list of a row
+record (`row_record`: a step's sequences), whose items are arrays of their values in field
+order.  Pickle is never used.
 
 Decoding trusts nothing.  Every field is checked against the class annotations (int, float,
 str, bool, bytes, ``X | None``, ``list``, ``list[X]``, ``dict``, ``dict[str, X]`` and registered
@@ -13,6 +15,7 @@ an untrusted value only through `describe`, so no input can reach Python's recur
 
 from __future__ import annotations
 
+import operator
 import reprlib
 import types
 import typing
@@ -22,7 +25,7 @@ from typing import Any
 import attrs
 import msgpack
 
-from memstep.events.types import REGISTRY
+from memstep.events.types import REGISTRY, ROW_RECORDS
 
 MAX_RECORD_BYTES = 64 * 1024 * 1024  # payloads above this are refused before unpacking
 MAX_DEPTH = 32  # containers inside containers; the deepest record class needs 5, a request 3
@@ -306,6 +309,46 @@ def _dict_of(inner: Decoder) -> Decoder:
     return check
 
 
+def _rows_of(cls: type) -> Decoder:
+    """A list of `cls` records as rows (`row_record`): each a list of its values in field
+    order, each value checked as the field's. Unlocated, the exact-typed values of a row are
+    checked in one comparison of their types and only the others go through decoders."""
+
+    def check(value: Any, where: str | None) -> Any:
+        if type(value) is not list:
+            raise _mismatch(where, f"list[{cls.__name__}]", value)
+        spec = _spec(cls)
+        width = len(spec.fast)
+        exact = [i for i, (_, tp, _) in enumerate(spec.fast) if tp is not None]
+        types = tuple(spec.fast[i][1] for i in exact)
+        exact_of = operator.itemgetter(*exact) if len(exact) > 1 else None
+        decoded = [(i, dec) for i, (_, tp, dec) in enumerate(spec.fast) if tp is None]
+        out = []
+        for i, row in enumerate(value):
+            if type(row) not in (list, tuple) or len(row) != width:  # tuple: to_obj's own
+                got = describe(row)
+                raise CodecError(f"{where}[{i}]: expected a {cls.__name__} row of {width}, {got}")
+            if where is None and exact_of is not None:
+                if tuple(map(type, exact_of(row))) != types:
+                    raise CodecError("a row value of the wrong type")  # located again
+                args = list(row)
+                for j, decoder in decoded:
+                    args[j] = decoder(args[j], None)
+            else:
+                at = f"{where}[{i}]: "
+                args = [
+                    dec(item, at + label)
+                    for (_, label, dec), item in zip(spec.decoders, row, strict=True)
+                ]
+            try:
+                out.append(cls(*args))
+            except (TypeError, ValueError) as e:
+                raise CodecError(f"{where}[{i}]: {cls.__name__}: {e}") from e
+        return out
+
+    return check
+
+
 def _nested(cls: type) -> Decoder:
     def check(value: Any, where: str | None) -> Any:
         return _record_from_obj(value, _at(where, ": "), cls)
@@ -327,6 +370,8 @@ def _decoder(tp: Any) -> Decoder:
         return _optional(_decoder(_not_none(args)))
     if origin is list and args[0] in _EXACT_TYPES:
         return _list_of_exact(args[0])
+    if origin is list and args[0] in ROW_RECORDS:
+        return _rows_of(args[0])
     if origin is list:
         return _list_of(_decoder(args[0]))
     if origin is dict and args[0] is str:
@@ -343,6 +388,8 @@ def _encoder(tp: Any) -> Encoder:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if _is_record(tp):
         return to_obj
+    if origin is list and args[0] in ROW_RECORDS:
+        return _rows_encoder(args[0])
     if _is_optional(origin, args):
         return _map_encoder(_encoder(_not_none(args)), lambda f, v: None if v is None else f(v))
     if origin is list:
@@ -350,6 +397,17 @@ def _encoder(tp: Any) -> Encoder:
     if origin is dict:
         return _map_encoder(_encoder(args[1]), lambda f, v: {k: f(x) for k, x in v.items()})
     return None
+
+
+def _rows_encoder(cls: type) -> Encoder:
+    """A list of `cls` records as rows: tuples of their values in field order (msgpack writes
+    arrays). Its fields must be plain: a row holds no record."""
+    names = tuple(field.name for field in attrs.fields(cls))
+    hints = typing.get_type_hints(cls)
+    if any(_encoder(hints[n]) is not None for n in names) or len(names) < 2:
+        raise TypeError(f"{cls.__name__}: a row record needs two or more plain fields")
+    values = operator.attrgetter(*names)
+    return lambda rows: [values(row) for row in rows]
 
 
 def _map_encoder(inner: Encoder, apply: Callable[[Callable[[Any], Any], Any], Any]) -> Encoder:

@@ -4,10 +4,21 @@ from __future__ import annotations
 
 import attrs
 
-from memstep.events.types import LeakSuspected, MemoryReport, StateEntered, StateExited, record
+from memstep.events.types import (
+    LeakSuspected,
+    MemoryReport,
+    StateEntered,
+    StateExited,
+    record,
+    row_record,
+)
+
+# the executor link's version (ExecutorHello.protocol): 2 since SeqPlan and SeqResult travel
+# as rows
+EXECUTOR_PROTOCOL_VERSION = 2
 
 
-@record
+@row_record
 class SeqPlan:
     request_id: str
     start_pos: int  # position of token_ids[0]
@@ -32,7 +43,7 @@ class StepPlan:
     finished: list[str]  # requests whose executor-side state must be dropped
 
 
-@record
+@row_record
 class SeqResult:
     request_id: str
     token_ids: list[int]  # tokens appended to the request this step

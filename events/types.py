@@ -25,6 +25,18 @@ def record(cls: type) -> type:
     return frozen
 
 
+ROW_RECORDS: set[type] = set()  # records that travel as rows inside a list field (`row_record`)
+
+
+def row_record(cls: type) -> type:
+    """`record`, and in a list field of another record it travels as a row: a msgpack array
+    of its values in field order, no type tag or keys (a step's thousand sequences decode in
+    half the time). On its own it is a tagged map as any record."""
+    frozen = record(cls)
+    ROW_RECORDS.add(frozen)
+    return frozen
+
+
 # --- shared pieces -------------------------------------------------------------------------
 
 

@@ -39,10 +39,9 @@ import zmq
 
 from memstep.core.logging import setup_logging
 from memstep.events import codec
-from memstep.events.plan import PhaseRequest, StepPlan
+from memstep.events.plan import EXECUTOR_PROTOCOL_VERSION, PhaseRequest, StepPlan
 from memstep.events.version import VERSION
 from memstep.events.wire import (
-    PROTOCOL_VERSION,
     ExecutorError,
     ExecutorHello,
     ExecutorInit,
@@ -159,7 +158,7 @@ class ExecutorProcess:
 
     def serve(self) -> None:
         assert self.sock is not None
-        self.sock.send(codec.encode(ExecutorHello(os.getpid(), VERSION, PROTOCOL_VERSION)))
+        self.sock.send(codec.encode(ExecutorHello(os.getpid(), VERSION, EXECUTOR_PROTOCOL_VERSION)))
         while True:
             frame = self.sock.recv()
             try:

@@ -35,9 +35,14 @@ import zmq
 from memstep.core.config import EngineConfig
 from memstep.core.recovery import ExecutorDown
 from memstep.events import codec
-from memstep.events.plan import PhaseReply, PhaseRequest, StepPlan, StepResult
+from memstep.events.plan import (
+    EXECUTOR_PROTOCOL_VERSION,
+    PhaseReply,
+    PhaseRequest,
+    StepPlan,
+    StepResult,
+)
 from memstep.events.wire import (
-    PROTOCOL_VERSION,
     ExecutorError,
     ExecutorHello,
     ExecutorInit,
@@ -133,9 +138,9 @@ class ProcessExecutor:
 
     def _handshake(self, cfg: EngineConfig, max_model_len: int) -> None:
         hello = self._wait_for(ExecutorHello)
-        if hello.protocol != PROTOCOL_VERSION:
+        if hello.protocol != EXECUTOR_PROTOCOL_VERSION:
             raise ExecutorFailed(
-                f"executor speaks protocol {hello.protocol}, not {PROTOCOL_VERSION}"
+                f"executor speaks protocol {hello.protocol}, not {EXECUTOR_PROTOCOL_VERSION}"
             )
         ready = self._call(ExecutorInit(cfg.to_dict(), max_model_len), ExecutorReady)
         self._ready = True  # importing torch can hold the GIL, and so the heartbeats, for seconds

@@ -187,9 +187,33 @@ def test_any_record_round_trips(rec):
 
 
 @given(records_of(plan.StepPlan))  # importing plan also puts its records in ANY_RECORD
-def test_step_plan_nests_its_seq_plans(rec):
-    assert [seq["t"] for seq in to_obj(rec)["seqs"]] == ["SeqPlan"] * len(rec.seqs)
+def test_step_plan_carries_its_seq_plans_as_rows(rec):
+    """SeqPlan is a row record: inside a StepPlan each is its values in field order, with
+    no type tag or keys; alone it is a tagged map as any record."""
+    names = [f.name for f in attrs.fields(plan.SeqPlan)]
+    rows = to_obj(rec)["seqs"]
+    assert [list(row) for row in rows] == [[getattr(s, n) for n in names] for s in rec.seqs]
     assert decode(encode(rec)) == rec
+    if rec.seqs:
+        assert to_obj(rec.seqs[0])["t"] == "SeqPlan"
+
+
+def plan_rows(*seqs: plan.SeqPlan) -> dict:
+    """A StepPlan as the executor unpacks it: its seqs as lists of values."""
+    return msgpack.unpackb(encode(plan.StepPlan(0, "no_spec", list(seqs), [])), raw=False)
+
+
+def test_a_bad_row_value_is_named_with_its_row_and_field():
+    seq = plan.SeqPlan("r", 0, [1, 2], [0], True, 0, 2, {})
+    obj = plan_rows(seq, seq)
+    obj["seqs"][1][2] = [1, "2"]  # token_ids
+    match = r"StepPlan\.seqs\[1\]: SeqPlan\.token_ids\[1\]: expected int, got str"
+    with pytest.raises(CodecError, match=match):
+        from_obj(obj)
+    obj = plan_rows(seq)
+    obj["seqs"][0] = obj["seqs"][0][:-1]
+    with pytest.raises(CodecError, match=r"StepPlan\.seqs\[0\]: expected a SeqPlan row of 9"):
+        from_obj(obj)
 
 
 def test_nested_records_encode_as_tagged_maps():
@@ -369,14 +393,13 @@ def test_decode_walks_untyped_fields_as_unpack_walks_frames(value):
     """`decode` walks only untyped list and dict fields (the rest is typed): a value there
     nested too deeply or holding an ext type is refused as a whole frame is, and named; the
     same value typed elsewhere fails that field's check."""
-    seq = plan.SeqPlan("r", 0, [1], [0], True, 0, 1, {})
-    obj = to_obj(plan.StepPlan(0, "no_spec", [seq], []))
-    obj["seqs"][0]["params"] = {"stop": value}
+    obj = plan_rows(plan.SeqPlan("r", 0, [1], [0], True, 0, 1, {}))
+    obj["seqs"][0][7] = {"stop": value}  # params
     with pytest.raises(CodecError, match="value of type|nested deeper") as err:
         decode(msgpack.packb(obj))
     assert "ExtType" in str(err.value) or "StepPlan.seqs[0]: SeqPlan.params" in str(err.value)
-    obj["seqs"][0]["params"] = {}
-    obj["seqs"][0]["prefix_ids"] = [value]
+    obj["seqs"][0][7] = {}
+    obj["seqs"][0][8] = [value]  # prefix_ids
     with pytest.raises(CodecError, match=r"SeqPlan.prefix_ids\[0\]: expected int|ExtType"):
         decode(msgpack.packb(obj))
 
