@@ -15,6 +15,7 @@ an untrusted value only through `describe`, so no input can reach Python's recur
 
 from __future__ import annotations
 
+import functools
 import operator
 import reprlib
 import types
@@ -319,16 +320,13 @@ def _rows_of(cls: type) -> Decoder:
             raise _mismatch(where, f"list[{cls.__name__}]", value)
         spec = _spec(cls)
         width = len(spec.fast)
-        exact = [i for i, (_, tp, _) in enumerate(spec.fast) if tp is not None]
-        types = tuple(spec.fast[i][1] for i in exact)
-        exact_of = operator.itemgetter(*exact) if len(exact) > 1 else None
-        decoded = [(i, dec) for i, (_, tp, dec) in enumerate(spec.fast) if tp is None]
+        exact_of, types, decoded = _row_layout(cls)
         out = []
         for i, row in enumerate(value):
             if type(row) not in (list, tuple) or len(row) != width:  # tuple: to_obj's own
                 got = describe(row)
                 raise CodecError(f"{where}[{i}]: expected a {cls.__name__} row of {width}, {got}")
-            if where is None and exact_of is not None:
+            if where is None:
                 if tuple(map(type, exact_of(row))) != types:
                     raise CodecError("a row value of the wrong type")  # located again
                 args = list(row)
@@ -347,6 +345,21 @@ def _rows_of(cls: type) -> Decoder:
         return out
 
     return check
+
+
+@functools.cache
+def _row_layout(cls: type) -> tuple[Callable[[Any], tuple], tuple[type, ...], list]:
+    """For a row of `cls`: a getter of its exact-typed values (a tuple), their types, and the
+    (index, decoder) of the others; computed once per class."""
+    fast = _spec(cls).fast
+    exact = [i for i, (_, tp, _) in enumerate(fast) if tp is not None]
+    types = tuple(tp for _, tp, _ in fast if tp is not None)
+    getter: Callable[[Any], tuple]
+    if len(exact) > 1:
+        getter = operator.itemgetter(*exact)
+    else:  # an itemgetter of one index returns the value, not a tuple
+        getter = lambda row: tuple(row[i] for i in exact)  # noqa: E731
+    return getter, types, [(i, dec) for i, (_, tp, dec) in enumerate(fast) if tp is None]
 
 
 def _nested(cls: type) -> Decoder:
@@ -432,10 +445,11 @@ def _build_spec(cls: type) -> _Spec:
     names = [field.name for field in attrs.fields(cls)]
     if "t" in names:
         raise TypeError(f"{cls.__name__}: a record field may not be named 't'")
-    exact = {n: hints[n] if hints[n] in _EXACT_TYPES else None for n in names}
+    decoders = tuple((n, f"{cls.__name__}.{n}", _decoder(hints[n])) for n in names)
+    exact = [hints[n] if hints[n] in _EXACT_TYPES else None for n in names]
     return _Spec(
-        decoders=tuple((n, f"{cls.__name__}.{n}", _decoder(hints[n])) for n in names),
-        fast=tuple((n, exact[n], _decoder(hints[n])) for n in names),
+        decoders=decoders,
+        fast=tuple((n, tp, dec) for (n, _, dec), tp in zip(decoders, exact, strict=True)),
         encoders=tuple((n, _encoder(hints[n])) for n in names),
         names=frozenset(names),
     )

@@ -9,8 +9,10 @@ counter-based uniform per (seed, position), so it is batch-independent.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 
 import attrs
+import numpy as np
 import torch
 
 from memstep.core.sampling_params import SamplingParams
@@ -234,7 +236,7 @@ class Sampler:
         r = len(rows)
         u = self.uniforms[:r]
         draws = uniforms([row.seed for row in rows], [row.position for row in rows], stream)
-        u.copy_(to_device(draws.tolist(), u.device))
+        u.copy_(to_device(draws, u.device))
         return PendingTokens(inverse_cdf_on_device(probs, u, self.sorted[:r]), probs)
 
     def sample_logits(self, logits: torch.Tensor, rows: list[Row]) -> PendingTokens:
@@ -292,7 +294,7 @@ class HostCopy:
         return self._host.tolist()
 
 
-def to_device(values: list[float], device: torch.device) -> torch.Tensor:
+def to_device(values: Sequence[float] | np.ndarray, device: torch.device) -> torch.Tensor:
     """A float32 tensor of `values` on `device`; to a GPU through pinned memory without waiting
     for the device, so host work queued after it overlaps the step still running there."""
     if device.type != "cuda":
