@@ -210,6 +210,10 @@ def test_a_bad_row_value_is_named_with_its_row_and_field():
     match = r"StepPlan\.seqs\[1\]: SeqPlan\.token_ids\[1\]: expected int, got str"
     with pytest.raises(CodecError, match=match):
         from_obj(obj)
+    obj = plan_rows(seq, seq)
+    obj["seqs"][1][1] = "0"  # start_pos: an exact-typed value, checked with the row's others
+    with pytest.raises(CodecError, match=r"StepPlan\.seqs\[1\]: SeqPlan\.start_pos: expected int"):
+        from_obj(obj)
     obj = plan_rows(seq)
     obj["seqs"][0] = obj["seqs"][0][:-1]
     with pytest.raises(CodecError, match=r"StepPlan\.seqs\[0\]: expected a SeqPlan row of 9"):
