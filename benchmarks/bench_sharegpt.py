@@ -52,6 +52,13 @@ requests were refused `recovering`: the queue limit then counted every waiting r
 waited already); it now counts the new ones of each recovery (`--max-new-while-recovering`).
 The server was ready 16 s after its start: the sampler's filters had run row by row, and its
 warm-up (every batch size from 1 to 1,024) had taken 223 of 258 s.
+
+With piecewise CUDA graphs for prefill and mixed steps (on by default since; same device and
+model, 2026-12-01): 7,200 prompts at 21.3 req/s, 6,430 output tok/s, TTFT mean 48.3 s, TPOT mean
+145 ms, 0 failed; 0 new segments, reserved 123.5 GiB flat from the first served request to the
+last (plan 125.8), 0 leak reports; 3,207 steps of ~106 ms at ~1,000 running. 2,400 prompts: 24.3
+req/s, 7,306 output tok/s, TPOT 101 ms, reserved 124.0 GiB flat (plan 125.8). Capture of the 528
+piecewise graphs (16 buckets x 33 pieces) took 1.0 s beside 10.8 s for the decode graphs.
 """
 
 from __future__ import annotations

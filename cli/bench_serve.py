@@ -209,7 +209,7 @@ def server_flags(cfg: EngineConfig) -> list[str]:
         value = getattr(cfg, field.name)
         if value == getattr(default, field.name):
             continue
-        if field.name in ("cuda_graphs", "decode_ahead", "enable_prefix_caching"):  # store_false
+        if value is False:  # a setting on by default: a store_false flag
             flags.append("--no-" + field.name.replace("_", "-"))
         elif value is True:  # store_true
             flags.append("--" + field.name.replace("_", "-"))

@@ -113,10 +113,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         help="do not replay the next decode step's graph while the core records this one",
     )
     g.add_argument(
-        "--piecewise-graphs",
-        action="store_true",
-        help="CUDA graphs for prefill and mixed steps too: each layer's work outside attention, "
-        "per token bucket (experimental)",
+        "--no-piecewise-graphs",
+        dest="piecewise_graphs",
+        action="store_false",
+        help="run prefill and mixed steps eagerly, without their piecewise CUDA graphs (each "
+        "layer's work outside attention, per token bucket)",
     )
     g.add_argument("--num-threads", type=int, default=None, help="torch threads (None: torch's)")
     add_tensor_parallel_arguments(g, d)

@@ -75,8 +75,8 @@ class EngineConfig:
     # one for the same sequences; used when the next plan is that step, dropped otherwise
     decode_ahead: bool = True
     # CUDA graphs for the other steps too: each layer's work outside attention captured per
-    # token bucket, attention eager between (executors/piecewise.py); off until measured
-    piecewise_graphs: bool = False
+    # token bucket, attention eager between (executors/piecewise.py)
+    piecewise_graphs: bool = True
     num_threads: int | None = None
     # tensor parallelism: the executor is this many ranks in one torch.distributed group
     tensor_parallel_size: int = 1

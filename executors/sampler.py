@@ -299,7 +299,7 @@ def to_device(values: Sequence[float] | np.ndarray, device: torch.device) -> tor
     for the device, so host work queued after it overlaps the step still running there."""
     if device.type != "cuda":
         return torch.tensor(values, dtype=torch.float32)
-    host = torch.tensor(values, dtype=torch.float32, pin_memory=True)
+    host = torch.from_numpy(np.asarray(values, dtype=np.float32)).pin_memory()
     return host.to(device, non_blocking=True)
 
 

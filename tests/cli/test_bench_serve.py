@@ -55,12 +55,13 @@ def test_server_flags_rebuild_the_same_engine_config():
         max_num_seqs=4,
         cuda_graphs=False,
         num_threads=1,
-        piecewise_graphs=True,
+        piecewise_graphs=False,
         debug_kill_restarted_executor=True,
     )
     flags = server_flags(cfg)
     assert flags[:2] == ["--model", "random:tiny"] and "--no-cuda-graphs" in flags
-    assert "--piecewise-graphs" in flags and "True" not in flags  # store_true flags: no value
+    assert "--no-piecewise-graphs" in flags and "--debug-kill-restarted-executor" in flags
+    assert "True" not in flags and "False" not in flags  # switches take no value
     p = argparse.ArgumentParser()
     serve.add_arguments(p)
     assert config_from_args(p.parse_args(flags)) == cfg
