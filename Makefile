@@ -5,6 +5,8 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
+# test processes (pytest-xdist; each file's tests stay in one, its fixtures built once there)
+TEST_WORKERS ?= 2
 STAMP := $(VENV)/.installed-$(shell echo '$(TORCH_SPEC)' | tr -c 'a-zA-Z0-9.\n' '_')
 
 .PHONY: install run test test-gpu lint bench clean
@@ -28,7 +30,7 @@ lint: install
 	$(BIN)/mypy .
 
 test: install lint
-	$(BIN)/python -m pytest -q --durations=20
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=20
 
 test-gpu: install
 	$(BIN)/python -m pytest -q -m gpu

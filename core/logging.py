@@ -24,6 +24,17 @@ def setup_logging(fmt: str = "console", level: str = "info") -> None:
         wrapper_class=structlog.make_filtering_bound_logger(
             logging.getLevelNamesMapping()[level.upper()]
         ),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_Stderr()),
         cache_logger_on_first_use=False,
     )
+
+
+class _Stderr:
+    """Whatever `sys.stderr` is when a line is written, not when logging was set up: a stream
+    swapped afterwards (a test's capture, closed when the test ends; a redirect) is followed."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
