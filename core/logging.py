@@ -24,17 +24,12 @@ def setup_logging(fmt: str = "console", level: str = "info") -> None:
         wrapper_class=structlog.make_filtering_bound_logger(
             logging.getLevelNamesMapping()[level.upper()]
         ),
-        logger_factory=structlog.PrintLoggerFactory(file=_Stderr()),
+        logger_factory=_stderr_logger,
         cache_logger_on_first_use=False,
     )
 
 
-class _Stderr:
-    """Whatever `sys.stderr` is when a line is written, not when logging was set up: a stream
-    swapped afterwards (a test's capture, closed when the test ends; a redirect) is followed."""
-
-    def write(self, text: str) -> int:
-        return sys.stderr.write(text)
-
-    def flush(self) -> None:
-        sys.stderr.flush()
+def _stderr_logger(*_args: object) -> structlog.PrintLogger:
+    """A logger to `sys.stderr` as it is now (loggers are not cached: one is made per line): a
+    stream swapped after set-up (a test's capture, closed when the test ends) is followed."""
+    return structlog.PrintLogger(sys.stderr)
