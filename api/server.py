@@ -1,8 +1,11 @@
 """The API server: a ZeroMQ ROUTER socket in front of the engine, driven by one thread.
 
 Each turn of the loop reads the socket (waiting `idle_poll_s` when there is nothing to do, not at
-all while there is), answers every message, checks the executor, runs one engine step and sends
-what it produced.  The wire protocol is in `docs/protocol.md`; its records in `events/wire.py`.
+all while there is), answers every message, checks the executor and runs one engine step in two
+halves: it hands the step to the executor, sends what the last step produced while the executor
+runs this one (an executor in its own process: the sends overlap the step), then waits for the
+step's outputs, which the next turn sends.  The wire protocol is in `docs/protocol.md`; its
+records in `events/wire.py`.
 
 Bad input never ends the loop: every frame gets a reply, an ErrorReply when it cannot be served
 (any failure to decode one is an ErrorReply too; a frame whose reply cannot be sent is dropped).
@@ -22,7 +25,8 @@ import collections
 import ipaddress
 import os
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import attrs
 import structlog
@@ -61,6 +65,8 @@ from memstep.events.wire import (
 from memstep.replay.resume import ResumePoint
 
 log = structlog.get_logger("memstep.server")
+
+T = TypeVar("T")
 
 MAX_MESSAGES_PER_TURN = 256
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
@@ -179,6 +185,7 @@ class Server:
         self.gone: set[bytes] = set()  # peers whose connection closed; dropped each turn
         self.finished: collections.Counter[str] = collections.Counter()
         self.executor_death: str | None = None  # why the engine gave up on executors
+        self.unsent: list[RequestOutput] = []  # the last step's outputs, sent during the next
         self.dead_since: float | None = None
         self.tally = Tally()
         self.detached = Reattach()  # requests carried over from a dead server's log
@@ -223,20 +230,21 @@ class Server:
     def serve_forever(self) -> None:
         while not self.stopping:
             self.run_once()
+        self._send_unsent()
 
     def stop(self) -> None:
         """Make serve_forever return after the current turn (safe from a signal handler)."""
         self.stopping = True
 
     def run_once(self) -> None:
-        """Read, check the executor, step, send."""
-        busy = self._can_step()
+        """Read, check the executor, step (sending the last step's outputs while the executor
+        runs this one), keep quiet clients alive."""
+        busy = self._can_step() or bool(self.unsent)
         self._receive(0 if busy else self.cfg.idle_poll_s)
         self._check_executor()
-        if self._can_step():
-            self._step()
-        self._keepalive()
         self._drop_gone_peers()
+        self._step()
+        self._keepalive()
         dead_for = time.monotonic() - (self.dead_since or time.monotonic())
         if self.dead_since is not None and dead_for > self.cfg.dead_exit_s:
             self.stopping = True
@@ -278,18 +286,30 @@ class Server:
             self._executor_died(str(exc))
 
     def _step(self) -> None:
-        try:
-            outputs = self.engine.step()
-        except EngineDead as exc:
-            self._executor_died(str(exc))
-            return
-        except Exception as exc:
-            log.exception("engine step failed")
-            self._fail_all("internal_error", f"engine step failed: {exc}")
-            return
+        """Launch a step; while the executor runs it, send the outputs of the last one; then
+        wait for this one's, which the next turn sends (at once if no step follows it)."""
+        launched = self._can_step() and self._engine_call(self.engine.launch)
+        self._send_unsent()
+        if launched:
+            self.unsent = self._engine_call(self.engine.finish) or []
+
+    def _send_unsent(self) -> None:
+        outputs, self.unsent = self.unsent, []
         now = time.monotonic()
         for out in outputs:
             self._deliver(out, now)
+
+    def _engine_call(self, call: Callable[[], T]) -> T | None:
+        """`call()`, or None once every request failed: the engine gave up on executors, or a
+        bug in a step (the server keeps serving)."""
+        try:
+            return call()
+        except EngineDead as exc:
+            self._executor_died(str(exc))
+        except Exception as exc:
+            log.exception("engine step failed")
+            self._fail_all("internal_error", f"engine step failed: {exc}")
+        return None
 
     def _keepalive(self) -> None:
         now = time.monotonic()
@@ -457,7 +477,8 @@ class Server:
         if engine_id is None:
             raise UnknownRequest(f"unknown request id {msg.target_id!r}")
         inf = self.inflight[engine_id]
-        self.engine.abort(engine_id)
+        if engine_id in self.engine.requests:  # else finished, its last output not sent yet
+            self.engine.abort(engine_id)
         self._forget(engine_id, "abort")
         self._send(inf.envelope, inf.done("abort", time.monotonic()))
         self._send(envelope, AbortReply(msg.request_id, msg.target_id))
@@ -598,7 +619,8 @@ class Server:
             for engine_id, inf in list(self.inflight.items()):
                 if inf.peer == peer:
                     self._forget(engine_id, "disconnect")
-                    self.engine.abort(engine_id)
+                    if engine_id in self.engine.requests:
+                        self.engine.abort(engine_id)
                     log.info("client disconnected; request aborted", request_id=inf.request_id)
 
     def _executor_died(self, reason: str) -> None:

@@ -94,6 +94,7 @@ class Engine:
         self.death: str | None = None  # why the engine gave up on executors
         self.num_losses = 0
         self._aborted_in_recovery: list[str] = []
+        self._launched: tuple[StepBatch, StepPlan, bool] | None = None  # launch() .. finish()
         self.host_watch = HostWatch("core", cfg.host_leak_tolerance_mib << 20)
         self.emit(EngineStarted(VERSION, cfg.to_dict(), self.source.identity))
         for stage in START_STAGES:
@@ -242,20 +243,60 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Plan the step, apply the transition, run, record; while recovering, the next start-up
         stage of the new executor instead.  Raises EngineDead once the engine gave up."""
+        planned = self._next_plan()
+        if planned is None:
+            return []
+        try:
+            result = self.executor.execute(planned[1])
+        except ExecutorDown as exc:
+            self._lose(exc, "step")
+            return []
+        return self._done(planned[0], result)
+
+    def launch(self) -> bool:
+        """`step` in two halves, for a caller with work of its own to do while the executor runs
+        the step (the server sends the last step's outputs): plan the step and hand it over;
+        False if none was (nothing to run, or a start-up stage of a recovery ran instead).  An
+        executor that takes a plan without answering (`submit`: the process executor) runs it
+        until `finish`; nothing may add, abort or step in between."""
+        assert self._launched is None, "launch twice without finish"
+        planned = self._next_plan()
+        if planned is None:
+            return False
+        batch, plan = planned
+        submit = getattr(self.executor, "submit", None)
+        if submit is not None:
+            try:
+                submit(plan)
+            except ExecutorDown as exc:
+                self._lose(exc, "step")
+                return False
+        self._launched = (batch, plan, submit is not None)
+        return True
+
+    def finish(self) -> list[RequestOutput]:
+        """The launched step's result, recorded: the outputs `step` returns."""
+        assert self._launched is not None, "finish without launch"
+        (batch, plan, submitted), self._launched = self._launched, None
+        try:
+            result = self.executor.collect() if submitted else self.executor.execute(plan)
+        except ExecutorDown as exc:
+            self._lose(exc, "step")
+            return []
+        return self._done(batch, result)
+
+    def _next_plan(self) -> tuple[StepBatch, StepPlan] | None:
         if self.death is not None:
             raise EngineDead(self.death)
         if self.recovery is not None:
             self._recover_stage()
-            return []
+            return None
         batch = self.scheduler.schedule()
         if not batch.seqs:
-            return []
-        plan = self._plan(batch)
-        try:
-            result = self.executor.execute(plan)
-        except ExecutorDown as exc:
-            self._lose(exc, "step")
-            return []
+            return None
+        return batch, self._plan(batch)
+
+    def _done(self, batch: StepBatch, result: StepResult) -> list[RequestOutput]:
         outputs = self._record(batch, result)
         self.step_no += 1
         return outputs

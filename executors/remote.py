@@ -159,6 +159,14 @@ class ProcessExecutor:
     def execute(self, plan: StepPlan) -> StepResult:
         return self._call(plan, StepResult)
 
+    def submit(self, plan: StepPlan) -> None:
+        """`execute` in two halves: send the plan; the executor runs it while this process does
+        other work, until `collect` waits for the result."""
+        self._post(plan)
+
+    def collect(self) -> StepResult:
+        return self._wait_for(StepResult)
+
     def close(self) -> None:
         """Ask the executor to stop, kill it if it does not, and remove the socket."""
         if self._closed:
@@ -220,11 +228,14 @@ class ProcessExecutor:
     # --- messages --------------------------------------------------------------------------
 
     def _call(self, msg: object, expect: type[T]) -> T:
+        self._post(msg)
+        return self._wait_for(expect)
+
+    def _post(self, msg: object) -> None:
         self.check()
         if self._inbox:
             raise ExecutorFailed(f"executor sent {len(self._inbox)} unrequested message(s)")
         self._send(MAIN_ID, msg)
-        return self._wait_for(expect)
 
     def _wait_for(self, expect: type[T]) -> T:
         while not self._inbox:

@@ -10,7 +10,7 @@ import zmq
 
 from memstep.api import server as server_module
 from memstep.api.client import Client, ServerError
-from memstep.api.server import Server, ServerConfig
+from memstep.api.server import Server
 from memstep.cli.serve import ServerProcess
 from memstep.core.config import EngineConfig
 from memstep.events import codec
@@ -194,17 +194,10 @@ def test_server_still_serves_after_all_that(server):
 
 
 @pytest.fixture
-def inprocess():
+def inprocess(turned_server):
     """A real Server on a real socket, turned by the test, so a part of it can be broken."""
-    engine = local_engine(EngineConfig(model="random:tiny", num_threads=1))
-    server = Server(engine, ServerConfig(port=0))
-    s = zmq.Context.instance().socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(server.endpoint)
-    yield server, s
-    s.close(0)
-    server.close()
-    engine.shutdown()
+    with turned_server(local_engine(EngineConfig(model="random:tiny", num_threads=1))) as pair:
+        yield pair
 
 
 def turn_until_reply(server: Server, s: zmq.Socket, turns: int = 200) -> object | None:

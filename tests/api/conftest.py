@@ -1,0 +1,34 @@
+"""Shared fixtures of the API tests."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import pytest
+import zmq
+
+from memstep.api.server import Server, ServerConfig
+from memstep.core.engine import Engine
+
+
+@contextlib.contextmanager
+def _turned(engine: Engine) -> Iterator[tuple[Server, zmq.Socket]]:
+    server = Server(engine, ServerConfig(port=0))
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(server.endpoint)
+    try:
+        yield server, s
+    finally:
+        s.close(0)
+        server.close()
+        engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def turned_server():
+    """A context manager: a real Server in front of `engine` on a real socket, turned by the
+    test (`run_once`), and a DEALER socket connected to it; at its end both are closed and the
+    engine is shut down."""
+    return _turned

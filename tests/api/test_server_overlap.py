@@ -1,0 +1,99 @@
+"""The server sends a step's outputs while the executor, in its own process, runs the next step."""
+
+from __future__ import annotations
+
+import pytest
+import zmq
+
+from memstep.api.server import Server
+from memstep.core.config import EngineConfig
+from memstep.core.engine import Engine
+from memstep.events import codec
+from memstep.events.wire import (
+    AbortReply,
+    AbortRequest,
+    GenerateDelta,
+    GenerateDone,
+    GenerateRequest,
+)
+from memstep.executors.remote import ProcessExecutor
+
+TIMEOUT_MS = 10_000
+
+
+@pytest.fixture(scope="module")
+def served(turned_server):
+    """A real Server on a real socket, turned by the test, in front of an executor process."""
+    with turned_server(
+        Engine(EngineConfig(model="random:tiny", num_threads=1), ProcessExecutor)
+    ) as pair:
+        yield pair
+
+
+def replies(server: Server, s: zmq.Socket, until: type, turns: int = 500) -> list[object]:
+    """Turn the server until a reply of type `until` arrives; every reply so far."""
+    got: list[object] = []
+    for _ in range(turns):
+        server.run_once()
+        while s.poll(0):
+            got.append(codec.decode(s.recv()))
+        if got and isinstance(got[-1], until):
+            return got
+    raise AssertionError(f"no {until.__name__} in {turns} turns: {got}")
+
+
+def test_a_step_s_outputs_are_sent_while_the_executor_runs_the_next(served, monkeypatch):
+    """Each streamed token leaves the server between the executor's hand-over of the next step
+    and its result: with the outputs sent after the wait, as before, no send is in a step."""
+    server, s = served
+    executor = server.engine.executor
+    events: list[str] = []
+    for name in ("submit", "collect"):
+        real = getattr(executor, name)
+        monkeypatch.setattr(executor, name, _noting(events, name, real))
+    monkeypatch.setattr(server, "_send", _noting(events, "send", server._send))
+    params = {"max_tokens": 6, "ignore_eos": True}
+    s.send(
+        codec.encode(GenerateRequest("a", prompt_token_ids=[5, 6, 7], params=params, stream=True))
+    )
+    got = replies(server, s, GenerateDone)
+    assert [type(r) for r in got] == [GenerateDelta] * 6 + [GenerateDone]
+    assert sum(len(r.token_ids) for r in got[:-1]) == 6 == len(got[-1].token_ids)
+    assert events.count("submit") == 6 and events.count("send") == 7
+    sends_in_a_step = [_in_flight(events[:i]) for i, e in enumerate(events) if e == "send"]
+    # the deltas of steps 0-4 went out during steps 1-5; the last step's delta and the done after
+    assert sends_in_a_step == [True] * 5 + [False] * 2, events
+
+
+def _in_flight(before: list[str]) -> bool:
+    """Whether a step was handed over and not yet collected at the end of `before`."""
+    last = [e for e in before if e in ("submit", "collect")]
+    return bool(last) and last[-1] == "submit"
+
+
+def _noting(events: list[str], name: str, call):
+    def noted(*args, **kwargs):
+        events.append(name)
+        return call(*args, **kwargs)
+
+    return noted
+
+
+def test_an_abort_of_a_finished_request_whose_output_is_not_sent_yet_is_answered(served):
+    """A request finished in the engine while its last output waits for the next turn: an abort
+    arriving then gets its AbortReply (not "unknown request"), and the server serves on."""
+    server, s = served
+    s.send(codec.encode(GenerateRequest("b", prompt_token_ids=[5, 6, 7], params={"max_tokens": 1})))
+    for _ in range(500):
+        server.run_once()
+        if server.unsent:
+            break
+    assert [out.finished for out in server.unsent] == [True]
+    s.send(codec.encode(AbortRequest("x", "b")))
+    assert server.sock.poll(TIMEOUT_MS), "the abort did not reach the server"
+    got = replies(server, s, AbortReply)
+    assert isinstance(got[0], GenerateDone) and got[0].finish_reason == "abort", got
+    assert got[-1] == AbortReply("x", "b") and len(got) == 2
+    s.send(codec.encode(GenerateRequest("c", prompt_token_ids=[8, 9], params={"max_tokens": 2})))
+    done = replies(server, s, GenerateDone)[-1]
+    assert done.request_id == "c" and len(done.token_ids) == 2
