@@ -288,13 +288,20 @@ class Server:
     def _step(self) -> None:
         """Launch a step; while the executor runs it, send the outputs of the last one; then
         wait for this one's, which the next turn sends (at once if no step follows it)."""
+        if self.engine.is_recovering:  # launch() starts an executor: seconds, not a step
+            self._send_unsent()
         launched = self._can_step() and self._engine_call(self.engine.launch)
-        self._send_unsent()
-        if launched:
-            self.unsent = self._engine_call(self.engine.finish) or []
+        try:
+            self._send_unsent()
+        finally:
+            if launched:
+                self.unsent = self._engine_call(self.engine.finish) or []
 
-    def _send_unsent(self) -> None:
+    def _send_unsent(self, request_id: str | None = None) -> None:
+        """Send the last step's outputs (only those of `request_id`, if given)."""
         outputs, self.unsent = self.unsent, []
+        if request_id is not None:
+            outputs, self.unsent = _split(outputs, lambda out: out.request_id == request_id)
         now = time.monotonic()
         for out in outputs:
             self._deliver(out, now)
@@ -476,11 +483,12 @@ class Server:
         engine_id = self.by_client.get((envelope[0], msg.target_id))
         if engine_id is None:
             raise UnknownRequest(f"unknown request id {msg.target_id!r}")
-        inf = self.inflight[engine_id]
-        if engine_id in self.engine.requests:  # else finished, its last output not sent yet
+        self._send_unsent(engine_id)  # its outputs of the last step first: they may finish it
+        inf = self.inflight.get(engine_id)
+        if inf is not None:
             self.engine.abort(engine_id)
-        self._forget(engine_id, "abort")
-        self._send(inf.envelope, inf.done("abort", time.monotonic()))
+            self._forget(engine_id, "abort")
+            self._send(inf.envelope, inf.done("abort", time.monotonic()))
         self._send(envelope, AbortReply(msg.request_id, msg.target_id))
 
     def _health(self, msg: HealthRequest) -> HealthReply:
@@ -629,12 +637,23 @@ class Server:
         self._fail_all("executor_dead", reason)
 
     def _fail_all(self, code: str, message: str) -> None:
-        """Answer every request in flight with an error and drop it from the engine."""
+        """Answer every request in flight with an error and drop it from the engine (after
+        the outputs of the last step: those it finished are complete)."""
+        self._send_unsent()
         for engine_id, inf in list(self.inflight.items()):
             self._send(inf.envelope, ErrorReply(inf.request_id, code, message))
             self._forget(engine_id, code)
             if engine_id in self.engine.requests:
                 self.engine.abort(engine_id)
+
+
+def _split(items: list[T], test: Callable[[T], bool]) -> tuple[list[T], list[T]]:
+    """(those that pass `test`, the others), each in order."""
+    yes: list[T] = []
+    no: list[T] = []
+    for item in items:
+        (yes if test(item) else no).append(item)
+    return yes, no
 
 
 def _sampling_params(data: dict) -> SamplingParams:

@@ -213,6 +213,8 @@ def server_flags(cfg: EngineConfig) -> list[str]:
             flags.append("--no-" + field.name.replace("_", "-"))
         elif value is True:  # store_true
             flags.append("--" + field.name.replace("_", "-"))
+        elif isinstance(value, tuple):  # step numbers, as 5,12
+            flags += ["--" + field.name.replace("_", "-"), ",".join(map(str, value))]
         else:
             flags += ["--" + field.name.replace("_", "-"), str(value)]
     return flags

@@ -158,6 +158,7 @@ class Engine:
         """Validate and queue a request; raises InvalidRequest with a clear message.
 
         A request without a seed gets one drawn here, recorded in RequestAdded's params."""
+        self._between_steps()
         params = params or SamplingParams()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate_prompt(ids, params)
@@ -183,6 +184,7 @@ class Engine:
     ) -> None:
         """Queue a request an earlier engine's log left unfinished, with the tokens it produced:
         recomputed and sampled on from there, as after an executor loss (`serve --resume`)."""
+        self._between_steps()
         self.validate_prompt(prompt_ids, params)
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
@@ -226,6 +228,7 @@ class Engine:
     def abort(self, request_id: str) -> None:
         """Finish a request now, or, while recovering, when the recovery is done: a replay
         applies inputs that came during a recovery after it, and must finish it at that place."""
+        self._between_steps()
         req = self.requests.get(request_id)
         if req is None or request_id in self._aborted_in_recovery:
             raise UnknownRequest(f"unknown request id {request_id!r}")
@@ -243,6 +246,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Plan the step, apply the transition, run, record; while recovering, the next start-up
         stage of the new executor instead.  Raises EngineDead once the engine gave up."""
+        self._between_steps()
         planned = self._next_plan()
         if planned is None:
             return []
@@ -259,7 +263,7 @@ class Engine:
         False if none was (nothing to run, or a start-up stage of a recovery ran instead).  An
         executor that takes a plan without answering (`submit`: the process executor) runs it
         until `finish`; nothing may add, abort or step in between."""
-        assert self._launched is None, "launch twice without finish"
+        self._between_steps()
         planned = self._next_plan()
         if planned is None:
             return False
@@ -284,6 +288,12 @@ class Engine:
             self._lose(exc, "step")
             return []
         return self._done(batch, result)
+
+    def _between_steps(self) -> None:
+        """Inputs and steps come between steps: an input taken while a launched step runs would
+        be recorded at that step's number, where a replay applies it before the step's plan."""
+        if self._launched is not None:
+            raise RuntimeError("a step is launched: finish() it first")
 
     def _next_plan(self) -> tuple[StepBatch, StepPlan] | None:
         if self.death is not None:

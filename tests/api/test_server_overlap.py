@@ -8,6 +8,7 @@ import zmq
 from memstep.api.server import Server
 from memstep.core.config import EngineConfig
 from memstep.core.engine import Engine
+from memstep.core.sampling_params import SamplingParams
 from memstep.events import codec
 from memstep.events.wire import (
     AbortReply,
@@ -79,9 +80,10 @@ def _noting(events: list[str], name: str, call):
     return noted
 
 
-def test_an_abort_of_a_finished_request_whose_output_is_not_sent_yet_is_answered(served):
+def test_an_abort_of_a_request_whose_last_output_is_not_sent_yet_sends_that_output_first(served):
     """A request finished in the engine while its last output waits for the next turn: an abort
-    arriving then gets its AbortReply (not "unknown request"), and the server serves on."""
+    arriving then delivers that output (the real completion, "length") before its AbortReply,
+    not "unknown request" nor an "abort" missing the last token, and the server serves on."""
     server, s = served
     s.send(codec.encode(GenerateRequest("b", prompt_token_ids=[5, 6, 7], params={"max_tokens": 1})))
     for _ in range(500):
@@ -92,8 +94,45 @@ def test_an_abort_of_a_finished_request_whose_output_is_not_sent_yet_is_answered
     s.send(codec.encode(AbortRequest("x", "b")))
     assert server.sock.poll(TIMEOUT_MS), "the abort did not reach the server"
     got = replies(server, s, AbortReply)
-    assert isinstance(got[0], GenerateDone) and got[0].finish_reason == "abort", got
-    assert got[-1] == AbortReply("x", "b") and len(got) == 2
+    assert len(got) == 2 and got[-1] == AbortReply("x", "b"), got
+    assert isinstance(got[0], GenerateDone) and got[0].finish_reason == "length", got
+    assert len(got[0].token_ids) == 1 and got[0].usage.completion_tokens == 1
     s.send(codec.encode(GenerateRequest("c", prompt_token_ids=[8, 9], params={"max_tokens": 2})))
     done = replies(server, s, GenerateDone)[-1]
     assert done.request_id == "c" and len(done.token_ids) == 2
+
+
+def test_an_input_while_a_step_is_launched_is_refused(served):
+    """Adds and aborts land between steps (a replay applies them before the next plan): the
+    engine refuses one while a launched step runs, and finishes the step afterwards."""
+    engine = served[0].engine
+    rid = engine.add_request([5, 6, 7], SamplingParams(max_tokens=1))
+    assert engine.launch()
+    with pytest.raises(RuntimeError, match="launched"):
+        engine.add_request([8, 9], SamplingParams(max_tokens=1))
+    with pytest.raises(RuntimeError, match="launched"):
+        engine.abort(rid)
+    with pytest.raises(RuntimeError, match="launched"):
+        engine.step()
+    outputs = engine.finish()
+    assert [(out.request_id, out.finished) for out in outputs] == [(rid, True)]
+
+
+def test_a_request_finished_before_the_engine_gives_up_gets_its_completion(turned_server):
+    """The executor dies past the restart budget while a finished request's last output waits:
+    that output goes out before every request in flight is failed."""
+    cfg = EngineConfig(model="random:tiny", num_threads=1, max_executor_restarts=0)
+    with turned_server(Engine(cfg, ProcessExecutor)) as (server, s):
+        s.send(
+            codec.encode(GenerateRequest("d", prompt_token_ids=[5, 6], params={"max_tokens": 1}))
+        )
+        for _ in range(500):
+            server.run_once()
+            if server.unsent:
+                break
+        assert [out.finished for out in server.unsent] == [True]
+        server.engine.executor.proc.kill()
+        server.engine.executor.proc.wait()
+        got = replies(server, s, GenerateDone, turns=50)
+        assert server.executor_death is not None
+        assert len(got) == 1 and got[0].finish_reason == "length", got

@@ -56,12 +56,14 @@ def test_server_flags_rebuild_the_same_engine_config():
         cuda_graphs=False,
         num_threads=1,
         piecewise_graphs=False,
+        debug_kill_executor_at=(5, 12),
         debug_kill_restarted_executor=True,
     )
     flags = server_flags(cfg)
     assert flags[:2] == ["--model", "random:tiny"] and "--no-cuda-graphs" in flags
     assert "--no-piecewise-graphs" in flags and "--debug-kill-restarted-executor" in flags
     assert "True" not in flags and "False" not in flags  # switches take no value
+    assert "5,12" in flags  # step numbers as the flag takes them
     p = argparse.ArgumentParser()
     serve.add_arguments(p)
     assert config_from_args(p.parse_args(flags)) == cfg
