@@ -299,9 +299,11 @@ class Server:
 
     def _send_unsent(self, request_id: str | None = None) -> None:
         """Send the last step's outputs (only those of `request_id`, if given)."""
-        outputs, self.unsent = self.unsent, []
-        if request_id is not None:
-            outputs, self.unsent = _split(outputs, lambda out: out.request_id == request_id)
+        if request_id is None:
+            outputs, self.unsent = self.unsent, []
+        else:
+            outputs = [out for out in self.unsent if out.request_id == request_id]
+            self.unsent = [out for out in self.unsent if out.request_id != request_id]
         now = time.monotonic()
         for out in outputs:
             self._deliver(out, now)
@@ -645,15 +647,6 @@ class Server:
             self._forget(engine_id, code)
             if engine_id in self.engine.requests:
                 self.engine.abort(engine_id)
-
-
-def _split(items: list[T], test: Callable[[T], bool]) -> tuple[list[T], list[T]]:
-    """(those that pass `test`, the others), each in order."""
-    yes: list[T] = []
-    no: list[T] = []
-    for item in items:
-        (yes if test(item) else no).append(item)
-    return yes, no
 
 
 def _sampling_params(data: dict) -> SamplingParams:
