@@ -1,11 +1,13 @@
 """Speculative decoding on SmolLM2: acceptance and tokens/s, with and without each proposer.
 
-Runs in one process: for each method (none, ngram, draft, eagle) and concurrency (1, 8), a
-copy-inviting workload (quote a passage back) and free generation, greedy, 64 new tokens;
-prints tok/s, the ratio to no speculation in the same run, and the acceptance rate and mean
-accepted length.
+Runs in one process, an engine per method (none, ngram, draft, eagle): for a copy-inviting
+workload (quote a passage back) and free generation, greedy, 64 new tokens, at concurrency 1 and
+8, each method in turn, `--rounds` times; prints the median tok/s, the median of each round's
+ratio to no speculation (run a moment before, so that a shared machine's load moves both), and
+the acceptance rate and mean accepted drafts per step.
 
     python benchmarks/bench_spec.py [--tokens 64] [--draft-layers 8] [--k 3] [--methods none,eagle]
+        [--rounds 3] [--draft-model HEAD.npz]
 
 The engine runs as `memstep generate` does on the CPU (the GGUF's q4 blocks); `--threads` sets
 torch's threads (the issue's figures: 2).
@@ -14,6 +16,7 @@ torch's threads (the issue's figures: 2).
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 from memstep.core.config import EngineConfig
@@ -68,13 +71,14 @@ def main() -> None:
         "--methods", default="none,ngram,draft,eagle", help="comma-separated; none first"
     )
     ap.add_argument("--threads", type=int, default=2)
-    args = ap.parse_args()
-    base: dict[tuple[str, int], float] = {}
-    print(
-        f"{'method':<7} {'workload':<5} {'conc':>4} {'tok/s':>8} {'vs none':>8} "
-        f"{'accept':>7} {'mean acc len':>12}"
+    ap.add_argument("--draft-model", default=None, help="an EAGLE head .npz (default: committed)")
+    ap.add_argument("--rounds", type=int, default=3, help="each a run of every method in turn")
+    ap.add_argument(
+        "--prefix-caching", action="store_true", help="keep prefix caching on (later rounds hit)"
     )
+    args = ap.parse_args()
     methods = [None if m == "none" else m for m in args.methods.split(",")]
+    engines = {}
     for method in methods:
         cfg = EngineConfig(
             num_threads=args.threads,
@@ -82,20 +86,43 @@ def main() -> None:
             speculative_method=method,
             num_speculative_tokens=args.k,
             draft_layers=args.draft_layers,
+            draft_model=args.draft_model if method == "eagle" else None,
+            # every round reads its prompts whole, as the first does: the EAGLE head's context
+            # gets the pairs of the prompt's computed positions only, none of a cached prefix
+            enable_prefix_caching=args.prefix_caching,
         )
-        engine = local_engine(cfg)
-        engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4))  # warm
+        engines[method] = local_engine(cfg)
+        engines[method].generate([[1, 2, 3]], SamplingParams(max_tokens=4))  # warm
+    # per (method, workload, concurrency): each round's tok/s, its ratio to that round's first
+    # method (run a moment before), and the drafts' counts
+    runs: dict[tuple, list[tuple[float, float, int, int, int]]] = {}
+    for _ in range(args.rounds):
         for name, prompts in (("copy", COPY), ("free", FREE)):
             for conc in (1, 8):
-                tps, proposed, accepted, seq_steps = run(engine, prompts, conc, args.tokens)
-                base.setdefault((name, conc), tps)
-                rate = accepted / proposed if proposed else 0.0
-                mean_len = accepted / seq_steps if seq_steps else 0.0
-                print(
-                    f"{method or 'none':<7} {name:<5} {conc:>4} {tps:>8.1f} "
-                    f"{tps / base[(name, conc)]:>7.2f}x {rate:>7.2f} {mean_len:>12.2f}"
-                )
+                first = None
+                for method, engine in engines.items():
+                    tps, proposed, accepted, seq_steps = run(engine, prompts, conc, args.tokens)
+                    first = first or tps
+                    entry = (tps, tps / first, proposed, accepted, seq_steps)
+                    runs.setdefault((method, name, conc), []).append(entry)
+    for engine in engines.values():
         engine.shutdown()
+    print(
+        f"{'method':<7} {'workload':<5} {'conc':>4} {'tok/s':>8} {'vs none':>8} "
+        f"{'accept':>7} {'mean acc len':>12}   (medians of {args.rounds} rounds)"
+    )
+    for (method, name, conc), entries in runs.items():
+        proposed = sum(e[2] for e in entries)
+        accepted = sum(e[3] for e in entries)
+        seq_steps = sum(e[4] for e in entries)
+        rate = accepted / proposed if proposed else 0.0
+        mean_len = accepted / seq_steps if seq_steps else 0.0
+        tps = statistics.median(e[0] for e in entries)
+        ratio = statistics.median(e[1] for e in entries)
+        print(
+            f"{method or 'none':<7} {name:<5} {conc:>4} {tps:>8.1f} {ratio:>7.2f}x "
+            f"{rate:>7.2f} {mean_len:>12.2f}"
+        )
 
 
 if __name__ == "__main__":

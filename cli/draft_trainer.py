@@ -1,10 +1,14 @@
 """Fitting an EAGLE-style head (executors/eagle.py) to what the target read: the training loop
 of `memstep train-draft`, and its held-out measure of what serving will accept.
 
-An exchange is three rows per answer position i: the target's final hidden state F[i] after the
-prompt and answer[:i], the answer's token X[i] there (the token that state chose: the pair the
-head reads), and the target's own greedy choice C[i]. The head reads pair i and predicts F[i+1]
-and C[i+1]. Training unrolls `passes` draft positions as serving drafts them: pass 1 reads the
+An exchange is three rows per position i: the target's final hidden state F[i] after the
+tokens up to i, the token X[i] after it (the token that state chose: the pair the head reads),
+and the target's own greedy choice C[i]; and the row where the answer starts (the state after
+the prompt and the answer's first token), 0 when the rows begin there. The head reads pair i and
+predicts F[i+1] and C[i+1]; only predictions inside the answer, from chains that start at or
+after its first row, count (rows before it are prompt pairs for the attention half to read).
+
+Training unrolls `passes` draft positions as serving drafts them: pass 1 reads the
 target's states; pass u reads pass u-1's prediction of the state one position back, and (with
 the attention half) attends the target's pairs up to the last true one and the pairs that this
 chain of drafts made since, exactly the keys a serving draft sees.
@@ -20,7 +24,7 @@ import torch.nn.functional as F
 
 from memstep.executors.eagle import AttnShape, Matmuls, block_out, init_params, pair_input, qkv
 
-Exchanges = tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]
+Exchanges = tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[int]]
 
 
 def draft_vocabulary(tokens: list[torch.Tensor], size: int, always: list[int]) -> torch.Tensor:
@@ -29,6 +33,18 @@ def draft_vocabulary(tokens: list[torch.Tensor], size: int, always: list[int]) -
     order = [t for t in counts.argsort(descending=True).tolist() if counts[t] > 0]
     picked = always + [t for t in order if t not in always]
     return torch.tensor(picked[:size])
+
+
+def answer_choices(data: Exchanges) -> list[torch.Tensor]:
+    """The target's choices inside each exchange's answer (from its first row on)."""
+    return [chosen[start:] for chosen, start in zip(data[2], data[3], strict=True)]
+
+
+def from_answers(data: Exchanges) -> Exchanges:
+    """The exchanges without their prompt pairs: each from its answer's first row."""
+    starts = data[3]
+    cut = [[x[s:] for x, s in zip(part, starts, strict=True)] for part in data[:3]]
+    return cut[0], cut[1], cut[2], [0] * len(starts)
 
 
 def draft_labels(vocab: torch.Tensor, vocab_size: int, device) -> torch.Tensor:
@@ -94,7 +110,8 @@ def unrolled(
 
 
 def padded(data: Exchanges, pick: list[int], device) -> tuple[torch.Tensor, ...]:
-    """Exchanges `pick` as [B, T] batches: states, tokens, choices, and lengths [B]."""
+    """Exchanges `pick` as [B, T] batches: states, tokens, choices; lengths and the answers'
+    first rows [B]."""
     lengths = torch.tensor([len(data[1][i]) for i in pick])
     length = int(lengths.max())
     hidden = data[0][pick[0]].shape[1]
@@ -104,15 +121,16 @@ def padded(data: Exchanges, pick: list[int], device) -> tuple[torch.Tensor, ...]
     for b, i in enumerate(pick):
         n = len(data[1][i])
         feats[b, :n], tokens[b, :n], chosen[b, :n] = data[0][i].float(), data[1][i], data[2][i]
-    return feats.to(device), tokens.to(device), chosen.to(device), lengths.to(device)
+    starts = torch.tensor([data[3][i] for i in pick])
+    return tuple(t.to(device) for t in (feats, tokens, chosen, lengths, starts))
 
 
-def pass_terms(feats, chosen, lengths, labels, u: int):
+def pass_terms(feats, chosen, lengths, starts, labels, u: int):
     """Of pass u (0-based): which indices count ([B, T-1]: a next position exists and the chain
     started inside the answer), the labels there and the true next states."""
     _, length = chosen.shape
     i = torch.arange(length - 1, device=chosen.device).unsqueeze(0)
-    valid = (i + 1 < lengths.unsqueeze(1)) & (i >= u)
+    valid = (i + 1 < lengths.unsqueeze(1)) & (i - u >= starts.unsqueeze(1))
     return valid, labels[chosen[:, 1:]], feats[:, 1:]
 
 
@@ -138,7 +156,7 @@ def fit(
     `feature_weight` x smooth-L1 to the target's next state."""
     device = embed.device
     labels = draft_labels(vocab, int(embed.shape[0]), device)
-    covered = float((labels[torch.cat(data[2]).to(device)] >= 0).float().mean())
+    covered = float((labels[torch.cat(answer_choices(data)).to(device)] >= 0).float().mean())
     log(f"the draft vocabulary holds {covered:.1%} of the target's choices")
     params = {
         n: p.to(device).requires_grad_(True)
@@ -151,12 +169,14 @@ def fit(
     for epoch in range(epochs):
         order = torch.randperm(len(data[1]), generator=gen).tolist()
         for step, start in enumerate(range(0, len(order), batch)):
-            feats, tokens, chosen, lengths = padded(data, order[start : start + batch], device)
+            feats, tokens, chosen, lengths, starts = padded(
+                data, order[start : start + batch], device
+            )
             loss = torch.zeros((), device=device)
             for u, (pred, logits) in enumerate(
                 unrolled(params, embed, head, feats, tokens, passes, attn, eps)
             ):
-                valid, target, truth = pass_terms(feats, chosen, lengths, labels, u)
+                valid, target, truth = pass_terms(feats, chosen, lengths, starts, labels, u)
                 logits, pred = logits[:, :-1][valid], pred[:, :-1][valid]
                 loss = loss + F.cross_entropy(logits, target[valid], ignore_index=-100)
                 loss = loss + feature_weight * F.smooth_l1_loss(pred, truth[valid])
@@ -188,15 +208,15 @@ def accepted_lengths(
     sums, count = [0.0] * passes, 0
     for start in range(0, len(data[1]), batch):
         pick = list(range(start, min(start + batch, len(data[1]))))
-        feats, tokens, chosen, lengths = padded(data, pick, device)
+        feats, tokens, chosen, lengths, first = padded(data, pick, device)
         hits = []
         for u, (_, logits) in enumerate(
             unrolled(params, embed, head, feats, tokens, passes, attn, eps)
         ):
-            valid, target, _ = pass_terms(feats, chosen, lengths, labels, u)
+            valid, target, _ = pass_terms(feats, chosen, lengths, first, labels, u)
             hit = (logits[:, :-1].argmax(-1) == target) & valid
             hits.append(F.pad(hit, (0, passes)))  # room to look u positions ahead
-        starts = pass_terms(feats, chosen, lengths, labels, 0)[0]
+        starts = pass_terms(feats, chosen, lengths, first, labels, 0)[0]
         chain = starts.clone()
         for u in range(passes):
             chain = chain & hits[u][:, u : u + starts.shape[1]]

@@ -2,10 +2,12 @@
 self-distillation: the target answers ShareGPT questions greedily (`--replies target`, the
 default: the text it will draft for when serving), or reads ShareGPT's own answers
 (`--replies sharegpt`); it then reads each question and answer in its chat template in
-memstep's own model code, and at each answer position its final hidden state and its own greedy
-choice are kept. The head learns to predict, from the hidden state at t-1 and token t, the
-hidden state at t and the target's choice there, unrolled over a few draft positions as serving
-drafts them (cli/draft_trainer.py). The labels are the target's choices, not the text's.
+memstep's own model code, and at each position its final hidden state and its own greedy
+choice are kept: over the answer, and over the prompt too with `--prompt-context` (the head's
+attention then reads the prompt's pairs, as serving gives them when a prompt is read in a `spec`
+step). The head learns to predict, from the hidden state at t-1 and token t, the hidden state
+at t and the target's choice there, inside the answer, unrolled over a few draft positions as
+serving drafts them (cli/draft_trainer.py). The labels are the target's choices, not the text's.
 
     memstep train-draft [--conversations N] [--attention] [--device cuda] [--out PATH]
 
@@ -28,7 +30,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from memstep.cli.draft_trainer import Exchanges, accepted_lengths, draft_vocabulary, fit
+from memstep.cli.draft_trainer import (
+    Exchanges,
+    accepted_lengths,
+    answer_choices,
+    draft_vocabulary,
+    fit,
+    from_answers,
+)
 from memstep.core.config import EngineConfig
 from memstep.core.sampling_params import SamplingParams
 from memstep.events.plan import SeqPlan
@@ -81,6 +90,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=True,
         help="give the head EAGLE's attention half (a context per request)",
     )
+    p.add_argument(
+        "--prompt-context",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the attention half reads the prompt's pairs too (not only the answer's)",
+    )
     p.add_argument("--device", default="auto", help="where the target and the training run")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW's peak learning rate")
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW's weight decay")
@@ -117,24 +132,31 @@ def run(args: argparse.Namespace) -> int:
         data = read_exchanges(exchanges, worker.model, worker.cfg.block_size, started)
         if args.cache is not None:
             save_cache(args.cache, data)
-    n = sum(len(t) for t in data[1])
-    print(f"{len(data[1])} exchanges, {n} hidden states, {time.perf_counter() - started:.0f} s")
+    n = sum(len(t) - s for t, s in zip(data[1], data[3], strict=True))
+    print(f"{len(data[1])} exchanges, {n} answer states, {time.perf_counter() - started:.0f} s")
     embed, head, mc = worker.weights["embed"], worker.model.lm_head, worker.model_cfg
     meta = {"hidden": embed.shape[1], "vocab": mc.vocab_size, "intermediate": args.intermediate}
     attn = None
+    reads_prompt = args.attention and args.prompt_context
+    if not reads_prompt:
+        data = from_answers(data)
     if args.attention:
         shape = (mc.num_heads, mc.num_kv_heads, mc.head_dim, int(mc.rope_theta), CONTEXT)
         attn = AttnShape(*shape)
         meta |= dict(
             zip(("heads", "kv_heads", "head_dim", "rope_theta", "window"), shape, strict=True)
         )
-    vocab = draft_vocabulary(data[2], args.draft_vocab, list(tok.eos_token_ids))
+        meta["prompt_context"] = int(reads_prompt)
+    vocab = draft_vocabulary(answer_choices(data), args.draft_vocab, list(tok.eos_token_ids))
     held = max(1, len(data[1]) // 20)
     train = tuple(part[:-held] for part in data)
     test = tuple(part[-held:] for part in data)
     embed, head = embed.float(), head.float()[vocab.to(embed.device)]
     eps = mc.rms_eps
     engine.shutdown()
+    del engine, worker  # the target's KV cache: training's attention needs the room
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     params = fit(
         train,
         embed,
@@ -233,24 +255,27 @@ def target_replies(engine, exchanges, max_tokens: int) -> list[tuple[list[int], 
 
 
 def read_exchanges(exchanges, model: LlamaModel, block_size: int, started: float) -> Exchanges:
-    """Per exchange: the hidden states over its answer, its answer's tokens, and the target's
-    choices. Row i: the hidden state after the prompt and answer[:i], the target's token there,
-    and answer[i] (padded), the token a draft step reads beside it."""
+    """Per exchange: the hidden states over its prompt and answer, the tokens after each, the
+    target's choices, and the answer's first row. Row i: the hidden state after ids[: i + 1],
+    the target's choice there, and ids[i + 1] (padded), the token a draft step reads beside it;
+    row len(prompt) - 1 is the state after the prompt, beside the answer's first token."""
     features: list[torch.Tensor] = []
     tokens: list[torch.Tensor] = []
     chosen: list[torch.Tensor] = []
+    starts: list[int] = []
     for prompt, answer in exchanges:
-        hidden = final_hidden(model, prompt + answer, block_size)[len(prompt) - 1 :]
+        hidden = final_hidden(model, prompt + answer, block_size)
         features.append(hidden.to(torch.float16).cpu())
         chosen.append(target_choices(model, hidden).cpu())
-        tokens.append(torch.tensor([*answer, 0]))
+        tokens.append(torch.tensor([*prompt[1:], *answer, 0]))
+        starts.append(len(prompt) - 1)
         if len(features) % 500 == 0:
             print(f"  {len(features)} exchanges read, {time.perf_counter() - started:.0f} s")
-    return features, tokens, chosen
+    return features, tokens, chosen, starts
 
 
 def save_cache(path: Path, data: Exchanges) -> None:
-    features, tokens, chosen = data
+    features, tokens, chosen, starts = data
     lengths = np.array([len(t) for t in tokens], dtype=np.int64)
     with path.open("wb") as fh:
         np.savez(
@@ -259,16 +284,20 @@ def save_cache(path: Path, data: Exchanges) -> None:
             tokens=torch.cat(tokens).numpy(),
             chosen=torch.cat(chosen).numpy(),
             lengths=lengths,
+            starts=np.array(starts, dtype=np.int64),
         )
 
 
 def load_cache(path: Path) -> Exchanges:
+    """A cache written by `save_cache` (one without `starts` holds answers alone)."""
     with np.load(path, allow_pickle=False) as data:
         splits = data["lengths"].tolist()
-        return tuple(  # type: ignore[return-value]
+        parts = [
             list(torch.from_numpy(data[name]).split(splits))
             for name in ("features", "tokens", "chosen")
-        )
+        ]
+        starts = data["starts"].tolist() if "starts" in data.files else [0] * len(splits)
+        return (*parts, starts)  # type: ignore[return-value]
 
 
 @torch.inference_mode()

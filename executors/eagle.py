@@ -12,9 +12,11 @@ turns that into the draft for t+1, and the predicted state and the draft make th
     logits = hidden' @ head[vocab].T                    # [B, draft vocab]
 
 The context is the keys and values of the pairs read since the request's state was last fresh
-(the `spec` kind's `draft_context`, the last CONTEXT of them); a head trained without the
-attention half (`train-draft --no-attention`) keeps none, only each request's hidden state
-(`previous_hidden_states`).
+(the `spec` kind's `draft_context`, the last CONTEXT of them): for a head trained with the
+prompt's pairs (`meta_prompt_context`, `train-draft --prompt-context`), from the prompt's last
+chunk on when it was read in a `spec` step, else from the first `spec` step's verify on. A head
+trained without the attention half (`train-draft --no-attention`) keeps none, only each
+request's hidden state (`previous_hidden_states`).
 
 The weights are trained by `memstep train-draft` (self-distillation: the target answers
 questions and reads its answers, and its own greedy choices are the labels;
@@ -248,6 +250,8 @@ class EagleHead:
                 f"not this model's {embed.shape[1]} and {vocab_size}"
             )
         self.attn: AttnShape | None = None
+        # trained with the prompt's pairs in its context (`train-draft --prompt-context`)
+        self.reads_prompt = "q" in arrays and bool(arrays.get("meta_prompt_context", 0))
         names = list(MATRICES)
         if "q" in arrays:
             meta = [arrays["meta_" + n] for n in ("heads", "kv_heads", "head_dim", "rope_theta")]

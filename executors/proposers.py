@@ -97,12 +97,18 @@ class DraftModelProposer:
 @attrs.frozen
 class Kept:
     """What a spec step keeps of one request for its EAGLE head: the rows of the step's hidden
-    states from `first` on, one per token appended (`tokens`): the state and the token it
-    chose, the pairs the head reads."""
+    states from `first` on, one per token of `tokens`: the state and the token it chose, the
+    pairs the head reads. The first `fed` of them are pairs within the tokens the step was fed
+    (a prompt chunk's, for a head that reads the prompt); the rest are the tokens appended."""
 
     request_id: str
     first: int
     tokens: list[int]
+    fed: int = 0
+
+    @property
+    def appended(self) -> int:
+        return len(self.tokens) - self.fed
 
 
 class EagleProposer:
@@ -136,7 +142,9 @@ class EagleProposer:
         context = None
         if self.head.attn is not None:
             read = [self.spec.context_of[seqs[i].request_id] for i in who]
-            span = min(max(read), self.head.attn.window)
+            # the whole window, masked, whatever the rows have read: attention of a new key
+            # length was planned anew on CUDA (62 ms a draft step, and host memory growing)
+            span = self.head.attn.window
             kv = self.spec.held["draft_context"][index, :, :span]
             slots = torch.arange(span, device=device)
             valid = slots < torch.tensor(read, device=device).unsqueeze(1)
@@ -147,31 +155,43 @@ class EagleProposer:
             drafts[i] = proposed[r][: ks[i]]
         return drafts
 
+    def kept(self, seq: SeqPlan, first: int, tokens: list[int]) -> Kept:
+        """What a step keeps of `seq`, whose rows from `first` on (of the step's hidden states)
+        chose `tokens`: for a head that reads the prompt, a chunk of more than one token fed
+        (a prompt's last chunk, or a preempted request's tokens again) gives a pair for each of
+        its positions, the state there and the token after it."""
+        fed = seq.token_ids
+        if not self.head.reads_prompt or len(fed) == 1:
+            return Kept(seq.request_id, first, tokens)
+        return Kept(seq.request_id, first - len(fed) + 1, fed[1:] + tokens, len(fed) - 1)
+
     def keep(self, kept: list[Kept], hidden: torch.Tensor) -> None:
-        """After a verify forward over `hidden` [rows, H]: hold each request's last state, and
-        with attention write the keys of its new pairs into its context (from position 0 when
-        its state was not fresh at this step's start)."""
+        """After a forward over `hidden` [rows, H]: hold each request's last state, and with
+        attention write the keys of its new pairs into its context (from position 0 when its
+        state was not fresh at this step's start; of more pairs than the context's window, the
+        last window of them)."""
         fresh = [
             self.spec.hidden_row(k.request_id, len(self.requests[k.request_id].tokens)) is None
             for k in kept
         ]
         owners = [
-            (k.request_id, len(self.requests[k.request_id].tokens) + len(k.tokens)) for k in kept
+            (k.request_id, len(self.requests[k.request_id].tokens) + k.appended) for k in kept
         ]
         last = torch.tensor([k.first + len(k.tokens) - 1 for k in kept], device=hidden.device)
         placed = self.spec.keep_hidden(owners, hidden[last])
         if self.head.attn is None:
             return
+        window = self.head.attn.window
         rows, slots, picked, tokens, positions = [], [], [], [], []
         for k, row, was_fresh in zip(kept, placed, fresh, strict=True):
             if row is None:
                 continue
             start = 0 if was_fresh else self.spec.context_of.get(k.request_id, 0)
-            for j, token in enumerate(k.tokens):
+            for j in range(max(0, len(k.tokens) - window), len(k.tokens)):
                 rows.append(row)
-                slots.append((start + j) % self.head.attn.window)
+                slots.append((start + j) % window)
                 picked.append(k.first + j)
-                tokens.append(token)
+                tokens.append(k.tokens[j])
                 positions.append(start + j)
             self.spec.context_of[k.request_id] = start + len(k.tokens)
         if not rows:

@@ -136,7 +136,7 @@ class SpecDecoder:
         hidden, last_rows = self.forward(feeds)
         rows_idx: list[int] = []
         sample_rows: list[Row] = []
-        owners: list[tuple[SeqPlan, int]] = []  # (seq, number of rows it owns)
+        owners: list[tuple[SeqPlan, int, int]] = []  # (seq, rows it owns, its last row)
         for (seq, _), last in zip(feeds, last_rows, strict=True):
             if not seq.samples:
                 continue
@@ -148,7 +148,7 @@ class SpecDecoder:
             for j in range(n):
                 history = req.tokens + seq_drafts[:j]
                 sample_rows.append(req.row(base + j, history))
-            owners.append((seq, n))
+            owners.append((seq, n, last))
         h = hidden[rows_idx]
         if not owners:
             return [], h
@@ -162,7 +162,7 @@ class SpecDecoder:
         results = []
         offset = 0
         kept: list[Kept] = []
-        for seq, n in owners:
+        for seq, n, last in owners:
             seq_drafts = drafts_of.get(seq.request_id, [])
             rows = sample_rows[offset : offset + n]
             q = q_of.get(seq.request_id)
@@ -181,11 +181,11 @@ class SpecDecoder:
             if self.draft is not None and seq.request_id in drafts_of:
                 base = len(self.requests[seq.request_id].tokens)
                 self.spec.draft_len[seq.request_id] = base + min(accepted, max(proposed - 1, 0))
-            if self.eagle is not None:  # the states of the positions kept, and their tokens
-                kept.append(Kept(seq.request_id, offset, tokens))
+            if self.eagle is not None:
+                kept.append(self.eagle.kept(seq, last - n + 1, tokens))
             offset += n
         if self.eagle is not None:
-            self.eagle.keep(kept, h)
+            self.eagle.keep(kept, hidden)
         return results, h
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from memstep.cli.draft_trainer import pass_masks, unrolled
+from memstep.cli.draft_trainer import from_answers, pass_masks, pass_terms, unrolled
 from memstep.core.config import EngineConfig
 from memstep.core.model_source import model_config, resolve
 from memstep.core.sampling_params import SamplingParams
@@ -89,6 +89,19 @@ def test_pass_masks_read_the_true_pairs_then_the_chain():
     assert third[2].tolist() == [False, False, False, False, True]
 
 
+def test_training_counts_only_chains_that_start_in_the_answer():
+    """Rows before an exchange's answer are prompt pairs to attend, never predictions: pass u at
+    index i counts when its chain started at i - u, at or after the answer's first row (3)."""
+    chosen, lengths, starts = torch.zeros(1, 10, dtype=torch.long), torch.tensor([10]), [3]
+    feats, labels = torch.zeros(1, 10, 4), torch.zeros(8, dtype=torch.long)
+    for u, first in ((0, 3), (2, 5)):
+        valid, _, _ = pass_terms(feats, chosen, lengths, torch.tensor(starts), labels, u)
+        assert valid[0].nonzero().flatten().tolist() == list(range(first, 9))
+    data = ([torch.arange(10.0).unsqueeze(1)], [torch.arange(10)], [torch.arange(10)], starts)
+    cut = from_answers(data)
+    assert cut[0][0][0, 0] == 3.0 and cut[1][0].tolist() == list(range(3, 10)) and cut[3] == [0]
+
+
 def test_only_a_head_with_attention_claims_a_context(tmp_path):
     model = model_config(resolve("smollm2"))
     cfg = eagle_config(max_num_seqs=2)
@@ -112,16 +125,18 @@ def eagle_config(**kw) -> EngineConfig:
 
 
 def test_the_context_holds_a_pair_per_token_and_restarts_on_reentry(chat_prompts):
-    """A request's context has read one pair per token it was given in `spec`; after a
-    `no_spec` stretch it starts again from the first `spec` step after it."""
+    """A request's context has read one pair per token it was given in `spec`, and (the
+    committed head reads the prompt) one per position of the prompt it was admitted with in a
+    `spec` step; after a `no_spec` stretch it starts again from the first `spec` step after it."""
     assert SMOLLM2_HEAD.exists()
     engine = local_engine(eagle_config(max_num_seqs=4, speculative_disable_by_batch_size=2))
+    assert engine.executor.worker.eagle.reads_prompt
     spec = engine.executor.worker.lifecycle.kinds["spec"]
     assert isinstance(spec, Spec)
     kinds: list[str] = []
     engine.sinks.append(lambda r: isinstance(r, StepFinished) and kinds.append(r.kind))
     rid = engine.add_request(chat_prompts[0], SamplingParams(max_tokens=48, ignore_eos=True))
-    since, crossed, checked = 0, False, 0
+    since, crossed, checked = len(chat_prompts[0]) - 1, False, 0
     step = 0
     while engine.has_work():
         if step == 6:  # two more requests: no_spec until they finish
@@ -139,3 +154,63 @@ def test_the_context_holds_a_pair_per_token_and_restarts_on_reentry(chat_prompts
             assert spec.context_of[rid] == since
             checked += crossed
     assert crossed and checked > 3
+
+
+def marked_head(tmp_path, reads: bool) -> str:
+    """The committed head, marked as trained with the prompt's pairs in its context or not."""
+    with np.load(SMOLLM2_HEAD, allow_pickle=False) as data:
+        arrays = {name: data[name] for name in data.files}
+    arrays["meta_prompt_context"] = np.asarray(int(reads), dtype=np.int64)
+    path = tmp_path / f"reads-prompt-{reads}.npz"
+    with path.open("wb") as fh:
+        np.savez(fh, **arrays)
+    return str(path)
+
+
+def test_a_head_that_reads_the_prompt_holds_its_last_window_of_pairs(tmp_path, smol_engine):
+    """A prompt read in a `spec` step gives the context a pair per position (the state there and
+    the token after it, the sampled one last), the last 256 of a 300-token prompt, each in its
+    ring slot with the keys of its own position; the same head marked as trained without the
+    prompt keeps only the sampled token's pair."""
+    from memstep.cli.train_draft import final_hidden
+
+    prompt = smol_engine.tokenizer.encode("the lighthouse keeper climbed the steps " * 60)[:300]
+    for reads in (True, False):
+        engine = local_engine(
+            eagle_config(max_num_seqs=2, draft_model=marked_head(tmp_path, reads))
+        )
+        worker = engine.executor.worker
+        spec = worker.lifecycle.kinds["spec"]
+        assert isinstance(spec, Spec) and worker.eagle.reads_prompt is reads
+        rid = engine.add_request(prompt, SamplingParams(max_tokens=4, temperature=0.0))
+        (out,) = engine.step()
+        assert spec.context_of[rid] == (300 if reads else 1)
+        if not reads:
+            engine.shutdown()
+            continue
+        row = spec.hidden_of[rid][0]
+        hidden = final_hidden(worker.model, prompt, worker.cfg.block_size)
+        pairs = torch.tensor([*prompt[1:], out.new_token_ids[0]])
+        keys, values = worker.eagle.keys(hidden[44:], pairs[44:], torch.arange(44, 300))
+        context = spec.held["draft_context"][row]
+        slots = torch.arange(44, 300) % 256
+        torch.testing.assert_close(context[0, slots], keys, atol=1e-3, rtol=1e-3)
+        torch.testing.assert_close(context[1, slots], values, atol=1e-3, rtol=1e-3)
+        engine.shutdown()
+
+
+def test_every_draft_reads_the_whole_window_whatever_the_rows_have_read(chat_prompts, monkeypatch):
+    """The head's attention gets keys of one length at every step (the window, masked): on CUDA
+    an attention call of a new key length was planned anew, 62 ms a draft step."""
+    lengths: list[int] = []
+    draft = EagleHead.draft
+
+    def spy(self, hidden, tokens, k, context=None):
+        assert context is not None
+        lengths.append(context[0].shape[2])
+        return draft(self, hidden, tokens, k, context)
+
+    monkeypatch.setattr(EagleHead, "draft", spy)
+    engine = local_engine(eagle_config(max_num_seqs=2))
+    engine.generate(chat_prompts[:2], SamplingParams(max_tokens=12, ignore_eos=True))
+    assert len(lengths) > 5 and set(lengths) == {256}

@@ -15,7 +15,8 @@ from memstep.executors.random_stream import ACCEPT, uniform
 from memstep.executors.sampler import Row
 from memstep.executors.spec_decode import accept_drafts, accept_greedy
 
-MAX_TOKENS = [6 + 3 * i for i in range(8)]
+# p0 outlasts its 3 steps alone even if every draft is accepted (1 + 2 x 5 tokens at k = 4)
+MAX_TOKENS = [20] + [6 + 3 * i for i in range(1, 8)]
 
 
 def greedy(i: int) -> SamplingParams:
