@@ -85,9 +85,10 @@ def test_smollm2_at_three_ranks_gives_one_rank_s_greedy_tokens():
 
 
 def test_a_leak_on_every_rank_is_reported_with_its_rank():
-    """24 steps of planted growth: a CPU rank counts the tensors the garbage collector can find,
-    so cyclic garbage alive when the first step is measured raises the baseline that the plant
-    must outgrow (in one of four parallel runs, rank 0's 6 steps did not)."""
+    """24 steps of planted growth (+512 B a step): a CPU rank counts the tensors the garbage
+    collector finds, so garbage alive when the first step is measured raises the baseline the
+    plant must outgrow (the suspected cause of one failure in four parallel runs, where rank 0's
+    leak went unreported over 6 steps; not confirmed)."""
     cfg = TINY.replace(tensor_parallel_size=2, debug_plant_leak="no_spec_hidden_states")
     records: list[object] = []
     engine = Engine(cfg, ProcessExecutor, [records.append])
