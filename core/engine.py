@@ -250,12 +250,8 @@ class Engine:
         planned = self._next_plan()
         if planned is None:
             return []
-        try:
-            result = self.executor.execute(planned[1])
-        except ExecutorDown as exc:
-            self._lose(exc, "step")
-            return []
-        return self._done(planned[0], result)
+        self._launched = (*planned, False)  # finish() runs it: `execute`, as one call
+        return self.finish()
 
     def launch(self) -> bool:
         """`step` in two halves, for a caller with work of its own to do while the executor runs

@@ -144,11 +144,10 @@ class EagleProposer:
             read = [self.spec.context_of[seqs[i].request_id] for i in who]
             # the whole window, masked, whatever the rows have read: attention of a new key
             # length was planned anew on CUDA (62 ms a draft step, and host memory growing)
-            span = self.head.attn.window
-            kv = self.spec.held["draft_context"][index, :, :span]
-            slots = torch.arange(span, device=device)
-            valid = slots < torch.tensor(read, device=device).unsqueeze(1)
-            context = (kv, valid, torch.tensor(read, device=device) - 1)
+            kv = self.spec.held["draft_context"][index]
+            counts = torch.tensor(read, device=device)
+            valid = torch.arange(kv.shape[2], device=device) < counts.unsqueeze(1)
+            context = (kv, valid, counts - 1)
         tokens = torch.tensor(last, device=device)
         proposed = self.head.draft(held[index], tokens, max(ks), context).tolist()
         for r, i in enumerate(who):
