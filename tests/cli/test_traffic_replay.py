@@ -84,15 +84,17 @@ def test_replay_against_another_config_keeps_pace_and_completions(recorded_log, 
     out, log = tmp_path / "replay.json", tmp_path / "replayed.memlog"
     argv = ["--dataset", str(recorded_log), "--json", str(out), *TINY, "--max-num-seqs", "2"]
     assert bench_serve.main([*argv, "--record", str(log)]) == 0
-    # the replaying server's own log: each request arrived within 20 ms of its recorded offset,
-    # and was given the recorded tokens, under a config the recording did not have
+    # the replaying server's own log: each request arrived near its recorded offset (well inside
+    # the 100 ms shortest gap: a replay that sent in a burst would be 0.3-1.0 s off), and was
+    # given the recorded tokens, under a config the recording did not have. The tolerances are
+    # the scheduler's wake-up lateness on a loaded 2-core machine (26 ms seen in CI), not a pace.
     recorded, again = load_recorded(recorded_log), load_recorded(log)
-    assert [a.offset_s for a in again] == pytest.approx([r.offset_s for r in recorded], abs=0.02)
+    assert [a.offset_s for a in again] == pytest.approx([r.offset_s for r in recorded], abs=0.08)
     assert [a.token_ids for a in again] == [r.token_ids for r in recorded]
     assert read_log(log)[0]["config"]["max_num_seqs"] == 2
     data = json.loads(out.read_text())
     assert (data["requests"], data["failed"]) == (len(GAPS), 0)
-    assert data["max_lag_ms"] < 20.0  # each request left within 20 ms of its recorded offset
+    assert data["max_lag_ms"] < 80.0  # each request left well inside a gap of its recorded offset
     assert data["identical"] == data["compared"] == len(GAPS)
     latency = data["latency"]
     assert latency["requests"] == len(GAPS)
@@ -122,7 +124,7 @@ def test_a_changed_seed_is_caught(recorded_log, tmp_path):
     assert data["identical"] == len(GAPS) - 1
     # --speed 4: the recorded second of arrivals is sent in a quarter of it, each on time
     assert recorded[-1].offset_s / 4 <= duration < recorded[-1].offset_s
-    assert data["max_lag_ms"] < 20.0
+    assert data["max_lag_ms"] < 80.0  # wake-up lateness on a loaded machine, as above
 
 
 @pytest.mark.parametrize("flags", [["--backend", "openai"], ["--base-url", "http://127.0.0.1:1"]])
