@@ -10,7 +10,8 @@ times N decode steps of each; the parent runs every setting alone and then besid
 
 A setting is `old` (torch's default thread count, wait policy unset: memstep before the thread
 policy), `new` (what the engine does now when nothing is set), or `THREADS:POLICY` with POLICY
-one of active, passive, unset.
+one of active, passive, unset, or spinN (policy unset, GOMP_SPINCOUNT=N: libgomp's idle threads
+spin N rounds, then sleep).
 """
 
 from __future__ import annotations
@@ -60,13 +61,16 @@ def child(setting: str, steps: int) -> dict[str, float]:
 
 def child_env(setting: str) -> dict[str, str]:
     """The environment a setting's child starts with: only the wait policy differs."""
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
+    dropped = ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "GOMP_SPINCOUNT")
+    env = {k: v for k, v in os.environ.items() if k not in dropped}
     if setting == "new":
         from memstep.executors.threads import executor_env
 
         return executor_env(env)
     policy = setting.split(":")[1] if ":" in setting else "unset"
-    if policy != "unset":
+    if policy.startswith("spin"):
+        env["GOMP_SPINCOUNT"] = policy.removeprefix("spin")
+    elif policy != "unset":
         env["OMP_WAIT_POLICY"] = policy.upper()
     return env
 

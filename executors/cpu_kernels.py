@@ -49,7 +49,7 @@ _SOURCE = r"""
 #include <math.h>
 
 #define GROUP 32
-#define ROWS 16  /* rows of x per pass over a weight row: its weights unpacked once */
+#define ROWS 16  /* rows of x per pass over a tile of weight rows: their weights unpacked twice */
 
 static inline float half(const uint8_t *p) {
     uint16_t h;
@@ -146,7 +146,7 @@ static inline __attribute__((always_inline)) void tile_dot(
         for (int r = 0; r < nr; r++) y[(r0 + r) * N + n + j] = vsum(acc[j][r]);
 }
 
-#define WIDE 4  /* weight rows per tile for 1-3 rows of x, 2 for 4-7, 1 from 8 */
+#define WIDE 4  /* weight rows per tile for 1-3 rows of x, 2 for 4-7, 1 for 8-15 */
 #define TAIL(k, nw) case k: \
     for (int64_t j = n0; j + nw <= n1; j += nw) tile_dot(x, w, y, r0, k, j, nw, N, K, G, bs); \
     for (int64_t j = n1 - (n1 - n0) % nw; j < n1; j++) \
@@ -160,8 +160,12 @@ static inline __attribute__((always_inline)) void blocks_mm(
     #pragma omp parallel for schedule(static)
     for (int64_t n0 = 0; n0 < N; n0 += WIDE) {
         int64_t n1 = n0 + WIDE < N ? n0 + WIDE : N, r0 = 0;
-        for (; r0 + ROWS <= M; r0 += ROWS)
-            for (int64_t n = n0; n < n1; n++) tile_dot(x, w, y, r0, ROWS, n, 1, N, K, G, bs);
+        for (; r0 + ROWS <= M; r0 += ROWS)  /* as two halves, two weight rows at a time */
+            for (int64_t h = r0; h < r0 + ROWS; h += ROWS / 2) {
+                int64_t n = n0;
+                for (; n + 2 <= n1; n += 2) tile_dot(x, w, y, h, ROWS / 2, n, 2, N, K, G, bs);
+                for (; n < n1; n++) tile_dot(x, w, y, h, ROWS / 2, n, 1, N, K, G, bs);
+            }
         switch (M - r0) {  /* constant sizes: the accumulators stay in registers */
         TAIL(15, 1) TAIL(14, 1) TAIL(13, 1) TAIL(12, 1) TAIL(11, 1) TAIL(10, 1) TAIL(9, 1)
         TAIL(8, 1) TAIL(7, 2) TAIL(6, 2) TAIL(5, 2) TAIL(4, 2) TAIL(3, 4) TAIL(2, 4) TAIL(1, 4)
