@@ -22,6 +22,11 @@ sequence, read from the cache pages in place, each sequence and head alone) and
 `rope_and_write_kv` of its rotary + KV write: in torch they were a gather of the pages and an
 attention call, and ~10 small ops, per layer. A SmolLM2 q4 decode step at batch 1 went from 14.1
 to 11.4 ms with them, and at 16 streams from 88 to 65 ms (2 cores, 2026-12-01).
+
+Where the OpenMP pool's threads sleep between regions (the executor's passive policy,
+executors/threads.py), waking them costs more than a small kernel's work, so a kernel under
+PARALLEL_MIN_WHEN_ASLEEP runs on the calling thread alone; each output is computed the same way
+either way.
 """
 
 from __future__ import annotations
@@ -37,10 +42,19 @@ from pathlib import Path
 
 import torch
 
+from memstep.executors.threads import threads_sleep_when_idle
+
 GROUP = 32
 Q4_1_BLOCK = 20  # fp16 d, fp16 m, 16 bytes: inputs j (low nibble) and 16 + j (high)
 Q8_0_BLOCK = 34  # fp16 d, 32 int8
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-lm")
+# The work (the C source's units, ~30 ps of one core each) below which a kernel runs on the
+# calling thread when the pool's threads sleep between regions: waking them took ~0.1-0.3 ms
+# here. Decode steps of SmolLM2 q4, 2 threads, passive policy, the settings interleaved step by
+# step (2026-12-02): 0 / 3M / 6M / 12M / 24M took 26.2 / 22.2 / 21.8 / 21.9 / 21.1 ms at batch 1,
+# 30.5 / 28.0 / 27.6 / 27.2 / 27.2 at 3, 45.9 / 43.8 / 43.8 / 49.4 / 52.8 at 8 and 76.3 / 76.5 /
+# 76.8 / 80.3 / 94.5 at 16. With spinning threads 0 is best (17.4 ms at batch 1 against 22.1).
+PARALLEL_MIN_WHEN_ASLEEP = 6_000_000
 
 _SOURCE = r"""
 #include <stdint.h>
@@ -153,11 +167,18 @@ static inline __attribute__((always_inline)) void tile_dot(
         tile_dot(x, w, y, r0, k, j, 1, N, K, G, bs); \
     break;
 
+/* work below which a kernel runs on the calling thread alone (set_parallel_min), in units of
+   about one float32 multiply-add at 16 rows of a q4 matmul on one core (~30 ps): a matmul of M
+   rows costs (M + 2) N K (unpacking a weight costs about two), an attention 8 positions H D */
+static int64_t parallel_min = 0;
+
+void set_parallel_min(int64_t n) { parallel_min = n; }
+
 static inline __attribute__((always_inline)) void blocks_mm(
     const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K, int bs)
 {
     const int64_t G = K / GROUP;
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(static) if ((M + 2) * N * K >= parallel_min)
     for (int64_t n0 = 0; n0 < N; n0 += WIDE) {
         int64_t n1 = n0 + WIDE < N ? n0 + WIDE : N, r0 = 0;
         for (; r0 + ROWS <= M; r0 += ROWS)  /* as two halves, two weight rows at a time */
@@ -232,7 +253,9 @@ void decode_attention(const float *q, int64_t qs, const float *kc, const float *
                       float scale)
 {
     const int64_t per_kv = H / KVH;
-    #pragma omp parallel for collapse(2) schedule(static)
+    int64_t positions = 0;
+    for (int64_t b = 0; b < B; b++) positions += lens[b];
+    #pragma omp parallel for collapse(2) schedule(static) if (8 * positions * H * D >= parallel_min)
     for (int64_t b = 0; b < B; b++) {
         for (int64_t h = 0; h < H; h++) {
             const float *qh = q + b * qs + h * D;
@@ -332,6 +355,8 @@ def _library() -> ctypes.CDLL | None:
     lib.q4_1_dequant.argtypes = [p, p, i, i]
     lib.decode_attention.argtypes = [p, i, p, p, p, p, p, i, i, i, i, i, i, i, f]
     lib.rope_write_kv.argtypes = [p, i, p, p, p, p, p, p, i, i, i, i]
+    lib.set_parallel_min.argtypes = [i]
+    lib.set_parallel_min(parallel_min())
     return lib
 
 
@@ -350,6 +375,16 @@ def _build(compiler: str, path: Path) -> None:
 def available() -> bool:
     """Whether the kernels are built and loaded (a C compiler was found)."""
     return _library() is not None
+
+
+def set_parallel_min(work: int) -> None:
+    """Run kernels of less `work` (the C source's units) on the calling thread alone."""
+    _kernels().set_parallel_min(work)
+
+
+def parallel_min() -> int:
+    """The threshold the kernels load with: PARALLEL_MIN_WHEN_ASLEEP under a passive policy."""
+    return PARALLEL_MIN_WHEN_ASLEEP if threads_sleep_when_idle() else 0
 
 
 def _kernels() -> ctypes.CDLL:

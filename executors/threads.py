@@ -13,7 +13,11 @@ against 0.10 s and 0.20 s.  One thread did better than passive two only on the q
 (one per core; `EngineConfig.num_threads` overrides it) and the policy is passive unless the
 environment names another.  Its price, without neighbours: waking sleeping threads made steps
 13-25% slower (0.044 s against 0.039 s at batch 1, 0.068 s against 0.054 s at batch 8); set
-OMP_WAIT_POLICY=ACTIVE on a machine that serves alone.
+OMP_WAIT_POLICY=ACTIVE on a machine that serves alone.  The compiled CPU kernels, which came
+later, keep small work off the sleeping pool (`cpu_kernels.PARALLEL_MIN_WHEN_ASLEEP`): a SmolLM2
+q4 decode step at batch 1 took 26.2 ms with every kernel on the pool and 21.8 ms so, against
+17.4 ms with spinning threads (2026-12-02; the passive figures interleaved step by step,
+the spinning one from the next run).
 
 The policy is read once, when torch's OpenMP runtime loads, so it must be in the environment
 before the process imports torch: the process executor is started with it (`executor_env`), and
@@ -30,6 +34,7 @@ from collections.abc import Mapping, MutableMapping
 
 WAIT_POLICY = "OMP_WAIT_POLICY"
 PASSIVE = "PASSIVE"
+SPIN_COUNT = "GOMP_SPINCOUNT"  # libgomp's own: rounds an idle thread spins before it sleeps
 
 
 def executor_env(env: Mapping[str, str]) -> dict[str, str]:
@@ -41,3 +46,12 @@ def prefer_passive_wait(env: MutableMapping[str, str] = os.environ) -> None:
     """A passive policy for this process, unless it names one or has loaded torch already."""
     if "torch" not in sys.modules:
         env.setdefault(WAIT_POLICY, PASSIVE)
+
+
+def threads_sleep_when_idle(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether the OpenMP pool's idle threads sleep at once (a passive policy, or no spinning),
+    so that every parallel region pays for waking them: libgomp takes GOMP_SPINCOUNT over
+    the policy when both are set."""
+    if SPIN_COUNT in env:
+        return env[SPIN_COUNT].strip() == "0"
+    return env.get(WAIT_POLICY, "").strip().upper() == PASSIVE

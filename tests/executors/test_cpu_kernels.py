@@ -75,6 +75,26 @@ def test_decode_attention_equals_torch_s_on_pages_in_any_order():
     assert torch.equal(out[:3], got[:3]) and torch.equal(out[3], torch.zeros(heads, dim))
 
 
+def test_a_kernel_on_the_calling_thread_alone_gives_the_pool_s_bits(gguf_tensors):
+    """Small work runs without the pool when its threads sleep (the passive policy): the
+    products and the attention are the same to the bit either way."""
+    blocks, values = blocks_and_values(gguf_tensors["blk.2.ffn_down.weight"])
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(3, values.shape[1], generator=gen)
+    k_cache, v_cache = (torch.randn(8, 16, 3, 64, generator=gen) for _ in range(2))
+    q = torch.randn(2, 9, 64, generator=gen)
+    tables, lens = torch.tensor([[1, 4], [7, 0]], dtype=torch.int32), torch.tensor([20, 31])
+    outs = []
+    try:
+        for work in (0, 2**62):  # every kernel on the pool, then none
+            cpu_kernels.set_parallel_min(work)
+            attn = cpu_kernels.decode_attention(q, k_cache, v_cache, tables, lens.int(), 0.125)
+            outs.append((cpu_kernels.q4_1_mm(x, blocks), attn))
+    finally:
+        cpu_kernels.set_parallel_min(cpu_kernels.parallel_min())
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
 def test_rope_and_kv_write_are_apply_rope_s_bit_for_bit():
     from memstep.core.model_config import PRESETS
     from memstep.executors.kv_cache import write_kv

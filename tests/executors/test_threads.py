@@ -12,7 +12,13 @@ import pytest
 from memstep.core.config import EngineConfig
 from memstep.core.engine import Engine
 from memstep.executors.remote import ProcessExecutor
-from memstep.executors.threads import PASSIVE, WAIT_POLICY, executor_env
+from memstep.executors.threads import (
+    PASSIVE,
+    SPIN_COUNT,
+    WAIT_POLICY,
+    executor_env,
+    threads_sleep_when_idle,
+)
 
 POLICY_AFTER = """
 import os, sys
@@ -34,6 +40,21 @@ def policy_after(before: str, env: dict[str, str]) -> str:
 def test_executor_env_adds_a_passive_policy_unless_one_is_named():
     assert executor_env({"PATH": "/bin"}) == {"PATH": "/bin", WAIT_POLICY: PASSIVE}
     assert executor_env({WAIT_POLICY: "ACTIVE"})[WAIT_POLICY] == "ACTIVE"
+
+
+@pytest.mark.parametrize(
+    ("env", "asleep"),
+    [
+        ({WAIT_POLICY: PASSIVE}, True),
+        ({WAIT_POLICY: "passive "}, True),
+        ({}, False),
+        ({WAIT_POLICY: "ACTIVE"}, False),
+        ({WAIT_POLICY: PASSIVE, SPIN_COUNT: "20000"}, False),  # libgomp takes the count
+        ({SPIN_COUNT: "0"}, True),
+    ],
+)
+def test_the_kernels_know_whether_the_pool_sleeps_between_regions(env, asleep):
+    assert threads_sleep_when_idle(env) is asleep
 
 
 @pytest.mark.parametrize(
