@@ -9,8 +9,9 @@ the acceptance rate and mean accepted drafts per step.
     python benchmarks/bench_spec.py [--tokens 64] [--draft-layers 8] [--k 3] [--methods none,eagle]
         [--rounds 3] [--draft-model HEAD.npz]
 
-The engine runs as `memstep generate` does on the CPU (the GGUF's q4 blocks); `--threads` sets
-torch's threads (the issue's figures: 2).
+The engine runs as `memstep generate` does on the CPU (the GGUF's q4 blocks, the passive OpenMP
+wait policy unless the environment names one: executors/threads.py); `--threads` sets torch's
+threads (the issue's figures: 2). Before 2026-12-02 it ran with libgomp's spinning default.
 """
 
 from __future__ import annotations
@@ -19,11 +20,15 @@ import argparse
 import statistics
 import time
 
-from memstep.core.config import EngineConfig
-from memstep.core.engine import Engine
-from memstep.core.sampling_params import SamplingParams
-from memstep.events.types import StepFinished
-from memstep.executors.inprocess import local_engine
+from memstep.executors.threads import prefer_passive_wait
+
+prefer_passive_wait()  # as `memstep generate` runs: the policy must be set before torch loads
+
+from memstep.core.config import EngineConfig  # noqa: E402
+from memstep.core.engine import Engine  # noqa: E402
+from memstep.core.sampling_params import SamplingParams  # noqa: E402
+from memstep.events.types import StepFinished  # noqa: E402
+from memstep.executors.inprocess import local_engine  # noqa: E402
 
 PASSAGE = (
     "The lighthouse stood at the edge of the cliff for two hundred years. Every night its lamp "

@@ -23,6 +23,7 @@ from memstep.executors.proposers import DraftModelProposer, EagleProposer, Kept,
 from memstep.executors.random_stream import ACCEPT, SAMPLE, uniform
 from memstep.executors.request_states import RequestStates
 from memstep.executors.sampler import Row, Sampler, inverse_cdf, top_logprobs
+from memstep.executors.threads import small_work
 from memstep.executors.weights import Weights
 from memstep.states.kinds import Spec, draft_config
 
@@ -99,6 +100,7 @@ class SpecDecoder:
         if draft is not None:
             self.draft = DraftModelProposer(draft, spec, requests, sampler, cfg.block_size)
         self.eagle = None if head is None else EagleProposer(head, spec, requests)
+        self.on_cpu = target.w["embed"].device.type == "cpu"
 
     def forget(self, request_id: str) -> None:
         self.spec.forget(request_id)
@@ -108,7 +110,9 @@ class SpecDecoder:
         if self.draft is not None:
             return self.draft.propose(seqs, [seq.num_drafts for seq in seqs])
         if self.eagle is not None:
-            return self.eagle.propose(seqs, [seq.num_drafts for seq in seqs]), [None] * len(seqs)
+            with small_work(self.on_cpu):
+                drafts = self.eagle.propose(seqs, [seq.num_drafts for seq in seqs])
+            return drafts, [None] * len(seqs)
         drafts = [
             ngram_propose(
                 self.requests[s.request_id].tokens, s.num_drafts, cfg.ngram_max, cfg.ngram_min
@@ -185,7 +189,8 @@ class SpecDecoder:
                 kept.append(self.eagle.kept(seq, last - n + 1, tokens))
             offset += n
         if self.eagle is not None:
-            self.eagle.keep(kept, hidden)
+            with small_work(self.on_cpu):
+                self.eagle.keep(kept, hidden)
         return results, h
 
 

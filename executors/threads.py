@@ -28,9 +28,10 @@ still be set there.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping
 
 WAIT_POLICY = "OMP_WAIT_POLICY"
 PASSIVE = "PASSIVE"
@@ -55,3 +56,22 @@ def threads_sleep_when_idle(env: Mapping[str, str] = os.environ) -> bool:
     if SPIN_COUNT in env:
         return env[SPIN_COUNT].strip() == "0"
     return env.get(WAIT_POLICY, "").strip().upper() == PASSIVE
+
+
+@contextlib.contextmanager
+def small_work(cpu: bool) -> Iterator[None]:
+    """torch's ops on the calling thread alone inside, where `cpu` and the pool's threads sleep
+    between regions: for many small ops (the EAGLE head's drafts) that would each pay for
+    waking them. Outputs computed one per thread (matmuls, elementwise) are the same either
+    way; a reduction may be split otherwise."""
+    if not (cpu and threads_sleep_when_idle()):
+        yield
+        return
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

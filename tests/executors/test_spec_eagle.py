@@ -200,3 +200,24 @@ def test_a_head_for_another_model_or_none_is_a_clear_error(tmp_path):
         EngineConfig(model="random:tiny", speculative_method="eagle")
     with pytest.raises(ConfigError, match="no EAGLE head"):
         local_engine(eagle_config(draft_model=str(tmp_path / "missing.npz")))
+
+
+def test_drafts_on_the_calling_thread_alone_are_the_pool_s(chat_prompts, monkeypatch):
+    """Where the pool's threads sleep between regions (the executor's passive policy), the
+    head drafts on the calling thread alone (executors/threads.small_work): the same drafts,
+    accepted as often, and the same tokens as on the pool."""
+    params = SamplingParams(max_tokens=24)
+
+    def run() -> list:
+        engine = local_engine(eagle_config(max_num_seqs=2, num_threads=2))
+        return [(c.token_ids, c.num_accepted) for c in engine.generate(chat_prompts[:2], params)]
+
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    pooled = run()
+    threads, set_threads = [], torch.set_num_threads
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: (threads.append(n), set_threads(n)))
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    alone = run()
+    assert 1 in threads  # the drafts did run on one thread
+    assert alone == pooled and sum(accepted for _, accepted in alone) > 0

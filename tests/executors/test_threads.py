@@ -77,3 +77,21 @@ def test_the_executor_process_starts_with_a_passive_policy(monkeypatch):
     finally:
         engine.shutdown()
     assert f"{WAIT_POLICY}={PASSIVE}".encode() in environ
+
+
+def test_small_work_runs_on_one_thread_only_where_the_pool_sleeps(monkeypatch):
+    import torch
+
+    from memstep.executors.threads import small_work
+
+    monkeypatch.delenv(SPIN_COUNT, raising=False)
+    before = torch.get_num_threads()
+    monkeypatch.setenv(WAIT_POLICY, PASSIVE)
+    with small_work(cpu=True):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
+    with small_work(cpu=False):
+        assert torch.get_num_threads() == before  # CUDA's work is not on this pool
+    monkeypatch.setenv(WAIT_POLICY, "ACTIVE")
+    with small_work(cpu=True):
+        assert torch.get_num_threads() == before
