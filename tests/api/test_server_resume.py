@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import struct
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +23,7 @@ from memstep.cli.serve import ServerProcess
 from memstep.core.config import EngineConfig
 from memstep.core.outputs import Completion
 from memstep.core.sampling_params import SamplingParams
+from memstep.events.log import MAGIC
 from memstep.events.types import RequestNamed, RequestResumed
 from memstep.executors.inprocess import local_engine
 from memstep.replay.recording import load
@@ -135,6 +138,33 @@ def test_a_sigkilled_smollm2_server_resumed_from_its_log_gives_every_client_its_
     assert resumed_ids and set(resumed_ids) <= set(named)
 
 
+def _frame_ends(data: bytes) -> list[int]:
+    """Where each frame of a log's bytes ends: magic, a 2-byte version, then frames of an 8-byte
+    head (payload length, crc32) and the payload; the header's frame first."""
+    at, ends = len(MAGIC) + 2, []
+    while at + 8 <= len(data):
+        at += 8 + struct.unpack_from("<I", data, at)[0]
+        if at <= len(data):
+            ends.append(at)
+    return ends
+
+
+def _tear_a_frame_some_client_is_past(log: Path, held: list):
+    """The log as a crash would leave it while writing its last frame that holds tokens a client
+    already has (half of that frame, nothing after it), and the clients ahead of what it kept.
+    Which frame is last when the kill lands depends on timing (a step planned after the tokens
+    went out holds none), so the frames are tried from the end."""
+    whole = log.read_bytes()
+    for end in reversed(_frame_ends(whole)[1:]):
+        log.write_bytes(whole[: end - 5])
+        torn = load(log)
+        kept = {r.client_id: len(r.output_token_ids) for r in resume_point(torn).requests}
+        ahead = [i for i, h in enumerate(held) if len(h["ids"]) > kept[f"story-{i}"]]
+        if ahead:
+            return torn, ahead
+    return load(log), []
+
+
 def test_a_torn_log_tail_is_recomputed_and_a_client_ahead_of_it_waits(tmp_path):
     requests = _requests(3, 3, max_tokens=80, ignore_eos=True)
     expected = _clean_run("random:tiny", requests)
@@ -143,11 +173,8 @@ def test_a_torn_log_tail_is_recomputed_and_a_client_ahead_of_it_waits(tmp_path):
         dead.wait_ready()
         held = asyncio.run(asyncio.wait_for(_stream_until_killed(dead, requests, 20), 120))
         dead.proc.wait(30)
-    old_log.write_bytes(old_log.read_bytes()[:-5])  # the last frame half-written
-    torn = load(old_log)
+    torn, ahead = _tear_a_frame_some_client_is_past(old_log, held)
     assert torn.problems and torn.problems[0].kind == "torn"
-    kept = {r.client_id: len(r.output_token_ids) for r in resume_point(torn).requests}
-    ahead = [i for i, h in enumerate(held) if len(h["ids"]) > kept[f"story-{i}"]]
     assert ahead, "some client holds tokens of the torn frame: its attach must wait for them"
     with ServerProcess([*TINY, "--resume", str(old_log)]) as resumed:
         resumed.wait_ready()
