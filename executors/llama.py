@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from memstep.core.model_config import ModelConfig
 from memstep.executors import cpu_kernels
 from memstep.executors.attention import ForwardBatch, attention
+from memstep.executors.cpu_step import DecodeStep
 from memstep.executors.kv_cache import write_kv
 from memstep.executors.quant_linear import Linear, make_linear
 from memstep.executors.rank_group import RankGroup
@@ -109,6 +110,10 @@ class LlamaModel:
         # float32 on the CPU: rotary and the KV write by cpu_kernels (with a float32 cache)
         fp32_cpu = device.type == "cpu" and self.lm_head.dtype == torch.float32
         self.cpu_kernels = fp32_cpu and ranks is None and cpu_kernels.available()
+        # a model of Q4_1 / Q8_0 layer matrices: decode steps in one C call, and its norms and
+        # silu * up in C for every batch, so that a row's bits do not depend on the step's kind
+        self.decode_step = DecodeStep.of(cfg, weights) if self.cpu_kernels else None
+        self.norm = cpu_kernels.rms_norm if self.decode_step is not None else rms_norm
         self.layers = [self._layer(i) for i in range(self.num_layers)]
         self.head = make_linear({"lm_head": self.lm_head, **weights}, "lm_head", self.wide)
 
@@ -136,12 +141,17 @@ class LlamaModel:
         nqk = cfg.num_heads + cfg.num_kv_heads
         t = batch.num_tokens
         compiled = self.cpu_kernels and kv_caches[0][0].dtype == torch.float32
+        step = self.decode_step if self.decode_kernel is cpu_kernels.decode_attention else None
+        rows = step.rows(batch, kv_caches) if compiled and step is not None else None
+        if step is not None and rows is not None:
+            return step(h, batch, rows, kv_caches, self.cos, self.sin, self.scale)
+        norm = self.norm
         if not compiled:
             cos = self.rope_cos[batch.positions].unsqueeze(1)
             sin = self.rope_sin[batch.positions].unsqueeze(1)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=False):
             attn_norm, wqkv, wo, mlp_norm, w_gate_up, w_down = layer
-            qkv = wqkv(rms_norm(h, attn_norm, cfg.rms_eps))
+            qkv = wqkv(norm(h, attn_norm, cfg.rms_eps))
             if compiled:  # the same arithmetic in one call
                 q = cpu_kernels.rope_and_write_kv(
                     qkv, self.cos, self.sin, batch.positions, batch.slot_mapping,
@@ -154,9 +164,14 @@ class LlamaModel:
                 write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
             o = attention(q, k_cache, v_cache, batch, self.scale, self.decode_kernel)
             h = h + self.reduce(wo(o.reshape(t, nq)))
-            gate, up = w_gate_up(rms_norm(h, mlp_norm, cfg.rms_eps)).chunk(2, dim=-1)
-            h = h + self.reduce(w_down(F.silu(gate) * up))
-        return rms_norm(h, self.w["norm"], cfg.rms_eps)
+            gate_up = w_gate_up(norm(h, mlp_norm, cfg.rms_eps))
+            if self.decode_step is not None:
+                act = cpu_kernels.silu_mul(gate_up)
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                act = F.silu(gate) * up
+            h = h + self.reduce(w_down(act))
+        return norm(h, self.w["norm"], cfg.rms_eps)
 
     def _forward_fused(
         self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]

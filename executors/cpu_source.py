@@ -1,0 +1,460 @@
+"""The C source of the CPU's compiled kernels (executors/cpu_kernels.py builds and loads it).
+
+Q4_1 / Q8_0 matmuls, paged decode attention, rotary + KV write, RMSNorm and silu * up, each an
+entry point of its own, and `decode_step`: every decoder layer of a decode step in one OpenMP
+parallel region, built from the same per-output helpers (`mm_tile`, `attend_one`, `rope_row`,
+`rms_norm_rows`, `silu_mul_span`), so that a row gets the same bits either way.
+"""
+
+SOURCE = r"""#define _GNU_SOURCE
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <string.h>
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+
+#define GROUP 32
+#define ROWS 16  /* rows of x per pass over a tile of weight rows: their weights unpacked twice */
+
+static inline float half(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+#ifdef __AVX512F__
+typedef __m512 vec;
+#define LANES 16
+static inline vec vload(const float *p) { return _mm512_loadu_ps(p); }
+static inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
+#define VZERO _mm512_setzero_ps()
+#define VSET1 _mm512_set1_ps
+#define VMUL _mm512_mul_ps
+#define VSUB _mm512_sub_ps
+#define VFMA _mm512_fmadd_ps
+static inline void unpack_q4(const uint8_t *q, vec *c) {
+    __m128i b = _mm_loadu_si128((const __m128i *)q), mask = _mm_set1_epi8(0x0F);
+    c[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, mask)));
+    c[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), mask)));
+}
+static inline void unpack_q8(const uint8_t *q, vec *c) {
+    c[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
+    c[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16))));
+}
+#else
+typedef struct { float v[GROUP / 2]; } vec;
+#define LANES 16
+static inline vec vload(const float *p) { vec r; memcpy(r.v, p, sizeof r.v); return r; }
+static inline float vsum(vec a) {
+    float s = 0;
+    for (int i = 0; i < LANES; i++) s += a.v[i];
+    return s;
+}
+static inline vec VSET1(float x) { vec r; for (int i = 0; i < LANES; i++) r.v[i] = x; return r; }
+#define VZERO VSET1(0.0f)
+static inline vec VMUL(vec a, vec b) { for (int i = 0; i < LANES; i++) a.v[i] *= b.v[i]; return a; }
+static inline vec VSUB(vec a, vec b) { for (int i = 0; i < LANES; i++) a.v[i] -= b.v[i]; return a; }
+static inline vec VFMA(vec a, vec b, vec c) {
+    for (int i = 0; i < LANES; i++) c.v[i] = a.v[i] * b.v[i] + c.v[i];
+    return c;
+}
+static inline void unpack_q4(const uint8_t *q, vec *c) {
+    for (int i = 0; i < 16; i++) { c[0].v[i] = q[i] & 15; c[1].v[i] = q[i] >> 4; }
+}
+static inline void unpack_q8(const uint8_t *q, vec *c) {
+    for (int i = 0; i < 16; i++) { c[0].v[i] = (int8_t)q[i]; c[1].v[i] = (int8_t)q[16 + i]; }
+}
+#endif
+
+/* unpack one block into its 32 float32 weights, w[0] inputs 0..15, w[1] 16..31: exactly
+   gguf's values (d * code is exact in float32: 11 bits times 4 or 8; + m rounds once) */
+static inline void weights_q4_1(const uint8_t *b, vec *w) {
+    vec c[2];
+    unpack_q4(b + 4, c);
+    vec d = VSET1(half(b)), m = VSET1(half(b + 2));
+    w[0] = VFMA(c[0], d, m);
+    w[1] = VFMA(c[1], d, m);
+}
+
+static inline void weights_q8_0(const uint8_t *b, vec *w) {
+    vec c[2];
+    unpack_q8(b + 2, c);
+    vec d = VSET1(half(b));
+    w[0] = VMUL(c[0], d);
+    w[1] = VMUL(c[1], d);
+}
+
+/* y[r, n] for rows r0..r0+nr of x and weight rows n..n+nw (G blocks of `bs` bytes each, from
+   `w`): each output accumulates its groups left to right, whatever nr and nw, so a row's result
+   does not depend on the batch; several weight rows at once give a few rows of x independent
+   chains of FMAs to overlap */
+static inline __attribute__((always_inline)) void tile_dot(
+    const float *x, const uint8_t *w, float *y, int64_t r0, int nr, int64_t n, int nw,
+    int64_t N, int64_t K, int64_t G, int bs)
+{
+    vec acc[4][ROWS];
+    for (int j = 0; j < nw; j++)
+        for (int r = 0; r < nr; r++) acc[j][r] = VZERO;
+    for (int64_t g = 0; g < G; g++) {
+        for (int j = 0; j < nw; j++) {
+            vec wv[2];
+            const uint8_t *b = w + ((n + j) * G + g) * bs;
+            if (bs == 20) weights_q4_1(b, wv); else weights_q8_0(b, wv);
+            for (int r = 0; r < nr; r++) {
+                const float *xr = x + (r0 + r) * K + g * GROUP;
+                acc[j][r] = VFMA(wv[0], vload(xr), acc[j][r]);
+                acc[j][r] = VFMA(wv[1], vload(xr + LANES), acc[j][r]);
+            }
+        }
+    }
+    for (int j = 0; j < nw; j++)
+        for (int r = 0; r < nr; r++) y[(r0 + r) * N + n + j] = vsum(acc[j][r]);
+}
+
+#define WIDE 4  /* weight rows per tile for 1-3 rows of x, 2 for 4-7, 1 for 8-15 */
+#define TAIL(k, nw) case k: \
+    for (int64_t j = n0; j + nw <= n1; j += nw) tile_dot(x, w, y, r0, k, j, nw, N, K, G, bs); \
+    for (int64_t j = n1 - (n1 - n0) % nw; j < n1; j++) \
+        tile_dot(x, w, y, r0, k, j, 1, N, K, G, bs); \
+    break;
+
+/* work below which a kernel runs on the calling thread alone (set_parallel_min), in units of
+   about one float32 multiply-add at 16 rows of a q4 matmul on one core (~30 ps): a matmul of M
+   rows costs (M + 2) N K (unpacking a weight costs about two), an attention 8 positions H D */
+static int64_t parallel_min = 0;
+
+void set_parallel_min(int64_t n) { parallel_min = n; }
+
+/* the outputs n0..n0+WIDE (short of N) of every row of x: one tile of a matmul's columns */
+static inline __attribute__((always_inline)) void mm_tile(
+    const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K, int bs,
+    int64_t n0)
+{
+    const int64_t G = K / GROUP;
+    int64_t n1 = n0 + WIDE < N ? n0 + WIDE : N, r0 = 0;
+    for (; r0 + ROWS <= M; r0 += ROWS)  /* as two halves, two weight rows at a time */
+        for (int64_t h = r0; h < r0 + ROWS; h += ROWS / 2) {
+            int64_t n = n0;
+            for (; n + 2 <= n1; n += 2) tile_dot(x, w, y, h, ROWS / 2, n, 2, N, K, G, bs);
+            for (; n < n1; n++) tile_dot(x, w, y, h, ROWS / 2, n, 1, N, K, G, bs);
+        }
+    switch (M - r0) {  /* constant sizes: the accumulators stay in registers */
+    TAIL(15, 1) TAIL(14, 1) TAIL(13, 1) TAIL(12, 1) TAIL(11, 1) TAIL(10, 1) TAIL(9, 1)
+    TAIL(8, 1) TAIL(7, 2) TAIL(6, 2) TAIL(5, 2) TAIL(4, 2) TAIL(3, 4) TAIL(2, 4) TAIL(1, 4)
+    default: break;
+    }
+}
+
+static inline __attribute__((always_inline)) void blocks_mm(
+    const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K, int bs)
+{
+    #pragma omp parallel for schedule(static) if ((M + 2) * N * K >= parallel_min)
+    for (int64_t n0 = 0; n0 < N; n0 += WIDE) mm_tile(x, w, y, M, N, K, bs, n0);
+}
+
+void q4_1_mm(const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K)
+{
+    blocks_mm(x, w, y, M, N, K, 20);
+}
+
+void q8_0_mm(const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K)
+{
+    blocks_mm(x, w, y, M, N, K, 34);
+}
+
+/* the float32 matrix [N, K] of Q4_1 rows, as gguf computes it: d * code + m */
+void q4_1_dequant(const uint8_t *w, float *out, int64_t N, int64_t K)
+{
+    const int64_t G = K / GROUP;
+    #pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        for (int64_t g = 0; g < G; g++) {
+            const uint8_t *b = w + (n * G + g) * 20;
+            vec wv[2];
+            weights_q4_1(b, wv);
+            memcpy(out + n * K + g * GROUP, &wv, sizeof wv);
+        }
+    }
+}
+
+#define CHUNK 64  /* positions scored at a time */
+
+#ifdef __AVX512F__
+/* e^x for x <= 0 (softmax weights), within ~2 ulp: 2^n e^r, n = round(x log2 e), |r| <= ln2/2 */
+static inline vec vexp(vec x) {
+    x = _mm512_max_ps(x, VSET1(-87.0f));
+    vec n = _mm512_roundscale_ps(VMUL(x, VSET1(1.44269504088896341f)), 0);
+    vec r = VFMA(n, VSET1(-0.693359375f), x);
+    r = VFMA(n, VSET1(2.12194440e-4f), r);
+    vec p = VSET1(1.9875691500e-4f);
+    p = VFMA(p, r, VSET1(1.3981999507e-3f));
+    p = VFMA(p, r, VSET1(8.3334519073e-3f));
+    p = VFMA(p, r, VSET1(4.1665795894e-2f));
+    p = VFMA(p, r, VSET1(1.6666665459e-1f));
+    p = VFMA(p, r, VSET1(5.0000001201e-1f));
+    p = VFMA(VMUL(p, r), r, r);
+    return _mm512_scalef_ps(_mm512_add_ps(p, VSET1(1.0f)), n);
+}
+#else
+static inline vec vexp(vec x) { for (int i = 0; i < LANES; i++) x.v[i] = expf(x.v[i]); return x; }
+#endif
+
+/* one query token per sequence over its cached positions 0..len-1 (paged KV cache, float32),
+   softmax in float32 a chunk of positions at a time (rescaled when the running maximum
+   grows); query head h reads KV head h / (H / KVH); len 0 gives zeros.
+   q, out: [B, H, D] with row strides qs, os (elements); caches [blocks, BS, KVH, D];
+   D a multiple of LANES */
+static void attend_one(const float *q, int64_t qs, const float *kc, const float *vc,
+                       const int32_t *tables, const int32_t *lens, float *out, int64_t os,
+                       int64_t b, int64_t h, int64_t H, int64_t KVH, int64_t D, int64_t BS,
+                       int64_t NB, float scale)
+{
+    const int64_t per_kv = H / KVH;
+    const float *qh = q + b * qs + h * D;
+    float *o = out + b * os + h * D;
+    float acc[256], score[CHUNK], top = -INFINITY, total = 0.0f;
+    for (int64_t i = 0; i < D; i++) acc[i] = 0.0f;
+    for (int64_t p0 = 0; p0 < lens[b]; p0 += CHUNK) {
+        int64_t n = lens[b] - p0 < CHUNK ? lens[b] - p0 : CHUNK;
+        const float *kv[2][CHUNK];
+        float most = -INFINITY;
+        for (int64_t j = 0; j < n; j++) {
+            int64_t p = p0 + j;
+            int64_t at = (((int64_t)tables[b * NB + p / BS] * BS + p % BS) * KVH
+                          + h / per_kv) * D;
+            kv[0][j] = kc + at;
+            kv[1][j] = vc + at;
+            vec dot = VZERO;
+            for (int64_t i = 0; i < D; i += LANES)
+                dot = VFMA(vload(qh + i), vload(kv[0][j] + i), dot);
+            score[j] = vsum(dot) * scale;
+            most = score[j] > most ? score[j] : most;
+        }
+        for (int64_t j = n; j < CHUNK; j++) score[j] = -INFINITY;
+        if (most > top) {
+            float shrink = expf(top - most);
+            for (int64_t i = 0; i < D; i++) acc[i] *= shrink;
+            total *= shrink;
+            top = most;
+        }
+        for (int64_t j = 0; j < n; j += LANES) {
+            vec e = vexp(VSUB(vload(score + j), VSET1(top)));
+            memcpy(score + j, &e, sizeof e);
+        }
+        for (int64_t j = 0; j < n; j++) {
+            total += score[j];
+            for (int64_t i = 0; i < D; i++) acc[i] += score[j] * kv[1][j][i];
+        }
+    }
+    for (int64_t i = 0; i < D; i++) o[i] = total > 0.0f ? acc[i] / total : 0.0f;
+}
+
+static int64_t total_positions(const int32_t *lens, int64_t B)
+{
+    int64_t positions = 0;
+    for (int64_t b = 0; b < B; b++) positions += lens[b];
+    return positions;
+}
+
+void decode_attention(const float *q, int64_t qs, const float *kc, const float *vc,
+                      const int32_t *tables, const int32_t *lens, float *out, int64_t os,
+                      int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS, int64_t NB,
+                      float scale)
+{
+    const int64_t positions = total_positions(lens, B);
+    #pragma omp parallel for collapse(2) schedule(static) if (8 * positions * H * D >= parallel_min)
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < H; h++)
+            attend_one(q, qs, kc, vc, tables, lens, out, os, b, h, H, KVH, D, BS, NB, scale);
+}
+
+/* rotate q and k of each token (Hugging Face's halves: x1 cos - x2 sin, x2 cos + x1 sin, the
+   same float32 operations as llama.apply_rope), q in place in qkv, k and v into flat slot
+   slots[t] of the caches (none where negative); qkv: [T, (H + 2 KVH) * D], row stride qs;
+   cos, sin: [P, D / 2]; caches [blocks, BS, KVH, D] float32 */
+static void rope_row(float *qkv, int64_t qs, const float *cos, const float *sin,
+                     const int64_t *pos, const int64_t *slots, float *kc, float *vc,
+                     int64_t t, int64_t H, int64_t KVH, int64_t D)
+{
+    const int64_t half = D / 2;
+    float *row = qkv + t * qs;
+    const float *c = cos + pos[t] * half, *s = sin + pos[t] * half;
+    for (int64_t hh = 0; hh < H + KVH; hh++) {
+        float *x = row + hh * D;
+        float *to = hh < H ? x : (slots[t] >= 0 ? kc + (slots[t] * KVH + hh - H) * D : 0);
+        if (!to) continue;
+        for (int64_t i = 0; i < half; i++) {
+            float x1 = x[i], x2 = x[i + half];
+            float a = x1 * c[i] - x2 * s[i], b = x2 * c[i] + x1 * s[i];
+            to[i] = a;
+            to[i + half] = b;
+        }
+    }
+    if (slots[t] >= 0)
+        memcpy(vc + slots[t] * KVH * D, row + (H + KVH) * D, KVH * D * sizeof(float));
+}
+
+void rope_write_kv(float *qkv, int64_t qs, const float *cos, const float *sin,
+                   const int64_t *pos, const int64_t *slots, float *kc, float *vc,
+                   int64_t T, int64_t H, int64_t KVH, int64_t D)
+{
+    #pragma omp parallel for schedule(static) if (T > 8)
+    for (int64_t t = 0; t < T; t++) rope_row(qkv, qs, cos, sin, pos, slots, kc, vc, t, H, KVH, D);
+}
+
+/* --- norms and the MLP's activation, for the decode step and its single-call twins ---------- */
+
+/* rows r0..r1 of x [., E] normed into out: x * (1 / sqrt(mean(x^2) + eps)) * w, the squares
+   summed in LANES partial sums left to right, then across the lanes: one order for every row */
+static void rms_norm_rows(const float *x, const float *w, float *out, int64_t r0, int64_t r1,
+                          int64_t E, float eps)
+{
+    for (int64_t r = r0; r < r1; r++) {
+        const float *xr = x + r * E;
+        float *o = out + r * E;
+        vec ss = VZERO;
+        int64_t i = 0;
+        for (; i + LANES <= E; i += LANES) {
+            vec v = vload(xr + i);
+            ss = VFMA(v, v, ss);
+        }
+        float sum = vsum(ss);
+        for (; i < E; i++) sum += xr[i] * xr[i];
+        const float inv = 1.0f / sqrtf(sum / (float)E + eps);
+        for (int64_t j = 0; j < E; j++) o[j] = xr[j] * inv * w[j];
+    }
+}
+
+/* elements e0..e1 of out [M, I]: silu(gate) * up, gate and up the halves of gu's rows [M, 2 I] */
+static void silu_mul_span(const float *gu, float *out, int64_t I, int64_t e0, int64_t e1)
+{
+    for (int64_t e = e0; e < e1; e++) {
+        const float *row = gu + e / I * 2 * I;
+        const float g = row[e % I];
+        out[e] = g / (1.0f + expf(-g)) * row[I + e % I];
+    }
+}
+
+void rms_norm(const float *x, const float *w, float *out, int64_t M, int64_t E, float eps)
+{
+    #pragma omp parallel for schedule(static) if (4 * M * E >= parallel_min && M > 1)
+    for (int64_t r = 0; r < M; r++) rms_norm_rows(x, w, out, r, r + 1, E, eps);
+}
+
+void silu_mul(const float *gu, float *out, int64_t M, int64_t I)
+{
+    #pragma omp parallel for schedule(static) if (16 * M * I >= parallel_min && M > 1)
+    for (int64_t r = 0; r < M; r++) silu_mul_span(gu, out, I, r * I, (r + 1) * I);
+}
+
+/* --- a whole decode step in one parallel region --------------------------------------------- */
+
+/* the threads of a region meet here between the step's stages: they spin (a region's stages
+   are microseconds apart, and a passive pool's barrier would put them to sleep at each one),
+   yielding the core now and then in case a peer lost its own */
+typedef struct { atomic_int arrived; atomic_int round; } spin_barrier;
+
+static void barrier_wait(spin_barrier *b, int nt)
+{
+    if (nt == 1) return;
+    const int round = atomic_load_explicit(&b->round, memory_order_acquire);
+    if (atomic_fetch_add_explicit(&b->arrived, 1, memory_order_acq_rel) == nt - 1) {
+        atomic_store_explicit(&b->arrived, 0, memory_order_relaxed);
+        atomic_store_explicit(&b->round, round + 1, memory_order_release);
+        return;
+    }
+    for (int spins = 1; atomic_load_explicit(&b->round, memory_order_acquire) == round; spins++) {
+        _mm_pause();
+        if (spins % 4096 == 0) sched_yield();
+    }
+}
+
+/* this thread's share of a matmul's column tiles, tiled as blocks_mm tiles them */
+static void mm_share(const float *x, const uint8_t *w, float *y, int64_t M, int64_t N,
+                     int64_t K, int bs, int tid, int nt)
+{
+    const int64_t tiles = (N + WIDE - 1) / WIDE;
+    for (int64_t t = tiles * tid / nt; t < tiles * (tid + 1) / nt; t++)
+        mm_tile(x, w, y, M, N, K, bs, t * WIDE);
+}
+
+#define PTR(type, a, i) ((type)(intptr_t)(a)[i])
+#define SHARE(n, a, b) const int64_t a = (n) * tid / nt, b = (n) * (tid + 1) / nt
+
+/* every decoder layer for M decode rows, as the single kernels compute each output (so a row
+   gets the same bits here as through rms_norm, q4_1_mm / q8_0_mm, rope_write_kv,
+   decode_attention and silu_mul, one call each), in one parallel region: a sleeping pool is
+   woken once a step instead of once a kernel.  h [M, E]: the embeddings, then the residual
+   stream (in place); out [M, E]: the final norm's output.  Layer l: blocks w[4l..4l+3] (qkv,
+   wo, gate_up, down) of bs[...] bytes (20 Q4_1, 34 Q8_0); norms[2l], norms[2l+1] (attention,
+   MLP) and norms[2L] (final) float32 [E]; caches kc[l], vc[l].  Scratch: qkv [M, (H+2KVH) D],
+   att [M, H D], gu [M, 2 I], act [M, I], tmp [M, E] */
+void decode_step(float *h, float *out, const int64_t *w, const int32_t *bs, const int64_t *norms,
+                 const int64_t *kc, const int64_t *vc, const float *cos, const float *sin,
+                 const int64_t *pos, const int64_t *slots, const int32_t *tables,
+                 const int32_t *lens, float *qkv, float *att, float *gu, float *act, float *tmp,
+                 int64_t M, int64_t E, int64_t H, int64_t KVH, int64_t D, int64_t I, int64_t L,
+                 int64_t BS, int64_t NB, float eps, float scale)
+{
+    const int64_t QKV = (H + 2 * KVH) * D, HD = H * D;
+    const int64_t work = L * ((M + 2) * (QKV * E + E * HD + 3 * I * E)
+                              + 8 * total_positions(lens, M) * HD);
+    spin_barrier bar = {0, 0};
+    #pragma omp parallel if (work >= parallel_min)
+    {
+        const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
+        float *x = out;  /* each stage's normed input, the final norm's output at the end */
+        {
+            SHARE(M, r0, r1);
+            rms_norm_rows(h, PTR(const float *, norms, 0), x, r0, r1, E, eps);
+        }
+        barrier_wait(&bar, nt);
+        for (int64_t l = 0; l < L; l++) {
+            float *k = PTR(float *, kc, l), *v = PTR(float *, vc, l);
+            mm_share(x, PTR(const uint8_t *, w, 4 * l), qkv, M, QKV, E, bs[4 * l], tid, nt);
+            barrier_wait(&bar, nt);
+            {
+                SHARE(M, r0, r1);
+                for (int64_t t = r0; t < r1; t++)
+                    rope_row(qkv, QKV, cos, sin, pos, slots, k, v, t, H, KVH, D);
+            }
+            barrier_wait(&bar, nt);
+            {
+                SHARE(M * H, p0, p1);
+                for (int64_t p = p0; p < p1; p++)
+                    attend_one(qkv, QKV, k, v, tables, lens, att, HD, p / H, p % H, H, KVH, D,
+                               BS, NB, scale);
+            }
+            barrier_wait(&bar, nt);
+            mm_share(att, PTR(const uint8_t *, w, 4 * l + 1), tmp, M, E, HD, bs[4 * l + 1],
+                     tid, nt);
+            barrier_wait(&bar, nt);
+            {
+                SHARE(M, r0, r1);
+                for (int64_t i = r0 * E; i < r1 * E; i++) h[i] = h[i] + tmp[i];
+                rms_norm_rows(h, PTR(const float *, norms, 2 * l + 1), x, r0, r1, E, eps);
+            }
+            barrier_wait(&bar, nt);
+            mm_share(x, PTR(const uint8_t *, w, 4 * l + 2), gu, M, 2 * I, E, bs[4 * l + 2],
+                     tid, nt);
+            barrier_wait(&bar, nt);
+            {
+                SHARE(M * I, e0, e1);
+                silu_mul_span(gu, act, I, e0, e1);
+            }
+            barrier_wait(&bar, nt);
+            mm_share(act, PTR(const uint8_t *, w, 4 * l + 3), tmp, M, E, I, bs[4 * l + 3],
+                     tid, nt);
+            barrier_wait(&bar, nt);
+            {
+                SHARE(M, r0, r1);
+                for (int64_t i = r0 * E; i < r1 * E; i++) h[i] = h[i] + tmp[i];
+                rms_norm_rows(h, PTR(const float *, norms, 2 * l + 2), x, r0, r1, E, eps);
+            }
+            barrier_wait(&bar, nt);
+        }
+    }
+}
+"""

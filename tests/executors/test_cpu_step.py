@@ -1,0 +1,75 @@
+"""The CPU's one-call decode step (executors/cpu_step.py) on the real SmolLM2 q4: taken for decode
+steps, and every bit of its output (log-probs included) is the kernel-by-kernel forward's, with
+the OpenMP pool woken or not and on one thread or two."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memstep.core.config import EngineConfig
+from memstep.core.sampling_params import SamplingParams
+from memstep.executors import cpu_kernels, llama
+from memstep.executors.cpu_step import DecodeStep
+from memstep.executors.inprocess import local_engine
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler")
+
+PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "Write a haiku about the sea."]
+PARAMS = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=5)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    # no prefix cache: the same prompts run again must be prefilled the same way
+    cfg = EngineConfig(model="smollm2", quantization="q4", max_num_seqs=4)
+    return local_engine(cfg.replace(enable_prefix_caching=False))
+
+
+def outputs(engine) -> list[tuple[list[int], list[list]]]:
+    return [(c.token_ids, c.logprobs) for c in engine.generate(PROMPTS, PARAMS)]
+
+
+def test_a_decode_step_in_one_call_gives_the_kernel_by_kernel_bits(engine, monkeypatch):
+    model = engine.executor.worker.model
+    assert model.decode_step is not None and model.norm is cpu_kernels.rms_norm
+    calls = []
+    step = DecodeStep.__call__
+    monkeypatch.setattr(DecodeStep, "__call__", lambda *a: calls.append(1) or step(*a))
+    one_call = outputs(engine)
+    assert len(calls) >= PARAMS.max_tokens - 1  # the decode steps; prefills went kernel by kernel
+    monkeypatch.setattr(DecodeStep, "rows", staticmethod(lambda batch, caches: None))
+    assert outputs(engine) == one_call
+    # the comparison sees a difference of rounding: torch's RMSNorm kernel by kernel parts
+    monkeypatch.setattr(model, "norm", llama.rms_norm)
+    assert outputs(engine) != one_call
+
+
+def test_its_bits_do_not_depend_on_the_pool(engine, monkeypatch):
+    reference = outputs(engine)  # the pool as the process has it
+    threads = torch.get_num_threads()
+    try:
+        for count, work in ((2, 0), (1, 0), (2, 1 << 62)):  # every stage on the pool; one; none
+            torch.set_num_threads(count)
+            cpu_kernels.set_parallel_min(work)
+            assert outputs(engine) == reference, (count, work)
+    finally:
+        torch.set_num_threads(threads)
+        cpu_kernels.set_parallel_min(cpu_kernels.parallel_min())
+
+
+def test_verify_steps_take_it_with_the_same_bits(monkeypatch):
+    """A speculative verify step whose sequences feed as many tokens each: its queries are
+    decode rows of their own on the CPU, so it runs in one call too."""
+    cfg = EngineConfig(model="smollm2", quantization="q4", max_num_seqs=4)
+    cfg = cfg.replace(speculative_method="eagle", num_speculative_tokens=2)
+    spec = local_engine(cfg.replace(enable_prefix_caching=False))
+    widths = []
+    step = DecodeStep.__call__
+    monkeypatch.setattr(
+        DecodeStep, "__call__", lambda s, h, *a: widths.append(h.shape[0]) or step(s, h, *a)
+    )
+    one_call = outputs(spec)
+    assert 3 * len(PROMPTS) in widths  # a verify step: each token and its two drafts
+    monkeypatch.setattr(DecodeStep, "rows", staticmethod(lambda batch, caches: None))
+    assert outputs(spec) == one_call
