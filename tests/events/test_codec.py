@@ -220,6 +220,17 @@ def test_a_bad_row_value_is_named_with_its_row_and_field():
         from_obj(obj)
 
 
+def test_a_long_plan_is_checked_by_column_and_a_bad_item_in_its_last_row_is_named():
+    """A plan's rows are checked a column at a time (events/codec.py `_rows_by_column`): every
+    item of every list still counts, and what is wrong is then named row by row."""
+    seqs = [plan.SeqPlan(f"r{i}", i, [i], list(range(i % 40)), True, 0, i, {}) for i in range(1000)]
+    obj = plan_rows(*seqs)
+    assert from_obj(obj) == plan.StepPlan(0, "no_spec", seqs, [])
+    obj["seqs"][999][3][-1] = True  # a bool in block_table, which msgpack keeps apart from int
+    with pytest.raises(CodecError, match=r"seqs\[999\]: SeqPlan\.block_table\[38\]: expected int"):
+        from_obj(obj)
+
+
 def test_nested_records_encode_as_tagged_maps():
     rec = StateExited(step=40, kind="decode", bytes_released=0, ledger=LEDGER[:1])
     expected = {
