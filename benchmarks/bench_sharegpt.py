@@ -66,6 +66,19 @@ output tok/s, TTFT mean 25.0 s (median 20.4), TPOT mean 115 ms, 0 failed; 0 new 
 reserved 123.5 GiB flat (plan 125.8), 0 leak reports; 3,378 steps, KV pages peaking at 23,731 of
 52,820. 2,400 prompts: 26.9 req/s, 8,100 output tok/s, TTFT mean 424 ms (median 164), TPOT 82.4
 ms, reserved 123.5 GiB flat. Against the run before it: +22% and +11% output tok/s.
+
+Later that day, with step plans and results decoded a column at a time (events/codec.py), 2,400
+prompts: 28.9 req/s, 8,690 output tok/s, TTFT mean 207 ms (median 155), TPOT 73.7 ms, 0 failed;
+0 new segments, reserved 123.5 GiB flat (plan 125.8), 0 leak reports, KV pages peaking at 19,776.
+Where a step's time goes at ~1,000 running (benchmarks/bench_host.py on one H200, in one
+process: 900 decoding and 3 new prompts a step): 64 ms a mixed step, of which the device works
+38 ms (the profiler's kernel time); the rest is host work the device waits for, one part after
+another: the engine core's planning (5.7 ms) and recording (8.3 ms), the executor's batch
+building (5.7 ms), and in the served engine the plan's and result's codec and transport.
+Decode-only steps at 1,024 hide the core behind the graph replayed ahead (decode-ahead) and run
+at the device's ~28 ms. Scheduling the next step while the device runs this one (vLLM's async
+scheduling, SGLang's overlap scheduler: sampled tokens as placeholders that the executor fills
+in) is what would take the host off the critical path.
 """
 
 from __future__ import annotations
