@@ -371,17 +371,32 @@ static void barrier_wait(spin_barrier *b, int nt)
     }
 }
 
-/* this thread's share of a matmul's column tiles, tiled as blocks_mm tiles them */
-static void mm_share(const float *x, const uint8_t *w, float *y, int64_t M, int64_t N,
-                     int64_t K, int bs, int tid, int nt)
+/* this thread's share of y = x @ W[j]^T (layer matrix j of w, blocks of bs[j] bytes), tiled
+   as blocks_mm tiles it; then the threads meet */
+static void mm_stage(const float *x, const int64_t *w, const int32_t *bs, int64_t j, float *y,
+                     int64_t M, int64_t N, int64_t K, spin_barrier *bar, int tid, int nt)
 {
+    const uint8_t *blocks = (const uint8_t *)(intptr_t)w[j];
     const int64_t tiles = (N + WIDE - 1) / WIDE;
     for (int64_t t = tiles * tid / nt; t < tiles * (tid + 1) / nt; t++)
-        mm_tile(x, w, y, M, N, K, bs, t * WIDE);
+        mm_tile(x, blocks, y, M, N, K, bs[j], t * WIDE);
+    barrier_wait(bar, nt);
 }
 
 #define PTR(type, a, i) ((type)(intptr_t)(a)[i])
 #define SHARE(n, a, b) const int64_t a = (n) * tid / nt, b = (n) * (tid + 1) / nt
+
+/* this thread's rows of the residual stream h += d (d NULL: none), then x = RMSNorm(h) by w;
+   then the threads meet */
+static void add_norm_stage(float *h, const float *d, const float *w, float *x, int64_t M,
+                           int64_t E, float eps, spin_barrier *bar, int tid, int nt)
+{
+    SHARE(M, r0, r1);
+    if (d)
+        for (int64_t i = r0 * E; i < r1 * E; i++) h[i] = h[i] + d[i];
+    rms_norm_rows(h, w, x, r0, r1, E, eps);
+    barrier_wait(bar, nt);
+}
 
 /* every decoder layer for M decode rows, as the single kernels compute each output (so a row
    gets the same bits here as through rms_norm, q4_1_mm / q8_0_mm, rope_write_kv,
@@ -406,15 +421,10 @@ void decode_step(float *h, float *out, const int64_t *w, const int32_t *bs, cons
     {
         const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
         float *x = out;  /* each stage's normed input, the final norm's output at the end */
-        {
-            SHARE(M, r0, r1);
-            rms_norm_rows(h, PTR(const float *, norms, 0), x, r0, r1, E, eps);
-        }
-        barrier_wait(&bar, nt);
+        add_norm_stage(h, NULL, PTR(const float *, norms, 0), x, M, E, eps, &bar, tid, nt);
         for (int64_t l = 0; l < L; l++) {
             float *k = PTR(float *, kc, l), *v = PTR(float *, vc, l);
-            mm_share(x, PTR(const uint8_t *, w, 4 * l), qkv, M, QKV, E, bs[4 * l], tid, nt);
-            barrier_wait(&bar, nt);
+            mm_stage(x, w, bs, 4 * l, qkv, M, QKV, E, &bar, tid, nt);
             {
                 SHARE(M, r0, r1);
                 for (int64_t t = r0; t < r1; t++)
@@ -428,32 +438,18 @@ void decode_step(float *h, float *out, const int64_t *w, const int32_t *bs, cons
                                BS, NB, scale);
             }
             barrier_wait(&bar, nt);
-            mm_share(att, PTR(const uint8_t *, w, 4 * l + 1), tmp, M, E, HD, bs[4 * l + 1],
-                     tid, nt);
-            barrier_wait(&bar, nt);
-            {
-                SHARE(M, r0, r1);
-                for (int64_t i = r0 * E; i < r1 * E; i++) h[i] = h[i] + tmp[i];
-                rms_norm_rows(h, PTR(const float *, norms, 2 * l + 1), x, r0, r1, E, eps);
-            }
-            barrier_wait(&bar, nt);
-            mm_share(x, PTR(const uint8_t *, w, 4 * l + 2), gu, M, 2 * I, E, bs[4 * l + 2],
-                     tid, nt);
-            barrier_wait(&bar, nt);
+            mm_stage(att, w, bs, 4 * l + 1, tmp, M, E, HD, &bar, tid, nt);
+            add_norm_stage(h, tmp, PTR(const float *, norms, 2 * l + 1), x, M, E, eps, &bar, tid,
+                           nt);
+            mm_stage(x, w, bs, 4 * l + 2, gu, M, 2 * I, E, &bar, tid, nt);
             {
                 SHARE(M * I, e0, e1);
                 silu_mul_span(gu, act, I, e0, e1);
             }
             barrier_wait(&bar, nt);
-            mm_share(act, PTR(const uint8_t *, w, 4 * l + 3), tmp, M, E, I, bs[4 * l + 3],
-                     tid, nt);
-            barrier_wait(&bar, nt);
-            {
-                SHARE(M, r0, r1);
-                for (int64_t i = r0 * E; i < r1 * E; i++) h[i] = h[i] + tmp[i];
-                rms_norm_rows(h, PTR(const float *, norms, 2 * l + 2), x, r0, r1, E, eps);
-            }
-            barrier_wait(&bar, nt);
+            mm_stage(act, w, bs, 4 * l + 3, tmp, M, E, I, &bar, tid, nt);
+            add_norm_stage(h, tmp, PTR(const float *, norms, 2 * l + 2), x, M, E, eps, &bar, tid,
+                           nt);
         }
     }
 }
