@@ -13,7 +13,9 @@ SOURCE = r"""#define _GNU_SOURCE
 #include <string.h>
 #include <immintrin.h>
 #include <math.h>
-#include <omp.h>
+
+int omp_get_num_threads(void);  /* libgomp's, declared here: no omp.h needed */
+int omp_get_thread_num(void);
 
 #define GROUP 32
 #define ROWS 16  /* rows of x per pass over a tile of weight rows: their weights unpacked twice */
