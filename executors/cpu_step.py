@@ -55,7 +55,7 @@ class DecodeStep:
         self.w = _pointers([blocks for blocks, _ in matrices])
         self.bs = (ctypes.c_int32 * len(matrices))(*(size for _, size in matrices))
         self.norms = _pointers(norms)
-        self._caches: tuple[int, ctypes.Array, ctypes.Array] | None = None
+        self._caches: tuple[tuple[int, ...], ctypes.Array, ctypes.Array] | None = None
 
     @classmethod
     def of(cls, cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> DecodeStep | None:
@@ -96,8 +96,9 @@ class DecodeStep:
         return group.query_tables, group.query_lens
 
     def _cache_pointers(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
-        key = kv_caches[0][0].data_ptr()
-        if self._caches is None or self._caches[0] != key:  # a new executor's cache
+        """The caches' addresses, made again whenever any of them moved (a cache made anew)."""
+        key = tuple(t.data_ptr() for pair in kv_caches for t in pair)
+        if self._caches is None or self._caches[0] != key:
             keys = _pointers([k for k, _ in kv_caches])
             values = _pointers([v for _, v in kv_caches])
             self._caches = (key, keys, values)

@@ -73,3 +73,16 @@ def test_verify_steps_take_it_with_the_same_bits(monkeypatch):
     assert 3 * len(PROMPTS) in widths  # a verify step: each token and its two drafts
     monkeypatch.setattr(DecodeStep, "rows", staticmethod(lambda batch, caches: None))
     assert outputs(spec) == one_call
+
+
+def test_a_cache_made_anew_is_addressed_anew(engine):
+    """The step keeps the caches' addresses between calls; any cache that moved (a worker's
+    cache allocated again, say after profiling) gets its addresses taken again."""
+    step = engine.executor.worker.model.decode_step
+    first = [(torch.zeros(4), torch.zeros(4)) for _ in range(2)]
+    keys, values = step._cache_pointers(first)
+    assert list(keys) == [k.data_ptr() for k, _ in first]
+    moved = [first[0], (torch.zeros(4), first[1][1])]  # only layer 1's keys moved
+    keys, values = step._cache_pointers(moved)
+    assert list(keys) == [k.data_ptr() for k, _ in moved]
+    assert list(values) == [v.data_ptr() for _, v in moved]
