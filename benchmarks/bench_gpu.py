@@ -144,6 +144,9 @@ def bench_hf(weights, model_cfg, vocab: int, repeats: int) -> dict:
 # --- memstep -----------------------------------------------------------------------------------
 
 
+_INHERITED = object()  # a wrapped method that its object did not hold itself (its class's)
+
+
 class StepClock:
     """Wall time per engine step, split into executor model forward, sampler and the rest."""
 
@@ -151,17 +154,19 @@ class StepClock:
         self.engine = engine
         self.records: list[dict] = []
         self._parts: dict[str, float] = {}
-        self._wrapped: list[tuple[object, str]] = []
+        self._wrapped: list[tuple[object, str, object]] = []
         worker = engine.executor.worker
-        self._wrap(worker, "forward")
-        self._wrap(worker.sampler, "distribution", "sampler")
-        self._wrap(worker.sampler, "sample", "sampler")
-        self._wrap(worker, "execute", "worker_execute")
-        self._wrap(engine.executor, "execute", "executor_execute")
+        self.wrap(worker, "forward")
+        self.wrap(worker.sampler, "distribution", "sampler")
+        self.wrap(worker.sampler, "sample", "sampler")
+        self.wrap(worker, "execute", "worker_execute")
+        self.wrap(engine.executor, "execute", "executor_execute")
 
-    def _wrap(self, obj, name: str, key: str | None = None) -> None:
+    def wrap(self, obj, name: str, key: str | None = None) -> None:
+        """Time `obj.name` (a method, or a module's function) into each step's record as `key`."""
         inner = getattr(obj, name)
         key = key or name
+        own = vars(obj).get(name, _INHERITED)  # a module's function, or an instance's own
 
         def timed(*args, **kwargs):
             start = time.perf_counter()
@@ -171,12 +176,15 @@ class StepClock:
                 self._parts[key] = self._parts.get(key, 0.0) + time.perf_counter() - start
 
         setattr(obj, name, timed)
-        self._wrapped.append((obj, name))
+        self._wrapped.append((obj, name, own))
 
     def close(self) -> None:
         """Unwrap: the engine's methods are its own again, and nothing here holds it."""
-        for obj, name in self._wrapped:
-            delattr(obj, name)
+        for obj, name, own in reversed(self._wrapped):
+            if own is _INHERITED:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, own)
         self._wrapped.clear()
 
     def step(self):

@@ -26,43 +26,32 @@ steps replayed ahead (decode-ahead) ran at the device's time, ~28 ms. A CPU chec
 from __future__ import annotations
 
 import argparse
-import collections
 import logging
 import random
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_gpu import StepClock  # noqa: E402
 from bench_kernels import import_memstep  # noqa: E402
 
-
-class Parts:
-    """Seconds spent in named methods during the current step."""
-
-    def __init__(self) -> None:
-        self.now: dict[str, float] = {}
-        self.steps: dict[str, list[float]] = collections.defaultdict(list)
-
-    def wrap(self, obj: object, name: str, key: str) -> None:
-        inner = getattr(obj, name)
-
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                self.now[key] = self.now.get(key, 0.0) + time.perf_counter() - start
-
-        setattr(obj, name, timed)
-
-    def end_step(self, total: float) -> None:
-        for key, seconds in {**self.now, "step": total}.items():
-            self.steps[key].append(seconds)
-        self.now = {}
+# what a step's parts print as: StepClock's own parts, then those this script times
+LABELS = {
+    "core_plan": "core_plan",
+    "core_schedule": "core_schedule",
+    "build_batch": "build_batch",
+    "forward": "forward_host",
+    "sample_rows": "sample_rows",
+    "sampler": "sampler",
+    "memory_measure": "memory_measure",
+    "worker_execute": "worker_execute",
+    "executor_execute": "executor",
+    "core_record": "core_record",
+    "total": "step",
+}
 
 
 def main() -> None:
@@ -95,15 +84,13 @@ def main() -> None:
         cfg = cfg.replace(max_model_len=args.max_model_len)
     engine = local_engine(cfg)
     worker = engine.executor.worker
-    parts = Parts()
-    parts.wrap(engine, "_next_plan", "core_plan")
-    parts.wrap(engine.scheduler, "schedule", "core_schedule")
-    parts.wrap(engine, "_record", "core_record")
-    parts.wrap(engine.executor, "execute", "executor")
-    parts.wrap(worker, "forward", "forward_host")
-    parts.wrap(worker, "sample_rows", "sample_rows")
-    parts.wrap(worker, "_measure", "memory_measure")
-    parts.wrap(worker_module, "build_batch", "build_batch")
+    clock = StepClock(engine)  # the executor's call, its worker's, the forward, the sampler
+    clock.wrap(engine, "_next_plan", "core_plan")
+    clock.wrap(engine.scheduler, "schedule", "core_schedule")
+    clock.wrap(engine, "_record", "core_record")
+    clock.wrap(worker, "sample_rows")
+    clock.wrap(worker, "_measure", "memory_measure")
+    clock.wrap(worker_module, "build_batch")
 
     rng = random.Random(0)
     vocab = worker.model_cfg.vocab_size
@@ -123,20 +110,18 @@ def main() -> None:
     def step() -> None:
         for prompt in prompts(args.new):
             engine.add_request(prompt, short)
-        start = time.perf_counter()
-        engine.step()
-        parts.end_step(time.perf_counter() - start)
+        clock.step()
 
     for _ in range(5):
         step()
-    parts.steps.clear()
-    running = []
+    clock.records.clear()
     for _ in range(args.steps):
         step()
-        running.append(len(engine.scheduler.running))
-    print(f"{args.model}: {statistics.median(running):.0f} running, {args.new} new a step")
-    for key, seconds in parts.steps.items():
-        print(f"  {key:16s} {statistics.median(seconds) * 1e3:8.2f} ms")
+    running = statistics.median(r["batch"] for r in clock.records)
+    print(f"{args.model}: {running:.0f} running, {args.new} new a step")
+    for key, label in LABELS.items():
+        ms = statistics.median(r.get(key, 0.0) for r in clock.records) * 1e3
+        print(f"  {label:16s} {ms:8.2f} ms")
     if cuda:
         from torch.profiler import ProfilerActivity, profile
 
