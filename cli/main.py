@@ -110,7 +110,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "--no-decode-ahead",
         dest="decode_ahead",
         action="store_false",
-        help="do not replay the next decode step's graph while the core records this one",
+        help="do not replay the next decode step's graph while the core records this step",
     )
     g.add_argument(
         "--no-piecewise-graphs",

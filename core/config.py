@@ -71,8 +71,9 @@ class EngineConfig:
     ngram_max: int = 3
     ngram_min: int = 1
     cuda_graphs: bool = True
-    # CUDA graphs: while the core records a decode step, the executor already replays the next
-    # one for the same sequences; used when the next plan is that step, dropped otherwise
+    # CUDA graphs: while the core records a step, the executor already replays the decode step
+    # after it for the sequences that sampled; the next plan's decodes that it ran are taken
+    # from it (executors/decode_ahead.py)
     decode_ahead: bool = True
     # CUDA graphs for the other steps too: each layer's work outside attention captured per
     # token bucket, attention eager between (executors/piecewise.py)

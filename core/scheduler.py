@@ -103,10 +103,11 @@ class Scheduler:
 
     def _reserve_lookahead(self, seqs: list[Scheduled]) -> None:
         """Best effort, after every step's own pages: pages for `decode_lookahead` slots past
-        each decode, never preempting for them (a page short only loses the replay ahead)."""
+        each sequence that samples (a decode, a prompt's last chunk), never preempting for them
+        (a page short only loses the replay ahead)."""
         for s in seqs:
             req = s.request
-            if s.num_tokens == 1 and s.samples:
+            if s.samples:
                 wanted = min(req.num_tokens + self.decode_lookahead, self.max_model_len)
                 self.blocks.ensure(req.request_id, wanted)
 

@@ -111,7 +111,8 @@ class DecodeForward:
     decode kernel as its attention; writes `hidden[:bs]` (final-norm output).
 
     Owns the attention output (`max_seqs` rows), the split-K workspace (for the batches small
-    enough to split) and the hidden-state output buffer; reads the model's weights and rotary
+    enough to split), the hidden-state output buffer and the buffer that joins a replay's rows
+    to a forward's (`joined`); reads the model's weights and rotary
     tables and writes the KV caches it is given.
     """
 
@@ -135,11 +136,15 @@ class DecodeForward:
         )
         self.attn_out = torch.zeros(rows, heads, head_dim, dtype=dtype, device=device)
         self.hidden = torch.zeros(rows, cfg.hidden_size, dtype=dtype, device=device)
+        # a step's rows from a replay ahead beside its other feeds' (GraphRunner.join)
+        self.joined = torch.zeros(rows, cfg.hidden_size, dtype=dtype, device=device)
 
     @property
     def nbytes(self) -> int:
-        bufs = (self.workspace.partial_out, self.workspace.partial_lse, self.attn_out, self.hidden)
-        return tensor_bytes(bufs)
+        ws = self.workspace
+        return tensor_bytes(
+            (ws.partial_out, ws.partial_lse, self.attn_out, self.hidden, self.joined)
+        )
 
     def __call__(self, bs: int) -> torch.Tensor:
         model, ins = self.model, self.inputs
@@ -165,7 +170,7 @@ def static_bytes(
     metadata = 4 * (4 * rows + rows * max_blocks) * 2
     parts = cdiv(max_blocks * block_size, DECODE_PARTITION)
     workspace = 4 * rows * heads * parts * (head_dim + 1)
-    buffers = dtype_bytes * rows * (heads * head_dim + model.hidden_size)
+    buffers = dtype_bytes * rows * (heads * head_dim + 2 * model.hidden_size)
     return (
         metadata + workspace + buffers + 2 * dtype_bytes * rows * layer_activation_elements(model)
     )

@@ -1,10 +1,13 @@
-"""A decode step replayed before its plan came, and the test of whether the plan is that step.
+"""A decode step replayed before its plan came, and which of the plan's sequences it ran.
 
-After a decode step the CUDA executor replays the next one at once: the same sequences, one
-position on, each fed the token just sampled (still on the device). The core meanwhile records
-the step and plans the next; if that plan is exactly the step replayed, its hidden states are
-ready, otherwise they are dropped and the plan runs as usual. Either way the tokens are those
-of running every step when its plan comes (tests/executors/test_gpu.py).
+After a step whose sequences sampled, the CUDA executor replays the decode step after it at
+once: those sequences, one position on, each fed the token just sampled (still on the device).
+The core meanwhile records the step and plans the next. A sequence the plan feeds exactly as
+the replay did (same position, KV slot and token) takes its hidden state from the replay; the
+plan's other sequences (new prompt chunks, a sequence the replay fed otherwise) run as usual,
+so a mixed step computes only its chunks once its plan comes. A sequence the plan leaves out
+(finished, preempted) wasted one row: its KV write lies past its computed tokens, in a page it
+owned when the replay ran.
 """
 
 from __future__ import annotations
@@ -27,19 +30,22 @@ class Ahead:
     slots: list[int]
     tokens: HostCopy  # the device's values: a row settled on the host later is still negative
 
-    def matches(self, feeds: Sequence[Feed], block_size: int) -> bool:
-        """The plan's step is this one: the same sequences in the same order, at the same
-        positions and KV slots, fed the same tokens."""
-        if len(feeds) != len(self.request_ids):
-            return False
+    def rows(self, feeds: Sequence[Feed], block_size: int) -> list[int | None]:
+        """Each feed's row of the replay, or None where the replay did not run that feed: the
+        same sequence fed one token at the same position and KV slot, that token the one fed."""
+        index = {rid: i for i, rid in enumerate(self.request_ids)}
         fed = self.tokens.values()
-        for (seq, tokens), rid, start, slot, tok in zip(
-            feeds, self.request_ids, self.starts, self.slots, fed, strict=True
-        ):
-            if seq.request_id != rid or seq.start_pos != start or list(tokens) != [tok]:
-                return False
-            if start // block_size >= len(seq.block_table):
-                return False
-            if slot_of(seq.block_table, start, block_size) != slot:
-                return False
-        return True
+        rows: list[int | None] = []
+        for seq, tokens in feeds:
+            i = index.get(seq.request_id)
+            start, table = seq.start_pos, seq.block_table
+            same = (
+                i is not None
+                and len(tokens) == 1
+                and start == self.starts[i]
+                and tokens[0] == fed[i]
+                and start // block_size < len(table)
+                and slot_of(table, start, block_size) == self.slots[i]
+            )
+            rows.append(i if same else None)
+        return rows

@@ -1,8 +1,10 @@
 """The capture phase on CUDA: one CUDA graph per decode batch size, replayed while serving.
 
 Decode-only steps (every sequence feeds one token) are padded up to the nearest captured size
-and replayed from the graph captured for it (the next one is replayed ahead, before its plan
-comes: `run_ahead`, `decode_ahead.py`); prefill and mixed steps run eagerly. Graphs are
+and replayed from the graph captured for it; prefill and mixed steps run eagerly. After every
+step whose sequences sampled, the decode step after it is replayed ahead, before its plan
+comes (`run_ahead`, `decode_ahead.py`): the next plan's decodes that it ran are taken from it,
+and only the rest (a mixed step's prompt chunks) runs once the plan comes. Graphs are
 captured largest first into one shared memory pool, each after an eager warm-up on the capture
 stream. Capture empties the allocator cache (torch does it before every capture), so
 everything serving allocates is warmed again afterwards: the eager worst-case shapes and the
@@ -30,7 +32,7 @@ from memstep.executors.kernels import paged_decode_attention
 from memstep.executors.llama import LlamaModel
 from memstep.executors.memory_plan import MemoryPlan, worst_case_prefill
 from memstep.executors.piecewise import PiecewiseRunner
-from memstep.executors.sampler import PendingTokens, Row, Sampler, top_logprobs
+from memstep.executors.sampler import PendingTokens, Row, Sampler, device_index, top_logprobs
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
@@ -71,7 +73,9 @@ class GraphRunner:
         self.pool: _POOL_HANDLE | None = None  # the graphs' shared memory pool
         self.num_replays = 0
         self.ahead: Ahead | None = None  # a step replayed before its plan came
-        self.num_ahead = self.num_ahead_used = 0  # replayed ahead; of those, used
+        self.num_ahead = self.num_ahead_used = 0  # replayed ahead; of those, used (in part)
+        self.num_rows_ahead_used = 0  # rows of those replays that a plan took
+        self.num_joins = 0  # steps that took some rows of a replay and ran other feeds
         self.pieces: PiecewiseRunner | None = None  # eager steps' graphs, when configured
 
     def padded_size(self, n: int) -> int:
@@ -83,10 +87,6 @@ class GraphRunner:
     def run(self, feeds: Sequence[Feed]) -> tuple[torch.Tensor, list[int]]:
         """Hidden states [n, hidden] of a decode-only step, and each feed's row (0..n-1)."""
         n = len(feeds)
-        ahead, self.ahead = self.ahead, None
-        if ahead is not None and ahead.matches(feeds, self.inputs.block_size):
-            self.num_ahead_used += 1
-            return self.decode.hidden[:n], list(range(n))  # replayed already
         bs = self.padded_size(n)
         self.inputs.fill(feeds, bs)
         graph = self.graphs.get(bs)
@@ -97,24 +97,55 @@ class GraphRunner:
             self.num_replays += 1
         return self.decode.hidden[:n], list(range(n))
 
+    def take_ahead(self, feeds: Sequence[Feed]) -> list[int | None]:
+        """Each feed's row of the step replayed ahead (None: not run there), and that replay
+        forgotten: its rows are valid until the next `run` or `run_ahead`."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is None:
+            return [None] * len(feeds)
+        rows = ahead.rows(feeds, self.inputs.block_size)
+        used = sum(r is not None for r in rows)
+        if used:
+            self.num_ahead_used += 1
+            self.num_rows_ahead_used += used
+        return rows
+
+    def keep_ahead(self, rows: list[int]) -> None:
+        """Copy `rows` of the replay ahead to rows 0.. of the static `joined` buffer, before a
+        forward of the plan's other feeds reuses the decode buffers (the device runs in order)."""
+        out = self.decode.joined
+        torch.index_select(
+            self.decode.hidden, 0, device_index(rows, out.device), out=out[: len(rows)]
+        )
+
+    def join(self, num_kept: int, rest: torch.Tensor, rest_rows: list[int]) -> torch.Tensor:
+        """The `num_kept` rows of `keep_ahead`, then `rest_rows` of `rest` (the hidden states
+        of the other feeds' forward): a view of `joined`, valid until the next `join`."""
+        self.num_joins += 1
+        out = self.decode.joined[: num_kept + len(rest_rows)]
+        torch.index_select(rest, 0, device_index(rest_rows, out.device), out=out[num_kept:])
+        return out
+
     def drop_ahead(self) -> None:
-        """A step that does not run here (eager, speculative) makes any replay ahead stale."""
+        """A step that does not run here (speculative) makes any replay ahead stale."""
         self.ahead = None
 
     def run_ahead(self, feeds: Sequence[Feed], tokens: PendingTokens) -> None:
-        """Replay the step after `feeds` (just run here, whose samples are `tokens`, still on
-        the device): the same sequences one position on, each fed its sampled token. `run`
-        uses it if the next plan is exactly that step. Each next position must lie in the
-        sequence's pages already: a replay never writes KV outside what its request owns."""
+        """Replay the decode step after `feeds` (just run here, all sampling, whose samples are
+        `tokens`, still on the device): the same sequences, each fed its sampled token at the
+        position after its last fed one. The next plan's feeds that are those take their rows
+        from it (`take_ahead`). Each next position must lie in the sequence's pages already: a
+        replay never writes KV outside what its request owns."""
         n = len(feeds)
         bs = self.padded_size(n)
         graph = self.graphs.get(bs)
         width = self.inputs.max_blocks * self.inputs.block_size
-        starts = [seq.start_pos + 1 for seq, _ in feeds]
+        starts = [seq.start_pos + len(fed) for seq, fed in feeds]
         tables = [seq.block_table for seq, _ in feeds]
         block = self.inputs.block_size
         if graph is None or any(
-            p >= width or p // block >= len(t) for p, t in zip(starts, tables, strict=True)
+            p >= width or p // block >= len(t) or len(t) > self.inputs.max_blocks
+            for p, t in zip(starts, tables, strict=True)
         ):
             return
         self.inputs.write([0] * n, starts, tables, bs)

@@ -303,6 +303,14 @@ def to_device(values: Sequence[float] | np.ndarray, device: torch.device) -> tor
     return host.to(device, non_blocking=True)
 
 
+def device_index(rows: list[int], device: torch.device) -> torch.Tensor:
+    """`rows` as an int64 index on `device`, through pinned memory: the host does not wait."""
+    host = torch.tensor(rows, dtype=torch.int64)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def sampler_nbytes(max_rows: int, vocab_size: int, in_place_logits: bool) -> int:
     """The bytes of a `Sampler`'s buffers, for the memory plan."""
     return max_rows * vocab_size * (4 * (3 + in_place_logits) + 8) + max_rows * 4

@@ -28,7 +28,7 @@ from memstep.executors.llama import LlamaModel
 from memstep.executors.memory_plan import MemoryPlan, plan_memory
 from memstep.executors.rank_group import RankGroup
 from memstep.executors.request_states import RequestStates
-from memstep.executors.sampler import PendingLogprobs, Row, Sampler
+from memstep.executors.sampler import PendingLogprobs, Row, Sampler, device_index
 from memstep.executors.sharding import Shard
 from memstep.executors.weights import gguf_is_q4_1, load_weights
 from memstep.states.arena import Arena
@@ -259,16 +259,45 @@ class Worker:
         return leaks
 
     def forward(
-        self, feeds: list[tuple[SeqPlan, list[int]]], on_graph: bool | None = None
+        self, feeds: list[tuple[SeqPlan, list[int]]], ahead: bool = False
     ) -> tuple[torch.Tensor, list[int]]:
         """Hidden states of the fed tokens and each feed's last row: from a decode graph, the
         piecewise graphs (other steps, with `piecewise_graphs`) or the eager forward; the first
-        two are views of static buffers, valid until the next forward. `on_graph`: whether the
-        decode graphs can run these feeds, when the caller has asked them already."""
-        if self.graphs is not None:
-            if self.graphs.can_run(feeds) if on_graph is None else on_graph:
-                return self.graphs.run(feeds)  # decode-only: a captured graph
-            self.graphs.drop_ahead()
+        two are views of static buffers, valid until the next forward. With `ahead`, the feeds
+        that the decode step replayed ahead ran take their rows from it and only the others
+        run; the returned states then hold each feed's last row and no other (a plain step
+        samples nothing else). Without, any replay ahead is dropped."""
+        graphs = self.graphs
+        if graphs is None:
+            return self._run_feeds(feeds)
+        if not ahead:
+            graphs.drop_ahead()
+            return self._run_feeds(feeds)
+        rows = graphs.take_ahead(feeds)
+        kept = [r for r in rows if r is not None]
+        if not kept:
+            return self._run_feeds(feeds)
+        if len(kept) == len(feeds):
+            return graphs.decode.hidden, kept  # every feed replayed already
+        graphs.keep_ahead(kept)
+        hidden, rest_rows = self._run_feeds(
+            [f for f, r in zip(feeds, rows, strict=True) if r is None]
+        )
+        joined = graphs.join(len(kept), hidden, rest_rows)
+        last_rows, num_kept, num_rest = [], 0, len(kept)
+        for r in rows:
+            if r is None:
+                last_rows.append(num_rest)
+                num_rest += 1
+            else:
+                last_rows.append(num_kept)
+                num_kept += 1
+        return joined, last_rows
+
+    def _run_feeds(self, feeds: list[tuple[SeqPlan, list[int]]]) -> tuple[torch.Tensor, list[int]]:
+        """`forward` of every feed, no replay ahead taken."""
+        if self.graphs is not None and self.graphs.can_run(feeds):
+            return self.graphs.run(feeds)  # decode-only: a captured graph
         batch, last_rows = build_batch(feeds, self.cfg.block_size, self.device)
         pieces = self.graphs.pieces if self.graphs is not None else None
         if pieces is not None and pieces.can_run(batch.num_tokens):
@@ -285,12 +314,16 @@ class Worker:
     def _run_plain(self, seqs: list[SeqPlan]) -> tuple[list[SeqResult], torch.Tensor]:
         feeds = [(seq, seq.token_ids) for seq in seqs]
         graphs = self.graphs
-        on_graph = graphs is not None and graphs.can_run(feeds)
-        hidden, last_rows = self.forward(feeds, on_graph)
+        ahead = graphs is not None and self.cfg.decode_ahead
+        hidden, last_rows = self.forward(feeds, ahead)
         sampled = [seq for seq in seqs if seq.samples]
         picked = [row for seq, row in zip(seqs, last_rows, strict=True) if seq.samples]
-        # a decode step picks rows 0..n-1: a slice, where a list index would wait for the device
-        h = hidden[: len(picked)] if picked == list(range(len(picked))) else hidden[picked]
+        # a decode step picks rows 0..n-1: a slice; other rows through an index the host sends
+        # without waiting (a list index would wait for the device)
+        if picked == list(range(len(picked))):
+            h = hidden[: len(picked)]
+        else:
+            h = hidden.index_select(0, device_index(picked, hidden.device))
         if not sampled:
             return [], h
         logits = self.model.logits(h, self.sampler.logits_out(len(picked)))
@@ -299,9 +332,9 @@ class Worker:
         raw = self.sampler.keep_raw(logits) if want_logprobs else None
         pending = self.sampler.sample_logits(logits, rows)
         figures = PendingLogprobs(raw, pending.device, want_logprobs) if raw is not None else None
-        # a graph step where every sequence samples: replay the next one while the core records
-        if graphs is not None and on_graph and self.cfg.decode_ahead and len(sampled) == len(feeds):
-            graphs.run_ahead(feeds, pending)
+        # replay the decode step after this one's sampling sequences while the core records
+        if ahead and graphs is not None:
+            graphs.run_ahead([(seq, seq.token_ids) for seq in sampled], pending)
         device_tokens = pending.host.values()
         tokens = pending.settle(device_tokens)
         logprobs = figures.rows(tokens, device_tokens) if figures is not None else None

@@ -84,3 +84,23 @@ def test_decode_lookahead_never_preempts_or_starves_a_step():
     tables = [len(sched.blocks.table(s.request.request_id)) for s in batch.seqs]
     assert sorted(tables) == [1, 1, 2] and sched.blocks.num_free == 0
     sched.blocks.check()
+
+
+def test_decode_lookahead_reserves_the_slot_after_a_prompts_last_chunk():
+    # prompts of 4 tokens fill page 0: the token sampled after them goes to position 4, in a
+    # second page, which the replay ahead feeds; a chunk that samples nothing gets none
+    cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, block_size=BLOCK)
+    for lookahead, pages in ((0, [1, 1]), (1, [2, 2])):
+        sched = Scheduler(
+            cfg, BlockManager(16, BLOCK), max_model_len=64, decode_lookahead=lookahead
+        )
+        for i in range(2):
+            sched.add(Request(f"r{i}", [1, 2, 3, 4], GREEDY, str))
+        batch = sched.schedule()
+        assert all(s.samples for s in batch.seqs)
+        assert [len(sched.blocks.table(s.request.request_id)) for s in batch.seqs] == pages
+    chunked = EngineConfig(max_num_seqs=8, max_num_batched_tokens=4, block_size=BLOCK)
+    sched = Scheduler(chunked, BlockManager(16, BLOCK), max_model_len=64, decode_lookahead=1)
+    sched.add(Request("long", list(range(1, 9)), GREEDY, str))
+    (s,) = sched.schedule().seqs
+    assert not s.samples and len(sched.blocks.table("long")) == 1

@@ -333,26 +333,33 @@ def staggered_tokens(engine: Engine, num_requests: int, seed: int) -> dict[str, 
     return tokens
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("broken", [False, True])
-def test_decode_ahead_changes_no_token(broken, monkeypatch):
-    """The decode step replayed ahead, whether its plan comes (used) or not (dropped), leaves
-    every request the tokens of running each step when its plan comes. Broken on purpose, by
-    using every replay ahead whatever the plan, the comparison fails."""
+def test_decode_ahead_changes_no_token(dtype, broken, monkeypatch):
+    """The decode step replayed ahead, whether its plan takes all its rows, some (beside a new
+    prompt's chunk, without a finished request) or none, leaves every request the tokens of
+    running each step when its plan comes. Broken on purpose, by taking the replay's rows in
+    order whatever the plan, the comparison fails."""
     if broken:
-        monkeypatch.setattr(Ahead, "matches", lambda self, feeds, block_size: True)
+
+        def rows(self, feeds, block_size):
+            return [i if i < len(self.request_ids) else None for i in range(len(feeds))]
+
+        monkeypatch.setattr(Ahead, "rows", rows)
     runs: dict[bool, dict[str, list[int]]] = {}
     for ahead in (True, False):
-        engine = make_engine("bfloat16", decode_ahead=ahead)
+        engine = make_engine(dtype, decode_ahead=ahead)
         try:
             runs[ahead] = staggered_tokens(engine, 40, seed=12)
             runner = engine.executor.worker.graphs
             if ahead:
-                launched, used = runner.num_ahead, runner.num_ahead_used
+                launched, used, joins = runner.num_ahead, runner.num_ahead_used, runner.num_joins
             else:
                 assert runner.num_ahead == 0
         finally:
             release(engine)
     assert 0 < used < launched  # replays used, and replays dropped
+    assert 0 < joins < used  # replays used in part, beside other feeds, and whole
     assert len(runs[False]) == 40
     assert (runs[True] == runs[False]) is not broken
 
