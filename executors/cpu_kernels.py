@@ -13,7 +13,8 @@ Each output is computed alone, in one order (a row's groups left to right), what
 number of rows M: a row's result does not depend on what else is in the batch.
 
 The C source (executors/cpu_source.py) is compiled once per machine with the system's C
-compiler (`-O3 -march=native -fopenmp`, AVX-512 where the CPU has it) into memstep's cache
+compiler (`-O3 -march=native -fopenmp`; AVX-512 where the CPU has it, else AVX2 + FMA, else
+plain C) into memstep's cache
 folder, and loaded with ctypes; it runs on the OpenMP pool torch already loaded (the same
 libgomp.so.1), so `torch.set_num_threads` sets its threads too. `available()` says whether
 that worked.
@@ -43,6 +44,7 @@ from pathlib import Path
 
 import torch
 
+from memstep.executors.cpu_features import cpu_flags
 from memstep.executors.cpu_source import SOURCE as _SOURCE
 from memstep.executors.threads import threads_sleep_when_idle
 
@@ -70,7 +72,9 @@ def _library() -> ctypes.CDLL | None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return None
-    key = hashlib.sha256((_SOURCE + " ".join(CFLAGS) + compiler).encode()).hexdigest()[:16]
+    # -march=native: a library built on another CPU (a shared home folder) may not run here
+    build = _SOURCE + " ".join(CFLAGS) + compiler + " ".join(sorted(cpu_flags()))
+    key = hashlib.sha256(build.encode()).hexdigest()[:16]
     path = cache_dir() / f"cpu_kernels_{key}.so"
     if not path.exists():
         try:
@@ -88,6 +92,7 @@ def _library() -> ctypes.CDLL | None:
     lib.silu_mul.argtypes = [p, p, i, i]
     lib.decode_step.argtypes = [p] * 18 + [i] * 9 + [f, f]
     lib.set_parallel_min.argtypes = [i]
+    lib.vector_bits.restype = ctypes.c_int
     lib.set_parallel_min(parallel_min())
     return lib
 
@@ -107,6 +112,12 @@ def _build(compiler: str, path: Path) -> None:
 def available() -> bool:
     """Whether the kernels are built and loaded (a C compiler was found)."""
     return _library() is not None
+
+
+def vector_bits() -> int:
+    """The vector width the kernels were built for: 512 (AVX-512), 256 (AVX2 + FMA), 0 (plain
+    C, which a CPU with either never gets: ~10x slower)."""
+    return _kernels().vector_bits()
 
 
 def set_parallel_min(work: int) -> None:

@@ -18,13 +18,28 @@ int omp_get_num_threads(void);  /* libgomp's, declared here: no omp.h needed */
 int omp_get_thread_num(void);
 
 #define GROUP 32
-#define ROWS 16  /* rows of x per pass over a tile of weight rows: their weights unpacked twice */
 
 static inline float half(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
     return _cvtsh_ss(h);
 }
+
+/* ROWS: rows of x per pass over a tile of weight rows, as two halves of HALF_NW weight rows at
+   a time; TAILS: the weight rows at a time for fewer rows. A row's bits do not depend on them:
+   they are sized to the vector registers (32 of AVX-512, 16 of AVX2) */
+#ifdef __AVX512F__
+#define ROWS 16
+#define HALF_NW 2
+#define TAILS TAIL(15, 1) TAIL(14, 1) TAIL(13, 1) TAIL(12, 1) TAIL(11, 1) TAIL(10, 1) \
+    TAIL(9, 1) TAIL(8, 1) TAIL(7, 2) TAIL(6, 2) TAIL(5, 2) TAIL(4, 2) TAIL(3, 4) TAIL(2, 4) \
+    TAIL(1, 4)
+#else
+#define ROWS 12
+#define HALF_NW 1
+#define TAILS TAIL(11, 1) TAIL(10, 1) TAIL(9, 1) TAIL(8, 1) TAIL(7, 1) TAIL(6, 1) TAIL(5, 1) \
+    TAIL(4, 1) TAIL(3, 2) TAIL(2, 2) TAIL(1, 4)
+#endif
 
 #ifdef __AVX512F__
 typedef __m512 vec;
@@ -44,6 +59,55 @@ static inline void unpack_q4(const uint8_t *q, vec *c) {
 static inline void unpack_q8(const uint8_t *q, vec *c) {
     c[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
     c[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16))));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+/* 16 lanes as two halves of 8: the same lanes, sums and order of products as AVX-512's, only
+   the final sum across the lanes goes another way */
+typedef struct { __m256 lo, hi; } vec;
+#define LANES 16
+static inline vec vload(const float *p) {
+    vec r = {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)};
+    return r;
+}
+static inline float vsum(vec v) {
+    __m256 s = _mm256_add_ps(v.lo, v.hi);
+    __m128 t = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+    t = _mm_add_ss(t, _mm_movehdup_ps(t));
+    return _mm_cvtss_f32(t);
+}
+static inline vec VSET1(float x) { __m256 v = _mm256_set1_ps(x); vec r = {v, v}; return r; }
+#define VZERO VSET1(0.0f)
+static inline vec VMUL(vec a, vec b) {
+    vec r = {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)};
+    return r;
+}
+static inline vec VSUB(vec a, vec b) {
+    vec r = {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)};
+    return r;
+}
+static inline vec VFMA(vec a, vec b, vec c) {
+    vec r = {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+    return r;
+}
+static inline vec widen_u8(__m128i b) {  /* bytes 0..15 as 16 floats */
+    vec r = {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)),
+             _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)))};
+    return r;
+}
+static inline vec widen_i8(__m128i b) {
+    vec r = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)),
+             _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))};
+    return r;
+}
+static inline void unpack_q4(const uint8_t *q, vec *c) {
+    __m128i b = _mm_loadu_si128((const __m128i *)q), mask = _mm_set1_epi8(0x0F);
+    c[0] = widen_u8(_mm_and_si128(b, mask));
+    c[1] = widen_u8(_mm_and_si128(_mm_srli_epi16(b, 4), mask));
+}
+static inline void unpack_q8(const uint8_t *q, vec *c) {
+    c[0] = widen_i8(_mm_loadu_si128((const __m128i *)q));
+    c[1] = widen_i8(_mm_loadu_si128((const __m128i *)(q + 16)));
 }
 #else
 typedef struct { float v[GROUP / 2]; } vec;
@@ -69,6 +133,19 @@ static inline void unpack_q8(const uint8_t *q, vec *c) {
     for (int i = 0; i < 16; i++) { c[0].v[i] = (int8_t)q[i]; c[1].v[i] = (int8_t)q[16 + i]; }
 }
 #endif
+
+/* the vector width the kernels were built for: 512 (AVX-512), 256 (AVX2 + FMA) or 0 (plain C,
+   about ten times slower) */
+int vector_bits(void)
+{
+#if defined(__AVX512F__)
+    return 512;
+#elif defined(__AVX2__) && defined(__FMA__)
+    return 256;
+#else
+    return 0;
+#endif
+}
 
 /* unpack one block into its 32 float32 weights, w[0] inputs 0..15, w[1] 16..31: exactly
    gguf's values (d * code is exact in float32: 11 bits times 4 or 8; + m rounds once) */
@@ -115,7 +192,7 @@ static inline __attribute__((always_inline)) void tile_dot(
         for (int r = 0; r < nr; r++) y[(r0 + r) * N + n + j] = vsum(acc[j][r]);
 }
 
-#define WIDE 4  /* weight rows per tile for 1-3 rows of x, 2 for 4-7, 1 for 8-15 */
+#define WIDE 4  /* weight rows per tile: a tile's outputs of every row of x */
 #define TAIL(k, nw) case k: \
     for (int64_t j = n0; j + nw <= n1; j += nw) tile_dot(x, w, y, r0, k, j, nw, N, K, G, bs); \
     for (int64_t j = n1 - (n1 - n0) % nw; j < n1; j++) \
@@ -136,15 +213,15 @@ static inline __attribute__((always_inline)) void mm_tile(
 {
     const int64_t G = K / GROUP;
     int64_t n1 = n0 + WIDE < N ? n0 + WIDE : N, r0 = 0;
-    for (; r0 + ROWS <= M; r0 += ROWS)  /* as two halves, two weight rows at a time */
+    for (; r0 + ROWS <= M; r0 += ROWS)  /* as two halves, HALF_NW weight rows at a time */
         for (int64_t h = r0; h < r0 + ROWS; h += ROWS / 2) {
             int64_t n = n0;
-            for (; n + 2 <= n1; n += 2) tile_dot(x, w, y, h, ROWS / 2, n, 2, N, K, G, bs);
+            for (; n + HALF_NW <= n1; n += HALF_NW)
+                tile_dot(x, w, y, h, ROWS / 2, n, HALF_NW, N, K, G, bs);
             for (; n < n1; n++) tile_dot(x, w, y, h, ROWS / 2, n, 1, N, K, G, bs);
         }
     switch (M - r0) {  /* constant sizes: the accumulators stay in registers */
-    TAIL(15, 1) TAIL(14, 1) TAIL(13, 1) TAIL(12, 1) TAIL(11, 1) TAIL(10, 1) TAIL(9, 1)
-    TAIL(8, 1) TAIL(7, 2) TAIL(6, 2) TAIL(5, 2) TAIL(4, 2) TAIL(3, 4) TAIL(2, 4) TAIL(1, 4)
+    TAILS
     default: break;
     }
 }
@@ -199,6 +276,26 @@ static inline vec vexp(vec x) {
     p = VFMA(VMUL(p, r), r, r);
     return _mm512_scalef_ps(_mm512_add_ps(p, VSET1(1.0f)), n);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+/* the same polynomial as AVX-512's, 2^n made from n's exponent bits (n in -126..0) */
+static inline __m256 vexp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693359375f), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r);
+    __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+    e = _mm256_slli_epi32(e, 23);
+    return _mm256_mul_ps(_mm256_add_ps(p, _mm256_set1_ps(1.0f)), _mm256_castsi256_ps(e));
+}
+static inline vec vexp(vec x) { vec r = {vexp8(x.lo), vexp8(x.hi)}; return r; }
 #else
 static inline vec vexp(vec x) { for (int i = 0; i < LANES; i++) x.v[i] = expf(x.v[i]); return x; }
 #endif
