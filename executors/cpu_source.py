@@ -51,6 +51,10 @@ static inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
 #define VMUL _mm512_mul_ps
 #define VSUB _mm512_sub_ps
 #define VFMA _mm512_fmadd_ps
+#define VADD _mm512_add_ps
+#define VMAX _mm512_max_ps
+static inline vec VROUND(vec x) { return _mm512_roundscale_ps(x, 0); }
+#define VSCALE _mm512_scalef_ps  /* a * 2^n */
 static inline void unpack_q4(const uint8_t *q, vec *c) {
     __m128i b = _mm_loadu_si128((const __m128i *)q), mask = _mm_set1_epi8(0x0F);
     c[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, mask)));
@@ -78,18 +82,26 @@ static inline float vsum(vec v) {
 }
 static inline vec VSET1(float x) { __m256 v = _mm256_set1_ps(x); vec r = {v, v}; return r; }
 #define VZERO VSET1(0.0f)
-static inline vec VMUL(vec a, vec b) {
-    vec r = {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)};
-    return r;
-}
-static inline vec VSUB(vec a, vec b) {
-    vec r = {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)};
-    return r;
-}
 static inline vec VFMA(vec a, vec b, vec c) {
     vec r = {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
     return r;
 }
+static inline __m256 round8(__m256 x) {
+    return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+static inline vec VROUND(vec x) { vec r = {round8(x.lo), round8(x.hi)}; return r; }
+static inline __m256 scale8(__m256 a, __m256 n) {  /* a * 2^n, n a whole number in -126..127 */
+    __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+    return _mm256_mul_ps(a, _mm256_castsi256_ps(_mm256_slli_epi32(e, 23)));
+}
+/* a two-operand op on both halves */
+#define HALVES(name, op) \
+    static inline vec name(vec a, vec b) { vec r = {op(a.lo, b.lo), op(a.hi, b.hi)}; return r; }
+HALVES(VMUL, _mm256_mul_ps)
+HALVES(VSUB, _mm256_sub_ps)
+HALVES(VADD, _mm256_add_ps)
+HALVES(VMAX, _mm256_max_ps)
+HALVES(VSCALE, scale8)
 static inline vec widen_u8(__m128i b) {  /* bytes 0..15 as 16 floats */
     vec r = {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)),
              _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)))};
@@ -260,11 +272,11 @@ void q4_1_dequant(const uint8_t *w, float *out, int64_t N, int64_t K)
 
 #define CHUNK 64  /* positions scored at a time */
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__) && defined(__FMA__)
 /* e^x for x <= 0 (softmax weights), within ~2 ulp: 2^n e^r, n = round(x log2 e), |r| <= ln2/2 */
 static inline vec vexp(vec x) {
-    x = _mm512_max_ps(x, VSET1(-87.0f));
-    vec n = _mm512_roundscale_ps(VMUL(x, VSET1(1.44269504088896341f)), 0);
+    x = VMAX(x, VSET1(-87.0f));
+    vec n = VROUND(VMUL(x, VSET1(1.44269504088896341f)));
     vec r = VFMA(n, VSET1(-0.693359375f), x);
     r = VFMA(n, VSET1(2.12194440e-4f), r);
     vec p = VSET1(1.9875691500e-4f);
@@ -274,28 +286,8 @@ static inline vec vexp(vec x) {
     p = VFMA(p, r, VSET1(1.6666665459e-1f));
     p = VFMA(p, r, VSET1(5.0000001201e-1f));
     p = VFMA(VMUL(p, r), r, r);
-    return _mm512_scalef_ps(_mm512_add_ps(p, VSET1(1.0f)), n);
+    return VSCALE(VADD(p, VSET1(1.0f)), n);
 }
-#elif defined(__AVX2__) && defined(__FMA__)
-/* the same polynomial as AVX-512's, 2^n made from n's exponent bits (n in -126..0) */
-static inline __m256 vexp8(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693359375f), x);
-    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r);
-    __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
-    e = _mm256_slli_epi32(e, 23);
-    return _mm256_mul_ps(_mm256_add_ps(p, _mm256_set1_ps(1.0f)), _mm256_castsi256_ps(e));
-}
-static inline vec vexp(vec x) { vec r = {vexp8(x.lo), vexp8(x.hi)}; return r; }
 #else
 static inline vec vexp(vec x) { for (int i = 0; i < LANES; i++) x.v[i] = expf(x.v[i]); return x; }
 #endif
