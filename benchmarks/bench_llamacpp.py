@@ -32,6 +32,12 @@ the median of the rounds' ratios to llama.cpp:
     passive           315 (1.19)        40.6 (0.37)      95.9 (0.88) / 183 (1.69)
     spin              288 (1.09)        45.6 (0.42)      120 (1.10) / 255 (2.35)
 
+Later the same day, on a 2-core AMD EPYC that shows AVX2 + FMA and no AVX-512 (llama.cpp pp128
+295, tg64 163), passive: prefill 429 (1.47), decode 80.6 (0.49;
+rounds 0.47 / 0.59 / 0.49), 16 streams 138 (0.84) / 274 (1.68). Before the kernels had an AVX2
+build they fell back to plain C there: a batch-1 decode step took 84 ms instead of 12 (in
+process, 2 threads), ~12 tok/s.
+
 So prefill and decode meet their goal (>= 0.5x; decode 0.58-0.72 passive and 0.53-0.63 spin in
 the three rounds) and 16 streams do not (4x). Decode gained from running a decode step's layers
 in one C call, one OpenMP region woken once a step, its threads meeting at spin barriers
