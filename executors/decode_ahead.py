@@ -8,6 +8,14 @@ plan's other sequences (new prompt chunks, a sequence the replay fed otherwise) 
 so a mixed step computes only its chunks once its plan comes. A sequence the plan leaves out
 (finished, preempted) wasted one row: its KV write lies past its computed tokens, in a page it
 owned when the replay ran.
+
+A row taken was computed by the decode graph at the replay's batch size, where without the
+replay a mixed step computes it in one forward beside its chunks: the same values within the
+dtype's rounding, not bit for bit by construction (GEMMs of other shapes may round otherwise).
+On SmolLM2 every token came out the same either way, in bfloat16 and float32
+(tests/executors/test_gpu.py). Which rows a plan takes depends only on the plans and the tokens,
+so a replay of a recorded run takes the same ones (1,200 ShareGPT requests replayed identical on
+an H200, benchmarks/bench_sharegpt.py).
 """
 
 from __future__ import annotations
