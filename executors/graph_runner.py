@@ -32,7 +32,7 @@ from memstep.executors.kernels import paged_decode_attention
 from memstep.executors.llama import LlamaModel
 from memstep.executors.memory_plan import MemoryPlan, worst_case_prefill
 from memstep.executors.piecewise import PiecewiseRunner
-from memstep.executors.sampler import PendingTokens, Row, Sampler, device_index, top_logprobs
+from memstep.executors.sampler import PendingTokens, Row, Sampler, to_device, top_logprobs
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
@@ -74,7 +74,6 @@ class GraphRunner:
         self.num_replays = 0
         self.ahead: Ahead | None = None  # a step replayed before its plan came
         self.num_ahead = self.num_ahead_used = 0  # replayed ahead; of those, used (in part)
-        self.num_rows_ahead_used = 0  # rows of those replays that a plan took
         self.num_joins = 0  # steps that took some rows of a replay and ran other feeds
         self.pieces: PiecewiseRunner | None = None  # eager steps' graphs, when configured
 
@@ -104,10 +103,8 @@ class GraphRunner:
         if ahead is None:
             return [None] * len(feeds)
         rows = ahead.rows(feeds, self.inputs.block_size)
-        used = sum(r is not None for r in rows)
-        if used:
+        if any(r is not None for r in rows):
             self.num_ahead_used += 1
-            self.num_rows_ahead_used += used
         return rows
 
     def keep_ahead(self, rows: list[int]) -> None:
@@ -115,7 +112,7 @@ class GraphRunner:
         forward of the plan's other feeds reuses the decode buffers (the device runs in order)."""
         out = self.decode.joined
         torch.index_select(
-            self.decode.hidden, 0, device_index(rows, out.device), out=out[: len(rows)]
+            self.decode.hidden, 0, to_device(rows, out.device, torch.int64), out=out[: len(rows)]
         )
 
     def join(self, num_kept: int, rest: torch.Tensor, rest_rows: list[int]) -> torch.Tensor:
@@ -123,7 +120,9 @@ class GraphRunner:
         of the other feeds' forward): a view of `joined`, valid until the next `join`."""
         self.num_joins += 1
         out = self.decode.joined[: num_kept + len(rest_rows)]
-        torch.index_select(rest, 0, device_index(rest_rows, out.device), out=out[num_kept:])
+        torch.index_select(
+            rest, 0, to_device(rest_rows, out.device, torch.int64), out=out[num_kept:]
+        )
         return out
 
     def drop_ahead(self) -> None:

@@ -294,18 +294,13 @@ class HostCopy:
         return self._host.tolist()
 
 
-def to_device(values: Sequence[float] | np.ndarray, device: torch.device) -> torch.Tensor:
-    """A float32 tensor of `values` on `device`; to a GPU through pinned memory without waiting
-    for the device, so host work queued after it overlaps the step still running there."""
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=torch.float32)
-    host = torch.from_numpy(np.asarray(values, dtype=np.float32)).pin_memory()
-    return host.to(device, non_blocking=True)
-
-
-def device_index(rows: list[int], device: torch.device) -> torch.Tensor:
-    """`rows` as an int64 index on `device`, through pinned memory: the host does not wait."""
-    host = torch.tensor(rows, dtype=torch.int64)
+def to_device(
+    values: Sequence[float] | np.ndarray, device: torch.device, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """A `dtype` tensor of `values` on `device` (float32; int64 for an index); to a GPU through
+    pinned memory without waiting for the device, so host work queued after it overlaps the
+    step still running there."""
+    host = torch.tensor(values, dtype=dtype)
     if device.type != "cuda":
         return host
     return host.pin_memory().to(device, non_blocking=True)

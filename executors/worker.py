@@ -28,7 +28,7 @@ from memstep.executors.llama import LlamaModel
 from memstep.executors.memory_plan import MemoryPlan, plan_memory
 from memstep.executors.rank_group import RankGroup
 from memstep.executors.request_states import RequestStates
-from memstep.executors.sampler import PendingLogprobs, Row, Sampler, device_index
+from memstep.executors.sampler import PendingLogprobs, Row, Sampler, to_device
 from memstep.executors.sharding import Shard
 from memstep.executors.weights import gguf_is_q4_1, load_weights
 from memstep.states.arena import Arena
@@ -323,7 +323,7 @@ class Worker:
         if picked == list(range(len(picked))):
             h = hidden[: len(picked)]
         else:
-            h = hidden.index_select(0, device_index(picked, hidden.device))
+            h = hidden.index_select(0, to_device(picked, hidden.device, torch.int64))
         if not sampled:
             return [], h
         logits = self.model.logits(h, self.sampler.logits_out(len(picked)))
