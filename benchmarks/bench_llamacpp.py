@@ -117,11 +117,14 @@ def policy_env(policy: str) -> dict[str, str]:
     return executor_env(env) if policy == "passive" else env
 
 
-def run_memstep_child(args: argparse.Namespace, policy: str, seed: int) -> dict[str, float]:
+def run_memstep_child(
+    args: argparse.Namespace, policy: str, precision: str, seed: int
+) -> dict[str, float]:
     """One round of memstep's figures, from a fresh process under `policy` (OpenMP reads its
-    wait policy once, when torch loads)."""
+    wait policy once, when torch loads) with q4's products in `precision`."""
     argv = [sys.executable, __file__, "--child", policy, "--seed", str(seed)]
     argv += ["--threads", str(args.threads), "--quantization", args.quantization]
+    argv += ["--matmul-precisions", precision]
     argv += ["--dtype", args.dtype] + (["--model", args.model] if args.model else [])
     done = subprocess.run(
         argv, env=policy_env(policy), capture_output=True, text=True, timeout=900, check=True
@@ -136,7 +139,7 @@ def child(args: argparse.Namespace) -> int:
     from memstep.core.model_source import shipped_gguf_path
 
     gguf = Path(args.model) if args.model else shipped_gguf_path()
-    engine = memstep_engine(gguf, args.threads, args.quantization, args.dtype)
+    engine = memstep_engine(gguf, args)
     rng = random.Random(args.seed)
     run_memstep(engine, rng)  # warm-up: first-touch of weights, allocator, caches
     figures = run_memstep(engine, rng)
@@ -145,17 +148,18 @@ def child(args: argparse.Namespace) -> int:
     return 0
 
 
-def memstep_engine(gguf: Path, threads: int, quantization: str, dtype: str):
+def memstep_engine(gguf: Path, args: argparse.Namespace):
     from memstep.core.config import EngineConfig
     from memstep.executors.inprocess import local_engine
 
     cfg = EngineConfig(
         model=str(gguf),
-        num_threads=threads,
+        num_threads=args.threads,
         max_num_seqs=STREAMS,
         enable_prefix_caching=False,
-        quantization=quantization,
-        dtype=dtype,
+        quantization=args.quantization,
+        matmul_precision=args.matmul_precisions,
+        dtype=args.dtype,
         seed=0,
     )
     return local_engine(cfg)
@@ -205,6 +209,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quantization", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--policies", default="passive,spin", help="memstep's OpenMP wait policies")
+    p.add_argument(
+        "--matmul-precisions",
+        default="auto",
+        help="q4's products, comma-separated (auto, float32, bfloat16): each a memstep variant",
+    )
     p.add_argument("--llama-bench", default=None, help="the llama-bench binary")
     p.add_argument("--json", type=Path, default=None, help="write every round's figures here")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -219,29 +228,34 @@ def main(argv: list[str] | None = None) -> int:
     if binary is None:
         print(f"llama-bench not found (--llama-bench, $LLAMA_BENCH, PATH): {HOW_TO_GET}; "
               "llama.cpp skipped", flush=True)  # fmt: skip
-    policies = args.policies.split(",")
+    variants = [
+        (policy, precision)
+        for policy in args.policies.split(",")
+        for precision in args.matmul_precisions.split(",")
+    ]
     rounds = []
     for i in range(args.rounds):
         row: dict[str, float] = {}
         if binary is not None:
             lc = run_llama_bench(binary, gguf, args.threads)
             row |= {"llama_prefill": lc["prefill"], "llama_decode": lc["decode"]}
-        for policy in policies:
-            ours = run_memstep_child(args, policy, seed=i)
-            row |= {f"{policy}_{k}": v for k, v in ours.items()}
+        for policy, precision in variants:
+            ours = run_memstep_child(args, policy, precision, seed=i)
+            name = f"{policy}/{precision}"
+            row |= {f"{name}_{k}": v for k, v in ours.items()}
             if binary is not None:
                 for k, v in ours.items():
                     theirs = row["llama_prefill" if k == "prefill" else "llama_decode"]
-                    row[f"{policy}_ratio_{k}"] = v / theirs
+                    row[f"{name}_ratio_{k}"] = v / theirs
         rounds.append(row)
         print(f"round {i + 1}: " + "  ".join(f"{k}={v:.2f}" for k, v in row.items()), flush=True)
-    print_summary(rounds, args.threads, policies)
+    print_summary(rounds, args.threads, [f"{p}/{q}" for p, q in variants])
     if args.json is not None:
         args.json.write_text(json.dumps({"threads": args.threads, "rounds": rounds}, indent=1))
     return 0
 
 
-def print_summary(rounds: list[dict[str, float]], threads: int, policies: list[str]) -> None:
+def print_summary(rounds: list[dict[str, float]], threads: int, variants: list[str]) -> None:
     med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
     print(f"\nmedians of {len(rounds)} rounds, {threads} threads, tok/s:")
     if "llama_decode" in med:
@@ -252,11 +266,11 @@ def print_summary(rounds: list[dict[str, float]], threads: int, policies: list[s
         (f"{STREAMS} streams, total", "concurrent", 4.0),
         (f"{STREAMS} streams, decode", "concurrent_decode", 4.0),
     ]
-    for policy in policies:
+    for name in variants:
         for label, key, goal in lines:
-            text = f"  memstep {policy:8s} {label:24s} {med[f'{policy}_{key}']:8.1f}"
-            if f"{policy}_ratio_{key}" in med:
-                text += f"   ratio {med[f'{policy}_ratio_{key}']:.2f} (goal {goal})"
+            text = f"  memstep {name:17s} {label:24s} {med[f'{name}_{key}']:8.1f}"
+            if f"{name}_ratio_{key}" in med:
+                text += f"   ratio {med[f'{name}_ratio_{key}']:.2f} (goal {goal})"
             print(text)
 
 

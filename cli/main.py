@@ -18,7 +18,13 @@ import structlog
 from memstep.cli.curve_keys import attach_dashed_keys
 from memstep.cli.errors import UsageError
 from memstep.cli.help_format import HelpFormatter
-from memstep.core.config import KV_CACHE_DTYPES, QUANTIZATIONS, ConfigError, EngineConfig
+from memstep.core.config import (
+    KV_CACHE_DTYPES,
+    MATMUL_PRECISIONS,
+    QUANTIZATIONS,
+    ConfigError,
+    EngineConfig,
+)
 from memstep.core.device_limits import Limits, cuda_device_bytes, default_limits
 from memstep.core.logging import setup_logging
 from memstep.core.model_source import ModelError, model_config, resolve
@@ -67,6 +73,13 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         default=d.quantization,
         help=f"weight-only quantized CPU matmuls, one of {', '.join(QUANTIZATIONS)} "
         "(auto: q4 for a GGUF, none elsewhere); a bad value is a one-line error",
+    )
+    g.add_argument(
+        "--matmul-precision",
+        default=d.matmul_precision,
+        choices=MATMUL_PRECISIONS,
+        help="q4's products: float32, or rows and weights rounded to bfloat16, summed in float32 "
+        "(auto: bfloat16 where the CPU has AVX512-BF16 dot products)",
     )
     g.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"], help="where")
     g.add_argument(

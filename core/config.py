@@ -17,6 +17,9 @@ DEVICES = ("auto", "cpu", "cuda")
 KV_CACHE_DTYPES = ("auto", "fp8")
 # weight-only quantized matmuls on the CPU; "auto": q4 for a GGUF (its Q4_1 codes as shipped)
 QUANTIZATIONS = ("auto", "none", "int8", "q4")
+# q4's products on the CPU: float32, or x's rows and the weights rounded to bfloat16 and summed in
+# float32 (the CPU's AVX512-BF16 dot products); "auto": bfloat16 where the CPU has them
+MATMUL_PRECISIONS = ("auto", "float32", "bfloat16")
 # states/planted.py makes each
 PLANTED_LEAKS = (
     "no_spec_hidden_states",
@@ -47,6 +50,7 @@ class EngineConfig:
     # bytes of bf16, no scale, saturating at +-448), converted back for attention
     kv_cache_dtype: str = "auto"
     quantization: str = "auto"  # QUANTIZATIONS; executors/quant_linear.py
+    matmul_precision: str = "auto"  # MATMUL_PRECISIONS; executors/worker.py picks
     device: str = "auto"
     # engine-wide: requests without a seed draw theirs from it; None: drawn from OS entropy at
     # start (core/seeding.py), and the engine records the drawn value in its config
@@ -105,6 +109,10 @@ class EngineConfig:
         _check(
             self.quantization in QUANTIZATIONS,
             f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}",
+        )
+        _check(
+            self.matmul_precision in MATMUL_PRECISIONS,
+            f"matmul_precision must be one of {MATMUL_PRECISIONS}, got {self.matmul_precision!r}",
         )
         _check(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
         _check(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
@@ -169,6 +177,8 @@ class EngineConfig:
             data = {**data, "random_weights_seed": data.get("seed") or 0}
         if "quantization" not in data:  # an older log: its weights were never quantized
             data = {**data, "quantization": "none"}
+        if "matmul_precision" not in data:  # an older log: q4 multiplied in float32
+            data = {**data, "matmul_precision": "float32"}
         return cls(**data)
 
     def replace(self, **changes: Any) -> EngineConfig:

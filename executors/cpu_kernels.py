@@ -83,16 +83,18 @@ def _library() -> ctypes.CDLL | None:
             return None
     lib = ctypes.CDLL(str(path))
     p, i, f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-    lib.q4_1_mm.argtypes = [p, p, p, i, i, i]
-    lib.q8_0_mm.argtypes = [p, p, p, i, i, i]
+    for name in ("q4_1_mm", "q8_0_mm", "q4_1_mm_bf16", "q8_0_mm_bf16"):
+        getattr(lib, name).argtypes = [p, p, p, i, i, i]
+    lib.to_bf16.argtypes = [p, p, i, i]
     lib.q4_1_dequant.argtypes = [p, p, i, i]
     lib.decode_attention.argtypes = [p, i, p, p, p, p, p, i, i, i, i, i, i, i, f]
     lib.rope_write_kv.argtypes = [p, i, p, p, p, p, p, p, i, i, i, i]
     lib.rms_norm.argtypes = [p, p, p, i, i, f]
     lib.silu_mul.argtypes = [p, p, i, i]
-    lib.decode_step.argtypes = [p] * 18 + [i] * 9 + [f, f]
+    lib.decode_step.argtypes = [p] * 19 + [i] * 9 + [f, f]
     lib.set_parallel_min.argtypes = [i]
     lib.vector_bits.restype = ctypes.c_int
+    lib.native_bf16.restype = ctypes.c_int
     lib.set_parallel_min(parallel_min())
     return lib
 
@@ -120,6 +122,12 @@ def vector_bits() -> int:
     return _kernels().vector_bits()
 
 
+def native_bf16() -> bool:
+    """Whether the kernels' bfloat16 products run on the CPU's own dot products (AVX512-BF16);
+    elsewhere they give the same sums a product at a time, several times slower than float32."""
+    return bool(_kernels().native_bf16())
+
+
 def set_parallel_min(work: int) -> None:
     """Run kernels of less `work` (the C source's units) on the calling thread alone."""
     _kernels().set_parallel_min(work)
@@ -137,23 +145,35 @@ def _kernels() -> ctypes.CDLL:
     return lib
 
 
-def q4_1_mm(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """x [M, K] float32 @ W^T -> [M, N] float32; blocks: [N, K / 32 * 20] uint8 (Q4_1 rows)."""
-    return _block_mm(_kernels().q4_1_mm, x, blocks)
+def q4_1_mm(x: torch.Tensor, blocks: torch.Tensor, bf16: bool = False) -> torch.Tensor:
+    """x [M, K] float32 @ W^T -> [M, N] float32; blocks: [N, K / 32 * 20] uint8 (Q4_1 rows).
+    `bf16`: x's rows and the weights rounded to bfloat16, the products summed in float32."""
+    lib = _kernels()
+    return _block_mm(lib.q4_1_mm_bf16 if bf16 else lib.q4_1_mm, x, blocks, bf16)
 
 
-def q8_0_mm(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+def q8_0_mm(x: torch.Tensor, blocks: torch.Tensor, bf16: bool = False) -> torch.Tensor:
     """x [M, K] float32 @ W^T -> [M, N] float32; blocks: [N, K / 32 * 34] uint8 (Q8_0 rows)."""
-    return _block_mm(_kernels().q8_0_mm, x, blocks)
+    lib = _kernels()
+    return _block_mm(lib.q8_0_mm_bf16 if bf16 else lib.q8_0_mm, x, blocks, bf16)
 
 
-def _block_mm(entry, x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """The matmul of a C entry point over rows of quantized blocks."""
-    x = x.contiguous()
+def _block_mm(entry, x: torch.Tensor, blocks: torch.Tensor, bf16: bool) -> torch.Tensor:
+    """The matmul of a C entry point over rows of quantized blocks (bf16: of x's rows rounded by
+    `to_bf16`)."""
+    x = to_bf16(x) if bf16 else x.contiguous()
     m, k = x.shape
     y = torch.empty(m, blocks.shape[0], dtype=torch.float32)
     entry(x.data_ptr(), blocks.data_ptr(), y.data_ptr(), m, blocks.shape[0], k)
     return y
+
+
+def to_bf16(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32 -> bfloat16, rounded as `decode_step` rounds a matmul's rows."""
+    x = x.contiguous()
+    out = torch.empty(x.shape, dtype=torch.bfloat16)
+    _kernels().to_bf16(x.data_ptr(), out.data_ptr(), *x.shape)
+    return out
 
 
 def q4_1_dequant(blocks: torch.Tensor) -> torch.Tensor:

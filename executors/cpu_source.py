@@ -53,6 +53,8 @@ static inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
 #define VFMA _mm512_fmadd_ps
 #define VADD _mm512_add_ps
 #define VMAX _mm512_max_ps
+#define VMIN _mm512_min_ps
+#define VDIV _mm512_div_ps
 static inline vec VROUND(vec x) { return _mm512_roundscale_ps(x, 0); }
 #define VSCALE _mm512_scalef_ps  /* a * 2^n */
 static inline void unpack_q4(const uint8_t *q, vec *c) {
@@ -101,6 +103,8 @@ HALVES(VMUL, _mm256_mul_ps)
 HALVES(VSUB, _mm256_sub_ps)
 HALVES(VADD, _mm256_add_ps)
 HALVES(VMAX, _mm256_max_ps)
+HALVES(VMIN, _mm256_min_ps)
+HALVES(VDIV, _mm256_div_ps)
 HALVES(VSCALE, scale8)
 static inline vec widen_u8(__m128i b) {  /* bytes 0..15 as 16 floats */
     vec r = {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)),
@@ -159,6 +163,92 @@ int vector_bits(void)
 #endif
 }
 
+/* work below which a kernel runs on the calling thread alone (set_parallel_min), in units of
+   about one float32 multiply-add at 16 rows of a q4 matmul on one core (~30 ps): a matmul of M
+   rows costs (M + 2) N K (unpacking a weight costs about two), an attention 8 positions H D */
+static int64_t parallel_min = 0;
+
+void set_parallel_min(int64_t n) { parallel_min = n; }
+
+/* --- bfloat16 products (matmul_precision "bfloat16") --------------------------------------
+   x's rows and each block's float32 weights rounded to bfloat16 (to nearest, ties to even), the
+   products summed in float32: an output lane accumulates inputs 2i + 1 then 2i of each group,
+   as AVX512-BF16's dot product does; a CPU without it gets the same sums one product at a
+   time (slowly: for tests) */
+static inline uint16_t bf16_of(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* NaN */
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float float_of(uint16_t b)
+{
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+#ifdef __AVX512BF16__
+typedef __m512bh bvec;  /* a group's 32 bfloat16 values */
+static inline bvec bload(const uint16_t *p) { return (bvec)_mm512_loadu_si512(p); }
+static inline bvec bround(const vec *w) { return _mm512_cvtne2ps_pbh(w[1], w[0]); }
+static inline vec BDOT(vec acc, bvec a, bvec b) { return _mm512_dpbf16_ps(acc, a, b); }
+static inline void bf16_row(const float *x, uint16_t *out, int64_t K)
+{
+    int64_t i = 0;
+    for (; i + 16 <= K; i += 16)
+        _mm256_storeu_si256((__m256i *)(out + i),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+    for (; i < K; i++) out[i] = bf16_of(x[i]);
+}
+#else
+typedef struct { uint16_t v[GROUP]; } bvec;
+static inline bvec bload(const uint16_t *p) { bvec r; memcpy(r.v, p, sizeof r.v); return r; }
+static inline bvec bround(const vec *w)
+{
+    float f[GROUP];
+    bvec r;
+    memcpy(f, w, sizeof f);
+    for (int i = 0; i < GROUP; i++) r.v[i] = bf16_of(f[i]);
+    return r;
+}
+static inline vec BDOT(vec acc, bvec a, bvec b)
+{
+    float s[LANES];
+    memcpy(s, &acc, sizeof s);
+    for (int i = 0; i < LANES; i++) {  /* each product is exact in float32: one rounding each */
+        s[i] += float_of(a.v[2 * i + 1]) * float_of(b.v[2 * i + 1]);
+        s[i] += float_of(a.v[2 * i]) * float_of(b.v[2 * i]);
+    }
+    memcpy(&acc, s, sizeof s);
+    return acc;
+}
+static inline void bf16_row(const float *x, uint16_t *out, int64_t K)
+{
+    for (int64_t i = 0; i < K; i++) out[i] = bf16_of(x[i]);
+}
+#endif
+
+/* 1 where the bfloat16 products run on the CPU's own dot products (AVX512-BF16) */
+int native_bf16(void)
+{
+#ifdef __AVX512BF16__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* rows of x [M, K] float32 -> bfloat16 (as torch rounds: to nearest, ties to even) */
+void to_bf16(const float *x, uint16_t *out, int64_t M, int64_t K)
+{
+    #pragma omp parallel for schedule(static) if (M * K >= parallel_min && M > 1)
+    for (int64_t r = 0; r < M; r++) bf16_row(x + r * K, out + r * K, K);
+}
+
 /* unpack one block into its 32 float32 weights, w[0] inputs 0..15, w[1] 16..31: exactly
    gguf's values (d * code is exact in float32: 11 bits times 4 or 8; + m rounds once) */
 static inline void weights_q4_1(const uint8_t *b, vec *w) {
@@ -175,6 +265,26 @@ static inline void weights_q8_0(const uint8_t *b, vec *w) {
     vec d = VSET1(half(b));
     w[0] = VMUL(c[0], d);
     w[1] = VMUL(c[1], d);
+}
+
+/* one block's 32 weights rounded to bfloat16: with AVX512-BF16, a Q4_1 block's 16 values
+   d * k + m (k = 0..15, the same float32 operation as weights_q4_1) rounded once and looked
+   up by code, the same bits as rounding each weight */
+static inline bvec bweights(const uint8_t *b, int bs) {
+    vec wv[2];
+#ifdef __AVX512BF16__
+    if (bs == 20) {
+        const __m512 k = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const __m512 values = _mm512_fmadd_ps(k, VSET1(half(b)), VSET1(half(b + 2)));
+        const __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(values));
+        const __m128i q = _mm_loadu_si128((const __m128i *)(b + 4)), mask = _mm_set1_epi8(0x0F);
+        const __m256i codes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask),
+                                               _mm_and_si128(q, mask));
+        return (bvec)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(codes), table);
+    }
+#endif
+    if (bs == 20) weights_q4_1(b, wv); else weights_q8_0(b, wv);
+    return bround(wv);
 }
 
 /* y[r, n] for rows r0..r0+nr of x and weight rows n..n+nw (G blocks of `bs` bytes each, from
@@ -204,33 +314,51 @@ static inline __attribute__((always_inline)) void tile_dot(
         for (int r = 0; r < nr; r++) y[(r0 + r) * N + n + j] = vsum(acc[j][r]);
 }
 
+/* tile_dot's outputs in bfloat16 products: xb, x's rows in bfloat16; each weight block rounded
+   once for the tile's rows */
+static inline __attribute__((always_inline)) void tile_dot_bf16(
+    const uint16_t *xb, const uint8_t *w, float *y, int64_t r0, int nr, int64_t n, int nw,
+    int64_t N, int64_t K, int64_t G, int bs)
+{
+    vec acc[4][ROWS];
+    for (int j = 0; j < nw; j++)
+        for (int r = 0; r < nr; r++) acc[j][r] = VZERO;
+    for (int64_t g = 0; g < G; g++) {
+        for (int j = 0; j < nw; j++) {
+            const bvec wb = bweights(w + ((n + j) * G + g) * bs, bs);
+            for (int r = 0; r < nr; r++)
+                acc[j][r] = BDOT(acc[j][r], wb, bload(xb + (r0 + r) * K + g * GROUP));
+        }
+    }
+    for (int j = 0; j < nw; j++)
+        for (int r = 0; r < nr; r++) y[(r0 + r) * N + n + j] = vsum(acc[j][r]);
+}
+
+/* x's rows in float32 or, with xb, in bfloat16 (then x is not read) */
+#define TILE(r0, nr, n, nw) (xb ? tile_dot_bf16(xb, w, y, r0, nr, n, nw, N, K, G, bs) \
+                               : tile_dot(x, w, y, r0, nr, n, nw, N, K, G, bs))
+
 #define WIDE 4  /* weight rows per tile: a tile's outputs of every row of x */
 #define TAIL(k, nw) case k: \
-    for (int64_t j = n0; j + nw <= n1; j += nw) tile_dot(x, w, y, r0, k, j, nw, N, K, G, bs); \
-    for (int64_t j = n1 - (n1 - n0) % nw; j < n1; j++) \
-        tile_dot(x, w, y, r0, k, j, 1, N, K, G, bs); \
+    for (int64_t j = n0; j + nw <= n1; j += nw) TILE(r0, k, j, nw); \
+    for (int64_t j = n1 - (n1 - n0) % nw; j < n1; j++) TILE(r0, k, j, 1); \
     break;
 
-/* work below which a kernel runs on the calling thread alone (set_parallel_min), in units of
-   about one float32 multiply-add at 16 rows of a q4 matmul on one core (~30 ps): a matmul of M
-   rows costs (M + 2) N K (unpacking a weight costs about two), an attention 8 positions H D */
-static int64_t parallel_min = 0;
-
-void set_parallel_min(int64_t n) { parallel_min = n; }
-
-/* the outputs n0..n0+WIDE (short of N) of every row of x: one tile of a matmul's columns */
+/* the outputs n0..n0+WIDE (short of N) of every row of x (xb: in bfloat16, see TILE): one
+   tile of a matmul's columns */
 static inline __attribute__((always_inline)) void mm_tile(
-    const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K, int bs,
-    int64_t n0)
+    const float *x, const uint16_t *xb, const uint8_t *w, float *y, int64_t M, int64_t N,
+    int64_t K, int bs, int64_t n0)
 {
     const int64_t G = K / GROUP;
     int64_t n1 = n0 + WIDE < N ? n0 + WIDE : N, r0 = 0;
+    for (; xb && r0 + ROWS <= M; r0 += ROWS)  /* a weight row at a time: its rounding, once */
+        for (int64_t n = n0; n < n1; n++) TILE(r0, ROWS, n, 1);
     for (; r0 + ROWS <= M; r0 += ROWS)  /* as two halves, HALF_NW weight rows at a time */
         for (int64_t h = r0; h < r0 + ROWS; h += ROWS / 2) {
             int64_t n = n0;
-            for (; n + HALF_NW <= n1; n += HALF_NW)
-                tile_dot(x, w, y, h, ROWS / 2, n, HALF_NW, N, K, G, bs);
-            for (; n < n1; n++) tile_dot(x, w, y, h, ROWS / 2, n, 1, N, K, G, bs);
+            for (; n + HALF_NW <= n1; n += HALF_NW) TILE(h, ROWS / 2, n, HALF_NW);
+            for (; n < n1; n++) TILE(h, ROWS / 2, n, 1);
         }
     switch (M - r0) {  /* constant sizes: the accumulators stay in registers */
     TAILS
@@ -238,21 +366,42 @@ static inline __attribute__((always_inline)) void mm_tile(
     }
 }
 
+#define ROW_BLOCK 128  /* rows of x a pass over the weights takes (a prefill's), kept in cache */
+
 static inline __attribute__((always_inline)) void blocks_mm(
-    const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K, int bs)
+    const float *x, const uint16_t *xb, const uint8_t *w, float *y, int64_t M, int64_t N,
+    int64_t K, int bs)
 {
-    #pragma omp parallel for schedule(static) if ((M + 2) * N * K >= parallel_min)
-    for (int64_t n0 = 0; n0 < N; n0 += WIDE) mm_tile(x, w, y, M, N, K, bs, n0);
+    for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
+        const int64_t m = M - m0 < ROW_BLOCK ? M - m0 : ROW_BLOCK;
+        const float *xm = x ? x + m0 * K : NULL;
+        const uint16_t *xbm = xb ? xb + m0 * K : NULL;
+        #pragma omp parallel for schedule(static) if ((m + 2) * N * K >= parallel_min)
+        for (int64_t n0 = 0; n0 < N; n0 += WIDE) mm_tile(xm, xbm, w, y + m0 * N, m, N, K, bs, n0);
+    }
 }
 
 void q4_1_mm(const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K)
 {
-    blocks_mm(x, w, y, M, N, K, 20);
+    blocks_mm(x, NULL, w, y, M, N, K, 20);
 }
 
 void q8_0_mm(const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K)
 {
-    blocks_mm(x, w, y, M, N, K, 34);
+    blocks_mm(x, NULL, w, y, M, N, K, 34);
+}
+
+/* the same in bfloat16 products: xb, x's rows in bfloat16 (to_bf16) */
+void q4_1_mm_bf16(const uint16_t *xb, const uint8_t *w, float *y, int64_t M, int64_t N,
+                  int64_t K)
+{
+    blocks_mm(NULL, xb, w, y, M, N, K, 20);
+}
+
+void q8_0_mm_bf16(const uint16_t *xb, const uint8_t *w, float *y, int64_t M, int64_t N,
+                  int64_t K)
+{
+    blocks_mm(NULL, xb, w, y, M, N, K, 34);
 }
 
 /* the float32 matrix [N, K] of Q4_1 rows, as gguf computes it: d * code + m */
@@ -273,9 +422,10 @@ void q4_1_dequant(const uint8_t *w, float *out, int64_t N, int64_t K)
 #define CHUNK 64  /* positions scored at a time */
 
 #if defined(__AVX512F__) || defined(__AVX2__) && defined(__FMA__)
-/* e^x for x <= 0 (softmax weights), within ~2 ulp: 2^n e^r, n = round(x log2 e), |r| <= ln2/2 */
+/* e^x for x in -87..88 (clamped to it), within ~2 ulp: 2^n e^r, n = round(x log2 e),
+   |r| <= ln2/2 */
 static inline vec vexp(vec x) {
-    x = VMAX(x, VSET1(-87.0f));
+    x = VMIN(VMAX(x, VSET1(-87.0f)), VSET1(88.0f));
     vec n = VROUND(VMUL(x, VSET1(1.44269504088896341f)));
     vec r = VFMA(n, VSET1(-0.693359375f), x);
     r = VFMA(n, VSET1(2.12194440e-4f), r);
@@ -418,10 +568,29 @@ static void rms_norm_rows(const float *x, const float *w, float *out, int64_t r0
     }
 }
 
-/* elements e0..e1 of out [M, I]: silu(gate) * up, gate and up the halves of gu's rows [M, 2 I] */
+/* elements e0..e1 of out [M, I] (whole rows): silu(gate) * up, gate and up the halves of gu's
+   rows [M, 2 I]: g / (1 + e^-g) * up, LANES at a time (vexp), a row's last I % LANES one by one
+   (expf) */
 static void silu_mul_span(const float *gu, float *out, int64_t I, int64_t e0, int64_t e1)
 {
-    for (int64_t e = e0; e < e1; e++) {
+    int64_t e = e0;
+#if defined(__AVX512F__) || defined(__AVX2__) && defined(__FMA__)
+    for (; e < e1; e++) {
+        const int64_t i = e % I;
+        if (i % LANES == 0 && i + LANES <= I && e + LANES <= e1) {
+            const float *row = gu + e / I * 2 * I;
+            const vec g = vload(row + i), one = VSET1(1.0f);
+            const vec y = VMUL(VDIV(g, VADD(one, vexp(VSUB(VZERO, g)))), vload(row + I + i));
+            memcpy(out + e, &y, sizeof y);
+            e += LANES - 1;
+            continue;
+        }
+        const float *row = gu + e / I * 2 * I;
+        const float g = row[i];
+        out[e] = g / (1.0f + expf(-g)) * row[I + i];
+    }
+#endif
+    for (; e < e1; e++) {
         const float *row = gu + e / I * 2 * I;
         const float g = row[e % I];
         out[e] = g / (1.0f + expf(-g)) * row[I + e % I];
@@ -462,30 +631,33 @@ static void barrier_wait(spin_barrier *b, int nt)
     }
 }
 
+#define PTR(type, a, i) ((type)(intptr_t)(a)[i])
+#define SHARE(n, a, b) const int64_t a = (n) * tid / nt, b = (n) * (tid + 1) / nt
+
 /* this thread's share of y = x @ W[j]^T (layer matrix j of w, blocks of bs[j] bytes), tiled
-   as blocks_mm tiles it; then the threads meet */
-static void mm_stage(const float *x, const int64_t *w, const int32_t *bs, int64_t j, float *y,
-                     int64_t M, int64_t N, int64_t K, spin_barrier *bar, int tid, int nt)
+   as blocks_mm tiles it; then the threads meet. With xb (bfloat16 products) the tiles read x's
+   rows from there: the stage that wrote x wrote them rounded there too */
+static void mm_stage(const float *x, const uint16_t *xb, const int64_t *w, const int32_t *bs,
+                     int64_t j, float *y, int64_t M, int64_t N, int64_t K, spin_barrier *bar,
+                     int tid, int nt)
 {
     const uint8_t *blocks = (const uint8_t *)(intptr_t)w[j];
     const int64_t tiles = (N + WIDE - 1) / WIDE;
     for (int64_t t = tiles * tid / nt; t < tiles * (tid + 1) / nt; t++)
-        mm_tile(x, blocks, y, M, N, K, bs[j], t * WIDE);
+        mm_tile(x, xb, blocks, y, M, N, K, bs[j], t * WIDE);
     barrier_wait(bar, nt);
 }
 
-#define PTR(type, a, i) ((type)(intptr_t)(a)[i])
-#define SHARE(n, a, b) const int64_t a = (n) * tid / nt, b = (n) * (tid + 1) / nt
-
-/* this thread's rows of the residual stream h += d (d NULL: none), then x = RMSNorm(h) by w;
-   then the threads meet */
-static void add_norm_stage(float *h, const float *d, const float *w, float *x, int64_t M,
-                           int64_t E, float eps, spin_barrier *bar, int tid, int nt)
+/* this thread's rows of the residual stream h += d (d NULL: none), then x = RMSNorm(h) by w
+   (and in bfloat16 into xb, unless NULL); then the threads meet */
+static void add_norm_stage(float *h, const float *d, const float *w, float *x, uint16_t *xb,
+                           int64_t M, int64_t E, float eps, spin_barrier *bar, int tid, int nt)
 {
     SHARE(M, r0, r1);
     if (d)
         for (int64_t i = r0 * E; i < r1 * E; i++) h[i] = h[i] + d[i];
     rms_norm_rows(h, w, x, r0, r1, E, eps);
+    if (xb) bf16_row(x + r0 * E, xb + r0 * E, (r1 - r0) * E);
     barrier_wait(bar, nt);
 }
 
@@ -496,13 +668,14 @@ static void add_norm_stage(float *h, const float *d, const float *w, float *x, i
    stream (in place); out [M, E]: the final norm's output.  Layer l: blocks w[4l..4l+3] (qkv,
    wo, gate_up, down) of bs[...] bytes (20 Q4_1, 34 Q8_0); norms[2l], norms[2l+1] (attention,
    MLP) and norms[2L] (final) float32 [E]; caches kc[l], vc[l].  Scratch: qkv [M, (H+2KVH) D],
-   att [M, H D], gu [M, 2 I], act [M, I], tmp [M, E] */
+   att [M, H D], gu [M, 2 I], act [M, I], tmp [M, E]; xb [M, max(E, H D, I)] for bfloat16
+   products, NULL for float32 */
 void decode_step(float *h, float *out, const int64_t *w, const int32_t *bs, const int64_t *norms,
                  const int64_t *kc, const int64_t *vc, const float *cos, const float *sin,
                  const int64_t *pos, const int64_t *slots, const int32_t *tables,
                  const int32_t *lens, float *qkv, float *att, float *gu, float *act, float *tmp,
-                 int64_t M, int64_t E, int64_t H, int64_t KVH, int64_t D, int64_t I, int64_t L,
-                 int64_t BS, int64_t NB, float eps, float scale)
+                 uint16_t *xb, int64_t M, int64_t E, int64_t H, int64_t KVH, int64_t D,
+                 int64_t I, int64_t L, int64_t BS, int64_t NB, float eps, float scale)
 {
     const int64_t QKV = (H + 2 * KVH) * D, HD = H * D;
     const int64_t work = L * ((M + 2) * (QKV * E + E * HD + 3 * I * E)
@@ -512,10 +685,10 @@ void decode_step(float *h, float *out, const int64_t *w, const int32_t *bs, cons
     {
         const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
         float *x = out;  /* each stage's normed input, the final norm's output at the end */
-        add_norm_stage(h, NULL, PTR(const float *, norms, 0), x, M, E, eps, &bar, tid, nt);
+        add_norm_stage(h, NULL, PTR(const float *, norms, 0), x, xb, M, E, eps, &bar, tid, nt);
         for (int64_t l = 0; l < L; l++) {
             float *k = PTR(float *, kc, l), *v = PTR(float *, vc, l);
-            mm_stage(x, w, bs, 4 * l, qkv, M, QKV, E, &bar, tid, nt);
+            mm_stage(x, xb, w, bs, 4 * l, qkv, M, QKV, E, &bar, tid, nt);
             {
                 SHARE(M, r0, r1);
                 for (int64_t t = r0; t < r1; t++)
@@ -527,20 +700,22 @@ void decode_step(float *h, float *out, const int64_t *w, const int32_t *bs, cons
                 for (int64_t p = p0; p < p1; p++)
                     attend_one(qkv, QKV, k, v, tables, lens, att, HD, p / H, p % H, H, KVH, D,
                                BS, NB, scale);
+                if (xb) bf16_row(att + p0 * D, xb + p0 * D, (p1 - p0) * D);  /* [M, H D] */
             }
             barrier_wait(&bar, nt);
-            mm_stage(att, w, bs, 4 * l + 1, tmp, M, E, HD, &bar, tid, nt);
-            add_norm_stage(h, tmp, PTR(const float *, norms, 2 * l + 1), x, M, E, eps, &bar, tid,
-                           nt);
-            mm_stage(x, w, bs, 4 * l + 2, gu, M, 2 * I, E, &bar, tid, nt);
+            mm_stage(att, xb, w, bs, 4 * l + 1, tmp, M, E, HD, &bar, tid, nt);
+            add_norm_stage(h, tmp, PTR(const float *, norms, 2 * l + 1), x, xb, M, E, eps, &bar,
+                           tid, nt);
+            mm_stage(x, xb, w, bs, 4 * l + 2, gu, M, 2 * I, E, &bar, tid, nt);
             {
-                SHARE(M * I, e0, e1);
-                silu_mul_span(gu, act, I, e0, e1);
+                SHARE(M, r0, r1);  /* whole rows: an element's operations depend on its column */
+                silu_mul_span(gu, act, I, r0 * I, r1 * I);
+                if (xb) bf16_row(act + r0 * I, xb + r0 * I, (r1 - r0) * I);
             }
             barrier_wait(&bar, nt);
-            mm_stage(act, w, bs, 4 * l + 3, tmp, M, E, I, &bar, tid, nt);
-            add_norm_stage(h, tmp, PTR(const float *, norms, 2 * l + 2), x, M, E, eps, &bar, tid,
-                           nt);
+            mm_stage(act, xb, w, bs, 4 * l + 3, tmp, M, E, I, &bar, tid, nt);
+            add_norm_stage(h, tmp, PTR(const float *, norms, 2 * l + 2), x, xb, M, E, eps, &bar,
+                           tid, nt);
         }
     }
 }

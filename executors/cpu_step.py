@@ -46,11 +46,17 @@ class DecodeStep:
     the tensors they point into."""
 
     def __init__(
-        self, cfg: ModelConfig, matrices: list[tuple[torch.Tensor, int]], norms: list[torch.Tensor]
+        self,
+        cfg: ModelConfig,
+        matrices: list[tuple[torch.Tensor, int]],
+        norms: list[torch.Tensor],
+        bf16: bool = False,
     ):
         """`matrices`: every layer's (blocks, block bytes) in MATRICES order; `norms`: every
-        layer's attention and MLP norm weights, then the final norm's."""
+        layer's attention and MLP norm weights, then the final norm's; `bf16`: the matmuls'
+        products in bfloat16 (matmul_precision "bfloat16")."""
         self.cfg = cfg
+        self.bf16 = bf16
         self.tensors = [*(blocks for blocks, _ in matrices), *norms]  # what the pointers address
         self.w = _pointers([blocks for blocks, _ in matrices])
         self.bs = (ctypes.c_int32 * len(matrices))(*(size for _, size in matrices))
@@ -58,7 +64,9 @@ class DecodeStep:
         self._caches: tuple[tuple[int, ...], ctypes.Array, ctypes.Array] | None = None
 
     @classmethod
-    def of(cls, cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> DecodeStep | None:
+    def of(
+        cls, cfg: ModelConfig, weights: dict[str, torch.Tensor], bf16: bool = False
+    ) -> DecodeStep | None:
         """The model's decode step, if every layer matrix is Q4_1 or Q8_0 blocks and its norms
         float32; else None."""
         layers = range(cfg.num_layers)
@@ -69,7 +77,7 @@ class DecodeStep:
         usable = cpu_kernels.attends(cfg.head_dim) and len(matrices) == len(found)
         if not usable or any(n.dtype != torch.float32 or n.is_cuda for n in norms):
             return None
-        return cls(cfg, matrices, norms)
+        return cls(cfg, matrices, norms, bf16)
 
     @staticmethod
     def rows(
@@ -132,10 +140,12 @@ class DecodeStep:
         att, gu, act = scratch(cfg.num_heads * d), scratch(2 * inter), scratch(inter)
         addresses = (self.w, self.bs, self.norms, keys, values)
         rest = (cos, sin, pos, slots, tables, lens, qkv, att, gu, act, tmp)
+        widest = max(e, cfg.num_heads * d, inter)  # of a matmul's inputs
+        xb = torch.empty(m, widest, dtype=torch.bfloat16) if self.bf16 else None
         cpu_kernels.decode_step(
             h.data_ptr(), out.data_ptr(),
             *[ctypes.addressof(a) for a in addresses],
-            *[t.data_ptr() for t in rest],
+            *[t.data_ptr() for t in rest], 0 if xb is None else xb.data_ptr(),
             m, e, cfg.num_heads, cfg.num_kv_heads, d, inter, cfg.num_layers,
             block_size, tables.shape[1], cfg.rms_eps, scale,
         )  # fmt: skip

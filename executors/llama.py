@@ -92,8 +92,13 @@ class LlamaModel:
         max_positions: int,
         decode_kernel=None,
         ranks: RankGroup | None = None,
+        bf16_products: bool = False,
     ):
+        """`bf16_products`: the decoder's Q4_1 / Q8_0 matmuls multiply x's rows and the weights
+        rounded to bfloat16, summing in float32 (matmul_precision "bfloat16"); the head and
+        everything else stay float32."""
         self.cfg = cfg
+        self.bf16_products = bf16_products
         self.ranks = ranks
         self.w = weights
         self.num_layers = cfg.num_layers
@@ -112,7 +117,7 @@ class LlamaModel:
         self.cpu_kernels = fp32_cpu and ranks is None and cpu_kernels.available()
         # a model of Q4_1 / Q8_0 layer matrices: decode steps in one C call, and its norms and
         # silu * up in C for every batch, so that a row's bits do not depend on the step's kind
-        self.decode_step = DecodeStep.of(cfg, weights) if self.cpu_kernels else None
+        self.decode_step = DecodeStep.of(cfg, weights, bf16_products) if self.cpu_kernels else None
         self.norm = cpu_kernels.rms_norm if self.decode_step is not None else rms_norm
         self.layers = [self._layer(i) for i in range(self.num_layers)]
         self.head = make_linear({"lm_head": self.lm_head, **weights}, "lm_head", self.wide)
@@ -122,7 +127,8 @@ class LlamaModel:
         gate_up, down), each matmul a `Linear` over its float or quantized weight."""
         p = f"layers.{i}."
         wide = {"wqkv": self.wide, "wo": F.linear, "w_gate_up": self.wide, "w_down": F.linear}
-        mm = {key: make_linear(self.w, p + key, dense) for key, dense in wide.items()}
+        bf16 = self.bf16_products
+        mm = {key: make_linear(self.w, p + key, dense, bf16) for key, dense in wide.items()}
         norms = self.w[p + "attn_norm"], self.w[p + "mlp_norm"]
         return norms[0], mm["wqkv"], mm["wo"], norms[1], mm["w_gate_up"], mm["w_down"]
 

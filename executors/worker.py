@@ -72,6 +72,16 @@ def pick_quantization(cfg: EngineConfig, source: ModelSource, device: torch.devi
     return cfg.quantization
 
 
+def pick_matmul_precision(cfg: EngineConfig, quantization: str) -> str:
+    """q4's products: "bfloat16" where asked, or with "auto" where the kernels run them on the
+    CPU's own bf16 dot products (AVX512-BF16); else "float32". Only q4 has a choice."""
+    if quantization != "q4":
+        return "float32"
+    if cfg.matmul_precision == "auto":
+        return "bfloat16" if cpu_kernels.native_bf16() else "float32"
+    return cfg.matmul_precision
+
+
 class Worker:
     """One executor rank's worker. Under tensor parallelism (`ranks`) every rank runs the same
     plans on its shard of the model, in lock-step: the same phases, kinds and collectives, and
@@ -104,10 +114,12 @@ class Worker:
         self.quantization = pick_quantization(cfg, self.source, self.device)
         if self.quantization != "none" and ranks is not None:
             raise ConfigError("quantized weights run on one rank: --tensor-parallel-size 1")
+        self.matmul_precision = pick_matmul_precision(cfg, self.quantization)
         log.info(
             "precision",
             dtype=str(self.dtype).removeprefix("torch."),
             quantization=self.quantization,
+            matmul_precision=self.matmul_precision,
             native_bf16=has_native_bf16() if self.device.type == "cpu" else None,
         )
         self.weights = load_weights(
@@ -115,7 +127,12 @@ class Worker:
         )
         self.meter.adopt(list(self.weights.values()))
         self.model = LlamaModel(
-            self.model_cfg, self.weights, max_model_len + 16, self._kernel(), ranks
+            self.model_cfg,
+            self.weights,
+            max_model_len + 16,
+            self._kernel(),
+            ranks,
+            bf16_products=self.matmul_precision == "bfloat16",
         )
         self.eagle = None
         if cfg.speculative_method == "eagle":

@@ -1,6 +1,6 @@
 """The CPU's compiled kernels on the shipped GGUF's own blocks: gguf's values exactly, float32
-products, a row's result whatever else is in the batch, and paged decode attention equal to
-torch's."""
+products or bfloat16 ones, a row's result whatever else is in the batch, and paged decode
+attention equal to torch's."""
 
 from __future__ import annotations
 
@@ -57,12 +57,54 @@ def test_a_row_s_product_does_not_depend_on_the_batch(gguf_tensors):
         assert torch.equal(cpu_kernels.q4_1_mm(x[:m], blocks), alone[:m]), m
 
 
+@pytest.mark.parametrize("name", ["blk.3.ffn_up.weight", "token_embd.weight"])
+@pytest.mark.parametrize("rows", [1, 16, 19, 200])
+def test_bf16_products_are_float32_sums_of_rounded_rows_and_weights(gguf_tensors, name, rows):
+    """matmul_precision "bfloat16": x's rows and gguf's weights rounded to bfloat16 as torch
+    rounds them, each product exact, the sums float32 (native AVX512-BF16 or one product at a
+    time), for any number of rows (prefills included)."""
+    tensor = gguf_tensors[name]
+    blocks, values = blocks_and_values(tensor)
+    if name == "token_embd.weight":
+        blocks, values = blocks[:1024], values[:1024]
+    mm = cpu_kernels.q4_1_mm if tensor.tensor_type.name == "Q4_1" else cpu_kernels.q8_0_mm
+    x = torch.randn(rows, values.shape[1], generator=torch.Generator().manual_seed(rows))
+    assert torch.equal(cpu_kernels.to_bf16(x), x.bfloat16())
+    rounded = x.bfloat16().double() @ values.bfloat16().double().t()
+    got = mm(x, blocks, bf16=True)
+    scale = x.abs().double() @ values.abs().double().t()
+    assert ((got.double() - rounded).abs() / scale).max() < 2**-20
+    # and not the float32 products: rounding the inputs moves the outputs ~2^-9 of their scale
+    assert ((got.double() - x.double() @ values.double().t()).abs() / scale).max() > 2**-14
+
+
+def test_a_row_s_bf16_product_does_not_depend_on_the_batch(gguf_tensors):
+    blocks, _ = blocks_and_values(gguf_tensors["blk.1.attn_q.weight"])
+    x = torch.randn(150, blocks.shape[1] // 20 * 32, generator=torch.Generator().manual_seed(1))
+    alone = torch.cat([cpu_kernels.q4_1_mm(x[i : i + 1], blocks, bf16=True) for i in range(150)])
+    for m in [*range(2, 34), 129, 150]:  # two full passes, every tail, and past a row block
+        assert torch.equal(cpu_kernels.q4_1_mm(x[:m], blocks, bf16=True), alone[:m]), m
+
+
+def test_silu_mul_is_float32_s_and_a_row_s_bits_do_not_depend_on_the_batch():
+    gen = torch.Generator().manual_seed(0)
+    gate_up = torch.randn(7, 2 * 1544, generator=gen) * 6  # 1544: a row's last 8 one by one
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -88.5])
+    got = cpu_kernels.silu_mul(gate_up)
+    gate, up = gate_up.double().chunk(2, -1)
+    want = gate * torch.sigmoid(gate) * up
+    assert ((got.double() - want).abs() / (want.abs() + 1e-30)).max() < 2**-18  # a few ulp
+    alone = torch.cat([cpu_kernels.silu_mul(gate_up[i : i + 1]) for i in range(7)])
+    assert torch.equal(got, alone)
+
+
 def test_the_kernels_are_built_for_the_cpu_s_vector_units():
     """AVX-512 where the CPU has it, else AVX2 + FMA: the plain-C build is ~10x slower (a SmolLM2
     q4 decode step took 159 ms instead of 12 on a 2-core AVX2 machine before AVX2 had its own)."""
     flags = cpu_flags()
     want = 512 if "avx512f" in flags else 256 if {"avx2", "fma"} <= flags else 0
     assert cpu_kernels.vector_bits() == want
+    assert cpu_kernels.native_bf16() == ("avx512_bf16" in flags)
 
 
 def test_decode_attention_equals_torch_s_on_pages_in_any_order():
@@ -128,3 +170,35 @@ def test_rope_and_kv_write_are_apply_rope_s_bit_for_bit():
     write_kv(*caches[2:], qk[kept, heads:], v[kept], slots[kept])
     assert torch.equal(got, qk[:, :heads])
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+def test_bf16_products_without_avx512_bf16_are_the_same_sums(gguf_tensors, tmp_path):
+    """The kernels built for an AVX2 CPU (no AVX512-BF16: each product one at a time, in the
+    dot product's order) give the rounded rows' and weights' float32 sums too; on a CPU with
+    AVX512-BF16 the native build does (test_bf16_products_are_...)."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    from memstep.executors.cpu_source import SOURCE
+
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None or not {"avx2", "fma", "f16c"} <= cpu_flags():
+        pytest.skip("needs a C compiler and an AVX2 CPU")
+    (tmp_path / "k.c").write_text(SOURCE)
+    flags = [f for f in cpu_kernels.CFLAGS if f != "-march=native"] + ["-march=x86-64-v3"]
+    subprocess.run([compiler, *flags, str(tmp_path / "k.c"), "-o", str(tmp_path / "k.so")],
+                   check=True, capture_output=True, timeout=300)  # fmt: skip
+    lib = ctypes.CDLL(str(tmp_path / "k.so"))
+    assert lib.native_bf16() == 0
+    blocks, values = blocks_and_values(gguf_tensors["blk.3.ffn_up.weight"])
+    x = torch.randn(5, values.shape[1], generator=torch.Generator().manual_seed(5))
+    xb, y = x.bfloat16(), torch.empty(5, values.shape[0])
+    i64 = ctypes.c_int64
+    lib.q4_1_mm_bf16(
+        ctypes.c_void_p(xb.data_ptr()), ctypes.c_void_p(blocks.data_ptr()),
+        ctypes.c_void_p(y.data_ptr()), i64(5), i64(values.shape[0]), i64(values.shape[1]),
+    )  # fmt: skip
+    rounded = x.bfloat16().double() @ values.bfloat16().double().t()
+    scale = x.abs().double() @ values.abs().double().t()
+    assert ((y.double() - rounded).abs() / scale).max() < 2**-20

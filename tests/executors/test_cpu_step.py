@@ -1,6 +1,6 @@
 """The CPU's one-call decode step (executors/cpu_step.py) on the real SmolLM2 q4: taken for decode
 steps, and every bit of its output (log-probs included) is the kernel-by-kernel forward's, with
-the OpenMP pool woken or not and on one thread or two."""
+the OpenMP pool woken or not and on one thread or two, in float32 products and in bfloat16."""
 
 from __future__ import annotations
 
@@ -19,11 +19,16 @@ PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "Write a haiku about the s
 PARAMS = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=5)
 
 
-@pytest.fixture(scope="module")
-def engine():
+def q4_engine(precision: str):
     # no prefix cache: the same prompts run again must be prefilled the same way
     cfg = EngineConfig(model="smollm2", quantization="q4", max_num_seqs=4)
-    return local_engine(cfg.replace(enable_prefix_caching=False))
+    return local_engine(cfg.replace(enable_prefix_caching=False, matmul_precision=precision))
+
+
+# bfloat16 products run on a CPU without AVX512-BF16 too, a product at a time
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def engine(request):
+    return q4_engine(request.param)
 
 
 def outputs(engine) -> list[tuple[list[int], list[list]]]:
@@ -86,3 +91,16 @@ def test_a_cache_made_anew_is_addressed_anew(engine):
     keys, values = step._cache_pointers(moved)
     assert list(keys) == [k.data_ptr() for k, _ in moved]
     assert list(values) == [v.data_ptr() for _, v in moved]
+
+
+def test_bf16_products_reach_every_matmul_but_the_head(engine):
+    """The setting is the worker's and the model's: bfloat16 products move the log-probs, and
+    the head (the tied Q8_0 embedding) keeps float32's."""
+    worker = engine.executor.worker
+    assert worker.model.bf16_products == (worker.matmul_precision == "bfloat16")
+    other = q4_engine("float32" if worker.model.bf16_products else "bfloat16")
+    assert outputs(other) != outputs(engine)
+    assert other.executor.worker.model.head is not None
+    engine_head, other_head = worker.model.head, other.executor.worker.model.head
+    x = torch.randn(3, worker.model_cfg.hidden_size)
+    assert torch.equal(engine_head(x), other_head(x))

@@ -13,6 +13,7 @@ import torch
 
 from memstep.core.config import ConfigError, EngineConfig
 from memstep.core.model_source import resolve
+from memstep.executors import cpu_kernels
 from memstep.executors import quant_linear as ql
 from memstep.executors.cpu_features import has_native_bf16
 from memstep.executors.worker import pick_dtype, pick_quantization
@@ -111,6 +112,21 @@ def test_a_bad_quantization_is_a_config_error():
     with pytest.raises(ConfigError, match="quantization must be one of"):
         EngineConfig(quantization="q3")
     assert EngineConfig.from_dict({"model": "smollm2"}).quantization == "none"  # an older log
+    with pytest.raises(ConfigError, match="matmul_precision must be one of"):
+        EngineConfig(matmul_precision="bf16")
+    assert EngineConfig.from_dict({"model": "smollm2"}).matmul_precision == "float32"
+
+
+def test_matmul_precision_auto_is_bf16_where_the_cpu_multiplies_it():
+    from memstep.executors.worker import pick_matmul_precision
+
+    cfg = EngineConfig()
+    native = "bfloat16" if cpu_kernels.native_bf16() else "float32"
+    assert pick_matmul_precision(cfg, "q4") == native
+    assert pick_matmul_precision(cfg, "none") == "float32"  # only q4's kernels have a choice
+    assert pick_matmul_precision(cfg, "int8") == "float32"
+    for asked in ("float32", "bfloat16"):
+        assert pick_matmul_precision(cfg.replace(matmul_precision=asked), "q4") == asked
 
 
 @pytest.mark.parametrize("value", ["q3", "Q4", ""])
