@@ -2,7 +2,7 @@
 
 Q4_1 / Q8_0 matmuls, paged decode attention, rotary + KV write, RMSNorm and silu * up, each an
 entry point of its own, and `decode_step`: every decoder layer of a decode step in one OpenMP
-parallel region, built from the same per-output helpers (`mm_tile`, `attend_one`, `rope_row`,
+parallel region, built from the same per-output helpers (`mm_tile`, `attend_group`, `rope_row`,
 `rms_norm_rows`, `silu_mul_span`), so that a row gets the same bits either way.
 """
 
@@ -442,54 +442,101 @@ static inline vec vexp(vec x) {
 static inline vec vexp(vec x) { for (int i = 0; i < LANES; i++) x.v[i] = expf(x.v[i]); return x; }
 #endif
 
-/* one query token per sequence over its cached positions 0..len-1 (paged KV cache, float32),
-   softmax in float32 a chunk of positions at a time (rescaled when the running maximum
-   grows); query head h reads KV head h / (H / KVH); len 0 gives zeros.
-   q, out: [B, H, D] with row strides qs, os (elements); caches [blocks, BS, KVH, D];
-   D a multiple of LANES */
-static void attend_one(const float *q, int64_t qs, const float *kc, const float *vc,
-                       const int32_t *tables, const int32_t *lens, float *out, int64_t os,
-                       int64_t b, int64_t h, int64_t H, int64_t KVH, int64_t D, int64_t BS,
-                       int64_t NB, float scale)
+#define MAX_DV 16  /* vectors of a head's row: D <= 256 */
+#define MAX_GROUP 8  /* query heads attended at a time over one KV head's rows */
+
+/* one query token per sequence over its cached positions 0..len-1 (paged KV cache, float32):
+   query heads h0..h0+nq of sequence b, all of KV head g, each K and V row read once for them;
+   softmax in float32 a chunk of positions at a time (rescaled when the running maximum grows);
+   len 0 gives zeros. q, out: [B, H, D] with row strides qs, os (elements); caches [blocks, BS,
+   KVH, D]; D = DV * LANES. A head's bits do not depend on nq (each head's sums are its own) */
+static inline __attribute__((always_inline)) void attend_heads(
+    const float *q, int64_t qs, const float *kc, const float *vc, const int32_t *tables,
+    const int32_t *lens, float *out, int64_t os, int64_t b, int64_t h0, int nq, int64_t g,
+    int64_t KVH, const int DV, int64_t BS, int64_t NB, float scale)
 {
-    const int64_t per_kv = H / KVH;
-    const float *qh = q + b * qs + h * D;
-    float *o = out + b * os + h * D;
-    float acc[256], score[CHUNK], top = -INFINITY, total = 0.0f;
-    for (int64_t i = 0; i < D; i++) acc[i] = 0.0f;
+    const int64_t D = (int64_t)DV * LANES;
+    vec acc[MAX_GROUP][MAX_DV];
+    float score[MAX_GROUP][CHUNK], top[MAX_GROUP], total[MAX_GROUP];
+    for (int a = 0; a < nq; a++) {
+        top[a] = -INFINITY;
+        total[a] = 0.0f;
+        for (int c = 0; c < DV; c++) acc[a][c] = VZERO;
+    }
     for (int64_t p0 = 0; p0 < lens[b]; p0 += CHUNK) {
-        int64_t n = lens[b] - p0 < CHUNK ? lens[b] - p0 : CHUNK;
-        const float *kv[2][CHUNK];
-        float most = -INFINITY;
+        const int64_t n = lens[b] - p0 < CHUNK ? lens[b] - p0 : CHUNK;
+        const float *vrow[CHUNK];
+        float most[MAX_GROUP];
+        for (int a = 0; a < nq; a++) most[a] = -INFINITY;
         for (int64_t j = 0; j < n; j++) {
-            int64_t p = p0 + j;
-            int64_t at = (((int64_t)tables[b * NB + p / BS] * BS + p % BS) * KVH
-                          + h / per_kv) * D;
-            kv[0][j] = kc + at;
-            kv[1][j] = vc + at;
-            vec dot = VZERO;
-            for (int64_t i = 0; i < D; i += LANES)
-                dot = VFMA(vload(qh + i), vload(kv[0][j] + i), dot);
-            score[j] = vsum(dot) * scale;
-            most = score[j] > most ? score[j] : most;
+            const int64_t p = p0 + j;
+            const int64_t at = (((int64_t)tables[b * NB + p / BS] * BS + p % BS) * KVH + g) * D;
+            vec k[MAX_DV];
+            for (int c = 0; c < DV; c++) k[c] = vload(kc + at + c * LANES);
+            vrow[j] = vc + at;
+            for (int a = 0; a < nq; a++) {
+                const float *qh = q + b * qs + (h0 + a) * D;
+                vec dot = VZERO;
+                for (int c = 0; c < DV; c++) dot = VFMA(vload(qh + c * LANES), k[c], dot);
+                const float sc = vsum(dot) * scale;
+                score[a][j] = sc;
+                most[a] = sc > most[a] ? sc : most[a];
+            }
         }
-        for (int64_t j = n; j < CHUNK; j++) score[j] = -INFINITY;
-        if (most > top) {
-            float shrink = expf(top - most);
-            for (int64_t i = 0; i < D; i++) acc[i] *= shrink;
-            total *= shrink;
-            top = most;
-        }
-        for (int64_t j = 0; j < n; j += LANES) {
-            vec e = vexp(VSUB(vload(score + j), VSET1(top)));
-            memcpy(score + j, &e, sizeof e);
+        for (int a = 0; a < nq; a++) {
+            for (int64_t j = n; j < CHUNK; j++) score[a][j] = -INFINITY;
+            if (most[a] > top[a]) {
+                const vec shrink = VSET1(expf(top[a] - most[a]));
+                for (int c = 0; c < DV; c++) acc[a][c] = VMUL(acc[a][c], shrink);
+                total[a] *= expf(top[a] - most[a]);
+                top[a] = most[a];
+            }
+            for (int64_t j = 0; j < n; j += LANES) {
+                vec e = vexp(VSUB(vload(score[a] + j), VSET1(top[a])));
+                memcpy(score[a] + j, &e, sizeof e);
+            }
         }
         for (int64_t j = 0; j < n; j++) {
-            total += score[j];
-            for (int64_t i = 0; i < D; i++) acc[i] += score[j] * kv[1][j][i];
+            vec v[MAX_DV];
+            for (int c = 0; c < DV; c++) v[c] = vload(vrow[j] + c * LANES);
+            for (int a = 0; a < nq; a++) {
+                total[a] += score[a][j];
+                const vec w = VSET1(score[a][j]);
+                for (int c = 0; c < DV; c++) acc[a][c] = VFMA(w, v[c], acc[a][c]);
+            }
         }
     }
-    for (int64_t i = 0; i < D; i++) o[i] = total > 0.0f ? acc[i] / total : 0.0f;
+    for (int a = 0; a < nq; a++) {
+        float *o = out + b * os + (h0 + a) * D;
+        const vec inv = VSET1(total[a] > 0.0f ? 1.0f / total[a] : 0.0f);
+        for (int c = 0; c < DV; c++) {
+            const vec y = VMUL(acc[a][c], inv);
+            memcpy(o + c * LANES, &y, sizeof y);
+        }
+    }
+}
+
+/* the query heads of sequence b over KV head g (H / KVH of them, MAX_GROUP at a time), with
+   the row's vector count known to the compiler for the common head sizes (64, 128) */
+static void attend_group(const float *q, int64_t qs, const float *kc, const float *vc,
+                         const int32_t *tables, const int32_t *lens, float *out, int64_t os,
+                         int64_t b, int64_t g, int64_t H, int64_t KVH, int64_t D, int64_t BS,
+                         int64_t NB, float scale)
+{
+    const int64_t per_kv = H / KVH;
+    for (int64_t a = 0; a < per_kv; a += MAX_GROUP) {
+        const int nq = per_kv - a < MAX_GROUP ? (int)(per_kv - a) : MAX_GROUP;
+        const int64_t h0 = g * per_kv + a;
+        if (D == 4 * LANES)
+            attend_heads(q, qs, kc, vc, tables, lens, out, os, b, h0, nq, g, KVH, 4, BS, NB,
+                         scale);
+        else if (D == 8 * LANES)
+            attend_heads(q, qs, kc, vc, tables, lens, out, os, b, h0, nq, g, KVH, 8, BS, NB,
+                         scale);
+        else
+            attend_heads(q, qs, kc, vc, tables, lens, out, os, b, h0, nq, g, KVH,
+                         (int)(D / LANES), BS, NB, scale);
+    }
 }
 
 static int64_t total_positions(const int32_t *lens, int64_t B)
@@ -507,8 +554,8 @@ void decode_attention(const float *q, int64_t qs, const float *kc, const float *
     const int64_t positions = total_positions(lens, B);
     #pragma omp parallel for collapse(2) schedule(static) if (8 * positions * H * D >= parallel_min)
     for (int64_t b = 0; b < B; b++)
-        for (int64_t h = 0; h < H; h++)
-            attend_one(q, qs, kc, vc, tables, lens, out, os, b, h, H, KVH, D, BS, NB, scale);
+        for (int64_t g = 0; g < KVH; g++)
+            attend_group(q, qs, kc, vc, tables, lens, out, os, b, g, H, KVH, D, BS, NB, scale);
 }
 
 /* rotate q and k of each token (Hugging Face's halves: x1 cos - x2 sin, x2 cos + x1 sin, the
@@ -696,11 +743,12 @@ void decode_step(float *h, float *out, const int64_t *w, const int32_t *bs, cons
             }
             barrier_wait(&bar, nt);
             {
-                SHARE(M * H, p0, p1);
+                SHARE(M * KVH, p0, p1);  /* (sequence, KV head) pairs */
                 for (int64_t p = p0; p < p1; p++)
-                    attend_one(qkv, QKV, k, v, tables, lens, att, HD, p / H, p % H, H, KVH, D,
-                               BS, NB, scale);
-                if (xb) bf16_row(att + p0 * D, xb + p0 * D, (p1 - p0) * D);  /* [M, H D] */
+                    attend_group(qkv, QKV, k, v, tables, lens, att, HD, p / KVH, p % KVH, H, KVH,
+                                 D, BS, NB, scale);
+                const int64_t from = p0 * (H / KVH) * D, to = p1 * (H / KVH) * D;  /* of att */
+                if (xb) bf16_row(att + from, xb + from, to - from);
             }
             barrier_wait(&bar, nt);
             mm_stage(att, xb, w, bs, 4 * l + 1, tmp, M, E, HD, &bar, tid, nt);
