@@ -34,8 +34,9 @@ class AttnGroup:
     seq_lens: torch.Tensor  # [B] int32 context length after this step
     is_decode: bool  # every query is one token: the Triton decode kernel applies
     first_row: int  # the queries are rows first_row.. + B * Q in order, no padding; else -1
-    # each real query as a decode row of its own, in valid_rows' order (short queries on the
-    # CPU): its sequence's pages [N, NB] int32 and its context up to itself [N] int32
+    # each real query as a decode row of its own, in valid_rows' order (queries of more than
+    # one token on the CPU): its sequence's pages [N, NB] int32 and its context up to itself
+    # [N] int32
     query_tables: torch.Tensor | None = None
     query_lens: torch.Tensor | None = None
 
@@ -93,7 +94,7 @@ def build_group(
     flat = torch.arange(b) if q == 1 else (q_pos >= 0).flatten().nonzero().squeeze(1)
     in_order = rows == list(range(starts[0], starts[0] + b * q))
     query_tables = query_lens = None
-    if q > 1 and q <= SHORT_QUERY and device.type == "cpu":
+    if q > 1 and device.type == "cpu":
         query_tables = table.repeat_interleave(torch.tensor(q_lens), dim=0)
         query_lens = (q_pos.flatten()[flat] + 1).to(torch.int32)
     return AttnGroup(
@@ -239,9 +240,14 @@ def attention(
     scale: float,
     decode_kernel=None,
     out: torch.Tensor | None = None,
+    queries_alone: bool = False,
 ) -> torch.Tensor:
     """Attention for every token of the batch; q: [T, H, D] -> [T, H, D], into `out` if given
-    (a static buffer of the piecewise graphs)."""
+    (a static buffer of the piecewise graphs). On the CPU with a decode kernel, short queries
+    (speculative verify) are attended as decode rows, one row a query; with `queries_alone`
+    prefill chunks too, so that a token's attention is the same computation whether it was
+    read in a prompt or decoded (a model whose every other operation is also row by row: q4's
+    kernels)."""
     out = torch.empty_like(q) if out is None else out
     for group in batch.groups:
         if isinstance(group, PackedGroup):
@@ -260,8 +266,9 @@ def attention(
                 index = group.token_index[:, 0]
                 out[index] = decode_kernel(q[index], k_cache, v_cache, tables, lens, scale)
             continue
-        if group.query_lens is not None and decode_kernel is not None:
-            # speculative verify on the CPU: each query a decode row, as plain decode attends it
+        short = group.token_index.shape[1] <= SHORT_QUERY
+        if group.query_lens is not None and decode_kernel is not None and (short or queries_alone):
+            # each query a decode row, as plain decode attends it
             index = group.valid_rows
             out[index] = decode_kernel(
                 q[index], k_cache, v_cache, group.query_tables, group.query_lens, scale

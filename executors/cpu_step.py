@@ -9,8 +9,9 @@ threads meeting at spin barriers between stages, each output computed by the sam
 the single kernels, so a row's bits are those of the kernel-by-kernel forward (LlamaModel
 takes the C norm and silu * up there too, for every batch of such a model).
 
-Taken for batches of fewer than DEQUANT_ROWS rows that are all attended as decode rows (decode
-steps, and speculative verify steps whose sequences feed as many tokens each) of a model whose
+Taken for batches of fewer than ONE_CALL_ROWS rows that are all attended as decode rows (decode
+steps, speculative verify steps, and prefill chunks: on the CPU every query of such a model is
+attended as a decode row of its own, in order) of a model whose
 every layer matrix is Q4_1 or Q8_0 blocks, float32, on one rank, with a float32 KV cache.
 """
 
@@ -23,9 +24,11 @@ import torch
 from memstep.core.model_config import ModelConfig
 from memstep.executors import cpu_kernels
 from memstep.executors.attention import AttnGroup, ForwardBatch
-from memstep.executors.quant_linear import DEQUANT_ROWS
 
 MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")  # each layer's, in decode_step's order
+# rows up to which a step runs in one call: its matmuls pass each weight tile over every row at
+# once (more rows go kernel by kernel, whose matmuls take rows 128 at a time; the same bits)
+ONE_CALL_ROWS = 32
 BLOCK_BYTES = {".q4_1": cpu_kernels.Q4_1_BLOCK, ".q8_0": cpu_kernels.Q8_0_BLOCK}
 
 
@@ -84,12 +87,12 @@ class DecodeStep:
         batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Each row's pages and context ([M, NB], [M] int32) where every row of `batch` is a
-        query attended as a decode row, in order: a decode step, or a speculative verify step
-        whose sequences all feed as many tokens (its queries attend as decode rows on the CPU);
-        fewer than DEQUANT_ROWS rows (more are multiplied by torch over dequantized weights),
-        over a float32 cache. None for any other batch."""
+        query attended as a decode row, in order: a decode step, a speculative verify step
+        whose sequences all feed as many tokens, or one prompt's chunk (on the CPU their queries
+        attend as decode rows); fewer than ONE_CALL_ROWS rows, over a float32 cache. None for
+        any other batch."""
         m = batch.num_tokens
-        if len(batch.groups) != 1 or kv_caches[0][0].dtype != torch.float32 or m >= DEQUANT_ROWS:
+        if len(batch.groups) != 1 or kv_caches[0][0].dtype != torch.float32 or m >= ONE_CALL_ROWS:
             return None
         group = batch.groups[0]
         if not isinstance(group, AttnGroup):

@@ -168,7 +168,10 @@ class LlamaModel:
                 q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
                 v = qkv[:, nq + nkv :].reshape(t, cfg.num_kv_heads, d)
                 write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
-            o = attention(q, k_cache, v_cache, batch, self.scale, self.decode_kernel)
+            o = attention(
+                q, k_cache, v_cache, batch, self.scale, self.decode_kernel,
+                queries_alone=self.decode_step is not None,
+            )  # fmt: skip
             h = h + self.reduce(wo(o.reshape(t, nq)))
             gate_up = w_gate_up(norm(h, mlp_norm, cfg.rms_eps))
             if self.decode_step is not None:

@@ -74,11 +74,15 @@ def pick_quantization(cfg: EngineConfig, source: ModelSource, device: torch.devi
 
 def pick_matmul_precision(cfg: EngineConfig, quantization: str) -> str:
     """q4's products: "bfloat16" where asked, or with "auto" where the kernels run them on the
-    CPU's own bf16 dot products (AVX512-BF16); else "float32". Only q4 has a choice."""
+    CPU's own bf16 dot products (AVX512-BF16) over a float32 KV cache (an fp8 cache already
+    moves log-probs by up to 0.6 nats: with bf16 products too SmolLM2 no longer answered the
+    CLI test's "What is the capital of France?" with Paris); else "float32". Only q4 has a
+    choice."""
     if quantization != "q4":
         return "float32"
     if cfg.matmul_precision == "auto":
-        return "bfloat16" if cpu_kernels.native_bf16() else "float32"
+        native = cpu_kernels.native_bf16() and cfg.kv_cache_dtype == "auto"
+        return "bfloat16" if native else "float32"
     return cfg.matmul_precision
 
 

@@ -15,8 +15,11 @@ GREEDY = SamplingParams(max_tokens=20, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def reference(smol_engine, chat_prompts):
-    return [c.token_ids for c in smol_engine.generate(chat_prompts, GREEDY)]
+def reference(chat_prompts):
+    """The same model and precision (the GGUF's q4 on the CPU) with room for every prompt at
+    once: no chunk, no preemption."""
+    engine = local_engine(EngineConfig(dtype="float32"))
+    return [c.token_ids for c in engine.generate(chat_prompts, GREEDY)]
 
 
 def test_chunked_prefill_and_tight_pages_with_preemption(reference, chat_prompts):

@@ -125,6 +125,7 @@ def test_matmul_precision_auto_is_bf16_where_the_cpu_multiplies_it():
     assert pick_matmul_precision(cfg, "q4") == native
     assert pick_matmul_precision(cfg, "none") == "float32"  # only q4's kernels have a choice
     assert pick_matmul_precision(cfg, "int8") == "float32"
+    assert pick_matmul_precision(cfg.replace(kv_cache_dtype="fp8"), "q4") == "float32"
     for asked in ("float32", "bfloat16"):
         assert pick_matmul_precision(cfg.replace(matmul_precision=asked), "q4") == asked
 
