@@ -1,6 +1,6 @@
 """benchmarks/bench_llamacpp.py with a stand-in llama-bench: llama.cpp runs in the environment
 the command was given (memstep's passive OpenMP policy once slowed it from ~105 to ~41 tok/s),
-and memstep once per wait policy, each in a process of its own."""
+and memstep once per wait policy and matmul precision, each in a process of its own."""
 
 from __future__ import annotations
 
@@ -28,17 +28,18 @@ def test_llama_cpp_gets_the_caller_s_environment_and_memstep_runs_per_policy(tmp
     out = tmp_path / "rounds.json"
     argv = [sys.executable, str(SCRIPT), "--model", "random:tiny", "--threads", "1"]
     argv += ["--rounds", "1", "--llama-bench", str(fake), "--json", str(out)]
+    argv += ["--matmul-precisions", "float32,bfloat16"]
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     seen = dict(line.split("=", 1) for line in env_out.read_text().splitlines() if "=" in line)
     assert seen["MEMSTEP_TEST_MARK"] == "given"
     assert "OMP_WAIT_POLICY" not in seen and "GOMP_SPINCOUNT" not in seen
     (row,) = json.loads(out.read_text())["rounds"]
-    for policy in ("passive", "spin"):
-        assert row[f"{policy}_decode"] > 0 and row[f"{policy}_concurrent_decode"] > 0
-        assert row[f"{policy}_ratio_decode"] == row[f"{policy}_decode"] / 100.0
-        assert row[f"{policy}_ratio_prefill"] == row[f"{policy}_prefill"] / 300.0
-    assert "memstep passive" in done.stdout and "memstep spin" in done.stdout
+    for name in ("passive/float32", "passive/bfloat16", "spin/float32", "spin/bfloat16"):
+        assert row[f"{name}_decode"] > 0 and row[f"{name}_concurrent_decode"] > 0
+        assert row[f"{name}_ratio_decode"] == row[f"{name}_decode"] / 100.0
+        assert row[f"{name}_ratio_prefill"] == row[f"{name}_prefill"] / 300.0
+        assert f"memstep {name}" in done.stdout
 
 
 def test_the_memstep_children_start_under_their_wait_policy(monkeypatch):
