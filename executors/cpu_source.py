@@ -287,6 +287,11 @@ static inline bvec bweights(const uint8_t *b, int bs) {
     return bround(wv);
 }
 
+/* blocks of a weight row fetched ahead of their use: the hardware's prefetcher alone kept a
+   one-row matmul streaming the Q8_0 head at ~10 GB/s of the ~30 two cores read (2.9 -> 1.3 ms
+   a call with it) */
+#define AHEAD 8
+
 /* y[r, n] for rows r0..r0+nr of x and weight rows n..n+nw (G blocks of `bs` bytes each, from
    `w`): each output accumulates its groups left to right, whatever nr and nw, so a row's result
    does not depend on the batch; several weight rows at once give a few rows of x independent
@@ -302,6 +307,7 @@ static inline __attribute__((always_inline)) void tile_dot(
         for (int j = 0; j < nw; j++) {
             vec wv[2];
             const uint8_t *b = w + ((n + j) * G + g) * bs;
+            __builtin_prefetch(b + AHEAD * bs);
             if (bs == 20) weights_q4_1(b, wv); else weights_q8_0(b, wv);
             for (int r = 0; r < nr; r++) {
                 const float *xr = x + (r0 + r) * K + g * GROUP;
@@ -325,7 +331,9 @@ static inline __attribute__((always_inline)) void tile_dot_bf16(
         for (int r = 0; r < nr; r++) acc[j][r] = VZERO;
     for (int64_t g = 0; g < G; g++) {
         for (int j = 0; j < nw; j++) {
-            const bvec wb = bweights(w + ((n + j) * G + g) * bs, bs);
+            const uint8_t *b = w + ((n + j) * G + g) * bs;
+            __builtin_prefetch(b + AHEAD * bs);
+            const bvec wb = bweights(b, bs);
             for (int r = 0; r < nr; r++)
                 acc[j][r] = BDOT(acc[j][r], wb, bload(xb + (r0 + r) * K + g * GROUP));
         }
