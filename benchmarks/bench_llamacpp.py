@@ -6,8 +6,10 @@ process (the engine's own step loop, prefix caching off so that each prompt is c
 
 * prefill: one 128-token prompt, tok/s of the step that computes it;
 * decode: one stream, tok/s over its 63 decode steps after the first token;
-* 16 concurrent: 16 streams of 128-token prompts and 64 new tokens, all output tokens over the
-  whole run (prefill included), and over the decode steps alone.
+* 16 concurrent: 16 streams of 128-token prompts and 64 new tokens: the output tokens over the
+  whole run (prefill included); every token, prompts' and outputs', over the whole run (what
+  llama.cpp's llama-batched-bench calls its total speed, S); and the output tokens over the
+  decode steps alone (its S_TG, the counterpart of tg64).
 
 Each round runs llama-bench and then memstep, once per OpenMP wait policy (`--policies`), each
 in a fresh process because OpenMP reads its policy when torch loads: `passive`, the engine's
@@ -214,6 +216,7 @@ def run_memstep(engine, rng) -> dict[str, float]:
         "prefill": PROMPT_LEN / single[0],
         "decode": (NEW_TOKENS - 1) / sum(single[1:]),
         "concurrent": STREAMS * NEW_TOKENS / total,
+        "concurrent_all": STREAMS * (PROMPT_LEN + NEW_TOKENS) / total,
         "concurrent_decode": STREAMS * (NEW_TOKENS - 1) / sum(decode_steps),
     }
 
@@ -281,6 +284,7 @@ def print_summary(rounds: list[dict[str, float]], threads: int, variants: list[s
         ("prefill pp128", "prefill", "goal 0.5"),
         ("decode tg64, 1 stream", "decode", "goal 0.5"),
         (f"{STREAMS} streams, whole run", "concurrent", "prefill included"),
+        (f"{STREAMS} streams, all tokens", "concurrent_all", "goal 4.0"),
         (f"{STREAMS} streams, decode", "concurrent_decode", "goal 4.0"),
     ]
     for name in variants:

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_llamacpp.py"
 FAKE = """#!/bin/sh
 env > "{env_out}"
@@ -37,6 +39,8 @@ def test_llama_cpp_gets_the_caller_s_environment_and_memstep_runs_per_policy(tmp
     (row,) = json.loads(out.read_text())["rounds"]
     for name in ("passive/float32", "passive/bfloat16", "spin/float32", "spin/bfloat16"):
         assert row[f"{name}_decode"] > 0 and row[f"{name}_concurrent_decode"] > 0
+        # every token over the run: the prompts' 128 and the outputs' 64 a stream
+        assert row[f"{name}_concurrent_all"] == pytest.approx(row[f"{name}_concurrent"] * 3)
         assert row[f"{name}_ratio_decode"] == row[f"{name}_decode"] / 100.0
         assert row[f"{name}_ratio_prefill"] == row[f"{name}_prefill"] / 300.0
         assert f"memstep {name}" in done.stdout
