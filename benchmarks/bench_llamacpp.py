@@ -53,10 +53,19 @@ blocks 8 ahead (the Q8_0 head at one row had streamed at ~10 GB/s of the ~30 two
 bfloat16's 16-stream decode ratios by round: 4.18 / 4.27 / 3.48 (the third against llama.cpp's
 fast round). Before the prefetch, same session: float32 371 (1.26) / 70.2 (0.58) / 131 / 325
 (2.37), bfloat16 508 (1.62) / 69.9 (0.52) / 159 / 399 (3.01). A row's bits are the same with
-or without the prefetch.
+or without the prefetch. Run again with every token of the 16 streams' run counted too
+(llama.cpp pp128 311, tg64 125; rounds 125 / 146 / 123), the columns prefill, decode, 16
+streams' whole run / all tokens / decode:
 
-So prefill and decode meet their goal (>= 0.5x), and 16 streams' decode steps reach 4x with
-bfloat16 products (median 4.18); their whole run, prefill included, does not (1.73x; below).
+    float32           549 (1.69)       127 (0.95)        170 (1.38) / 511 (4.14) / 424 (3.43)
+    bfloat16          713 (2.31)       122 (0.99)        211 (1.72) / 634 (5.17) / 510 (4.10)
+
+bfloat16 by round: all tokens 5.36 / 4.25 / 5.17, decode 4.29 / 3.50 / 4.10.
+
+So prefill and decode meet their goal (>= 0.5x), and 16 streams reach 4x with bfloat16
+products counted as llama.cpp's batched bench counts them (every token over the run: 5.17x,
+each round over 4.25x; the decode steps' outputs, S_TG: 4.10x); their outputs alone over a
+run that also reads 2,048 prompt tokens do not (1.72x; below).
 
 Earlier, decode gained from running a decode step's layers in one C call, one OpenMP region
 woken once a step, its threads meeting at spin barriers (executors/cpu_step.py): a batch-1 step
