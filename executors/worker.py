@@ -119,6 +119,11 @@ class Worker:
         if self.quantization != "none" and ranks is not None:
             raise ConfigError("quantized weights run on one rank: --tensor-parallel-size 1")
         self.matmul_precision = pick_matmul_precision(cfg, self.quantization)
+        if self.matmul_precision == "bfloat16" and not cpu_kernels.native_bf16():
+            log.warning(
+                "bfloat16 products without AVX512-BF16: summed a product at a time, several "
+                "times slower than --matmul-precision float32"
+            )
         log.info(
             "precision",
             dtype=str(self.dtype).removeprefix("torch."),
