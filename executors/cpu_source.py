@@ -3,7 +3,7 @@
 Q4_1 / Q8_0 matmuls, paged decode attention, rotary + KV write, RMSNorm and silu * up, each an
 entry point of its own, and `decode_step`: every decoder layer of a decode step in one OpenMP
 parallel region, built from the same per-output helpers (`mm_tile`, `attend_group`, `rope_row`,
-`rms_norm_rows`, `silu_mul_span`), so that a row gets the same bits either way.
+`rms_norm_rows`, `silu_mul_rows`), so that a row gets the same bits either way.
 """
 
 SOURCE = r"""#define _GNU_SOURCE
@@ -505,9 +505,9 @@ static inline __attribute__((always_inline)) void attend_heads(
         for (int a = 0; a < nq; a++) {
             for (int64_t j = n; j < CHUNK; j++) score[a][j] = -INFINITY;
             if (most[a] > top[a]) {
-                const vec shrink = VSET1(expf(top[a] - most[a]));
-                for (int c = 0; c < DV; c++) acc[a][c] = VMUL(acc[a][c], shrink);
-                total[a] *= expf(top[a] - most[a]);
+                const float shrink = expf(top[a] - most[a]);
+                for (int c = 0; c < DV; c++) acc[a][c] = VMUL(acc[a][c], VSET1(shrink));
+                total[a] *= shrink;
                 top[a] = most[a];
             }
             for (int64_t j = 0; j < n; j += LANES) {
@@ -634,32 +634,23 @@ static void rms_norm_rows(const float *x, const float *w, float *out, int64_t r0
     }
 }
 
-/* elements e0..e1 of out [M, I] (whole rows): silu(gate) * up, gate and up the halves of gu's
-   rows [M, 2 I]: g / (1 + e^-g) * up, LANES at a time (vexp), a row's last I % LANES one by one
-   (expf) */
-static void silu_mul_span(const float *gu, float *out, int64_t I, int64_t e0, int64_t e1)
+/* rows r0..r1 of out [M, I]: silu(gate) * up, gate and up the halves of gu's rows [M, 2 I]:
+   g / (1 + e^-g) * up, LANES at a time (vexp), a row's last I % LANES one by one (expf); an
+   element's operations depend only on its column */
+static void silu_mul_rows(const float *gu, float *out, int64_t I, int64_t r0, int64_t r1)
 {
-    int64_t e = e0;
+    for (int64_t r = r0; r < r1; r++) {
+        const float *gate = gu + r * 2 * I, *up = gate + I;
+        float *o = out + r * I;
+        int64_t i = 0;
 #if defined(__AVX512F__) || defined(__AVX2__) && defined(__FMA__)
-    for (; e < e1; e++) {
-        const int64_t i = e % I;
-        if (i % LANES == 0 && i + LANES <= I && e + LANES <= e1) {
-            const float *row = gu + e / I * 2 * I;
-            const vec g = vload(row + i), one = VSET1(1.0f);
-            const vec y = VMUL(VDIV(g, VADD(one, vexp(VSUB(VZERO, g)))), vload(row + I + i));
-            memcpy(out + e, &y, sizeof y);
-            e += LANES - 1;
-            continue;
+        for (; i + LANES <= I; i += LANES) {
+            const vec g = vload(gate + i);
+            const vec y = VMUL(VDIV(g, VADD(VSET1(1.0f), vexp(VSUB(VZERO, g)))), vload(up + i));
+            memcpy(o + i, &y, sizeof y);
         }
-        const float *row = gu + e / I * 2 * I;
-        const float g = row[i];
-        out[e] = g / (1.0f + expf(-g)) * row[I + i];
-    }
 #endif
-    for (; e < e1; e++) {
-        const float *row = gu + e / I * 2 * I;
-        const float g = row[e % I];
-        out[e] = g / (1.0f + expf(-g)) * row[I + e % I];
+        for (; i < I; i++) o[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
     }
 }
 
@@ -672,7 +663,7 @@ void rms_norm(const float *x, const float *w, float *out, int64_t M, int64_t E, 
 void silu_mul(const float *gu, float *out, int64_t M, int64_t I)
 {
     #pragma omp parallel for schedule(static) if (16 * M * I >= parallel_min && M > 1)
-    for (int64_t r = 0; r < M; r++) silu_mul_span(gu, out, I, r * I, (r + 1) * I);
+    for (int64_t r = 0; r < M; r++) silu_mul_rows(gu, out, I, r, r + 1);
 }
 
 /* --- a whole decode step in one parallel region --------------------------------------------- */
@@ -775,8 +766,8 @@ void decode_step(float *h, float *out, const int64_t *w, const int32_t *bs, cons
                            tid, nt);
             mm_stage(x, xb, w, bs, 4 * l + 2, gu, M, 2 * I, E, &bar, tid, nt);
             {
-                SHARE(M, r0, r1);  /* whole rows: an element's operations depend on its column */
-                silu_mul_span(gu, act, I, r0 * I, r1 * I);
+                SHARE(M, r0, r1);
+                silu_mul_rows(gu, act, I, r0, r1);
                 if (xb) bf16_row(act + r0 * I, xb + r0 * I, (r1 - r0) * I);
             }
             barrier_wait(&bar, nt);
