@@ -127,13 +127,28 @@ class DecodeStep:
     ) -> torch.Tensor:
         """The final norm's output [M, E] for the embeddings `h` ([M, E], used as scratch) of a
         batch whose `rows` (pages, context) are as `rows()` gave them; writes its K/V."""
-        cfg, m = self.cfg, batch.num_tokens
-        h = h.contiguous()
-        e, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-        tables, lens = rows[0].contiguous(), rows[1].contiguous()
-        pos, slots = batch.positions.contiguous(), batch.slot_mapping.contiguous()
         keys, values = self._cache_pointers(kv_caches)
         block_size = kv_caches[0][0].shape[1]
+        where = (batch.positions, batch.slot_mapping, *rows)
+        return self.run(h, where, (keys, values, block_size), cos, sin, scale)
+
+    def run(
+        self,
+        h: torch.Tensor,
+        where: tuple[torch.Tensor, ...],
+        caches: tuple[ctypes.Array, ctypes.Array, int],
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """`__call__` over rows given as `where` (positions and slots [M] int64, pages [M, NB]
+        and context [M] int32) and `caches` (each layer's K and V cache addresses, the block
+        size)."""
+        cfg, m = self.cfg, h.shape[0]
+        h = h.contiguous()
+        e, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+        pos, slots, tables, lens = (t.contiguous() for t in where)
+        keys, values, block_size = caches
 
         def scratch(width: int) -> torch.Tensor:
             return torch.empty(m, width, dtype=torch.float32)

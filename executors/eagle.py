@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from memstep.core.config import ConfigError
+from memstep.executors import eagle_cpu
+from memstep.executors.eagle_cpu import CpuHead
 from memstep.states.arena import tensor_bytes
 
 DRAFTS = Path(__file__).parent / "drafts"
@@ -55,11 +57,12 @@ def head_path(cfg) -> Path | None:
 
 
 def draft_context(cfg) -> int:
-    """The `spec` kind's `draft_context` length (`KindEnv.draft_context`): CONTEXT for an eagle
-    head with attention, else 0."""
+    """The `spec` kind's `draft_context` slots a row (`KindEnv.draft_context`) for an eagle head
+    with attention, else 0: the ring of CONTEXT pairs read, then a slot for each draft position
+    (eagle_cpu.py writes a draft's own pair there once the ring is full)."""
     if cfg.speculative_method != "eagle" or not has_attention(head_path(cfg)):
         return 0
-    return CONTEXT
+    return CONTEXT + cfg.num_speculative_tokens
 
 
 @functools.lru_cache(maxsize=8)
@@ -132,9 +135,11 @@ def rotate(x: torch.Tensor, rotation: Rotation) -> torch.Tensor:
 
 class Matmuls:
     """x @ W^T for the head's matrices by name (`qkv`: q, k and v in one; `head`: the target's
-    head over the draft vocabulary). In float for training and off the CPU; on the CPU in int8
-    rows with bfloat16 activations (`quant_linear`): a draft step reads its ~7 M weights at a
-    byte each instead of four, 0.7 ms instead of 2.7 at one row (2 cores)."""
+    head over the draft vocabulary). In float for training and off the CPU; on the CPU, for a
+    head that the C kernels do not run (eagle_cpu.py: one without the attention half, or of
+    shapes they do not take), in int8 rows with bfloat16 activations (`quant_linear`): a draft
+    step reads its ~7 M weights at a byte each instead of four, 0.7 ms instead of 2.7 at one
+    row (2 cores)."""
 
     def __init__(self, params: dict[str, torch.Tensor], head: torch.Tensor, int8: bool = False):
         weights: dict[str, torch.Tensor] = {
@@ -224,8 +229,10 @@ class EagleHead:
 
     With the attention half (`attn`), each request's context is the keys and values of the
     pairs (the target's hidden state, the token it chose) that the head has read, held by the
-    `spec` kind (`draft_context`, [rows, 2, CONTEXT, kv heads, head dim]); `keys` makes them
-    and `draft` attends them."""
+    `spec` kind (`draft_context`, [rows, 2, slots, kv heads, head dim]); `write_pairs` writes
+    them and `draft_rows` attends them. On the CPU (`int8` left None) such a head runs in the C
+    kernels (`cpu`, eagle_cpu.py); else through torch (`draft`, `keys`: in float, or int8 rows
+    with `int8`)."""
 
     def __init__(
         self,
@@ -264,13 +271,21 @@ class EagleHead:
         self.vocab = torch.from_numpy(arrays["vocab"]).to(device=device, dtype=torch.long)
         self.embed = embed
         self.eps = eps
-        int8 = device.type == "cpu" if int8 is None else int8
-        # the target's head over the draft vocabulary, [draft vocab, H], among the matrices
-        self.mm = Matmuls(params, head[self.vocab].contiguous(), int8)
-        self.params = {n: t for n, t in params.items() if t.dim() == 1}  # the norms; the rest: mm
         self.table: Rotation | None = None  # cos and sin [max_positions, 1, d / 2]
         if self.attn is not None:
             self.table = self.attn.rotation(torch.arange(max_positions, device=device), dtype)
+        rows = head[self.vocab].contiguous()  # the target's head over the draft vocabulary
+        # on the CPU by default, a head with attention runs in the C kernels (eagle_cpu.py)
+        self.cpu: CpuHead | None = None
+        self.mm: Matmuls | None = None
+        if int8 is None and device.type == "cpu" and self.table is not None:
+            assert self.attn is not None
+            if eagle_cpu.takes(params, self.attn.head_dim):
+                shape = (self.attn.heads, self.attn.kv_heads, self.attn.head_dim)
+                self.cpu = CpuHead(params, rows, shape, eps, self.table)
+        if self.cpu is None:
+            self.mm = Matmuls(params, rows, device.type == "cpu" if int8 is None else int8)
+        self.params = {n: t for n, t in params.items() if t.dim() == 1}  # the norms; the rest: mm
 
     def rotation(self, positions: torch.Tensor) -> Rotation:
         assert self.table is not None
@@ -278,7 +293,14 @@ class EagleHead:
 
     def tensors(self) -> list[torch.Tensor]:
         table = list(self.table) if self.table is not None else []
-        return [*self.params.values(), self.vocab, *self.mm.tensors(), *table]
+        held = self.cpu.tensors() if self.cpu is not None else self.matmuls.tensors()
+        return [*self.params.values(), self.vocab, *held, *table]
+
+    @property
+    def matmuls(self) -> Matmuls:
+        """The torch matrices (a head not run by the C kernels)."""
+        assert self.mm is not None, "this head runs in the C kernels (eagle_cpu.py)"
+        return self.mm
 
     @property
     def nbytes(self) -> int:
@@ -290,9 +312,60 @@ class EagleHead:
         """Keys and values [N, kv heads, d] of N pairs (hidden state, the token it chose) at
         their context positions [N]: what the context holds of them."""
         assert self.attn is not None
-        x = pair_input(self.mm, self.embed, hidden, tokens)
-        _, k, v = qkv(self.params, self.mm, x, self.rotation(positions), self.attn, self.eps)
+        if self.cpu is not None:  # into a context of one page per pair
+            pages = hidden.new_empty(len(tokens), 2, 1, self.attn.kv_heads, self.attn.head_dim)
+            row = torch.arange(len(tokens))
+            self.write_pairs(hidden, tokens, positions, pages, row, torch.zeros_like(row))
+            return pages[:, 0, 0], pages[:, 1, 0]
+        mm = self.matmuls
+        x = pair_input(mm, self.embed, hidden, tokens)
+        _, k, v = qkv(self.params, mm, x, self.rotation(positions), self.attn, self.eps)
         return k, v
+
+    def write_pairs(
+        self,
+        hidden: torch.Tensor,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        context: torch.Tensor,
+        rows: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> None:
+        """The keys and values of N pairs at their context positions [N] written into
+        `context` ([rows, 2, slots, kv heads, d], the `spec` kind's `draft_context`) at (row,
+        slot) [N] each."""
+        if self.cpu is not None:
+            self.cpu.write_pairs(self.embed, hidden, tokens, positions, context, rows, slots)
+            return
+        keys, values = self.keys(hidden, tokens, positions)
+        context[rows, 0, slots] = keys
+        context[rows, 1, slots] = values
+
+    def draft_rows(
+        self,
+        hidden: torch.Tensor,
+        tokens: torch.Tensor,
+        k: int,
+        context: torch.Tensor | None,
+        rows: list[int],
+        counts: list[int],
+    ) -> torch.Tensor:
+        """`draft` for B requests whose pairs are in `context` (the `spec` kind's
+        `draft_context`, None without attention) rows `rows`, `counts` pairs read each."""
+        if context is None or self.attn is None:
+            return self.draft(hidden, tokens, k)
+        window = self.attn.window
+        if self.cpu is not None:
+            return self.cpu.draft(
+                self.embed, self.vocab, hidden, tokens, k, context, rows, counts, window
+            )
+        device = hidden.device
+        # the whole buffer, masked, whatever the rows have read: attention of a new key length
+        # was planned anew on CUDA (62 ms a draft step, and host memory growing)
+        kv = context[torch.tensor(rows, device=device)]
+        read = torch.tensor(counts, device=device)
+        valid = torch.arange(kv.shape[2], device=device) < read.clamp(max=window).unsqueeze(1)
+        return self.draft(hidden, tokens, k, (kv, valid, read - 1))
 
     def draft(
         self,
@@ -310,13 +383,14 @@ class EagleHead:
             kv, mask, position = context
             keys, values = kv[:, 0], kv[:, 1]  # [B, L, kv heads, d]
         drafts = []
+        mm = self.matmuls
         for step in range(k):
-            x = pair_input(self.mm, self.embed, hidden, tokens)
+            x = pair_input(mm, self.embed, hidden, tokens)
             attended = None
             if self.attn is not None:
                 assert context is not None
                 rotation = self.rotation(position + step)
-                q, key, value = qkv(self.params, self.mm, x, rotation, self.attn, self.eps)
+                q, key, value = qkv(self.params, mm, x, rotation, self.attn, self.eps)
                 if step > 0:  # this draft's pair: its keys join the context for the rest
                     keys = torch.cat([keys, key.unsqueeze(1)], dim=1)
                     values = torch.cat([values, value.unsqueeze(1)], dim=1)
@@ -328,7 +402,7 @@ class EagleHead:
                     attn_mask=mask[:, None, None, :],
                     enable_gqa=True,
                 ).flatten(1)
-            hidden, logits = block_out(self.params, self.mm, x, attended, self.eps)
+            hidden, logits = block_out(self.params, mm, x, attended, self.eps)
             tokens = self.vocab[logits.argmax(dim=-1)]
             drafts.append(tokens)
         return torch.stack(drafts, dim=1)

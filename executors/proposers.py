@@ -138,18 +138,13 @@ class EagleProposer:
             return drafts
         held = self.spec.held["previous_hidden_states"]
         device = held.device
-        index = torch.tensor(rows, device=device)
-        context = None
+        context, read = None, []
         if self.head.attn is not None:
+            context = self.spec.held["draft_context"]
             read = [self.spec.context_of[seqs[i].request_id] for i in who]
-            # the whole window, masked, whatever the rows have read: attention of a new key
-            # length was planned anew on CUDA (62 ms a draft step, and host memory growing)
-            kv = self.spec.held["draft_context"][index]
-            counts = torch.tensor(read, device=device)
-            valid = torch.arange(kv.shape[2], device=device) < counts.unsqueeze(1)
-            context = (kv, valid, counts - 1)
+        hidden = held[torch.tensor(rows, device=device)]
         tokens = torch.tensor(last, device=device)
-        proposed = self.head.draft(held[index], tokens, max(ks), context).tolist()
+        proposed = self.head.draft_rows(hidden, tokens, max(ks), context, rows, read).tolist()
         for r, i in enumerate(who):
             drafts[i] = proposed[r][: ks[i]]
         return drafts
@@ -196,12 +191,11 @@ class EagleProposer:
         if not rows:
             return
         device = hidden.device
-        keys, values = self.head.keys(
+        self.head.write_pairs(
             hidden[torch.tensor(picked, device=device)],
             torch.tensor(tokens, device=device),
             torch.tensor(positions, device=device),
+            self.spec.held["draft_context"],
+            torch.tensor(rows, device=device),
+            torch.tensor(slots, device=device),
         )
-        context = self.spec.held["draft_context"]
-        at = (torch.tensor(rows, device=device), torch.tensor(slots, device=device))
-        context[at[0], 0, at[1]] = keys
-        context[at[0], 1, at[1]] = values

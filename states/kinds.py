@@ -37,7 +37,7 @@ class KindEnv:
     dtype: torch.dtype
     num_kv_blocks: int
     device_type: str = "cpu"
-    draft_context: int = 0  # pairs an EAGLE head with attention reads back; 0: no such head
+    draft_context: int = 0  # slots a row of an EAGLE head's context (eagle.draft_context); 0: none
 
     @property
     def sampler_rows(self) -> int:
@@ -102,7 +102,8 @@ class Spec(StepKind):
     probabilities and the draft KV cache (n-gram drafts are deterministic: no probabilities);
     with an EAGLE head, `previous_hidden_states`: each request's last hidden state, one row each,
     and for a head with attention `draft_context`: the keys and values of the pairs it has read,
-    in the same row (the last `env.draft_context` of them, ring-wise).
+    in the same row (the last of them ring-wise, then slots for the drafts' own pairs:
+    executors/eagle.draft_context).
 
     `draft_len[request_id]` is how many of a request's tokens the draft KV holds,
     `hidden_of[request_id]` the row of its hidden state and how many tokens that state follows,

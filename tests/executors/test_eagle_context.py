@@ -30,7 +30,7 @@ def a_head(tmp_path) -> tuple[EagleHead, torch.Tensor, torch.Tensor]:
     """A random head with attention over a made-up target (hidden 64, vocabulary 96), its
     residual branches scaled up so that attention and MLP both move the drafts."""
     attn = AttnShape(heads=4, kv_heads=2, head_dim=16, theta=10000.0, window=256)
-    params = init_params(HIDDEN, 48, seed=3, attention=attn)
+    params = init_params(HIDDEN, 64, seed=3, attention=attn)
     params["o"] *= 200
     params["down"] *= 200
     gen = torch.Generator().manual_seed(4)
@@ -109,7 +109,8 @@ def test_only_a_head_with_attention_claims_a_context(tmp_path):
         KindEnv(cfg, model, torch.float32, 8, "cpu", draft_context(cfg))
     ).buffers()
     context = [b for b in with_attention if b.name == "draft_context"]
-    assert context and context[0].shape == (2, 2, 256, model.num_kv_heads, model.head_dim)
+    slots = 256 + 3  # the ring of pairs read, then a slot per draft position (K = 3)
+    assert context and context[0].shape == (2, 2, slots, model.num_kv_heads, model.head_dim)
     params = init_params(model.hidden_size, 32, seed=0)
     plain = tmp_path / "plain.npz"
     save_head(plain, params, torch.arange(64), {"hidden": model.hidden_size, "vocab": 1})
@@ -199,9 +200,11 @@ def test_a_head_that_reads_the_prompt_holds_its_last_window_of_pairs(tmp_path, s
         engine.shutdown()
 
 
-def test_every_draft_reads_the_whole_window_whatever_the_rows_have_read(chat_prompts, monkeypatch):
-    """The head's attention gets keys of one length at every step (the window, masked): on CUDA
-    an attention call of a new key length was planned anew, 62 ms a draft step."""
+def test_off_the_c_kernels_every_draft_reads_the_whole_buffer(tmp_path, monkeypatch):
+    """The float head (CUDA's) attends keys of one length at every step, the whole buffer
+    masked to the pairs read: on CUDA an attention call of a new key length was planned anew,
+    62 ms a draft step."""
+    head, _, _ = a_head(tmp_path)
     lengths: list[int] = []
     draft = EagleHead.draft
 
@@ -211,6 +214,43 @@ def test_every_draft_reads_the_whole_window_whatever_the_rows_have_read(chat_pro
         return draft(self, hidden, tokens, k, context)
 
     monkeypatch.setattr(EagleHead, "draft", spy)
-    engine = local_engine(eagle_config(max_num_seqs=2))
-    engine.generate(chat_prompts[:2], SamplingParams(max_tokens=12, ignore_eos=True))
-    assert len(lengths) > 5 and set(lengths) == {256}
+    context = torch.zeros(4, 2, 256 + 3, 2, 16)
+    for counts in ([1, 7], [256, 300]):
+        head.draft_rows(torch.randn(2, HIDDEN), torch.tensor([3, 4]), 3, context, [0, 2], counts)
+    assert lengths == [259, 259]
+
+
+def holding(head: EagleHead, feats: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """A context of 3 rows, 256 + 3 slots, whose row 1 has read the pairs (feats, tokens) (the
+    last 256 of them, each in its ring slot), written by `head`."""
+    context = torch.zeros(3, 2, 256 + 3, 2, 16)
+    kept = torch.arange(len(tokens))[-256:]
+    head.write_pairs(feats[kept], tokens[kept], kept, context, torch.ones_like(kept), kept % 256)
+    return context
+
+
+def test_the_c_kernels_draft_as_the_float_head(tmp_path):
+    """On the CPU the head runs in the C kernels (Q8_0 matrices, eagle_cpu.py). Over a context
+    that holds 7 pairs and over a full ring (280 read; the drafts' own pairs go to the slots
+    after it): the keys of the float head within Q8_0's rounding, the same drafts, and the
+    pairs read (and other rows) left as they were by drafting."""
+    floats, embed, lm_head = a_head(tmp_path)
+    head = EagleHead(tmp_path / "head.npz", embed, lm_head, VOCAB, 1e-5)
+    assert head.cpu is not None and floats.cpu is None
+    gen = torch.Generator().manual_seed(6)
+    feats = torch.randn(300, HIDDEN, generator=gen)
+    tokens = torch.randint(0, VOCAB, (300,), generator=gen)
+    for read in (7, 280):
+        mine, theirs = (
+            holding(head, feats[:read], tokens[:read]),
+            holding(floats, feats[:read], tokens[:read]),
+        )
+        torch.testing.assert_close(mine, theirs, atol=0.05, rtol=0.05)
+        before = mine.clone()
+        last = slice(read - 1, read)
+        drafts = head.draft_rows(feats[last], tokens[last], 3, mine, [1], [read])
+        expected = floats.draft_rows(feats[last], tokens[last], 3, theirs, [1], [read])
+        assert drafts.tolist() == expected.tolist()
+        ring = min(read, 256)
+        assert torch.equal(mine[1, :, :ring], before[1, :, :ring])
+        assert not mine[[0, 2]].any()
