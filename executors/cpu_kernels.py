@@ -1,13 +1,13 @@
 """The CPU's compiled kernels: float32 matmuls straight from a GGUF's Q4_1 and Q8_0 blocks, and
 paged decode attention.
 
-x [M, K] float32 @ W^T, where W's rows are kept as the file ships them: Q4_1 blocks of 32
-inputs (fp16 d, fp16 m, 16 bytes of nibbles: w = code * d + m) or Q8_0 blocks (fp16 d, 32
-int8: w = q * d). Each group of 32 is a float32 dot product of the row's codes with x, scaled
-by d, and Q4_1 adds m * (the group's sum of x): the weights are exactly the float32 values
-gguf's dequantization gives, read at 5 (Q4_1) or 8.5 (Q8_0) bits each, and every product and
-sum is float32. So a q4 model's greedy text stays with the float32 model's where torch's
-bfloat16 int4 kernel (bf16 activations, scales and outputs) parted from it within 20 tokens.
+x [M, K] float32 @ W^T, where W's rows are the file's blocks: Q4_1 blocks of 32 inputs (d and
+m, the file's fp16 values widened to float32 at load, and 16 bytes of nibbles: w = code * d +
+m) or Q8_0 blocks as the file ships them (fp16 d, 32 int8: w = q * d). Each weight is exactly
+the float32 value gguf's dequantization gives, read at 6 (Q4_1) or 8.5 (Q8_0) bits each, and
+every product and sum is float32. So a q4 model's greedy text stays with the float32 model's
+where torch's bfloat16 int4 kernel (bf16 activations, scales and outputs) parted from it within
+20 tokens.
 
 With bfloat16 products (`bf16=True`, matmul_precision "bfloat16") x's rows are rounded to
 bfloat16 (`to_bf16`, as torch rounds) and each group's 32 weights too (gguf's float32 values,
@@ -55,7 +55,10 @@ from memstep.executors.cpu_source import SOURCE as _SOURCE
 from memstep.executors.threads import threads_sleep_when_idle
 
 GROUP = 32
-Q4_1_BLOCK = 20  # fp16 d, fp16 m, 16 bytes: inputs j (low nibble) and 16 + j (high)
+# float32 d, float32 m (gguf's fp16 values, widened at load: quant_linear.q4_1_rows), 16 bytes:
+# inputs j (low nibble) and 16 + j (high)
+Q4_1_BLOCK = 24
+GGUF_Q4_1_BLOCK = 20  # as the file holds it: fp16 d, fp16 m, the same 16 bytes
 Q8_0_BLOCK = 34  # fp16 d, 32 int8
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-lm")
 # The work (the C source's units, ~30 ps of one core each) below which a kernel runs on the
@@ -152,7 +155,8 @@ def _kernels() -> ctypes.CDLL:
 
 
 def q4_1_mm(x: torch.Tensor, blocks: torch.Tensor, bf16: bool = False) -> torch.Tensor:
-    """x [M, K] float32 @ W^T -> [M, N] float32; blocks: [N, K / 32 * 20] uint8 (Q4_1 rows).
+    """x [M, K] float32 @ W^T -> [M, N] float32; blocks: [N, K / 32 * 24] uint8 (Q4_1 rows as
+    `quant_linear.q4_1_rows` makes them).
     `bf16`: x's rows and the weights rounded to bfloat16, the products summed in float32."""
     lib = _kernels()
     return _block_mm(lib.q4_1_mm_bf16 if bf16 else lib.q4_1_mm, x, blocks, bf16)
@@ -183,7 +187,8 @@ def to_bf16(x: torch.Tensor) -> torch.Tensor:
 
 
 def q4_1_dequant(blocks: torch.Tensor) -> torch.Tensor:
-    """Q4_1 rows ([N, K / 32 * 20] uint8) -> float32 [N, K], gguf's values (d * code + m)."""
+    """Q4_1 rows ([N, K / 32 * 24] uint8, `quant_linear.q4_1_rows`) -> float32 [N, K], gguf's
+    values (d * code + m)."""
     n, k = blocks.shape[0], blocks.shape[1] // Q4_1_BLOCK * GROUP
     out = torch.empty(n, k, dtype=torch.float32)
     _kernels().q4_1_dequant(blocks.data_ptr(), out.data_ptr(), n, k)

@@ -25,6 +25,19 @@ static inline float half(const uint8_t *p) {
     return _cvtsh_ss(h);
 }
 
+static inline float single(const uint8_t *p) {
+    float f;
+    memcpy(&f, p, 4);
+    return f;
+}
+
+/* a Q4_1 block as the kernels take it (quant_linear.q4_1_rows): gguf's fp16 d and m widened to
+   float32 at load (exactly), then 16 bytes of codes. Two fp16 conversions a block were a quarter
+   of a one-row matmul's work, which unpacking bounds; a one-row q4 matmul of 33 MB took 2.8-3.5
+   ms in bfloat16 products, 2.0-2.8 with the 20% more bytes of these blocks */
+#define Q4_BYTES 24
+#define Q4_CODES 8  /* where the codes start */
+
 /* ROWS: rows of x per pass over a tile of weight rows, as two halves of HALF_NW weight rows at
    a time; TAILS: the weight rows at a time for fewer rows. A row's bits do not depend on them:
    they are sized to the vector registers (32 of AVX-512, 16 of AVX2) */
@@ -253,8 +266,8 @@ void to_bf16(const float *x, uint16_t *out, int64_t M, int64_t K)
    gguf's values (d * code is exact in float32: 11 bits times 4 or 8; + m rounds once) */
 static inline void weights_q4_1(const uint8_t *b, vec *w) {
     vec c[2];
-    unpack_q4(b + 4, c);
-    vec d = VSET1(half(b)), m = VSET1(half(b + 2));
+    unpack_q4(b + Q4_CODES, c);
+    vec d = VSET1(single(b)), m = VSET1(single(b + 4));
     w[0] = VFMA(c[0], d, m);
     w[1] = VFMA(c[1], d, m);
 }
@@ -273,17 +286,18 @@ static inline void weights_q8_0(const uint8_t *b, vec *w) {
 static inline bvec bweights(const uint8_t *b, int bs) {
     vec wv[2];
 #ifdef __AVX512BF16__
-    if (bs == 20) {
+    if (bs == Q4_BYTES) {
         const __m512 k = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        const __m512 values = _mm512_fmadd_ps(k, VSET1(half(b)), VSET1(half(b + 2)));
+        const __m512 values = _mm512_fmadd_ps(k, VSET1(single(b)), VSET1(single(b + 4)));
         const __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(values));
-        const __m128i q = _mm_loadu_si128((const __m128i *)(b + 4)), mask = _mm_set1_epi8(0x0F);
+        const __m128i q = _mm_loadu_si128((const __m128i *)(b + Q4_CODES));
+        const __m128i mask = _mm_set1_epi8(0x0F);
         const __m256i codes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask),
                                                _mm_and_si128(q, mask));
         return (bvec)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(codes), table);
     }
 #endif
-    if (bs == 20) weights_q4_1(b, wv); else weights_q8_0(b, wv);
+    if (bs == Q4_BYTES) weights_q4_1(b, wv); else weights_q8_0(b, wv);
     return bround(wv);
 }
 
@@ -321,7 +335,7 @@ static inline __attribute__((always_inline)) void tile_dot(
             vec wv[2];
             const uint8_t *b = w + ((n + j) * G + g) * bs;
             __builtin_prefetch(b + AHEAD * bs);
-            if (bs == 20) weights_q4_1(b, wv); else weights_q8_0(b, wv);
+            if (bs == Q4_BYTES) weights_q4_1(b, wv); else weights_q8_0(b, wv);
             for (int r = 0; r < nr; r++) {
                 const float *xr = x + (r0 + r) * K + g * GROUP;
                 acc[j][r] = VFMA(wv[0], vload(xr), acc[j][r]);
@@ -402,7 +416,7 @@ static inline __attribute__((always_inline)) void blocks_mm(
 
 void q4_1_mm(const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K)
 {
-    blocks_mm(x, NULL, w, y, M, N, K, 20);
+    blocks_mm(x, NULL, w, y, M, N, K, Q4_BYTES);
 }
 
 void q8_0_mm(const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K)
@@ -414,7 +428,7 @@ void q8_0_mm(const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, i
 void q4_1_mm_bf16(const uint16_t *xb, const uint8_t *w, float *y, int64_t M, int64_t N,
                   int64_t K)
 {
-    blocks_mm(NULL, xb, w, y, M, N, K, 20);
+    blocks_mm(NULL, xb, w, y, M, N, K, Q4_BYTES);
 }
 
 void q8_0_mm_bf16(const uint16_t *xb, const uint8_t *w, float *y, int64_t M, int64_t N,
@@ -423,14 +437,14 @@ void q8_0_mm_bf16(const uint16_t *xb, const uint8_t *w, float *y, int64_t M, int
     blocks_mm(NULL, xb, w, y, M, N, K, 34);
 }
 
-/* the float32 matrix [N, K] of Q4_1 rows, as gguf computes it: d * code + m */
+/* the float32 matrix [N, K] of Q4_1 rows (Q4_BYTES blocks), as gguf computes it: d * code + m */
 void q4_1_dequant(const uint8_t *w, float *out, int64_t N, int64_t K)
 {
     const int64_t G = K / GROUP;
     #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         for (int64_t g = 0; g < G; g++) {
-            const uint8_t *b = w + (n * G + g) * 20;
+            const uint8_t *b = w + (n * G + g) * Q4_BYTES;
             vec wv[2];
             weights_q4_1(b, wv);
             memcpy(out + n * K + g * GROUP, &wv, sizeof wv);
@@ -723,7 +737,7 @@ static void add_norm_stage(float *h, const float *d, const float *w, float *x, u
    decode_attention and silu_mul, one call each), in one parallel region: a sleeping pool is
    woken once a step instead of once a kernel.  h [M, E]: the embeddings, then the residual
    stream (in place); out [M, E]: the final norm's output.  Layer l: blocks w[4l..4l+3] (qkv,
-   wo, gate_up, down) of bs[...] bytes (20 Q4_1, 34 Q8_0); norms[2l], norms[2l+1] (attention,
+   wo, gate_up, down) of bs[...] bytes (Q4_BYTES Q4_1, 34 Q8_0); norms[2l], norms[2l+1] (attention,
    MLP) and norms[2L] (final) float32 [E]; caches kc[l], vc[l].  Scratch: qkv [M, (H+2KVH) D],
    att [M, H D], gu [M, 2 I], act [M, I], tmp [M, E]; xb [M, max(E, H D, I)] for bfloat16
    products, NULL for float32 */

@@ -2,15 +2,16 @@
 
 Two forms:
 
-* q4: the rows of a GGUF's blocks as the file ships them, multiplied in float32 by
-  `cpu_kernels` (compiled C): `NAME.q4_1` ([N, K / 32 * 20] uint8: groups of 32 inputs, w =
-  code * d + m) for the decoder's matrices, `lm_head.q8_0` ([V, K / 32 * 34]: w = q * d) for
-  the head, the GGUF's Q8_0 embedding (4 bits would throw half of it away). The products are
-  those of the float32 model on gguf's dequantized values up to float32 rounding, so greedy
-  text stays with float32's (tests/executors/test_quant_quality.py); with matmul_precision
-  "bfloat16" the decoder's products are of x and the weights rounded to bfloat16, summed in
-  float32 (the head keeps float32's). A model without blocks
-  (a Hugging Face folder, random:) is quantized into them here (`quantize_q4`, `quantize_q8_0`).
+* q4: the rows of a GGUF's blocks, multiplied in float32 by `cpu_kernels` (compiled C):
+  `NAME.q4_1` ([N, K / 32 * 24] uint8: groups of 32 inputs, w = code * d + m, the file's fp16
+  d and m widened to float32 at load) for the decoder's matrices, `lm_head.q8_0` ([V, K / 32 *
+  34]: w = q * d, as the file holds it) for the head, the GGUF's Q8_0 embedding (4 bits would
+  throw half of it away). The products are those of the float32 model on gguf's dequantized
+  values up to float32 rounding, so greedy text stays with float32's
+  (tests/executors/test_quant_quality.py); with matmul_precision "bfloat16" the decoder's
+  products are of x and the weights rounded to bfloat16, summed in float32 (the head keeps
+  float32's). A model without blocks (a Hugging Face folder, random:) is quantized into them
+  here (`quantize_q4`, `quantize_q8_0`).
 * int8: one symmetric scale per output row: `NAME.int8` ([N, K] int8), `NAME.int8_scales` ([N]),
   multiplied by torch's weight-only kernel, fast only on bfloat16 rows (float32 rows take a
   scalar path: 12 ms instead of 0.11 ms for SmolLM2's gate_up at one row, torch 2.13), so its
@@ -44,23 +45,38 @@ class QuantizationError(RuntimeError):
     """A quantized matrix does not reproduce the float values it was made from."""
 
 
-def q4_1_rows(data: np.ndarray) -> torch.Tensor:
-    """A GGUF Q4_1 matrix's data ([N, K / 32 * 20] bytes) as an owned uint8 tensor."""
+def block_rows(data: np.ndarray) -> torch.Tensor:
+    """A GGUF matrix's data ([N, bytes a row]) as an owned uint8 tensor, as the file holds it."""
     return torch.from_numpy(np.array(data, dtype=np.uint8, copy=True))
 
 
+def q4_1_rows(data: np.ndarray) -> torch.Tensor:
+    """A GGUF Q4_1 matrix's data ([N, K / 32 * 20] bytes: fp16 d, fp16 m, 16 bytes of codes a
+    block) as the kernels take it ([N, K / 32 * 24]): d and m widened to float32, exactly, so
+    that no matmul converts them again (cpu_source.Q4_BYTES)."""
+    raw = np.asarray(data, dtype=np.uint8)
+    blocks = raw.reshape(raw.shape[0], -1, cpu_kernels.GGUF_Q4_1_BLOCK)
+    scales = blocks[..., :4].copy().view(np.float16).astype(np.float32)  # [N, G, 2]: d, m
+    return _q4_blocks(torch.from_numpy(scales), torch.from_numpy(blocks[..., 4:].copy()))
+
+
+def _q4_blocks(scales: torch.Tensor, nibbles: torch.Tensor) -> torch.Tensor:
+    """Q4_1 rows from float32 (d, m) [N, G, 2] and codes [N, G, 16] uint8."""
+    n = scales.shape[0]
+    return torch.cat([scales.contiguous().view(torch.uint8), nibbles], -1).reshape(n, -1)
+
+
 def quantize_q4(w: torch.Tensor) -> torch.Tensor:
-    """Float [N, K] -> Q4_1 rows: each group's minimum m and range / 15 as d (both fp16), the
-    codes rounded against those fp16 values."""
+    """Float [N, K] -> Q4_1 rows: each group's minimum m and range / 15 as d (both rounded to
+    fp16, as a GGUF holds them), the codes rounded against those values."""
     groups = w.float().reshape(w.shape[0], -1, GROUP)
-    m = groups.amin(-1).half()
-    d = ((groups.amax(-1) - m.float()) / 15).half()
-    step = torch.where(d > 0, d.float(), torch.ones_like(d, dtype=torch.float32))
-    codes = torch.round((groups - m.float()[..., None]) / step[..., None]).clamp(0, 15)
+    m = groups.amin(-1).half().float()
+    d = ((groups.amax(-1) - m) / 15).half().float()
+    step = torch.where(d > 0, d, torch.ones_like(d))
+    codes = torch.round((groups - m[..., None]) / step[..., None]).clamp(0, 15)
     codes = codes.to(torch.uint8)
     nibbles = codes[..., :16] | (codes[..., 16:] << 4)
-    scales = torch.stack([d, m], -1).view(torch.uint8)  # [N, G, 4]: d then m, little-endian
-    return torch.cat([scales, nibbles], -1).reshape(w.shape[0], -1)
+    return _q4_blocks(torch.stack([d, m], -1), nibbles)
 
 
 def quantize_q8_0(w: torch.Tensor) -> torch.Tensor:

@@ -120,7 +120,7 @@ def _load_gguf_q4(path: Path, cfg: ModelConfig) -> Weights:
     weights |= {name + ".q4_1": rows for name, rows in fused.items()}
     embed = tensors.get("token_embd.weight")
     if cfg.tie_embeddings and embed is not None and embed.tensor_type == GGMLQuantizationType.Q8_0:
-        weights["lm_head.q8_0"] = ql.q4_1_rows(embed.data)
+        weights["lm_head.q8_0"] = ql.block_rows(embed.data)
     missing = [n for n in ql.layer_matrices(cfg.num_layers) if n not in weights and n not in fused]
     if missing or "embed" not in weights or "norm" not in weights:
         raise ModelError(f"missing tensors for {missing[:3] or 'embed/norm'} in {path.name}")

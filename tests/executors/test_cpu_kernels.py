@@ -10,6 +10,7 @@ import torch
 
 from memstep.core.model_source import read_gguf, shipped_gguf_path
 from memstep.executors import cpu_kernels
+from memstep.executors import quant_linear as ql
 from memstep.executors.attention import build_group, torch_group_attention
 from memstep.executors.cpu_features import cpu_flags
 
@@ -25,7 +26,8 @@ def blocks_and_values(tensor) -> tuple[torch.Tensor, torch.Tensor]:
     from gguf import quants
 
     values = np.array(quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-    return torch.from_numpy(np.array(tensor.data)), torch.from_numpy(values)
+    rows = ql.q4_1_rows if tensor.tensor_type.name == "Q4_1" else ql.block_rows
+    return rows(tensor.data), torch.from_numpy(values)
 
 
 def test_q4_1_dequant_is_gguf_s_arithmetic_bit_for_bit(gguf_tensors):
@@ -80,7 +82,11 @@ def test_bf16_products_are_float32_sums_of_rounded_rows_and_weights(gguf_tensors
 
 def test_a_row_s_bf16_product_does_not_depend_on_the_batch(gguf_tensors):
     blocks, _ = blocks_and_values(gguf_tensors["blk.1.attn_q.weight"])
-    x = torch.randn(150, blocks.shape[1] // 20 * 32, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(
+        150,
+        blocks.shape[1] // cpu_kernels.Q4_1_BLOCK * 32,
+        generator=torch.Generator().manual_seed(1),
+    )
     alone = torch.cat([cpu_kernels.q4_1_mm(x[i : i + 1], blocks, bf16=True) for i in range(150)])
     for m in [*range(2, 34), 129, 150]:  # two full passes, every tail, and past a row block
         assert torch.equal(cpu_kernels.q4_1_mm(x[:m], blocks, bf16=True), alone[:m]), m

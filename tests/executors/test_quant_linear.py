@@ -29,19 +29,30 @@ def random_matrix(n: int, k: int, seed: int) -> torch.Tensor:
     )
 
 
+def as_gguf(blocks: torch.Tensor) -> np.ndarray:
+    """Q4_1 rows as the kernels take them (float32 d and m) back in gguf's layout (fp16): the
+    conversion raises unless each d and m is an fp16 value, as in a GGUF."""
+    rows = blocks.numpy().reshape(blocks.shape[0], -1, 24)
+    scales = rows[..., :8].copy().view(np.float32)
+    halves = scales.astype(np.float16)
+    assert np.array_equal(halves.astype(np.float32), scales), "d or m is not an fp16 value"
+    return np.concatenate([halves.view(np.uint8), rows[..., 8:]], -1).reshape(len(rows), -1)
+
+
 def gguf_values(blocks: torch.Tensor, kind: str) -> torch.Tensor:
     """gguf's own dequantization of rows of blocks."""
     from gguf import GGMLQuantizationType, quants
 
     kind_type = {"q4_1": GGMLQuantizationType.Q4_1, "q8_0": GGMLQuantizationType.Q8_0}[kind]
-    return torch.from_numpy(np.array(quants.dequantize(blocks.numpy(), kind_type)))
+    data = as_gguf(blocks) if kind == "q4_1" else blocks.numpy()
+    return torch.from_numpy(np.array(quants.dequantize(data, kind_type)))
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 def test_blocks_made_here_are_gguf_s_and_near_the_float_matrix(kind):
     w = random_matrix(8, 128, seed=0)
     blocks = ql.quantize_q4(w) if kind == "q4_1" else ql.quantize_q8_0(w)
-    assert blocks.dtype == torch.uint8 and blocks.shape == (8, 4 * (20 if kind == "q4_1" else 34))
+    assert blocks.dtype == torch.uint8 and blocks.shape == (8, 4 * (24 if kind == "q4_1" else 34))
     values = gguf_values(blocks, kind)
     steps = w.reshape(8, 4, 32).abs().amax(-1).repeat_interleave(32, 1)
     assert ((values - w).abs() <= steps / (15 if kind == "q4_1" else 127)).all()
