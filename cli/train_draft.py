@@ -53,7 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     pass `--conversations 400 --max-tokens 128` or so to try it there)."""
     p.add_argument("--model", default="smollm2", help="the target model")
     p.add_argument("--out", type=Path, default=SMOLLM2_HEAD, help="where the .npz goes")
-    p.add_argument("--conversations", type=int, default=7000, help="questions answered and read")
+    p.add_argument("--conversations", type=int, default=10000, help="questions answered and read")
     p.add_argument(
         "--max-prompt-tokens", type=int, default=384, help="longer questions are skipped"
     )
