@@ -51,6 +51,12 @@ runs' decode steps replay ahead already (every request in step); what is left is
 at 64 the decode step's kernels take 5.1 ms (GEMMs 4.0 ms, 83% of the copy bandwidth) against a
 3.9 ms roofline; at 256 they take 8.2 ms, GEMMs 5.4 ms then decode attention 2.1 ms, one after
 the other, against a 5.1 ms ideal; the prompts' steps take 196 ms for 8,192 tokens (ideal 159).
+
+Later that day (`--repeats 2`, copy 4.25 TB/s, matmul 788 TFLOP/s): mixed step 22.1 ms starting
+a prompt, 22.7 ms continuing one (1.21x, 1.24x of 18.2 ms); 64 prompts of 128 tokens in one
+step 174 ms (ideal 156); 64 concurrent 9,429 and 9,268 tok/s (74.4%), 256 concurrent 15,823
+and 15,671 tok/s (61.1%). bench_decode_floor.py measures how much of the ideal any engine built
+from this device's matmuls can reach: 88-91% at 64, 82.6% at 256.
 """
 
 from __future__ import annotations

@@ -76,3 +76,22 @@ def test_each_throughput_run_feeds_prompts_of_its_own(tiny_engine):
     assert cached_tokens(tiny_engine, gpu, 1) == 0
     # the same run again is what every repeat was before: its prompts come from the cache
     assert cached_tokens(tiny_engine, gpu, 1) >= gpu.PROMPT_LEN
+
+
+def test_the_floor_adds_each_steps_kv_read_to_its_matmuls_and_meets_the_ideal_when_memory_bound():
+    """bench_decode_floor: the same model as above; matmuls + head 0.5 s a step, K and V read
+    at 100 B/s. With the matmuls at the weights' read time and nothing compute-bound, the
+    floor is the ideal engine itself."""
+    floor = load("bench_decode_floor")
+    model = SimpleNamespace(num_layers=2, num_kv_heads=1, head_dim=4)
+    prompt, output = floor.PROMPT_LEN, floor.OUTPUT_LEN
+
+    run = floor.floor_run(2, model, 1000, 0.5, 100.0, 10_000.0)
+
+    decode = sum(0.5 + 2 * (prompt + s) * 32 / 100.0 for s in range(1, output))
+    assert run["prefill_s"] == pytest.approx(2 * prompt * 1000 / 10_000.0, abs=1e-4)
+    assert run["decode_s"] == pytest.approx(decode, abs=1e-4)
+    assert run["tok_per_s"] == pytest.approx(2 * output / (run["prefill_s"] + decode), abs=0.1)
+    ideal = floor.ideal_run(2, model, 1000, 100.0, 1e12)
+    memory_bound = floor.floor_run(2, model, 1000, 1000 / 100.0, 100.0, 1e12)
+    assert memory_bound["tok_per_s"] == pytest.approx(ideal["tok_per_s"], rel=1e-4)
