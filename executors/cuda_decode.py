@@ -1,4 +1,5 @@
-"""The decode step on CUDA: one token per sequence, read from static buffers, graph-capturable.
+"""The decode step on CUDA: a row per fed token (one a sequence; a verify step's token and
+drafts at consecutive positions), read from static buffers, graph-capturable.
 
 `DecodeInputs` holds the per-step metadata (token ids, positions, KV slots, context lengths,
 block tables) in one int32 device buffer with a pinned host mirror, so a step costs one
@@ -54,22 +55,36 @@ class DecodeInputs:
         self.block_tables = self.buffer[4 * max_seqs :].view(max_seqs, max_blocks)
         self._copied = torch.cuda.Event() if pin else None
 
-    def fits(self, feeds: Sequence[Feed]) -> bool:
-        """Every feed is one token whose context fits the block-table width."""
-        if not 0 < len(feeds) <= self.max_seqs:
-            return False
+    def fits(self, feeds: Sequence[Feed], max_tokens: int = 1) -> bool:
+        """Every feed is 1..`max_tokens` tokens, each a row of its own, whose context fits the
+        block-table width, and the rows fit the buffers."""
         width = self.max_blocks * self.block_size
-        return all(
-            len(tokens) == 1 and seq.start_pos < width and len(seq.block_table) <= self.max_blocks
-            for seq, tokens in feeds
-        )
+        rows = 0
+        for seq, tokens in feeds:
+            n = len(tokens)
+            if not 0 < n <= max_tokens or seq.start_pos + n > width:
+                return False
+            if len(seq.block_table) > self.max_blocks:
+                return False
+            rows += n
+        return 0 < rows <= self.max_seqs
 
     def fill(self, feeds: Sequence[Feed], bs: int) -> None:
-        """Write rows 0..len(feeds)-1 from the feeds, rows up to `bs` as padding, and copy."""
-        ids = [tokens[0] for _, tokens in feeds]
-        self.write(
-            ids, [seq.start_pos for seq, _ in feeds], [seq.block_table for seq, _ in feeds], bs
-        )
+        """Write a row for every fed token, in order (a feed's tokens at consecutive positions
+        of its sequence: a verify step's token and drafts), rows up to `bs` as padding, and
+        copy. A row attends to its sequence's positions up to its own, so the rows of one feed
+        are causal as in a prefill."""
+        if all(len(tokens) == 1 for _, tokens in feeds):
+            ids = [tokens[0] for _, tokens in feeds]
+            starts = [seq.start_pos for seq, _ in feeds]
+            tables = [seq.block_table for seq, _ in feeds]
+        else:
+            ids, starts, tables = [], [], []
+            for seq, tokens in feeds:
+                ids += tokens
+                starts += range(seq.start_pos, seq.start_pos + len(tokens))
+                tables += [seq.block_table] * len(tokens)
+        self.write(ids, starts, tables, bs)
 
     def write(self, ids: list[int], starts: list[int], tables: list[list[int]], bs: int) -> None:
         """Rows 0..len(ids)-1: token ids[i] at position starts[i] of a sequence whose pages are

@@ -1,7 +1,9 @@
 """The capture phase on CUDA: one CUDA graph per decode batch size, replayed while serving.
 
 Decode-only steps (every sequence feeds one token) are padded up to the nearest captured size
-and replayed from the graph captured for it; prefill and mixed steps run eagerly. After every
+and replayed from the graph captured for it; so are speculative verify steps, whose feeds (a
+token and its drafts) become a row per token, each attending up to its own position. Prefill
+and mixed steps run eagerly (or through the piecewise graphs). After every
 step whose sequences sampled, the decode step after it is replayed ahead, before its plan
 comes (`run_ahead`, `decode_ahead.py`): the next plan's decodes that it ran are taken from it,
 and only the rest (a mixed step's prompt chunks) runs once the plan comes. Graphs are
@@ -14,6 +16,7 @@ sampler at every captured size, into its persistent buffers.
 from __future__ import annotations
 
 import functools
+import itertools
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -76,16 +79,22 @@ class GraphRunner:
         self.num_ahead = self.num_ahead_used = 0  # replayed ahead; of those, used (in part)
         self.num_joins = 0  # steps that took some rows of a replay and ran other feeds
         self.pieces: PiecewiseRunner | None = None  # eager steps' graphs, when configured
+        # a verify step's feed (its token and up to `lookahead` drafts) runs as that many
+        # decode rows, each attending up to its own position: no eager step per verify, as
+        # long as the step's rows fit the largest graph (max_num_seqs)
+        self.max_feed_tokens = lookahead + 1
 
     def padded_size(self, n: int) -> int:
         return next(s for s in self.sizes if s >= n)
 
     def can_run(self, feeds: Sequence[Feed]) -> bool:
-        return self.inputs.fits(feeds)
+        return self.inputs.fits(feeds, self.max_feed_tokens)
 
     def run(self, feeds: Sequence[Feed]) -> tuple[torch.Tensor, list[int]]:
-        """Hidden states [n, hidden] of a decode-only step, and each feed's row (0..n-1)."""
-        n = len(feeds)
+        """Hidden states [rows, hidden] of a step whose feeds each fit `max_feed_tokens`, a row
+        per fed token in order, and each feed's last row (0..n-1 for a decode step)."""
+        last_rows = list(itertools.accumulate(len(tokens) for _, tokens in feeds))
+        n = last_rows[-1]
         bs = self.padded_size(n)
         self.inputs.fill(feeds, bs)
         graph = self.graphs.get(bs)
@@ -94,7 +103,7 @@ class GraphRunner:
         else:
             graph.replay()
             self.num_replays += 1
-        return self.decode.hidden[:n], list(range(n))
+        return self.decode.hidden[:n], [row - 1 for row in last_rows]
 
     def take_ahead(self, feeds: Sequence[Feed]) -> list[int | None]:
         """Each feed's row of the step replayed ahead (None: not run there), and that replay

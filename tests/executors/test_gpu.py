@@ -8,16 +8,19 @@ from __future__ import annotations
 
 import gc
 import random
+from pathlib import Path
 
 import pytest
 import torch
 
+import memstep.executors
 from memstep.cli.traffic import random_params, rising_waves
 from memstep.core.config import EngineConfig
 from memstep.core.engine import Engine
 from memstep.core.sampling_params import SamplingParams
 from memstep.events.plan import SeqPlan
 from memstep.events.types import LeakSuspected, StepFinished
+from memstep.executors.cuda_decode import DecodeInputs
 from memstep.executors.decode_ahead import Ahead
 from memstep.executors.inprocess import local_engine
 
@@ -362,6 +365,57 @@ def test_decode_ahead_changes_no_token(dtype, broken, monkeypatch):
     assert 0 < joins < used  # replays used in part, beside other feeds, and whole
     assert len(runs[False]) == 40
     assert (runs[True] == runs[False]) is not broken
+
+
+# --- speculation -------------------------------------------------------------------------------
+
+EAGLE_HEAD = str(Path(memstep.executors.__file__).parent / "drafts" / "smollm2-eagle.npz")
+
+
+def spec_run(method: str | None) -> tuple[dict[str, list[int]], list[StepFinished], int]:
+    """4 greedy requests of 48 tokens (prompts that repeat themselves, so that n-grams draft),
+    K = 2: each request's tokens, the steps, and the decode graphs' replays. 16 sequences a
+    step, so that a verify step's 12 rows fit the decode graphs."""
+    records: list[StepFinished] = []
+    sink = lambda rec: records.append(rec) if isinstance(rec, StepFinished) else None  # noqa: E731
+    spec = {} if method is None else {"speculative_method": method, "num_speculative_tokens": 2}
+    if method == "eagle":
+        spec["draft_model"] = EAGLE_HEAD
+    engine = make_engine("float32", sinks=[sink], max_num_seqs=16, **spec)
+    try:
+        params = SamplingParams(max_tokens=48, ignore_eos=True)
+        prompts = [p * 3 for p in random_prompts([7, 9, 11, 13], engine.model_cfg.vocab_size, 5)]
+        done = engine.generate(prompts, params)
+        tokens = {f"p{i}": c.token_ids for i, c in enumerate(done)}
+        return tokens, records, engine.executor.worker.graphs.num_replays
+    finally:
+        release(engine)
+
+
+@pytest.mark.parametrize("method", ["ngram", "eagle"])
+@pytest.mark.parametrize("broken", [False, True])
+def test_verify_steps_replay_the_decode_graphs_and_change_no_token(method, broken, monkeypatch):
+    """A spec step's verify forward (each request's token and its drafts) runs as rows of a
+    decode graph, a row per token attending up to its own position; in float32 every request
+    gets the tokens of plain decoding. Broken on purpose (every row of a feed at the feed's
+    first position, as if the offset were dropped), the tokens part."""
+    plain, _, _ = spec_run(None)
+    if broken:
+
+        def fill(self, feeds, bs):
+            ids = [t for _, tokens in feeds for t in tokens]
+            starts = [seq.start_pos for seq, tokens in feeds for _ in tokens]
+            tables = [seq.block_table for seq, tokens in feeds for _ in tokens]
+            self.write(ids, starts, tables, bs)
+
+        monkeypatch.setattr(DecodeInputs, "fill", fill)
+    tokens, records, replays = spec_run(method)
+    spec_steps = [r for r in records if r.kind == "spec"]
+    assert sum(r.num_proposed for r in spec_steps) > 0
+    assert replays >= len(spec_steps) - 1  # every step but the prompts' ran a graph
+    if method == "ngram":
+        assert sum(r.num_accepted for r in spec_steps) > 0
+    assert (tokens == plain) is not broken
 
 
 # --- memory ------------------------------------------------------------------------------------
