@@ -10,7 +10,9 @@ Replies are the records of `events/wire.py`: `GenerateDone` (text, token_ids, fi
 usage, timing), `GenerateDelta` (token_ids, text), `HealthReply`, `StatsReply`.  An ErrorReply
 raises `ServerError` with its code; `timeout` seconds without a word from the server (it sends a
 Keepalive every second while a request is in flight) raise `TimeoutError`.  `Client` raises
-`ConnectionError` after `connect_timeout` seconds when nothing accepts its connection at all.
+`ConnectionError` after `connect_timeout` seconds when nothing accepts its connection at all;
+both clients raise it when no connection takes a request within `timeout` (a CURVE server that
+refused this client's key drops its connection).
 Each client is one DEALER socket and may have many requests in flight.
 """
 
@@ -71,6 +73,13 @@ def _connect(
         sock.setsockopt(zmq.CURVE_PUBLICKEY, _bytes(public))
         sock.setsockopt(zmq.CURVE_SECRETKEY, _bytes(secret))
     sock.connect(address)
+
+
+def _unsent(address: str, timeout: float) -> str:
+    return (
+        f"no connection to {address} took the request in {timeout} s "
+        f"(the server refused this client, or it is gone)"
+    )
 
 
 def _bytes(key: Key) -> bytes:
@@ -149,6 +158,9 @@ class Client:
         self._sock = self._ctx.socket(zmq.DEALER)
         self._monitor: zmq.Socket | None = self._sock.get_monitor_socket(zmq.EVENT_CONNECTED)
         self._born = time.monotonic()
+        # a DEALER holds a message until a connection takes it: with none (a server that
+        # refused this client's CURVE key drops it), an unbounded send would wait forever
+        self._sock.setsockopt(zmq.SNDTIMEO, int(timeout * 1000))
         _connect(self._sock, address, curve_server_key, curve_public_key, curve_secret_key)
         self._ids = itertools.count()
         self._pending: dict[str, collections.deque[object]] = {}
@@ -215,7 +227,11 @@ class Client:
 
     def _send(self, msg: Any) -> None:
         self._pending[msg.request_id] = collections.deque()
-        self._sock.send(codec.encode(msg))
+        try:
+            self._sock.send(codec.encode(msg))
+        except zmq.Again:
+            self._pending.pop(msg.request_id, None)
+            raise ConnectionError(_unsent(self.address, self.timeout)) from None
 
     def _call(self, msg: Any, expect: type[Any]) -> Any:
         self._send(msg)
@@ -387,7 +403,11 @@ class AsyncClient:
             self._heard = asyncio.get_running_loop().time()
             self._reader = asyncio.create_task(self._read())
         self._queues[msg.request_id] = asyncio.Queue()
-        await self._sock.send(codec.encode(msg))
+        try:
+            await asyncio.wait_for(self._sock.send(codec.encode(msg)), self.timeout)
+        except TimeoutError:
+            self._queues.pop(msg.request_id, None)
+            raise ConnectionError(_unsent(self.address, self.timeout)) from None
 
     async def _call(self, msg: Any, expect: type[Any]) -> Any:
         await self._send(msg)
