@@ -23,7 +23,7 @@ from memstep.core import sampling_params as core_params
 from memstep.core.config import EngineConfig
 from memstep.core.engine import Engine
 from memstep.core.sampling_params import InvalidRequest
-from memstep.executors.inprocess import local_engine
+from memstep.executors.process.inprocess import local_engine
 
 Prompt = str | list[int]
 Messages = list[dict[str, str]]

@@ -34,7 +34,7 @@ def child(setting: str, steps: int) -> dict[str, float]:
 
     from memstep.core.config import EngineConfig
     from memstep.core.sampling_params import SamplingParams
-    from memstep.executors.inprocess import local_engine
+    from memstep.executors.process.inprocess import local_engine
 
     threads = None if setting == "new" else torch.get_num_threads()  # torch's own default
     if ":" in setting:
@@ -64,7 +64,7 @@ def child_env(setting: str) -> dict[str, str]:
     dropped = ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "GOMP_SPINCOUNT")
     env = {k: v for k, v in os.environ.items() if k not in dropped}
     if setting == "new":
-        from memstep.executors.threads import executor_env
+        from memstep.executors.cpu.threads import executor_env
 
         return executor_env(env)
     policy = setting.split(":")[1] if ":" in setting else "unset"

@@ -40,8 +40,8 @@ from memstep.core.sampling_params import SamplingParams
 from memstep.events import codec
 from memstep.events.types import EngineStarted
 from memstep.events.version import VERSION
-from memstep.executors.inprocess import local_engine
-from memstep.executors.remote import ProcessExecutor
+from memstep.executors.process.inprocess import local_engine
+from memstep.executors.process.remote import ProcessExecutor
 from memstep.replay.recorder import Recorder
 
 

@@ -325,7 +325,7 @@ def main() -> None:
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     from memstep.core.config import EngineConfig
-    from memstep.executors.inprocess import local_engine
+    from memstep.executors.process.inprocess import local_engine
 
     # bench_mixed's engine, with room beside it for this benchmark's own buffers (~12 GB)
     cfg = EngineConfig(

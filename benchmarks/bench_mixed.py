@@ -16,7 +16,7 @@ On random:llama-3.1-8b in bf16, one engine (256 sequences, 8,192 batched tokens)
 
     python benchmarks/bench_mixed.py [--out DIR] [--repeats 3] [--iters 10] [--no-piecewise]
 
-The engine serves with its piecewise graphs (executors/piecewise.py, on by default), and the
+The engine serves with its piecewise graphs (executors/cuda/piecewise.py, on by default), and the
 mixed step is timed through them beside the eager rows ("packed", "unpacked");
 `--no-piecewise` serves and times without them.
 
@@ -112,7 +112,7 @@ def timed_step(worker, feeds, iters: int, mode: str = "packed") -> dict:
     profile. `mode`: "packed" runs the model's eager forward; "unpacked" the same with every
     chunk its own attention call, as before the packed group; "piecewise" the worker's
     forward, which replays the piecewise graphs (`--piecewise`)."""
-    from memstep.executors.batch_builder import build_batch
+    from memstep.executors.runtime.batch_builder import build_batch
 
     model = worker.model
     worker.graphs.drop_ahead()
@@ -229,7 +229,7 @@ def main() -> None:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     from memstep.core.config import EngineConfig
     from memstep.core.model_source import model_config, resolve
-    from memstep.executors.inprocess import local_engine
+    from memstep.executors.process.inprocess import local_engine
 
     bandwidth, rate = copy_bandwidth(), matmul_rate()
     report: dict = {

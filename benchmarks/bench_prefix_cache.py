@@ -62,7 +62,7 @@ from collections.abc import Callable
 
 import attrs
 
-from memstep.executors.threads import prefer_passive_wait
+from memstep.executors.cpu.threads import prefer_passive_wait
 
 # before torch loads: idle OpenMP threads that spin steal the cores of a shared machine, and
 # whichever run meets more neighbours loses by far more than caching could cost
@@ -74,7 +74,7 @@ from memstep.core.config import EngineConfig  # noqa: E402
 from memstep.core.engine import Engine  # noqa: E402
 from memstep.core.sampling_params import SamplingParams  # noqa: E402
 from memstep.events.types import StepPlanned  # noqa: E402
-from memstep.executors.inprocess import local_engine  # noqa: E402
+from memstep.executors.process.inprocess import local_engine  # noqa: E402
 
 SYSTEM = (
     "You are the help desk of the city library. Answer briefly and politely. The library opens "

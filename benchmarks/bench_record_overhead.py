@@ -23,7 +23,7 @@ from memstep.core.engine import Engine
 from memstep.core.sampling_params import SamplingParams
 from memstep.events.types import EngineStarted
 from memstep.events.version import VERSION
-from memstep.executors.inprocess import local_engine
+from memstep.executors.process.inprocess import local_engine
 from memstep.replay.recorder import Recorder
 
 

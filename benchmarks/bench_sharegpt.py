@@ -31,7 +31,7 @@ segments, reserved 125.49 GiB from the first served request to the last (plan 12
 device 139.8 GiB), 0 leak reports; 23.2 req/s served, 7,004 output tok/s, TTFT mean 44.5 s
 (queueing: the engine serves fewer than arrive), TPOT mean 134 ms; 3,099 steps of ~100 ms, most
 of them mixed steps run eagerly.  Before decodes were kept apart from other short queries
-(executors/batch_builder.py), reserved grew 2.6 GiB past the plan on 1,200 prompts.
+(executors/runtime/batch_builder.py), reserved grew 2.6 GiB past the plan on 1,200 prompts.
 
 With packed attention (every prompt of a step in one flash call a layer, 2026-12-01, torch 2.11):
 7,200 prompts served at 20.2 req/s, 6,102 output tok/s, TTFT mean 54.5 s, TPOT mean 156 ms. The
@@ -82,7 +82,7 @@ in) is what would take the host off the critical path.
 
 With the decode step replayed ahead after every step and taken in part (the next plan's decodes
 that it ran take their rows from it; only a mixed step's prompt chunks run once its plan comes:
-executors/decode_ahead.py; same device and model, 2026-12-02): 7,200 prompts at 40.0 req/s,
+executors/cuda/decode_ahead.py; same device and model, 2026-12-02): 7,200 prompts at 40.0 req/s,
 12,072 output tok/s, TTFT mean 61 ms (median 47, p99 331), TPOT mean 20.8 ms, 0 failed; 0 new
 segments, reserved 123.5 GiB flat (plan 125.8), 0 leak reports, KV pages peaking at 8,875 of
 52,816: the engine now keeps up with the 60 req/s arriving (the req/s figure counts the tail of

@@ -10,7 +10,7 @@ the acceptance rate and mean accepted drafts per step.
         [--rounds 3] [--draft-model HEAD.npz]
 
 The engine runs as `memstep generate` does on the CPU (the GGUF's q4 blocks, the passive OpenMP
-wait policy unless the environment names one: executors/threads.py); `--threads` sets torch's
+wait policy unless the environment names one: executors/cpu/threads.py); `--threads` sets torch's
 threads (the issue's figures: 2). Before 2026-12-02 it ran with libgomp's spinning default.
 """
 
@@ -20,7 +20,7 @@ import argparse
 import statistics
 import time
 
-from memstep.executors.threads import prefer_passive_wait
+from memstep.executors.cpu.threads import prefer_passive_wait
 
 prefer_passive_wait()  # as `memstep generate` runs: the policy must be set before torch loads
 
@@ -28,7 +28,7 @@ from memstep.core.config import EngineConfig  # noqa: E402
 from memstep.core.engine import Engine  # noqa: E402
 from memstep.core.sampling_params import SamplingParams  # noqa: E402
 from memstep.events.types import StepFinished  # noqa: E402
-from memstep.executors.inprocess import local_engine  # noqa: E402
+from memstep.executors.process.inprocess import local_engine  # noqa: E402
 
 PASSAGE = (
     "The lighthouse stood at the edge of the cliff for two hundred years. Every night its lamp "

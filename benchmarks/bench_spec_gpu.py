@@ -39,7 +39,7 @@ def tok_per_s(method: str, options) -> float:
     import memstep.executors
     from memstep.core.config import EngineConfig
     from memstep.core.sampling_params import SamplingParams
-    from memstep.executors.inprocess import local_engine
+    from memstep.executors.process.inprocess import local_engine
 
     head = Path(memstep.executors.__file__).parent / "drafts" / "smollm2-eagle.npz"
     spec = {} if method == "none" else {"speculative_method": method}

@@ -118,12 +118,12 @@ def probe(args: argparse.Namespace) -> dict:
 
     from memstep.core.config import EngineConfig
     from memstep.events.plan import SeqPlan
-    from memstep.executors.worker import Worker
+    from memstep.executors.runtime.worker import Worker
 
     cfg = EngineConfig.from_dict(json.loads(args.config))
     ranks = None
     if cfg.tensor_parallel_size > 1:
-        from memstep.executors.rank_group import RankGroup
+        from memstep.executors.model.rank_group import RankGroup
 
         assert cfg.distributed_init_method is not None
         ranks = RankGroup(args.rank, cfg.tensor_parallel_size, cfg.distributed_init_method)
@@ -173,7 +173,7 @@ def sweep(args: argparse.Namespace) -> None:
     group (NCCL on CUDA, gloo on a CPU), for the sizes docs/tensor_parallel.md discusses."""
     import torch
 
-    from memstep.executors.rank_group import RankGroup
+    from memstep.executors.model.rank_group import RankGroup
 
     size, method = args.sweep_size, args.sweep_method
     ranks = RankGroup(args.rank, size, method)
@@ -192,7 +192,7 @@ def sweep(args: argparse.Namespace) -> None:
 
 
 def run_sweep(args: argparse.Namespace, size: int) -> dict:
-    from memstep.executors.local_ranks import loopback_init_method
+    from memstep.executors.process.local_ranks import loopback_init_method
 
     out = args.out / "allreduce_sweep.json"
     common = ["--sweep-size", str(size), "--sweep-method", loopback_init_method()]
@@ -227,7 +227,7 @@ def engine_config(args: argparse.Namespace, model: str, tp: int, **more: Any):
 
 def run_probe(cfg, out: Path, name: str) -> list[dict]:
     """Every rank of `cfg` as a probe process; each rank's figures, rank 0's first."""
-    from memstep.executors.local_ranks import loopback_init_method
+    from memstep.executors.process.local_ranks import loopback_init_method
 
     if cfg.tensor_parallel_size > 1:
         cfg = cfg.replace(distributed_init_method=loopback_init_method())
@@ -298,7 +298,7 @@ def throughput(cfg, sizes: list[int], prompt_len: int, output_len: int) -> dict:
     """Output tokens/s at each number of concurrent requests, through the process executor."""
     from memstep.core.engine import Engine
     from memstep.core.sampling_params import SamplingParams
-    from memstep.executors.remote import ProcessExecutor
+    from memstep.executors.process.remote import ProcessExecutor
 
     engine = Engine(cfg, ProcessExecutor)
     params = SamplingParams(max_tokens=output_len, ignore_eos=True)
@@ -340,7 +340,7 @@ class RankMemory:
 def memory_run(cfg, num_requests: int, max_concurrency: int) -> dict:
     from memstep.cli.traffic import rising_waves
     from memstep.core.engine import Engine
-    from memstep.executors.remote import ProcessExecutor
+    from memstep.executors.process.remote import ProcessExecutor
 
     engine = Engine(cfg, ProcessExecutor)
     watch = RankMemory(engine.executor)

@@ -26,8 +26,8 @@ from memstep.core.engine import Engine
 from memstep.core.model_source import ModelSource, resolve
 from memstep.core.sampling_params import SamplingParams
 from memstep.events.types import RequestFinished
-from memstep.executors.inprocess import local_engine
-from memstep.executors.worker import pick_device, pick_dtype
+from memstep.executors.process.inprocess import local_engine
+from memstep.executors.runtime.worker import pick_device, pick_dtype
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -1,4 +1,4 @@
-"""Fitting an EAGLE-style head (executors/eagle.py) to what the target read: the training loop
+"""Fitting an EAGLE-style head (executors/spec/eagle.py) to what the target read: the training loop
 of `memstep train-draft`, and its held-out measure of what serving will accept.
 
 An exchange is three rows per position i: the target's final hidden state F[i] after the
@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from memstep.executors.eagle import AttnShape, Matmuls, block_out, init_params, pair_input, qkv
+from memstep.executors.spec.eagle import AttnShape, Matmuls, block_out, init_params, pair_input, qkv
 
 Exchanges = tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[int]]
 

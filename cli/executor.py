@@ -21,8 +21,8 @@ import structlog
 
 from memstep.cli.errors import UsageError
 from memstep.core.config import EngineConfig
-from memstep.executors.local_ranks import how_it_ended, rank_arguments
-from memstep.executors.threads import executor_env
+from memstep.executors.cpu.threads import executor_env
+from memstep.executors.process.local_ranks import how_it_ended, rank_arguments
 
 log = structlog.get_logger("memstep.cli.executor")
 
@@ -71,5 +71,5 @@ def run(args: argparse.Namespace) -> int:
 
 def _start(rank: int, command: list[str]) -> subprocess.Popen:
     log.info("rank starting", rank=rank)
-    argv = [sys.executable, "-m", "memstep.executors.process", "--rank", str(rank), *command]
+    argv = [sys.executable, "-m", "memstep.executors.process.main", "--rank", str(rank), *command]
     return subprocess.Popen(argv, stdin=subprocess.DEVNULL, env=executor_env(os.environ))

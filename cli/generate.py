@@ -7,7 +7,7 @@ import json
 
 from memstep.cli.main import add_engine_arguments, config_from_args
 from memstep.core.sampling_params import SamplingParams
-from memstep.executors.inprocess import local_engine
+from memstep.executors.process.inprocess import local_engine
 from memstep.replay.recorder import add_record_arguments, open_recorder
 
 

@@ -30,7 +30,7 @@ from memstep.core.logging import setup_logging
 from memstep.core.model_source import ModelError, model_config, resolve
 from memstep.core.sampling_params import InvalidRequest
 from memstep.events.log import LogFormatError
-from memstep.executors.threads import prefer_passive_wait
+from memstep.executors.cpu.threads import prefer_passive_wait
 
 COMMANDS = {  # name -> (module, one-line help); a module is imported only when its command runs
     "generate": ("memstep.cli.generate", "generate a completion for one prompt"),

@@ -23,7 +23,7 @@ from memstep.core.engine import Engine
 from memstep.core.sampling_params import SamplingParams
 from memstep.events.stretches import stretches
 from memstep.events.types import LeakSuspected
-from memstep.executors.inprocess import local_engine
+from memstep.executors.process.inprocess import local_engine
 
 PROMPTS = [
     "Tell me a long story about a lighthouse keeper and the sea.",

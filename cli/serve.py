@@ -43,8 +43,8 @@ from memstep.core.device_limits import cuda_device_bytes
 from memstep.core.engine import Engine
 from memstep.core.logging import setup_logging
 from memstep.core.recovery import ExecutorDown
-from memstep.executors.remote import ProcessExecutor
-from memstep.executors.standby import StandbyExecutors
+from memstep.executors.process.remote import ProcessExecutor
+from memstep.executors.process.standby import StandbyExecutors
 from memstep.replay.recorder import add_record_arguments, open_recorder
 from memstep.replay.recording import load
 from memstep.replay.resume import resume_point
@@ -223,7 +223,8 @@ def _start_front(
 
 
 def _executor_factory(args: argparse.Namespace, cfg: EngineConfig) -> Any:
-    """Executor processes; with a loaded standby (executors/standby.py) on the CPU or if asked."""
+    """Executor processes; with a loaded standby (executors/process/standby.py) on the CPU or
+    if asked."""
     factory = functools.partial(
         ProcessExecutor,
         heartbeat_timeout=args.executor_timeout,

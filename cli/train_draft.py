@@ -1,4 +1,4 @@
-"""`memstep train-draft`: train the EAGLE-style draft head (executors/eagle.py) for a model by
+"""`memstep train-draft`: train the EAGLE-style draft head (executors/spec/eagle.py) for a model by
 self-distillation: the target answers ShareGPT questions greedily (`--replies target`, the
 default: the text it will draft for when serving), or reads ShareGPT's own answers
 (`--replies sharegpt`); it then reads each question and answer in its chat template in
@@ -15,7 +15,7 @@ A held-out twentieth of the exchanges measures what a greedy target would accept
 The committed head's command and figures are in docs/speculation.md.
 
 The written `.npz` is what `--speculative-method eagle` loads (`--draft-model PATH`); the one
-for SmolLM2 is committed (executors/drafts/).
+for SmolLM2 is committed (executors/spec/drafts/).
 """
 
 from __future__ import annotations
@@ -41,11 +41,11 @@ from memstep.cli.draft_trainer import (
 from memstep.core.config import EngineConfig
 from memstep.core.sampling_params import SamplingParams
 from memstep.events.plan import SeqPlan
-from memstep.executors import kv_cache
-from memstep.executors.batch_builder import build_batch
-from memstep.executors.eagle import CONTEXT, SMOLLM2_HEAD, AttnShape, save_head
-from memstep.executors.inprocess import local_engine
-from memstep.executors.llama import LlamaModel
+from memstep.executors.model import kv_cache
+from memstep.executors.model.llama import LlamaModel
+from memstep.executors.process.inprocess import local_engine
+from memstep.executors.runtime.batch_builder import build_batch
+from memstep.executors.spec.eagle import CONTEXT, SMOLLM2_HEAD, AttnShape, save_head
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -49,8 +49,8 @@ class EngineConfig:
     # KV cache element type: "auto" is the model's dtype; "fp8" stores float8 e4m3 (half the
     # bytes of bf16, no scale, saturating at +-448), converted back for attention
     kv_cache_dtype: str = "auto"
-    quantization: str = "auto"  # QUANTIZATIONS; executors/quant_linear.py
-    matmul_precision: str = "auto"  # MATMUL_PRECISIONS; executors/worker.py picks
+    quantization: str = "auto"  # QUANTIZATIONS; executors/model/quant_linear.py
+    matmul_precision: str = "auto"  # MATMUL_PRECISIONS; executors/runtime/worker.py picks
     device: str = "auto"
     # engine-wide: requests without a seed draw theirs from it; None: drawn from OS entropy at
     # start (core/seeding.py), and the engine records the drawn value in its config
@@ -77,10 +77,10 @@ class EngineConfig:
     cuda_graphs: bool = True
     # CUDA graphs: while the core records a step, the executor already replays the decode step
     # after it for the sequences that sampled; the next plan's decodes that it ran are taken
-    # from it (executors/decode_ahead.py)
+    # from it (executors/cuda/decode_ahead.py)
     decode_ahead: bool = True
     # CUDA graphs for the other steps too: each layer's work outside attention captured per
-    # token bucket, attention eager between (executors/piecewise.py)
+    # token bucket, attention eager between (executors/cuda/piecewise.py)
     piecewise_graphs: bool = True
     num_threads: int | None = None
     # tensor parallelism: the executor is this many ranks in one torch.distributed group

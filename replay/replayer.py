@@ -38,7 +38,7 @@ from memstep.events.types import (
     RequestResumed,
     is_derived,
 )
-from memstep.executors.inprocess import InProcessExecutor
+from memstep.executors.process.inprocess import InProcessExecutor
 from memstep.replay.recording import Recording
 
 # the replayed executor's host-memory tolerance: none. The OS's figures are left out of the

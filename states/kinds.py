@@ -103,7 +103,7 @@ class Spec(StepKind):
     with an EAGLE head, `previous_hidden_states`: each request's last hidden state, one row each,
     and for a head with attention `draft_context`: the keys and values of the pairs it has read,
     in the same row (the last of them ring-wise, then slots for the drafts' own pairs:
-    executors/eagle.draft_context).
+    executors/spec/eagle.draft_context).
 
     `draft_len[request_id]` is how many of a request's tokens the draft KV holds,
     `hidden_of[request_id]` the row of its hidden state and how many tokens that state follows,

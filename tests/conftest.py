@@ -12,7 +12,7 @@ if not torch.cuda.is_available():  # before anything imports triton: see test_ke
 
 from memstep.core.config import EngineConfig
 from memstep.core.engine import Engine
-from memstep.executors.inprocess import local_engine
+from memstep.executors.process.inprocess import local_engine
 
 CHAT_QUESTIONS = [
     "What is the capital of France?",

@@ -32,7 +32,7 @@ def test_wheel_installs_and_imports_in_clean_venv(tmp_path):
     (wheel,) = tmp_path.glob("memstep-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "memstep/core/engine.py" in names
-    assert "memstep/executors/drafts/smollm2-eagle.npz" in names, "the EAGLE head ships"
+    assert "memstep/executors/spec/drafts/smollm2-eagle.npz" in names, "the EAGLE head ships"
     assert not any(n.startswith(("memstep/tests", "tests/")) for n in names), "tests stay out"
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)

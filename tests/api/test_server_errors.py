@@ -15,7 +15,7 @@ from memstep.cli.serve import ServerProcess
 from memstep.core.config import EngineConfig
 from memstep.events import codec
 from memstep.events.wire import ErrorReply, HealthReply
-from memstep.executors.inprocess import local_engine
+from memstep.executors.process.inprocess import local_engine
 
 TIMEOUT_MS = 10_000
 TINY_SERVER = ["--model", "random:tiny", "--num-threads", "1"]

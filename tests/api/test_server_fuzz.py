@@ -31,7 +31,7 @@ from memstep.events.wire import (
     Keepalive,
     StatsReply,
 )
-from memstep.executors.inprocess import local_engine
+from memstep.executors.process.inprocess import local_engine
 
 NUM_FRAMES = 2000
 TIMEOUT_MS = 20_000

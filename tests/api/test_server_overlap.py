@@ -17,7 +17,7 @@ from memstep.events.wire import (
     GenerateDone,
     GenerateRequest,
 )
-from memstep.executors.remote import ProcessExecutor
+from memstep.executors.process.remote import ProcessExecutor
 
 TIMEOUT_MS = 10_000
 

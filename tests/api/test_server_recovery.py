@@ -24,7 +24,7 @@ from memstep.core.config import EngineConfig
 from memstep.core.outputs import Completion
 from memstep.core.sampling_params import SamplingParams
 from memstep.events.types import ExecutorLost, RecoveryDone, RequestFinished
-from memstep.executors.inprocess import local_engine
+from memstep.executors.process.inprocess import local_engine
 from memstep.replay.recording import load
 
 TINY = ["--model", "random:tiny", "--num-threads", "1"]

@@ -25,7 +25,7 @@ from memstep.core.outputs import Completion
 from memstep.core.sampling_params import SamplingParams
 from memstep.events.log import MAGIC
 from memstep.events.types import RequestNamed, RequestResumed
-from memstep.executors.inprocess import local_engine
+from memstep.executors.process.inprocess import local_engine
 from memstep.replay.recording import load
 from memstep.replay.resume import resume_point
 

@@ -13,7 +13,7 @@ import pytest
 
 from memstep.core.config import EngineConfig
 from memstep.events.types import RequestFinished
-from memstep.executors.inprocess import local_engine
+from memstep.executors.process.inprocess import local_engine
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 

@@ -7,7 +7,7 @@ import random
 from memstep.cli.traffic import random_params, rising_waves
 from memstep.core.config import EngineConfig
 from memstep.events.types import RequestAdded, RequestFinished, StepPlanned
-from memstep.executors.inprocess import local_engine
+from memstep.executors.process.inprocess import local_engine
 
 
 def test_random_params_cover_every_sampling_feature():

@@ -13,7 +13,7 @@ import pytest
 from memstep.core.config import ConfigError, EngineConfig
 from memstep.core.model_source import ModelError, resolve
 from memstep.core.sampling_params import InvalidRequest, SamplingParams
-from memstep.executors.inprocess import local_engine
+from memstep.executors.process.inprocess import local_engine
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

@@ -19,7 +19,7 @@ from memstep.events.types import (
     RecoveryStarted,
     RequestFinished,
 )
-from memstep.executors.inprocess import local_engine
+from memstep.executors.process.inprocess import local_engine
 from memstep.replay.compare import compare
 from memstep.replay.recording import Recording
 from memstep.replay.replayer import replay

@@ -10,7 +10,7 @@ from memstep.core.config import EngineConfig
 from memstep.core.model_source import model_config, resolve
 from memstep.core.sampling_params import SamplingParams
 from memstep.core.tokenizer import load_tokenizer
-from memstep.executors.inprocess import local_engine
+from memstep.executors.process.inprocess import local_engine
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 BASE = dict(model="smollm2", dtype="float32", quantization="none", num_threads=2)

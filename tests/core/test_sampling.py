@@ -9,8 +9,8 @@ from collections import Counter
 import torch
 
 from memstep.core.sampling_params import SamplingParams
-from memstep.executors.random_stream import ACCEPT, DRAFT, SAMPLE, uniform, uniforms
-from memstep.executors.sampler import Row, Sampler, top_logprobs
+from memstep.executors.runtime.random_stream import ACCEPT, DRAFT, SAMPLE, uniform, uniforms
+from memstep.executors.runtime.sampler import Row, Sampler, top_logprobs
 
 V = 8
 

@@ -9,7 +9,7 @@ from memstep.core.config import EngineConfig
 from memstep.core.request import Request
 from memstep.core.sampling_params import SamplingParams
 from memstep.core.scheduler import Scheduler
-from memstep.executors.inprocess import local_engine
+from memstep.executors.process.inprocess import local_engine
 
 GREEDY = SamplingParams(max_tokens=20, ignore_eos=True)
 

@@ -13,8 +13,8 @@ from memstep.core.config import ConfigError, EngineConfig
 from memstep.core.sampling_params import InvalidRequest, SamplingParams
 from memstep.core.seeding import RequestSeeds, engine_seed
 from memstep.events.types import EngineStarted, RequestAdded
-from memstep.executors.inprocess import local_engine
-from memstep.executors.sampler import Row, Sampler
+from memstep.executors.process.inprocess import local_engine
+from memstep.executors.runtime.sampler import Row, Sampler
 
 TINY = EngineConfig(model="random:tiny", max_num_seqs=4, num_threads=1)
 

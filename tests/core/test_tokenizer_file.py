@@ -12,7 +12,7 @@ from memstep.core.config import EngineConfig
 from memstep.core.model_source import ModelError, model_config, resolve, shipped_gguf_path
 from memstep.core.sampling_params import SamplingParams
 from memstep.events.types import EngineStarted
-from memstep.executors.inprocess import local_engine
+from memstep.executors.process.inprocess import local_engine
 
 TEXT = "The quick brown fox jumps over the lazy dog, twice."
 

@@ -7,14 +7,14 @@ from __future__ import annotations
 import torch
 
 from memstep.events.plan import SeqPlan
-from memstep.executors.attention import (
+from memstep.executors.model.attention import (
     PackedGroup,
     attention,
     build_group,
     build_packed,
     torch_group_attention,
 )
-from memstep.executors.batch_builder import build_batch
+from memstep.executors.runtime.batch_builder import build_batch
 
 BLOCK = 4
 HEADS, KV_HEADS, DIM = 4, 2, 8
@@ -68,7 +68,7 @@ def test_decode_rows_in_order_are_attended_in_place_like_gathered_rows():
     """With a decode kernel (its plain-torch reference here, imported late: see test_kernels),
     decodes in a row are read and written in place, decodes out of order gathered and
     scattered; both equal the torch path without a kernel."""
-    from memstep.executors.kernels import paged_attention_reference
+    from memstep.executors.cuda.kernels import paged_attention_reference
 
     torch.manual_seed(1)
     decodes = [(seq(f"d{i}", 3 + 2 * i, 1, [2 * i, 2 * i + 1]), [1]) for i in range(3)]
@@ -90,7 +90,7 @@ def test_decodes_kept_apart_from_other_short_queries_attend_like_one_padded_grou
     3-token prompt tail and a 4-token verify a padded group, so that the padded group never
     gathers the decodes' KV. Through a decode kernel (the plain-torch reference) the step
     equals the single padded group that the CPU runs."""
-    from memstep.executors.kernels import paged_attention_reference
+    from memstep.executors.cuda.kernels import paged_attention_reference
 
     torch.manual_seed(2)
     feeds = [
@@ -153,7 +153,7 @@ def test_the_packed_layout_attends_every_query_as_the_cpu_groups_do():
 def test_packed_calls_gather_at_most_the_key_budget_or_one_context(monkeypatch):
     """Packed sequences are cut into calls of at most PACKED_KEYS context keys; a longer
     context makes a call of its own."""
-    from memstep.executors import batch_builder
+    from memstep.executors.runtime import batch_builder
 
     monkeypatch.setattr(batch_builder, "PACKED_KEYS", 20)
     feeds = [(seq(f"v{i}", ctx - 2, 2, list(range(i * 8, i * 8 + 8))), [1, 2]) for i, ctx in

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from memstep.core.model_source import read_gguf, shipped_gguf_path
-from memstep.executors import cpu_kernels
-from memstep.executors import quant_linear as ql
-from memstep.executors.attention import build_group, torch_group_attention
-from memstep.executors.cpu_features import cpu_flags
+from memstep.executors.cpu import kernels as cpu_kernels
+from memstep.executors.cpu.features import cpu_flags
+from memstep.executors.model import quant_linear as ql
+from memstep.executors.model.attention import build_group, torch_group_attention
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler")
 
@@ -155,8 +155,8 @@ def test_a_kernel_on_the_calling_thread_alone_gives_the_pool_s_bits(gguf_tensors
 
 def test_rope_and_kv_write_are_apply_rope_s_bit_for_bit():
     from memstep.core.model_config import PRESETS
-    from memstep.executors.kv_cache import write_kv
-    from memstep.executors.llama import apply_rope, rope_inv_freq
+    from memstep.executors.model.kv_cache import write_kv
+    from memstep.executors.model.llama import apply_rope, rope_inv_freq
 
     cfg = PRESETS["tiny"]
     heads, kv_heads, dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -186,14 +186,11 @@ def test_bf16_products_without_avx512_bf16_are_the_same_sums(gguf_tensors, tmp_p
     import shutil
     import subprocess
 
-    from memstep.executors.cpu_source import SOURCE
-
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None or not {"avx2", "fma", "f16c"} <= cpu_flags():
         pytest.skip("needs a C compiler and an AVX2 CPU")
-    (tmp_path / "k.c").write_text(SOURCE)
     flags = [f for f in cpu_kernels.CFLAGS if f != "-march=native"] + ["-march=x86-64-v3"]
-    subprocess.run([compiler, *flags, str(tmp_path / "k.c"), "-o", str(tmp_path / "k.so")],
+    subprocess.run([compiler, *flags, str(cpu_kernels.SOURCE), "-o", str(tmp_path / "k.so")],
                    check=True, capture_output=True, timeout=300)  # fmt: skip
     lib = ctypes.CDLL(str(tmp_path / "k.so"))
     assert lib.native_bf16() == 0

@@ -1,5 +1,6 @@
-"""The CPU's one-call decode step (executors/cpu_step.py) on the real SmolLM2 q4: taken for decode
-steps, and every bit of its output (log-probs included) is the kernel-by-kernel forward's, with
+"""The CPU's one-call decode step (executors/cpu/decode_step.py) on the real SmolLM2 q4:
+taken for decode steps, and every bit of its output (log-probs included) is the
+kernel-by-kernel forward's, with
 the OpenMP pool woken or not and on one thread or two, in float32 products and in bfloat16."""
 
 from __future__ import annotations
@@ -9,9 +10,11 @@ import torch
 
 from memstep.core.config import EngineConfig
 from memstep.core.sampling_params import SamplingParams
-from memstep.executors import cpu_kernels, cpu_step, llama
-from memstep.executors.cpu_step import DecodeStep
-from memstep.executors.inprocess import local_engine
+from memstep.executors.cpu import decode_step as cpu_step
+from memstep.executors.cpu import kernels as cpu_kernels
+from memstep.executors.cpu.decode_step import DecodeStep
+from memstep.executors.model import llama
+from memstep.executors.process.inprocess import local_engine
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler")
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 
 from memstep.events.plan import SeqPlan
-from memstep.executors.decode_ahead import Ahead
-from memstep.executors.sampler import HostCopy
+from memstep.executors.cuda.decode_ahead import Ahead
+from memstep.executors.runtime.sampler import HostCopy
 
 BLOCK = 4
 

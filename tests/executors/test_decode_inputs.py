@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from memstep.events.plan import SeqPlan
-from memstep.executors.cuda_decode import DecodeInputs
+from memstep.executors.cuda.decode import DecodeInputs
 
 BLOCK = 4
 

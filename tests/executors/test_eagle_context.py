@@ -12,7 +12,8 @@ from memstep.core.config import EngineConfig
 from memstep.core.model_source import model_config, resolve
 from memstep.core.sampling_params import SamplingParams
 from memstep.events.types import StepFinished
-from memstep.executors.eagle import (
+from memstep.executors.process.inprocess import local_engine
+from memstep.executors.spec.eagle import (
     SMOLLM2_HEAD,
     AttnShape,
     EagleHead,
@@ -20,7 +21,6 @@ from memstep.executors.eagle import (
     init_params,
     save_head,
 )
-from memstep.executors.inprocess import local_engine
 from memstep.states.kinds import KindEnv, Spec
 
 HIDDEN, VOCAB = 64, 96

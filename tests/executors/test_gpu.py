@@ -20,9 +20,9 @@ from memstep.core.engine import Engine
 from memstep.core.sampling_params import SamplingParams
 from memstep.events.plan import SeqPlan
 from memstep.events.types import LeakSuspected, StepFinished
-from memstep.executors.cuda_decode import DecodeInputs
-from memstep.executors.decode_ahead import Ahead
-from memstep.executors.inprocess import local_engine
+from memstep.executors.cuda.decode import DecodeInputs
+from memstep.executors.cuda.decode_ahead import Ahead
+from memstep.executors.process.inprocess import local_engine
 
 pytestmark = [
     pytest.mark.gpu,
@@ -73,7 +73,7 @@ def bf16_engine():
 
 def hf_model_of(engine: Engine, dtype: torch.dtype | None = None):
     pytest.importorskip("transformers")
-    from memstep.executors.hf_reference import hf_llama
+    from memstep.executors.model.hf_reference import hf_llama
 
     worker = engine.executor.worker
     weights = worker.weights
@@ -212,8 +212,8 @@ def test_packed_queries_by_varlen_flash_match_each_sequence_alone(heads, kv_head
     tokens, decodes between them; SmolLM2's and Llama-3.1-8B's head shapes) by one flash
     call equals float32 attention of each sequence alone with its mask."""
     from memstep.events.plan import SeqPlan
-    from memstep.executors.attention import PackedGroup, attention, has_varlen_flash
-    from memstep.executors.batch_builder import build_batch
+    from memstep.executors.model.attention import PackedGroup, attention, has_varlen_flash
+    from memstep.executors.runtime.batch_builder import build_batch
 
     assert has_varlen_flash()
     block = 16
@@ -434,7 +434,7 @@ def test_reserved_memory_after_warmup_and_capture_is_within_the_plan(piecewise):
     reserved peak stays within the profile's predicted peak, with the piecewise graphs' pool
     and buffers too. The executor runs in a process of its own, as served: this one's CUDA
     memory (other tests' engines) is not its."""
-    from memstep.executors.remote import ProcessExecutor
+    from memstep.executors.process.remote import ProcessExecutor
 
     cfg = EngineConfig(
         model=SMOL,
@@ -553,7 +553,7 @@ def test_spec_disabled_by_batch_size_keeps_memory_allocated_over_each_no_spec_st
 def test_the_device_memory_read_for_batch_limits_is_the_gpus_and_expandable_segments_are_on():
     from memstep.core.device_limits import cuda_device_bytes, default_limits
     from memstep.core.model_config import PRESETS
-    from memstep.executors.allocator import ALLOC_CONF, user_alloc_conf
+    from memstep.executors.runtime.allocator import ALLOC_CONF, user_alloc_conf
 
     total = torch.cuda.get_device_properties(0).total_memory
     read = cuda_device_bytes("auto")

@@ -16,8 +16,8 @@ from memstep.core.engine import Engine
 from memstep.core.host_memory import MIB, HostWatch, rss_bytes
 from memstep.core.sampling_params import SamplingParams
 from memstep.events.types import LeakSuspected, MemoryReport, StepFinished
-from memstep.executors import host_allocator
-from memstep.executors.remote import ProcessExecutor
+from memstep.executors.process.remote import ProcessExecutor
+from memstep.executors.runtime import host_allocator
 from memstep.replay.compare import compare
 
 
@@ -97,8 +97,8 @@ def test_replay_leaves_host_figures_out_but_not_device_figures():
 SHAPES = """
 import sys, torch
 from memstep.core.host_memory import rss_bytes
-from memstep.executors import host_allocator
-from memstep.executors.llama import wide_linear
+from memstep.executors.runtime import host_allocator
+from memstep.executors.model.llama import wide_linear
 if sys.argv[1] == "bounded":
     host_allocator.bound_onednn_caches()
 torch.set_num_threads(1)

@@ -22,7 +22,7 @@ if _IS_INTERPRETED:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from memstep.executors.kernels import (  # noqa: E402
+from memstep.executors.cuda.kernels import (  # noqa: E402
     DecodeWorkspace,
     fused_add_rmsnorm,
     fused_add_rmsnorm_reference,
@@ -37,7 +37,7 @@ from memstep.executors.kernels import (  # noqa: E402
     triton_available,
     use_split_k,
 )
-from memstep.executors.kv_cache import KV_FP8  # noqa: E402
+from memstep.executors.model.kv_cache import KV_FP8  # noqa: E402
 
 needs_triton = pytest.mark.skipif(
     not triton_available() or _TRITON_IMPORTED_TOO_EARLY,
@@ -457,8 +457,8 @@ def test_fused_decode_forward_matches_the_eager_model():
     same hidden states, same KV written, padding rows write nothing."""
     from memstep.core.config import EngineConfig
     from memstep.events.plan import SeqPlan
-    from memstep.executors.graph_runner import GraphRunner
-    from memstep.executors.worker import Worker
+    from memstep.executors.cuda.graph_runner import GraphRunner
+    from memstep.executors.runtime.worker import Worker
 
     cfg = EngineConfig(model="random:tiny", dtype="float32", max_num_seqs=8, num_kv_blocks=40)
     worker = Worker(cfg, max_model_len=128)

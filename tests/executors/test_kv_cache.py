@@ -8,9 +8,9 @@ import torch
 from memstep.cli.traffic import staggered
 from memstep.core.config import EngineConfig
 from memstep.core.sampling_params import SamplingParams
-from memstep.executors import kv_cache
-from memstep.executors.inprocess import local_engine
-from memstep.executors.kv_cache import KV_FP8, gather_kv, write_kv
+from memstep.executors.model import kv_cache
+from memstep.executors.model.kv_cache import KV_FP8, gather_kv, write_kv
+from memstep.executors.process.inprocess import local_engine
 
 BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 6, 4, 2, 8
 
@@ -129,7 +129,7 @@ def test_an_fp8_cache_gives_a_sequence_its_tokens_whatever_shares_its_batch(chat
 
 
 def test_the_batch_check_fires_when_attention_depends_on_the_group(chat_prompts, monkeypatch):
-    from memstep.executors import attention
+    from memstep.executors.model import attention
 
     plain = attention.torch_group_attention
 

@@ -4,7 +4,7 @@ growth, once per episode, and a clean series is silent."""
 from __future__ import annotations
 
 from memstep.events.types import LeakSuspected, MemoryReport
-from memstep.executors.leak_detector import LeakDetector
+from memstep.executors.runtime.leak_detector import LeakDetector
 
 MIB = 1 << 20
 

@@ -11,8 +11,8 @@ from memstep.core.config import EngineConfig
 from memstep.core.engine import Engine
 from memstep.core.sampling_params import SamplingParams
 from memstep.events.types import MemoryReport
-from memstep.executors.inprocess import local_engine
-from memstep.executors.memory import LiveTensorMeter
+from memstep.executors.process.inprocess import local_engine
+from memstep.executors.runtime.memory import LiveTensorMeter
 
 TINY = EngineConfig(model="random:tiny", max_num_seqs=4, num_threads=1)
 

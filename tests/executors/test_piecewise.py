@@ -1,4 +1,5 @@
-"""Piecewise graphs of eager steps (executors/piecewise.py), their pieces run eagerly on the CPU.
+"""Piecewise graphs of eager steps (executors/cuda/piecewise.py), their pieces run eagerly on
+the CPU.
 
 The pieces are CUDA's fused layers (Triton kernels), so without CUDA they run in Triton's
 interpreter, which tests/conftest.py chooses before anything imports triton (see
@@ -14,14 +15,14 @@ import torch
 from memstep.core.model_config import PRESETS
 from memstep.core.model_source import resolve
 from memstep.events.plan import SeqPlan
-from memstep.executors import kv_cache
-from memstep.executors.batch_builder import build_batch
-from memstep.executors.llama import LlamaModel
-from memstep.executors.piecewise import PiecewiseRunner, bucket_sizes, piecewise_bytes
-from memstep.executors.weights import load_weights
+from memstep.executors.cuda.piecewise import PiecewiseRunner, bucket_sizes, piecewise_bytes
+from memstep.executors.model import kv_cache
+from memstep.executors.model.llama import LlamaModel
+from memstep.executors.model.weights import load_weights
+from memstep.executors.runtime.batch_builder import build_batch
 
 pytest.importorskip("triton")
-from memstep.executors.kernels import triton_available  # noqa: E402
+from memstep.executors.cuda.kernels import triton_available  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     not triton_available(), reason="needs CUDA, or TRITON_INTERPRET=1 (tests/conftest.py)"

@@ -14,9 +14,9 @@ from memstep.core.config import EngineConfig
 from memstep.core.engine import Engine
 from memstep.core.sampling_params import SamplingParams
 from memstep.events.plan import PhaseReply
-from memstep.executors.inprocess import local_engine
-from memstep.executors.process import MAIN_ID
-from memstep.executors.remote import ExecutorDied, ExecutorFailed, ProcessExecutor
+from memstep.executors.process.inprocess import local_engine
+from memstep.executors.process.main import MAIN_ID
+from memstep.executors.process.remote import ExecutorDied, ExecutorFailed, ProcessExecutor
 
 TINY = EngineConfig(model="random:tiny")
 TINY_SERVER = ["--model", "random:tiny", "--num-threads", "1"]

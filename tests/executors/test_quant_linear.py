@@ -13,10 +13,10 @@ import torch
 
 from memstep.core.config import ConfigError, EngineConfig
 from memstep.core.model_source import resolve
-from memstep.executors import cpu_kernels
-from memstep.executors import quant_linear as ql
-from memstep.executors.cpu_features import has_native_bf16
-from memstep.executors.worker import pick_dtype, pick_quantization
+from memstep.executors.cpu import kernels as cpu_kernels
+from memstep.executors.cpu.features import has_native_bf16
+from memstep.executors.model import quant_linear as ql
+from memstep.executors.runtime.worker import pick_dtype, pick_quantization
 
 CPU = torch.device("cpu")
 
@@ -90,8 +90,8 @@ def test_a_planted_wrong_int8_scale_is_caught():
 
 def test_quantize_weights_replaces_every_matrix_and_keeps_the_embedding():
     from memstep.core.model_config import PRESETS
-    from memstep.executors.sharding import Shard
-    from memstep.executors.weights import _random
+    from memstep.executors.model.sharding import Shard
+    from memstep.executors.model.weights import _random
 
     cfg = PRESETS["tiny"]
     weights = _random(cfg, 0, torch.float32, CPU, Shard(cfg))
@@ -129,7 +129,7 @@ def test_a_bad_quantization_is_a_config_error():
 
 
 def test_matmul_precision_auto_is_bf16_where_the_cpu_multiplies_it():
-    from memstep.executors.worker import pick_matmul_precision
+    from memstep.executors.runtime.worker import pick_matmul_precision
 
     cfg = EngineConfig()
     native = "bfloat16" if cpu_kernels.native_bf16() else "float32"

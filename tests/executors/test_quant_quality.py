@@ -17,8 +17,8 @@ import pytest
 
 from memstep.core.config import EngineConfig
 from memstep.core.sampling_params import SamplingParams
-from memstep.executors import cpu_kernels
-from memstep.executors.inprocess import local_engine
+from memstep.executors.cpu import kernels as cpu_kernels
+from memstep.executors.process.inprocess import local_engine
 
 NEW_TOKENS = 64
 # |first-token log-prob - float32's|, nats: float32 products sum the same values in another

@@ -17,9 +17,9 @@ from memstep.events import codec
 from memstep.events.plan import PhaseReply, SeqResult, StepResult
 from memstep.events.types import LeakSuspected, MemoryReport, StateEntered
 from memstep.events.wire import ExecutorError
-from memstep.executors.rank_replies import merge_replies
-from memstep.executors.sharding import Shard
-from memstep.executors.weights import load_weights
+from memstep.executors.model.sharding import Shard
+from memstep.executors.model.weights import load_weights
+from memstep.executors.process.rank_replies import merge_replies
 
 
 def _result(rank: int, kind: str = "no_spec", token: int = 7) -> StepResult:

@@ -6,7 +6,7 @@ import pytest
 
 from memstep.core.sampling_params import SamplingParams
 from memstep.events.plan import SeqPlan
-from memstep.executors.request_states import RequestStates
+from memstep.executors.runtime.request_states import RequestStates
 
 
 def plan(start: int, tokens: list[int], params: dict) -> SeqPlan:

@@ -9,11 +9,11 @@ from memstep.cli.traffic import staggered
 from memstep.core.config import EngineConfig
 from memstep.core.engine import Engine
 from memstep.core.sampling_params import SamplingParams
-from memstep.executors.inprocess import local_engine
-from memstep.executors.proposers import ngram_propose
-from memstep.executors.random_stream import ACCEPT, uniform
-from memstep.executors.sampler import Row
-from memstep.executors.spec_decode import accept_drafts, accept_greedy
+from memstep.executors.process.inprocess import local_engine
+from memstep.executors.runtime.random_stream import ACCEPT, uniform
+from memstep.executors.runtime.sampler import Row
+from memstep.executors.spec.decoder import accept_drafts, accept_greedy
+from memstep.executors.spec.proposers import ngram_propose
 
 # p0 outlasts its 3 steps alone even if every draft is accepted (1 + 2 x 5 tokens at k = 4)
 MAX_TOKENS = [20] + [6 + 3 * i for i in range(1, 8)]

@@ -14,9 +14,9 @@ from memstep.core.config import ConfigError, EngineConfig
 from memstep.core.model_source import model_config, resolve
 from memstep.core.sampling_params import SamplingParams
 from memstep.events.types import StateEntered, StateExited, StepFinished
-from memstep.executors import spec_decode
-from memstep.executors.eagle import SMOLLM2_HEAD, EagleHead, draft_context
-from memstep.executors.inprocess import local_engine
+from memstep.executors.process.inprocess import local_engine
+from memstep.executors.spec import decoder as spec_decode
+from memstep.executors.spec.eagle import SMOLLM2_HEAD, EagleHead, draft_context
 from memstep.states.arena import Arena
 from memstep.states.kinds import KindEnv, Spec
 
@@ -204,7 +204,7 @@ def test_a_head_for_another_model_or_none_is_a_clear_error(tmp_path):
 
 def test_drafts_on_the_calling_thread_alone_are_the_pool_s(chat_prompts, monkeypatch):
     """Where the pool's threads sleep between regions (the executor's passive policy), the
-    head drafts on the calling thread alone (executors/threads.small_work): the same drafts,
+    head drafts on the calling thread alone (executors/cpu/threads.small_work): the same drafts,
     accepted as often, and the same tokens as on the pool."""
     params = SamplingParams(max_tokens=24)
 

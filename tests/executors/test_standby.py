@@ -12,8 +12,8 @@ import pytest
 
 from memstep.core.config import EngineConfig
 from memstep.core.recovery import ExecutorDown
-from memstep.executors.remote import ExecutorFailed, ProcessExecutor
-from memstep.executors.standby import StandbyExecutors
+from memstep.executors.process.remote import ExecutorFailed, ProcessExecutor
+from memstep.executors.process.standby import StandbyExecutors
 
 TINY = EngineConfig(model="random:tiny", num_threads=1, seed=1)
 MAX_LEN = 256

@@ -20,10 +20,10 @@ from memstep.core.engine import Engine
 from memstep.core.sampling_params import SamplingParams
 from memstep.events.plan import StepPlan, StepResult
 from memstep.events.types import ExecutorLost, LeakSuspected, RecoveryDone
-from memstep.executors.inprocess import InProcessExecutor, local_engine
-from memstep.executors.local_ranks import loopback_init_method
-from memstep.executors.rank_group import BROKEN_EXIT_CODE
-from memstep.executors.remote import ProcessExecutor
+from memstep.executors.model.rank_group import BROKEN_EXIT_CODE
+from memstep.executors.process.inprocess import InProcessExecutor, local_engine
+from memstep.executors.process.local_ranks import loopback_init_method
+from memstep.executors.process.remote import ProcessExecutor
 
 TINY = EngineConfig(model="random:tiny", num_threads=1, seed=5)  # 4 heads, 2 KV heads
 PROMPTS: list[str | list[int]] = ["hello there", [5, 17, 200, 3, 9]]

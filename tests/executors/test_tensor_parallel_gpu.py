@@ -18,7 +18,7 @@ from memstep.core.config import EngineConfig
 from memstep.core.engine import Engine
 from memstep.core.sampling_params import SamplingParams
 from memstep.events.types import ExecutorLost, LeakSuspected
-from memstep.executors.remote import ProcessExecutor
+from memstep.executors.process.remote import ProcessExecutor
 
 pytestmark = [
     pytest.mark.gpu,

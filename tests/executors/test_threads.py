@@ -11,19 +11,19 @@ import pytest
 
 from memstep.core.config import EngineConfig
 from memstep.core.engine import Engine
-from memstep.executors.remote import ProcessExecutor
-from memstep.executors.threads import (
+from memstep.executors.cpu.threads import (
     PASSIVE,
     SPIN_COUNT,
     WAIT_POLICY,
     executor_env,
     threads_sleep_when_idle,
 )
+from memstep.executors.process.remote import ProcessExecutor
 
 POLICY_AFTER = """
 import os, sys
 {before}
-from memstep.executors.threads import prefer_passive_wait
+from memstep.executors.cpu.threads import prefer_passive_wait
 prefer_passive_wait()
 print(os.environ.get("OMP_WAIT_POLICY"))
 """
@@ -82,7 +82,7 @@ def test_the_executor_process_starts_with_a_passive_policy(monkeypatch):
 def test_small_work_runs_on_one_thread_only_where_the_pool_sleeps(monkeypatch):
     import torch
 
-    from memstep.executors.threads import small_work
+    from memstep.executors.cpu.threads import small_work
 
     monkeypatch.delenv(SPIN_COUNT, raising=False)
     before = torch.get_num_threads()

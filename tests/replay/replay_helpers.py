@@ -13,8 +13,8 @@ from memstep.cli.main import main
 from memstep.core.config import EngineConfig
 from memstep.core.engine import Engine
 from memstep.core.sampling_params import SamplingParams
-from memstep.executors.inprocess import local_engine
-from memstep.executors.weights import _load_gguf
+from memstep.executors.model.weights import _load_gguf
+from memstep.executors.process.inprocess import local_engine
 from memstep.replay.recorder import open_recorder
 
 TOPICS = [
@@ -94,8 +94,9 @@ def isolate_heap() -> None:
 
     On CPU the meter leaves out every tensor alive when a worker is made (whatever earlier tests
     left alive), so it must not find its own weights among them: the weights cached by an earlier
-    engine (executors/weights.py shares them between the engines of a process) are dropped from
-    the cache.  With them, a second engine would report its live bytes without its weights
+    engine (executors/model/weights.py shares them between the engines of a process) are
+    dropped from the cache.  With them, a second engine would report its live bytes without its
+    weights
     (538 MB less for SmolLM2) and replay would differ from recording.
     """
     _load_gguf.cache_clear()

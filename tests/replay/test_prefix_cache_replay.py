@@ -11,7 +11,7 @@ from replay_helpers import isolate_heap, memstep
 from memstep.core.config import EngineConfig
 from memstep.core.sampling_params import SamplingParams
 from memstep.events.types import RequestFinished, StepFinished, StepPlanned
-from memstep.executors.inprocess import local_engine
+from memstep.executors.process.inprocess import local_engine
 from memstep.replay.recorder import open_recorder
 from memstep.replay.recording import load
 

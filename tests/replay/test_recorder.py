@@ -22,7 +22,7 @@ from memstep.events.types import (
     StepPlanned,
     is_input,
 )
-from memstep.executors.inprocess import local_engine
+from memstep.executors.process.inprocess import local_engine
 from memstep.replay.recorder import (
     DEFAULT_RECORD_PATH,
     Recorder,

@@ -12,7 +12,7 @@ from replay_helpers import isolate_heap
 from memstep.core.config import EngineConfig
 from memstep.core.sampling_params import SamplingParams
 from memstep.events.types import LeakSuspected, StepFinished
-from memstep.executors.inprocess import local_engine
+from memstep.executors.process.inprocess import local_engine
 from memstep.replay.recording import load
 from memstep.replay.replayer import replay
 

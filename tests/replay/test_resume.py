@@ -11,7 +11,7 @@ import pytest
 from memstep.core.config import EngineConfig
 from memstep.core.sampling_params import InvalidRequest, SamplingParams
 from memstep.events.types import RequestResumed
-from memstep.executors.inprocess import local_engine
+from memstep.executors.process.inprocess import local_engine
 from memstep.replay.compare import compare
 from memstep.replay.recorder import Recorder
 from memstep.replay.recording import load

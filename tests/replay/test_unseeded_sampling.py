@@ -19,7 +19,7 @@ from memstep.core.config import EngineConfig
 from memstep.core.engine import Engine
 from memstep.core.sampling_params import SamplingParams
 from memstep.events.types import RequestAdded
-from memstep.executors.inprocess import local_engine
+from memstep.executors.process.inprocess import local_engine
 from memstep.replay.compare import replayable_bytes
 from memstep.replay.recorder import open_recorder
 from memstep.replay.recording import load

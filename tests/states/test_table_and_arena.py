@@ -10,7 +10,7 @@ import torch
 
 from memstep.core.config import EngineConfig
 from memstep.core.sampling_params import SamplingParams
-from memstep.executors.inprocess import local_engine
+from memstep.executors.process.inprocess import local_engine
 from memstep.states import catalog
 from memstep.states import kinds as kinds_module
 from memstep.states.arena import Arena, ArenaFull

@@ -1,0 +1,265 @@
+"""Load a model's tensors into memstep's layout: fused qkv and gate_up, [out, in] matrices.
+
+Names: `embed`, `norm`, `lm_head` (absent when tied), and per layer `layers.{i}.attn_norm`,
+`.wqkv`, `.wo`, `.mlp_norm`, `.w_gate_up`, `.w_down`.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from memstep.core.model_config import ModelConfig
+from memstep.core.model_source import ModelError, ModelSource, read_gguf
+from memstep.executors.model import quant_linear as ql
+from memstep.executors.model.sharding import Shard
+
+Weights = dict[str, torch.Tensor]
+
+_GGUF_LAYER = {
+    "attn_norm": "attn_norm.weight",
+    "q": "attn_q.weight",
+    "k": "attn_k.weight",
+    "v": "attn_v.weight",
+    "wo": "attn_output.weight",
+    "mlp_norm": "ffn_norm.weight",
+    "gate": "ffn_gate.weight",
+    "up": "ffn_up.weight",
+    "w_down": "ffn_down.weight",
+}
+HF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm.weight",
+    "q": "self_attn.q_proj.weight",
+    "k": "self_attn.k_proj.weight",
+    "v": "self_attn.v_proj.weight",
+    "wo": "self_attn.o_proj.weight",
+    "mlp_norm": "post_attention_layernorm.weight",
+    "gate": "mlp.gate_proj.weight",
+    "up": "mlp.up_proj.weight",
+    "w_down": "mlp.down_proj.weight",
+}
+
+
+def unpermute_rotary(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's interleaved rotary layout: per head, pairs (2i, 2i+1) back to halves."""
+    out, inp = w.shape
+    head_dim = out // num_heads
+    return w.reshape(num_heads, head_dim // 2, 2, inp).transpose(1, 2).reshape(out, inp)
+
+
+# each fused tensor of a layer and the checkpoint tensors it is made of, in row order
+_FUSED = {
+    "attn_norm": ("attn_norm",),
+    "wqkv": ("q", "k", "v"),
+    "wo": ("wo",),
+    "mlp_norm": ("mlp_norm",),
+    "w_gate_up": ("gate", "up"),
+    "w_down": ("w_down",),
+}
+
+
+def _fuse_layers(
+    raw: dict[str, torch.Tensor],
+    cfg: ModelConfig,
+    prefix: str,
+    names: dict[str, str],
+    partial: bool = False,
+) -> Weights:
+    """Each layer's tensors (`prefix` formatted with the layer index, then `names[key]`), with
+    q, k, v and gate, up concatenated into the fused matrices the model multiplies by.
+    `partial`: a fused tensor whose parts are not all in `raw` is left out (and they stay)."""
+    weights: Weights = {}
+    for i in range(cfg.num_layers):
+        for fused, keys in _FUSED.items():
+            sources = [prefix.format(i=i) + names[key] for key in keys]
+            if partial and not all(src in raw for src in sources):
+                continue
+            parts = [raw.pop(src) for src in sources]
+            weights[f"layers.{i}.{fused}"] = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return weights
+
+
+@functools.lru_cache(maxsize=1)
+def _load_gguf(path: Path, cfg: ModelConfig) -> Weights:
+    """Dequantized float32 tensors, cached: engines of one process share them read-only."""
+    raw = {t.name: _dequantize(t, path) for t in read_gguf(path).tensors}
+    return _assemble_gguf(raw, cfg, path)
+
+
+@functools.lru_cache(maxsize=4)
+def gguf_is_q4_1(path: Path) -> bool:
+    """Whether every decoder matrix of the GGUF at `path` is stored in Q4_1 blocks."""
+    from gguf import GGMLQuantizationType
+
+    matrices = set(_GGUF_LAYER.values()) - {_GGUF_LAYER["attn_norm"], _GGUF_LAYER["mlp_norm"]}
+    types = [t.tensor_type for t in read_gguf(path).tensors if t.name.split(".", 2)[-1] in matrices]
+    return bool(types) and all(t == GGMLQuantizationType.Q4_1 for t in types)
+
+
+@functools.lru_cache(maxsize=1)
+def _load_gguf_q4(path: Path, cfg: ModelConfig) -> Weights:
+    """The decoder's Q4_1 matrices and a tied Q8_0 embedding's head kept in the file's blocks
+    (`quant_linear`'s q4 form), every tensor dequantized to float32 beside them (the embedding
+    for its lookup) or instead (the norms, and matrices of other types, quantized later);
+    cached as above. A fused matrix with a part of another type is dequantized whole."""
+    from gguf import GGMLQuantizationType
+
+    tensors = {t.name: t for t in read_gguf(path).tensors}
+    q4_1 = {
+        name
+        for name, t in tensors.items()
+        if t.tensor_type == GGMLQuantizationType.Q4_1 and name.startswith("blk.")
+    }
+    blocks = {name: ql.q4_1_rows(tensors[name].data) for name in q4_1}
+    fused = _assemble_gguf(blocks, cfg, path, partial=True)  # takes what it fuses from blocks
+    raw = {name: _dequantize(tensors[name], path) for name in tensors.keys() - q4_1 | blocks.keys()}
+    weights = _assemble_gguf(raw, cfg, path, partial=True)
+    weights |= {name + ".q4_1": rows for name, rows in fused.items()}
+    embed = tensors.get("token_embd.weight")
+    if cfg.tie_embeddings and embed is not None and embed.tensor_type == GGMLQuantizationType.Q8_0:
+        weights["lm_head.q8_0"] = ql.block_rows(embed.data)
+    missing = [n for n in ql.layer_matrices(cfg.num_layers) if n not in weights and n not in fused]
+    if missing or "embed" not in weights or "norm" not in weights:
+        raise ModelError(f"missing tensors for {missing[:3] or 'embed/norm'} in {path.name}")
+    return weights
+
+
+def _dequantize(t, path: Path) -> torch.Tensor:
+    from gguf import quants
+
+    try:
+        array = quants.dequantize(t.data, t.tensor_type)
+    except Exception as exc:
+        raise ModelError(f"cannot dequantize {t.name} in {path.name}: {exc}") from exc
+    return torch.from_numpy(np.array(array, dtype=np.float32))  # owned, writable
+
+
+def _assemble_gguf(
+    raw: dict[str, torch.Tensor], cfg: ModelConfig, path: Path, partial: bool = False
+) -> Weights:
+    """memstep's weights from a GGUF's tensors by name: q and k rows back from llama.cpp's
+    rotary order, then `_assemble`'s fusing."""
+    for i in range(cfg.num_layers):
+        for key, heads in (("attn_q", cfg.num_heads), ("attn_k", cfg.num_kv_heads)):
+            name = f"blk.{i}.{key}.weight"
+            if name in raw:
+                raw[name] = unpermute_rotary(raw[name], heads)
+    names = ("token_embd.weight", "output_norm.weight", "output.weight")
+    layers = ("blk.{i}.", _GGUF_LAYER)
+    return _assemble(raw, cfg, layers, names, f"{path.name} (a Llama GGUF)", partial)
+
+
+def _load_hf(folder: Path, cfg: ModelConfig) -> Weights:
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelError(f"{folder} has no *.safetensors files")
+    raw: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            raw.update(load_file(str(file)))
+        except Exception as exc:
+            raise ModelError(f"cannot read {file.name}: {exc}") from exc
+    raw = {k.removeprefix("model."): v.float() for k, v in raw.items()}
+    names = ("embed_tokens.weight", "norm.weight", "lm_head.weight")
+    layers = ("layers.{i}.", HF_LAYER_NAMES)
+    return _assemble(raw, cfg, layers, names, f"{folder} (a Llama checkpoint)")
+
+
+def _assemble(
+    raw: dict[str, torch.Tensor],
+    cfg: ModelConfig,
+    layers: tuple[str, dict[str, str]],
+    names: tuple[str, str, str],
+    what: str,
+    partial: bool = False,
+) -> Weights:
+    """The engine's weights from a checkpoint's tensors: fused layers (`layers`: the prefix and
+    names of `_fuse_layers`), then the embedding, the final norm and (untied) the head, named
+    in `names`; a missing tensor is a ModelError, or with `partial` left out."""
+    weights = _fuse_layers(raw, cfg, *layers, partial=partial)
+    own = {"embed": names[0], "norm": names[1]}
+    if not cfg.tie_embeddings:
+        own["lm_head"] = names[2]
+    try:
+        for key, name in own.items():
+            if not partial or name in raw:
+                weights[key] = raw.pop(name)
+    except KeyError as exc:
+        raise ModelError(f"missing tensor {exc} in {what}") from exc
+    return weights
+
+
+def _random(
+    cfg: ModelConfig, seed: int, dtype: torch.dtype, device: torch.device, shard: Shard
+) -> Weights:
+    """Seeded normal weights, each made whole (in the same order at any tensor-parallel size,
+    so every rank's piece is a slice of the one model) and cut to `shard` at once."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    h, d = cfg.hidden_size, cfg.head_dim
+    weights: Weights = {}
+
+    def normal(name: str, *shape: int, std: float = 0.02) -> None:
+        t = torch.empty(*shape, dtype=dtype, device=device)
+        weights[name] = shard(name, t.normal_(0.0, std, generator=gen))
+
+    def ones(name: str) -> None:
+        weights[name] = torch.ones(h, dtype=dtype, device=device)
+
+    normal("embed", cfg.vocab_size, h)
+    ones("norm")
+    if not cfg.tie_embeddings:
+        normal("lm_head", cfg.vocab_size, h)
+    qkv_out = d * (cfg.num_heads + 2 * cfg.num_kv_heads)
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        ones(p + "attn_norm")
+        normal(p + "wqkv", qkv_out, h)
+        normal(p + "wo", h, cfg.num_heads * d)
+        ones(p + "mlp_norm")
+        normal(p + "w_gate_up", 2 * cfg.intermediate_size, h)
+        normal(p + "w_down", h, cfg.intermediate_size)
+    return weights
+
+
+def load_weights(
+    source: ModelSource,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    shard: Shard | None = None,
+    quantization: str = "none",
+) -> Weights:
+    """Every tensor of the model on `device`, or this rank's piece of it (`shard`, tensor
+    parallelism): floats in `dtype`, and with `quantization` ("int8" or "q4", CPU only, one
+    rank) the decoder's matrices and the head in `quant_linear`'s forms; a GGUF's Q4_1 matrices
+    keep their own codes under q4. random: weights are made there."""
+    shard = shard or Shard(cfg)
+    if source.kind == "random":
+        weights = _random(cfg, source.weights_seed, dtype, device, shard)
+    else:
+        assert source.path is not None
+        if source.kind == "hf":
+            loaded = _load_hf(source.path, cfg)
+        elif quantization == "q4":
+            loaded = _load_gguf_q4(source.path, cfg)
+        else:
+            loaded = _load_gguf(source.path, cfg)
+        weights = {k: _placed(k, v, device, dtype, shard) for k, v in loaded.items()}
+    if quantization == "none":
+        return weights
+    return ql.quantize_weights(weights, quantization, cfg.num_layers)
+
+
+def _placed(
+    name: str, t: torch.Tensor, device: torch.device, dtype: torch.dtype, shard: Shard
+) -> torch.Tensor:
+    """A float tensor (this rank's shard of it) in `dtype` on `device`; quantized codes and
+    scales as they are (quantization runs on one rank only)."""
+    if ql.is_quantized_part(name):
+        return t.to(device=device)
+    return shard(name, t).to(device=device, dtype=dtype).contiguous()

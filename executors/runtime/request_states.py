@@ -1,0 +1,71 @@
+"""What the executor remembers about each running request between steps: its tokens.
+
+The core sends only the tokens fed each step (and, on an admission's first plan, the prefix whose
+KV cached pages hold), and the executor appends what it sampled, so that penalties and proposers
+see the whole sequence.  `forget` is called for every finished request.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from memstep.core.sampling_params import SamplingParams
+from memstep.events.plan import SeqPlan
+from memstep.executors.runtime.sampler import Row
+
+
+@attrs.define
+class RequestState:
+    tokens: list[int]
+    prompt_len: int
+    params: SamplingParams
+
+    def row(self, position: int, history: list[int]) -> Row:
+        """The sampler's row for the token at `position`, penalised by `history`."""
+        return Row(self.params, position, history, self.prompt_len)
+
+
+class RequestStates:
+    def __init__(self) -> None:
+        self._states: dict[str, RequestState] = {}
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def __getitem__(self, request_id: str) -> RequestState:
+        return self._states[request_id]
+
+    def update(self, seq: SeqPlan) -> RequestState:
+        state = self._states.get(seq.request_id)
+        if seq.start_pos == 0 or seq.params:  # a new request, or one preempted and readmitted
+            if seq.start_pos != len(seq.prefix_ids):
+                raise RuntimeError(
+                    f"{seq.request_id}: first plan starts at {seq.start_pos} but carries "
+                    f"{len(seq.prefix_ids)} cached prefix tokens"
+                )
+            params = SamplingParams.from_dict(seq.params)
+            state = RequestState(list(seq.prefix_ids), seq.prompt_len, params)
+            self._states[seq.request_id] = state
+        if state is None:
+            raise RuntimeError(
+                f"{seq.request_id}: plan continues at {seq.start_pos} a request the executor "
+                "does not know (its first plan starts at 0 and carries its sampling params)"
+            )
+        if seq.start_pos > len(state.tokens):
+            raise RuntimeError(
+                f"{seq.request_id}: plan starts at {seq.start_pos} but the executor knows "
+                f"{len(state.tokens)} tokens"
+            )
+        del state.tokens[seq.start_pos :]
+        state.tokens.extend(seq.token_ids)
+        return state
+
+    def append(self, request_id: str, tokens: list[int]) -> None:
+        """Tokens sampled this step; the next plan feeds the last of them again."""
+        self._states[request_id].tokens.extend(tokens)
+
+    def clear(self) -> None:
+        self._states.clear()
+
+    def forget(self, request_id: str) -> None:
+        self._states.pop(request_id, None)

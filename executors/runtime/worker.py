@@ -1,0 +1,388 @@
+"""The executor's worker: owns the model, the KV cache, the arena, the sampler and the kinds.
+
+It applies what the core decided: phase changes (profile, warmup, capture, shutdown), kind
+transitions (exit hook of the previous kind, enter hook of the next), and each step plan, and
+answers with sampled tokens and a real memory report.
+"""
+
+from __future__ import annotations
+
+import attrs
+import structlog
+import torch
+
+from memstep.core.config import ConfigError, EngineConfig
+from memstep.core.model_source import ModelSource, model_config, resolve
+from memstep.core.sampling_params import SamplingParams
+from memstep.core.shapes import rank_model_config
+from memstep.events.plan import PhaseReply, SeqPlan, SeqResult, StepPlan, StepResult
+from memstep.events.types import LeakSuspected, MemoryReport
+from memstep.executors.cpu import kernels as cpu_kernels
+from memstep.executors.cpu.features import has_native_bf16
+from memstep.executors.model import kv_cache
+from memstep.executors.model.llama import LlamaModel
+from memstep.executors.model.rank_group import RankGroup
+from memstep.executors.model.sharding import Shard
+from memstep.executors.model.weights import gguf_is_q4_1, load_weights
+from memstep.executors.runtime import memory
+from memstep.executors.runtime.allocator import configure_cuda_allocator
+from memstep.executors.runtime.batch_builder import build_batch
+from memstep.executors.runtime.host_allocator import HostTrim, bound_onednn_caches
+from memstep.executors.runtime.leak_detector import LeakDetector
+from memstep.executors.runtime.memory_plan import MemoryPlan, plan_memory
+from memstep.executors.runtime.request_states import RequestStates
+from memstep.executors.runtime.sampler import PendingLogprobs, Row, Sampler, to_device
+from memstep.executors.spec.eagle import draft_context
+from memstep.states.arena import Arena
+from memstep.states.catalog import make_kinds
+from memstep.states.kinds import KindEnv, Spec, StepOutputs
+from memstep.states.lifecycle import Lifecycle, growth_of
+from memstep.states.startup import Capture, Warmup
+
+log = structlog.get_logger("memstep.executor")
+
+
+def pick_device(cfg: EngineConfig) -> torch.device:
+    if cfg.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(cfg.device)
+
+
+def pick_dtype(cfg: EngineConfig, device: torch.device) -> torch.dtype:
+    """With "auto": bfloat16 on CUDA, float32 on the CPU, where q4's kernels multiply in float32
+    (int8's take bf16 rows, on the CPU's native bf16 matmuls where it has them); bf16
+    activations throughout are --dtype bfloat16."""
+    if cfg.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, cfg.dtype)  # config.DTYPES names torch dtypes
+
+
+def pick_quantization(cfg: EngineConfig, source: ModelSource, device: torch.device) -> str:
+    """With "auto": q4 for a GGUF whose decoder matrices are all Q4_1 (the shipped SmolLM2), on
+    a CPU where `cpu_kernels` built: the file's own blocks, whose greedy text equals float32's
+    on the parity test's 8 prompts over 64 tokens in float32 products (first-token log-prob
+    error 2e-5 nats; 7 of 8 in bfloat16 products, `pick_matmul_precision`) at 2.4-4x float32's
+    decode speed (benchmarks/bench_llamacpp.py), on one rank; else none."""
+    if cfg.quantization == "auto":
+        is_q4_1 = source.kind == "gguf" and source.path is not None and gguf_is_q4_1(source.path)
+        one_cpu = device.type == "cpu" and cfg.tensor_parallel_size == 1
+        return "q4" if one_cpu and is_q4_1 and cpu_kernels.available() else "none"
+    if cfg.quantization != "none" and device.type != "cpu":
+        raise ConfigError(f"quantization {cfg.quantization!r} runs on the CPU only, not {device}")
+    if cfg.quantization == "q4" and not cpu_kernels.available():
+        raise ConfigError("quantization 'q4' needs a C compiler (cc) to build its CPU kernels")
+    return cfg.quantization
+
+
+def pick_matmul_precision(cfg: EngineConfig, quantization: str) -> str:
+    """q4's products: "bfloat16" where asked, or with "auto" where the kernels run them on the
+    CPU's own bf16 dot products (AVX512-BF16) over a float32 KV cache (an fp8 cache already
+    moves log-probs by up to 0.6 nats: with bf16 products too SmolLM2 no longer answered the
+    CLI test's "What is the capital of France?" with Paris); else "float32". Only q4 has a
+    choice."""
+    if quantization != "q4":
+        return "float32"
+    if cfg.matmul_precision == "auto":
+        native = cpu_kernels.native_bf16() and cfg.kv_cache_dtype == "auto"
+        return "bfloat16" if native else "float32"
+    return cfg.matmul_precision
+
+
+class Worker:
+    """One executor rank's worker. Under tensor parallelism (`ranks`) every rank runs the same
+    plans on its shard of the model, in lock-step: the same phases, kinds and collectives, and
+    each measures and watches its own memory."""
+
+    def __init__(self, cfg: EngineConfig, max_model_len: int, ranks: RankGroup | None = None):
+        # every rank must decide alike whether a plan matches a replay ahead: off under TP
+        self.cfg = cfg if ranks is None else cfg.replace(decode_ahead=False)
+        self.ranks = ranks
+        self.max_model_len = max_model_len
+        self.device = pick_device(cfg)
+        # before the first CUDA allocation: serving's changing sizes must not take new segments
+        self.alloc_conf = configure_cuda_allocator() if self.device.type == "cuda" else ""
+        if ranks is not None:
+            self.device = ranks.device(self.device.type)  # cuda:<rank's GPU>, its NCCL group
+        self.dtype = pick_dtype(cfg, self.device)
+        self.kv_dtype = kv_cache.kv_dtype(cfg.kv_cache_dtype, self.dtype)
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        bound_onednn_caches()  # before the first matmul: their growth was the executor's RSS
+        self.host_trim = HostTrim()
+        self.meter = memory.LiveTensorMeter()
+        if self.device.type == "cpu":
+            self.meter.exclude_existing()  # before the weights: everything after is this worker's
+        self.source = resolve(cfg.model, cfg.random_weights_seed, cfg.tokenizer)
+        whole = model_config(self.source)
+        size = 1 if ranks is None else ranks.size
+        self.model_cfg = rank_model_config(whole, size)  # this rank's heads and MLP slice
+        shard = Shard(whole, 0 if ranks is None else ranks.rank, size)
+        self.quantization = pick_quantization(cfg, self.source, self.device)
+        if self.quantization != "none" and ranks is not None:
+            raise ConfigError("quantized weights run on one rank: --tensor-parallel-size 1")
+        self.matmul_precision = pick_matmul_precision(cfg, self.quantization)
+        if self.matmul_precision == "bfloat16" and not cpu_kernels.native_bf16():
+            log.warning(
+                "bfloat16 products without AVX512-BF16: summed a product at a time, several "
+                "times slower than --matmul-precision float32"
+            )
+        log.info(
+            "precision",
+            dtype=str(self.dtype).removeprefix("torch."),
+            quantization=self.quantization,
+            matmul_precision=self.matmul_precision,
+            native_bf16=has_native_bf16() if self.device.type == "cpu" else None,
+        )
+        self.weights = load_weights(
+            self.source, whole, self.dtype, self.device, shard, self.quantization
+        )
+        self.meter.adopt(list(self.weights.values()))
+        self.model = LlamaModel(
+            self.model_cfg,
+            self.weights,
+            max_model_len + 16,
+            self._kernel(),
+            ranks,
+            bf16_products=self.matmul_precision == "bfloat16",
+        )
+        self.eagle = None
+        if cfg.speculative_method == "eagle":
+            from memstep.executors.spec.decoder import eagle_head
+
+            self.eagle = eagle_head(cfg, self.model)
+            self.meter.adopt(self.eagle.tensors())
+        self.lifecycle = Lifecycle()
+        self.requests = RequestStates()
+        self.detector = LeakDetector(host_tolerance=cfg.host_leak_tolerance_mib << 20)
+        self._holdings: dict | None = None  # the kinds' holdings at the last leak report
+        self.memory_plan: MemoryPlan | None = None
+        self.spec = None
+        self.graphs = None  # CUDA: the decode graphs (graph_runner.GraphRunner), built at capture
+
+    def _kernel(self):
+        if self.device.type == "cpu":
+            usable = self.kv_dtype == torch.float32 and cpu_kernels.attends(self.model_cfg.head_dim)
+            return cpu_kernels.decode_attention if usable else None
+        from memstep.executors.cuda.kernels import paged_decode_attention
+
+        return paged_decode_attention
+
+    # --- phases ----------------------------------------------------------------------------
+
+    def enter_phase(self, phase: str, step: int) -> PhaseReply:
+        move = self.lifecycle.move(phase, step)
+        info: dict = {}
+        if phase == "profile":
+            info = self._profile()
+        elif phase == "warmup":
+            warmup = self.lifecycle.kinds["warmup"]
+            assert isinstance(warmup, Warmup)
+            info = self._warmup(warmup.dummy_hidden)
+        elif phase == "capture":
+            if self.device.type == "cuda":  # imports Triton: never on CPU
+                from memstep.executors.cuda.graph_runner import capture_phase, peak_figures
+
+                capture = self.lifecycle.kinds["capture"]
+                assert isinstance(capture, Capture)
+                self.graphs, info = capture_phase(
+                    self.cfg, self.model, self.kv, self.sampler, self.max_model_len,
+                    capture.dummy_hidden,
+                )  # fmt: skip
+                info |= peak_figures(self.device, self.memory_plan)
+                log.info("memory after capture", **peak_figures(self.device, self.memory_plan))
+            self.meter.freeze()  # start-up objects are done; measure only what serving creates
+        elif phase == "shutdown":
+            self.requests.clear()
+        return PhaseReply(phase, info, move.exited, move.entered, move.leaks)
+
+    def _profile(self) -> dict:
+        cfg, mc = self.cfg, self.model_cfg
+        head_bytes = 0 if self.eagle is None else self.eagle.nbytes
+        plan = plan_memory(
+            cfg, mc, self.max_model_len, self.model, self.dtype, self.kv_dtype, self.device,
+            head_bytes,
+        )  # fmt: skip
+        if self.ranks is not None:  # every rank holds the same pages: those that fit on each
+            plan = plan.with_blocks(self.ranks.min_int(plan.num_kv_blocks))
+        self.memory_plan = plan
+        env = KindEnv(cfg, mc, self.dtype, plan.num_kv_blocks, self.device.type, draft_context(cfg))
+        kinds = make_kinds(env)
+        self.lifecycle.install(kinds, Arena(plan.arena_bytes, self.device))
+        shape = (plan.num_kv_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim)
+        self.kv = kv_cache.allocate(mc.num_layers, shape, self.kv_dtype, self.device)
+        rows = self.cfg.max_num_seqs * (self.cfg.num_lookahead_slots + 1)
+        self.sampler = Sampler(rows, mc.vocab_size, self.device, self.model.logits_in_place)
+        if cfg.is_speculative:
+            from memstep.executors.spec.decoder import SpecDecoder, draft_model
+
+            spec = kinds["spec"]
+            assert isinstance(spec, Spec)
+            draft = draft_model(cfg, mc, self.weights, self.dtype, self.device, self.max_model_len)
+            self.spec = SpecDecoder(
+                cfg, self.model, self.forward, self.requests, self.sampler, spec, draft, self.eagle
+            )
+        info = plan.to_dict() | {"allocator_conf": self.alloc_conf}
+        if self.device.type == "cuda":
+            info["device_total_bytes"] = torch.cuda.get_device_properties(self.device).total_memory
+        log.info("memory plan", **info)
+        return info
+
+    def _warmup(self, dummy_hidden: torch.Tensor) -> dict:
+        """Run the head once at the most rows, and the sampler, every filter on, at the batch
+        sizes that meet all its allocations (`Sampler.warm_sizes`), from the warm-up kind's
+        dummy batch ([max rows, hidden], seeded noise)."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        noise = torch.Generator(device=self.device).manual_seed(0)
+        torch.randn(dummy_hidden.shape, generator=noise, out=dummy_hidden)
+        most = self.sampler.max_rows
+        dummy_logits = self.model.logits(dummy_hidden, self.sampler.logits_out(most))
+        params = SamplingParams(temperature=0.7, top_p=0.9, top_k=50, min_p=0.01, seed=0).to_dict()
+        for rows in self.sampler.warm_sizes():
+            logits = dummy_logits[:rows]
+            sp = SamplingParams.from_dict(params)
+            sample_rows = [Row(sp, 0, [], 0) for _ in range(rows)]
+            self.sampler.sample(self.sampler.distribution(logits, sample_rows), sample_rows)
+        info: dict = {}
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            info["measured_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
+        return info
+
+    # --- steps -----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        move = self.lifecycle.move(plan.kind, plan.step)
+        for request_id in plan.finished:
+            self.requests.forget(request_id)
+            if self.spec is not None:
+                self.spec.forget(request_id)
+        for seq in plan.seqs:
+            self.requests.update(seq)
+        if plan.kind == "spec" and self.spec is not None:
+            results, hidden = self.spec.run(plan)
+        else:
+            results, hidden = self._run_plain(plan.seqs)
+        for res in results:
+            self.requests.append(res.request_id, res.token_ids)
+        admitted = sum(1 for seq in plan.seqs if seq.params)
+        self.lifecycle.kinds[plan.kind].after_step(StepOutputs(hidden, hidden.shape[0], admitted))
+        del hidden
+        mem = self._measure()
+        leaks = move.leaks + self._named(self.detector.observe(plan.step, plan.kind, mem))
+        return StepResult(plan.step, plan.kind, results, mem, move.exited, move.entered, leaks)
+
+    def _named(self, leaks: list[LeakSuspected]) -> list[LeakSuspected]:
+        """Live-growth reports, with what the step kinds hold that grew since the last."""
+        if self._holdings is None or any(leak.what == "live_growth" for leak in leaks):
+            before, self._holdings = self._holdings or {}, self.lifecycle.holdings()
+            grew = growth_of(before, self._holdings)
+            leaks = [
+                attrs.evolve(leak, detail=f"{leak.detail}; grew: {grew}")
+                if leak.what == "live_growth"
+                else leak
+                for leak in leaks
+            ]
+        return leaks
+
+    def forward(
+        self, feeds: list[tuple[SeqPlan, list[int]]], ahead: bool = False
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Hidden states of the fed tokens and each feed's last row: from a decode graph, the
+        piecewise graphs (other steps, with `piecewise_graphs`) or the eager forward; the first
+        two are views of static buffers, valid until the next forward. With `ahead`, the feeds
+        that the decode step replayed ahead ran take their rows from it and only the others
+        run; the returned states then hold each feed's last row and no other (a plain step
+        samples nothing else). Without, any replay ahead is dropped."""
+        graphs = self.graphs
+        if graphs is None:
+            return self._run_feeds(feeds)
+        if not ahead:
+            graphs.drop_ahead()
+            return self._run_feeds(feeds)
+        rows = graphs.take_ahead(feeds)
+        kept = [r for r in rows if r is not None]
+        if not kept:
+            return self._run_feeds(feeds)
+        if len(kept) == len(feeds):
+            return graphs.decode.hidden, kept  # every feed replayed already
+        graphs.keep_ahead(kept)
+        hidden, rest_rows = self._run_feeds(
+            [f for f, r in zip(feeds, rows, strict=True) if r is None]
+        )
+        joined = graphs.join(len(kept), hidden, rest_rows)
+        last_rows, num_kept, num_rest = [], 0, len(kept)
+        for r in rows:
+            if r is None:
+                last_rows.append(num_rest)
+                num_rest += 1
+            else:
+                last_rows.append(num_kept)
+                num_kept += 1
+        return joined, last_rows
+
+    def _run_feeds(self, feeds: list[tuple[SeqPlan, list[int]]]) -> tuple[torch.Tensor, list[int]]:
+        """`forward` of every feed, no replay ahead taken."""
+        if self.graphs is not None and self.graphs.can_run(feeds):
+            return self.graphs.run(feeds)  # decode-only: a captured graph
+        batch, last_rows = build_batch(feeds, self.cfg.block_size, self.device)
+        pieces = self.graphs.pieces if self.graphs is not None else None
+        if pieces is not None and pieces.can_run(batch.num_tokens):
+            return pieces.run(batch), last_rows  # a view of a static buffer, as a graph's
+        return self.model.forward(batch, self.kv), last_rows
+
+    def sample_rows(self, seqs: list[SeqPlan]) -> list[Row]:
+        rows = []
+        for seq in seqs:
+            req = self.requests[seq.request_id]
+            rows.append(req.row(len(req.tokens), req.tokens))
+        return rows
+
+    def _run_plain(self, seqs: list[SeqPlan]) -> tuple[list[SeqResult], torch.Tensor]:
+        feeds = [(seq, seq.token_ids) for seq in seqs]
+        graphs = self.graphs
+        ahead = graphs is not None and self.cfg.decode_ahead
+        hidden, last_rows = self.forward(feeds, ahead)
+        sampled = [seq for seq in seqs if seq.samples]
+        picked = [row for seq, row in zip(seqs, last_rows, strict=True) if seq.samples]
+        # a decode step picks rows 0..n-1: a slice; other rows through an index the host sends
+        # without waiting (a list index would wait for the device)
+        if picked == list(range(len(picked))):
+            h = hidden[: len(picked)]
+        else:
+            h = hidden.index_select(0, to_device(picked, hidden.device, torch.int64))
+        if not sampled:
+            return [], h
+        logits = self.model.logits(h, self.sampler.logits_out(len(picked)))
+        rows = self.sample_rows(sampled)
+        want_logprobs = max(row.params.logprobs for row in rows)
+        raw = self.sampler.keep_raw(logits) if want_logprobs else None
+        pending = self.sampler.sample_logits(logits, rows)
+        figures = PendingLogprobs(raw, pending.device, want_logprobs) if raw is not None else None
+        # replay the decode step after this one's sampling sequences while the core records
+        if ahead and graphs is not None:
+            graphs.run_ahead([(seq, seq.token_ids) for seq in sampled], pending)
+        device_tokens = pending.host.values()
+        tokens = pending.settle(device_tokens)
+        logprobs = figures.rows(tokens, device_tokens) if figures is not None else None
+        results = []
+        for i, (seq, tok) in enumerate(zip(sampled, tokens, strict=True)):
+            lp = [logprobs[i]] if logprobs is not None and rows[i].params.logprobs else []
+            results.append(SeqResult(seq.request_id, [tok], lp, 0, 0))
+        return results, h
+
+    def _measure(self) -> MemoryReport:
+        if self.ranks is not None and self.device.type == "cpu":
+            self.ranks.settle()
+        figures = memory.measure(self.device, self.meter)
+        used = 0  # pages in use are the core's knowledge; it fills this in
+        return MemoryReport(
+            live_bytes=figures["live_bytes"],
+            reserved_bytes=figures["reserved_bytes"],
+            num_segments=figures["num_segments"],
+            num_allocs=figures["num_allocs"],
+            arena_claimed_bytes=self.lifecycle.claimed_bytes,
+            kv_pages_used=used,
+            executor_rss_bytes=self.host_trim.measure(),
+        )
