@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import attrs
 import torch
 import torch.nn.functional as F
 
@@ -440,7 +441,7 @@ def fp8_kv_section(cfg, ceilings: Ceilings, vocab: int, bf16_blocks: int) -> dic
     torch.cuda.reset_peak_memory_stats()  # the bf16 engine's peak is not this one's
     engine = local_engine(cfg.replace(kv_cache_dtype="fp8"))
     worker = engine.executor.worker
-    blocks = engine.memory_plan["num_kv_blocks"]
+    blocks = engine.memory_plan.num_kv_blocks
     result: dict = {"num_kv_blocks": blocks, "blocks_vs_bf16": round(blocks / bf16_blocks, 3)}
     result["peak_after_capture"] = peak_figures(worker.device, worker.memory_plan)
     result["decode_step"] = step_table(worker, ceilings, cfg.max_num_seqs)
@@ -548,7 +549,7 @@ def main() -> None:
     engine = local_engine(cfg, sinks=[sink])
     worker = engine.executor.worker
     report["engine_start_seconds"] = round(time.perf_counter() - start, 1)
-    report["memory_plan"] = engine.memory_plan
+    report["memory_plan"] = attrs.asdict(engine.memory_plan)
     report["peak_after_warmup"] = engine.warmup_info.get("measured_peak_bytes")
     report["peak_after_capture"] = peak_figures(worker.device, worker.memory_plan)
 
@@ -616,7 +617,7 @@ def main() -> None:
 
     save(report, options.out)
     if options.fp8_kv:
-        bf16_blocks = engine.memory_plan["num_kv_blocks"]
+        bf16_blocks = engine.memory_plan.num_kv_blocks
         clock.close()
         engine.shutdown()
         del engine, worker, clock

@@ -41,6 +41,7 @@ from memstep.cli.main import add_engine_arguments, config_from_args
 from memstep.core.config import ConfigError, EngineConfig
 from memstep.core.device_limits import cuda_device_bytes
 from memstep.core.engine import Engine
+from memstep.core.executor import ExecutorFactory
 from memstep.core.logging import setup_logging
 from memstep.core.recovery import ExecutorDown
 from memstep.executors.process.remote import ProcessExecutor
@@ -222,7 +223,7 @@ def _start_front(
     return front
 
 
-def _executor_factory(args: argparse.Namespace, cfg: EngineConfig) -> Any:
+def _executor_factory(args: argparse.Namespace, cfg: EngineConfig) -> ExecutorFactory:
     """Executor processes; with a loaded standby (executors/process/standby.py) on the CPU or
     if asked."""
     factory = functools.partial(

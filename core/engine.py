@@ -20,6 +20,13 @@ import structlog
 
 from memstep.core.block_manager import BlockManager
 from memstep.core.config import EngineConfig
+from memstep.core.executor import (
+    Checked,
+    ExecutorFactory,
+    OwnProcess,
+    Submits,
+    require_executor,
+)
 from memstep.core.host_memory import HostWatch, rss_bytes
 from memstep.core.model_source import model_config, resolve
 from memstep.core.outputs import Completion, RequestOutput
@@ -37,7 +44,7 @@ from memstep.core.scheduler import Scheduler, StepBatch
 from memstep.core.seeding import RequestSeeds, engine_seed
 from memstep.core.shapes import check_tensor_parallel, max_model_len
 from memstep.core.tokenizer import load_tokenizer
-from memstep.events.plan import SeqPlan, SeqResult, StepPlan, StepResult
+from memstep.events.plan import MemoryPlanned, SeqPlan, SeqResult, StepPlan, StepResult
 from memstep.events.types import (
     EngineStarted,
     ExecutorLost,
@@ -69,7 +76,7 @@ class Engine:
     def __init__(
         self,
         cfg: EngineConfig,
-        executor_factory: Callable,
+        executor_factory: ExecutorFactory,
         sinks: Iterable[Sink] = (),
     ):
         seed = engine_seed(cfg)
@@ -123,16 +130,21 @@ class Engine:
             restarted = self.recovery is not None
             first = self.recovery.kills_from if self.recovery is not None else 0
             cfg = executor_config(self.cfg, first, restarted)
-            self.executor = self.executor_factory(cfg, self.max_model_len)
+            self.executor = require_executor(self.executor_factory(cfg, self.max_model_len))
         elif stage == "profile":
-            self.memory_plan = self._phase("profile").info
+            reply = self._phase("profile")
+            if reply.memory_plan is None:
+                raise RuntimeError("the executor's profile reply has no memory plan")
+            self.memory_plan = reply.memory_plan
+            self.rank_memory_plans = reply.rank_memory_plans
+            self.emit(MemoryPlanned(self.step_no, reply.memory_plan))
         elif stage == "warmup":
             self.warmup_info = self._phase("warmup").info
         else:
             self.captured = self._phase(stage).info
 
     def _pages(self) -> BlockManager:
-        num_blocks, cfg = self.memory_plan["num_kv_blocks"], self.cfg
+        num_blocks, cfg = self.memory_plan.num_kv_blocks, self.cfg
         return BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
 
     def _lookahead(self) -> int:
@@ -264,14 +276,14 @@ class Engine:
         if planned is None:
             return False
         batch, plan = planned
-        submit = getattr(self.executor, "submit", None)
-        if submit is not None:
+        submits = isinstance(self.executor, Submits)
+        if isinstance(self.executor, Submits):
             try:
-                submit(plan)
+                self.executor.submit(plan)
             except ExecutorDown as exc:
                 self._lose(exc, "step")
                 return False
-        self._launched = (batch, plan, submit is not None)
+        self._launched = (batch, plan, submits)
         return True
 
     def finish(self) -> list[RequestOutput]:
@@ -279,7 +291,11 @@ class Engine:
         assert self._launched is not None, "finish without launch"
         (batch, plan, submitted), self._launched = self._launched, None
         try:
-            result = self.executor.collect() if submitted else self.executor.execute(plan)
+            executor = self.executor
+            if submitted and isinstance(executor, Submits):
+                result = executor.collect()
+            else:
+                result = executor.execute(plan)
         except ExecutorDown as exc:
             self._lose(exc, "step")
             return []
@@ -376,7 +392,7 @@ class Engine:
 
     def _watch_core(self, kind: str, rss: int) -> list:
         """Host growth of this process; an executor in this process reports it already."""
-        if not getattr(self.executor, "pid", None):
+        if not isinstance(self.executor, OwnProcess):
             return []
         return self.host_watch.observe(self.step_no, kind, rss)
 
@@ -469,11 +485,11 @@ class Engine:
 
     def check_executor(self) -> None:
         """Learn of a death between steps, from an executor that can tell without a call."""
-        check = getattr(self.executor, "check", None)
-        if check is None or self.recovery is not None or self.death is not None:
+        executor = self.executor
+        if not isinstance(executor, Checked) or self.recovery is not None or self.death is not None:
             return
         try:
-            check()
+            executor.check()
         except ExecutorDown as exc:
             self._lose(exc, "idle")
 

@@ -13,9 +13,9 @@ from memstep.events.types import (
     row_record,
 )
 
-# the executor link's version (ExecutorHello.protocol): 2 since SeqPlan and SeqResult travel
-# as rows
-EXECUTOR_PROTOCOL_VERSION = 2
+# the executor link's version (ExecutorHello.protocol): 3 since the memory plan travels as a
+# record (PhaseReply.memory_plan)
+EXECUTOR_PROTOCOL_VERSION = 3
 
 
 @row_record
@@ -66,6 +66,33 @@ class StepResult:
 
 
 @record
+class MemoryPlan:
+    """The executor's memory plan, measured at profile (executors/runtime/memory_plan.py): what
+    each part of the engine takes and how many KV pages fit; a value, never written into the
+    config. The core sizes its page table from it."""
+
+    weights_bytes: int
+    activation_peak_bytes: int
+    sampler_bytes: int
+    kind_buffer_bytes: dict[str, int]  # kind -> bytes of its buffers
+    arena_bytes: int
+    kv_page_bytes: int
+    num_kv_blocks: int
+    predicted_peak_bytes: int
+    graph_bytes: int = 0  # CUDA: the graphs' static buffers and pool (estimated)
+    allocator_conf: str = ""  # CUDA: PYTORCH_CUDA_ALLOC_CONF as the executor set it
+    device_total_bytes: int = 0  # CUDA: the device's memory; 0 on the CPU
+
+
+@record
+class MemoryPlanned:
+    """The memory plan as the log records it, at the step of the profile phase."""
+
+    step: int
+    plan: MemoryPlan
+
+
+@record
 class PhaseRequest:
     """Ask the executor to enter an engine phase (profile, warmup, capture, serve, shutdown)."""
 
@@ -76,7 +103,9 @@ class PhaseRequest:
 @record
 class PhaseReply:
     phase: str
-    info: dict  # phase-specific figures, e.g. the memory plan after profile
+    info: dict  # phase-specific figures (warm-up and capture)
     exited: list[StateExited]
     entered: list[StateEntered]
     leaks: list[LeakSuspected]  # buffers the exit hook released but something still holds
+    memory_plan: MemoryPlan | None = None  # after profile (rank 0's under tensor parallelism)
+    rank_memory_plans: list[MemoryPlan] = attrs.Factory(list)  # tensor parallelism: every rank's

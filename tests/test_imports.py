@@ -120,6 +120,66 @@ def test_no_folder_imports_a_folder_above_it():
     assert upward_imports(import_graph(ROOT)) == []
 
 
+# executors/ in rooms (docs/architecture.md): the model knows no device, the two backends know
+# nothing of each other, and only the process room (and the floors above executors) may use the
+# process room; every module lives in a room
+ROOMS = ("model", "runtime", "cpu", "cuda", "spec", "process")
+ROOM_MAY_NOT_IMPORT = {
+    "model": {"runtime", "cpu", "cuda", "spec", "process"},
+    "cpu": {"cuda", "process"},
+    "cuda": {"cpu", "process"},
+    "runtime": {"process"},
+    "spec": {"process"},
+    "process": set(),
+}
+
+
+def room_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "executors" else None
+
+
+def room_breaches(graph: dict[str, set[str]]) -> list[str]:
+    """Imports between executors' rooms that the rooms' rules forbid, and modules outside any
+    room."""
+    found = []
+    for src, dsts in graph.items():
+        room = room_of(src)
+        if room is None:
+            continue
+        if room not in ROOMS:
+            found.append(f"{src} is in no room")
+            continue
+        found += [f"{src} -> {dst}" for dst in dsts if room_of(dst) in ROOM_MAY_NOT_IMPORT[room]]
+    return sorted(found)
+
+
+def test_executors_rooms_keep_their_rules():
+    assert room_breaches(import_graph(ROOT)) == []
+    rooms = {p.parent.name for p in (ROOT / "executors").glob("*/__init__.py")}
+    assert rooms == set(ROOMS)
+
+
+def test_a_room_breach_is_caught(tmp_path):
+    _write(
+        tmp_path,
+        {
+            "executors/model/llama.py": "from memstep.executors.cpu.kernels import x\n",
+            "executors/cpu/kernels.py": "x = 1\n",
+            "executors/cuda/graphs.py": "from memstep.executors.cpu.kernels import x\n",
+            "executors/runtime/worker.py": "import memstep.executors.process.main\n",
+            "executors/process/main.py": "from memstep.executors.runtime import worker\n",
+            "executors/flat.py": "y = 2\n",
+        },
+    )
+    assert room_breaches(import_graph(tmp_path)) == [
+        "memstep.executors.cuda.graphs -> memstep.executors.cpu.kernels",
+        "memstep.executors.flat is in no room",
+        "memstep.executors.model.llama -> memstep.executors.cpu.kernels",
+        "memstep.executors.runtime.worker -> memstep.executors.process.main",
+    ]
+
+
 def test_every_package_folder_has_a_floor():
     folders = {p.parent.relative_to(ROOT).parts[0] for p in ROOT.glob("*/__init__.py")}
     assert folders - {"tests"} == set(FLOORS) - {""}

@@ -58,7 +58,6 @@ GROUP = 32
 # float32 d, float32 m (gguf's fp16 values, widened at load: quant_linear.q4_1_rows), 16 bytes:
 # inputs j (low nibble) and 16 + j (high)
 Q4_1_BLOCK = 24
-GGUF_Q4_1_BLOCK = 20  # as the file holds it: fp16 d, fp16 m, the same 16 bytes
 Q8_0_BLOCK = 34  # fp16 d, 32 int8
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-lm")
 # The work (the C source's units, ~30 ps of one core each) below which a kernel runs on the

@@ -19,6 +19,7 @@ import torch
 
 from memstep.core.model_config import ModelConfig
 from memstep.core.shapes import cdiv, layer_activation_elements
+from memstep.executors.cuda.backend import cuda_backend
 from memstep.executors.cuda.kernels import DecodeWorkspace, paged_decode_attention
 from memstep.executors.model.kv_cache import slot_of
 from memstep.executors.model.llama import LlamaModel
@@ -122,7 +123,7 @@ class DecodeInputs:
 
 
 class DecodeForward:
-    """The model's decode step over `DecodeInputs`: `LlamaModel.fused_layers` with the paged
+    """The model's decode step over `DecodeInputs`: `CudaBackend.fused_layers` with the paged
     decode kernel as its attention; writes `hidden[:bs]` (final-norm output).
 
     Owns the attention output (`max_seqs` rows), the split-K workspace (for the batches small
@@ -139,6 +140,7 @@ class DecodeForward:
     ):
         cfg, w = model.cfg, model.w
         self.model, self.kv, self.inputs = model, kv_caches, inputs
+        self.backend = cuda_backend(model)
         device, dtype = w["embed"].device, w["embed"].dtype
         rows, heads, head_dim = inputs.max_seqs, cfg.num_heads, cfg.head_dim
         max_context = inputs.max_blocks * inputs.block_size
@@ -171,7 +173,9 @@ class DecodeForward:
             )
 
         residual = model.embed(ins.ids[:bs])  # [bs, hidden]
-        x = model.fused_layers(residual, ins.positions[:bs], ins.slots[:bs], self.kv, attend)
+        x = self.backend.fused_layers(
+            model, residual, ins.positions[:bs], ins.slots[:bs], self.kv, attend
+        )
         return self.hidden[:bs].copy_(x)
 
 

@@ -68,6 +68,7 @@ class GraphRunner:
         block_size: int,
     ):
         device = model.w["embed"].device
+        self.model, self.kv, self.device = model, kv_caches, device
         self.sizes = capture_sizes(max_num_seqs)
         max_blocks = max_blocks_per_seq(max_model_len, lookahead, block_size)
         self.inputs = DecodeInputs(max_num_seqs, max_blocks, block_size, device)
@@ -83,6 +84,40 @@ class GraphRunner:
         # decode rows, each attending up to its own position: no eager step per verify, as
         # long as the step's rows fit the largest graph (max_num_seqs)
         self.max_feed_tokens = lookahead + 1
+
+    def forward(self, feeds: Sequence[Feed], ahead: bool) -> tuple[torch.Tensor, list[int]]:
+        """`Runner.forward`: the rows a replay ahead ran (with `ahead`), a decode graph for the
+        rest where they fit, else the piecewise graphs, else the eager forward."""
+        if not ahead:
+            self.drop_ahead()
+            return self._run_feeds(feeds)
+        rows = self.take_ahead(feeds)
+        kept = [r for r in rows if r is not None]
+        if not kept:
+            return self._run_feeds(feeds)
+        if len(kept) == len(feeds):
+            return self.decode.hidden, kept  # every feed replayed already
+        self.keep_ahead(kept)
+        rest = [f for f, r in zip(feeds, rows, strict=True) if r is None]
+        hidden, rest_rows = self._run_feeds(rest)
+        joined = self.join(len(kept), hidden, rest_rows)
+        last_rows, num_kept, num_rest = [], 0, len(kept)
+        for r in rows:  # the kept rows first, then the others, each feed's in its order
+            if r is None:
+                last_rows.append(num_rest)
+                num_rest += 1
+            else:
+                last_rows.append(num_kept)
+                num_kept += 1
+        return joined, last_rows
+
+    def _run_feeds(self, feeds: Sequence[Feed]) -> tuple[torch.Tensor, list[int]]:
+        if self.can_run(feeds):
+            return self.run(feeds)  # decode-only: a captured graph
+        batch, last_rows = build_batch(list(feeds), self.inputs.block_size, self.device)
+        if self.pieces is not None and self.pieces.can_run(batch.num_tokens):
+            return self.pieces.run(batch), last_rows  # a view of a static buffer, as a graph's
+        return self.model.forward(batch, self.kv), last_rows
 
     def padded_size(self, n: int) -> int:
         return next(s for s in self.sizes if s >= n)
@@ -227,7 +262,7 @@ def capture_phase(
     if cfg.cuda_graphs:
         info |= runner.capture()
     info["decode_ahead"] = cfg.cuda_graphs and cfg.decode_ahead  # the core reserves for it
-    model.use_decode_attention(runner.eager_attention())
+    model.backend.use_decode_attention(runner.eager_attention())
     with torch.inference_mode():
         warm_eager(cfg, model, kv, max_len)
         warm_sampler(model, sampler, runner.sizes, dummy_hidden)

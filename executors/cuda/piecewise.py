@@ -32,7 +32,8 @@ import torch
 
 from memstep.core.model_config import ModelConfig
 from memstep.core.shapes import layer_activation_elements
-from memstep.executors.model.attention import ForwardBatch, attention
+from memstep.executors.cuda.backend import cuda_backend
+from memstep.executors.model.attention import ForwardBatch
 from memstep.executors.model.llama import LlamaModel
 from memstep.states.arena import tensor_bytes
 
@@ -67,6 +68,7 @@ class PiecewiseRunner:
         cfg, embed = model.cfg, model.w["embed"]
         device, dtype = embed.device, embed.dtype
         self.model, self.kv = model, kv_caches
+        self.backend = cuda_backend(model)
         self.sizes = bucket_sizes(max_tokens)
         cap = self.sizes[-1]
         self.ids = torch.zeros(cap, dtype=torch.long, device=device)
@@ -99,13 +101,13 @@ class PiecewiseRunner:
         model, rows = self.model, slice(0, n)
         if j == 0:
             self.residual[rows].copy_(model.embed(self.ids[rows]))
-            x = model.first_norm(self.residual[rows])
+            x = self.backend.first_norm(model, self.residual[rows])
         else:
-            x = model.layer_out(j - 1, self.attn_out[rows], self.residual[rows])
+            x = self.backend.layer_out(model, j - 1, self.attn_out[rows], self.residual[rows])
         if j == model.num_layers:
             self.hidden[rows].copy_(x)
             return
-        q = model.layer_in(j, x, self.positions[rows], self.slots[rows], self.kv)
+        q = self.backend.layer_in(model, j, x, self.positions[rows], self.slots[rows], self.kv)
         self.q[rows].copy_(q)
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
@@ -118,7 +120,7 @@ class PiecewiseRunner:
             if j:  # layer j-1's attention, from the static q into the static output
                 k_cache, v_cache = self.kv[j - 1]
                 q, out = self.q[:t], self.attn_out[:t]
-                attention(q, k_cache, v_cache, batch, model.scale, model.decode_kernel, out)
+                self.backend.attend(model, q, k_cache, v_cache, batch, out)
             if graphs is None:
                 self.piece(j, n)
             else:

@@ -19,6 +19,9 @@ KV_FP8 = torch.float8_e4m3fn
 KV_FP8_MAX = 448.0
 
 
+KvCaches = list[tuple[torch.Tensor, torch.Tensor]]  # each layer's (K, V) pages
+
+
 def slot_of(table: Sequence[int], position: int, block_size: int) -> int:
     """The flat KV slot of `position` in a sequence whose pages are `table`."""
     return table[position // block_size] * block_size + position % block_size

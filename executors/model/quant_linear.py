@@ -2,7 +2,7 @@
 
 Two forms:
 
-* q4: the rows of a GGUF's blocks, multiplied in float32 by `cpu_kernels` (compiled C):
+* q4: the rows of a GGUF's blocks, multiplied in float32 by the CPU backend's C kernels:
   `NAME.q4_1` ([N, K / 32 * 24] uint8: groups of 32 inputs, w = code * d + m, the file's fp16
   d and m widened to float32 at load) for the decoder's matrices, `lm_head.q8_0` ([V, K / 32 *
   34]: w = q * d, as the file holds it) for the head, the GGUF's Q8_0 embedding (4 bits would
@@ -31,9 +31,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from memstep.executors.cpu import kernels as cpu_kernels
-
 GROUP = 32  # inputs per q4 group, as in GGUF's Q4_1
+GGUF_Q4_1_BLOCK = 20  # bytes of a Q4_1 block as the file holds it: fp16 d, fp16 m, 16 of codes
 # |error| allowed per probe output, as a fraction of its bound (see `verify`): bfloat16 rounds
 # scales, zeros and outputs to 2^-9 each
 PROBE_TOLERANCE = 2**-6
@@ -55,7 +54,7 @@ def q4_1_rows(data: np.ndarray) -> torch.Tensor:
     block) as the kernels take it ([N, K / 32 * 24]): d and m widened to float32, exactly, so
     that no matmul converts them again (Q4_BYTES in cpu/kernels.c)."""
     raw = np.asarray(data, dtype=np.uint8)
-    blocks = raw.reshape(raw.shape[0], -1, cpu_kernels.GGUF_Q4_1_BLOCK)
+    blocks = raw.reshape(raw.shape[0], -1, GGUF_Q4_1_BLOCK)
     scales = blocks[..., :4].copy().view(np.float16).astype(np.float32)  # [N, G, 2]: d, m
     return _q4_blocks(torch.from_numpy(scales), torch.from_numpy(blocks[..., 4:].copy()))
 
@@ -105,42 +104,18 @@ def is_quantized(weights: dict[str, torch.Tensor], name: str) -> bool:
     return any(name + suffix in weights for suffix in (".q4_1", ".q8_0", ".int8"))
 
 
-def make_linear(
-    weights: dict[str, torch.Tensor], name: str, dense: Callable = F.linear, bf16: bool = False
-) -> Linear:
-    """x [T, K] -> x @ W^T [T, N] for matrix `name`: its quantized form if it has one, else
-    `dense(x, weights[name])`. `bf16`: a Q4_1 or Q8_0 matrix's products in bfloat16 (x's rows
-    and the weights rounded to it, the sums float32; matmul_precision "bfloat16")."""
-    if name + ".q4_1" in weights:
-        return _q4_1_linear(weights[name + ".q4_1"], bf16)
-    if name + ".q8_0" in weights:
-        blocks = weights[name + ".q8_0"]
-        return _in_float32(lambda x: cpu_kernels.q8_0_mm(x, blocks, bf16))
+def make_linear(weights: dict[str, torch.Tensor], name: str, dense: Callable = F.linear) -> Linear:
+    """x [T, K] -> x @ W^T [T, N] for matrix `name`: its int8 form if it has one, else
+    `dense(x, weights[name])`. Q4_1 and Q8_0 block rows are the CPU backend's
+    (`executors/cpu/linear.py`)."""
+    if name + ".q4_1" in weights or name + ".q8_0" in weights:
+        raise ValueError(f"{name}: Q4_1 / Q8_0 blocks are multiplied by the CPU backend only")
     if name + ".int8" in weights:
         codes, scales = weights[name + ".int8"], weights[name + ".int8_scales"]
         int8_mm = torch.ops.aten._weight_int8pack_mm
         return _in_bf16(lambda x: int8_mm(x, codes, scales))
     w = weights[name]
     return lambda x: dense(x, w)
-
-
-def _q4_1_linear(blocks: torch.Tensor, bf16: bool) -> Linear:
-    """The kernel for every batch, prefills included: a row's bits are the same whatever it is
-    computed with (a prompt's token as it decoded), which made a request preempted and
-    recomputed, or a server resumed from its log, give the tokens of an uninterrupted run in
-    bfloat16 products too (tests/core/test_scheduler.py, tests/api/test_server_resume.py). In
-    float32 products torch's matmul over the float32 values made for the call was faster past
-    ~128 rows (0.77-0.84x the kernel's time at 512 rows, equal at 128, 1.7x slower at 32)."""
-    return _in_float32(lambda x: cpu_kernels.q4_1_mm(x, blocks, bf16))
-
-
-def _in_float32(mm: Linear) -> Linear:
-    def linear(x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return mm(x)
-        return mm(x.float()).to(x.dtype)
-
-    return linear
 
 
 def _in_bf16(mm: Linear) -> Linear:

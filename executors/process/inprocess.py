@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable
 
 from memstep.core.config import ConfigError, EngineConfig
 from memstep.core.engine import Engine
+from memstep.core.executor import ExecutorFactory
 from memstep.core.recovery import ExecutorDown
 from memstep.events.plan import PhaseReply, PhaseRequest, StepPlan, StepResult
 from memstep.executors.process.remote import ProcessExecutor
@@ -47,5 +48,7 @@ class InProcessExecutor:
 def local_engine(cfg: EngineConfig, sinks: Iterable[Callable[[object], None]] = ()) -> Engine:
     """An engine whose executor runs in this process; under tensor parallelism its ranks are
     processes (`ProcessExecutor`) whatever the caller's choice."""
-    factory = InProcessExecutor if cfg.tensor_parallel_size == 1 else ProcessExecutor
+    factory: ExecutorFactory = InProcessExecutor
+    if cfg.tensor_parallel_size > 1:
+        factory = ProcessExecutor
     return Engine(cfg, factory, sinks)

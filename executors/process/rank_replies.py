@@ -5,8 +5,8 @@ agree on what the state machine did (the kinds exited and entered, the phase) an
 rank samples whole logit rows, on the tokens.  A disagreement is an `ExecutorError` (the core
 then restarts the executor): ranks that drifted apart would compute garbage from then on.
 What is each rank's own comes back whole: every rank's memory report (`StepResult.rank_memory`),
-every rank's phase figures (`info["per_rank"]`, e.g. each rank's memory plan), and every rank's
-leak reports, named by rank.
+every rank's phase figures (`info["per_rank"]`) and memory plan (`rank_memory_plans`), and every
+rank's leak reports, named by rank.
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ def _merge(first: object, replies: list) -> object:
     if isinstance(first, PhaseReply):
         _same(replies, "phase and kinds", lambda r: (r.phase, _moves(r)))
         info = first.info | {"per_rank": [r.info for r in replies]}
-        return attrs.evolve(first, info=info, leaks=_leaks(replies))
+        plans = [r.memory_plan for r in replies if r.memory_plan is not None]
+        return attrs.evolve(first, info=info, leaks=_leaks(replies), rank_memory_plans=plans)
     if isinstance(first, ExecutorReady):
         pids = ",".join(str(r.pid) for r in replies)
         return attrs.evolve(first, device=f"{first.device} x{len(replies)} ranks (pids {pids})")

@@ -6,15 +6,13 @@ returned as a value, never written into the config.
 
 from __future__ import annotations
 
-from typing import Any
-
 import attrs
 import torch
 
 from memstep.core.config import EngineConfig
 from memstep.core.model_config import ModelConfig
 from memstep.core.shapes import cdiv, max_blocks_per_seq
-from memstep.events.plan import SeqPlan
+from memstep.events.plan import MemoryPlan, SeqPlan
 from memstep.executors.model import kv_cache
 from memstep.executors.model.attention import SHORT_QUERY
 from memstep.executors.runtime.batch_builder import build_batch
@@ -25,26 +23,11 @@ from memstep.states.catalog import KINDS
 from memstep.states.kinds import KindEnv
 
 
-@attrs.frozen
-class MemoryPlan:
-    weights_bytes: int
-    activation_peak_bytes: int
-    sampler_bytes: int
-    kind_buffer_bytes: dict  # kind -> bytes of its buffers
-    arena_bytes: int
-    kv_page_bytes: int
-    num_kv_blocks: int
-    predicted_peak_bytes: int
-    graph_bytes: int = 0  # CUDA: the graphs' static buffers and pool (estimated)
-
-    def to_dict(self) -> dict[str, Any]:
-        return attrs.asdict(self)
-
-    def with_blocks(self, num_kv_blocks: int) -> MemoryPlan:
-        """The plan with fewer KV pages (the ranks of a group agree on the smallest count)."""
-        fewer = self.num_kv_blocks - num_kv_blocks
-        predicted = self.predicted_peak_bytes - fewer * self.kv_page_bytes
-        return attrs.evolve(self, num_kv_blocks=num_kv_blocks, predicted_peak_bytes=predicted)
+def with_blocks(memory_plan: MemoryPlan, num_kv_blocks: int) -> MemoryPlan:
+    """The plan with fewer KV pages (the ranks of a group agree on the smallest count)."""
+    fewer = memory_plan.num_kv_blocks - num_kv_blocks
+    predicted = memory_plan.predicted_peak_bytes - fewer * memory_plan.kv_page_bytes
+    return attrs.evolve(memory_plan, num_kv_blocks=num_kv_blocks, predicted_peak_bytes=predicted)
 
 
 def _kv_page_bytes(cfg: EngineConfig, model: ModelConfig, dtype: torch.dtype, layers: int) -> int:

@@ -7,6 +7,8 @@ answers with sampled tokens and a real memory report.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import attrs
 import structlog
 import torch
@@ -15,7 +17,7 @@ from memstep.core.config import ConfigError, EngineConfig
 from memstep.core.model_source import ModelSource, model_config, resolve
 from memstep.core.sampling_params import SamplingParams
 from memstep.core.shapes import rank_model_config
-from memstep.events.plan import PhaseReply, SeqPlan, SeqResult, StepPlan, StepResult
+from memstep.events.plan import MemoryPlan, PhaseReply, SeqPlan, SeqResult, StepPlan, StepResult
 from memstep.events.types import LeakSuspected, MemoryReport
 from memstep.executors.cpu import kernels as cpu_kernels
 from memstep.executors.cpu.features import has_native_bf16
@@ -26,11 +28,12 @@ from memstep.executors.model.sharding import Shard
 from memstep.executors.model.weights import gguf_is_q4_1, load_weights
 from memstep.executors.runtime import memory
 from memstep.executors.runtime.allocator import configure_cuda_allocator
-from memstep.executors.runtime.batch_builder import build_batch
+from memstep.executors.runtime.backends import pick_backend
 from memstep.executors.runtime.host_allocator import HostTrim, bound_onednn_caches
 from memstep.executors.runtime.leak_detector import LeakDetector
-from memstep.executors.runtime.memory_plan import MemoryPlan, plan_memory
+from memstep.executors.runtime.memory_plan import plan_memory, with_blocks
 from memstep.executors.runtime.request_states import RequestStates
+from memstep.executors.runtime.runner import EagerRunner, Runner
 from memstep.executors.runtime.sampler import PendingLogprobs, Row, Sampler, to_device
 from memstep.executors.spec.eagle import draft_context
 from memstep.states.arena import Arena
@@ -38,6 +41,9 @@ from memstep.states.catalog import make_kinds
 from memstep.states.kinds import KindEnv, Spec, StepOutputs
 from memstep.states.lifecycle import Lifecycle, growth_of
 from memstep.states.startup import Capture, Warmup
+
+if TYPE_CHECKING:
+    from memstep.executors.cuda.graph_runner import GraphRunner
 
 log = structlog.get_logger("memstep.executor")
 
@@ -137,14 +143,11 @@ class Worker:
             self.source, whole, self.dtype, self.device, shard, self.quantization
         )
         self.meter.adopt(list(self.weights.values()))
-        self.model = LlamaModel(
-            self.model_cfg,
-            self.weights,
-            max_model_len + 16,
-            self._kernel(),
-            ranks,
+        backend = pick_backend(
+            self.device, self.model_cfg, self.weights, self.kv_dtype, ranks is None,
             bf16_products=self.matmul_precision == "bfloat16",
-        )
+        )  # fmt: skip
+        self.model = LlamaModel(self.model_cfg, self.weights, max_model_len + 16, backend, ranks)
         self.eagle = None
         if cfg.speculative_method == "eagle":
             from memstep.executors.spec.decoder import eagle_head
@@ -157,15 +160,8 @@ class Worker:
         self._holdings: dict | None = None  # the kinds' holdings at the last leak report
         self.memory_plan: MemoryPlan | None = None
         self.spec = None
-        self.graphs = None  # CUDA: the decode graphs (graph_runner.GraphRunner), built at capture
-
-    def _kernel(self):
-        if self.device.type == "cpu":
-            usable = self.kv_dtype == torch.float32 and cpu_kernels.attends(self.model_cfg.head_dim)
-            return cpu_kernels.decode_attention if usable else None
-        from memstep.executors.cuda.kernels import paged_decode_attention
-
-        return paged_decode_attention
+        self.graphs: GraphRunner | None = None  # CUDA: the decode graphs, built at capture
+        self.runner: Runner  # how steps run: eager from profile on, CUDA's graphs after capture
 
     # --- phases ----------------------------------------------------------------------------
 
@@ -173,7 +169,7 @@ class Worker:
         move = self.lifecycle.move(phase, step)
         info: dict = {}
         if phase == "profile":
-            info = self._profile()
+            self.memory_plan = self._profile()
         elif phase == "warmup":
             warmup = self.lifecycle.kinds["warmup"]
             assert isinstance(warmup, Warmup)
@@ -188,28 +184,33 @@ class Worker:
                     self.cfg, self.model, self.kv, self.sampler, self.max_model_len,
                     capture.dummy_hidden,
                 )  # fmt: skip
+                self.runner = self.graphs
                 info |= peak_figures(self.device, self.memory_plan)
                 log.info("memory after capture", **peak_figures(self.device, self.memory_plan))
             self.meter.freeze()  # start-up objects are done; measure only what serving creates
         elif phase == "shutdown":
             self.requests.clear()
-        return PhaseReply(phase, info, move.exited, move.entered, move.leaks)
+        memory_plan = self.memory_plan if phase == "profile" else None
+        return PhaseReply(phase, info, move.exited, move.entered, move.leaks, memory_plan)
 
-    def _profile(self) -> dict:
+    def _profile(self) -> MemoryPlan:
         cfg, mc = self.cfg, self.model_cfg
         head_bytes = 0 if self.eagle is None else self.eagle.nbytes
-        plan = plan_memory(
+        memory_plan = plan_memory(
             cfg, mc, self.max_model_len, self.model, self.dtype, self.kv_dtype, self.device,
             head_bytes,
         )  # fmt: skip
         if self.ranks is not None:  # every rank holds the same pages: those that fit on each
-            plan = plan.with_blocks(self.ranks.min_int(plan.num_kv_blocks))
-        self.memory_plan = plan
-        env = KindEnv(cfg, mc, self.dtype, plan.num_kv_blocks, self.device.type, draft_context(cfg))
+            fitting = self.ranks.min_int(memory_plan.num_kv_blocks)
+            memory_plan = with_blocks(memory_plan, fitting)
+        env = KindEnv(
+            cfg, mc, self.dtype, memory_plan.num_kv_blocks, self.device.type, draft_context(cfg)
+        )
         kinds = make_kinds(env)
-        self.lifecycle.install(kinds, Arena(plan.arena_bytes, self.device))
-        shape = (plan.num_kv_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim)
+        self.lifecycle.install(kinds, Arena(memory_plan.arena_bytes, self.device))
+        shape = (memory_plan.num_kv_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim)
         self.kv = kv_cache.allocate(mc.num_layers, shape, self.kv_dtype, self.device)
+        self.runner = EagerRunner(self.model, self.kv, cfg.block_size)
         rows = self.cfg.max_num_seqs * (self.cfg.num_lookahead_slots + 1)
         self.sampler = Sampler(rows, mc.vocab_size, self.device, self.model.logits_in_place)
         if cfg.is_speculative:
@@ -221,11 +222,14 @@ class Worker:
             self.spec = SpecDecoder(
                 cfg, self.model, self.forward, self.requests, self.sampler, spec, draft, self.eagle
             )
-        info = plan.to_dict() | {"allocator_conf": self.alloc_conf}
+        total = 0
         if self.device.type == "cuda":
-            info["device_total_bytes"] = torch.cuda.get_device_properties(self.device).total_memory
-        log.info("memory plan", **info)
-        return info
+            total = torch.cuda.get_device_properties(self.device).total_memory
+        memory_plan = attrs.evolve(
+            memory_plan, allocator_conf=self.alloc_conf, device_total_bytes=total
+        )
+        log.info("memory plan", **attrs.asdict(memory_plan))
+        return memory_plan
 
     def _warmup(self, dummy_hidden: torch.Tensor) -> dict:
         """Run the head once at the most rows, and the sampler, every filter on, at the batch
@@ -252,26 +256,30 @@ class Worker:
     # --- steps -----------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> StepResult:
-        move = self.lifecycle.move(plan.kind, plan.step)
-        for request_id in plan.finished:
+    def execute(self, step_plan: StepPlan) -> StepResult:
+        move = self.lifecycle.move(step_plan.kind, step_plan.step)
+        for request_id in step_plan.finished:
             self.requests.forget(request_id)
             if self.spec is not None:
                 self.spec.forget(request_id)
-        for seq in plan.seqs:
+        for seq in step_plan.seqs:
             self.requests.update(seq)
-        if plan.kind == "spec" and self.spec is not None:
-            results, hidden = self.spec.run(plan)
+        if step_plan.kind == "spec" and self.spec is not None:
+            results, hidden = self.spec.run(step_plan)
         else:
-            results, hidden = self._run_plain(plan.seqs)
+            results, hidden = self._run_plain(step_plan.seqs)
         for res in results:
             self.requests.append(res.request_id, res.token_ids)
-        admitted = sum(1 for seq in plan.seqs if seq.params)
-        self.lifecycle.kinds[plan.kind].after_step(StepOutputs(hidden, hidden.shape[0], admitted))
+        admitted = sum(1 for seq in step_plan.seqs if seq.params)
+        self.lifecycle.kinds[step_plan.kind].after_step(
+            StepOutputs(hidden, hidden.shape[0], admitted)
+        )
         del hidden
         mem = self._measure()
-        leaks = move.leaks + self._named(self.detector.observe(plan.step, plan.kind, mem))
-        return StepResult(plan.step, plan.kind, results, mem, move.exited, move.entered, leaks)
+        leaks = move.leaks + self._named(self.detector.observe(step_plan.step, step_plan.kind, mem))
+        return StepResult(
+            step_plan.step, step_plan.kind, results, mem, move.exited, move.entered, leaks
+        )
 
     def _named(self, leaks: list[LeakSuspected]) -> list[LeakSuspected]:
         """Live-growth reports, with what the step kinds hold that grew since the last."""
@@ -289,48 +297,8 @@ class Worker:
     def forward(
         self, feeds: list[tuple[SeqPlan, list[int]]], ahead: bool = False
     ) -> tuple[torch.Tensor, list[int]]:
-        """Hidden states of the fed tokens and each feed's last row: from a decode graph, the
-        piecewise graphs (other steps, with `piecewise_graphs`) or the eager forward; the first
-        two are views of static buffers, valid until the next forward. With `ahead`, the feeds
-        that the decode step replayed ahead ran take their rows from it and only the others
-        run; the returned states then hold each feed's last row and no other (a plain step
-        samples nothing else). Without, any replay ahead is dropped."""
-        graphs = self.graphs
-        if graphs is None:
-            return self._run_feeds(feeds)
-        if not ahead:
-            graphs.drop_ahead()
-            return self._run_feeds(feeds)
-        rows = graphs.take_ahead(feeds)
-        kept = [r for r in rows if r is not None]
-        if not kept:
-            return self._run_feeds(feeds)
-        if len(kept) == len(feeds):
-            return graphs.decode.hidden, kept  # every feed replayed already
-        graphs.keep_ahead(kept)
-        hidden, rest_rows = self._run_feeds(
-            [f for f, r in zip(feeds, rows, strict=True) if r is None]
-        )
-        joined = graphs.join(len(kept), hidden, rest_rows)
-        last_rows, num_kept, num_rest = [], 0, len(kept)
-        for r in rows:
-            if r is None:
-                last_rows.append(num_rest)
-                num_rest += 1
-            else:
-                last_rows.append(num_kept)
-                num_kept += 1
-        return joined, last_rows
-
-    def _run_feeds(self, feeds: list[tuple[SeqPlan, list[int]]]) -> tuple[torch.Tensor, list[int]]:
-        """`forward` of every feed, no replay ahead taken."""
-        if self.graphs is not None and self.graphs.can_run(feeds):
-            return self.graphs.run(feeds)  # decode-only: a captured graph
-        batch, last_rows = build_batch(feeds, self.cfg.block_size, self.device)
-        pieces = self.graphs.pieces if self.graphs is not None else None
-        if pieces is not None and pieces.can_run(batch.num_tokens):
-            return pieces.run(batch), last_rows  # a view of a static buffer, as a graph's
-        return self.model.forward(batch, self.kv), last_rows
+        """Hidden states of the fed tokens and each feed's last row (`Runner.forward`)."""
+        return self.runner.forward(feeds, ahead)
 
     def sample_rows(self, seqs: list[SeqPlan]) -> list[Row]:
         rows = []
@@ -341,8 +309,7 @@ class Worker:
 
     def _run_plain(self, seqs: list[SeqPlan]) -> tuple[list[SeqResult], torch.Tensor]:
         feeds = [(seq, seq.token_ids) for seq in seqs]
-        graphs = self.graphs
-        ahead = graphs is not None and self.cfg.decode_ahead
+        ahead = self.graphs is not None and self.cfg.decode_ahead
         hidden, last_rows = self.forward(feeds, ahead)
         sampled = [seq for seq in seqs if seq.samples]
         picked = [row for seq, row in zip(seqs, last_rows, strict=True) if seq.samples]
@@ -361,8 +328,8 @@ class Worker:
         pending = self.sampler.sample_logits(logits, rows)
         figures = PendingLogprobs(raw, pending.device, want_logprobs) if raw is not None else None
         # replay the decode step after this one's sampling sequences while the core records
-        if ahead and graphs is not None:
-            graphs.run_ahead([(seq, seq.token_ids) for seq in sampled], pending)
+        if ahead:
+            self.runner.run_ahead([(seq, seq.token_ids) for seq in sampled], pending)
         device_tokens = pending.host.values()
         tokens = pending.settle(device_tokens)
         logprobs = figures.rows(tokens, device_tokens) if figures is not None else None

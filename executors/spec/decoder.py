@@ -19,11 +19,13 @@ from memstep.events.plan import SeqPlan, SeqResult, StepPlan
 from memstep.executors.cpu.threads import small_work
 from memstep.executors.model.llama import LlamaModel
 from memstep.executors.model.weights import Weights
+from memstep.executors.runtime.backends import pick_backend
 from memstep.executors.runtime.batch_builder import Feed
 from memstep.executors.runtime.random_stream import ACCEPT, SAMPLE, uniform
 from memstep.executors.runtime.request_states import RequestStates
 from memstep.executors.runtime.sampler import Row, Sampler, inverse_cdf, top_logprobs
-from memstep.executors.spec.eagle import EagleHead, head_path
+from memstep.executors.spec.eagle import head_path
+from memstep.executors.spec.eagle_head import EagleHead
 from memstep.executors.spec.proposers import DraftModelProposer, EagleProposer, Kept, ngram_propose
 from memstep.states.kinds import Spec, draft_config
 
@@ -48,7 +50,9 @@ def draft_model(
         weights = load_weights(
             resolve(cfg.draft_model, cfg.random_weights_seed), dcfg, dtype, device
         )
-    return LlamaModel(dcfg, weights, max_len + cfg.num_speculative_tokens + 16)
+    # its cache is the spec kind's `draft_kv`, in the model's dtype; torch attends its rows
+    backend = pick_backend(device, dcfg, weights, dtype, decode_attention=False)
+    return LlamaModel(dcfg, weights, max_len + cfg.num_speculative_tokens + 16, backend)
 
 
 def eagle_head(cfg: EngineConfig, target: LlamaModel) -> EagleHead | None:

@@ -18,6 +18,11 @@ chunk on when it was read in a `spec` step, else from the first `spec` step's ve
 trained without the attention half (`train-draft --no-attention`) keeps none, only each
 request's hidden state (`previous_hidden_states`).
 
+This file is the head's definition: its shapes, its math in torch (`pair_input`, `qkv`,
+`block_out`, for training and for the torch backend) and its files. `eagle_head.py` loads a head
+and runs it on one of two backends chosen once: torch (`eagle_torch.py`, float or int8 rows) or
+the CPU's C kernels (`eagle_cpu.py`).
+
 The weights are trained by `memstep train-draft` (self-distillation: the target answers
 questions and reads its answers, and its own greedy choices are the labels;
 cli/draft_trainer.py) and stored as a plain `.npz` (read with `allow_pickle=False`).
@@ -33,11 +38,6 @@ import attrs
 import numpy as np
 import torch
 import torch.nn.functional as F
-
-from memstep.core.config import ConfigError
-from memstep.executors.spec import eagle_cpu
-from memstep.executors.spec.eagle_cpu import CpuHead
-from memstep.states.arena import tensor_bytes
 
 DRAFTS = Path(__file__).parent / "drafts"
 SMOLLM2_HEAD = DRAFTS / "smollm2-eagle.npz"
@@ -221,188 +221,3 @@ def save_head(path: Path, params: dict[str, torch.Tensor], vocab: torch.Tensor, 
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("wb") as fh:
         np.savez(fh, **arrays)  # type: ignore[arg-type]
-
-
-class EagleHead:
-    """A trained head over a target's embedding and output head, in the target's device and
-    dtype. Owns its small matrices and the rows of the target's head for its vocabulary.
-
-    With the attention half (`attn`), each request's context is the keys and values of the
-    pairs (the target's hidden state, the token it chose) that the head has read, held by the
-    `spec` kind (`draft_context`, [rows, 2, slots, kv heads, head dim]); `write_pairs` writes
-    them and `draft_rows` attends them. On the CPU (`int8` left None) such a head runs in the C
-    kernels (`cpu`, eagle_cpu.py); else through torch (`draft`, `keys`: in float, or int8 rows
-    with `int8`)."""
-
-    def __init__(
-        self,
-        path: Path,
-        embed: torch.Tensor,
-        head: torch.Tensor,
-        vocab_size: int,
-        eps: float,
-        kv_shape: tuple[int, int] | None = None,
-        int8: bool | None = None,
-        max_positions: int = 4096,
-    ):
-        with np.load(path, allow_pickle=False) as data:
-            arrays = {name: data[name] for name in data.files}
-        missing = [n for n in (*MATRICES, "vocab", "meta_hidden", "meta_vocab") if n not in arrays]
-        if missing:
-            raise ConfigError(f"{path.name} is not a draft head: it lacks {missing}")
-        hidden, target_vocab = int(arrays["meta_hidden"]), int(arrays["meta_vocab"])
-        if hidden != embed.shape[1] or target_vocab != vocab_size:
-            raise ConfigError(
-                f"{path.name} was trained for hidden size {hidden} and vocabulary {target_vocab}, "
-                f"not this model's {embed.shape[1]} and {vocab_size}"
-            )
-        self.attn: AttnShape | None = None
-        # trained with the prompt's pairs in its context (`train-draft --prompt-context`)
-        self.reads_prompt = "q" in arrays and bool(arrays.get("meta_prompt_context", 0))
-        names = list(MATRICES)
-        if "q" in arrays:
-            meta = [arrays["meta_" + n] for n in ("heads", "kv_heads", "head_dim", "rope_theta")]
-            self.attn = AttnShape(*(int(x) for x in meta), window=CONTEXT)  # type: ignore[misc]
-            if kv_shape is not None and (self.attn.kv_heads, self.attn.head_dim) != kv_shape:
-                raise ConfigError(f"{path.name}'s attention does not match this model's heads")
-            names += ATTENTION
-        device, dtype = embed.device, embed.dtype
-        params = {n: torch.from_numpy(arrays[n]).to(device=device, dtype=dtype) for n in names}
-        self.vocab = torch.from_numpy(arrays["vocab"]).to(device=device, dtype=torch.long)
-        self.embed = embed
-        self.eps = eps
-        self.table: Rotation | None = None  # cos and sin [max_positions, 1, d / 2]
-        if self.attn is not None:
-            self.table = self.attn.rotation(torch.arange(max_positions, device=device), dtype)
-        rows = head[self.vocab].contiguous()  # the target's head over the draft vocabulary
-        # on the CPU by default, a head with attention runs in the C kernels (eagle_cpu.py)
-        self.cpu: CpuHead | None = None
-        self.mm: Matmuls | None = None
-        if int8 is None and device.type == "cpu" and self.table is not None:
-            assert self.attn is not None
-            if eagle_cpu.takes(params, self.attn.head_dim):
-                shape = (self.attn.heads, self.attn.kv_heads, self.attn.head_dim)
-                self.cpu = CpuHead(params, rows, shape, eps, self.table)
-        if self.cpu is None:
-            self.mm = Matmuls(params, rows, device.type == "cpu" if int8 is None else int8)
-        self.params = {n: t for n, t in params.items() if t.dim() == 1}  # the norms; the rest: mm
-
-    def rotation(self, positions: torch.Tensor) -> Rotation:
-        assert self.table is not None
-        return self.table[0][positions], self.table[1][positions]
-
-    def tensors(self) -> list[torch.Tensor]:
-        table = list(self.table) if self.table is not None else []
-        held = self.cpu.tensors() if self.cpu is not None else self.matmuls.tensors()
-        return [*self.params.values(), self.vocab, *held, *table]
-
-    @property
-    def matmuls(self) -> Matmuls:
-        """The torch matrices (a head not run by the C kernels)."""
-        assert self.mm is not None, "this head runs in the C kernels (eagle_cpu.py)"
-        return self.mm
-
-    @property
-    def nbytes(self) -> int:
-        return tensor_bytes(self.tensors())
-
-    def keys(
-        self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values [N, kv heads, d] of N pairs (hidden state, the token it chose) at
-        their context positions [N]: what the context holds of them."""
-        assert self.attn is not None
-        if self.cpu is not None:  # into a context of one page per pair
-            pages = hidden.new_empty(len(tokens), 2, 1, self.attn.kv_heads, self.attn.head_dim)
-            row = torch.arange(len(tokens))
-            self.write_pairs(hidden, tokens, positions, pages, row, torch.zeros_like(row))
-            return pages[:, 0, 0], pages[:, 1, 0]
-        mm = self.matmuls
-        x = pair_input(mm, self.embed, hidden, tokens)
-        _, k, v = qkv(self.params, mm, x, self.rotation(positions), self.attn, self.eps)
-        return k, v
-
-    def write_pairs(
-        self,
-        hidden: torch.Tensor,
-        tokens: torch.Tensor,
-        positions: torch.Tensor,
-        context: torch.Tensor,
-        rows: torch.Tensor,
-        slots: torch.Tensor,
-    ) -> None:
-        """The keys and values of N pairs at their context positions [N] written into
-        `context` ([rows, 2, slots, kv heads, d], the `spec` kind's `draft_context`) at (row,
-        slot) [N] each."""
-        if self.cpu is not None:
-            self.cpu.write_pairs(self.embed, hidden, tokens, positions, context, rows, slots)
-            return
-        keys, values = self.keys(hidden, tokens, positions)
-        context[rows, 0, slots] = keys
-        context[rows, 1, slots] = values
-
-    def draft_rows(
-        self,
-        hidden: torch.Tensor,
-        tokens: torch.Tensor,
-        k: int,
-        context: torch.Tensor | None,
-        rows: list[int],
-        counts: list[int],
-    ) -> torch.Tensor:
-        """`draft` for B requests whose pairs are in `context` (the `spec` kind's
-        `draft_context`, None without attention) rows `rows`, `counts` pairs read each."""
-        if context is None or self.attn is None:
-            return self.draft(hidden, tokens, k)
-        window = self.attn.window
-        if self.cpu is not None:
-            return self.cpu.draft(
-                self.embed, self.vocab, hidden, tokens, k, context, rows, counts, window
-            )
-        device = hidden.device
-        # the whole buffer, masked, whatever the rows have read: attention of a new key length
-        # was planned anew on CUDA (62 ms a draft step, and host memory growing)
-        kv = context[torch.tensor(rows, device=device)]
-        read = torch.tensor(counts, device=device)
-        valid = torch.arange(kv.shape[2], device=device) < read.clamp(max=window).unsqueeze(1)
-        return self.draft(hidden, tokens, k, (kv, valid, read - 1))
-
-    def draft(
-        self,
-        hidden: torch.Tensor,
-        tokens: torch.Tensor,
-        k: int,
-        context: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        """[B, H] hidden states and [B] last tokens -> [B, k] greedy drafts (target ids).
-
-        With attention, `context` is (keys and values [B, 2, L, kv heads, d] holding each row's
-        pairs up to and including (hidden, token), which of the L slots hold one [B, L], and
-        that last pair's position [B]); each draft's own pair joins the keys for the next."""
-        if context is not None:
-            kv, mask, position = context
-            keys, values = kv[:, 0], kv[:, 1]  # [B, L, kv heads, d]
-        drafts = []
-        mm = self.matmuls
-        for step in range(k):
-            x = pair_input(mm, self.embed, hidden, tokens)
-            attended = None
-            if self.attn is not None:
-                assert context is not None
-                rotation = self.rotation(position + step)
-                q, key, value = qkv(self.params, mm, x, rotation, self.attn, self.eps)
-                if step > 0:  # this draft's pair: its keys join the context for the rest
-                    keys = torch.cat([keys, key.unsqueeze(1)], dim=1)
-                    values = torch.cat([values, value.unsqueeze(1)], dim=1)
-                    mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
-                attended = F.scaled_dot_product_attention(
-                    q.unsqueeze(2),  # [B, heads, 1, d]
-                    keys.transpose(1, 2),
-                    values.transpose(1, 2),
-                    attn_mask=mask[:, None, None, :],
-                    enable_gqa=True,
-                ).flatten(1)
-            hidden, logits = block_out(self.params, mm, x, attended, self.eps)
-            tokens = self.vocab[logits.argmax(dim=-1)]
-            drafts.append(tokens)
-        return torch.stack(drafts, dim=1)

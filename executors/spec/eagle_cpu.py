@@ -11,7 +11,7 @@ row ([2 row]) addresses both. The first CONTEXT slots are the ring of the pairs 
 at p % CONTEXT); the slots after them take a draft's own pairs once the ring is full, and the
 last slot takes the first draft position's pair again (it is in the ring already), read by no
 one. A draft position attends the pairs read and the chain's pairs since, the same keys as the
-float head's (`EagleHead.draft`), but for a ring that is full in the order of its slots.
+torch head's (`TorchHead.draft`), but for a ring that is full in the order of its slots.
 
 Through torch, a draft position at one row ran ~40 small ops and 7 int8 matmuls: two drafts
 took 2.4-2.8 ms on 2 cores and keeping a step's pairs 0.7; here 1.5 and 0.5 (the same drafts).
@@ -53,8 +53,12 @@ class CpuHead:
         shape: tuple[int, int, int],
         eps: float,
         table: tuple[torch.Tensor, torch.Tensor],
+        embed: torch.Tensor,
+        vocab: torch.Tensor,
+        window: int,
     ):
         heads, kv_heads, head_dim = shape
+        self.embed, self.vocab, self.window = embed, vocab, window
         hidden = params["fc"].shape[0]
         self.cfg = ModelConfig(
             num_layers=1,
@@ -80,11 +84,9 @@ class CpuHead:
     def tensors(self) -> list[torch.Tensor]:
         return [*self.layer.tensors, self.fc, self.rows, self.cos, self.sin]
 
-    def pair_input(
-        self, embed: torch.Tensor, hidden: torch.Tensor, tokens: torch.Tensor
-    ) -> torch.Tensor:
+    def pair_input(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """fc([embed(token); hidden]) [N, H] of N pairs."""
-        pairs = torch.cat([F.embedding(tokens, embed), hidden.float()], dim=-1)
+        pairs = torch.cat([F.embedding(tokens, self.embed), hidden.float()], dim=-1)
         return cpu_kernels.q8_0_mm(pairs, self.fc)
 
     def _pages(self, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,9 +95,19 @@ class CpuHead:
         pages = context.flatten(0, 1)
         return pages, pages[1:]
 
+    def keys(
+        self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [N, kv heads, d] of N pairs, written into a context of one page a
+        pair by `write_pairs`."""
+        cfg = self.cfg
+        pages = hidden.new_empty(len(tokens), 2, 1, cfg.num_kv_heads, cfg.head_dim)
+        row = torch.arange(len(tokens))
+        self.write_pairs(hidden, tokens, positions, pages, row, torch.zeros_like(row))
+        return pages[:, 0, 0], pages[:, 1, 0]
+
     def write_pairs(
         self,
-        embed: torch.Tensor,
         hidden: torch.Tensor,
         tokens: torch.Tensor,
         positions: torch.Tensor,
@@ -106,7 +118,7 @@ class CpuHead:
         """Keys and values of N pairs at their context positions [N] into `context` at (row,
         slot) [N] each: the same operations as a draft position's (`draft`), so the same bits."""
         width = context.shape[2]
-        x = self.pair_input(embed, hidden, tokens)
+        x = self.pair_input(hidden, tokens)
         normed = cpu_kernels.rms_norm(x, self.attn_norm, self.cfg.rms_eps)
         qkv = cpu_kernels.q8_0_mm(normed, self.qkv)
         keys, values = self._pages(context)
@@ -116,21 +128,18 @@ class CpuHead:
             self.cfg.num_heads,
         )  # fmt: skip
 
-    def draft(
+    def draft_rows(
         self,
-        embed: torch.Tensor,
-        vocab: torch.Tensor,
         hidden: torch.Tensor,
         tokens: torch.Tensor,
         k: int,
         context: torch.Tensor,
         rows: list[int],
         counts: list[int],
-        window: int,
     ) -> torch.Tensor:
         """[B, k] greedy drafts (target ids) from B rows' last states and tokens, their pairs'
         keys in `context` rows `rows`, `counts` pairs read each (its last: (hidden, token))."""
-        width = context.shape[2]
+        width, window = context.shape[2], self.window
         assert k <= width - window, "the context has no slots for so many drafts"
         keys, values = self._pages(context)
         caches = (_addresses(keys), _addresses(values), width)
@@ -145,9 +154,9 @@ class CpuHead:
             else:  # the chain's own pair, just past the pairs read
                 slots, lens = base + filled - 1 + u, filled + u
             where = (count - 1 + u, slots, tables, lens.to(torch.int32))
-            x = self.pair_input(embed, hidden, tokens)
+            x = self.pair_input(hidden, tokens)
             hidden = self.layer.run(x, where, caches, self.cos, self.sin, self.scale)
-            tokens = vocab[cpu_kernels.q8_0_mm(hidden, self.rows).argmax(dim=-1)]
+            tokens = self.vocab[cpu_kernels.q8_0_mm(hidden, self.rows).argmax(dim=-1)]
             drafts.append(tokens)
         return torch.stack(drafts, dim=1)
 

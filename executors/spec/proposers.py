@@ -16,7 +16,7 @@ from memstep.executors.runtime.batch_builder import build_batch
 from memstep.executors.runtime.random_stream import DRAFT
 from memstep.executors.runtime.request_states import RequestStates
 from memstep.executors.runtime.sampler import Sampler
-from memstep.executors.spec.eagle import EagleHead
+from memstep.executors.spec.eagle_head import EagleHead
 from memstep.states.kinds import Spec
 
 

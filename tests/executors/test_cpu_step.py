@@ -10,10 +10,11 @@ import torch
 
 from memstep.core.config import EngineConfig
 from memstep.core.sampling_params import SamplingParams
+from memstep.executors.cpu import backend as cpu_backend
 from memstep.executors.cpu import decode_step as cpu_step
 from memstep.executors.cpu import kernels as cpu_kernels
 from memstep.executors.cpu.decode_step import DecodeStep
-from memstep.executors.model import llama
+from memstep.executors.model import torch_backend
 from memstep.executors.process.inprocess import local_engine
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler")
@@ -40,7 +41,7 @@ def outputs(engine) -> list[tuple[list[int], list[list]]]:
 
 def test_a_decode_step_in_one_call_gives_the_kernel_by_kernel_bits(engine, monkeypatch):
     model = engine.executor.worker.model
-    assert model.decode_step is not None and model.norm is cpu_kernels.rms_norm
+    assert model.backend.one_call is not None  # the q4 model's layers in C
     calls = []
     step = DecodeStep.__call__
     monkeypatch.setattr(DecodeStep, "__call__", lambda *a: calls.append(1) or step(*a))
@@ -49,7 +50,7 @@ def test_a_decode_step_in_one_call_gives_the_kernel_by_kernel_bits(engine, monke
     monkeypatch.setattr(DecodeStep, "rows", staticmethod(lambda batch, caches: None))
     assert outputs(engine) == one_call
     # the comparison sees a difference of rounding: torch's RMSNorm kernel by kernel parts
-    monkeypatch.setattr(model, "norm", llama.rms_norm)
+    monkeypatch.setattr(model.backend, "norm", torch_backend.rms_norm)
     assert outputs(engine) != one_call
 
 
@@ -86,7 +87,7 @@ def test_verify_steps_take_it_with_the_same_bits(monkeypatch):
 def test_a_cache_made_anew_is_addressed_anew(engine):
     """The step keeps the caches' addresses between calls; any cache that moved (a worker's
     cache allocated again, say after profiling) gets its addresses taken again."""
-    step = engine.executor.worker.model.decode_step
+    step = engine.executor.worker.model.backend.one_call
     first = [(torch.zeros(4), torch.zeros(4)) for _ in range(2)]
     keys, values = step._cache_pointers(first)
     assert list(keys) == [k.data_ptr() for k, _ in first]
@@ -100,8 +101,8 @@ def test_bf16_products_reach_every_matmul_but_the_head(engine):
     """The setting is the worker's and the model's: bfloat16 products move the log-probs, and
     the head (the tied Q8_0 embedding) keeps float32's."""
     worker = engine.executor.worker
-    assert worker.model.bf16_products == (worker.matmul_precision == "bfloat16")
-    other = q4_engine("float32" if worker.model.bf16_products else "bfloat16")
+    assert worker.model.backend.bf16_products == (worker.matmul_precision == "bfloat16")
+    other = q4_engine("float32" if worker.model.backend.bf16_products else "bfloat16")
     assert outputs(other) != outputs(engine)
     assert other.executor.worker.model.head is not None
     engine_head, other_head = worker.model.head, other.executor.worker.model.head
@@ -125,9 +126,9 @@ def test_a_token_read_in_a_prompt_gets_the_bits_it_decoded_with(engine, monkeypa
     assert again.token_ids == run.token_ids[cut:]
     assert again.logprobs == run.logprobs[cut:]
     # broken on purpose: a prompt's queries attended together by torch, as before
-    attend = llama.attention
+    attend = cpu_backend.attention
     monkeypatch.setattr(
-        llama, "attention", lambda *a, **k: attend(*a, **{**k, "queries_alone": False})
+        cpu_backend, "attention", lambda *a, **k: attend(*a, **{**k, "queries_alone": False})
     )
     moved = engine.generate(
         [prompt + run.token_ids[:cut]], SamplingParams(max_tokens=7, ignore_eos=True, logprobs=5)

@@ -16,11 +16,13 @@ from memstep.executors.process.inprocess import local_engine
 from memstep.executors.spec.eagle import (
     SMOLLM2_HEAD,
     AttnShape,
-    EagleHead,
     draft_context,
     init_params,
     save_head,
 )
+from memstep.executors.spec.eagle_cpu import CpuHead
+from memstep.executors.spec.eagle_head import EagleHead
+from memstep.executors.spec.eagle_torch import TorchHead
 from memstep.states.kinds import KindEnv, Spec
 
 HIDDEN, VOCAB = 64, 96
@@ -59,7 +61,8 @@ def test_training_unrolls_the_chain_that_serving_drafts(tmp_path):
     kv = torch.stack([keys, values]).unsqueeze(0)  # [1, 2, s + 1, kv heads, d]
     valid = torch.ones(1, s + 1, dtype=torch.bool)
     context = (kv, valid, torch.tensor([s]))
-    drafts = head.draft(feats[s : s + 1], tokens[s : s + 1], 3, context)[0].tolist()
+    assert isinstance(head.backend, TorchHead)
+    drafts = head.backend.draft(feats[s : s + 1], tokens[s : s + 1], 3, context)[0].tolist()
     chain = tokens.clone()
     chain[s + 1], chain[s + 2] = drafts[0], drafts[1]  # the tokens the chain read
     passes = list(
@@ -206,14 +209,14 @@ def test_off_the_c_kernels_every_draft_reads_the_whole_buffer(tmp_path, monkeypa
     62 ms a draft step."""
     head, _, _ = a_head(tmp_path)
     lengths: list[int] = []
-    draft = EagleHead.draft
+    draft = TorchHead.draft
 
     def spy(self, hidden, tokens, k, context=None):
         assert context is not None
         lengths.append(context[0].shape[2])
         return draft(self, hidden, tokens, k, context)
 
-    monkeypatch.setattr(EagleHead, "draft", spy)
+    monkeypatch.setattr(TorchHead, "draft", spy)
     context = torch.zeros(4, 2, 256 + 3, 2, 16)
     for counts in ([1, 7], [256, 300]):
         head.draft_rows(torch.randn(2, HIDDEN), torch.tensor([3, 4]), 3, context, [0, 2], counts)
@@ -236,7 +239,7 @@ def test_the_c_kernels_draft_as_the_float_head(tmp_path):
     pairs read (and other rows) left as they were by drafting."""
     floats, embed, lm_head = a_head(tmp_path)
     head = EagleHead(tmp_path / "head.npz", embed, lm_head, VOCAB, 1e-5)
-    assert head.cpu is not None and floats.cpu is None
+    assert isinstance(head.backend, CpuHead) and isinstance(floats.backend, TorchHead)
     gen = torch.Generator().manual_seed(6)
     feats = torch.randn(300, HIDDEN, generator=gen)
     tokens = torch.randint(0, VOCAB, (300,), generator=gen)

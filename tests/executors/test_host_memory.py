@@ -98,11 +98,11 @@ SHAPES = """
 import sys, torch
 from memstep.core.host_memory import rss_bytes
 from memstep.executors.runtime import host_allocator
-from memstep.executors.model.llama import wide_linear
+from memstep.executors.cpu.linear import wide_dense
 if sys.argv[1] == "bounded":
     host_allocator.bound_onednn_caches()
 torch.set_num_threads(1)
-linear = wide_linear(torch.device("cpu"), torch.float32)
+linear = wide_dense(torch.float32)
 w = torch.randn(1536, 576)  # SmolLM2's gate-up
 linear(torch.randn(3, 576), w)
 trim = host_allocator.HostTrim()

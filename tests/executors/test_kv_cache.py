@@ -73,8 +73,8 @@ def test_fp8_cache_holds_four_times_the_pages_of_fp32_in_the_same_bytes():
         engine = local_engine(cfg.replace(cpu_kv_cache_bytes=2**20, num_threads=1))
         plans[name] = engine.memory_plan
         engine.shutdown()
-    assert plans["fp8"]["kv_page_bytes"] * 4 == plans["auto"]["kv_page_bytes"]
-    assert plans["fp8"]["num_kv_blocks"] == 4 * plans["auto"]["num_kv_blocks"]
+    assert plans["fp8"].kv_page_bytes * 4 == plans["auto"].kv_page_bytes
+    assert plans["fp8"].num_kv_blocks == 4 * plans["auto"].num_kv_blocks
 
 
 # nats, on the first generated token's top-5 log-probs (SmolLM2-135M, 8 chat prompts: 0.62)

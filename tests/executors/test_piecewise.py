@@ -22,6 +22,7 @@ from memstep.executors.model.weights import load_weights
 from memstep.executors.runtime.batch_builder import build_batch
 
 pytest.importorskip("triton")
+from memstep.executors.cuda.backend import CudaBackend  # noqa: E402
 from memstep.executors.cuda.kernels import triton_available  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
@@ -45,7 +46,7 @@ def test_buckets_end_at_the_token_budget_and_steps_pad_to_the_next():
 def tiny_model() -> LlamaModel:
     cfg = PRESETS["tiny"]
     weights = load_weights(resolve("random:tiny"), cfg, torch.float32, CPU)
-    return LlamaModel(cfg, weights, max_positions=256)
+    return LlamaModel(cfg, weights, max_positions=256, backend=CudaBackend())
 
 
 def caches(model: LlamaModel) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -83,7 +84,7 @@ def test_pieces_equal_the_fused_forward_and_padding_writes_no_kv():
         batch, _ = build_batch(feeds, BLOCK, CPU, packed=True)
         assert runner.padded_size(batch.num_tokens) > batch.num_tokens
         got = runner.run(batch).clone()
-        want = model._forward_fused(batch, theirs)
+        want = model.forward(batch, theirs)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     for (k, v), (k_ref, v_ref) in zip(ours, theirs, strict=True):
         torch.testing.assert_close(k, k_ref, rtol=1e-5, atol=1e-5)
@@ -109,7 +110,7 @@ def test_a_lost_pad_slot_writes_padding_into_the_cache():
     for feeds in steps():
         batch, _ = build_batch(feeds, BLOCK, CPU, packed=True)
         runner.run(batch)
-        model._forward_fused(batch, theirs)
+        model.forward(batch, theirs)
     assert not torch.equal(ours[0][0], theirs[0][0])
 
 

@@ -16,7 +16,8 @@ from memstep.core.sampling_params import SamplingParams
 from memstep.events.types import StateEntered, StateExited, StepFinished
 from memstep.executors.process.inprocess import local_engine
 from memstep.executors.spec import decoder as spec_decode
-from memstep.executors.spec.eagle import SMOLLM2_HEAD, EagleHead, draft_context
+from memstep.executors.spec.eagle import SMOLLM2_HEAD, draft_context
+from memstep.executors.spec.eagle_head import EagleHead
 from memstep.states.arena import Arena
 from memstep.states.kinds import KindEnv, Spec
 

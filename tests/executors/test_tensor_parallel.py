@@ -59,11 +59,11 @@ def test_two_ranks_give_one_rank_s_greedy_tokens_and_each_rank_s_memory():
             assert result.rank_memory[0] == result.memory
             assert all(m.live_bytes > 0 for m in result.rank_memory)
         assert not any(r.leaks for r in executor.results), "no leak from gloo's transients"
-        per_rank = engine.memory_plan["per_rank"]
+        per_rank = engine.rank_memory_plans
         whole = local_engine(TINY).memory_plan
         # each rank holds half the KV heads, so a page is half the bytes, and half the weights
-        assert [p["kv_page_bytes"] * 2 for p in per_rank] == [whole["kv_page_bytes"]] * 2
-        assert all(p["weights_bytes"] < whole["weights_bytes"] * 0.6 for p in per_rank)
+        assert [p.kv_page_bytes * 2 for p in per_rank] == [whole.kv_page_bytes] * 2
+        assert all(p.weights_bytes < whole.weights_bytes * 0.6 for p in per_rank)
     finally:
         engine.shutdown()
 

@@ -1,0 +1,106 @@
+"""The CPU backend: the torch reference with the steps that memstep's C kernels do replaced.
+
+What it replaces is decided once, when it is made (`CpuBackend.choose`):
+* with a float32 model on one rank and a float32 KV cache: rotary + KV write in C;
+* with a C decode-attention kernel (a float32 cache): decode rows, and short queries, attended
+  in C reading the pages in place;
+* for a model whose every layer matrix is Q4_1 / Q8_0 blocks (`DecodeStep.of`): the norms and
+  silu * up in C for every batch, every query attended as a decode row of its own, and batches
+  of decode rows run as one C call (`DecodeStep`), so that a row's bits do not depend on the
+  step's kind.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from memstep.core.model_config import ModelConfig
+from memstep.executors.cpu import kernels as cpu_kernels
+from memstep.executors.cpu.decode_step import DecodeStep
+from memstep.executors.cpu.linear import cpu_linear, wide_dense
+from memstep.executors.model.attention import ForwardBatch, attention
+from memstep.executors.model.kv_cache import KvCaches
+from memstep.executors.model.quant_linear import Linear
+from memstep.executors.model.torch_backend import TorchBackend
+
+if TYPE_CHECKING:
+    from memstep.executors.model.llama import LlamaModel
+
+
+class CpuBackend(TorchBackend):
+    def __init__(
+        self,
+        decode_kernel=None,
+        c_rotary: bool = False,
+        step: DecodeStep | None = None,
+        dtype: torch.dtype = torch.float32,
+        bf16_products: bool = False,
+    ):
+        super().__init__(decode_kernel)
+        self.c_rotary = c_rotary
+        self.step = step  # the layers in C: norms and silu * up for every batch
+        # the whole step in one call, for batches of decode rows (needs C decode attention)
+        self.one_call = step if c_rotary and decode_kernel is not None else None
+        self.wide = wide_dense(dtype)
+        self.bf16_products = bf16_products
+
+    @classmethod
+    def choose(
+        cls,
+        cfg: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        kv_dtype: torch.dtype,
+        one_rank: bool,
+        bf16_products: bool = False,
+        decode_attention: bool = True,
+    ) -> CpuBackend:
+        """The C kernels wherever they apply to this model, cache and rank count (see the
+        module's docstring); `decode_attention=False` keeps torch's attention (a draft model)."""
+        dtype = weights.get("lm_head", weights["embed"]).dtype
+        built = cpu_kernels.available()
+        attends = built and kv_dtype == torch.float32 and cpu_kernels.attends(cfg.head_dim)
+        kernel = cpu_kernels.decode_attention if attends and decode_attention else None
+        compiled = built and one_rank and dtype == torch.float32
+        step = DecodeStep.of(cfg, weights, bf16_products) if compiled else None
+        c_rotary = compiled and kv_dtype == torch.float32
+        return cls(kernel, c_rotary, step, dtype, bf16_products)
+
+    def linear(self, weights: dict[str, torch.Tensor], name: str, wide: bool) -> Linear:
+        dense = self.wide if wide else torch.nn.functional.linear
+        return cpu_linear(weights, name, dense, self.bf16_products and name != "lm_head")
+
+    def decoder(
+        self, model: LlamaModel, h: torch.Tensor, batch: ForwardBatch, kv_caches: KvCaches
+    ) -> torch.Tensor:
+        if self.one_call is not None:
+            rows = self.one_call.rows(batch, kv_caches)
+            if rows is not None:
+                return self.one_call(h, batch, rows, kv_caches, model.cos, model.sin, model.scale)
+        return super().decoder(model, h, batch, kv_caches)
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if self.step is not None:
+            return cpu_kernels.rms_norm(x, weight, eps)
+        return super().norm(x, weight, eps)
+
+    def rotary(self, model: LlamaModel, batch: ForwardBatch):
+        return None if self.c_rotary else super().rotary(model, batch)
+
+    def rotate_and_write(self, model, qkv, batch, rotary, k_cache, v_cache) -> torch.Tensor:
+        if not self.c_rotary:
+            return super().rotate_and_write(model, qkv, batch, rotary, k_cache, v_cache)
+        return cpu_kernels.rope_and_write_kv(
+            qkv, model.cos, model.sin, batch.positions, batch.slot_mapping,
+            k_cache, v_cache, model.cfg.num_heads,
+        )  # fmt: skip
+
+    def attend(self, model, q, k_cache, v_cache, batch) -> torch.Tensor:
+        queries_alone = self.step is not None
+        return attention(
+            q, k_cache, v_cache, batch, model.scale, self.decode_kernel, queries_alone=queries_alone
+        )
+
+    def act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels.silu_mul(gate_up) if self.step is not None else super().act(gate_up)

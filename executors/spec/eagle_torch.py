@@ -1,0 +1,117 @@
+"""The EAGLE head in torch: its definition's math (`eagle.py`) over float matrices, or int8 rows
+with bfloat16 activations on a CPU whose C kernels do not take the head."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from memstep.executors.spec.eagle import AttnShape, Matmuls, Rotation, block_out, pair_input, qkv
+
+
+class TorchHead:
+    """`params`: the head's matrices and norms; `rows`: the target's head over the draft
+    vocabulary; `table`: rotary cos and sin [positions, 1, d / 2] (with attention)."""
+
+    def __init__(
+        self,
+        params: dict[str, torch.Tensor],
+        rows: torch.Tensor,
+        embed: torch.Tensor,
+        vocab: torch.Tensor,
+        attn: AttnShape | None,
+        table: Rotation | None,
+        eps: float,
+        int8: bool,
+    ):
+        self.mm = Matmuls(params, rows, int8)
+        self.params = {n: t for n, t in params.items() if t.dim() == 1}  # the norms; the rest: mm
+        self.embed, self.vocab, self.attn, self.table, self.eps = embed, vocab, attn, table, eps
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.params.values(), *self.mm.tensors()]
+
+    def rotation(self, positions: torch.Tensor) -> Rotation:
+        assert self.table is not None
+        return self.table[0][positions], self.table[1][positions]
+
+    def keys(
+        self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [N, kv heads, d] of N pairs (hidden state, the token it chose) at
+        their context positions [N]: what the context holds of them."""
+        assert self.attn is not None
+        x = pair_input(self.mm, self.embed, hidden, tokens)
+        _, k, v = qkv(self.params, self.mm, x, self.rotation(positions), self.attn, self.eps)
+        return k, v
+
+    def write_pairs(
+        self,
+        hidden: torch.Tensor,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        context: torch.Tensor,
+        rows: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> None:
+        keys, values = self.keys(hidden, tokens, positions)
+        context[rows, 0, slots] = keys
+        context[rows, 1, slots] = values
+
+    def draft_rows(
+        self,
+        hidden: torch.Tensor,
+        tokens: torch.Tensor,
+        k: int,
+        context: torch.Tensor,
+        rows: list[int],
+        counts: list[int],
+    ) -> torch.Tensor:
+        assert self.attn is not None
+        device = hidden.device
+        # the whole buffer, masked, whatever the rows have read: attention of a new key length
+        # was planned anew on CUDA (62 ms a draft step, and host memory growing)
+        kv = context[torch.tensor(rows, device=device)]
+        read = torch.tensor(counts, device=device)
+        valid = torch.arange(kv.shape[2], device=device) < read.clamp(max=self.attn.window)[:, None]
+        return self.draft(hidden, tokens, k, (kv, valid, read - 1))
+
+    def draft(
+        self,
+        hidden: torch.Tensor,
+        tokens: torch.Tensor,
+        k: int,
+        context: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """[B, H] hidden states and [B] last tokens -> [B, k] greedy drafts (target ids).
+
+        With attention, `context` is (keys and values [B, 2, L, kv heads, d] holding each row's
+        pairs up to and including (hidden, token), which of the L slots hold one [B, L], and
+        that last pair's position [B]); each draft's own pair joins the keys for the next."""
+        if context is not None:
+            kv, mask, position = context
+            keys, values = kv[:, 0], kv[:, 1]  # [B, L, kv heads, d]
+        drafts = []
+        mm = self.mm
+        for step in range(k):
+            x = pair_input(mm, self.embed, hidden, tokens)
+            attended = None
+            if self.attn is not None:
+                assert context is not None
+                rotation = self.rotation(position + step)
+                q, key, value = qkv(self.params, mm, x, rotation, self.attn, self.eps)
+                if step > 0:  # this draft's pair: its keys join the context for the rest
+                    keys = torch.cat([keys, key.unsqueeze(1)], dim=1)
+                    values = torch.cat([values, value.unsqueeze(1)], dim=1)
+                    mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+                attended = F.scaled_dot_product_attention(
+                    q.unsqueeze(2),  # [B, heads, 1, d]
+                    keys.transpose(1, 2),
+                    values.transpose(1, 2),
+                    attn_mask=mask[:, None, None, :],
+                    enable_gqa=True,
+                ).flatten(1)
+            hidden, logits = block_out(self.params, mm, x, attended, self.eps)
+            tokens = self.vocab[logits.argmax(dim=-1)]
+            drafts.append(tokens)
+        return torch.stack(drafts, dim=1)
