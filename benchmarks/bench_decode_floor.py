@@ -50,21 +50,19 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gpu import (  # noqa: E402
+from common import (
     CONTEXT,
     MODEL,
     OUTPUT_LEN,
     PROMPT_LEN,
     copy_bandwidth,
     decode_feeds,
+    ideal_run,
     kernel_times,
     matmul_rate,
+    median_ms,
     model_step_ms,
 )
-from bench_kernels import import_memstep, median_ms  # noqa: E402
-from bench_mixed import ideal_run  # noqa: E402
 
 MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")
 ATTENTION_KERNELS = ("_decode_kernel", "_merge_partitions_kernel")
@@ -320,7 +318,6 @@ def main() -> None:
     options = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_decode_floor needs a CUDA device")
-    import_memstep()
     import structlog
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))

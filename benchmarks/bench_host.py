@@ -36,14 +36,9 @@ import argparse
 import logging
 import random
 import statistics
-import sys
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gpu import StepClock  # noqa: E402
-from bench_kernels import import_memstep  # noqa: E402
+from common import StepClock
 
 # what a step's parts print as: StepClock's own parts, then those this script times
 LABELS = {
@@ -71,7 +66,6 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--max-model-len", type=int, default=None)
     args = ap.parse_args()
-    import_memstep()
     import structlog
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))

@@ -70,15 +70,13 @@ import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gpu import (  # noqa: E402
+from common import (
     MODEL,
-    OUTPUT_LEN,
     PROMPT_LEN,
     StepClock,
     copy_bandwidth,
     decode_feeds,
+    ideal_run,
     kernel_profile,
     kernel_times,
     matmul_rate,
@@ -86,7 +84,6 @@ from bench_gpu import (  # noqa: E402
     random_prompts,
     run_throughput,
 )
-from bench_kernels import import_memstep  # noqa: E402
 
 DECODES, CHUNK = 256, 512
 CONTEXT = 192  # the decodes' context, as bench_gpu's decode steps
@@ -189,26 +186,6 @@ def arrivals_run(engine, clock, vocab: int, running: int, per_step: int, steps: 
     }
 
 
-def ideal_run(batch: int, model_cfg, weight_bytes: int, bandwidth: float, rate: float) -> dict:
-    """An ideal engine's time for `batch` requests of PROMPT_LEN + OUTPUT_LEN tokens: the
-    prompts' FLOPs at the matmul rate (their first tokens with them), then OUTPUT_LEN - 1
-    decode steps each at its roofline."""
-    m = model_cfg
-    flops_per_token = weight_bytes  # bf16: 2 bytes a parameter, 2 FLOPs a parameter
-    prefill = batch * PROMPT_LEN * flops_per_token / rate
-    kv_per_token = m.num_layers * 2 * m.num_kv_heads * m.head_dim * 2  # bf16 K and V
-    decode = 0.0
-    for step in range(1, OUTPUT_LEN):
-        read = weight_bytes + batch * (PROMPT_LEN + step) * kv_per_token
-        decode += max(read / bandwidth, batch * flops_per_token / rate)
-    seconds = prefill + decode
-    return {
-        "prefill_s": round(prefill, 4),
-        "decode_s": round(decode, 4),
-        "tok_per_s": round(batch * OUTPUT_LEN / seconds, 1),
-    }
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("."))
@@ -223,7 +200,6 @@ def main() -> None:
     options = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_mixed needs a CUDA device")
-    import_memstep()
     import structlog
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))

@@ -54,14 +54,6 @@ TOLERANCE = 0.02  # of the largest logit
 STEP_RATIO_TARGET, ROOFLINE_TARGET = 0.6, 1.3
 
 
-def import_memstep() -> None:
-    """Import memstep from this checkout when it is not installed (the root is the package)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_kernels import import_memstep as from_checkout
-
-    from_checkout()
-
-
 # --- one rank: the probe -------------------------------------------------------------------
 
 
@@ -409,7 +401,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep-method", help=argparse.SUPPRESS)
     p.add_argument("--sweep-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    import_memstep()
     if args.probe:
         probe(args)
         return 0
