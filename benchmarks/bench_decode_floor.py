@@ -22,20 +22,6 @@ against the whole batch on one stream. The ideal counts a step at the larger of 
 KV read and its FLOPs; an engine can only get there by running attention beside the matmuls.
 
     python benchmarks/bench_decode_floor.py [--out DIR]
-
-Measured on one H200 (2026-12-02, torch 2.11 / CUDA 13, Triton 3.6; copy 4.04-4.18 TB/s, read
-4.21, bf16 matmul 768-771 TFLOP/s), two runs:
-
-- 64 rows: the layers' matmuls take 4.03 ms in the engine's graph, 4.09 ms as cuBLAS alone,
-  4.05-4.11 ms as the tuned skinny kernel and 3.96-3.99 ms with PDL; the head 0.29-0.31 ms. The
-  floor is 88.4-91.0% of the ideal (its copy bandwidth moved between the runs); the engine's
-  decode step is 5.34 ms (matmuls 4.03, attention 0.62, norms / rotary / silu 0.28, head 0.30)
-  against the floor's 4.64, and bench_mixed's 64-request run reached 74.4% that day.
-- 256 rows: the engine's graph runs the matmuls in 5.54 ms (cuBLAS alone, back to back, 6.5-6.6
-  ms), the head 0.42-0.44 ms: the floor is 82.6% of the ideal, under the 85% goal.
-- NanoFlow-style overlap at 256 (matmuls + KV reads): 8.28 ms as one batch, 11.07 as two
-  halves on one stream, 10.79 as two halves on two streams. Halving the rows halves no weight
-  read (each half reads every matrix), so overlap costs more than it hides at this size.
 """
 
 from __future__ import annotations

@@ -8,14 +8,6 @@ has drafts accepted, while the SmolLM2 EAGLE head (trained on the real model) ha
 
     python benchmarks/bench_spec_gpu.py [--model random:smollm2-135m] [--methods none,ngram,eagle]
         [--rounds 3] [--k 2]
-
-Measured on one H200 (2026-12-02), the tree before and after verify steps replayed the decode
-graphs, interleaved, two rounds (tok/s; the device's host is shared and noisy):
-
-| | none | ngram | eagle | ngram / none | eagle / none |
-|---|---|---|---|---|---|
-| before | 3,859 / 3,364 | 1,923 / 1,424 | 709 / 459 | 0.50 / 0.42 | 0.18 / 0.14 |
-| after | 4,005 / 3,453 | 4,478 / 3,509 | 869 / 701 | 1.12 / 1.02 | 0.22 / 0.20 |
 """
 
 from __future__ import annotations
