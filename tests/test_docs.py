@@ -1,10 +1,13 @@
 """The docs hold together: every relative link between README.md and docs/ reaches a file (and
 a heading, where it names one), and every `memstep COMMAND --flag` they show exists in that
-command's parser. Each check is also run on a planted mistake, to prove it fires."""
+command's parser. Measurements live in docs/benchmarks.md: no docstring of the code carries a
+dated entry, and a benchmark's docstring stays short. Each check is also run on a planted
+mistake, to prove it fires."""
 
 from __future__ import annotations
 
 import argparse
+import ast
 import functools
 import re
 from pathlib import Path
@@ -17,6 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^(```|~~~)")
 INLINE_CODE = re.compile(r"`([^`]+)`")
+DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
+MAX_BENCHMARK_DOC_LINES = 30
 COMMAND = re.compile(r"(?:^|[\s/])memstep((?:\s+--?[\w-]+(?:[ =][\w.-]+)?)*)\s+([\w-]+)(.*)")
 
 
@@ -120,6 +125,55 @@ def unknown_flags(page: Path) -> list[str]:
                 f"{page.name}: memstep {' '.join(words)} {f}" for f in flags if f not in known
             ]
     return unknown
+
+
+def docstrings(path: Path) -> list[str]:
+    """The module's, classes' and functions' docstrings of a Python file."""
+    tree = ast.parse(path.read_text(), str(path))
+    kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    return [
+        d
+        for node in ast.walk(tree)
+        if isinstance(node, kinds)
+        if (d := ast.get_docstring(node, clean=False))
+    ]
+
+
+def dated_docstrings(paths: list[Path]) -> list[str]:
+    return [f"{p.name}: {m}" for p in paths for d in docstrings(p) for m in DATE.findall(d)]
+
+
+def long_module_docstrings(paths: list[Path]) -> list[str]:
+    return [
+        f"{p.name}: {n} lines"
+        for p in paths
+        if (n := len((ast.get_docstring(ast.parse(p.read_text())) or "").splitlines()))
+        > MAX_BENCHMARK_DOC_LINES
+    ]
+
+
+def code_files() -> list[Path]:
+    """The package's, the benchmarks' and the tests' Python files (not a virtualenv's)."""
+    folders = [d for d in ROOT.iterdir() if d.is_dir() and not d.name.startswith((".", "build"))]
+    return [ROOT / "__init__.py", *(p for d in folders for p in d.rglob("*.py"))]
+
+
+def test_no_docstring_carries_a_dated_measurement():
+    assert dated_docstrings(code_files()) == []
+
+
+def test_every_benchmark_docstring_stays_short():
+    assert long_module_docstrings(sorted((ROOT / "benchmarks").glob("*.py"))) == []
+
+
+def test_a_planted_dated_entry_and_a_long_benchmark_docstring_are_caught(tmp_path):
+    bench = tmp_path / "bench_x.py"
+    body = "\n".join(f"line {i}" for i in range(MAX_BENCHMARK_DOC_LINES))
+    bench.write_text(
+        f'"""What it does.\n{body}\n"""\n\n\ndef f():\n    """Took 3 ms (2026-12-02)."""\n'
+    )
+    assert long_module_docstrings([bench]) == [f"bench_x.py: {MAX_BENCHMARK_DOC_LINES + 1} lines"]
+    assert dated_docstrings([bench]) == ["bench_x.py: 2026-12-02"]
 
 
 def test_every_link_between_the_pages_reaches_a_file_and_heading():
