@@ -13,15 +13,6 @@ core on a small machine (the core's time, not the model's, is measured).
 
     python benchmarks/bench_core_overhead.py [--requests 1000] [--steps 50] [--warmup 5]
         [--record] [--profile 25] [--num-threads 1] [--process] [--set KEY=VALUE ...]
-
-Measured 2026-12-01 on a shared 2-core EPYC, `--steps 20 --process`, four runs of each tree
-alternating, medians of the runs' medians: at 1,000 decodes a step took 64 ms (55-77) at
-1af2ea1 and 42 ms (40-46) at 46a69ed (the codec's decode pass, rows for a step's sequences,
-attention masks made where used, the sampler's batched uniforms), the core's own share 10-15
-ms in both; at 256 decodes, 14.8 ms (13.8-21.3) and 12.4 ms (10.2-17.7). The
-codec's figures for the step at 1,000: plan 126 kB -> 25 kB, encoded in 1.5-1.7 -> 0.5-0.9
-ms and decoded in 4.2-5.3 -> 2.8-4.8 ms; result 83 kB -> 15 kB, 1.0-1.8 -> 0.3-0.5 ms and
-2.9-5.3 -> 2.0-2.4 ms (at the session's start a plan decoded in 10.6-19 ms).
 """
 
 from __future__ import annotations

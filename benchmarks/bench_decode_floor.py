@@ -22,20 +22,6 @@ against the whole batch on one stream. The ideal counts a step at the larger of 
 KV read and its FLOPs; an engine can only get there by running attention beside the matmuls.
 
     python benchmarks/bench_decode_floor.py [--out DIR]
-
-Measured on one H200 (2026-12-02, torch 2.11 / CUDA 13, Triton 3.6; copy 4.04-4.18 TB/s, read
-4.21, bf16 matmul 768-771 TFLOP/s), two runs:
-
-- 64 rows: the layers' matmuls take 4.03 ms in the engine's graph, 4.09 ms as cuBLAS alone,
-  4.05-4.11 ms as the tuned skinny kernel and 3.96-3.99 ms with PDL; the head 0.29-0.31 ms. The
-  floor is 88.4-91.0% of the ideal (its copy bandwidth moved between the runs); the engine's
-  decode step is 5.34 ms (matmuls 4.03, attention 0.62, norms / rotary / silu 0.28, head 0.30)
-  against the floor's 4.64, and bench_mixed's 64-request run reached 74.4% that day.
-- 256 rows: the engine's graph runs the matmuls in 5.54 ms (cuBLAS alone, back to back, 6.5-6.6
-  ms), the head 0.42-0.44 ms: the floor is 82.6% of the ideal, under the 85% goal.
-- NanoFlow-style overlap at 256 (matmuls + KV reads): 8.28 ms as one batch, 11.07 as two
-  halves on one stream, 10.79 as two halves on two streams. Halving the rows halves no weight
-  read (each half reads every matrix), so overlap costs more than it hides at this size.
 """
 
 from __future__ import annotations
@@ -50,21 +36,19 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gpu import (  # noqa: E402
+from common import (
     CONTEXT,
     MODEL,
     OUTPUT_LEN,
     PROMPT_LEN,
     copy_bandwidth,
     decode_feeds,
+    ideal_run,
     kernel_times,
     matmul_rate,
+    median_ms,
     model_step_ms,
 )
-from bench_kernels import import_memstep, median_ms  # noqa: E402
-from bench_mixed import ideal_run  # noqa: E402
 
 MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")
 ATTENTION_KERNELS = ("_decode_kernel", "_merge_partitions_kernel")
@@ -320,7 +304,6 @@ def main() -> None:
     options = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_decode_floor needs a CUDA device")
-    import_memstep()
     import structlog
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))

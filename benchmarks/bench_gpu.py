@@ -21,7 +21,6 @@ import argparse
 import gc
 import json
 import logging
-import random
 import statistics
 import sys
 import time
@@ -31,33 +30,23 @@ from pathlib import Path
 import attrs
 import torch
 import torch.nn.functional as F
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import import_memstep, median_ms  # noqa: E402
-
-MODEL = "random:llama-3.1-8b"
-PROMPT_LEN, OUTPUT_LEN = 128, 128
-CONTEXT = PROMPT_LEN + OUTPUT_LEN // 2  # decode steps are timed at the run's middle context
-
+from common import (
+    CONTEXT,
+    MODEL,
+    OUTPUT_LEN,
+    PROMPT_LEN,
+    StepClock,
+    copy_bandwidth,
+    decode_feeds,
+    kernel_profile,
+    matmul_rate,
+    median_ms,
+    model_step_ms,
+    random_prompts,
+    run_throughput,
+)
 
 # --- ceilings ----------------------------------------------------------------------------------
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy, bytes read + written per second."""
-    src = torch.randn(2 * 2**30 // 4, device="cuda")  # 2 GiB of fp32
-    dst = torch.empty_like(src)
-    ms = median_ms(lambda: dst.copy_(src), 20, warmup=3)
-    return 2 * src.numel() * 4 / (ms / 1e3)
-
-
-def matmul_rate() -> float:
-    """bf16 8192^3 matrix product on random data, FLOP/s."""
-    n = 8192
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    ms = median_ms(lambda: a @ b, 20, warmup=3)
-    return 2 * n**3 / (ms / 1e3)
 
 
 def gemm_table(weights: dict, bandwidth: float, rate: float) -> list[dict]:
@@ -91,11 +80,6 @@ def gemm_table(weights: dict, bandwidth: float, rate: float) -> list[dict]:
 
 
 # --- Hugging Face ------------------------------------------------------------------------------
-
-
-def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
 
 
 def hf_generate_seconds(model, prompts: list[list[int]], new_tokens: int) -> float:
@@ -143,177 +127,6 @@ def bench_hf(weights, model_cfg, vocab: int, repeats: int) -> dict:
 
 
 # --- memstep -----------------------------------------------------------------------------------
-
-
-_INHERITED = object()  # a wrapped method that its object did not hold itself (its class's)
-
-
-class StepClock:
-    """Wall time per engine step, split into executor model forward, sampler and the rest."""
-
-    def __init__(self, engine):
-        self.engine = engine
-        self.records: list[dict] = []
-        self._parts: dict[str, float] = {}
-        self._wrapped: list[tuple[object, str, object]] = []
-        worker = engine.executor.worker
-        self.wrap(worker, "forward")
-        self.wrap(worker.sampler, "distribution", "sampler")
-        self.wrap(worker.sampler, "sample", "sampler")
-        self.wrap(worker, "execute", "worker_execute")
-        self.wrap(engine.executor, "execute", "executor_execute")
-
-    def wrap(self, obj, name: str, key: str | None = None) -> None:
-        """Time `obj.name` (a method, or a module's function) into each step's record as `key`."""
-        inner = getattr(obj, name)
-        key = key or name
-        own = vars(obj).get(name, _INHERITED)  # a module's function, or an instance's own
-
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                self._parts[key] = self._parts.get(key, 0.0) + time.perf_counter() - start
-
-        setattr(obj, name, timed)
-        self._wrapped.append((obj, name, own))
-
-    def close(self) -> None:
-        """Unwrap: the engine's methods are its own again, and nothing here holds it."""
-        for obj, name, own in reversed(self._wrapped):
-            if own is _INHERITED:
-                delattr(obj, name)
-            else:
-                setattr(obj, name, own)
-        self._wrapped.clear()
-
-    def step(self):
-        self._parts = {}
-        batch = len(self.engine.scheduler.running)
-        start = time.perf_counter()
-        outputs = self.engine.step()
-        total = time.perf_counter() - start
-        self.records.append({"batch": batch, "total": total, **self._parts})
-        return outputs
-
-
-def decode_breakdown(records: list[dict], batch: int) -> dict:
-    rows = [r for r in records if r["batch"] == batch and "forward" in r]
-    if not rows:
-        return {}
-    keys = ("total", "forward", "sampler", "worker_execute", "executor_execute")
-    med = {k: statistics.median(r.get(k, 0.0) for r in rows) * 1e3 for k in keys}
-    return {
-        "steps": len(rows),
-        "step_ms": round(med["total"], 2),
-        "forward_ms": round(med["forward"], 2),
-        "sampler_ms": round(med["sampler"], 2),
-        "rest_of_executor_ms": round(med["worker_execute"] - med["forward"] - med["sampler"], 2),
-        "codec_ms": round(med["executor_execute"] - med["worker_execute"], 2),
-        "engine_core_ms": round(med["total"] - med["executor_execute"], 2),
-    }
-
-
-def run_throughput(engine, clock: StepClock, batch: int, vocab: int, run: int = 0) -> dict:
-    """`batch` requests of PROMPT_LEN random tokens + OUTPUT_LEN, all at once. Each `run`
-    gets prompts of its own: repeated prompts would be prefix-cache hits, prefill skipped."""
-    from memstep.core.sampling_params import SamplingParams
-
-    params = SamplingParams(max_tokens=OUTPUT_LEN, ignore_eos=True)
-    for prompt in random_prompts(batch, PROMPT_LEN, vocab, 1000 * (run + 1) + batch):
-        engine.add_request(prompt, params)
-    clock.records.clear()
-    if torch.cuda.is_available():  # a CPU engine runs it in the suite
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    produced = 0
-    while engine.has_work():
-        produced += sum(len(out.new_token_ids) for out in clock.step())
-    seconds = time.perf_counter() - start
-    assert produced == batch * OUTPUT_LEN, produced
-    return {
-        "tok_per_s": round(produced / seconds, 1),
-        "seconds": round(seconds, 3),
-        "steps": len(clock.records),
-        "decode_steps": decode_breakdown(clock.records, batch),
-        "first_steps_ms": [round(r["total"] * 1e3, 1) for r in clock.records[:8]],
-        "non_decode_seconds": round(
-            sum(r["total"] for r in clock.records if r["batch"] != batch), 3
-        ),
-    }
-
-
-def decode_feeds(batch: int, context: int, block_size: int):
-    from memstep.core.shapes import cdiv
-    from memstep.events.plan import SeqPlan
-
-    pages = cdiv(context + 1, block_size)
-    return [
-        (
-            SeqPlan(f"b{i}", context, [5], list(range(i * pages, (i + 1) * pages)), True, 0, 0, {}),
-            [5],
-        )
-        for i in range(batch)
-    ]
-
-
-def model_step_ms(worker, batch: int, context: int) -> dict:
-    """Graph replay (+ the lm_head, run eagerly after it) for `batch` decodes at `context`."""
-    runner = worker.graphs
-    runner.drop_ahead()  # replays here overwrite the decode buffers
-    feeds = decode_feeds(batch, context, worker.cfg.block_size)
-    with torch.inference_mode():
-        runner.inputs.fill(feeds, runner.padded_size(batch))
-        graph = runner.graphs[runner.padded_size(batch)]
-        hidden = runner.decode.hidden[:batch]
-        replay = median_ms(graph.replay, 50, warmup=3)
-        step = median_ms(lambda: (graph.replay(), worker.model.logits(hidden)), 50, warmup=3)
-    return {"graph_ms": round(replay, 3), "graph_plus_head_ms": round(step, 3)}
-
-
-def kernel_times(fn, runs: int) -> list[dict]:
-    """CUDA time and calls per kernel name, per run of fn, over `runs` profiled runs; the
-    costliest first."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(runs):
-            fn()
-        torch.cuda.synchronize()
-    rows = []
-    for event in prof.key_averages():
-        us: float = getattr(event, "device_time_total", 0) or getattr(event, "cuda_time_total", 0)
-        if us > 0:
-            rows.append(
-                {
-                    "kernel": event.key[:90],
-                    "ms_per_run": us / runs / 1e3,
-                    "calls_per_run": event.count / runs,
-                }
-            )
-    rows.sort(key=lambda r: -r["ms_per_run"])
-    return rows
-
-
-def kernel_profile(worker, batch: int, context: int) -> list[dict]:
-    """CUDA time per kernel name over 5 eager runs of the fused decode forward at `batch`."""
-    runner = worker.graphs
-    runner.drop_ahead()  # runs here overwrite the decode buffers
-    size = runner.padded_size(batch)
-    with torch.inference_mode():
-        runner.inputs.fill(decode_feeds(batch, context, worker.cfg.block_size), size)
-        runner.decode(size)
-        rows = kernel_times(lambda: runner.decode(size), 5)
-    return [
-        {
-            "kernel": r["kernel"],
-            "ms_per_step": round(r["ms_per_run"], 4),
-            "calls_per_step": r["calls_per_run"],
-        }
-        for r in rows[:15]
-    ]
 
 
 def attention_sweep(worker) -> list[dict]:
@@ -500,7 +313,6 @@ def main() -> None:
     options = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_gpu needs a CUDA device")
-    import_memstep()
     import structlog
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))

@@ -12,22 +12,6 @@ steps): what the step would take if the host never made the device wait.
 
     python benchmarks/bench_host.py [--model random:llama-3.1-8b] [--running 900] [--new 3]
         [--steps 40] [--max-num-seqs 1024] [--max-num-batched-tokens 8192]
-
-Measured (one H200, random:llama-3.1-8b bf16, 2026-12-02, `--running 900 --new 3`, by the
-ad-hoc timing of the same methods that this script was then written from): a mixed step
-at ~960 running took 63.7 ms, the device's kernels 38.4 ms of it; core_plan 5.7 ms (schedule
-2.1), core_record 8.3, batch building 5.7, the forward's host time 14.1 (overlapped with the
-device), sampling rows 1.0, memory measurement 0.4. With 1,000 running and the batch full, decode
-steps replayed ahead (decode-ahead) ran at the device's time, ~28 ms. A CPU check:
-`--model random:tiny --max-model-len 512`.
-
-This script on the same device, later that day, `--running 900 --new 3` (974 running), the tree
-before and after the replay ahead was taken in part by mixed steps (executors/cuda/decode_ahead.py),
-one after the other: the step 71.2 -> 43.2 ms, the executor's call 52.0 -> 25.6 ms, batch
-building 6.6 -> 4.5 ms, the forward's host time 15.6 -> 10.7 ms (a mixed step's decodes no
-longer run in it), device kernels 37.2 -> 37.6 ms a step. Both trees also print a host-growth
-report at step 61 (+89 MiB): in one process the executor's RSS is the core's too, with 974
-requests admitted during the run.
 """
 
 from __future__ import annotations
@@ -36,14 +20,9 @@ import argparse
 import logging
 import random
 import statistics
-import sys
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gpu import StepClock  # noqa: E402
-from bench_kernels import import_memstep  # noqa: E402
+from common import StepClock
 
 # what a step's parts print as: StepClock's own parts, then those this script times
 LABELS = {
@@ -71,7 +50,6 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--max-model-len", type=int, default=None)
     args = ap.parse_args()
-    import_memstep()
     import structlog
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))

@@ -16,11 +16,6 @@ seconds each process spent (core, executor, HTTP front, this client; from /proc)
 path itself costs, whatever the machine is doing.  Printed at the end: the medians, their ratio,
 and the median of each repeat's own HTTP / ZMQ ratio.
 
-Measured on the 2-core machine, quiet (load 1.2), SmolLM2 fp32, 16 concurrent, 32 x 64 tokens:
-with `--num-threads 1` (a core left for the front and the client) HTTP/ZMQ output tok/s 0.950
-(medians; 0.976 the median of the repeats' own ratios); with the executor at 2 threads 0.894,
-the front's and client's ~0.8 CPU-s a run taken from the executor's two OpenMP threads.
-
     python benchmarks/bench_http_vs_zmq.py [--model smollm2] [--num-prompts 32]
         [--concurrency 16] [--output-len 64] [--repeats 3] [--dataset synthetic] [--num-threads N]
 """

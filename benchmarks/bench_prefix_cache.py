@@ -21,33 +21,6 @@ ShareGPT run and replays the trace on a bare block manager, on and off: the fast
         [--system-tokens 1000] [--max-tokens 16] [--num-sharegpt 64]
         [--workloads shared,sharegpt,paired,bookkeeping] [--repeats 1] [--off-first]
         [--bookkeeping-reps 30] [--trace FILE] [--save-trace FILE] [--json FILE]
-
-Measured on 2026-11-30 with the defaults (SmolLM2-135M fp32, CPU, 2 threads, on a 2-core machine
-shared with other work, so wall times carry noise): shared, hit rate 96.7%: mean TTFT 42.6 s on
-against 522.9 s off (12.3x), 10.56 against 1.43 output tok/s (7.4x); ShareGPT, no hits: 39.55
-against 42.23 tok/s (0.94x), and 0.94x again with the off run first (OpenMP threads then spun).
-
-Measured on 2026-12-01, ShareGPT with `--num-sharegpt 16` (the machine's load average 7 to 13 on
-2 cores): the block manager costs 42.9 us a step with caching on against 24.4 us off (464 against
-318 Python calls a step; 228 sha256 block hashes over the run's 22 steps), 0.0021% of the
-model's median step of 867 ms.  Paired, twice: the 22 steps took 99.9 s on, 101.4 s off (0.985,
-CPU 1.037), then 88.1 s against 86.8 s (1.015, CPU 0.994).  Whole runs, --repeats 3:
-throughput on/off 0.954 (CPU 1.055) starting with on, 0.809 (CPU 1.007) starting with off, where
-one setting's three runs spanned 4.40 to 7.53 tok/s: the wall-time ratios of whole runs measure
-the machine, the trace measures caching.
-
-Measured on 2026-12-01 on one H200 (`--model random:llama-3.1-8b --dtype bfloat16 --device cuda
---tokenizer tokenizer.json --dataset sharegpt7200.jsonl --max-num-seqs 256
---max-num-batched-tokens 8192 --repeats 3`): shared (64 requests, 16 tokens), hit rate 85.3%
-(the first step computes eight copies of the system prompt at once): mean TTFT 0.32 s on against
-1.13 s off (3.50x), 2,344-2,404 against 476-481 output tok/s (4.89x). ShareGPT unshared
-(`--num-sharegpt 512 --max-tokens 32`, no hit): throughput on/off 0.980 (medians 5,239 and
-5,345 tok/s; one setting's runs spanned 5,095 to 6,207), TTFT 0.992, CPU seconds 1.019. Its
-bookkeeping trace then cost 1,093 us a step on against 829 us off, 2.86% of the model's median
-9.2 ms step; the engine then called `commit` for every running request every step.  It now
-offers the prefix cache only requests whose step filled a block, and packs a span's tokens once
-for all its block hashes: on a CPU trace of the same workload (random:tiny, 65 steps) the extra
-cost a step fell from 174-190 us to 94-109 us (15,202 commits to 1,700).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ the acceptance rate and mean accepted drafts per step.
 
 The engine runs as `memstep generate` does on the CPU (the GGUF's q4 blocks, the passive OpenMP
 wait policy unless the environment names one: executors/cpu/threads.py); `--threads` sets torch's
-threads (the issue's figures: 2). Before 2026-12-02 it ran with libgomp's spinning default.
+threads (the issue's figures: 2).
 """
 
 from __future__ import annotations

@@ -8,14 +8,6 @@ has drafts accepted, while the SmolLM2 EAGLE head (trained on the real model) ha
 
     python benchmarks/bench_spec_gpu.py [--model random:smollm2-135m] [--methods none,ngram,eagle]
         [--rounds 3] [--k 2]
-
-Measured on one H200 (2026-12-02), the tree before and after verify steps replayed the decode
-graphs, interleaved, two rounds (tok/s; the device's host is shared and noisy):
-
-| | none | ngram | eagle | ngram / none | eagle / none |
-|---|---|---|---|---|---|
-| before | 3,859 / 3,364 | 1,923 / 1,424 | 709 / 459 | 0.50 / 0.42 | 0.18 / 0.14 |
-| after | 4,005 / 3,453 | 4,478 / 3,509 | 869 / 701 | 1.12 / 1.02 | 0.22 / 0.20 |
 """
 
 from __future__ import annotations
@@ -28,9 +20,6 @@ import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import import_memstep  # noqa: E402
 
 STREAMS, TOKENS = 4, 64
 
@@ -79,7 +68,6 @@ def main() -> None:
     options = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_spec_gpu needs a CUDA device")
-    import_memstep()
     import structlog
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))

@@ -6,10 +6,9 @@ Sections (each a `section` entry of `bench_tp.json`; a failing one is recorded, 
 
 * `probe_8b_tp1`, `probe_8b_tp2`: random:llama-3.1-8b in bf16 as one rank, then two.  Each rank
   is a worker in its own process (`--probe`, started here) that goes through profile, warmup
-  and capture, then measures: the logits of one fixed prompt, the decode step at batch 1 (the
-  step's forward, a captured CUDA graph whose all-reduces run inside it, and the head with its
-  logits all-gather), the all-reduce of one decode token's activations, the logits
-  all-gather, its weight bytes and the device's copy bandwidth.
+  and capture, then measures: one fixed prompt's logits, the batch-1 decode step (a captured
+  graph with its all-reduces inside, and the head with its logits all-gather), one decode
+  token's all-reduce, the logits all-gather, its weight bytes and the copy bandwidth.
 * `tp2_vs_tp1`: the logits' max abs difference (tolerance: 2% of the largest logit, and the same
   argmax: bf16 keeps ~3 digits and TP=2 sums each row-parallel matmul in another order), and the
   batch-1 step ratio (target <= 0.6).
@@ -52,14 +51,6 @@ CONTEXT = PROMPT_LEN + OUTPUT_LEN // 2  # batch-1 decode steps are timed at this
 PROBE_PROMPT_LEN = 32
 TOLERANCE = 0.02  # of the largest logit
 STEP_RATIO_TARGET, ROOFLINE_TARGET = 0.6, 1.3
-
-
-def import_memstep() -> None:
-    """Import memstep from this checkout when it is not installed (the root is the package)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_kernels import import_memstep as from_checkout
-
-    from_checkout()
 
 
 # --- one rank: the probe -------------------------------------------------------------------
@@ -409,7 +400,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep-method", help=argparse.SUPPRESS)
     p.add_argument("--sweep-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    import_memstep()
     if args.probe:
         probe(args)
         return 0

@@ -163,9 +163,6 @@ class BlockManager:
     def extra_blocks_for(self, request_id: str, num_tokens: int) -> int:
         return max(0, self.blocks_needed(num_tokens) - len(self.table(request_id)))
 
-    def can_hold(self, request_id: str, num_tokens: int) -> bool:
-        return self.extra_blocks_for(request_id, num_tokens) <= self.num_free
-
     def ensure(self, request_id: str, num_tokens: int) -> bool:
         """Grow the request's table to hold `num_tokens` slots; all or nothing.  Called for every
         running request every step: a table that holds them already returns at once."""

@@ -56,10 +56,6 @@ class RestartBudget:
         self._times.append(now)
         return True
 
-    @property
-    def num_in_window(self) -> int:
-        return len(self._times)
-
 
 @attrs.define
 class Recovery:

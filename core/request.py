@@ -57,10 +57,6 @@ class Request:
         return (prompt + self.output_token_ids)[start:stop]
 
     @property
-    def last_token_id(self) -> int:
-        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
-
-    @property
     def num_uncomputed(self) -> int:
         """Tokens still to feed before the next sample (1 when decoding)."""
         return self.num_tokens - self.num_computed

@@ -18,8 +18,9 @@ FLOORS = {
     "executors": 3,
     "replay": 4,
     "api": 5,
-    "cli": 6,
-    "": 7,  # memstep/__init__.py: the package's front door
+    "train": 6,
+    "cli": 7,
+    "": 8,  # memstep/__init__.py: the package's front door
 }
 
 

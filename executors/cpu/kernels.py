@@ -28,8 +28,8 @@ that worked.
 `decode_attention` is the CPU's counterpart of the CUDA paged decode kernel (one query token per
 sequence, read from the cache pages in place, each sequence and head alone) and
 `rope_and_write_kv` of its rotary + KV write: in torch they were a gather of the pages and an
-attention call, and ~10 small ops, per layer. A SmolLM2 q4 decode step at batch 1 went from 14.1
-to 11.4 ms with them, and at 16 streams from 88 to 65 ms (2 cores, 2026-12-01).
+attention call, and ~10 small ops, per layer. They made SmolLM2's q4 decode steps ~20-25% faster
+(docs/benchmarks.md).
 
 Where the OpenMP pool's threads sleep between regions (the executor's passive policy,
 executors/cpu/threads.py), waking them costs more than a small kernel's work, so a kernel under
@@ -62,10 +62,7 @@ Q8_0_BLOCK = 34  # fp16 d, 32 int8
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-lm")
 # The work (the C source's units, ~30 ps of one core each) below which a kernel runs on the
 # calling thread when the pool's threads sleep between regions: waking them took ~0.1-0.3 ms
-# here. Decode steps of SmolLM2 q4, 2 threads, passive policy, the settings interleaved step by
-# step (2026-12-02): 0 / 3M / 6M / 12M / 24M took 26.2 / 22.2 / 21.8 / 21.9 / 21.1 ms at batch 1,
-# 30.5 / 28.0 / 27.6 / 27.2 / 27.2 at 3, 45.9 / 43.8 / 43.8 / 49.4 / 52.8 at 8 and 76.3 / 76.5 /
-# 76.8 / 80.3 / 94.5 at 16. With spinning threads 0 is best (17.4 ms at batch 1 against 22.1).
+# here (decode steps at batch 1 to 16, each setting interleaved: docs/benchmarks.md).
 PARALLEL_MIN_WHEN_ASLEEP = 6_000_000
 
 

@@ -3,23 +3,16 @@
 torch's CPU kernels run on an OpenMP pool whose idle threads spin for a while at every barrier,
 waiting for the next parallel region.  On a machine where another job holds the cores, a
 spinning worker takes the core its peer needs and the barrier waits out a scheduler slice.  A
-passive policy puts idle threads to sleep at once.  Measured with benchmarks/bench_contention.py
-(SmolLM2 decode step, 2 cores shared with other jobs, two busy-loop neighbours added): torch's
-default two threads took 4.4 s (batch 1) and 17.6 s (batch 8) a step when the machine was
-crowded, 0.52 s and 0.46 s with the passive policy; on a quieter machine 0.19 s and 0.39 s
-against 0.10 s and 0.20 s.  One thread did better than passive two only on the quieter run
-(0.09 s, 0.12 s), was worse on the crowded one (0.74 s, 1.53 s) and slower without neighbours
-(0.053 s and 0.085 s against 0.046 s and 0.069 s).  So the thread count stays torch's default
-(one per core; `EngineConfig.num_threads` overrides it) and the policy is passive unless the
-environment names another.  Its price, without neighbours: waking sleeping threads made steps
-13-25% slower (0.044 s against 0.039 s at batch 1, 0.068 s against 0.054 s at batch 8); set
-OMP_WAIT_POLICY=ACTIVE on a machine that serves alone.  The compiled CPU kernels, which came
-later, keep small work off the sleeping pool (`cpu_kernels.PARALLEL_MIN_WHEN_ASLEEP`): a SmolLM2
-q4 decode step at batch 1 took 26.2 ms with every kernel on the pool and 21.8 ms so, against
-17.4 ms with spinning threads (2026-12-02; the passive figures interleaved step by step,
-the spinning one from the next run). A q4 model's decode steps now run every layer in one
-parallel region whose threads spin between its stages (executors/cpu/decode_step.py): the pool is
-woken once a step, and a batch-1 step takes ~16 ms under the passive policy.
+passive policy puts idle threads to sleep at once.  On a crowded machine spinning threads made
+steps many times slower, and the passive policy kept them near their quiet-machine time
+(benchmarks/bench_contention.py; figures in docs/benchmarks.md).  So the thread count stays
+torch's default (one per core; `EngineConfig.num_threads` overrides it) and the policy is
+passive unless the environment names another.  Its price, without neighbours, is the time to
+wake sleeping threads: set OMP_WAIT_POLICY=ACTIVE on a machine that serves alone.  The compiled
+CPU kernels keep small work off the sleeping pool (`PARALLEL_MIN_WHEN_ASLEEP` in
+executors/cpu/kernels.py), and a q4 model's decode step runs every layer in one parallel region
+whose threads spin between its stages (executors/cpu/decode_step.py): the pool is woken once a
+step.
 
 The policy is read once, when torch's OpenMP runtime loads, so it must be in the environment
 before the process imports torch: the process executor is started with it (`executor_env`), and

@@ -25,7 +25,7 @@ the CPU's C kernels (`eagle_cpu.py`).
 
 The weights are trained by `memstep train-draft` (self-distillation: the target answers
 questions and reads its answers, and its own greedy choices are the labels;
-cli/draft_trainer.py) and stored as a plain `.npz` (read with `allow_pickle=False`).
+train/fit.py) and stored as a plain `.npz` (read with `allow_pickle=False`).
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""benchmarks/bench_mixed.py's ideal engine, worked by hand, and bench_gpu's throughput runs on
+"""The benchmarks' ideal engine (benchmarks/common.py), worked by hand, their throughput runs on
 random:tiny: each run feeds prompts of its own (repeated prompts were served from the prefix
 cache, which made "warm" runs faster than an ideal engine)."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,13 +19,10 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def load(name: str):
+    """A benchmark script as a module, imported as its folder runs it (`common` beside it)."""
     sys.path.insert(0, str(BENCHMARKS))
     try:
-        spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
+        return importlib.import_module(name)
     finally:
         sys.path.remove(str(BENCHMARKS))
 
@@ -33,7 +30,7 @@ def load(name: str):
 def test_the_ideal_engine_prefills_at_the_matmul_rate_then_decodes_at_each_steps_roofline():
     """2 layers, 1 KV head of 4 dims: 32 bytes of bf16 K and V a token. 1,000 weight bytes
     (500 parameters, 1,000 FLOPs a token); 100 B/s; 10,000 FLOP/s."""
-    bench = load("bench_mixed")
+    bench = load("common")
     model = SimpleNamespace(num_layers=2, num_kv_heads=1, head_dim=4)
     prompt, output = bench.PROMPT_LEN, bench.OUTPUT_LEN
 
@@ -71,7 +68,7 @@ def cached_tokens(engine, gpu, run: int) -> int:
 
 
 def test_each_throughput_run_feeds_prompts_of_its_own(tiny_engine):
-    gpu = load("bench_gpu")
+    gpu = load("common")
     assert cached_tokens(tiny_engine, gpu, 0) == 0
     assert cached_tokens(tiny_engine, gpu, 1) == 0
     # the same run again is what every repeat was before: its prompts come from the cache

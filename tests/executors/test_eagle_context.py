@@ -7,7 +7,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from memstep.cli.draft_trainer import from_answers, pass_masks, pass_terms, unrolled
 from memstep.core.config import EngineConfig
 from memstep.core.model_source import model_config, resolve
 from memstep.core.sampling_params import SamplingParams
@@ -24,6 +23,7 @@ from memstep.executors.spec.eagle_cpu import CpuHead
 from memstep.executors.spec.eagle_head import EagleHead
 from memstep.executors.spec.eagle_torch import TorchHead
 from memstep.states.kinds import KindEnv, Spec
+from memstep.train.fit import unrolled
 
 HIDDEN, VOCAB = 64, 96
 
@@ -79,30 +79,6 @@ def test_training_unrolls_the_chain_that_serving_drafts(tmp_path):
     )
     trained = [int(head.vocab[passes[u][1][0, s + u].argmax()]) for u in range(3)]
     assert trained == drafts
-
-
-def test_pass_masks_read_the_true_pairs_then_the_chain():
-    masks = pass_masks(5, 3, window=3, device="cpu")
-    # pass 1 at 4: true pairs 2..4 (the window of 3); pass 3 at 4: true pairs 0..2, then the
-    # chain's pass-2 key at 3 and its own at 4
-    assert masks[0][4].tolist() == [False, False, True, True, True]
-    third = masks[2][4].view(3, 5)
-    assert third[0].tolist() == [True, True, True, False, False]
-    assert third[1].tolist() == [False, False, False, True, False]
-    assert third[2].tolist() == [False, False, False, False, True]
-
-
-def test_training_counts_only_chains_that_start_in_the_answer():
-    """Rows before an exchange's answer are prompt pairs to attend, never predictions: pass u at
-    index i counts when its chain started at i - u, at or after the answer's first row (3)."""
-    chosen, lengths, starts = torch.zeros(1, 10, dtype=torch.long), torch.tensor([10]), [3]
-    feats, labels = torch.zeros(1, 10, 4), torch.zeros(8, dtype=torch.long)
-    for u, first in ((0, 3), (2, 5)):
-        valid, _, _ = pass_terms(feats, chosen, lengths, torch.tensor(starts), labels, u)
-        assert valid[0].nonzero().flatten().tolist() == list(range(first, 9))
-    data = ([torch.arange(10.0).unsqueeze(1)], [torch.arange(10)], [torch.arange(10)], starts)
-    cut = from_answers(data)
-    assert cut[0][0][0, 0] == 3.0 and cut[1][0].tolist() == list(range(3, 10)) and cut[3] == [0]
 
 
 def test_only_a_head_with_attention_claims_a_context(tmp_path):
@@ -176,7 +152,7 @@ def test_a_head_that_reads_the_prompt_holds_its_last_window_of_pairs(tmp_path, s
     the token after it, the sampled one last), the last 256 of a 300-token prompt, each in its
     ring slot with the keys of its own position; the same head marked as trained without the
     prompt keeps only the sampled token's pair."""
-    from memstep.cli.train_draft import final_hidden
+    from memstep.train.exchanges import final_hidden
 
     prompt = smol_engine.tokenizer.encode("the lighthouse keeper climbed the steps " * 60)[:300]
     for reads in (True, False):

@@ -3,12 +3,7 @@ for this file on a CPU) against float32, unquantized (whose greedy text equals H
 over the parity test's 8 chat prompts, the first token's log-prob and how far greedy text runs
 before it parts from float32's, in each of q4's matmul precisions.
 
-Measured (64 tokens): float32 products (2026-12-01), equal text on 8 of 8, first-token log-prob
-error at most 2e-5 nats. bfloat16 products (x's rows and the weights rounded to bf16, sums and
-everything else float32; the default on a CPU with AVX512-BF16; 2026-12-02): 7 of 8 equal (one
-parts at token 10), error at most 0.017 nats. The earlier q4 (torch's bfloat16 int4 kernel:
-activations, scales and outputs in bf16) parted from float32 at tokens [19, 17, 64, 10, 10, 2,
-2, 46] (1 of 8 equal, error 0.040).
+The measured figures are in docs/benchmarks.md (CPU quality).
 """
 
 from __future__ import annotations
