@@ -69,7 +69,9 @@ def _s(seconds: float | None) -> str:
 
 
 def _events(life: RequestLife) -> str:
-    return "life:\n" + "\n".join(f"  step {step:>6}  {what}" for step, what in life.events)
+    lines = [f"  step {step:>6}  {what}{': ' if detail else ''}{detail}"
+             for step, what, detail in life.events]  # fmt: skip
+    return "life:\n" + "\n".join(lines)
 
 
 def _steps(life: RequestLife) -> str:

@@ -51,7 +51,8 @@ class RequestLife:
     params: dict
     output_token_ids: list[int] = attrs.Factory(list)
     rows: list[StepRow] = attrs.Factory(list)
-    events: list[tuple[int, str]] = attrs.Factory(list)  # (step, what happened)
+    # (step, what, detail): what is named as the server's log lines name it, less "request "
+    events: list[tuple[int, str, str]] = attrs.Factory(list)
     hits: list[tuple[int, int, list[int]]] = attrs.Factory(list)  # (step, tokens, pages)
     shared_with: list[str] = attrs.Factory(list)  # requests that reused the same cached pages
     finish: tuple[int, str] | None = None  # (step, reason)
@@ -103,8 +104,10 @@ def _born(rec: RequestAdded | RequestResumed) -> RequestLife:
     outputs = list(rec.output_token_ids) if isinstance(rec, RequestResumed) else []
     life = RequestLife(rec.request_id, [], rec.step, list(rec.prompt_token_ids), rec.params)
     life.output_token_ids = outputs
-    what = "resumed from an earlier server's log" if outputs else "arrived"
-    life.events.append((rec.step, f"{what}: {len(rec.prompt_token_ids)} prompt tokens"))
+    detail = f"{len(rec.prompt_token_ids)} prompt tokens"
+    if outputs:
+        detail += f", {len(outputs)} tokens from an earlier server's log"
+    life.events.append((rec.step, "arrived", detail))
     return life
 
 
@@ -131,14 +134,22 @@ class _Tracker:
         elif isinstance(rec, StepFinished):
             self._finished(life, rec)
         elif isinstance(rec, ExecutorLost):
-            self.lost_since = True
-            life.events.append((rec.step, f"executor lost ({rec.reason}): requeued"))
+            self._lost(life, rec)
         elif isinstance(rec, RequestAborted) and rec.request_id == life.engine_id:
-            life.events.append((rec.step, "aborted by its client"))
+            life.events.append((rec.step, "aborted", "by its client"))
         elif isinstance(rec, RequestFinished) and rec.request_id == life.engine_id:
             life.finish = (rec.step, rec.reason)
-            life.events.append((rec.step, f"finished: {rec.reason}"))
+            life.events.append((rec.step, "finished", rec.reason))
             self.done = True
+
+    def _lost(self, life: RequestLife, rec: ExecutorLost) -> None:
+        """Requeued if it was running (planned at the step lost, or the one before an idle
+        loss); one that waited (preempted, or never run) only waits on."""
+        if life.rows and life.rows[-1].step == rec.step:
+            life.rows[-1].note = "executor lost: never ran"
+        if self.last_step is not None and self.last_step >= rec.step - 1:
+            self.lost_since = True
+            life.events.append((rec.step, "requeued", f"executor lost: {rec.reason}"))
 
     def _planned(self, life: RequestLife, rec: StepPlanned) -> None:
         fed = next((n for rid, n in rec.batch if rid == life.engine_id), None)
@@ -150,14 +161,15 @@ class _Tracker:
         if self.last_step is None:
             note, self.computed = "admitted", hit[1] if hit else 0
         elif hit is not None or self.computed + fed > total:
-            note = "re-admitted after the recovery" if self.lost_since else "resumed"
-            since = f" (last ran at step {self.last_step})"
-            life.events.append((rec.step, f"{note}: recomputes its KV{since}"))
+            note = "re-admitted" if self.lost_since else "resumed"
+            why = "after the recovery" if self.lost_since else "after a preemption"
+            detail = f"{why}: recomputes its KV (last ran at step {self.last_step})"
+            life.events.append((rec.step, note, detail))
             self.computed = hit[1] if hit else 0
         if hit is not None:
             life.hits.append((rec.step, hit[1], list(hit[2])))
         if note == "admitted":
-            life.events.append((rec.step, f"admitted, prefix hit {hit[1] if hit else 0} tokens"))
+            life.events.append((rec.step, note, f"prefix hit {hit[1] if hit else 0} tokens"))
         self.computed += fed
         self.last_step, self.lost_since = rec.step, False
         row = StepRow(rec.step, rec.kind, len(rec.batch), rec.num_tokens, fed, note=note)
@@ -171,7 +183,7 @@ class _Tracker:
         for rid, tokens in rec.sampled:
             if rid == life.engine_id:
                 if not life.output_token_ids and tokens:
-                    life.events.append((rec.step, "first token"))
+                    life.events.append((rec.step, "first token", ""))
                 row.sampled = list(tokens)
                 life.output_token_ids += tokens
                 self.computed += len(tokens) - 1

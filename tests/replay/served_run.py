@@ -1,6 +1,6 @@
 """One served run with every event of a request's life: a prefix hit, preemptions (10 KV pages
 for 6 streams), an executor SIGKILLed from outside mid-stream and recovered, an HTTP request
-named by `X-Request-Id`, a request the core rejects and one the HTTP front rejects."""
+named by `X-Request-Id`, a request the core rejects and two the HTTP front rejects."""
 
 from __future__ import annotations
 
@@ -76,4 +76,7 @@ def _http(url: str) -> dict:
     bad = httpx.post(
         url + "/v1/completions", content=b"{", headers={"X-Request-Id": "bad-1"}, timeout=60
     )
-    return {"named": named, "bad": bad}
+    spaced = httpx.post(
+        url + "/v1/completions", json=body, headers={"X-Request-Id": "a b"}, timeout=60
+    )
+    return {"named": named, "bad": bad, "spaced": spaced}
