@@ -15,9 +15,12 @@ backend switch).
 
 from __future__ import annotations
 
+import errno
+import os
 import textwrap
 from pathlib import Path
 
+import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
@@ -44,6 +47,8 @@ def plot_memory(recording: Recording, output: str | Path) -> Path:
     (png, svg or pdf); returns its path."""
     path = Path(output)
     fmt = path.suffix.lower().lstrip(".")
+    if path.is_dir():
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
     if fmt not in FORMATS:
         raise ValueError(f"{path}: name a .png, .svg or .pdf file (the format follows it)")
     memory_figure(recording).savefig(path, format=fmt)
@@ -119,7 +124,7 @@ def _bottom(ax: Axes, x: list[int], mem: list) -> list:
 
 def _floor(ax: Axes) -> None:
     """Start the axis at zero; a series flat at zero gets 0..1, not matplotlib's -0.04..0.04."""
-    top = max((max(line.get_ydata(), default=0) for line in ax.get_lines()), default=0)
+    top = max((float(np.max(line.get_ydata(), initial=0)) for line in ax.get_lines()), default=0)
     ax.set_ylim(0, top * 1.08 if top > 0 else 1)
     ax.ticklabel_format(axis="y", useOffset=False)
 

@@ -187,9 +187,8 @@ def _request(engine_id: str, life: _Life, last: int, window: Window) -> list[dic
     """The request's span and its phases, clipped to the window; nothing outside it."""
     end = _us((life.finish if life.finish is not None else last) + 1)
     # (depth, name, start, stop, args): the request, its phases, the gaps within them
-    spans = [
-        (0, life.name, _us(life.arrival), end, {"engine_id": engine_id, "finish": life.reason})
-    ]
+    about: dict[str, object] = {"engine_id": engine_id, "finish": life.reason}
+    spans: list[tuple[int, str, int, int, dict]] = [(0, life.name, _us(life.arrival), end, about)]
     if life.ran:
         token_end = _us(life.first_token + 1) if life.first_token is not None else end
         spans.append((1, "queued", _us(life.arrival), _us(life.ran[0]), {}))
