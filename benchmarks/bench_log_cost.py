@@ -1,45 +1,43 @@
 """What info-level logs cost: lines and bytes per request, and throughput against warning level.
 
-`memstep serve` (SmolLM2 on the CPU, JSON logs) serves the seed workload (vLLM's ShareGPT
-sampling, `cli/datasets.py`; replies cut at `--max-tokens`, EOS ignored, so every run makes
-the same tokens) at `--streams` concurrent requests, once at `--log-level info` and once at
-`warning`, alternating `--repeats` times so that drift in the machine's load hits both alike.
-Each run starts a fresh server; its time counts from the first request sent to the last answer.
-Reported: the info runs' log lines and bytes per request (the lines written while requests were
-served, start-up lines left out, by event), the median output tokens/s of each level and their
-ratio.  Also the cost of one line, timed in this process (structlog's JSON renderer into a
-null stream): lines per request times that, against the time a request takes at this
-concurrency, is the overhead without the machine's noise.
+One engine and its API server (`api/server.py`, turned by a thread of this process, as `memstep
+serve` turns it) serve the seed workload (vLLM's ShareGPT sampling, `cli/datasets.py`; replies
+cut at `--max-tokens`, EOS ignored, so every run makes the same tokens) at `--streams`
+concurrent ZMQ requests.  Runs alternate between `--log-level info` and `warning` (JSON lines
+into a file, as a deployment writes them), in both orders, `--repeats` times each, so that drift
+in the machine's load hits both alike; the same process and the same warm engine serve both.
+Reported: the info runs' lines and bytes per request, by event; the median output tokens/s of
+each level and their ratio.  Also the cost of one line, timed here (structlog's JSON renderer
+into a null stream): the lines of a request times that, against the engine's time per request,
+is the overhead without the machine's noise.
 
-    python benchmarks/bench_log_cost.py [--requests 64] [--streams 16] [--max-tokens 64]
-        [--repeats 3] [--model smollm2] [--num-threads N]
+    python benchmarks/bench_log_cost.py [--requests 32] [--streams 16] [--max-tokens 32]
+        [--repeats 4] [--model smollm2] [--num-threads N]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import io
 import json
 import statistics
+import sys
+import tempfile
+import threading
 import time
 from collections import Counter
+from pathlib import Path
 
 import structlog
 
 from memstep.api.client import AsyncClient
+from memstep.api.server import Server, ServerConfig
 from memstep.cli.datasets import sample_sharegpt
-from memstep.cli.serve import ServerProcess
+from memstep.core.config import EngineConfig
 from memstep.core.logging import setup_logging
-from memstep.core.model_source import model_config, resolve
-from memstep.core.tokenizer import load_tokenizer
-
-
-def prompts(model: str, n: int) -> list[str]:
-    source = resolve(model)
-    mc = model_config(source)
-    tokenizer = load_tokenizer(source, mc.vocab_size, mc.eos_token_ids)
-    return [s.prompt for s in sample_sharegpt(n, tokenizer)]
+from memstep.executors.process.inprocess import local_engine
 
 
 async def drive(address: str, texts: list[str], streams: int, max_tokens: int) -> tuple:
@@ -60,17 +58,14 @@ async def drive(address: str, texts: list[str], streams: int, max_tokens: int) -
         await client.close()
 
 
-def serve_once(args: argparse.Namespace, texts: list[str], level: str) -> tuple:
-    """One fresh server at `level`: (tokens/s, the JSON lines written while serving)."""
-    flags = ["--model", args.model, "--log-format", "json"]
-    flags += ["--num-threads", str(args.num_threads)] if args.num_threads else []
-    with ServerProcess(flags, log_level=level) as server:
-        server.wait_ready(600)
-        skip = len(server.log_path.read_bytes())
-        seconds, tokens = asyncio.run(drive(server.address, texts, args.streams, args.max_tokens))
-        server.stop()
-        served = server.log_path.read_bytes()[skip:].decode(errors="replace").splitlines()
-    lines = [line for line in served if line.startswith("{")]
+def timed_run(server: Server, args: argparse.Namespace, texts: list[str], level: str,
+              log: Path) -> tuple[float, list[str]]:  # fmt: skip
+    """One run at `level`, its lines into `log`: (tokens/s, the JSON lines it wrote)."""
+    with log.open("w") as sink, contextlib.redirect_stderr(sink):
+        setup_logging("json", level)
+        seconds, tokens = asyncio.run(drive(server.endpoint, texts, args.streams, args.max_tokens))
+        setup_logging("json", "warning")
+    lines = [line for line in log.read_text().splitlines() if line.startswith("{")]
     return tokens / seconds, lines
 
 
@@ -90,20 +85,34 @@ def line_cost_s(samples: int = 20000) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--requests", type=int, default=32)
     p.add_argument("--streams", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=4)
     p.add_argument("--num-threads", type=int, default=None)
     args = p.parse_args()
-    texts = prompts(args.model, args.requests)
+    setup_logging("json", "warning")
+    engine = local_engine(EngineConfig(model=args.model, num_threads=args.num_threads))
+    texts = [s.prompt for s in sample_sharegpt(args.requests, engine.tokenizer)]
+    server = Server(engine, ServerConfig(port=0, stats_interval_s=0))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
     rates: dict[str, list[float]] = {"info": [], "warning": []}
-    for _ in range(args.repeats):
-        for level in ("info", "warning"):
-            rate, lines = serve_once(args, texts, level)
-            rates[level].append(rate)
-            if level == "info":
-                info_lines = lines
+    info_lines: list[str] = []
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            timed_run(server, args, texts, "warning", Path(tmp) / "warm-up.log")
+            for i in range(args.repeats):
+                for level in ("info", "warning") if i % 2 == 0 else ("warning", "info"):
+                    rate, lines = timed_run(server, args, texts, level, Path(tmp) / f"{i}.log")
+                    rates[level].append(rate)
+                    info_lines = lines if level == "info" else info_lines
+                    print(f"run {i} {level}: {rate:.1f} tokens/s", file=sys.stderr)
+    finally:
+        server.stop()
+        thread.join()
+        server.close()
+        engine.shutdown()
     report(args, rates, info_lines)
 
 
@@ -111,7 +120,8 @@ def report(args: argparse.Namespace, rates: dict, lines: list[str]) -> None:
     n = args.requests
     events = Counter(json.loads(line)["event"] for line in lines)
     num_bytes = sum(len(line) + 1 for line in lines)
-    print(f"{args.model}, CPU, {n} ShareGPT prompts, {args.streams} streams, ", end="")
+    print(f"{args.model}, CPU, one server in-process, {n} ShareGPT prompts, ", end="")
+    print(f"{args.streams} streams, ", end="")
     print(f"{args.max_tokens} tokens each, {args.repeats} runs a level, alternating")
     print(f"info level: {len(lines) / n:.2f} lines and {num_bytes / n:.0f} bytes per request")
     for event, count in events.most_common():
