@@ -237,3 +237,15 @@ def test_trace_filters_requests_and_steps(served_run, tmp_path):
     assert all(10_000 <= e["ts"] <= 21_000 for e in events if e["ph"] in "bBeEC")
     code, said, err = memstep("trace", str(served_run.log), "-o", str(out), "--max-requests", "2")
     assert code == 0 and "2 requests" in said and "drawing the 2 longest-lived" in err
+
+
+def test_inspect_requests_of_an_offline_log_ranks_by_steps(tiny_log):
+    """No server measured times: TTFT, TPOT and queue time are counted in steps."""
+    code, out, _ = memstep("inspect", str(tiny_log.path), "--requests", "5", "--json")
+    ranked = json.loads(out)
+    assert code == 0 and all(r["unit"] == "steps" for rows in ranked.values() for r in rows)
+    ttft = [r["ttft"] for r in ranked["ttft"]]
+    assert len(ttft) == 5 and ttft == sorted(ttft, reverse=True) and ttft[-1] >= 1
+    worst = ranked["ttft"][0]["engine_id"]
+    life = json.loads(memstep("inspect", str(tiny_log.path), "--request", worst, "--json")[1])
+    assert life["first_token_step"] - life["arrival_step"] + 1 == ranked["ttft"][0]["ttft"]
