@@ -117,18 +117,28 @@ class Front:
     # --- generation ------------------------------------------------------------------------
 
     async def _serve(self, request: Request, parse: Any) -> Response:
+        """A completion; `X-Request-Id` (the client's id, as vLLM takes it) names the HTTP id
+        (`cmpl-<id>`, its choices `cmpl-<id>-<i>` in the core) and comes back as a header."""
+        given = request.headers.get("x-request-id")
+        header: dict[str, str] = {}
         try:
             self._check_key(request)
+            xid = _client_id(given)
+            header = {"X-Request-Id": xid} if xid else {}
             job = parse(await _json(request), self.model)
-            rid = oai.new_id(job.chat)
+            rid = oai.new_id(job.chat, xid)
+            header = {"X-Request-Id": xid or rid}
+            for i in range(job.num_choices):
+                log.info("request arrived", request_id=f"{rid}-{i}", http_id=rid, x_request_id=xid)
             if job.stream:
                 streams, firsts = await self._start(job, rid)
                 events = self._sse(job, rid, streams, firsts)
-                return StreamingResponse(events, media_type="text/event-stream")
+                return StreamingResponse(events, media_type="text/event-stream", headers=header)
             dones = await self._until_done_or_gone(request, self._run(job, rid))
-            return JSONResponse(oai.response(job, rid, dones))
+            return JSONResponse(oai.response(job, rid, dones), headers=header)
         except OpenAIError as exc:
-            return JSONResponse(exc.body(), exc.status)
+            log.info("request rejected", x_request_id=given, status=exc.status, reason=str(exc))
+            return JSONResponse(exc.body(), exc.status, headers=header)
 
     def _check_key(self, request: Request) -> None:
         if self.api_key is None:
@@ -260,6 +270,15 @@ async def _pump(index: int, stream: AsyncStream, queue: asyncio.Queue) -> None:
         queue.put_nowait((index, exc))
     except TimeoutError as exc:
         queue.put_nowait((index, ServerError("core_timeout", str(exc))))
+
+
+def _client_id(given: str | None) -> str | None:
+    """The client's `X-Request-Id`: up to 128 printable ASCII characters, no spaces."""
+    if given is None:
+        return None
+    if not 0 < len(given) <= 128 or not all("!" <= c <= "~" for c in given):
+        raise oai.bad("X-Request-Id must be 1 to 128 printable ASCII characters without spaces")
+    return given
 
 
 def _end(done: GenerateDone) -> dict[str, Any]:

@@ -216,8 +216,9 @@ def _message(m: Any) -> dict[str, str]:
 # --- responses -----------------------------------------------------------------------------
 
 
-def new_id(chat: bool) -> str:
-    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+def new_id(chat: bool, client_id: str | None = None) -> str:
+    """The response's id: from the client's `X-Request-Id` when it gave one, else random."""
+    return ("chatcmpl-" if chat else "cmpl-") + (client_id or uuid.uuid4().hex)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

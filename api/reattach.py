@@ -18,7 +18,6 @@ import structlog
 from memstep.core.engine import Engine, UnknownRequest
 from memstep.core.outputs import RequestOutput
 from memstep.core.sampling_params import InvalidRequest, SamplingParams
-from memstep.events.types import RequestNamed
 from memstep.events.wire import AttachRequest
 from memstep.replay.resume import Carried, ResumePoint
 
@@ -113,7 +112,7 @@ class Reattach:
             ids = list(req.output_token_ids)
             return Detached(req.request_id, len(req.prompt_token_ids), ids, text, req.finish_reason)
         assert req.client_id is not None
-        engine.emit(RequestNamed(engine.step_no, req.request_id, req.client_id))
+        engine.name(req.request_id, req.client_id)
         running = engine.requests[req.request_id]
         held = Detached(
             req.request_id, running.num_prompt_tokens, list(running.output_token_ids),

@@ -41,7 +41,7 @@ from memstep.core.outputs import RequestOutput
 from memstep.core.recovery import EngineDead
 from memstep.core.sampling_params import InvalidRequest, SamplingParams
 from memstep.events import codec
-from memstep.events.types import RequestNamed, RequestTimed, StepPlanned
+from memstep.events.types import RequestTimed, StepPlanned
 from memstep.events.version import VERSION
 from memstep.events.wire import (
     PROTOCOL_VERSION,
@@ -381,7 +381,7 @@ class Server:
         try:
             msg = decode_request(payload, self.cfg.max_frame_bytes)
         except WireError as exc:
-            self._send(envelope, ErrorReply(exc.request_id, exc.code, str(exc)))
+            self._reject(envelope, exc.request_id, exc.code, str(exc))
             return
         except Exception as exc:  # a decoder bug costs this frame, never the server
             log.exception("frame not decoded", num_bytes=len(payload))
@@ -390,10 +390,16 @@ class Server:
         try:
             self._dispatch(envelope, msg)
         except (RequestRefused, InvalidRequest, UnknownRequest) as exc:
-            self._send(envelope, ErrorReply(msg.request_id, exc.code, _message(exc)))
+            self._reject(envelope, msg.request_id, exc.code, _message(exc))
         except Exception as exc:
             log.exception("request failed", request_id=msg.request_id)
             self._send(envelope, ErrorReply(msg.request_id, "internal_error", _message(exc)))
+
+    def _reject(self, envelope: list[bytes], request_id: str, code: str, reason: str) -> None:
+        """Answer a request that will not be served, and say so in the log."""
+        step = self.engine.step_no
+        log.info("request rejected", step=step, request_id=request_id, code=code, reason=reason)
+        self._send(envelope, ErrorReply(request_id, code, reason))
 
     def _dispatch(self, envelope: list[bytes], msg: Any) -> None:
         if isinstance(msg, GenerateRequest):
@@ -418,8 +424,10 @@ class Server:
         self._check_queue()
         prompt = self._prompt(msg)
         params = _sampling_params(msg.params)
-        engine_id = self.engine.add_request(prompt, params, arrival_time=time.time())
-        self.engine.emit(RequestNamed(self.engine.step_no, engine_id, msg.request_id))
+        log.info("request arrived", step=self.engine.step_no, request_id=msg.request_id)
+        engine_id = self.engine.add_request(
+            prompt, params, arrival_time=time.time(), client_id=msg.request_id
+        )
         num_prompt = self.engine.requests[engine_id].num_prompt_tokens
         inf = Inflight(envelope, msg.request_id, msg.stream, time.monotonic(), num_prompt)
         self.inflight[engine_id] = inf
@@ -607,15 +615,21 @@ class Server:
         e2e = (time.monotonic() if now is None else now) - inf.arrival
         step = self.engine.step_no
         self.engine.emit(RequestTimed(step, engine_id, reason, ttft, e2e, inf.queue_s))
+        num_tokens = len(inf.token_ids)
+        tpot = (e2e - ttft) / (num_tokens - 1) if ttft is not None and num_tokens > 1 else None
         log.info(
             "request finished",
+            step=step,
             request_id=inf.request_id,
             engine_id=engine_id,
-            prompt_tokens=inf.prompt_tokens,
-            completion_tokens=len(inf.token_ids),
             finish_reason=reason,
-            ttft_s=round(ttft, 4) if ttft is not None else None,
-            e2e_s=round(e2e, 4),
+            prompt_tokens=inf.prompt_tokens,
+            cached_tokens=inf.cached_tokens,
+            completion_tokens=num_tokens,
+            ttft_s=_rounded(ttft),
+            tpot_s=_rounded(tpot),
+            e2e_s=_rounded(e2e),
+            queue_s=_rounded(inf.queue_s),
         )
         del self.by_client[(inf.peer, inf.request_id)]
         self.finished[reason] += 1
@@ -654,6 +668,10 @@ def _sampling_params(data: dict) -> SamplingParams:
         if type(key) is not str:
             raise InvalidRequest("sampling param names must be strings")
     return SamplingParams.from_dict(data)
+
+
+def _rounded(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 4)
 
 
 def _message(exc: BaseException) -> str:

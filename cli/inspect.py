@@ -1,4 +1,5 @@
-"""Summarize an event log: requests, steps per kind, transitions, acceptance, memory, leaks."""
+"""Summarize an event log: requests, steps per kind, transitions, acceptance, memory, leaks;
+or follow one request through it (`--request ID`), or rank its slowest requests (`--requests`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import sys
 from collections import defaultdict
 from typing import Any
 
+from memstep.cli.request_report import life_report, slowest_report
 from memstep.replay.recording import Recording, load
 from memstep.replay.summary import LogSummary, summarize
 from memstep.replay.text_table import fmt_bytes, render
@@ -18,18 +20,44 @@ MAX_STRETCHES = 20  # the text table shows the first ones; --json has them all
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("log", help="the event log (its rotated parts LOG.1, LOG.2, ... are read too)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument(
+        "--request",
+        metavar="ID",
+        help="one request's life, step by step (its engine id, client id, HTTP id or X-Request-Id)",
+    )
+    which.add_argument(
+        "--requests",
+        nargs="?",
+        type=int,
+        const=10,
+        metavar="N",
+        help="the N slowest requests by TTFT, TPOT and queue time (default 10)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     recording = load(args.log)
     if recording.is_corrupt:
         print(f"memstep: warning: {recording.describe_problem()}", file=sys.stderr)
+    report = _request_report(recording, args)
+    if report is not None:
+        print(json.dumps(report, indent=2) if args.json else report)
+        return 0
     summary = summarize(recording.records)
     if args.json:
         print(json.dumps(to_json(recording, summary), indent=2))
     else:
         print(to_text(recording, summary))
     return 0
+
+
+def _request_report(recording: Recording, args: argparse.Namespace) -> dict | str | None:
+    if getattr(args, "request", None) is not None:
+        return life_report(recording, args.request, args.json)
+    if getattr(args, "requests", None) is not None:
+        return slowest_report(recording, args.requests, args.json)
+    return None
 
 
 def to_json(recording: Recording, summary: LogSummary) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 import attrs
 import structlog
 
+from memstep.core import lifecycle
 from memstep.core.block_manager import BlockManager
 from memstep.core.config import EngineConfig
 from memstep.core.executor import (
@@ -54,6 +55,7 @@ from memstep.events.types import (
     RequestAborted,
     RequestAdded,
     RequestFinished,
+    RequestNamed,
     RequestResumed,
     StepFinished,
     StepPlanned,
@@ -166,10 +168,12 @@ class Engine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         arrival_time: float | None = None,
+        client_id: str | None = None,
     ) -> str:
         """Validate and queue a request; raises InvalidRequest with a clear message.
 
-        A request without a seed gets one drawn here, recorded in RequestAdded's params."""
+        A request without a seed gets one drawn here, recorded in RequestAdded's params; one with
+        a `client_id` (the id its client gave) is named by it (`name`)."""
         self._between_steps()
         params = params or SamplingParams()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -184,7 +188,15 @@ class Engine:
         req = Request(request_id, ids, params, self.tokenizer.decode)
         self.requests[request_id] = req
         self.scheduler.add(req)
+        if client_id is not None:
+            self.name(request_id, client_id)
+        lifecycle.queued(self.step_no, req, len(self.scheduler.waiting))
         return request_id
+
+    def name(self, request_id: str, client_id: str) -> None:
+        """Record the id a client gave the request; its log lines carry it from now on."""
+        self.emit(RequestNamed(self.step_no, request_id, client_id))
+        self.requests[request_id].client_id = client_id
 
     def resume_request(
         self,
@@ -353,6 +365,7 @@ class Engine:
             )
             composition.append([req.request_id, s.num_tokens])
         finished, self._finished_ids = self._finished_ids, []
+        lifecycle.planned(self.step_no, batch)
         self.emit(StepPlanned(self.step_no, batch.kind, composition, batch.num_tokens, cached))
         return StepPlan(self.step_no, batch.kind, seqs, finished)
 
@@ -382,6 +395,7 @@ class Engine:
         proposed = sum(r.num_proposed for r in result.seqs)
         accepted = sum(r.num_accepted for r in result.seqs)
         self.emit(StepFinished(self.step_no, batch.kind, sampled, proposed, accepted, memory))
+        lifecycle.step_done(self.step_no, batch, memory)
         if proposed:
             log.debug("spec step", step=self.step_no, proposed=proposed, accepted=accepted)
         for leak in [*result.leaks, *self._watch_core(batch.kind, memory.core_rss_bytes)]:
@@ -442,6 +456,8 @@ class Engine:
                 reason = "length"
             if reason:
                 break
+        if len(req.output_token_ids) == num_new:
+            lifecycle.first_token(self.step_no, req)
         new = tokens[:num_new]
         req.output_logprobs.extend(logprobs[:num_new])
         text = req.detok.extend(req.output_token_ids, final=reason is not None)
@@ -509,6 +525,7 @@ class Engine:
         if self.recovery is not None:
             self.recovery.restart()
             return
+        lifecycle.requeued(self.step_no, self.scheduler.running, reason)
         readmitted, tokens = self.scheduler.requeue_all()
         num_waiting = len(self.scheduler.waiting)
         self.emit(RecoveryStarted(self.step_no, self.num_losses, readmitted, num_waiting, tokens))

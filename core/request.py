@@ -24,6 +24,7 @@ class Request:
         decode: Callable[[list[int]], str],
     ):
         self.request_id = request_id
+        self.client_id = request_id  # the id its client gave (`Engine.name`), in its log lines
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.output_token_ids: list[int] = []
@@ -36,6 +37,7 @@ class Request:
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.num_preemptions = 0
+        self.evicted_by: str | None = None  # "preemption" or "recovery": why it last lost its KV
         self.num_proposed = 0
         self.num_accepted = 0
         self.detok = IncrementalText(decode)  # the output text, grown step by step
@@ -76,7 +78,13 @@ class Request:
         if not self.num_preemptions:
             self.num_cached_tokens = min(num_cached, self.num_prompt_tokens)
 
-    def preempt(self) -> None:
+    @property
+    def log_ids(self) -> dict[str, str]:
+        """The ids of the request's log lines: its client's and the engine's."""
+        return {"request_id": self.client_id, "engine_id": self.request_id}
+
+    def preempt(self, cause: str = "preemption") -> None:
         self.num_computed = 0
         self.status = Status.WAITING
         self.num_preemptions += 1
+        self.evicted_by = cause

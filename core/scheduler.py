@@ -33,6 +33,7 @@ class Scheduled:
 class StepBatch:
     kind: str
     seqs: list[Scheduled]
+    preempted: list[Request] = attrs.Factory(list)  # sent back to the queue to make room
 
     @property
     def num_tokens(self) -> int:
@@ -70,7 +71,7 @@ class Scheduler:
     def schedule(self) -> StepBatch:
         budget = self.cfg.max_num_batched_tokens
         seqs: list[Scheduled] = []
-        preempted: list[str] = []
+        preempted: list[Request] = []
         for req in list(self.running):
             if req.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
@@ -99,7 +100,7 @@ class Scheduler:
                 s.num_drafts = self._draft_slots(s)
         elif self.decode_lookahead:
             self._reserve_lookahead(seqs)
-        return StepBatch(kind, seqs)
+        return StepBatch(kind, seqs, preempted)
 
     def _reserve_lookahead(self, seqs: list[Scheduled]) -> None:
         """Best effort, after every step's own pages: pages for `decode_lookahead` slots past
@@ -111,20 +112,20 @@ class Scheduler:
                 wanted = min(req.num_tokens + self.decode_lookahead, self.max_model_len)
                 self.blocks.ensure(req.request_id, wanted)
 
-    def _reserve(self, req: Request, num_tokens: int, preempted: list[str]) -> bool:
+    def _reserve(self, req: Request, num_tokens: int, preempted: list[Request]) -> bool:
         """Pages for `num_tokens` of `req`, preempting the newest running requests if needed."""
         while not self.blocks.ensure(req.request_id, num_tokens):
             victim = self.running[-1]
             self._preempt(victim)
-            preempted.append(victim.request_id)
+            preempted.append(victim)
             if victim is req:
                 return False
         return True
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request, cause: str = "preemption") -> None:
         self.running.remove(req)
         self.blocks.free(req.request_id)
-        req.preempt()
+        req.preempt(cause)
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
@@ -133,7 +134,7 @@ class Scheduler:
         lost executor took their KV cache with it.  Returns (requests, tokens to recompute)."""
         running = list(self.running)
         for req in reversed(running):
-            self._preempt(req)
+            self._preempt(req, "recovery")
         return len(running), sum(req.num_tokens for req in running)
 
     def use_pages(self, blocks: BlockManager, decode_lookahead: int) -> None:

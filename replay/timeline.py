@@ -1,25 +1,32 @@
-"""The memory timeline of a log as a PNG: what every step left alive, with the step kinds behind.
+"""The memory timeline of a log as a figure (PNG, SVG or PDF, by the file's extension): what every
+step left alive, with the step kinds behind.
 
 Top panel: live and reserved bytes after each step, and each process's resident host memory,
-leak reports marked.  Bottom panel: bytes the arena ledger says are claimed by step kinds, with
-what the start-up kinds (warmup, capture) claimed and released before the first step, and KV
-pages in use and pages cached for prefix reuse (right axis); the title carries the prefix-cache
-hit rate.  Both panels shade each step by
-its kind and draw a dotted line at every transition between kinds; a lost executor is a solid
-dark red line, labelled with its recovery time.
-Rendered with matplotlib's Agg canvas (no display, no global backend switch).
+leak reports marked.  Bottom panel: KV pages in use and pages cached for prefix reuse, and the
+bytes the arena ledger says are claimed by step kinds (right axis; left out when it is zero
+throughout, and said so in the legend), with what the start-up kinds (warmup, capture) claimed
+and released before the first step.  Steps of the run's most common kind are the background;
+the steps of any other kind are shaded, with a dotted line at every transition between kinds; a
+lost executor is a solid dark red line, labelled with its recovery time.  Legends stand outside
+the panels, so no line is hidden under one.  The title names the model as the run was given it
+and carries the prefix-cache hit rate.  Rendered with matplotlib's Figure (no display, no global
+backend switch).
 """
 
 from __future__ import annotations
 
+import errno
+import os
 import textwrap
 from pathlib import Path
 
+import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
+from memstep.core.model_source import ALIASES, DEFAULT_GGUF
 from memstep.events.types import ExecutorLost, LeakSuspected, RecoveryDone, StepFinished
 from memstep.replay.recording import Recording
 from memstep.replay.summary import summarize
@@ -31,10 +38,24 @@ OTHER_COLORS = ("#dcedc8", "#e1bee7", "#fff9c4")
 LOSS_COLOR = "#8b0000"
 MIB = 1 << 20
 STEPS = "steps-mid"  # each figure holds for its whole step
+FORMATS = ("png", "svg", "pdf")
+OUTSIDE = {"loc": "upper left", "bbox_to_anchor": (1.06, 1.0), "fontsize": 8, "borderaxespad": 0}
 
 
 def plot_memory(recording: Recording, output: str | Path) -> Path:
-    """Draw the memory timeline of `recording` into the PNG file `output`; returns its path."""
+    """Draw the memory timeline of `recording` into `output`, in the format its extension names
+    (png, svg or pdf); returns its path."""
+    path = Path(output)
+    fmt = path.suffix.lower().lstrip(".")
+    if path.is_dir():
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+    if fmt not in FORMATS:
+        raise ValueError(f"{path}: name a .png, .svg or .pdf file (the format follows it)")
+    memory_figure(recording).savefig(path, format=fmt)
+    return path
+
+
+def memory_figure(recording: Recording) -> Figure:
     steps = [r for r in recording.records if isinstance(r, StepFinished)]
     if not steps:
         raise ValueError(f"{recording.path}: no steps recorded, nothing to plot")
@@ -42,49 +63,88 @@ def plot_memory(recording: Recording, output: str | Path) -> Path:
     top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=[3, 2])
     x = [s.step for s in steps]
     mem = [s.memory for s in steps]
-    top.plot(x, [m.live_bytes / MIB for m in mem], color="C0", lw=1.6, label="live", ds=STEPS)
+    top_handles = _top(top, x, mem)
+    kinds, changes = _shade(fig, (top, bottom), steps)
+    leaks = [r for r in recording.records if isinstance(r, LeakSuspected)]
+    _leaks(top, leaks, dict(zip(x, mem, strict=True)))
+    bottom_handles = _bottom(bottom, x, mem) + _startup(recording.records)
+    bottom.set_xlabel("step")
+    losses = _losses(top, recording.records)
+    handles = top_handles + _legend(kinds, bool(changes), bool(leaks))
+    if losses:
+        handles.append(Line2D([], [], color=LOSS_COLOR, label="executor lost"))
+    top.legend(handles=handles, **OUTSIDE)
+    bottom.legend(handles=bottom_handles, **OUTSIDE)
+    fig.suptitle(_title(recording, steps), fontsize=10)
+    return fig
+
+
+def _top(ax: Axes, x: list[int], mem: list) -> list:
+    """Live and reserved bytes on the left axis; each process's host RSS on the right one (its
+    hundreds of MiB would flatten a small model's live bytes on one axis)."""
+    ax.plot(x, [m.live_bytes / MIB for m in mem], color="C0", lw=1.6, label="live", ds=STEPS)
     reserved = [m.reserved_bytes / MIB for m in mem]
-    top.plot(x, reserved, color="C1", lw=1.0, ls="--", label="reserved", ds=STEPS)
-    for color, process in (("C5", "executor"), ("C6", "core")):
-        rss = [getattr(m, f"{process}_rss_bytes") / MIB for m in mem]
-        if any(rss):
-            top.plot(x, rss, color=color, lw=1.0, ls="-.", label=f"{process} RSS", ds=STEPS)
-    bottom.plot(x, [m.arena_claimed_bytes / MIB for m in mem], color="C2", lw=1.4, ds=STEPS)
-    pages = bottom.twinx()
-    pages.plot(x, [m.kv_pages_used for m in mem], color="C3", lw=1.0, alpha=0.8, ds=STEPS)
+    ax.plot(x, reserved, color="C1", lw=1.0, ls="--", label="reserved", ds=STEPS)
+    ax.set_ylabel("live / reserved (MiB)")
+    _floor(ax)
+    handles = list(ax.get_legend_handles_labels()[0])
+    rss = {p: [getattr(m, f"{p}_rss_bytes") / MIB for m in mem] for p in ("executor", "core")}
+    if any(any(v) for v in rss.values()):
+        right = ax.twinx()
+        for color, (process, values) in zip(("C5", "C6"), rss.items(), strict=True):
+            if any(values):
+                label = f"{process} RSS (right axis)"
+                right.plot(x, values, color=color, lw=1.0, ls="-.", label=label, ds=STEPS)
+        right.set_ylabel("host RSS (MiB)")
+        _floor(right)
+        handles += right.get_legend_handles_labels()[0]
+    return handles
+
+
+def _bottom(ax: Axes, x: list[int], mem: list) -> list:
+    """KV pages on the left axis, arena claimed on the right one unless flat at zero."""
+    used = [m.kv_pages_used for m in mem]
     cached = [m.kv_pages_cached for m in mem]
-    pages.plot(x, cached, color="C4", lw=1.0, ls="--", alpha=0.8, ds=STEPS)
-    pages.set_ylabel("KV pages: in use (solid), cached (dashed)")
-    kinds = list(dict.fromkeys(s.kind for s in steps))
-    colors = _colors(kinds)
+    ax.plot(x, used, color="C3", lw=1.0, ds=STEPS, label="KV pages in use")
+    ax.plot(x, cached, color="C4", lw=1.0, ls="--", ds=STEPS, label="KV pages cached")
+    ax.set_ylabel("KV pages")
+    _floor(ax)
+    handles = list(ax.get_legend_handles_labels()[0])
+    arena = [m.arena_claimed_bytes / MIB for m in mem]
+    if any(arena):
+        right = ax.twinx()
+        right.plot(x, arena, color="C2", lw=1.4, ds=STEPS, label="arena claimed (right axis)")
+        right.set_ylabel("arena claimed (MiB)")
+        _floor(right)
+        handles += right.get_legend_handles_labels()[0]
+    else:
+        handles.append(Line2D([], [], color="none", label="arena claimed: 0 B at every step"))
+    return handles
+
+
+def _floor(ax: Axes) -> None:
+    """Start the axis at zero; a series flat at zero gets 0..1, not matplotlib's -0.04..0.04."""
+    top = max((float(np.max(line.get_ydata(), initial=0)) for line in ax.get_lines()), default=0)
+    ax.set_ylim(0, top * 1.08 if top > 0 else 1)
+    ax.ticklabel_format(axis="y", useOffset=False)
+
+
+def _shade(fig: Figure, axes: tuple[Axes, Axes], steps: list[StepFinished]) -> tuple[list, list]:
+    """Shade the steps of every kind but the most common one, and mark each transition."""
+    counts: dict[str, int] = {}
+    for s in steps:
+        counts[s.kind] = counts.get(s.kind, 0) + 1
+    background = max(counts, key=lambda k: counts[k])
+    colors = _colors(list(counts))
+    shaded = {k: c for k, c in colors.items() if k != background}
     changes = [b.step for a, b in zip(steps, steps[1:], strict=False) if a.kind != b.kind]
-    for ax in (top, bottom):
-        _bands(ax, steps, colors)
+    for ax in axes:
+        _bands(ax, steps, shaded)
         ax.vlines(
             [c - 0.5 for c in changes], 0, 1, transform=ax.get_xaxis_transform(),
             colors="0.35", linestyles=":", lw=0.8,
         )  # fmt: skip
-        ax.ticklabel_format(axis="y", useOffset=False)
-    leaks = [r for r in recording.records if isinstance(r, LeakSuspected)]
-    _leaks(top, leaks, dict(zip(x, mem, strict=True)))
-    top.set_ylabel("live / reserved (MiB)")
-    bottom.set_ylabel("arena claimed (MiB)")
-    _startup(bottom, recording.records)
-    bottom.set_xlabel("step")
-    losses = _losses(top, recording.records)
-    handles = _legend(top, kinds, colors, bool(changes), bool(leaks))
-    if losses:
-        handles.append(Line2D([], [], color=LOSS_COLOR, label="executor lost"))
-    top.legend(handles=handles, loc="upper left", fontsize=8, ncols=3)
-    bottom.legend(
-        handles=[Line2D([], [], color="C2", label="arena claimed"),
-                 Line2D([], [], color="C3", label="KV pages in use (right axis)")],
-        loc="upper left", fontsize=8,
-    )  # fmt: skip
-    fig.suptitle(_title(recording, steps), fontsize=10)
-    path = Path(output)
-    fig.savefig(path, format="png")  # never a name of matplotlib's: `-o DIR` is not DIR.png
-    return path
+    return [(k, shaded.get(k)) for k in counts], changes
 
 
 def _colors(kinds: list[str]) -> dict[str, str]:
@@ -105,29 +165,25 @@ def _bands(ax: Axes, steps: list[StepFinished], colors: dict[str, str]) -> None:
 
 def _leaks(ax: Axes, leaks: list[LeakSuspected], mem_at: dict) -> None:
     for leak in leaks:
-        ax.axvline(leak.step, color="red", lw=1.2, alpha=0.8)
+        ax.axvline(leak.step, color="red", lw=1.2, alpha=0.8, label="leak suspected")
         m = mem_at.get(leak.step)
         y = m.live_bytes / MIB if m is not None else ax.get_ylim()[1]
-        ax.plot([leak.step], [y], marker="v", color="red", ms=9)
+        ax.plot([leak.step], [y], marker="v", color="red", ms=9, label="leak suspected")
         ax.annotate(
             f"leak: {leak.kind} {leak.what}", (leak.step, y), xytext=(6, 6),
             textcoords="offset points", color="red", fontsize=8,
         )  # fmt: skip
 
 
-def _startup(ax: Axes, records: list[object]) -> None:
-    """What each start-up kind claimed and released, in a corner: they run before step 0."""
+def _startup(records: list[object]) -> list:
+    """What each start-up kind claimed and released before step 0, as legend lines."""
     ledger = summarize(records).ledger
-    lines = [
-        f"{kind}: claimed {fmt_bytes(k.claimed)}, released {fmt_bytes(k.released)}"
+    return [
+        Line2D([], [], color="none", label=f"before step 0, {kind}: claimed "
+               f"{fmt_bytes(k.claimed)}, released {fmt_bytes(k.released)}")
         for kind, k in ledger.items()
         if kind in STARTUP_KINDS
-    ]
-    if lines:
-        ax.annotate(
-            "before step 0:\n" + "\n".join(lines), (0.99, 0.95), xycoords="axes fraction",
-            ha="right", va="top", fontsize=8, color="0.25",
-        )  # fmt: skip
+    ]  # fmt: skip
 
 
 def _losses(ax: Axes, records: list[object]) -> int:
@@ -135,7 +191,7 @@ def _losses(ax: Axes, records: list[object]) -> int:
     took = {r.step: r.seconds for r in records if isinstance(r, RecoveryDone)}
     losses = [r for r in records if isinstance(r, ExecutorLost)]
     for loss in losses:
-        ax.axvline(loss.step - 0.5, color=LOSS_COLOR, lw=1.4)
+        ax.axvline(loss.step - 0.5, color=LOSS_COLOR, lw=1.4, label="executor lost")
         label = f"recovered in {took.get(loss.step, 0):.1f} s"
         if loss.gave_up or loss.during not in ("idle", "step"):
             label = "gave up" if loss.gave_up else f"restart died in {loss.during}"
@@ -146,11 +202,12 @@ def _losses(ax: Axes, records: list[object]) -> int:
     return len(losses)
 
 
-def _legend(
-    ax: Axes, kinds: list[str], colors: dict[str, str], transitions: bool, leaks: bool
-) -> list:
-    handles = list(ax.get_legend_handles_labels()[0])
-    handles += [Patch(color=colors[k], label=f"{k} steps") for k in kinds]
+def _legend(kinds: list, transitions: bool, leaks: bool) -> list:
+    """Each kind (unshaded: the background), transitions, leaks."""
+    handles: list = []
+    for kind, color in kinds:
+        label = f"{kind} steps" if color else f"{kind} steps (unshaded)"
+        handles.append(Patch(facecolor=color or "white", edgecolor="0.6", label=label))
     if transitions:
         handles.append(Line2D([], [], color="0.35", ls=":", label="transition"))
     if leaks:
@@ -162,11 +219,22 @@ def _title(recording: Recording, steps: list[StepFinished]) -> str:
     s = summarize(recording.records)
     damaged = " (damaged log: intact records only)" if recording.problems else ""
     return (
-        f"memstep memory timeline: {recording.model_identity}, steps {steps[0].step}"
+        f"memstep memory timeline: {model_name(recording.config)}, steps {steps[0].step}"
         f"..{steps[-1].step}, {len(s.transitions)} transitions, {len(s.leaks)} leak reports"
         f"{_hit_rate(s.requests.prefix_hit_rate)}{damaged}\n"
         + "\n".join(textwrap.wrap(recording.highlights(), 140))
     )
+
+
+def model_name(config: dict) -> str:
+    """The model as people name it: the shipped GGUF's name for its aliases, a file's or a
+    folder's name, or the random preset (marked as random)."""
+    spec = str(config.get("model", "?"))
+    if spec in ALIASES:
+        return Path(DEFAULT_GGUF).stem
+    if spec.startswith("random:"):
+        return f"{spec} (random weights)"
+    return Path(spec).name or spec
 
 
 def _hit_rate(rate: float | None) -> str:

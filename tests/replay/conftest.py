@@ -50,3 +50,20 @@ def tiny_log(tmp_path_factory) -> RecordedLog:
     cfg = EngineConfig(model="random:tiny", max_num_seqs=8, num_threads=1, **SPEC)
     path = tmp_path_factory.mktemp("tiny") / "run.memlog"
     return RecordedLog(path, cfg, record(path, cfg, [10, 2, 12, 3, 1, 14], abort_every=7))
+
+
+@attrs.frozen
+class ServedRun:
+    """`memstep serve` (random:tiny, 10 KV pages) driven over ZMQ and HTTP: its event log, its
+    JSON log lines at debug level, and what the clients saw."""
+
+    log: Path
+    lines: list[dict]
+    seen: dict
+
+
+@pytest.fixture(scope="session")
+def served_run(tmp_path_factory) -> ServedRun:
+    from served_run import serve_and_drive
+
+    return ServedRun(*serve_and_drive(tmp_path_factory.mktemp("served")))

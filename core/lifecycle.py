@@ -1,0 +1,80 @@
+"""A request's life as log lines, written by the engine as it plans and records steps.
+
+Every line carries the request's ids (`request_id`: its client's, `engine_id`: the engine's) and
+the step number, so that one request's lines, picked out of a JSON log by either id, read in
+order: queued, admitted (with its prefix-cache hit), prompt chunks (debug), first token,
+preempted and resumed, requeued by a recovery and re-admitted.  The server adds `request
+arrived`, `request rejected` and `request finished` (with its latencies); the HTTP front its own
+arrival line with the HTTP ids.  At info level a request costs a few lines; the per-step and
+per-chunk lines are debug.
+"""
+
+from __future__ import annotations
+
+import structlog
+
+from memstep.core.request import Request
+from memstep.core.scheduler import StepBatch
+from memstep.events.types import MemoryReport
+
+log = structlog.get_logger("memstep.request")
+
+# the line of an admission's first plan, by why the request was waiting
+ADMISSION = {None: "request admitted", "preemption": "request resumed"}
+READMITTED = "request re-admitted"
+
+
+def queued(step: int, req: Request, num_waiting: int) -> None:
+    p = req.params
+    log.info(
+        "request queued",
+        step=step,
+        **req.log_ids,
+        prompt_tokens=req.num_prompt_tokens,
+        max_tokens=p.max_tokens,
+        num_waiting=num_waiting,
+    )
+
+
+def planned(step: int, batch: StepBatch) -> None:
+    """The lines of a planned step: preemptions, admissions, prompt chunks (debug)."""
+    for req in batch.preempted:
+        log.info("request preempted", step=step, **req.log_ids, tokens=req.num_tokens)
+    for s in batch.seqs:
+        req = s.request
+        start = req.num_computed
+        if start == req.admitted_at:
+            event = ADMISSION.get(req.evicted_by, READMITTED)
+            log.info(event, step=step, **req.log_ids, prefix_hit_tokens=start, kind=batch.kind)
+        if start < req.num_prompt_tokens:
+            log.debug(
+                "prompt chunk",
+                step=step,
+                **req.log_ids,
+                start=start,
+                num_tokens=s.num_tokens,
+                prompt_tokens=req.num_prompt_tokens,
+            )
+
+
+def first_token(step: int, req: Request) -> None:
+    log.info("first token", step=step, **req.log_ids)
+
+
+def requeued(step: int, reqs: list[Request], reason: str) -> None:
+    """Requests sent back to the queue by an executor loss: re-admitted after the recovery."""
+    for req in reqs:
+        log.info("request requeued", step=step, **req.log_ids, tokens=req.num_tokens, why=reason)
+
+
+def step_done(step: int, batch: StepBatch, memory: MemoryReport) -> None:
+    """One debug line per step: its kind, batch and memory."""
+    log.debug(
+        "step",
+        step=step,
+        kind=batch.kind,
+        batch_size=len(batch.seqs),
+        num_tokens=batch.num_tokens,
+        live_bytes=memory.live_bytes,
+        kv_pages_used=memory.kv_pages_used,
+    )
