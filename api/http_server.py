@@ -44,7 +44,8 @@ log = structlog.get_logger("memstep.http")
 HEALTH_TIMEOUT_S = 2.0
 CORE_TIMEOUT_S = 600.0  # a request's silence before it fails: one step may be long on a busy CPU
 CLIENT_ERRORS = {"invalid_request", "invalid_field", "missing_field", "unknown_field"}
-UNAVAILABLE = {"executor_dead", "executor_error", "recovering"}
+UNAVAILABLE = {"executor_dead", "executor_error", "recovering", "overloaded"}
+RETRY_AFTER_S = 1  # a refused request's Retry-After: a queue drains in about a TTFT budget
 
 
 class Front:
@@ -128,7 +129,7 @@ class Front:
             dones = await self._until_done_or_gone(request, self._run(job, rid))
             return JSONResponse(oai.response(job, rid, dones))
         except OpenAIError as exc:
-            return JSONResponse(exc.body(), exc.status)
+            return _error_response(exc)
 
     def _check_key(self, request: Request) -> None:
         if self.api_key is None:
@@ -313,7 +314,13 @@ def build_app(front: Front) -> Starlette:
 
 
 async def _openai_error(request: Request, exc: OpenAIError) -> Response:
-    return JSONResponse(exc.body(), exc.status)
+    return _error_response(exc)
+
+
+def _error_response(exc: OpenAIError) -> Response:
+    """OpenAI's error object; a 503 (the core cannot serve now) says when to retry."""
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 503 else None
+    return JSONResponse(exc.body(), exc.status, headers=headers)
 
 
 async def _routing_error(request: Request, exc: HTTPException) -> Response:

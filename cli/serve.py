@@ -102,6 +102,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(error 'recovering'); waiting and running requests are all kept (default: %(default)s)",
     )
     g.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=d.max_waiting_requests,
+        help="refuse a new request that finds this many waiting for the running batch: error "
+        "'overloaded', over HTTP 503 with Retry-After; admitted requests all finish; 0: no bound "
+        "(docs/serving-overload.md says how to choose it; default: %(default)s)",
+    )
+    g.add_argument(
         "--resume",
         type=Path,
         metavar="LOG",
@@ -197,6 +205,7 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         stats_interval_s=args.stats_interval,
         dead_exit_s=args.dead_exit_s,
         max_new_while_recovering=args.max_new_while_recovering,
+        max_waiting_requests=args.max_waiting_requests,
     )
 
 

@@ -35,4 +35,7 @@ def test_the_sharegpt_benchmark_runs_end_to_end_at_a_tiny_size(tmp_path):
     assert (out / "default.plan.png").stat().st_size > 10_000
     inspect = json.loads((out / "default.inspect.json").read_text())
     assert inspect["log"]["header"]["config"]["tokenizer"] == str(out / "tokenizer.json")
-    assert "default" in (out / "table.txt").read_text().splitlines()[2]
+    table = (out / "table.txt").read_text()
+    assert "default" in table.splitlines()[2]
+    assert "vLLM: workload 1,582,725 input / 1,442,778 output tokens asked" in table
+    assert f"default: workload {bench['workload_input_tokens']:,} input / 160 output" in table
