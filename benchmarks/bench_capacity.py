@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_http_vs_zmq import PROCESSES, cpu_seconds  # noqa: E402
+from bench_http_vs_zmq import cpu_seconds, server_pids  # noqa: E402
 
 from memstep.cli.bench_serve import _samples, arrival_gaps, benchmark, compute_metrics  # noqa: E402
 from memstep.cli.datasets import Sample, token_totals  # noqa: E402
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     with ServerProcess([*flags, "--no-record"], http=True) as server:
         server.wait_ready(timeout=1800)
         ctx = {"args": args, "slo": slo}
-        ctx["pids"] = {name: int(server.info[f"{name}_pid"]) for name in PROCESSES}
+        ctx["pids"] = server_pids(server.info)
         urls = {"zmq": server.address, "openai": server.http_url, "openai-chat": server.http_url}
         one_run(server.address, "zmq", args.rate_start, samples[:4], ctx, "warm-up")
         for backend in args.backends.split(","):

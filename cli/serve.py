@@ -142,13 +142,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=os.environ.get("MEMSTEP_API_KEY"),
         help="require 'Authorization: Bearer KEY' on /v1/* (default: $MEMSTEP_API_KEY, else none)",
     )
+    h.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        help="HTTP front processes accepting on the one port, as vLLM's: the front's JSON and "
+        "SSE work spread over that many cores; each keeps its own latency histograms in "
+        "/metrics (default: %(default)s)",
+    )
     add_record_arguments(p, by_default=True)
     add_engine_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
     server_cfg = _server_config(args)
-    http_cfg = HttpConfig(host=args.http_host, port=args.http_port, api_key=args.api_key)
+    http_cfg = HttpConfig(
+        host=args.http_host,
+        port=args.http_port,
+        api_key=args.api_key,
+        api_server_count=args.api_server_count,
+    )
     http_sock = bind(http_cfg) if args.http else None  # fails here, before any model loads
     front_keys = curve_client_keys() if http_sock is not None and server_cfg.uses_curve else None
     if front_keys is not None:
@@ -221,6 +234,7 @@ def _start_front(
         sock,
         server.endpoint,
         server.engine.cfg.model,
+        count=args.api_server_count,
         api_key=args.api_key,
         curve=curve,
         log_level=getattr(args, "log_level", "warning"),
@@ -260,6 +274,7 @@ def _announce(
         "executor_pid": getattr(server.engine.executor, "pid", 0),
         "http_url": front.url if front is not None else None,
         "http_pid": front.proc.pid if front is not None else 0,
+        "http_pids": front.pids if front is not None else [],
     }
     print(f"memstep serve: ready on {server.endpoint}", flush=True)
     if recorder is not None:
