@@ -130,3 +130,20 @@ def test_goodput_counts_requests_that_met_every_bound():
 def test_a_malformed_goodput_bound_is_a_usage_error(bad):
     with pytest.raises(UsageError, match="--goodput"):
         parse_goodput(["tpot:50", bad])
+
+
+# --- the HTTP client's SSE reader --------------------------------------------------------------
+
+
+def test_sse_events_split_across_reads_come_out_whole():
+    from memstep.cli.bench_openai import Streamed, _take_events, split_events
+
+    body = b'data: {"choices":[{"text":"a"}]}\n\ndata: {"choices":[{"text":"b"}]}\r\n\r\n'
+    body += b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2}}\n\n'
+    body += b"data: [DONE]"  # a last event without its blank line
+    out, tail = Streamed(0.0), b""
+    for i in range(0, len(body), 7):  # reads that end mid-event
+        events, tail = split_events(tail + body[i : i + 7])
+        _take_events(out, events, chat=False)
+    _take_events(out, [tail], chat=False)
+    assert len(out.arrivals) == 2 and (out.prompt_tokens, out.completion_tokens) == (3, 2)
