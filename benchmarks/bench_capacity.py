@@ -16,11 +16,13 @@ F the FLOPs of a token and K the KV bytes of a reply token's mean context, a rat
 rate * p * F / R + max(S * W / BW + rate * o * K / BW, rate * o * F / R) <= 1 second a second
 (attention FLOPs and the TTFT bound, a prompt's FLOPs at R, are left out: they do not bind).
 Also printed: the pace batch, the most requests one decode step can hold within TPOT (a
-max_num_seqs that keeps the device at its per-token pace; docs/serving-overload.md).
+max_num_seqs that keeps the device at its per-token pace; docs/serving-overload.md); with
+`--overload-prompts N`, N prompts at twice each capacity: served tok/s and TPOT against the run
+at capacity, refusals that were not typed (`overloaded`; HTTP 503 + Retry-After), admitted lost.
 
     python benchmarks/bench_capacity.py --tokenizer tokenizer.json [--model random:llama-3.1-8b]
         [--num-prompts 1200] [--rate-start 16] [--bisect 3] [--backends zmq,openai]
-        [--engine-flags "..."] [--out DIR]
+        [--engine-flags "--max-waiting-requests 64"] [--overload-prompts 3600] [--out DIR]
     python benchmarks/bench_capacity.py --quick    # the CPU: random:tiny, a small sample
 """
 
@@ -75,6 +77,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--slo-tpot-mean", type=float, default=50.0, help="ms")
     p.add_argument("--backends", default="zmq,openai")
     p.add_argument("--engine-flags", default="", help="more `memstep serve` flags, one string")
+    p.add_argument(
+        "--overload-prompts",
+        type=int,
+        default=0,
+        help="then this many prompts at twice each backend's capacity (serve with "
+        "--max-waiting-requests in --engine-flags): served rate, TPOT, refusals, losses",
+    )
     p.add_argument("--out", type=Path, default=Path("bench_capacity_out"))
     args = p.parse_args(argv)
     if args.quick:
@@ -105,6 +114,7 @@ def one_run(
     results, duration = asyncio.run(benchmark(url, samples, gaps, True, load))
     cpu = {k: round(v - before[k], 2) for k, v in cpu_seconds(ctx["pids"]).items()}
     m = compute_metrics(results, duration, ctx["slo"])
+    ctx["last"] = (results, samples)
     keep = ("completed", "failed", "request_throughput", "output_throughput", "mean_ttft_ms")
     keep += ("p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "good_requests")
     run = {"rate": rate, **{k: m[k] for k in keep}, "cpu_s": cpu, "meets": meets(m, ctx["args"])}
@@ -140,6 +150,37 @@ def search(url: str, backend: str, samples: list[Sample], ctx: dict) -> dict:
     best = max((r for r in runs if r["meets"]), key=lambda r: r["rate"], default=None)
     first_miss = bad if math.isfinite(bad) else None  # None: met up to --rate-max
     return {"capacity_req_s": good, "at_capacity": best, "first_miss": first_miss, "runs": runs}
+
+
+def overload(url: str, backend: str, found: dict, samples: list[Sample], ctx: dict) -> dict:
+    """`--overload-prompts` at twice the capacity: what was served, how the admitted fared
+    against the run at capacity, and whether every refusal was a typed one and nothing admitted
+    was lost (each finished request got every token it asked for, as `--ignore-eos` asks)."""
+    at, n = found["at_capacity"], ctx["args"].overload_prompts
+    if not at or not n:
+        return {}
+    prompts = [samples[i % len(samples)] for i in range(n)]
+    run = one_run(url, backend, 2 * at["rate"], prompts, ctx, f"{backend} 2x")
+    results, asked = ctx["last"]
+    refused = [r.error for r in results if not r.ok]
+    typed = [e for e in refused if is_typed_refusal(e)]
+    lost = sum(
+        1 for r, s in zip(results, asked, strict=True) if r.ok and r.output_len != s.output_len
+    )
+    return run | {
+        "served_of_capacity": round(run["output_throughput"] / at["output_throughput"], 3),
+        "tpot_of_capacity": round(run["mean_tpot_ms"] / at["mean_tpot_ms"], 3),
+        "refused": len(refused),
+        "untyped_refusals": [e for e in refused if e not in typed][:5],
+        "admitted_lost": lost,
+    }
+
+
+def is_typed_refusal(error: str) -> bool:
+    """ZMQ: the `overloaded` ErrorReply; HTTP: a 503 with Retry-After that says overloaded."""
+    return error.startswith("overloaded:") or (
+        error.startswith("HTTP 503 (Retry-After") and "overloaded" in error
+    )
 
 
 # --- the ideal engine ----------------------------------------------------------------------
@@ -230,6 +271,9 @@ def main(argv: list[str] | None = None) -> int:
         one_run(server.address, "zmq", args.rate_start, samples[:4], ctx, "warm-up")
         for backend in args.backends.split(","):
             report[backend] = search(urls[backend], backend, samples, ctx)
+            report[backend]["overload"] = overload(
+                urls[backend], backend, report[backend], samples, ctx
+            )
     report["ideal"] = ideal_of(args, cfg, report["workload"])
     print(summary(report, args.backends.split(",")))
     args.out.mkdir(parents=True, exist_ok=True)
@@ -277,6 +321,15 @@ def summary(report: dict, backends: list[str]) -> str:
             f"TPOT mean {best.get('mean_tpot_ms', 0):.1f} ms, front CPU "
             f"{best.get('front_cpu_us_a_token', 0)} us a token"
         )
+        over = got.get("overload") or {}
+        if over:
+            lines.append(
+                f"{backend} at 2x ({over['rate']:.2f} req/s): served "
+                f"{over['served_of_capacity']:.2f} of capacity's tok/s, TPOT "
+                f"{over['tpot_of_capacity']:.2f}x, refused "
+                f"{over['refused']} (untyped {len(over['untyped_refusals'])}), admitted lost "
+                f"{over['admitted_lost']}"
+            )
     return "\n".join(lines)
 
 

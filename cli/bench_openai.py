@@ -59,7 +59,9 @@ async def stream(http: httpx.AsyncClient, base_url: str, chat: bool, body: dict)
     async with http.stream("POST", base_url + path, json=body) as reply:
         if reply.status_code != 200:
             text = (await reply.aread()).decode(errors="replace")
-            raise HttpError(f"HTTP {reply.status_code}: {text[:300]}")
+            retry = reply.headers.get("retry-after")
+            after = f" (Retry-After {retry})" if retry is not None else ""
+            raise HttpError(f"HTTP {reply.status_code}{after}: {text[:300]}")
         tail = b""
         async for data in reply.aiter_bytes():
             events, tail = split_events(tail + data)

@@ -82,21 +82,51 @@ def test_the_search_doubles_then_bisects_to_the_highest_rate_that_met_the_slo(ca
     assert tried == [32, 16, 8] and never["capacity_req_s"] == 8 and never["first_miss"] == 16
 
 
-def test_quick_runs_on_the_cpu_over_zmq_and_http(tmp_path):
-    """An SLO no run can meet: both backends' searches end at capacity 0 after a halving."""
-    argv = ["--quick", "--slo-ttft-p99", "0.001", "--rate-start", "16", "--out", str(tmp_path)]
+def test_overload_counts_typed_refusals_and_admitted_requests_cut_short(cap, monkeypatch):
+    from memstep.cli.bench_serve import RequestResult
+
+    asked = [Sample(f"p{i}", 4, 8) for i in range(5)]
+    results = [
+        RequestResult(prompt_len=4, output_len=8),
+        RequestResult(prompt_len=4, output_len=5),  # admitted, then cut short: lost
+        RequestResult(error="overloaded: 9 requests wait (limit 8)"),
+        RequestResult(error='HTTP 503 (Retry-After 1): {"error": {"code": "overloaded"}}'),
+        RequestResult(error="HTTP 500: internal_error"),  # a refusal that is not typed
+    ]
+
+    def fake_run(url, backend, rate, samples, ctx, label=""):
+        ctx["last"] = (results, asked)
+        return {"rate": rate, "output_throughput": 90.0, "mean_tpot_ms": 30.0}
+
+    monkeypatch.setattr(cap, "one_run", fake_run)
+    found = {"at_capacity": {"rate": 10.0, "output_throughput": 100.0, "mean_tpot_ms": 20.0}}
+    ctx = {"args": argparse.Namespace(overload_prompts=5)}
+    got = cap.overload("u", "zmq", found, asked, ctx)
+    assert got["rate"] == 20.0 and got["served_of_capacity"] == 0.9
+    assert got["tpot_of_capacity"] == 1.5 and got["refused"] == 3
+    assert got["untyped_refusals"] == ["HTTP 500: internal_error"] and got["admitted_lost"] == 1
+    assert not cap.is_typed_refusal("HTTP 503: recovering") and cap.is_typed_refusal(
+        "overloaded: x"
+    )
+
+
+def test_quick_runs_on_the_cpu_over_zmq_and_http_then_at_twice_capacity(tmp_path):
+    """A CPU capacity over both backends, then twice it with a waiting bound of one request."""
+    flags = "--num-threads 1 --max-num-seqs 2 --max-waiting-requests 1"
+    argv = ["--quick", "--rate-start", "16", "--overload-prompts", "12", "--engine-flags", flags]
     done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "bench_capacity.py"), *argv],
+        [sys.executable, str(BENCHMARKS / "bench_capacity.py"), *argv, "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "bench_capacity.json").read_text())
-    assert report["workload"]["num_prompts"] == 12 and report["slo_ms"]["p99_ttft"] == 0.001
+    assert report["workload"]["num_prompts"] == 12 and report["slo_ms"]["p99_ttft"] == 2000
     for backend in ("zmq", "openai"):
-        got = report[backend]
-        assert [r["rate"] for r in got["runs"]] == [16.0, 8.0]
-        assert got["capacity_req_s"] == 0 and got["first_miss"] == 8.0
-        assert all(r["completed"] == 12 and r["failed"] == 0 for r in got["runs"])
+        got, over = report[backend], report[backend]["overload"]
+        assert got["capacity_req_s"] > 0 and got["at_capacity"]["meets"]
+        assert over["rate"] == 2 * got["capacity_req_s"]
+        assert over["completed"] + over["refused"] == 12 and over["completed"] > 0
+        assert over["untyped_refusals"] == [] and over["admitted_lost"] == 0
     assert sum(r["cpu_s"]["http"] for r in report["openai"]["runs"]) > 0  # the front worked
     assert report["ideal"]["capacity_req_s"] > 0 and report["ideal"]["device"] == "cpu"
-    assert "ideal engine on cpu" in done.stdout and "openai: capacity 0.00 req/s" in done.stdout
+    assert "ideal engine on cpu" in done.stdout and "openai at 2x" in done.stdout
