@@ -115,8 +115,8 @@ def one_run(
     cpu = {k: round(v - before[k], 2) for k, v in cpu_seconds(ctx["pids"]).items()}
     m = compute_metrics(results, duration, ctx["slo"])
     ctx["last"] = (results, samples)
-    keep = ("completed", "failed", "request_throughput", "output_throughput", "mean_ttft_ms")
-    keep += ("p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "good_requests")
+    keep: tuple[str, ...] = ("completed", "failed", "request_throughput", "output_throughput")
+    keep += ("mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "good_requests")
     run = {"rate": rate, **{k: m[k] for k in keep}, "cpu_s": cpu, "meets": meets(m, ctx["args"])}
     out_tokens = max(1, sum(r.output_len for r in results if r.ok))
     run["front_cpu_us_a_token"] = round(cpu.get("http", 0.0) * 1e6 / out_tokens, 1)
