@@ -8,8 +8,9 @@
 
 Replies are the records of `events/wire.py`: `GenerateDone` (text, token_ids, finish_reason,
 usage, timing), `GenerateDelta` (token_ids, text), `HealthReply`, `StatsReply`.  An ErrorReply
-raises `ServerError` with its code; `timeout` seconds without a word from the server (it sends a
-Keepalive every second while a request is in flight) raise `TimeoutError`.  `Client` raises
+raises `ServerError` with its code (`Overloaded`, a subclass, for `overloaded`); `timeout`
+seconds without a word from the server (it sends a Keepalive every second while a request is in
+flight) raise `TimeoutError`.  `Client` raises
 `ConnectionError` after `connect_timeout` seconds when nothing accepts its connection at all;
 both clients raise it when no connection takes a request within `timeout` (a CURVE server that
 refused this client's key drops its connection).
@@ -31,6 +32,7 @@ import zmq.asyncio
 
 from memstep.events import codec
 from memstep.events.wire import (
+    OVERLOADED,
     AbortReply,
     AbortRequest,
     AttachRequest,
@@ -56,6 +58,14 @@ class ServerError(RuntimeError):
         self.code = code
         self.message = message
         self.request_id = request_id
+
+
+class Overloaded(ServerError):
+    """The server refused a new request: `--max-waiting-requests` others already wait.  Nothing
+    of it ran; send it again later (over HTTP: 503 with Retry-After)."""
+
+
+ERRORS: dict[str, type[ServerError]] = {OVERLOADED: Overloaded}
 
 
 Key = bytes | str  # a z85 CURVE key, 40 characters
@@ -109,7 +119,7 @@ def _addressee(msg: object) -> str | None:
 
 def _final(msg: object) -> object:
     if isinstance(msg, ErrorReply):
-        raise ServerError(msg.code, msg.message, msg.request_id)
+        raise ERRORS.get(msg.code, ServerError)(msg.code, msg.message, msg.request_id)
     return msg
 
 

@@ -3,6 +3,9 @@
 The parent binds the HTTP socket itself, before any model loads, so a port in use or a refused
 address fails at once with a one-line error; the child inherits the listening socket.  The API
 key and the front's CURVE keys travel in the child's environment, never on its command line.
+With `count` > 1 (`--api-server-count`, as vLLM's) that many children accept on the one socket
+(pre-fork, as gunicorn's workers): each parses, encodes and streams its own connections, a ZMQ
+client of the core of its own, so the front's per-token work spreads over that many cores.
 """
 
 from __future__ import annotations
@@ -29,8 +32,11 @@ class HttpConfig:
     host: str = "127.0.0.1"
     port: int = 8000  # 0: any free port
     api_key: str | None = None
+    api_server_count: int = 1  # front processes on the one socket
 
     def __attrs_post_init__(self) -> None:
+        if self.api_server_count < 1:
+            raise ConfigError("api_server_count must be >= 1")
         if not (is_loopback(self.host) or self.api_key):
             raise ConfigError(
                 f"refusing to serve HTTP on {self.host!r} without an API key: give --api-key "
@@ -53,11 +59,42 @@ def curve_client_keys() -> tuple[bytes, bytes]:
 
 
 class HttpFront:
-    """The front's child process; `url` is where it answers."""
+    """The front's child processes (`count`, on one socket); `url` is where they answer."""
 
-    def __init__(self, sock: socket.socket, zmq_address: str, model: str, **options: object):
+    def __init__(
+        self, sock: socket.socket, zmq_address: str, model: str, count: int = 1, **options: object
+    ):
         host, port = sock.getsockname()[:2]
         self.url = f"http://{_url_host(host)}:{port}"
+        children = [_Child(sock, zmq_address, model, options) for _ in range(max(1, count))]
+        self.children = children
+
+    @property
+    def proc(self) -> subprocess.Popen:
+        return self.children[0].proc
+
+    @property
+    def pids(self) -> list[int]:
+        return [child.proc.pid for child in self.children]
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
+        """Block until every child serves; RuntimeError if one exits or stays silent."""
+        try:
+            for child in self.children:
+                child.wait_ready(timeout)
+        except RuntimeError:
+            self.stop()
+            raise
+
+    def stop(self, timeout: float = 10.0) -> None:
+        for child in self.children:
+            child.stop(timeout)
+
+
+class _Child:
+    """One front process on the inherited socket."""
+
+    def __init__(self, sock: socket.socket, zmq_address: str, model: str, options: dict):
         read_fd, write_fd = os.pipe()
         cmd = [sys.executable, "-m", "memstep.api.http_server", "--zmq", _reachable(zmq_address)]
         cmd += ["--model-name", model, "--fd", str(sock.fileno()), "--ready-fd", str(write_fd)]
@@ -72,7 +109,7 @@ class HttpFront:
         os.close(write_fd)
         self._ready_fd = read_fd
 
-    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
+    def wait_ready(self, timeout: float) -> None:
         """Block until the front serves; RuntimeError if it exits or stays silent."""
         try:
             ready, _, _ = select.select([self._ready_fd], [], [], timeout)

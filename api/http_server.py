@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import hmac
 import json
@@ -24,6 +25,8 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import attrs
+import orjson
 import structlog
 import uvicorn
 from starlette.applications import Starlette
@@ -44,7 +47,8 @@ log = structlog.get_logger("memstep.http")
 HEALTH_TIMEOUT_S = 2.0
 CORE_TIMEOUT_S = 600.0  # a request's silence before it fails: one step may be long on a busy CPU
 CLIENT_ERRORS = {"invalid_request", "invalid_field", "missing_field", "unknown_field"}
-UNAVAILABLE = {"executor_dead", "executor_error", "recovering"}
+UNAVAILABLE = {"executor_dead", "executor_error", "recovering", "overloaded"}
+RETRY_AFTER_S = 1  # a refused request's Retry-After: a queue drains in about a TTFT budget
 
 
 class Front:
@@ -138,7 +142,7 @@ class Front:
             return JSONResponse(oai.response(job, rid, dones), headers=header)
         except OpenAIError as exc:
             log.info("request rejected", x_request_id=given, status=exc.status, reason=str(exc))
-            return JSONResponse(exc.body(), exc.status, headers=header)
+            return _error_response(exc, header)
 
     def _check_key(self, request: Request) -> None:
         if self.api_key is None:
@@ -200,42 +204,54 @@ class Front:
         self, job: Job, rid: str, streams: list[AsyncStream], firsts: list[Any]
     ) -> AsyncIterator[str]:
         """SSE events: each choice's chunks as they come, its last with a finish_reason, then
-        the usage chunk if asked for, then [DONE].  A closed connection aborts what is left."""
+        the usage chunk if asked for, then [DONE].  The replies that arrived while the last
+        write went out leave in one write (a stream behind by several steps catches up in one).
+        A closed connection aborts what is left."""
         queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         for i, first in enumerate(firsts):
             queue.put_nowait((i, first))
         readers = [asyncio.create_task(_pump(i, s, queue)) for i, s in enumerate(streams)]
-        dones: dict[int, GenerateDone] = {}
-        offsets = [0] * len(streams)
-        started: set[int] = set()  # choices whose first chunk (with the chat role) went out
+        out = _SseState(job, rid, len(streams))
         try:
-            while len(dones) < len(streams):
-                index, item = await queue.get()
-                if isinstance(item, ServerError):
-                    yield _event(_error_of(item).body())
-                    break
-                if isinstance(item, GenerateDone):
-                    dones[index] = item
-                    self.prom.observe(item)
-                    yield _event(oai.chunk(job, rid, index, "", [], 0, **_end(item)))
-                    continue
-                if not item.text and not item.logprobs:
-                    continue  # a token that ends inside a character: its text comes later
-                role = index not in started
-                started.add(index)
-                yield _event(
-                    oai.chunk(job, rid, index, item.text, item.logprobs, offsets[index], role=role)
-                )
-                offsets[index] += len(item.text)
-            else:
-                if job.include_usage:
-                    ordered = [dones[i] for i in range(len(streams))]
-                    yield _event(oai.usage_chunk(job, rid, ordered))
-                yield "data: [DONE]\n\n"
+            while not out.ended:
+                items = [await queue.get()]
+                while not queue.empty():  # all that came meanwhile, in one write
+                    items.append(queue.get_nowait())
+                text = "".join(self._events(out, index, item) for index, item in items)
+                if text:
+                    yield text
         finally:
             for reader in readers:
                 reader.cancel()
-            self._abort([s.request_id for i, s in enumerate(streams) if i not in dones])
+            self._abort([s.request_id for i, s in enumerate(streams) if i not in out.dones])
+
+    def _events(self, out: _SseState, index: int, item: Any) -> str:
+        """The SSE text for one reply of choice `index`: its chunk; after the last choice's
+        GenerateDone the usage chunk if asked for and [DONE]; an error event ends the stream."""
+        job, rid = out.job, out.rid
+        if out.ended:
+            return ""
+        if isinstance(item, ServerError):
+            out.ended = True
+            return _event(_error_of(item).body())
+        if isinstance(item, GenerateDone):
+            out.dones[index] = item
+            self.prom.observe(item)
+            text = _event(oai.chunk(job, rid, index, "", [], 0, **_end(item)))
+            if len(out.dones) == out.num_choices:
+                out.ended = True
+                if job.include_usage:
+                    ordered = [out.dones[i] for i in range(out.num_choices)]
+                    text += _event(oai.usage_chunk(job, rid, ordered))
+                text += "data: [DONE]\n\n"
+            return text
+        if not item.text and not item.logprobs:
+            return ""  # a token that ends inside a character: its text comes later
+        role = index not in out.started
+        out.started.add(index)
+        offset = out.offsets[index]
+        out.offsets[index] += len(item.text)
+        return _event(oai.chunk(job, rid, index, item.text, item.logprobs, offset, role=role))
 
     def _abort(self, request_ids: list[str]) -> None:
         """Abort requests in the core from a task of their own: the caller may be cancelled."""
@@ -248,6 +264,19 @@ class Front:
         with contextlib.suppress(ServerError, TimeoutError):  # it may have ended meanwhile
             await self.core.abort(request_id)
             log.info("client gone; request aborted", request_id=request_id)
+
+
+@attrs.define
+class _SseState:
+    """What one SSE response has sent: each choice's GenerateDone, text offset, first chunk."""
+
+    job: Job
+    rid: str
+    num_choices: int
+    dones: dict[int, GenerateDone] = attrs.Factory(dict)
+    offsets: collections.defaultdict[int, int] = attrs.Factory(lambda: collections.defaultdict(int))
+    started: set[int] = attrs.Factory(set)  # choices whose first chunk (with the chat role) went
+    ended: bool = False
 
 
 async def _first(stream: AsyncStream) -> Any:
@@ -286,7 +315,7 @@ def _end(done: GenerateDone) -> dict[str, Any]:
 
 
 def _event(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+    return f"data: {orjson.dumps(obj).decode()}\n\n"
 
 
 async def _json(request: Request) -> Any:
@@ -332,7 +361,15 @@ def build_app(front: Front) -> Starlette:
 
 
 async def _openai_error(request: Request, exc: OpenAIError) -> Response:
-    return JSONResponse(exc.body(), exc.status)
+    return _error_response(exc)
+
+
+def _error_response(exc: OpenAIError, headers: dict[str, str] | None = None) -> Response:
+    """OpenAI's error object; a 503 (the core cannot serve now) says when to retry."""
+    headers = dict(headers or {})
+    if exc.status == 503:
+        headers["Retry-After"] = str(RETRY_AFTER_S)
+    return JSONResponse(exc.body(), exc.status, headers=headers or None)
 
 
 async def _routing_error(request: Request, exc: HTTPException) -> Response:

@@ -78,6 +78,7 @@ class CoreStats(Collector):
         yield _counter("num_preemptions", "requests preempted (recomputed)", s.num_preemptions)
         yield _counter("leak_reports", "leak reports (LeakSuspected records)", s.num_leak_reports)
         yield _labelled("request_success", "finished requests", "finished_reason", s.finished)
+        yield _labelled("requests_refused", "generate requests refused", "code", s.refused)
         yield _labelled("steps", "engine steps run", "kind", s.steps)
         yield _labelled("step_transitions", "step-kind transitions", "transition", s.transitions)
         yield from _memory(s)

@@ -44,6 +44,7 @@ from memstep.events import codec
 from memstep.events.types import RequestTimed, StepPlanned
 from memstep.events.version import VERSION
 from memstep.events.wire import (
+    OVERLOADED,
     PROTOCOL_VERSION,
     AbortReply,
     AbortRequest,
@@ -97,12 +98,18 @@ class ServerConfig:
     # waiting or running, all kept), then new ones get `recovering` errors: 60 req/s for the
     # 17-18 s an 8B model's recovery took on an H200 is about 1,100
     max_new_while_recovering: int = 4096
+    # a new request that finds this many waiting (admitted, not yet running) is refused with
+    # `overloaded` (HTTP 503 + Retry-After) instead of queued; 0: no bound.  How to choose it:
+    # docs/serving-overload.md
+    max_waiting_requests: int = 0
 
     def __attrs_post_init__(self) -> None:
         if self.max_frame_bytes < 1024:
             raise ConfigError("max_frame_bytes must be >= 1024")
         if self.max_new_while_recovering < 0:
             raise ConfigError("max_new_while_recovering must be >= 0")
+        if self.max_waiting_requests < 0:
+            raise ConfigError("max_waiting_requests must be >= 0 (0: no bound)")
         if (self.curve_secret_key is None) != (not self.curve_client_keys):
             raise ConfigError("CURVE needs both a server secret key and allowed client keys")
         if not (is_loopback(self.host) or self.uses_curve):
@@ -184,6 +191,7 @@ class Server:
         self.last_sent: dict[bytes, float] = {}  # for peers with requests in flight
         self.gone: set[bytes] = set()  # peers whose connection closed; dropped each turn
         self.finished: collections.Counter[str] = collections.Counter()
+        self.refused: collections.Counter[str] = collections.Counter()  # by error code
         self.executor_death: str | None = None  # why the engine gave up on executors
         self.unsent: list[RequestOutput] = []  # the last step's outputs, sent during the next
         self.dead_since: float | None = None
@@ -390,6 +398,8 @@ class Server:
         try:
             self._dispatch(envelope, msg)
         except (RequestRefused, InvalidRequest, UnknownRequest) as exc:
+            if isinstance(exc, RequestRefused):
+                self.refused[exc.code] += 1
             self._reject(envelope, msg.request_id, exc.code, _message(exc))
         except Exception as exc:
             log.exception("request failed", request_id=msg.request_id)
@@ -422,6 +432,7 @@ class Server:
         if key in self.by_client:
             raise RequestRefused("duplicate_request", f"request {msg.request_id!r} is in flight")
         self._check_queue()
+        self._check_waiting()
         prompt = self._prompt(msg)
         params = _sampling_params(msg.params)
         log.info("request arrived", step=self.engine.step_no, request_id=msg.request_id)
@@ -449,6 +460,19 @@ class Server:
                 f"(limit {limit}); retry in a few seconds",
             )
         self.new_while_recovering = (self.engine.num_losses, taken + 1)
+
+    def _check_waiting(self) -> None:
+        """Refuse a new request that would wait behind `max_waiting_requests` others (not while
+        recovering: every re-admitted request waits then, and `_check_queue` bounds the new)."""
+        limit = self.cfg.max_waiting_requests
+        if not limit or self.engine.is_recovering:
+            return
+        waiting = len(self.engine.scheduler.waiting)
+        if waiting >= limit:
+            raise RequestRefused(
+                OVERLOADED,
+                f"{waiting} requests wait for the running batch (limit {limit}); retry in a second",
+            )
 
     def _attach(self, envelope: list[bytes], msg: AttachRequest) -> None:
         """Hand a carried request (`serve --resume`) to the client that sent it before."""
@@ -542,6 +566,7 @@ class Server:
             steps=dict(self.tally.steps),
             transitions=dict(self.tally.transitions),
             host_rss_bytes=host_rss_bytes(self._pids()),
+            refused=dict(self.refused),
         )
 
     def _pids(self) -> dict[str, int]:

@@ -18,6 +18,7 @@ and the median of each repeat's own HTTP / ZMQ ratio.
 
     python benchmarks/bench_http_vs_zmq.py [--model smollm2] [--num-prompts 32]
         [--concurrency 16] [--output-len 64] [--repeats 3] [--dataset synthetic] [--num-threads N]
+        [--api-server-count N]
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--dataset", default="synthetic")
     p.add_argument("--backends", default="zmq,openai", help="comma-separated, run alternately")
     p.add_argument("--num-threads", type=int, help="the executor's torch threads")
+    p.add_argument("--api-server-count", type=int, default=1, help="HTTP front processes")
     return p.parse_args()
 
 
@@ -72,12 +74,13 @@ def main() -> None:
     flags += ["--max-num-seqs", str(args.concurrency), "--no-record", "--no-enable-prefix-caching"]
     if args.num_threads:
         flags += ["--num-threads", str(args.num_threads)]
+    flags += ["--api-server-count", str(args.api_server_count)]
     backends = args.backends.split(",")
     tps: dict[str, list[float]] = {b: [] for b in backends}
     with ServerProcess(flags, http=True) as server:
         server.wait_ready(timeout=600)
         urls = {"zmq": server.address, "openai": server.http_url, "openai-chat": server.http_url}
-        pids = {name: int(server.info[f"{name}_pid"]) for name in PROCESSES}
+        pids = server_pids(server.info)
         asyncio.run(benchmark(server.address, samples, gaps, True, load))  # warm-up, not counted
         for repeat in range(args.repeats):
             for backend in backends:
@@ -91,12 +94,20 @@ def main() -> None:
     summarise(backends, tps)
 
 
-def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
-    """User + system CPU seconds of each server process so far, and of this client."""
+def server_pids(info: dict[str, Any]) -> dict[str, list[int]]:
+    """The processes of a `memstep serve` by role, from its ready file (every HTTP front)."""
+    pids = {name: [int(info[f"{name}_pid"])] for name in PROCESSES}
+    return pids | {"http": [int(pid) for pid in info.get("http_pids") or pids["http"]]}
+
+
+def cpu_seconds(pids: dict[str, list[int]]) -> dict[str, float]:
+    """User + system CPU seconds of each server role's processes so far, and of this client."""
     out = {}
-    for name, pid in pids.items():
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        out[name] = (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime
+    for name, group in pids.items():
+        out[name] = 0.0
+        for pid in group:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            out[name] += (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime
     me = resource.getrusage(resource.RUSAGE_SELF)
     return out | {"client": me.ru_utime + me.ru_stime}
 

@@ -2,7 +2,7 @@
 
 Shared: `--num-requests` requests (64) that start with the same system prompt of about
 `--system-tokens` tokens (1,000), each followed by its own question.  Unshared: as many ShareGPT
-conversations (first human turn, no chat template, so no two prompts share a first block).
+conversations (vLLM's sample, no chat template, so no two prompts share a first block).
 Every request arrives at once and generates `--max-tokens` tokens (greedy, EOS ignored).  Each
 workload runs in this process with caching on and off, `--repeats` times each in ABBA order
 (`--off-first` starts with off); the figures are the mean TTFT (time from arrival to the first

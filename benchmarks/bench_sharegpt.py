@@ -1,14 +1,17 @@
 """The seed's experiment, end to end: ShareGPT at a fixed request rate against `memstep serve`.
 
 For each engine configuration: `memstep serve` in its own process (JSON logs, its event log
-kept), `memstep bench serve` in another (`--dataset sharegpt --ignore-eos`, real reply lengths
-measured with the real tokenizer, one probe request first), then from the kept log the memory
-verdict, `memstep inspect --json` and `memstep plot`, and optionally `memstep replay`.  Last, a
-vLLM-style table of every configuration in DIR, beside vLLM's published figures.
+kept), `memstep bench serve` in another (`--dataset sharegpt`: vLLM's sample; `--ignore-eos`,
+real reply lengths, one probe request first), then from the kept log the memory
+verdict, `memstep inspect --json` and `memstep plot`, and optionally `memstep replay`.  With
+`--backends zmq,openai` the same load runs over ZMQ, then over the same server's HTTP front
+(`bench serve --backend openai`), and the table gives HTTP's TTFT and TPOT as ratios to ZMQ's.
+Last, a vLLM-style table of every configuration in DIR, beside vLLM's published figures.
 
     python benchmarks/bench_sharegpt.py --out DIR [--tokenizer tokenizer.json]
         [--model random:llama-3.1-8b] [--num-prompts 7200] [--request-rate 60]
         [--configs small,default] [--dataset sharegpt|FILE.jsonl] [--replay]
+        [--backends zmq,openai] [--serve-flags "--api-server-count 4"]
     python benchmarks/bench_sharegpt.py --export-dataset prompts.jsonl --tokenizer T ...
 
 `random:` models tokenize bytes, so `--tokenizer` (a tokenizer.json, as `memstep
@@ -50,7 +53,11 @@ CONFIGS: dict[str, list[str]] = {  # name -> engine flags beyond the model's
 VLLM = {  # vLLM's published run: 7,200 ShareGPT prompts at 60 req/s, Llama-3.1-8B, one H100
     "output_throughput": 10483.0,
     "mean_ttft_ms": 111.0,
+    "median_ttft_ms": 102.0,
+    "p99_ttft_ms": 283.0,
     "mean_tpot_ms": 35.1,
+    "total_input_tokens": 1582725,  # Llama-3's tokenizer
+    "total_output_tokens": 1442778,
 }
 GIB = 1 << 30
 
@@ -60,12 +67,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("bench_sharegpt_out"))
     p.add_argument("--model", default="random:llama-3.1-8b")
     p.add_argument("--tokenizer", type=Path, help="tokenizer.json or .gguf (default: exported)")
-    p.add_argument("--dataset", default="sharegpt", help="sharegpt or a JSONL file")
+    p.add_argument(
+        "--dataset",
+        default="sharegpt",
+        help="sharegpt (vLLM's sample), sharegpt-human-first, a JSONL file",
+    )
     p.add_argument("--num-prompts", type=int, default=7200)
     p.add_argument("--request-rate", type=float, default=60.0)
     p.add_argument("--max-output-len", type=int, help="cap replies (default: real lengths)")
     p.add_argument("--configs", default="small,default", help=f"from {sorted(CONFIGS)}")
     p.add_argument("--engine-flags", default="", help="more `memstep serve` flags, one string")
+    p.add_argument(
+        "--serve-flags",
+        default="",
+        help="server-only flags, e.g. '--api-server-count 4 --max-waiting-requests 64'",
+    )
+    p.add_argument(
+        "--backends",
+        default="zmq",
+        help="bench serve's backends, one after the other on the same server: zmq, openai "
+        "(HTTP, the front of the same server), or both as zmq,openai (their ratios printed)",
+    )
     p.add_argument("--replay", action="store_true", help="replay each log and compare")
     p.add_argument("--export-dataset", type=Path, help="write the sampled prompts as JSONL; stop")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds of server silence")
@@ -121,29 +143,34 @@ def run_config(name: str, args: argparse.Namespace, tokenizer: Path) -> dict[str
     log.unlink(missing_ok=True)
     flags = ["--model", args.model, "--tokenizer", str(tokenizer), *CONFIGS[name]]
     flags += args.engine_flags.split()
-    serve = [*flags, "--record", str(log), "--log-format", "json"]
+    serve = [*flags, *args.serve_flags.split(), "--record", str(log), "--log-format", "json"]
     print(f"[{name}] memstep serve {' '.join(serve)}", flush=True)
     start = time.monotonic()
-    with ServerProcess(serve, log_level="info") as server:
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    with ServerProcess(serve, log_level="info", http="openai" in backends) as server:
         server.wait_ready(timeout=1800)
         print(f"[{name}] ready in {time.monotonic() - start:.0f} s; load starts", flush=True)
-        port = server.address.rsplit(":", 1)[1]
-        bench = ["bench", "serve", "--port", port, "--dataset", args.dataset]
-        bench += ["--num-prompts", str(args.num_prompts), "--request-rate", str(args.request_rate)]
-        bench += ["--ignore-eos", "--json", str(bench_json), "--disable-tqdm"]
-        bench += ["--timeout", str(args.timeout), *flags]
-        if args.max_output_len:
-            bench += ["--max-output-len", str(args.max_output_len)]
         killer = ExecutorKiller(server.address, args.kill_executor_at)
-        table = memstep(*bench, out=args.out / f"{name}.bench.txt")
-        print(table, flush=True)
+        for backend in backends:
+            json_path = (
+                bench_json.with_suffix(f".{backend}.json") if backend != "zmq" else bench_json
+            )
+            bench = [*bench_args(args, server, backend, flags), "--json", str(json_path)]
+            table = memstep(*bench, out=args.out / f"{name}.{backend}.bench.txt")
+            print(table, flush=True)
         killer.join()
         server.stop(timeout=120)
         server_log = server.log_path.read_text(errors="replace")
     (args.out / f"{name}.server.log").write_text(server_log)
     verdict = memory_verdict(log, server_log)
     result: dict[str, Any] = {"config": name, "flags": flags}
-    result["bench"] = _bench_figures(bench_json)
+    figures = {
+        b: _bench_figures(bench_json.with_suffix(f".{b}.json")) for b in backends if b != "zmq"
+    }
+    if "zmq" in backends:
+        figures = {"zmq": _bench_figures(bench_json)} | figures
+    result["bench"] = next(iter(figures.values()))
+    result["backends"] = figures
     result["memory"] = verdict
     result["recoveries"] = recoveries(log, killer.kills)
     memstep("inspect", str(log), "--json", out=args.out / f"{name}.inspect.json")
@@ -153,6 +180,21 @@ def run_config(name: str, args: argparse.Namespace, tokenizer: Path) -> dict[str
         result["replay"] = replay(log, args.out / f"{name}.replay.json")
     (args.out / f"{name}.result.json").write_text(json.dumps(result, indent=2))
     return result
+
+
+def bench_args(args: argparse.Namespace, server: Any, backend: str, flags: list[str]) -> list[str]:
+    """`memstep bench serve` against `server` over `backend`, with the engine's flags (they give
+    bench its tokenizer) and the sample and rate asked."""
+    if backend == "zmq":
+        bench = ["bench", "serve", "--port", server.address.rsplit(":", 1)[1]]
+    else:
+        bench = ["bench", "serve", "--backend", backend, "--base-url", server.http_url]
+    bench += ["--dataset", args.dataset, "--num-prompts", str(args.num_prompts)]
+    bench += ["--request-rate", str(args.request_rate), "--ignore-eos", "--disable-tqdm"]
+    bench += ["--timeout", str(args.timeout), *flags]
+    if args.max_output_len:
+        bench += ["--max-output-len", str(args.max_output_len)]
+    return bench
 
 
 class ExecutorKiller(threading.Thread):
@@ -324,11 +366,21 @@ def table(results: list[dict[str, Any]]) -> str:
             f"{b['mean_tpot_ms']:>7.1f}ms {b['failed']:>6} | {seg:>13} {res:>17} {plan:>13} "
             f"{sum(m['leaks'].values()):>6} {'yes' if m['flat'] else 'NO':>5}"
         )
+    lines += backend_lines(results)
+    v = VLLM
     lines.append(
-        f"{'vLLM':<8} {'H100':>11} {'':>6} {VLLM['output_throughput']:>9.0f} "
-        f"{VLLM['mean_ttft_ms']:>7.0f}ms {'':>8} {'':>8} {VLLM['mean_tpot_ms']:>7.1f}ms"
-        "   (published; an H100 has less memory bandwidth than an H200)"
+        f"{'vLLM':<8} {'H100':>11} {'':>6} {v['output_throughput']:>9.0f} "
+        f"{v['mean_ttft_ms']:>7.0f}ms {v['median_ttft_ms']:>6.0f}ms {v['p99_ttft_ms']:>6.0f}ms "
+        f"{v['mean_tpot_ms']:>7.1f}ms   (published; an H200 reads memory 1.43x faster than an "
+        "H100, at the same bf16 matmul peak)"
     )
+    lines.append(workload_line("vLLM", int(v["total_input_tokens"]), int(v["total_output_tokens"])))
+    for r in results:
+        b = r["bench"]
+        if "workload_input_tokens" in b:
+            lines.append(
+                workload_line(r["config"], b["workload_input_tokens"], b["workload_output_tokens"])
+            )
     for r in results:
         m = r["memory"]
         total = f", device {m['device_total'] / GIB:.1f} GiB" if m["device_total"] else ""
@@ -346,6 +398,34 @@ def table(results: list[dict[str, Any]]) -> str:
                 f"re-admitted {rec['readmitted']} requests, {rec['tokens_recomputed']} tokens"
             )
     return "\n".join(lines)
+
+
+def backend_lines(results: list[dict[str, Any]]) -> list[str]:
+    """Each further backend's figures on the same server, and its ratios to ZMQ's."""
+    lines = []
+    for r in results:
+        by = r.get("backends") or {}
+        for backend, b in by.items():
+            if backend == "zmq" or "zmq" not in by:
+                continue
+            z = by["zmq"]
+            ratio = {k: b[k] / z[k] if z[k] else 0.0 for k in RATIOS}
+            lines.append(
+                f"{r['config']} over {backend}: {b['output_throughput']:.0f} out tok/s, TTFT mean "
+                f"{b['mean_ttft_ms']:.0f} ms p99 {b['p99_ttft_ms']:.0f} ms, TPOT mean "
+                f"{b['mean_tpot_ms']:.1f} ms, failed {b['failed']}; / ZMQ: "
+                + ", ".join(f"{k} {v:.2f}" for k, v in ratio.items())
+            )
+    return lines
+
+
+RATIOS = ("mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms")  # goals: 1.15, 1.15, 1.05
+
+
+def workload_line(name: str, num_in: int, num_out: int) -> str:
+    """The workload's prompt and reply tokens as asked: a fixed-rate run's output tok/s mostly
+    counts these, so two runs compare only when they match."""
+    return f"{name}: workload {num_in:,} input / {num_out:,} output tokens asked"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,7 +3,7 @@ whether each process's host memory stayed inside the leak detector's tolerance.
 
 `memstep serve` runs in its own process (its executor in another, the HTTP front in a third) and
 records its event log; `memstep bench serve --backend openai-chat` rounds of requests from
-`--clients` concurrent chat clients (ShareGPT's first human turns, replies capped at
+`--clients` concurrent chat clients (ShareGPT's first turns, vLLM's sample; replies capped at
 `--max-output-len`) run one after another until the time is up (the last round is finished).
 From the log's per-step memory reports: the core's and the executor's resident bytes after the
 first served step, at their peak and at the end, their growth against `host_leak_tolerance_mib`,

@@ -1,7 +1,7 @@
 """Offline throughput: memstep against Hugging Face transformers on the same weights and dtype.
 
 Workload (a): one request at a time, 64 new tokens.  Workload (b): real ShareGPT conversations
-(first human turn as prompt, the reply's token count as output length, fixed seed), memstep with
+(vLLM's sample: first turn as prompt, the reply's token count as output length), memstep with
 `max_num_seqs` 16 continuous batching, Hugging Face `generate` in left-padded batches of 16.
 Both run in this process, one after the other, and the ratio is printed.
 """

@@ -7,12 +7,12 @@ counts come from the server's `usage` (asked for with `stream_options.include_us
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
 import attrs
 import httpx
+import orjson
 
 BACKENDS = ("zmq", "openai", "openai-chat")
 
@@ -52,16 +52,35 @@ def request_body(chat: bool, model: str, prompt: str, max_tokens: int, ignore_eo
 
 
 async def stream(http: httpx.AsyncClient, base_url: str, chat: bool, body: dict) -> Streamed:
+    """One streamed request; the SSE events are split from the raw bytes as they come (httpx's
+    line iterator and json cost the client more CPU a token than the server's front spends)."""
     path = "/v1/chat/completions" if chat else "/v1/completions"
     out = Streamed(time.perf_counter())
     async with http.stream("POST", base_url + path, json=body) as reply:
         if reply.status_code != 200:
             text = (await reply.aread()).decode(errors="replace")
-            raise HttpError(f"HTTP {reply.status_code}: {text[:300]}")
-        async for line in reply.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                _take(out, json.loads(line[6:]), chat)
+            retry = reply.headers.get("retry-after")
+            after = f" (Retry-After {retry})" if retry is not None else ""
+            raise HttpError(f"HTTP {reply.status_code}{after}: {text[:300]}")
+        tail = b""
+        async for data in reply.aiter_bytes():
+            events, tail = split_events(tail + data)
+            _take_events(out, events, chat)
+        _take_events(out, [tail], chat)
     return out
+
+
+def split_events(data: bytes) -> tuple[list[bytes], bytes]:
+    """The complete SSE events of `data` (ended by a blank line) and the bytes after them."""
+    *events, tail = data.replace(b"\r\n", b"\n").split(b"\n\n")
+    return events, tail
+
+
+def _take_events(out: Streamed, events: list[bytes], chat: bool) -> None:
+    for event in events:
+        event = event.strip()
+        if event.startswith(b"data: ") and event != b"data: [DONE]":
+            _take(out, orjson.loads(event[6:]), chat)
 
 
 def _take(out: Streamed, event: dict, chat: bool) -> None:

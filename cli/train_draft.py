@@ -103,7 +103,7 @@ def picked(args: argparse.Namespace, tok) -> list[tuple[str, list[int], list[int
     elif args.replies == "sharegpt":
         from memstep.cli.datasets import sharegpt_pairs
 
-        pairs = sharegpt_pairs()
+        pairs = sharegpt_pairs(human_first=True)
     else:
         pairs = [(q, "") for q in sharegpt_questions()]
     random.Random(args.seed).shuffle(pairs)

@@ -156,12 +156,20 @@ class StatsReply:
     steps: dict[str, int] = attrs.Factory(dict)  # steps run, by kind
     transitions: dict[str, int] = attrs.Factory(dict)  # "old->new" kind changes
     host_rss_bytes: dict[str, int] = attrs.Factory(dict)  # "core", "executor": resident bytes
+    refused: dict[str, int] = attrs.Factory(dict)  # generate requests refused, by error code
+
+
+# the error codes a well-formed generate request is refused with for now, not for what it is
+# (docs/protocol.md §6 lists every code): retry later; over HTTP each is a 503 with Retry-After
+OVERLOADED = "overloaded"  # --max-waiting-requests others already wait for the running batch
+RECOVERING = "recovering"  # a new executor starts and --max-new-while-recovering new ones wait
+EXECUTOR_DEAD = "executor_dead"
 
 
 @record
 class ErrorReply:
     request_id: str  # "" when the frame was too broken to carry one
-    code: str
+    code: str  # e.g. OVERLOADED
     message: str
 
 

@@ -18,7 +18,8 @@ def test_the_sharegpt_benchmark_runs_end_to_end_at_a_tiny_size(tmp_path):
     out = tmp_path / "out"
     argv = ["--out", str(out), "--model", "random:tiny", "--dataset", str(dataset)]
     argv += ["--num-prompts", "20", "--request-rate", "20", "--configs", "default"]
-    argv += ["--engine-flags", "--num-threads 1"]
+    argv += ["--engine-flags", "--num-threads 1", "--backends", "zmq,openai"]
+    argv += ["--serve-flags", "--api-server-count 2"]
     done = subprocess.run(
         [sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=600
     )
@@ -35,4 +36,10 @@ def test_the_sharegpt_benchmark_runs_end_to_end_at_a_tiny_size(tmp_path):
     assert (out / "default.plan.png").stat().st_size > 10_000
     inspect = json.loads((out / "default.inspect.json").read_text())
     assert inspect["log"]["header"]["config"]["tokenizer"] == str(out / "tokenizer.json")
-    assert "default" in (out / "table.txt").read_text().splitlines()[2]
+    table = (out / "table.txt").read_text()
+    assert "default" in table.splitlines()[2]
+    assert "vLLM: workload 1,582,725 input / 1,442,778 output tokens asked" in table
+    http = result["backends"]["openai"]  # the same load over the same server's HTTP front
+    assert (http["completed"], http["failed"], http["total_output_tokens"]) == (20, 0, 160)
+    assert "default over openai:" in table and "/ ZMQ: mean_ttft_ms" in table
+    assert f"default: workload {bench['workload_input_tokens']:,} input / 160 output" in table

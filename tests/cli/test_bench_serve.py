@@ -79,13 +79,17 @@ def test_bench_serve_starts_its_own_server_and_reports(tmp_path, capsys):
     out = tmp_path / "bench.json"
     argv = ["--dataset", "synthetic", "--num-prompts", "8", "--request-rate", "50"]
     argv += ["--max-output-len", "16", "--ignore-eos", "--json", str(out), *TINY]
+    argv += ["--goodput", "ttft:600000", "tpot:600000"]  # every request meets these
     assert bench_serve.main(argv) == 0
     printed = capsys.readouterr().out
     assert "Successful requests:                    8" in printed
+    assert "Workload output tokens (asked):         128" in printed
+    assert "Good requests (ttft:600000 tpot:600000):8" in printed
     for line in ("Mean TTFT (ms):", "P99 TPOT (ms):", "Median ITL (ms):", "P99 E2EL (ms):"):
         assert line in printed
     data = json.loads(out.read_text())
     assert (data["completed"], data["failed"], data["total_output_tokens"]) == (8, 0, 8 * 16)
+    assert data["workload_input_tokens"] > 0 and data["request_goodput"] == 8 / data["duration_s"]
     assert data["total_input_tokens"] == sum(data["requests"]["input_lens"]) > 0
     assert all(len(itl) == 15 for itl in data["requests"]["itls"])  # one delta per token
     assert 0 < data["median_ttft_ms"] <= data["median_e2el_ms"]
