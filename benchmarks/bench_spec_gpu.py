@@ -17,7 +17,6 @@ import logging
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -25,12 +24,12 @@ STREAMS, TOKENS = 4, 64
 
 
 def tok_per_s(method: str, options) -> float:
-    import memstep.executors
     from memstep.core.config import EngineConfig
     from memstep.core.sampling_params import SamplingParams
     from memstep.executors.process.inprocess import local_engine
+    from memstep.executors.spec.eagle import SMOLLM2_HEAD
 
-    head = Path(memstep.executors.__file__).parent / "drafts" / "smollm2-eagle.npz"
+    head = SMOLLM2_HEAD
     spec = {} if method == "none" else {"speculative_method": method}
     if method == "eagle":
         spec["draft_model"] = str(head)

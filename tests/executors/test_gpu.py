@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import gc
 import random
-from pathlib import Path
 
 import pytest
 import torch
 
-import memstep.executors
 from memstep.cli.traffic import random_params, rising_waves
 from memstep.core.config import EngineConfig
 from memstep.core.engine import Engine
@@ -23,6 +21,7 @@ from memstep.events.types import LeakSuspected, StepFinished
 from memstep.executors.cuda.decode import DecodeInputs
 from memstep.executors.cuda.decode_ahead import Ahead
 from memstep.executors.process.inprocess import local_engine
+from memstep.executors.spec.eagle import SMOLLM2_HEAD
 
 pytestmark = [
     pytest.mark.gpu,
@@ -369,7 +368,7 @@ def test_decode_ahead_changes_no_token(dtype, broken, monkeypatch):
 
 # --- speculation -------------------------------------------------------------------------------
 
-EAGLE_HEAD = str(Path(memstep.executors.__file__).parent / "drafts" / "smollm2-eagle.npz")
+EAGLE_HEAD = str(SMOLLM2_HEAD)
 
 
 def spec_run(method: str | None) -> tuple[dict[str, list[int]], list[StepFinished], int]:
