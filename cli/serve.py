@@ -138,7 +138,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     h.add_argument("--api-key-file", type=Path, help="a file whose first line is the API key")
     add_limit_arguments(h)
-    add_record_arguments(p, by_default=True)
+    add_record_arguments(p, by_default=True, durability=True)
     add_engine_arguments(p)
 
 
@@ -203,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine(cfg, executor_factory=factory, sinks=sinks)
     front = None
     try:
-        server = Server(engine, server_cfg)
+        server = Server(engine, server_cfg, recorder)
         if point is not None:
             server.resume(point)
             print(f"memstep serve: resumed {len(point.unfinished)} unfinished requests from "
