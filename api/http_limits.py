@@ -34,7 +34,7 @@ log = logging.getLogger("uvicorn.error")
 class HttpLimits:
     """The bounds of one HTTP front (flags of `memstep serve`, documented in docs/limits.md)."""
 
-    max_request_bytes: int = 4 << 20  # larger bodies: 413 request_too_large
+    max_request_bytes: int = 2 << 20  # larger bodies: 413 request_too_large
     max_connections: int = 8192  # connections past this are closed as they open
     header_timeout_s: float = 10.0  # a connection's time to send a whole request head
     body_timeout_s: float = 30.0  # a request's time to send its body: 408 after
