@@ -14,7 +14,10 @@ flight) raise `TimeoutError`.  `Client` raises
 `ConnectionError` after `connect_timeout` seconds when nothing accepts its connection at all;
 both clients raise it when no connection takes a request within `timeout` (a CURVE server that
 refused this client's key drops its connection).
-Each client is one DEALER socket and may have many requests in flight.
+Each client is one DEALER socket and may have many requests in flight.  `AsyncClient` keeps an
+entry per request in flight and removes it on every way out (its end, an error, a cancelled
+await, `forget`); when its connection to the server closes (ZeroMQ reconnects, but the server
+has dropped every request of the closed one), each request in flight fails with `route_lost`.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import structlog
 import zmq
 import zmq.asyncio
 
@@ -46,7 +50,10 @@ from memstep.events.wire import (
     StatsRequest,
 )
 
+log = structlog.get_logger("memstep.client")
+
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5557"
+ROUTE_LOST = "route_lost"
 CONNECT_TIMEOUT_S = 3.0
 
 
@@ -90,6 +97,19 @@ def _unsent(address: str, timeout: float) -> str:
         f"no connection to {address} took the request in {timeout} s "
         f"(the server refused this client, or it is gone)"
     )
+
+
+def _frame_of(msg: Any, max_bytes: int | None) -> bytes:
+    """The encoded request; ServerError (with its id) when it cannot be encoded or is over
+    `max_bytes`: sent, a frame past the server's hard limit would close the connection."""
+    try:
+        frame = codec.encode(msg)
+    except codec.CodecError as exc:
+        raise ServerError("invalid_request", str(exc), msg.request_id) from None
+    if max_bytes is not None and len(frame) > max_bytes:
+        message = f"request of {len(frame)} bytes > the server's limit of {max_bytes}"
+        raise ServerError("frame_too_large", message, msg.request_id)
+    return frame
 
 
 def _bytes(key: Key) -> bytes:
@@ -236,9 +256,10 @@ class Client:
         return f"c{next(self._ids)}"
 
     def _send(self, msg: Any) -> None:
+        frame = _frame_of(msg, None)
         self._pending[msg.request_id] = collections.deque()
         try:
-            self._sock.send(codec.encode(msg))
+            self._sock.send(frame)
         except zmq.Again:
             self._pending.pop(msg.request_id, None)
             raise ConnectionError(_unsent(self.address, self.timeout)) from None
@@ -339,15 +360,19 @@ class AsyncClient:
         curve_public_key: Key | None = None,
         curve_secret_key: Key | None = None,
         context: zmq.asyncio.Context | None = None,
+        max_frame_bytes: int | None = None,
     ):
         self.address = address
         self.timeout = timeout
+        self.max_frame_bytes = max_frame_bytes  # larger requests fail here, never sent
         self._ctx = context or zmq.asyncio.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         _connect(self._sock, address, curve_server_key, curve_public_key, curve_secret_key)
         self._ids = itertools.count()
         self._queues: dict[str, asyncio.Queue[object]] = {}
         self._reader: asyncio.Task[None] | None = None
+        self._watcher: asyncio.Task[None] | None = None
         self._heard = 0.0
 
     async def generate(
@@ -366,9 +391,11 @@ class AsyncClient:
         await self._send(generate_request(rid, prompt, messages, stream, params, special))
         if stream:
             return AsyncStream(self, rid)
-        while not isinstance(msg := await self._next(rid), GenerateDone):
-            pass
-        self._queues.pop(rid, None)
+        try:
+            while not isinstance(msg := await self._next(rid), GenerateDone):
+                pass
+        finally:  # also when the caller gives up waiting (wait_for, cancel)
+            self._queues.pop(rid, None)
         return msg
 
     async def attach(
@@ -392,11 +419,28 @@ class AsyncClient:
     async def stats(self) -> StatsReply:
         return await self._call(StatsRequest(self._new_id()), StatsReply)
 
+    def forget(self, request_id: str) -> None:
+        """Drop the entry of a request whose replies nobody will read (a stream its reader
+        left); replies that still come for it are discarded."""
+        self._queues.pop(request_id, None)
+
+    def is_pending(self, request_id: str) -> bool:
+        """Whether `request_id` has an entry: sent, and neither ended nor forgotten."""
+        return request_id in self._queues
+
+    @property
+    def num_pending(self) -> int:
+        """Requests with an entry here: in flight, or not yet read to their end."""
+        return len(self._queues)
+
     async def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reader
+        for task in (self._reader, self._watcher):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._sock.disable_monitor()
+        self._monitor.close(0)
         self._sock.close(0)
 
     async def __aenter__(self) -> AsyncClient:
@@ -409,15 +453,21 @@ class AsyncClient:
         return f"a{next(self._ids)}"
 
     async def _send(self, msg: Any) -> None:
+        """Encode and send `msg`; a request that cannot be encoded or is over the server's
+        frame limit raises ServerError before it leaves an entry."""
         if self._reader is None:
             self._heard = asyncio.get_running_loop().time()
             self._reader = asyncio.create_task(self._read())
+            self._watcher = asyncio.create_task(self._watch())
+        frame = _frame_of(msg, self.max_frame_bytes)
         self._queues[msg.request_id] = asyncio.Queue()
         try:
-            await asyncio.wait_for(self._sock.send(codec.encode(msg)), self.timeout)
-        except TimeoutError:
+            await asyncio.wait_for(self._sock.send(frame), self.timeout)
+        except BaseException as exc:
             self._queues.pop(msg.request_id, None)
-            raise ConnectionError(_unsent(self.address, self.timeout)) from None
+            if isinstance(exc, TimeoutError):
+                raise ConnectionError(_unsent(self.address, self.timeout)) from None
+            raise
 
     async def _call(self, msg: Any, expect: type[Any]) -> Any:
         await self._send(msg)
@@ -436,8 +486,22 @@ class AsyncClient:
             if queue is not None:
                 queue.put_nowait(msg)
 
+    async def _watch(self) -> None:
+        """On each closed connection, fail every request in flight: the server has dropped the
+        requests of that connection, and a new one (ZeroMQ reconnects) is a stranger to it."""
+        while True:
+            await self._monitor.recv_multipart()
+            lost = list(self._queues)
+            for rid in lost:
+                message = "the connection to the server closed; the request is lost"
+                self._queues[rid].put_nowait(ErrorReply(rid, ROUTE_LOST, message))
+            if lost:
+                log.warning("connection to the server closed", requests_lost=len(lost))
+
     async def _next(self, request_id: str) -> object:
-        queue = self._queues[request_id]
+        queue = self._queues.get(request_id)
+        if queue is None:
+            raise ServerError(ROUTE_LOST, "the request is no longer tracked", request_id)
         loop = asyncio.get_running_loop()
         while True:
             if self._reader is not None and self._reader.done():

@@ -19,6 +19,7 @@ import sys
 import attrs
 import zmq
 
+from memstep.api.http_limits import HttpLimits
 from memstep.api.server import is_loopback
 from memstep.core.config import ConfigError
 
@@ -100,6 +101,11 @@ class _Child:
         cmd += ["--model-name", model, "--fd", str(sock.fileno()), "--ready-fd", str(write_fd)]
         cmd += ["--log-level", str(options.get("log_level", "warning"))]
         cmd += ["--log-format", str(options.get("log_format", "console"))]
+        limits = options.get("limits")
+        if isinstance(limits, HttpLimits):
+            cmd += limits.as_argv()
+        if options.get("core_max_frame_bytes"):
+            cmd += ["--core-max-frame-bytes", str(options["core_max_frame_bytes"])]
         env = dict(os.environ)
         if options.get("api_key"):
             env["MEMSTEP_API_KEY"] = str(options["api_key"])

@@ -7,6 +7,12 @@
 while the core says "ok"), `GET /metrics`.  Every request goes through `AsyncClient`: one codec,
 one path into the engine, and no torch in this process.  A client that disconnects aborts its
 requests in the core.  With an API key, `/v1/*` needs `Authorization: Bearer KEY`.
+
+No request shares fate with another: its size, its connection and its time are bounded
+(`api/http_limits.py`, docs/limits.md); a request the core cannot take (over its frame limit, not
+encodable) fails here with a 4xx; a request whose link to the core is lost (`route_lost`) ends
+with an error (an SSE error event, then `[DONE]`); and the front's own figures (resident memory,
+open connections, requests in flight, its client's entries) are in `/metrics`.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import contextlib
 import hmac
 import json
 import os
+import resource
 import socket
 import sys
 import threading
@@ -30,15 +37,24 @@ import orjson
 import structlog
 import uvicorn
 from starlette.applications import Starlette
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from memstep.api import openai_protocol as oai
-from memstep.api.client import AsyncClient, AsyncStream, ServerError
-from memstep.api.metrics import Metrics
+from memstep.api.client import ROUTE_LOST, AsyncClient, AsyncStream, ServerError
+from memstep.api.http_limits import (
+    GuardedH11,
+    HttpLimits,
+    guarded_protocol,
+    limit_log_rate,
+    read_body,
+)
+from memstep.api.metrics import FrontStats, Metrics
 from memstep.api.openai_protocol import Job, OpenAIError
+from memstep.api.tally import host_rss_bytes
 from memstep.core.logging import setup_logging
 from memstep.events.wire import GenerateDone, HealthReply
 
@@ -47,28 +63,49 @@ log = structlog.get_logger("memstep.http")
 HEALTH_TIMEOUT_S = 2.0
 CORE_TIMEOUT_S = 600.0  # a request's silence before it fails: one step may be long on a busy CPU
 CLIENT_ERRORS = {"invalid_request", "invalid_field", "missing_field", "unknown_field"}
-UNAVAILABLE = {"executor_dead", "executor_error", "recovering", "overloaded"}
+UNAVAILABLE = {"executor_dead", "executor_error", "recovering", "overloaded", "log_unwritable"}
+UNAVAILABLE |= {ROUTE_LOST}
 RETRY_AFTER_S = 1  # a refused request's Retry-After: a queue drains in about a TTFT budget
+TOO_LARGE = {"frame_too_large"}
 
 
 class Front:
     """Owns the ZMQ client of the core, the model's name and the metrics; answers HTTP."""
 
-    def __init__(self, address: str, model: str, api_key: str | None, curve: dict[str, str]):
+    def __init__(
+        self,
+        address: str,
+        model: str,
+        api_key: str | None,
+        curve: dict[str, str],
+        limits: HttpLimits | None = None,
+    ):
         self.address = address
         self.model = model
         self.api_key = api_key
         self.curve = curve
+        self.limits = limits or HttpLimits()
         self.client: AsyncClient | None = None
         self.ready_fd: int | None = None  # written to once serving
         self.core_timeout = CORE_TIMEOUT_S
+        self.core_frame_bytes: int | None = None  # the core's max_frame_bytes, when told
         self.created = int(time.time())
         self.prom = Metrics()
+        self.num_inflight = 0  # generation requests before their response starts
+        self.streaming: set[str] = set()  # SSE responses under way
+        self.connections: set[Any] = set()  # uvicorn's open connections, once it serves
         self.aborts: set[asyncio.Task[None]] = set()
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
-        self.client = AsyncClient(self.address, timeout=self.core_timeout, **self.curve)
+        self.client = AsyncClient(
+            self.address,
+            timeout=self.core_timeout,
+            max_frame_bytes=self.core_frame_bytes,
+            **self.curve,  # type: ignore[arg-type]
+        )
+        if self.core_frame_bytes is None:  # ask the core, without waiting for it here
+            self.aborts.add(asyncio.create_task(self._learn_frame_limit()))
         log.info("http front ready", core=self.address, model=self.model)
         if self.ready_fd is not None:
             os.write(self.ready_fd, b"ready\n")
@@ -77,6 +114,15 @@ class Front:
             yield
         finally:
             await self.client.close()
+
+    async def _learn_frame_limit(self) -> None:
+        """The core's frame limit, so that a larger request fails here instead of there (a
+        frame past its hard limit would close the link every request in flight shares)."""
+        while self.core.max_frame_bytes is None:
+            with contextlib.suppress(TimeoutError, ServerError, ConnectionError):
+                reply = await asyncio.wait_for(self.core.health(), HEALTH_TIMEOUT_S)
+                self.core.max_frame_bytes = reply.max_frame_bytes
+            await asyncio.sleep(0.5)
 
     @property
     def core(self) -> AsyncClient:
@@ -115,40 +161,84 @@ class Front:
             stats = await asyncio.wait_for(self.core.stats(), HEALTH_TIMEOUT_S)
         except (TimeoutError, ServerError):
             stats = None  # the front's own histograms are still worth a scrape
-        body = self.prom.exposition(stats)
+        body = self.prom.exposition(stats, self._own_stats())
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def _own_stats(self) -> FrontStats:
+        return FrontStats(
+            rss_bytes=host_rss_bytes({"front": os.getpid()}).get("front", 0),
+            num_connections=len(self.connections),
+            num_inflight=self.num_inflight + len(self.streaming),
+            num_client_entries=self.client.num_pending if self.client is not None else 0,
+            num_refused_connections=GuardedH11.refused,
+            num_timed_out_connections=GuardedH11.timed_out,
+        )
 
     # --- generation ------------------------------------------------------------------------
 
     async def _serve(self, request: Request, parse: Any) -> Response:
         """A completion; `X-Request-Id` (the client's id, as vLLM takes it) names the HTTP id
-        (`cmpl-<id>`, its choices `cmpl-<id>-<i>` in the core) and comes back as a header."""
+        (`cmpl-<id>`, its choices `cmpl-<id>-<i>` in the core) and comes back as a header. Every
+        request has a deadline (`--request-timeout`)."""
         given = request.headers.get("x-request-id")
         header: dict[str, str] = {}
+        self.num_inflight += 1
+        deadline = asyncio.get_running_loop().time() + self.limits.request_timeout_s
         try:
             self._check_key(request)
             xid = _client_id(given)
             header = {"X-Request-Id": xid} if xid else {}
-            job = parse(await _json(request), self.model)
+            job = parse(_json(await read_body(request, self.limits)), self.model)
             rid = oai.new_id(job.chat, xid)
             header = {"X-Request-Id": xid or rid}
             for i in range(job.num_choices):
                 log.info("request arrived", request_id=f"{rid}-{i}", http_id=rid, x_request_id=xid)
             if job.stream:
-                streams, firsts = await self._start(job, rid)
-                events = self._sse(job, rid, streams, firsts)
-                return StreamingResponse(events, media_type="text/event-stream", headers=header)
-            dones = await self._until_done_or_gone(request, self._run(job, rid))
+                streams, firsts = await self._within(deadline, self._start(job, rid))
+                self.streaming.add(rid)
+                events = self._sse(job, rid, streams, firsts, deadline)
+                # the background task ends the streams also when the body never started
+                end = BackgroundTask(self._end_streams, rid, streams)
+                return StreamingResponse(
+                    events, media_type="text/event-stream", headers=header, background=end
+                )
+            work = self._within(deadline, self._run(job, rid))
+            dones = await self._until_done_or_gone(request, work)
             return JSONResponse(oai.response(job, rid, dones), headers=header)
         except OpenAIError as exc:
             log.info("request rejected", x_request_id=given, status=exc.status, reason=str(exc))
             return _error_response(exc, header)
+        finally:
+            self.num_inflight -= 1
+
+    async def _end_streams(self, rid: str, streams: list[AsyncStream]) -> None:
+        self._end_streams_now(rid, streams)
+
+    def _end_streams_now(self, rid: str, streams: list[AsyncStream]) -> None:
+        """Abort and forget the choices that did not end; safe to call twice."""
+        self.streaming.discard(rid)
+        unfinished = [s.request_id for s in streams if self.core.is_pending(s.request_id)]
+        self._abort(unfinished)
+        for request_id in unfinished:
+            self.core.forget(request_id)
+
+    async def _within(self, deadline: float, work: Any) -> Any:
+        """`work` awaited until the request's deadline; then a core_timeout (504)."""
+        left = deadline - asyncio.get_running_loop().time()
+        try:
+            return await asyncio.wait_for(work, max(left, 0.0))
+        except TimeoutError:
+            message = f"the request passed its deadline of {self.limits.request_timeout_s} s"
+            raise ServerError("core_timeout", message) from None
 
     def _check_key(self, request: Request) -> None:
         if self.api_key is None:
             return
-        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(given.encode(), self.api_key.encode()):
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        ok = scheme.lower() == "bearer" and hmac.compare_digest(
+            given.strip().encode(), self.api_key.encode()
+        )
+        if not ok:
             raise OpenAIError(401, "Incorrect API key provided.", "authentication_error")
 
     async def _run(self, job: Job, rid: str) -> list[GenerateDone]:
@@ -180,7 +270,7 @@ class Front:
             raise OpenAIError(499, "the client closed the connection", code="client_closed")
         try:
             return task.result()
-        except (ServerError, TimeoutError) as exc:
+        except (ServerError, TimeoutError, ConnectionError) as exc:
             raise _error_of(_as_server_error(exc)) from exc
 
     async def _start(self, job: Job, rid: str) -> tuple[list[AsyncStream], list[Any]]:
@@ -195,22 +285,28 @@ class Front:
                 assert isinstance(stream, AsyncStream)
                 streams.append(stream)
             firsts = [await _first(stream) for stream in streams]
-        except (ServerError, TimeoutError) as exc:
+        except BaseException as exc:
             self._abort([s.request_id for s in streams if s.result is None])
-            raise _error_of(_as_server_error(exc)) from exc
+            for stream in streams:
+                self.core.forget(stream.request_id)
+            if isinstance(exc, ServerError | TimeoutError | ConnectionError):
+                raise _error_of(_as_server_error(exc)) from exc
+            raise
         return streams, firsts
 
     async def _sse(
-        self, job: Job, rid: str, streams: list[AsyncStream], firsts: list[Any]
+        self, job: Job, rid: str, streams: list[AsyncStream], firsts: list[Any], deadline: float
     ) -> AsyncIterator[str]:
         """SSE events: each choice's chunks as they come, its last with a finish_reason, then
-        the usage chunk if asked for, then [DONE].  The replies that arrived while the last
-        write went out leave in one write (a stream behind by several steps catches up in one).
-        A closed connection aborts what is left."""
+        the usage chunk if asked for, then [DONE]; an error (the deadline included) is an error
+        event, then [DONE]. The replies that arrived while the last write went out leave in one
+        write (a stream behind by several steps catches up in one). A closed connection aborts
+        what is left."""
         queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         for i, first in enumerate(firsts):
             queue.put_nowait((i, first))
         readers = [asyncio.create_task(_pump(i, s, queue)) for i, s in enumerate(streams)]
+        readers.append(asyncio.create_task(_alarm(len(streams), deadline, queue)))
         out = _SseState(job, rid, len(streams))
         try:
             while not out.ended:
@@ -223,7 +319,7 @@ class Front:
         finally:
             for reader in readers:
                 reader.cancel()
-            self._abort([s.request_id for i, s in enumerate(streams) if i not in out.dones])
+            self._end_streams_now(rid, streams)
 
     def _events(self, out: _SseState, index: int, item: Any) -> str:
         """The SSE text for one reply of choice `index`: its chunk; after the last choice's
@@ -233,7 +329,7 @@ class Front:
             return ""
         if isinstance(item, ServerError):
             out.ended = True
-            return _event(_error_of(item).body())
+            return _event(_error_of(item).body()) + "data: [DONE]\n\n"
         if isinstance(item, GenerateDone):
             out.dones[index] = item
             self.prom.observe(item)
@@ -261,7 +357,7 @@ class Front:
             task.add_done_callback(self.aborts.discard)
 
     async def _abort_one(self, request_id: str) -> None:
-        with contextlib.suppress(ServerError, TimeoutError):  # it may have ended meanwhile
+        with contextlib.suppress(ServerError, TimeoutError, ConnectionError):  # it may have ended
             await self.core.abort(request_id)
             log.info("client gone; request aborted", request_id=request_id)
 
@@ -310,6 +406,12 @@ def _client_id(given: str | None) -> str | None:
     return given
 
 
+async def _alarm(index: int, deadline: float, queue: asyncio.Queue) -> None:
+    """At the request's deadline, an error into the stream's queue."""
+    await asyncio.sleep(max(deadline - asyncio.get_running_loop().time(), 0.0))
+    queue.put_nowait((index, ServerError("core_timeout", "the request passed its deadline")))
+
+
 def _end(done: GenerateDone) -> dict[str, Any]:
     return {"finish_reason": done.finish_reason}
 
@@ -318,11 +420,15 @@ def _event(obj: dict[str, Any]) -> str:
     return f"data: {orjson.dumps(obj).decode()}\n\n"
 
 
-async def _json(request: Request) -> Any:
+def _json(body: bytes) -> Any:
+    """The parsed body; 400 for anything that is not JSON a request can hold (nested past
+    Python's recursion limit included)."""
     try:
-        return json.loads(await request.body())
+        return json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise oai.bad(f"the request body is not valid JSON: {exc}") from exc
+    except RecursionError:
+        raise oai.bad("the request body is nested too deeply") from None
 
 
 async def _disconnected(request: Request) -> None:
@@ -330,7 +436,9 @@ async def _disconnected(request: Request) -> None:
         await asyncio.sleep(0.1)
 
 
-def _as_server_error(exc: ServerError | TimeoutError) -> ServerError:
+def _as_server_error(exc: ServerError | TimeoutError | ConnectionError) -> ServerError:
+    if isinstance(exc, ConnectionError):
+        return ServerError(ROUTE_LOST, str(exc))
     return exc if isinstance(exc, ServerError) else ServerError("core_timeout", str(exc))
 
 
@@ -339,6 +447,8 @@ def _error_of(exc: ServerError) -> OpenAIError:
     serve now, 500 otherwise."""
     if exc.code in CLIENT_ERRORS:
         return OpenAIError(400, exc.message, code=exc.code)
+    if exc.code in TOO_LARGE:
+        return OpenAIError(413, exc.message, code="request_too_large")
     if exc.code in UNAVAILABLE:
         return OpenAIError(503, exc.message, "service_unavailable", code=exc.code)
     if exc.code == "core_timeout":
@@ -398,26 +508,47 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds of silence from the core before a request fails with 504 "
         "(default: %(default)s)",
     )
+    p.add_argument("--core-max-frame-bytes", type=int, help="the core's --max-frame-bytes")
     p.add_argument("--log-level", default="warning", help="default: %(default)s")
     p.add_argument("--log-format", choices=["console", "json"], default="console")
+    for field in attrs.fields(HttpLimits):  # see docs/limits.md
+        p.add_argument(f"--{field.name.replace('_', '-')}", type=type(field.default))
     args = p.parse_args(argv)
     setup_logging(args.log_format, args.log_level)
+    given = {f.name: getattr(args, f.name) for f in attrs.fields(HttpLimits)}
+    limits = HttpLimits(**{name: value for name, value in given.items() if value is not None})
     api_key = os.environ.pop("MEMSTEP_API_KEY", None) or None  # not on the command line
-    front = Front(args.zmq, args.model_name, api_key, _curve_from_env())
+    front = Front(args.zmq, args.model_name, api_key, _curve_from_env(), limits)
     front.ready_fd = args.ready_fd
     front.core_timeout = args.core_timeout
+    front.core_frame_bytes = args.core_max_frame_bytes
     sock = socket.socket(fileno=args.fd) if args.fd is not None else None
     config = uvicorn.Config(
         build_app(front),
         host=args.host,
         port=args.port,
+        http=guarded_protocol(limits),
         log_level="warning",
         access_log=False,
+        timeout_keep_alive=int(max(1, limits.keepalive_timeout_s)),
         timeout_graceful_shutdown=2,
+        backlog=4096,
     )
+    _raise_open_files(limits.max_connections + 256)
+    limit_log_rate(limits.log_lines_per_s)
     _watch_parent()
-    uvicorn.Server(config).run(sockets=[sock] if sock is not None else None)
+    server = uvicorn.Server(config)
+    front.connections = server.server_state.connections
+    server.run(sockets=[sock] if sock is not None else None)
     return 0
+
+
+def _raise_open_files(wanted: int) -> None:
+    """Allow `wanted` open files (a socket each), up to the hard limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
 
 
 def _curve_from_env() -> dict[str, str]:

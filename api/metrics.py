@@ -1,15 +1,18 @@
 """Prometheus metrics of the HTTP front, named `memstep:*`.
 
-Two sources.  Latency histograms (TTFT, inter-token, end to end) are observed by the front from
-the `Timing` of each request it answers.  Everything the core owns (requests running and waiting,
-KV pages, token and step totals, memory) is mirrored from a `StatsReply` fetched at each scrape,
-so the figures are the core's own, never counted a second time here.
+Three sources.  The front's own figures (`FrontStats`: its resident memory, open connections,
+requests in flight, its client's entries) are read at each scrape.  Latency histograms (TTFT,
+inter-token, end to end) are observed by the front from the `Timing` of each request it answers.
+Everything the core owns (requests running and waiting, KV pages, token and step totals, memory)
+is mirrored from a `StatsReply` fetched at each scrape, so the figures are the core's own, never
+counted a second time here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
+import attrs
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -20,6 +23,18 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
+@attrs.frozen(kw_only=True)
+class FrontStats:
+    """The HTTP front's own figures at a scrape: what an outsider can make it hold."""
+
+    rss_bytes: int
+    num_connections: int
+    num_inflight: int
+    num_client_entries: int  # requests its ZMQ client tracks; back to 0 when idle
+    num_refused_connections: int
+    num_timed_out_connections: int
+
+
 class Metrics:
     """The registry `/metrics` exposes: latency histograms plus the core's mirrored stats."""
 
@@ -27,6 +42,8 @@ class Metrics:
         self.registry = CollectorRegistry()
         self.core = CoreStats()
         self.registry.register(self.core)
+        self.front = FrontCollector()
+        self.registry.register(self.front)
         self.ttft = self._histogram("time_to_first_token_seconds", "time to first token")
         self.itl = Histogram(
             "memstep:inter_token_latency_seconds",
@@ -52,9 +69,31 @@ class Metrics:
         if timing.queue_s is not None:
             self.queue.observe(timing.queue_s)
 
-    def exposition(self, stats: StatsReply | None) -> bytes:
+    def exposition(self, stats: StatsReply | None, front: FrontStats | None = None) -> bytes:
         self.core.stats = stats
+        self.front.stats = front
         return generate_latest(self.registry)
+
+
+class FrontCollector(Collector):
+    """Yields the front's own figures (none when not given)."""
+
+    def __init__(self) -> None:
+        self.stats: FrontStats | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats
+        if s is None:
+            return
+        yield _gauge("front_rss_bytes", "resident memory of the HTTP front", s.rss_bytes)
+        yield _gauge("front_connections", "open HTTP connections", s.num_connections)
+        yield _gauge("front_requests_inflight", "HTTP requests being answered", s.num_inflight)
+        doc = "requests the front's client of the core tracks"
+        yield _gauge("front_client_entries", doc, s.num_client_entries)
+        doc = "connections closed as they opened, past --max-connections"
+        yield _counter("front_connections_refused", doc, s.num_refused_connections)
+        doc = "connections closed for sending no whole request head in time"
+        yield _counter("front_connections_timed_out", doc, s.num_timed_out_connections)
 
 
 class CoreStats(Collector):

@@ -9,7 +9,6 @@ rather than silently ignored.  The response builders take the API's `GenerateDon
 
 from __future__ import annotations
 
-import random
 import time
 import uuid
 from typing import Any
@@ -146,10 +145,11 @@ def _sampling(body: dict, max_tokens: int | None, top: int | None) -> dict[str, 
 
 
 def _choice_params(base: dict[str, Any], seed: Any, j: int) -> dict[str, Any]:
-    """Choice j's params: a given seed + j (reproducible, yet distinct choices), else random."""
+    """Choice j's params: a given seed + j (reproducible, yet distinct choices); without one,
+    the engine draws each choice's seed from its own (`--seed`), as for a ZMQ request."""
     if isinstance(seed, int) and not isinstance(seed, bool) and seed >= 0:
         return {**base, "seed": seed + j}
-    return {**base, "seed": random.getrandbits(62)} if seed is None else base
+    return base
 
 
 def _object(body: Any, allowed: set[str]) -> dict[str, Any]:

@@ -17,6 +17,11 @@ A lost executor is the engine's business: it recovers one stage per step while t
 answering (health `recovering`, new requests queued), and its clients only see a pause.  Once the
 engine gives up (too many restarts) every request in flight gets an `executor_dead` error, health
 says `dead`, and the loop ends `dead_exit_s` later so that a supervisor restarts the server.
+
+Nothing is served unrecorded: while the event log cannot be written (a full disk, with the
+recorder's `on_error` stop) the loop admits no request (`log_unwritable`), runs no step and holds
+the last step's outputs, health says `log_unwritable` with the reason, and each turn the recorder
+tries again; once it writes, serving resumes where it stopped and the log has lost nothing.
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ from memstep.events.wire import (
     WireError,
     decode_request,
 )
+from memstep.replay.recorder import Recorder
 from memstep.replay.resume import ResumePoint
 
 log = structlog.get_logger("memstep.server")
@@ -170,9 +176,10 @@ class Inflight:
 class Server:
     """Owns the API socket and the requests in flight; drives `engine` (which it does not own)."""
 
-    def __init__(self, engine: Engine, cfg: ServerConfig):
+    def __init__(self, engine: Engine, cfg: ServerConfig, recorder: Recorder | None = None):
         self.engine = engine
         self.cfg = cfg
+        self.recorder = recorder  # among the engine's sinks; its failure stops admission
         self.ctx = zmq.Context()
         try:
             self.zap = self._zap_handler() if cfg.uses_curve else None
@@ -269,7 +276,14 @@ class Server:
         self.ctx.term()
 
     def _can_step(self) -> bool:
-        return self.executor_death is None and self.engine.has_work()
+        return self.executor_death is None and self.engine.has_work() and self._log_writable()
+
+    def _log_writable(self) -> bool:
+        """False while the event log cannot take what a step would record (tried again here)."""
+        return self.recorder is None or not self.recorder.blocks or self.recorder.retry()
+
+    def _log_blocks(self) -> bool:
+        return self.recorder is not None and self.recorder.blocks
 
     def _receive(self, timeout: float) -> None:
         ready = dict(self.poller.poll(int(timeout * 1000)))
@@ -306,7 +320,10 @@ class Server:
                 self.unsent = self._engine_call(self.engine.finish) or []
 
     def _send_unsent(self, request_id: str | None = None) -> None:
-        """Send the last step's outputs (only those of `request_id`, if given)."""
+        """Send the last step's outputs (only those of `request_id`, if given); none while the
+        log that should record them cannot be written."""
+        if self._log_blocks():
+            return
         if request_id is None:
             outputs, self.unsent = self.unsent, []
         else:
@@ -428,6 +445,13 @@ class Server:
     def _generate(self, envelope: list[bytes], msg: GenerateRequest) -> None:
         if self.executor_death is not None:
             raise RequestRefused("executor_dead", f"the executor is dead: {self.executor_death}")
+        if not self._log_writable():
+            assert self.recorder is not None
+            raise RequestRefused(
+                "log_unwritable",
+                f"the event log cannot be written ({self.recorder.failure}); "
+                "no request is served unrecorded",
+            )
         key = (envelope[0], msg.request_id)
         if key in self.by_client:
             raise RequestRefused("duplicate_request", f"request {msg.request_id!r} is in flight")
@@ -528,10 +552,15 @@ class Server:
     def _health(self, msg: HealthRequest) -> HealthReply:
         dead = self.executor_death
         status = "dead" if dead else "recovering" if self.engine.is_recovering else "ok"
+        log_failure = self.recorder.failure if self.recorder is not None else None
+        if status == "ok" and self._log_blocks():
+            status, dead = "log_unwritable", f"the event log cannot be written: {log_failure}"
+        elif log_failure is not None:
+            dead = dead or f"the event log cannot be written (records dropped): {log_failure}"
         return HealthReply(
             request_id=msg.request_id,
             status=status,
-            executor_alive=status == "ok",
+            executor_alive=not (self.executor_death or self.engine.is_recovering),
             executor_pid=getattr(self.engine.executor, "pid", 0),
             core_pid=os.getpid(),
             model=self.engine.source.label,

@@ -35,6 +35,7 @@ from memstep.api.http_front import (
     curve_client_keys,
     stop_process,
 )
+from memstep.api.http_limits import HttpLimits
 from memstep.api.server import Server, ServerConfig
 from memstep.cli.curve_keys import attach_dashed_keys, is_z85_key
 from memstep.cli.main import add_engine_arguments, config_from_args
@@ -141,7 +142,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     h.add_argument(
         "--api-key",
         default=os.environ.get("MEMSTEP_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1/* (default: $MEMSTEP_API_KEY, else none)",
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $MEMSTEP_API_KEY, else "
+        "none); inline, the key is public (ps, /proc): prefer --api-key-file",
     )
     h.add_argument(
         "--api-server-count",
@@ -151,12 +153,57 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "SSE work spread over that many cores; each keeps its own latency histograms in "
         "/metrics (default: %(default)s)",
     )
-    add_record_arguments(p, by_default=True)
+    h.add_argument("--api-key-file", type=Path, help="a file whose first line is the API key")
+    add_limit_arguments(h)
+    add_record_arguments(p, by_default=True, durability=True)
     add_engine_arguments(p)
+
+
+def add_limit_arguments(h: Any) -> None:
+    """The HTTP front's limits (api/http_limits.py, docs/limits.md)."""
+    d = HttpLimits()
+    helps = {
+        "max_request_bytes": "larger request bodies get 413 request_too_large",
+        "max_connections": "connections past this are closed as they open",
+        "header_timeout_s": "seconds a connection has to send a whole request head",
+        "body_timeout_s": "seconds a request has to send its body (then 408)",
+        "keepalive_timeout_s": "an idle keep-alive connection closes after this many seconds",
+        "request_timeout_s": "a request's deadline, arrival to last byte (then 504)",
+        "log_lines_per_s": "the front's warnings past this rate are counted, not written",
+    }
+    for field in attrs.fields(HttpLimits):
+        name = field.name.removesuffix("_s") if "timeout" in field.name else field.name
+        flag = "--" + name.replace("_", "-")
+        default = getattr(d, field.name)
+        help = helps[field.name]
+        h.add_argument(flag, dest=field.name, type=type(default), default=default, help=help)
+
+
+def _http_limits(args: argparse.Namespace) -> HttpLimits:
+    return HttpLimits(**{f.name: getattr(args, f.name) for f in attrs.fields(HttpLimits)})
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    """The API key from --api-key-file, else --api-key (with a warning when given inline)."""
+    if args.api_key_file is not None:
+        try:
+            lines = args.api_key_file.read_text().splitlines()
+        except OSError as exc:
+            raise ConfigError(f"cannot read --api-key-file: {exc}") from exc
+        if not lines or not lines[0].strip():
+            raise ConfigError(f"{args.api_key_file} holds no API key")
+        return lines[0].strip()
+    if args.api_key and "--api-key" in " ".join(sys.argv):
+        log.warning(
+            "API key given inline: any local user can read it in /proc/PID/cmdline or ps; "
+            "give --api-key-file (or MEMSTEP_API_KEY) instead"
+        )
+    return args.api_key
 
 
 def run(args: argparse.Namespace) -> int:
     server_cfg = _server_config(args)
+    args.api_key = _api_key(args)
     http_cfg = HttpConfig(
         host=args.http_host,
         port=args.http_port,
@@ -178,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine(cfg, executor_factory=factory, sinks=sinks)
     front = None
     try:
-        server = Server(engine, server_cfg)
+        server = Server(engine, server_cfg, recorder)
         if point is not None:
             server.resume(point)
             print(f"memstep serve: resumed {len(point.unfinished)} unfinished requests from "
@@ -240,6 +287,8 @@ def _start_front(
         curve=curve,
         log_level=getattr(args, "log_level", "warning"),
         log_format=getattr(args, "log_format", "console"),
+        limits=_http_limits(args),
+        core_max_frame_bytes=server.cfg.max_frame_bytes,
     )
     sock.close()  # the child holds it now
     front.wait_ready()

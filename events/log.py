@@ -18,6 +18,8 @@ and the LogProblem says which bytes were lost.  Damage with nothing intact after
 
 from __future__ import annotations
 
+import contextlib
+import io
 import mmap
 import os
 import struct
@@ -42,7 +44,7 @@ _FRAME = struct.Struct("<II")  # payload length, crc32 of payload
 _TYPE_KEY = b"\xa1t"  # msgpack fixstr "t": the first key of every record map (codec.to_obj)
 _RESERVED_KEYS = ("format_version", "memstep_version", "created")
 
-ProblemKind = Literal["torn", "corrupt", "undecodable"]
+ProblemKind = Literal["torn", "corrupt", "undecodable", "lost"]  # lost: a RecordsLost gap
 PathLike = str | os.PathLike[str]
 
 
@@ -104,7 +106,9 @@ class LogWriter(ClosedOnExit):
     never overwritten (FileExistsError).
 
     Owns its open file.  `append` buffers; `flush` (called by the engine once per step) hands
-    the buffered records to the operating system.
+    the buffered records to the operating system, all or nothing: a write that fails (a full
+    disk, a file-size limit) is cut back to the last whole flush and raises OSError, the records
+    still buffered for the next `flush` to retry, so the file never holds half a record.
     """
 
     def __init__(
@@ -129,6 +133,7 @@ class LogWriter(ClosedOnExit):
         self._num_parts = 0
         self._size = 0  # bytes in the current part
         self._num_records = 0  # records in the current part
+        self._buffer = bytearray()  # frames not yet handed to the OS
         self._file = self._open_next_part()
 
     @property
@@ -137,20 +142,49 @@ class LogWriter(ClosedOnExit):
         return [part_path(self._base, i) for i in range(self._num_parts)]
 
     def append(self, rec: object) -> None:
-        """Encode `rec` and append it as one frame."""
+        """Encode `rec` and append it as one frame (rotating first flushes the current part,
+        which may raise OSError: then `rec` was not appended)."""
         frame = _frame(codec.encode(rec))
         if self._should_rotate(len(frame)):
+            self.flush()
             self._file.close()
             self._file = self._open_next_part()
-        self._file.write(frame)
+        self._buffer += frame
         self._size += len(frame)
         self._num_records += 1
 
-    def flush(self) -> None:
-        """Hand buffered records to the OS, so a reader (or a crash) sees them (no fsync)."""
-        self._file.flush()
+    def flush(self, fsync: bool = False) -> None:
+        """Hand buffered records to the OS, so a reader (or a crash) sees them; with `fsync`,
+        to the disk too.  On OSError the file is as after the last flush that worked."""
+        fd = self._file.fileno()
+        start = os.lseek(fd, 0, os.SEEK_END)
+        view = memoryview(self._buffer)
+        try:
+            while view:
+                view = view[os.write(fd, view) :]
+        except OSError:
+            os.ftruncate(fd, start)
+            raise
+        finally:
+            view.release()
+        self._buffer.clear()
+        if fsync:
+            os.fsync(fd)
+
+    def discard(self) -> int:
+        """Drop the buffered records (they are lost); how many bytes they held."""
+        lost = len(self._buffer)
+        self._size -= lost
+        self._buffer.clear()
+        if os.fstat(self._file.fileno()).st_size == 0:  # a new part keeps its header
+            self._buffer += self._preamble
+            self._size += len(self._preamble)
+            lost -= len(self._preamble)
+        return lost
 
     def close(self) -> None:
+        with contextlib.suppress(OSError):  # what could not be written is lost either way
+            self.flush()
         self._file.close()
 
     def _should_rotate(self, frame_size: int) -> bool:
@@ -158,9 +192,9 @@ class LogWriter(ClosedOnExit):
             return False
         return self._size + frame_size > self._rotate_bytes
 
-    def _open_next_part(self) -> BinaryIO:
-        file = open(part_path(self._base, self._num_parts), "xb")  # noqa: SIM115 - owned
-        file.write(self._preamble)
+    def _open_next_part(self) -> io.FileIO:
+        file = open(part_path(self._base, self._num_parts), "xb", buffering=0)  # noqa: SIM115
+        self._buffer += self._preamble
         self._num_parts += 1
         self._size = len(self._preamble)
         self._num_records = 0

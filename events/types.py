@@ -237,6 +237,19 @@ class RequestTimed:
     OBSERVED: ClassVar[bool] = True
 
 
+@record
+class RecordsLost:
+    """Records the recorder could not write (a full disk, `--on-log-error continue`), written
+    once it can write again: the log has a gap here, and nothing after it replays exactly."""
+
+    step: int  # the engine's step when writing worked again
+    num_records: int
+    first_step: int  # the step of the first record lost
+    last_step: int  # the step of the last record lost
+    reason: str  # the write error
+    OBSERVED: ClassVar[bool] = True
+
+
 def is_input(rec: object) -> bool:
     return bool(getattr(type(rec), "INPUT", False))
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
+import msgpack
 
 from memstep.events import codec
 from memstep.events.types import MemoryReport, record
@@ -242,12 +243,29 @@ class WireError(ValueError):
         self.request_id = request_id
 
 
+def peek_request_id(frame: bytes) -> str:
+    """The `request_id` of a record map too large to decode whole, read key by key (skipping
+    the values of other keys), so that its error reaches the request; "" when there is none."""
+    unpacker = msgpack.Unpacker(max_buffer_size=len(frame), raw=False)
+    unpacker.feed(frame)
+    try:
+        for _ in range(min(unpacker.read_map_header(), 16)):
+            if unpacker.unpack() == "request_id":
+                rid = unpacker.unpack()
+                return rid if type(rid) is str and len(rid) <= MAX_REQUEST_ID_CHARS else ""
+            unpacker.skip()
+    except Exception:  # anything malformed: no id to be had
+        return ""
+    return ""
+
+
 def decode_request(frame: bytes, max_bytes: int) -> Any:
     """Decode one client frame into an API request record, or raise WireError."""
     if not frame:
         raise WireError("malformed_frame", "empty frame")
     if len(frame) > max_bytes:
-        raise WireError("frame_too_large", f"frame of {len(frame)} bytes > limit {max_bytes}")
+        message = f"frame of {len(frame)} bytes > limit {max_bytes}"
+        raise WireError("frame_too_large", message, peek_request_id(frame))
     try:
         obj = codec.unpack(frame)
     except codec.CodecError as exc:

@@ -2,7 +2,8 @@
 
 `load` reads every part of a (possibly rotated) log and keeps what was intact: a torn or corrupt
 tail, or a corrupt stretch mid-log, is not an error here, it is in `Recording.problems`, reported
-by whoever shows the log.
+by whoever shows the log.  So is a `RecordsLost` gap record (records a server could not write,
+with `--on-log-error continue`): a problem of kind "lost" at that record, a gap like corruption.
 """
 
 from __future__ import annotations
@@ -14,7 +15,13 @@ from typing import Any
 import attrs
 
 from memstep.events.log import LogFormatError, LogProblem, PathLike, read_log
-from memstep.events.types import EngineStarted, PhaseChanged, is_derived, is_input
+from memstep.events.types import (
+    EngineStarted,
+    PhaseChanged,
+    RecordsLost,
+    is_derived,
+    is_input,
+)
 
 _HIGHLIGHTS = ("model", "dtype", "max_num_seqs", "max_num_batched_tokens", "speculative_method")
 _SPEC_HIGHLIGHTS = ("num_speculative_tokens", "speculative_disable_by_batch_size")
@@ -107,6 +114,8 @@ class Recording:
         return None
 
     def _describe(self, p: LogProblem) -> str:
+        if p.kind == "lost":
+            return f"log gap: {p.message}; {len(self.records) - p.index - 1} records after it"
         where = f"{p.kind} record at byte {p.offset} of {p.path} ({p.message})"
         if p.index == len(self.records):
             return (
@@ -139,4 +148,16 @@ def load(path: PathLike) -> Recording:
         header = {"config": started.config, "model_identity": started.model_identity, **header}
     if type(header.get("config")) is not dict or type(header.get("model_identity")) is not str:
         raise LogFormatError(f"{path}: neither header nor first record has the engine config")
+    lost = [
+        _gap(Path(path), i, rec) for i, rec in enumerate(records) if isinstance(rec, RecordsLost)
+    ]
+    problems = sorted([*problems, *lost], key=lambda p: p.index)
     return Recording(Path(path), header, records, problems)
+
+
+def _gap(path: Path, index: int, rec: RecordsLost) -> LogProblem:
+    message = (
+        f"{rec.num_records} records of steps {rec.first_step}-{rec.last_step} were never "
+        f"written ({rec.reason})"
+    )
+    return LogProblem(path, 0, 0, "lost", message, index)

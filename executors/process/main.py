@@ -129,8 +129,14 @@ def core_watchdog(timeout: float, socket_dir: Path | None) -> Callable[[Heartbea
 
 
 def _exit(why: str) -> None:
-    log.error("executor exiting", reason=why)
-    os._exit(3)
+    """Exit now, whatever becomes of the line that says why: a stderr whose reader is gone
+    (EPIPE) must not leave an orphan holding the model."""
+    try:
+        log.error("executor exiting", reason=why)
+    except BaseException:
+        pass
+    finally:
+        os._exit(3)
 
 
 def watch_parent(interval: float = 0.2) -> None:

@@ -1,0 +1,191 @@
+"""The HTTP front's bounds: request size, connections, read timeouts, deadlines, log volume.
+
+An outsider on the network must not be able to make the front share fate with its other users:
+a body over `max_request_bytes` is refused with 413 before it reaches the core (whose ZeroMQ
+link would drop a frame past its hard limit, and with it every request in flight); a
+connection past `max_connections` is closed as it opens; a connection that has not sent a whole
+request head within `header_timeout_s` (an idle or a slowloris connection) is closed; a body not
+read within `body_timeout_s` is a 408; every request ends by `request_timeout_s`; and the
+front's warnings are rate-limited, so a flood cannot fill a disk with log lines.
+docs/limits.md lists them with their flags.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from typing import Any
+
+import attrs
+import h11
+from starlette.requests import ClientDisconnect, Request
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from memstep.api.openai_protocol import OpenAIError
+from memstep.core.config import ConfigError
+
+log = logging.getLogger("uvicorn.error")
+
+
+@attrs.frozen(kw_only=True)
+class HttpLimits:
+    """The bounds of one HTTP front (flags of `memstep serve`, documented in docs/limits.md)."""
+
+    max_request_bytes: int = 2 << 20  # larger bodies: 413 request_too_large
+    max_connections: int = 8192  # connections past this are closed as they open
+    header_timeout_s: float = 10.0  # a connection's time to send a whole request head
+    body_timeout_s: float = 30.0  # a request's time to send its body: 408 after
+    keepalive_timeout_s: float = 5.0  # an idle keep-alive connection closes after
+    request_timeout_s: float = 600.0  # a request's deadline, from arrival to its last byte
+    log_lines_per_s: float = 5.0  # warnings past this rate are counted, not written
+
+    def __attrs_post_init__(self) -> None:
+        if self.max_request_bytes < 1024:
+            raise ConfigError("max_request_bytes must be >= 1024")
+        if self.max_connections < 1:
+            raise ConfigError("max_connections must be >= 1")
+        timeouts = [self.header_timeout_s, self.body_timeout_s, self.keepalive_timeout_s]
+        if min([*timeouts, self.request_timeout_s]) <= 0:
+            raise ConfigError("HTTP timeouts must be > 0")
+
+    def as_argv(self) -> list[str]:
+        """The front's command-line flags for these limits."""
+        return [
+            f"--{f.name.replace('_', '-')}={getattr(self, f.name)}"
+            for f in attrs.fields(type(self))
+        ]
+
+
+class GuardedH11(H11Protocol):
+    """uvicorn's h11 protocol with a connection cap and a deadline for each request head."""
+
+    limits = HttpLimits()
+    refused = 0  # connections closed at once, past max_connections
+    timed_out = 0  # connections closed for sending no whole request head in time
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.limits.max_connections:
+            GuardedH11.refused += 1
+            log.warning("connection refused: %d open", len(self.connections) - 1)
+            transport.abort()
+            return
+        self._arm_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_timer()
+        super().connection_lost(exc)
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.conn.their_state is not h11.IDLE:  # a whole request head came
+            self._cancel_head_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
+            self._arm_head_timer()
+
+    def send_400_response(self, msg: str) -> None:
+        """A request h11 cannot parse (no Host header, a bad request line): OpenAI's JSON error
+        object, as for every other error."""
+        body = json.dumps(OpenAIError(400, msg, code="invalid_http").body()).encode()
+        headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+        headers.append((b"content-length", str(len(body)).encode()))
+        for event in (
+            h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
+            h11.Data(data=body),
+            h11.EndOfMessage(),
+        ):
+            with contextlib.suppress(h11.LocalProtocolError):  # a response had begun
+                self.transport.write(self.conn.send(event))
+        self.transport.close()
+
+    def _arm_head_timer(self) -> None:
+        self._cancel_head_timer()
+        self.head_timer = self.loop.call_later(self.limits.header_timeout_s, self._head_late)
+
+    def _cancel_head_timer(self) -> None:
+        if self.head_timer is not None:
+            self.head_timer.cancel()
+            self.head_timer = None
+
+    def _head_late(self) -> None:
+        self.head_timer = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            GuardedH11.timed_out += 1
+            self.transport.close()
+
+
+def guarded_protocol(limits: HttpLimits) -> type[GuardedH11]:
+    """The protocol class uvicorn builds each connection with, under `limits`."""
+    return type("GuardedH11", (GuardedH11,), {"limits": limits})
+
+
+async def read_body(request: Request, limits: HttpLimits) -> bytes:
+    """The request's body: 413 past `max_request_bytes` (from Content-Length, before reading
+    a byte, or as it streams in), 408 past `body_timeout_s`."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limits.max_request_bytes:
+        raise too_large(int(declared), limits.max_request_bytes)
+    try:
+        return await asyncio.wait_for(_read_capped(request, limits), limits.body_timeout_s)
+    except TimeoutError:
+        raise OpenAIError(
+            408, f"the request body took over {limits.body_timeout_s} s", code="body_timeout"
+        ) from None
+    except ClientDisconnect:
+        raise OpenAIError(499, "the client closed the connection", code="client_closed") from None
+
+
+async def _read_capped(request: Request, limits: HttpLimits) -> bytes:
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limits.max_request_bytes:
+            raise too_large(size, limits.max_request_bytes)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def too_large(size: int, limit: int) -> OpenAIError:
+    message = f"the request has {size} bytes, over the limit of {limit} (--max-request-bytes)"
+    return OpenAIError(413, message, code="request_too_large")
+
+
+class RateLimited(logging.Filter):
+    """Lets `per_s` records a second through (a burst of as many), counts the rest, and says
+    how many were dropped with the next record it lets through."""
+
+    def __init__(self, per_s: float):
+        super().__init__()
+        self.per_s = per_s
+        self.tokens = per_s
+        self.last = time.monotonic()
+        self.dropped = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        now = time.monotonic()
+        self.tokens = min(self.per_s, self.tokens + (now - self.last) * self.per_s)
+        self.last = now
+        if self.tokens < 1:
+            self.dropped += 1
+            return False
+        self.tokens -= 1
+        if self.dropped:
+            record.msg = f"{record.msg} ({self.dropped} similar lines dropped)"
+            self.dropped = 0
+        return True
+
+
+def limit_log_rate(per_s: float) -> None:
+    """Rate-limit uvicorn's warnings (one per refused or malformed request otherwise)."""
+    for name in ("uvicorn.error", "uvicorn"):
+        logging.getLogger(name).addFilter(RateLimited(per_s))
