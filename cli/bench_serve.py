@@ -70,7 +70,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="zmq: memstep's client API; openai: /v1/completions; openai-chat: "
         "/v1/chat/completions (default: %(default)s)",
     )
-    p.add_argument("--base-url", help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000")
+    p.add_argument(
+        "--base-url", help="an OpenAI-compatible server: http://127.0.0.1:8000/v1, /v1 optional"
+    )
     p.add_argument(
         "--max-concurrency", type=int, help="at most this many requests in flight (default: all)"
     )
@@ -101,12 +103,18 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def server_root(base_url: str) -> str:
+    """The server's root from a base URL given with or without `/v1` (`serve` prints it with)."""
+    url = base_url.rstrip("/")
+    return url.removesuffix("/v1")
+
+
 def _serve_and_load(
     args: argparse.Namespace, cfg: EngineConfig, samples: list[Sample]
 ) -> tuple[list[RequestResult], float]:
     http = getattr(args, "backend", "zmq") != "zmq"
     if args.base_url:
-        url = args.base_url.rstrip("/")
+        url = server_root(args.base_url)
         asyncio.run(check_http(url, min(args.timeout, PROBE_TIMEOUT_S)))
         return _run_load(args, url, samples)
     if args.host or args.port:

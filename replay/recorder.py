@@ -10,16 +10,20 @@ changes and leak reports), which keeps recording cheap and a crash costs at most
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import re
 import time
 from pathlib import Path
+from typing import Any
 
 from memstep.core.config import ConfigError
 from memstep.events.log import ClosedOnExit, LogWriter, PathLike
 from memstep.events.types import EngineStarted, LeakSuspected, PhaseChanged, StepFinished
 
-DEFAULT_RECORD_PATH = "memstep-{time}.memlog"  # {time} becomes the local start time
+DEFAULT_RECORD_DIR = Path("memstep-logs")  # relative to the working directory
+DEFAULT_RECORD_PATH = f"{DEFAULT_RECORD_DIR}/memstep-{{time}}.memlog"  # {time}: the start time
+DEFAULT_KEEP = 20  # logs kept in DEFAULT_RECORD_DIR: a new one removes the oldest beyond it
 DEFAULT_ROTATE_BYTES = 1 << 30
 _FLUSH_ON = (StepFinished, LeakSuspected, PhaseChanged)
 _SIZE = re.compile(r"^(\d+)\s*([kmgt]?)i?b?$", re.IGNORECASE)
@@ -80,28 +84,44 @@ def parse_size(text: str) -> int:
     return int(number) * 1024 ** " kmgt".index(unit.lower() or " ")
 
 
-def add_record_arguments(p: argparse.ArgumentParser, by_default: bool = False) -> None:
-    """`--record PATH` and `--record-rotate-bytes N`; with `by_default`, also `--no-record`."""
-    g = p.add_argument_group("event log")
+def add_record_arguments(
+    p: argparse.ArgumentParser, by_default: bool = False, group: Any = None, more: Any = None
+) -> None:
+    """`--record PATH` (with `by_default`, also `--no-record`) in `group`, and
+    `--record-rotate-bytes N` and `--record-keep N` in `more`; both default to an "event log"
+    group of `p`."""
+    g = group or more or p.add_argument_group("event log")
     default = DEFAULT_RECORD_PATH if by_default else None
+    where = f" (default: {DEFAULT_RECORD_DIR}/)" if by_default else ""
     g.add_argument(
-        "--record",
-        metavar="PATH",
-        default=default,
-        help="write the event log here ({time} becomes the start time)"
-        + (f"; default {DEFAULT_RECORD_PATH}" if by_default else ""),
-    )
+        "--record", metavar="PATH", default=default,
+        help=f"the event log ({{time}}: start time){where}",
+    )  # fmt: skip
     if by_default:
         g.add_argument(
             "--no-record", dest="record", action="store_const", const=None, help="record nothing"
         )
+    g = more or g
     g.add_argument(
-        "--record-rotate-bytes",
-        type=parse_size,
-        default=DEFAULT_ROTATE_BYTES,
-        metavar="N",
+        "--record-rotate-bytes", type=parse_size, default=DEFAULT_ROTATE_BYTES, metavar="N",
         help="start a new part (PATH.1, PATH.2, ...) past this size; 0 never rotates",
-    )
+    )  # fmt: skip
+    g.add_argument(
+        "--record-keep", type=int, default=DEFAULT_KEEP, metavar="N",
+        help=f"logs kept in {DEFAULT_RECORD_DIR}/: older ones are removed",
+    )  # fmt: skip
+
+
+def prune(directory: Path, keep: int) -> list[Path]:
+    """Remove all but the newest `keep` - 1 logs (with their parts) of `directory`, making room
+    for one more; the removed files.  Names hold the start time, so name order is age order."""
+    logs = sorted(directory.glob("memstep-*.memlog"))
+    gone = []
+    for log in logs[: max(0, len(logs) - max(keep - 1, 0))]:
+        for part in [log, *directory.glob(glob.escape(log.name) + ".*")]:
+            part.unlink(missing_ok=True)
+            gone.append(part)
+    return gone
 
 
 def open_recorder(
@@ -113,12 +133,19 @@ def open_recorder(
 
     Refuses (RecordPathTaken, a ConfigError) a path that exists, before any model is loaded.
     """
+    keep = DEFAULT_KEEP
     if isinstance(args_or_path, argparse.Namespace):
+        keep = getattr(args_or_path, "record_keep", DEFAULT_KEEP)
+        if getattr(args_or_path, "config_file", None):  # `--config FILE.yaml`, as read
+            header = {**(header or {}), "config_file": args_or_path.config_file}
         rotate_bytes = args_or_path.record_rotate_bytes
         args_or_path = args_or_path.record
     if args_or_path is None:
         return None
     path = Path(os.fspath(args_or_path).replace("{time}", time.strftime("%Y%m%d-%H%M%S")))
+    if path.parent == DEFAULT_RECORD_DIR:  # the default directory: made, and kept small
+        path.parent.mkdir(exist_ok=True)
+        prune(path.parent, keep)
     if path.exists():
         raise RecordPathTaken(f"{path} exists; a log is never overwritten, choose another path")
     return Recorder(path, rotate_bytes or None, header)
