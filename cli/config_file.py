@@ -51,7 +51,8 @@ def apply(parser: argparse.ArgumentParser, path: Path) -> dict[str, Any]:
 
 
 def _default(parser: argparse.ArgumentParser, path: Path, key: str, value: Any) -> tuple[str, Any]:
-    """(dest, value) that a flag on the command line would have set."""
+    """(dest, value) that a flag on the command line would have set; a required flag that the
+    file gives is required no more."""
     by_option = {o: a for a in parser._actions for o in a.option_strings}
     action = by_option.get("--" + key.replace("_", "-"))
     if action is not None and action.nargs == 0:  # a switch named as given: true gives it
@@ -61,6 +62,7 @@ def _default(parser: argparse.ArgumentParser, path: Path, key: str, value: Any) 
         action = next((a for a in parser._actions if a.dest == key.replace("-", "_")), None)
     _require(action is not None and action.dest not in NOT_FROM_FILE, f"{path}: no flag {key!r}")
     assert action is not None
+    action.required = False
     return action.dest, _converted(action, path, key, value)
 
 

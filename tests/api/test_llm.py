@@ -80,3 +80,20 @@ def test_importing_memstep_does_not_import_torch():
     code = "import memstep, memstep.api.http_server, sys; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_the_readme_example_gives_two_different_texts(llm):
+    """`SamplingParams(n=2, seed=1)` as the README writes it: vLLM's default temperature (1.0)
+    samples, so the two choices differ (with the old greedy default they were the same)."""
+    [out] = llm.generate(["The capital of France is"], SamplingParams(n=2, seed=1), use_tqdm=False)
+    assert out.outputs[0].text != out.outputs[1].text
+
+
+def test_vllm_names_are_taken_and_the_old_name_warns():
+    new = LLM(model="random:tiny", gpu_memory_utilization=0.5, num_threads=1)
+    assert new.engine.cfg.gpu_memory_utilization == 0.5
+    with pytest.warns(DeprecationWarning, match="use gpu_memory_utilization"):
+        old = LLM(model="random:tiny", memory_utilization=0.4, num_threads=1)
+    assert old.engine.cfg.gpu_memory_utilization == 0.4
+    new.engine.shutdown()
+    old.engine.shutdown()
