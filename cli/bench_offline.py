@@ -96,8 +96,8 @@ def requests_bar(engine: Engine, total: int, desc: str, quiet: bool) -> Iterator
 def run_single(
     engine: Engine, model, prompts: list[list[int]], new_tokens: int, quiet: bool
 ) -> dict:
-    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
-    engine.generate([*prompts[:1]], SamplingParams(max_tokens=4))  # warm
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    engine.generate([*prompts[:1]], SamplingParams(temperature=0.0, max_tokens=4))  # warm
     with requests_bar(engine, len(prompts), "(a) memstep", quiet):
         ours = [timed(lambda p=p: engine.generate([p], params)) for p in prompts]
     out = {"memstep_tok_s": new_tokens / statistics.median(ours)}
@@ -113,7 +113,9 @@ def run_single(
 def run_sharegpt(engine: Engine, model, samples: list[Sample], batch: int, quiet: bool) -> dict:
     tok = engine.tokenizer
     prompts = [tok.encode(s.prompt) for s in samples]
-    params = [SamplingParams(max_tokens=s.output_len, ignore_eos=True) for s in samples]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=s.output_len, ignore_eos=True) for s in samples
+    ]
     useful = sum(s.output_len for s in samples)
     with requests_bar(engine, len(prompts), "(b) memstep", quiet):
         ours = timed(lambda: engine.generate([*prompts], params))

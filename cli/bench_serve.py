@@ -146,7 +146,7 @@ def check_server(address: str, sample: Sample, timeout: float) -> None:
     """One short request (the first sample's prompt, two tokens) that must come back."""
     with Client(address, timeout=timeout) as client:
         try:
-            client.generate(sample.prompt, max_tokens=2, ignore_eos=True)
+            client.generate(sample.prompt, max_tokens=2, ignore_eos=True, temperature=0.0)
         except (TimeoutError, ConnectionError) as exc:
             raise BenchFailed(f"server {address} cannot be reached: {exc}") from exc
         except ServerError as exc:
@@ -336,7 +336,11 @@ async def _one(client: AsyncClient, sample: Sample, ignore_eos: bool, bar: Any) 
     start = last = time.perf_counter()
     try:
         stream = await client.generate(
-            sample.prompt, stream=True, max_tokens=sample.output_len, ignore_eos=ignore_eos
+            sample.prompt,
+            stream=True,
+            max_tokens=sample.output_len,
+            ignore_eos=ignore_eos,
+            temperature=0.0,
         )
         async for _ in stream:
             now = time.perf_counter()

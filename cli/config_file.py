@@ -20,6 +20,13 @@ from memstep.cli.errors import UsageError
 NOT_FROM_FILE = ("help", "help_all", "version", "config")
 
 
+def add_config_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--config", metavar="FILE.yaml",
+        help="flags from a YAML file (keys: flag names); the command line wins (default: none)",
+    )  # fmt: skip
+
+
 def config_path(argv: list[str]) -> Path | None:
     """The path after `--config` (or in `--config=PATH`) in `argv`, None when not given."""
     for i, arg in enumerate(argv):

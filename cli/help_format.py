@@ -56,6 +56,10 @@ class HelpAllAction(argparse.Action):
         parser.exit()
 
 
+def add_help_all(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--help-all", action=HelpAllAction, help="show every flag, and exit")
+
+
 class Parser(argparse.ArgumentParser):
     """An ArgumentParser whose mistakes are one line on stderr (exit 2) and a pointer to --help."""
 

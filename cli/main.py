@@ -20,7 +20,7 @@ from memstep.cli import config_file
 from memstep.cli.config_file import config_path
 from memstep.cli.curve_keys import attach_dashed_keys
 from memstep.cli.errors import UsageError
-from memstep.cli.help_format import HelpAllAction, HelpFormatter, Parser, groups
+from memstep.cli.help_format import HelpFormatter, Parser, add_help_all, groups
 from memstep.core.config import (
     KV_CACHE_DTYPES,
     MATMUL_PRECISIONS,
@@ -81,7 +81,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     )
     dtypes = ["auto", "float32", "bfloat16", "float16"]
     common.add_argument("--dtype", default=d.dtype, choices=dtypes, help="weights, activations")
-    common.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
+    common.add_argument(
+        "--device", default=d.device, choices=["auto", "cpu", "cuda"], help="where it runs"
+    )
     common.add_argument(
         "--max-model-len", type=int, metavar="N", help="prompt + output tokens at most "
         "(default: the model's context, capped at 2048)",
@@ -297,11 +299,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
             module.add_arguments(p)
             p.set_defaults(run=module.run)
         add_global_arguments(p, defaults=False)
-        p.add_argument("--help-all", action=HelpAllAction, help="show every flag, and exit")
-        p.add_argument(
-            "--config", metavar="FILE.yaml", help="flags from a YAML file (keys: flag names); "
-            "the command line wins (default: none)",
-        )  # fmt: skip
+        add_help_all(p)
+        config_file.add_config_argument(p)
     return parser
 
 
