@@ -9,9 +9,14 @@ Both run in this process, one after the other, and the ratio is printed.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
+import functools
+import importlib
 import json
+import os
 import statistics
+import sys
 import time
 from collections.abc import Iterator
 
@@ -44,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p)
 
 
-def hf_model(source: ModelSource, dtype: torch.dtype):
+def hf_model(source: ModelSource, dtype: torch.dtype, quiet: bool):
     if source.kind != "gguf":
         raise UsageError(
             f"bench offline compares against transformers on a GGUF model, not {source.label}; "
@@ -53,10 +58,29 @@ def hf_model(source: ModelSource, dtype: torch.dtype):
     import transformers
 
     assert source.path is not None
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(source.path.parent), gguf_file=source.path.name, dtype=dtype
-    )
+    with _gguf_bars_off(quiet):
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(source.path.parent), gguf_file=source.path.name, dtype=dtype
+        )
     return model.eval()
+
+
+@contextlib.contextmanager
+def _gguf_bars_off(quiet: bool) -> Iterator[None]:
+    """With --disable-tqdm, no bar from transformers' GGUF conversion either: it calls tqdm
+    directly, past transformers' own switch for progress bars."""
+    module = sys.modules.get("transformers.modeling_gguf_pytorch_utils")
+    if module is None:
+        module = importlib.import_module("transformers.modeling_gguf_pytorch_utils")
+    bar = getattr(module, "tqdm", None)
+    if not quiet or bar is None:
+        yield
+        return
+    module.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        module.tqdm = bar
 
 
 def hf_generate(model, batch: list[list[int]], new_tokens: int) -> int:
@@ -138,7 +162,8 @@ def run(args: argparse.Namespace) -> int:
     dtype = pick_dtype(cfg, pick_device(cfg))
     # Hugging Face first: the engine's CPU memory meter then leaves its tensors out and freezes
     # its objects with the rest of start-up, instead of walking them after every step
-    model = None if args.skip_hf else hf_model(resolve(cfg.model, cfg.random_weights_seed), dtype)
+    source = resolve(cfg.model, cfg.random_weights_seed)
+    model = None if args.skip_hf else hf_model(source, dtype, args.disable_tqdm)
     engine = local_engine(cfg)
     threads = torch.get_num_threads()
     print(f"model {engine.source.label}, dtype {dtype}, {threads} threads, device {cfg.device}")
@@ -164,4 +189,17 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"single": a, "sharegpt": b}, fh, indent=2)
+    if "triton" in sys.modules:
+        atexit.register(_quiet_exit)
     return 0
+
+
+def _quiet_exit() -> None:
+    """Silence stderr for the interpreter's teardown, after everything this run has to say.
+
+    triton's nanobind extension (imported by transformers) reports the objects it still holds when
+    the interpreter exits ("nanobind: leaked 4 instances! ... leaked 514 functions!"): harmless
+    for a module nobody unloads, and alarming at the end of a memory-leak tool's benchmark."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())

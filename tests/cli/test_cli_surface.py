@@ -163,3 +163,16 @@ def test_the_standby_is_kept_only_when_memory_holds_it(monkeypatch):
     monkeypatch.setattr(serve, "available_memory_bytes", lambda: serve.STANDBY_ROOM * need - 1)
     on, why = serve.standby_fits(cfg, model)
     assert not on and "does not hold" in why
+
+
+def test_disable_tqdm_silences_the_gguf_conversion_bars(capsys):
+    from memstep.cli.bench_offline import _gguf_bars_off
+
+    gguf = pytest.importorskip("transformers.modeling_gguf_pytorch_utils")
+    original = gguf.tqdm
+    with _gguf_bars_off(True):
+        list(gguf.tqdm(range(3), desc="Converting"))
+    assert capsys.readouterr().err == "" and gguf.tqdm is original
+    with _gguf_bars_off(False):
+        list(gguf.tqdm(range(3), desc="Converting"))
+    assert "Converting" in capsys.readouterr().err  # the same bar, not silenced: the check fires
