@@ -87,7 +87,9 @@ async def _stream_all(address: str, sources: list[dict]):
     clients = [AsyncClient(address, timeout=120) for _ in sources]
 
     async def one(client: AsyncClient, source: dict):
-        stream = await client.generate(**source, stream=True, max_tokens=MAX_TOKENS)
+        stream = await client.generate(
+            **source, stream=True, max_tokens=MAX_TOKENS, temperature=0.0
+        )
         deltas = [delta async for delta in stream]
         return deltas, stream.result
 
