@@ -177,7 +177,7 @@ class DeprecatedName(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None) -> None:
         new = "--" + self.dest.replace("_", "-")
         warnings.warn(f"{option_string} is deprecated; use {new}", DeprecationWarning, 2)
-        structlog.get_logger("memstep.cli").warning(f"{option_string} is deprecated; use {new}")
+        print(f"memstep: warning: {option_string} is deprecated; use {new}", file=sys.stderr)
         setattr(namespace, self.dest, values)
 
 
