@@ -69,18 +69,16 @@ def hf_model(source: ModelSource, dtype: torch.dtype, quiet: bool):
 def _gguf_bars_off(quiet: bool) -> Iterator[None]:
     """With --disable-tqdm, no bar from transformers' GGUF conversion either: it calls tqdm
     directly, past transformers' own switch for progress bars."""
-    module = sys.modules.get("transformers.modeling_gguf_pytorch_utils")
-    if module is None:
-        module = importlib.import_module("transformers.modeling_gguf_pytorch_utils")
+    module = importlib.import_module("transformers.modeling_gguf_pytorch_utils")
     bar = getattr(module, "tqdm", None)
     if not quiet or bar is None:
         yield
         return
-    module.tqdm = functools.partial(bar, disable=True)
+    setattr(module, "tqdm", functools.partial(bar, disable=True))  # noqa: B010
     try:
         yield
     finally:
-        module.tqdm = bar
+        setattr(module, "tqdm", bar)  # noqa: B010
 
 
 def hf_generate(model, batch: list[list[int]], new_tokens: int) -> int:

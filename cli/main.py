@@ -111,7 +111,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "--max-num-batched-tokens", type=int, metavar="N",
         help="tokens in one step at most (default: by device; CPU 512)",
     )  # fmt: skip
-    perf.add_argument("--block-size", type=int, default=d.block_size, metavar="N", help="KV page")
+    perf.add_argument(
+        "--block-size", type=int, default=d.block_size, metavar="N", help="tokens per KV page"
+    )
     perf.add_argument("--num-kv-blocks", type=int, metavar="N", help="KV pages (default: sized)")
     perf.add_argument(
         "--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization, metavar="F",
