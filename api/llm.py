@@ -20,7 +20,7 @@ import attrs
 from tqdm import tqdm
 
 from memstep.core import sampling_params as core_params
-from memstep.core.config import EngineConfig
+from memstep.core.config import EngineConfig, with_vllm_names
 from memstep.core.engine import Engine
 from memstep.core.sampling_params import InvalidRequest
 from memstep.executors.process.inprocess import local_engine
@@ -68,10 +68,15 @@ class RequestOutput:
 
 
 class LLM:
-    """Owns an in-process engine (model loaded once) and runs batches of prompts on it."""
+    """Owns an in-process engine (model loaded once) and runs batches of prompts on it.
+
+    `config` takes EngineConfig's fields by vLLM's names (`gpu_memory_utilization`); a former
+    memstep name still works, with a DeprecationWarning.
+    """
 
     def __init__(self, model: str = "smollm2", **config: Any):
-        self.engine: Engine = local_engine(EngineConfig(model=model, **config))
+        cfg = EngineConfig(model=model, **with_vllm_names(config))
+        self.engine: Engine = local_engine(cfg)
 
     def generate(
         self,

@@ -34,7 +34,6 @@ COMMON_FIELDS |= set(SAMPLING_FIELDS)
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
 MAX_N = 16
-DEFAULT_TEMPERATURE = 1.0  # OpenAI's default, where the engine's own is greedy
 
 
 class OpenAIError(Exception):
@@ -127,7 +126,7 @@ def _job(
 
 
 def _sampling(body: dict, max_tokens: int | None, top: int | None) -> dict[str, Any]:
-    params: dict[str, Any] = {"temperature": DEFAULT_TEMPERATURE}
+    params: dict[str, Any] = {}  # the engine's defaults are OpenAI's
     for field, name in SAMPLING_FIELDS.items():
         if body.get(field) is not None:
             params[name] = body[field]
@@ -221,25 +220,28 @@ def new_id(chat: bool, client_id: str | None = None) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + (client_id or uuid.uuid4().hex)
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    total = prompt_tokens + completion_tokens
+def usage(job: Job, dones: list[GenerateDone]) -> dict[str, Any]:
+    """OpenAI's usage of all choices: each prompt counted once (its first choice), with the
+    prompt tokens the prefix cache held as `prompt_tokens_details.cached_tokens`."""
+    firsts = dones[:: job.n]
+    prompt_tokens = sum(d.usage.prompt_tokens for d in firsts)
+    completion_tokens = sum(d.usage.completion_tokens for d in dones)
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
-        "total_tokens": total,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": sum(d.usage.cached_tokens for d in firsts)},
     }
 
 
 def response(job: Job, rid: str, dones: list[GenerateDone]) -> dict[str, Any]:
     """The whole answer of a non-streaming request, its choices in index order."""
     choices = [_choice(job, i, d) for i, d in enumerate(dones)]
-    prompt_tokens = sum(d.usage.prompt_tokens for d in dones[:: job.n])
-    completion_tokens = sum(d.usage.completion_tokens for d in dones)
     kind = "chat.completion" if job.chat else "text_completion"
     return {
         **_head(job, rid, kind),
         "choices": choices,
-        "usage": usage(prompt_tokens, completion_tokens),
+        "usage": usage(job, dones),
     }
 
 
@@ -282,12 +284,10 @@ def chunk(
 
 def usage_chunk(job: Job, rid: str, dones: list[GenerateDone]) -> dict[str, Any]:
     kind = "chat.completion.chunk" if job.chat else "text_completion"
-    prompt_tokens = sum(d.usage.prompt_tokens for d in dones[:: job.n])
-    completion_tokens = sum(d.usage.completion_tokens for d in dones)
     return {
         **_head(job, rid, kind),
         "choices": [],
-        "usage": usage(prompt_tokens, completion_tokens),
+        "usage": usage(job, dones),
     }
 
 

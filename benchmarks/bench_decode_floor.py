@@ -316,7 +316,7 @@ def main() -> None:
         dtype="bfloat16",
         max_num_seqs=256,
         max_num_batched_tokens=8192,
-        memory_utilization=0.6,
+        gpu_memory_utilization=0.6,
     )
     engine = local_engine(cfg)
     worker = engine.executor.worker

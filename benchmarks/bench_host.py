@@ -83,8 +83,8 @@ def main() -> None:
     def prompts(n: int) -> list[list[int]]:
         return [[rng.randrange(3, vocab) for _ in range(rng.randrange(20, 250))] for _ in range(n)]
 
-    long = SamplingParams(max_tokens=args.steps + 200, ignore_eos=True)
-    short = SamplingParams(max_tokens=30, ignore_eos=True)
+    long = SamplingParams(temperature=0.0, max_tokens=args.steps + 200, ignore_eos=True)
+    short = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     for prompt in prompts(args.running):
         engine.add_request(prompt, long)
     for _ in range(200):  # until every one of them is admitted

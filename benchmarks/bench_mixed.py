@@ -123,8 +123,8 @@ def arrivals_run(engine, clock, vocab: int, running: int, per_step: int, steps: 
     step run eagerly. Medians of the steps' wall time split as StepClock splits it."""
     from memstep.core.sampling_params import SamplingParams
 
-    long = SamplingParams(max_tokens=steps + 64, ignore_eos=True)
-    short = SamplingParams(max_tokens=8, ignore_eos=True)
+    long = SamplingParams(temperature=0.0, max_tokens=steps + 64, ignore_eos=True)
+    short = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     for prompt in random_prompts(running, PROMPT_LEN, vocab, 77):
         engine.add_request(prompt, long)
     while len(engine.scheduler.running) < running:

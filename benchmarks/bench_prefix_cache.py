@@ -95,7 +95,7 @@ def shared_prompts(engine: Engine, n: int, system_tokens: int) -> list[list[int]
 
 def serve(engine: Engine, prompts: list[list[int]], max_tokens: int) -> Figures:
     """Add every prompt at once, step until idle; TTFT per request from its arrival."""
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     start, cpu = time.perf_counter(), time.process_time()
     ids = [engine.add_request(p, params) for p in prompts]
     first: dict[str, float] = {}
@@ -217,7 +217,7 @@ def record_trace(cfg: EngineConfig, args) -> dict:
         prompts = workload_prompts(engine, "sharegpt", args)
         traced = TracedBlocks(engine.blocks.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         engine.scheduler.use_pages(traced, engine.scheduler.decode_lookahead)
-        params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
         for p in prompts:
             engine.add_request(p, params)
         step_s = []
@@ -321,7 +321,7 @@ def paired(base: EngineConfig, args) -> dict:
     engines = {n: local_engine(cfgs[n], [_batches_into(plans[n])]) for n in names}
     try:
         prompts = workload_prompts(engines["on"], "sharegpt", args)
-        params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
         for n, engine in engines.items():
             serve(engine, prompts[:1], 2)  # warm untimed, as `run` does
             engine.blocks.reset()

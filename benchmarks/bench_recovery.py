@@ -41,7 +41,9 @@ class Traffic(threading.Thread):
             while not self.stopped.is_set():
                 prompt = f"Write one sentence about the number {i}."
                 try:
-                    for _ in client.generate(prompt, stream=True, max_tokens=48, ignore_eos=True):
+                    for _ in client.generate(
+                        prompt, stream=True, max_tokens=48, ignore_eos=True, temperature=0.0
+                    ):
                         self.times.append(time.monotonic())
                 except Exception as exc:  # counted and shown: a recovery must cause none
                     self.errors.append(f"{type(exc).__name__}: {exc}")

@@ -54,7 +54,7 @@ def run(
     steps: list[StepFinished] = []
     sink = steps.append
     engine.sinks.append(lambda r: isinstance(r, StepFinished) and sink(r))
-    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     start = time.perf_counter()
     for i in range(0, len(work), concurrency):
         engine.generate(work[i : i + concurrency], params)
@@ -97,7 +97,7 @@ def main() -> None:
             enable_prefix_caching=args.prefix_caching,
         )
         engines[method] = local_engine(cfg)
-        engines[method].generate([[1, 2, 3]], SamplingParams(max_tokens=4))  # warm
+        engines[method].generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4))  # warm
     # per (method, workload, concurrency): each round's tok/s, its ratio to that round's first
     # method (run a moment before), and the drafts' counts
     runs: dict[tuple, list[tuple[float, float, int, int, int]]] = {}

@@ -37,11 +37,11 @@ def tok_per_s(method: str, options) -> float:
         model=options.model,
         dtype="bfloat16",
         num_speculative_tokens=options.k,
-        memory_utilization=0.3,
+        gpu_memory_utilization=0.3,
         **spec,
     )
     engine = local_engine(cfg)
-    params = SamplingParams(max_tokens=TOKENS, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
     times = []
     try:
         for run in range(options.rounds + 1):  # the first warms up

@@ -292,7 +292,7 @@ def throughput(cfg, sizes: list[int], prompt_len: int, output_len: int) -> dict:
     from memstep.executors.process.remote import ProcessExecutor
 
     engine = Engine(cfg, ProcessExecutor)
-    params = SamplingParams(max_tokens=output_len, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     result = {}
     try:
         for n in sizes:

@@ -138,7 +138,7 @@ def run_throughput(engine, clock: StepClock, batch: int, vocab: int, run: int = 
     gets prompts of its own: repeated prompts would be prefix-cache hits, prefill skipped."""
     from memstep.core.sampling_params import SamplingParams
 
-    params = SamplingParams(max_tokens=OUTPUT_LEN, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_LEN, ignore_eos=True)
     for prompt in random_prompts(batch, PROMPT_LEN, vocab, 1000 * (run + 1) + batch):
         engine.add_request(prompt, params)
     clock.records.clear()

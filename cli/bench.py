@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import importlib
 
-from memstep.cli.help_format import HelpFormatter
+from memstep.cli.config_file import add_config_argument
+from memstep.cli.help_format import HelpFormatter, add_help_all
 
 MODES = {"offline": "memstep.cli.bench_offline", "serve": "memstep.cli.bench_serve"}
 
@@ -20,6 +21,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             formatter_class=HelpFormatter,
         )
         module.add_arguments(q)
+        add_help_all(q)
+        add_config_argument(q)
         q.set_defaults(bench_run=module.run)
 
 

@@ -9,9 +9,14 @@ Both run in this process, one after the other, and the ratio is printed.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
+import functools
+import importlib
 import json
+import os
 import statistics
+import sys
 import time
 from collections.abc import Iterator
 
@@ -44,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p)
 
 
-def hf_model(source: ModelSource, dtype: torch.dtype):
+def hf_model(source: ModelSource, dtype: torch.dtype, quiet: bool):
     if source.kind != "gguf":
         raise UsageError(
             f"bench offline compares against transformers on a GGUF model, not {source.label}; "
@@ -53,10 +58,27 @@ def hf_model(source: ModelSource, dtype: torch.dtype):
     import transformers
 
     assert source.path is not None
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(source.path.parent), gguf_file=source.path.name, dtype=dtype
-    )
+    with _gguf_bars_off(quiet):
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(source.path.parent), gguf_file=source.path.name, dtype=dtype
+        )
     return model.eval()
+
+
+@contextlib.contextmanager
+def _gguf_bars_off(quiet: bool) -> Iterator[None]:
+    """With --disable-tqdm, no bar from transformers' GGUF conversion either: it calls tqdm
+    directly, past transformers' own switch for progress bars."""
+    module = importlib.import_module("transformers.modeling_gguf_pytorch_utils")
+    bar = getattr(module, "tqdm", None)
+    if not quiet or bar is None:
+        yield
+        return
+    setattr(module, "tqdm", functools.partial(bar, disable=True))  # noqa: B010
+    try:
+        yield
+    finally:
+        setattr(module, "tqdm", bar)  # noqa: B010
 
 
 def hf_generate(model, batch: list[list[int]], new_tokens: int) -> int:
@@ -96,8 +118,8 @@ def requests_bar(engine: Engine, total: int, desc: str, quiet: bool) -> Iterator
 def run_single(
     engine: Engine, model, prompts: list[list[int]], new_tokens: int, quiet: bool
 ) -> dict:
-    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
-    engine.generate([*prompts[:1]], SamplingParams(max_tokens=4))  # warm
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    engine.generate([*prompts[:1]], SamplingParams(temperature=0.0, max_tokens=4))  # warm
     with requests_bar(engine, len(prompts), "(a) memstep", quiet):
         ours = [timed(lambda p=p: engine.generate([p], params)) for p in prompts]
     out = {"memstep_tok_s": new_tokens / statistics.median(ours)}
@@ -113,7 +135,9 @@ def run_single(
 def run_sharegpt(engine: Engine, model, samples: list[Sample], batch: int, quiet: bool) -> dict:
     tok = engine.tokenizer
     prompts = [tok.encode(s.prompt) for s in samples]
-    params = [SamplingParams(max_tokens=s.output_len, ignore_eos=True) for s in samples]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=s.output_len, ignore_eos=True) for s in samples
+    ]
     useful = sum(s.output_len for s in samples)
     with requests_bar(engine, len(prompts), "(b) memstep", quiet):
         ours = timed(lambda: engine.generate([*prompts], params))
@@ -136,7 +160,8 @@ def run(args: argparse.Namespace) -> int:
     dtype = pick_dtype(cfg, pick_device(cfg))
     # Hugging Face first: the engine's CPU memory meter then leaves its tensors out and freezes
     # its objects with the rest of start-up, instead of walking them after every step
-    model = None if args.skip_hf else hf_model(resolve(cfg.model, cfg.random_weights_seed), dtype)
+    source = resolve(cfg.model, cfg.random_weights_seed)
+    model = None if args.skip_hf else hf_model(source, dtype, args.disable_tqdm)
     engine = local_engine(cfg)
     threads = torch.get_num_threads()
     print(f"model {engine.source.label}, dtype {dtype}, {threads} threads, device {cfg.device}")
@@ -162,4 +187,17 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"single": a, "sharegpt": b}, fh, indent=2)
+    if "triton" in sys.modules:
+        atexit.register(_quiet_exit)
     return 0
+
+
+def _quiet_exit() -> None:
+    """Silence stderr for the interpreter's teardown, after everything this run has to say.
+
+    triton's nanobind extension (imported by transformers) reports the objects it still holds when
+    the interpreter exits ("nanobind: leaked 4 instances! ... leaked 514 functions!"): harmless
+    for a module nobody unloads, and alarming at the end of a memory-leak tool's benchmark."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())

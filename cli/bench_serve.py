@@ -80,7 +80,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="zmq: memstep's client API; openai: /v1/completions; openai-chat: "
         "/v1/chat/completions (default: %(default)s)",
     )
-    p.add_argument("--base-url", help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000")
+    p.add_argument(
+        "--base-url", help="an OpenAI-compatible server: http://127.0.0.1:8000/v1, /v1 optional"
+    )
     p.add_argument(
         "--max-concurrency", type=int, help="at most this many requests in flight (default: all)"
     )
@@ -113,12 +115,18 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def server_root(base_url: str) -> str:
+    """The server's root from a base URL given with or without `/v1` (`serve` prints it with)."""
+    url = base_url.rstrip("/")
+    return url.removesuffix("/v1")
+
+
 def _serve_and_load(
     args: argparse.Namespace, cfg: EngineConfig, samples: list[Sample]
 ) -> tuple[list[RequestResult], float]:
     http = getattr(args, "backend", "zmq") != "zmq"
     if args.base_url:
-        url = args.base_url.rstrip("/")
+        url = server_root(args.base_url)
         asyncio.run(check_http(url, min(args.timeout, PROBE_TIMEOUT_S)))
         return _run_load(args, url, samples)
     if args.host or args.port:
@@ -150,7 +158,7 @@ def check_server(address: str, sample: Sample, timeout: float) -> None:
     """One short request (the first sample's prompt, two tokens) that must come back."""
     with Client(address, timeout=timeout) as client:
         try:
-            client.generate(sample.prompt, max_tokens=2, ignore_eos=True)
+            client.generate(sample.prompt, max_tokens=2, ignore_eos=True, temperature=0.0)
         except (TimeoutError, ConnectionError) as exc:
             raise BenchFailed(f"server {address} cannot be reached: {exc}") from exc
         except ServerError as exc:
@@ -340,7 +348,11 @@ async def _one(client: AsyncClient, sample: Sample, ignore_eos: bool, bar: Any) 
     start = last = time.perf_counter()
     try:
         stream = await client.generate(
-            sample.prompt, stream=True, max_tokens=sample.output_len, ignore_eos=ignore_eos
+            sample.prompt,
+            stream=True,
+            max_tokens=sample.output_len,
+            ignore_eos=ignore_eos,
+            temperature=0.0,
         )
         async for _ in stream:
             now = time.perf_counter()

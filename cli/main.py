@@ -11,13 +11,16 @@ import argparse
 import importlib
 import os
 import sys
+import warnings
 
 import attrs
 import structlog
 
+from memstep.cli import config_file
+from memstep.cli.config_file import config_path
 from memstep.cli.curve_keys import attach_dashed_keys
 from memstep.cli.errors import UsageError
-from memstep.cli.help_format import HelpFormatter
+from memstep.cli.help_format import HelpFormatter, Parser, add_help_all, groups
 from memstep.core.config import (
     KV_CACHE_DTYPES,
     MATMUL_PRECISIONS,
@@ -30,10 +33,22 @@ from memstep.core.logging import setup_logging
 from memstep.core.model_source import ModelError, model_config, resolve
 from memstep.core.sampling_params import InvalidRequest
 from memstep.events.log import LogFormatError
+from memstep.events.version import VERSION
 from memstep.executors.cpu.threads import prefer_passive_wait
 
+TASKS = """Serve, run and debug an LLM whose every engine step is recorded and replayable.
+
+tasks:
+  memstep serve                      OpenAI-compatible HTTP API on :8000 and the ZMQ API on :5557
+  memstep chat                       talk to the model in the terminal (streams, keeps history)
+  memstep generate --prompt "Hi"     one completion (add --stream to see it come)
+  memstep bench serve | offline      serving or offline benchmarks
+  memstep replay LOG | inspect LOG   replay a recorded event log, or summarise it
+  memstep COMMAND --help             a command's everyday flags (--help-all: every flag)
+"""
 COMMANDS = {  # name -> (module, one-line help); a module is imported only when its command runs
     "generate": ("memstep.cli.generate", "generate a completion for one prompt"),
+    "chat": ("memstep.cli.chat", "chat with the model in the terminal"),
     "serve": ("memstep.cli.serve", "serve the OpenAI HTTP API and the ZMQ client API"),
     "bench": ("memstep.cli.bench", "benchmarks: offline, serve"),
     "scenario": ("memstep.cli.scenario", "run a memory-incident scenario"),
@@ -55,140 +70,133 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    """Flags that map onto EngineConfig fields (defaults come from EngineConfig)."""
+    """Flags that map onto EngineConfig fields (defaults come from EngineConfig), by group."""
     d = EngineConfig()
-    g = p.add_argument_group("engine")
-    g.add_argument(
-        "--model", default=d.model, help="smollm2, a .gguf file, an HF folder, random:<preset>"
+    g = groups(p)
+    common, perf = g["common"], g["performance"]
+    common.add_argument(
+        "--model", default=d.model, help="smollm2, a .gguf, an HF folder, random:<preset>"
     )
-    g.add_argument(
-        "--tokenizer", help="a tokenizer.json or .gguf to use instead of the model's own"
+    common.add_argument(
+        "--tokenizer", metavar="PATH", help="a tokenizer.json or .gguf (default: the model's)"
     )
     dtypes = ["auto", "float32", "bfloat16", "float16"]
-    g.add_argument("--dtype", default=d.dtype, choices=dtypes, help="weights and activations")
-    g.add_argument(
+    common.add_argument("--dtype", default=d.dtype, choices=dtypes, help="weights, activations")
+    common.add_argument(
+        "--device", default=d.device, choices=["auto", "cpu", "cuda"], help="where it runs"
+    )
+    common.add_argument(
+        "--max-model-len", type=int, metavar="N", help="prompt + output tokens at most "
+        "(default: the model's context, capped at 2048)",
+    )  # fmt: skip
+    common.add_argument(
+        "--seed", type=int, default=d.seed, metavar="N",
+        help="seed of requests without one (default: drawn, logged)",
+    )  # fmt: skip
+    perf.add_argument(
+        "--quantization", default=d.quantization, metavar="Q",
+        help=f"CPU weight-only: {', '.join(QUANTIZATIONS)} (auto: q4 for a GGUF)",
+    )  # fmt: skip
+    perf.add_argument(
+        "--matmul-precision", default=d.matmul_precision, choices=MATMUL_PRECISIONS,
+        help="q4 products (auto: bfloat16 with AVX512-BF16)",
+    )  # fmt: skip
+    perf.add_argument(
         "--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES, help="KV pages"
     )
-    g.add_argument(
-        "--quantization",
-        default=d.quantization,
-        help=f"weight-only quantized CPU matmuls, one of {', '.join(QUANTIZATIONS)} "
-        "(auto: q4 for a GGUF, none elsewhere); a bad value is a one-line error",
+    perf.add_argument(
+        "--max-num-seqs", type=int, metavar="N",
+        help="requests in a batch at most (default: by device; CPU 16)",
+    )  # fmt: skip
+    perf.add_argument(
+        "--max-num-batched-tokens", type=int, metavar="N",
+        help="tokens in one step at most (default: by device; CPU 512)",
+    )  # fmt: skip
+    perf.add_argument(
+        "--block-size", type=int, default=d.block_size, metavar="N", help="tokens per KV page"
     )
-    g.add_argument(
-        "--matmul-precision",
-        default=d.matmul_precision,
-        choices=MATMUL_PRECISIONS,
-        help="q4's products: float32, or rows and weights rounded to bfloat16, summed in float32 "
-        "(auto: bfloat16 where the CPU has AVX512-BF16 dot products)",
-    )
-    g.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"], help="where")
-    g.add_argument(
-        "--max-num-seqs",
-        type=int,
-        help="requests in a batch at most (default: from the device; CPU 16, CUDA up to 1024)",
-    )
-    g.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        help="tokens in one step at most (default: from the device; CPU 512, CUDA 8192)",
-    )
-    g.add_argument(
-        "--max-model-len",
-        type=int,
-        default=d.max_model_len,
-        help="prompt + output tokens at most; beyond the model's context is an error "
-        "(None: the model's, capped at 2048)",
-    )
-    g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV page")
-    g.add_argument(
-        "--num-kv-blocks", type=int, default=d.num_kv_blocks, help="KV pages (None: profiled)"
-    )
-    g.add_argument(
-        "--memory-utilization",
-        type=float,
-        default=d.memory_utilization,
+    perf.add_argument("--num-kv-blocks", type=int, metavar="N", help="KV pages (default: sized)")
+    perf.add_argument(
+        "--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization, metavar="F",
         help="share of device memory the engine may plan for",
-    )
-    g.add_argument(
-        "--no-enable-prefix-caching",
-        dest="enable_prefix_caching",
-        action="store_false",
-        help="compute every prompt in full instead of reusing cached KV pages of shared prefixes",
-    )
-    add_speculation_arguments(g, d)
+    )  # fmt: skip
+    perf.add_argument(
+        "--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+        help="do not reuse the KV pages of shared prompt prefixes",
+    )  # fmt: skip
+    perf.add_argument("--num-threads", type=int, metavar="N", help="(default: torch's)")
+    add_speculation_arguments(perf, d)
+    add_cuda_graph_arguments(perf)
+    add_tensor_parallel_arguments(g["distributed"], d)
+    add_debugging_arguments(g["debugging"], d)
+
+
+def add_cuda_graph_arguments(g) -> None:
     g.add_argument(
         "--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="run decode eagerly"
     )
     g.add_argument(
-        "--no-decode-ahead",
-        dest="decode_ahead",
-        action="store_false",
-        help="do not replay the next decode step's graph while the core records this step",
-    )
+        "--no-decode-ahead", dest="decode_ahead", action="store_false",
+        help="CUDA: no decode graph replayed ahead while the core records a step",
+    )  # fmt: skip
     g.add_argument(
-        "--no-piecewise-graphs",
-        dest="piecewise_graphs",
-        action="store_false",
-        help="run prefill and mixed steps eagerly, without their piecewise CUDA graphs (each "
-        "layer's work outside attention, per token bucket)",
-    )
-    g.add_argument("--num-threads", type=int, default=None, help="torch threads (None: torch's)")
-    add_tensor_parallel_arguments(g, d)
+        "--no-piecewise-graphs", dest="piecewise_graphs", action="store_false",
+        help="CUDA: prefill and mixed steps eagerly, without piecewise graphs",
+    )  # fmt: skip
+
+
+def add_debugging_arguments(g, d: EngineConfig) -> None:
+    """Flags for tests and post-mortems, shown by --help-all only."""
     g.add_argument(
-        "--seed",
-        type=int,
-        default=d.seed,
-        help="engine-wide seed: requests without a seed draw theirs from it "
-        "(default: drawn from OS entropy and recorded in the event log)",
-    )
+        "--memory-utilization", dest="gpu_memory_utilization", type=float, metavar="F",
+        action=DeprecatedName, help="deprecated: --gpu-memory-utilization",
+    )  # fmt: skip
     g.add_argument(
-        "--random-weights-seed", type=int, default=d.random_weights_seed, help="random: weights"
-    )
+        "--random-weights-seed", type=int, default=d.random_weights_seed, metavar="N",
+        help="the weights of random: models",
+    )  # fmt: skip
     g.add_argument(
-        "--max-executor-restarts",
-        type=int,
-        default=d.max_executor_restarts,
-        help="executor restarts allowed within the window before the engine gives up",
-    )
+        "--max-executor-restarts", type=int, default=d.max_executor_restarts, metavar="N",
+        help="executor restarts within the window before the engine gives up",
+    )  # fmt: skip
     g.add_argument(
-        "--executor-restart-window",
-        dest="executor_restart_window_s",
-        type=float,
-        default=d.executor_restart_window_s,
+        "--executor-restart-window", dest="executor_restart_window_s", type=float,
+        default=d.executor_restart_window_s, metavar="S",
         help="seconds over which executor restarts are counted",
-    )
+    )  # fmt: skip
     g.add_argument(
-        "--debug-kill-executor-at",
-        type=_steps,
-        default=d.debug_kill_executor_at,
-        help="test-only: the executor SIGKILLs itself at these steps, e.g. 5,12,20",
-    )
+        "--debug-kill-executor-at", type=_steps, default=d.debug_kill_executor_at,
+        metavar="STEPS", help="test-only: the executor SIGKILLs itself at these steps (5,12)",
+    )  # fmt: skip
     g.add_argument(
-        "--debug-kill-restarted-executor",
-        action="store_true",
-        help="test-only: every restarted executor SIGKILLs itself in warmup (a crash loop)",
-    )
+        "--debug-kill-restarted-executor", action="store_true",
+        help="test-only: every restarted executor SIGKILLs itself in warmup",
+    )  # fmt: skip
+
+
+class DeprecatedName(argparse.Action):
+    """A flag's former name: sets the new flag's value, with a warning that names the new flag."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        new = "--" + self.dest.replace("_", "-")
+        warnings.warn(f"{option_string} is deprecated; use {new}", DeprecationWarning, 2)
+        print(f"memstep: warning: {option_string} is deprecated; use {new}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
 
 
 def add_tensor_parallel_arguments(g, d: EngineConfig) -> None:
     g.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        default=d.tensor_parallel_size,
-        help="split the model over this many executor ranks (one GPU each; gloo on CPU)",
-    )
+        "--tensor-parallel-size", type=int, default=d.tensor_parallel_size, metavar="N",
+        help="split the model over N ranks (a GPU each)",
+    )  # fmt: skip
     g.add_argument(
-        "--distributed-init-method",
-        default=d.distributed_init_method,
+        "--distributed-init-method", default=d.distributed_init_method, metavar="URL",
         help="tcp://HOST:PORT where the ranks meet (default: a free loopback port)",
-    )
+    )  # fmt: skip
     g.add_argument(
-        "--num-local-ranks",
-        type=int,
-        default=d.num_local_ranks,
-        help="ranks started here (default: all); the others run `memstep executor --rank R`",
-    )
+        "--num-local-ranks", type=int, default=d.num_local_ranks, metavar="N",
+        help="ranks started here (default: all); others run `memstep executor`",
+    )  # fmt: skip
 
 
 def _steps(text: str) -> tuple[int, ...]:
@@ -211,26 +219,23 @@ def add_speculation_arguments(g, d: EngineConfig | None) -> None:
     """The flags of SPECULATION_FIELDS; defaults from `d`, or all None when `d` is None (the
     caller keeps its own settings for flags not given)."""
     g.add_argument(
-        "--speculative-method",
-        choices=["ngram", "draft", "eagle"],
-        default=None,
-        help="None: no drafts",
+        "--speculative-method", choices=["ngram", "draft", "eagle"], help="(default: no drafts)"
     )
     tokens, layers = (None, None) if d is None else (d.num_speculative_tokens, d.draft_layers)
-    g.add_argument("--num-speculative-tokens", type=int, default=tokens, help="drafts per step")
     g.add_argument(
-        "--speculative-disable-by-batch-size",
-        type=int,
-        default=None,
-        help="no speculation while the batch is this large or larger",
+        "--num-speculative-tokens", type=int, default=tokens, metavar="N", help="drafts per step"
     )
-    g.add_argument("--draft-layers", type=int, default=layers, help="layers of the draft model")
     g.add_argument(
-        "--draft-model",
-        default=None,
-        help="draft: a model (None: the target's first layers); eagle: a head's .npz from "
-        "train-draft (None: smollm2's own)",
+        "--speculative-disable-by-batch-size", type=int, metavar="N",
+        help="no speculation at N requests or more (default: never)",
+    )  # fmt: skip
+    g.add_argument(
+        "--draft-layers", type=int, default=layers, metavar="N", help="layers of the draft model"
     )
+    g.add_argument(
+        "--draft-model", metavar="PATH",
+        help="draft: a model (default: the target's first layers); eagle: a head's .npz",
+    )  # fmt: skip
 
 
 def config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
@@ -281,16 +286,24 @@ def add_global_arguments(p: argparse.ArgumentParser, defaults: bool) -> None:
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="memstep", description=__doc__)
+    parser = Parser(
+        prog="memstep", description=TASKS, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--version", action="version", version=f"memstep {VERSION}")
     add_global_arguments(parser, defaults=True)
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, formatter_class=HelpFormatter)
-        add_global_arguments(p, defaults=False)
         if name == command:
             module = importlib.import_module(module_name)
+            p.usage = f"memstep {name} [options]"
+            p.description = (module.__doc__ or "").strip().split("\n\n")[0]
+            p.epilog = getattr(module, "EXAMPLES", None)
             module.add_arguments(p)
             p.set_defaults(run=module.run)
+        add_global_arguments(p, defaults=False)
+        add_help_all(p)
+        config_file.add_config_argument(p)
     return parser
 
 
@@ -298,8 +311,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     prefer_passive_wait()  # before a sub-command imports torch: an in-process executor runs here
     command = next((a for a in argv if a in COMMANDS), None)
-    args = build_parser(command).parse_args(attach_dashed_keys(argv))
+    parser = build_parser(command)
+    argv = attach_dashed_keys(argv)
     try:
+        args = parse_with_config(parser, command, argv)
         setup_logging(args.log_format, log_level(args.log_level))
         return int(args.run(args) or 0)
     except BrokenPipeError:  # piped into a reader that stopped early (`| head`): not an error
@@ -315,6 +330,35 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"memstep: error: {describe_path_error(exc)}", file=sys.stderr)
         return 2
+
+
+def parse_with_config(
+    parser: argparse.ArgumentParser, command: str | None, argv: list[str]
+) -> argparse.Namespace:
+    """The parsed `argv`, with the defaults of `--config FILE.yaml` (cli/config_file.py) set on
+    the command's parser first; the file's content as `args.config_file` (None without one)."""
+    path = config_path(argv)
+    data = None
+    if path is not None and command is not None:
+        data = config_file.apply(_leaf_parser(parser, command, argv), path)
+    args = parser.parse_args(argv)
+    args.config_file = None if data is None else {"path": str(path), "values": data}
+    return args
+
+
+def _leaf_parser(
+    parser: argparse.ArgumentParser, command: str, argv: list[str]
+) -> argparse.ArgumentParser:
+    """The parser of `command` (for `bench`, of its mode when one is named in `argv`)."""
+    leaf = _subparsers(parser)[command]
+    modes = _subparsers(leaf)
+    mode = next((a for a in argv if a in modes), None)
+    return modes[mode] if mode is not None else leaf
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(subs[0].choices) if subs else {}
 
 
 def log_level(name: str) -> str:

@@ -116,7 +116,7 @@ def drive_spec_disable(engine: Engine, steps: int) -> None:
 
     def params(i: int) -> SamplingParams:
         return SamplingParams(
-            max_tokens=min(400, engine.max_model_len // 2), ignore_eos=True, seed=i
+            temperature=0.0, max_tokens=min(400, engine.max_model_len // 2), ignore_eos=True, seed=i
         )
 
     phases = [(1, 10), (4, steps), (1, 10), (4, max(20, steps // 10))]

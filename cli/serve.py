@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -38,13 +39,17 @@ from memstep.api.http_front import (
 from memstep.api.http_limits import HttpLimits
 from memstep.api.server import Server, ServerConfig
 from memstep.cli.curve_keys import attach_dashed_keys, is_z85_key
+from memstep.cli.help_format import groups
 from memstep.cli.main import add_engine_arguments, config_from_args
 from memstep.core.config import ConfigError, EngineConfig
 from memstep.core.device_limits import cuda_device_bytes
 from memstep.core.engine import Engine
 from memstep.core.executor import ExecutorFactory
 from memstep.core.logging import setup_logging
+from memstep.core.model_config import ModelConfig
+from memstep.core.model_source import model_config, resolve
 from memstep.core.recovery import ExecutorDown
+from memstep.core.shapes import max_model_len
 from memstep.executors.process.remote import ProcessExecutor
 from memstep.executors.process.standby import StandbyExecutors
 from memstep.replay.recorder import add_record_arguments, open_recorder
@@ -53,110 +58,94 @@ from memstep.replay.resume import resume_point
 
 log = structlog.get_logger("memstep.serve")
 EXIT_ENGINE_DEAD = 3  # the executor was lost more often than the restart budget allows
+EXECUTOR_RUNTIME_BYTES = 384 << 20  # an executor process beside its weights and KV: torch, buffers
+STANDBY_ROOM = 4  # auto keeps a standby when available memory is this many times its size
+
+
+EXAMPLES = """examples:
+  memstep serve                                   SmolLM2 on the CPU: HTTP :8000/v1, ZMQ :5557
+  memstep serve --model ./Llama-3.1-8B --device cuda --served-model-name llama
+  memstep serve --config serve.yaml --port 6000   flags from a file; the command line wins
+  memstep serve --resume memstep-logs/LOG.memlog  pick up where a dead server stopped
+"""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    d = ServerConfig()
-    g = p.add_argument_group("server")
-    g.add_argument("--host", default=d.host, help="address to bind; non-loopback needs CURVE")
-    g.add_argument("--port", type=int, default=d.port, help="0 picks a free port")
-    g.add_argument(
-        "--dead-exit-s",
-        type=float,
-        default=d.dead_exit_s,
-        help="once no executor can be started: answer health (dead) this long, then exit 3",
+    d, hd = ServerConfig(), HttpConfig()
+    g = groups(p)
+    common = g["common"]
+    common.add_argument("--host", default=d.host, help="ZMQ address; non-loopback needs CURVE")
+    common.add_argument("--port", type=int, default=d.port, help="ZMQ port; 0 picks a free one")
+    common.add_argument(
+        "--http-host", default=hd.host, help="HTTP address; non-loopback needs --api-key"
     )
+    common.add_argument("--http-port", type=int, default=hd.port, help="0 picks a free port")
+    common.add_argument("--no-http", dest="http", action="store_false", help="serve ZMQ only")
+    common.add_argument(
+        "--api-key", default=os.environ.get("MEMSTEP_API_KEY"), metavar="KEY",
+        help="required as 'Bearer KEY' (default: $MEMSTEP_API_KEY; inline, ps shows it)",
+    )  # fmt: skip
+    common.add_argument("--api-key-file", type=Path, metavar="FILE", help="the API key's file")
+    common.add_argument(
+        "--served-model-name", metavar="NAME", help="the model's name in the API (default: --model)"
+    )
+    common.add_argument(
+        "--resume", type=Path, metavar="LOG",
+        help="resume a dead server's log (default: a fresh start)",
+    )  # fmt: skip
+    add_record_arguments(p, by_default=True, group=common, more=g["debugging"], durability=True)
+    add_engine_arguments(p)
+    perf = g["performance"]
+    perf.add_argument(
+        "--standby-executor", choices=["auto", "on", "off"], default="auto",
+        help="a loaded spare executor (auto: if memory allows)",
+    )  # fmt: skip
+    perf.add_argument(
+        "--api-server-count", type=int, default=1, metavar="N",
+        help="HTTP front processes sharing the port, as vLLM's",
+    )  # fmt: skip
+    perf.add_argument(
+        "--max-waiting-requests", type=int, default=d.max_waiting_requests, metavar="N",
+        help="past N waiting, refuse: 'overloaded' (HTTP 503); 0: no bound",
+    )  # fmt: skip
+    _add_curve_arguments(g["distributed"])
+    _add_debugging_arguments(g["debugging"], d)
+    add_limit_arguments(g["debugging"])
+
+
+def _add_curve_arguments(g: Any) -> None:
     g.add_argument(
-        "--max-frame-bytes",
-        type=int,
-        default=d.max_frame_bytes,
+        "--curve-secret-key", metavar="FILE",
+        help="a file with the z85 secret key (default: no CURVE)",
+    )  # fmt: skip
+    g.add_argument(
+        "--curve-client-keys", metavar="KEYS",
+        help="allowed public keys: a,b, a file or a folder",
+    )  # fmt: skip
+
+
+def _add_debugging_arguments(g: Any, d: ServerConfig) -> None:
+    g.add_argument(
+        "--dead-exit-s", type=float, default=d.dead_exit_s, metavar="S",
+        help="once no executor starts: answer health (dead) this long, then exit 3",
+    )  # fmt: skip
+    g.add_argument(
+        "--max-frame-bytes", type=int, default=d.max_frame_bytes, metavar="N",
         help="larger client frames get a frame_too_large error",
-    )
+    )  # fmt: skip
     g.add_argument(
-        "--curve-secret-key",
-        help="a file holding the server's z85 CURVE secret key (plain or zmq certificate); "
-        "the key itself is accepted too, with a warning: a command line is public (ps, /proc)",
-    )
-    g.add_argument(
-        "--curve-client-keys",
-        help="z85 public keys allowed to connect: comma-separated, a file (one a line) "
-        "or a folder of zmq certificates",
-    )
-    g.add_argument(
-        "--executor-timeout",
-        type=float,
-        default=5.0,
-        help="seconds without a heartbeat before a live executor process counts as dead",
-    )
+        "--executor-timeout", type=float, default=5.0, metavar="S",
+        help="seconds without a heartbeat before an executor counts as dead",
+    )  # fmt: skip
     g.add_argument("--ready-file", type=Path, help="write {endpoint, pids} here when serving")
     g.add_argument(
-        "--standby-executor",
-        choices=["auto", "on", "off"],
-        default="auto",
-        help="keep a second executor loaded for a recovery to adopt (seconds instead of a fresh "
-        "start; a second copy of the weights); auto: on the CPU only (default: %(default)s)",
-    )
+        "--max-new-while-recovering", type=int, default=d.max_new_while_recovering, metavar="N",
+        help="new requests queued while an executor restarts, then 'recovering'",
+    )  # fmt: skip
     g.add_argument(
-        "--max-new-while-recovering",
-        type=int,
-        default=d.max_new_while_recovering,
-        help="while a new executor starts, queue this many new requests, then refuse more "
-        "(error 'recovering'); waiting and running requests are all kept (default: %(default)s)",
-    )
-    g.add_argument(
-        "--max-waiting-requests",
-        type=int,
-        default=d.max_waiting_requests,
-        help="refuse a new request that finds this many waiting for the running batch: error "
-        "'overloaded', over HTTP 503 with Retry-After; admitted requests all finish; 0: no bound "
-        "(docs/serving-overload.md says how to choose it; default: %(default)s)",
-    )
-    g.add_argument(
-        "--resume",
-        type=Path,
-        metavar="LOG",
-        help="start from the event log of a server that died: its engine config, its unfinished "
-        "requests re-admitted, its clients' AttachRequests answered (docs/protocol.md)",
-    )
-    g.add_argument(
-        "--stats-interval",
-        type=float,
-        default=d.stats_interval_s,
-        help="seconds between 'stats' log lines while busy; 0: none (default: %(default)s)",
-    )
-    h = p.add_argument_group("http")
-    hd = HttpConfig()
-    h.add_argument(
-        "--http-host",
-        default=hd.host,
-        help="address of the OpenAI-compatible HTTP "
-        "API; non-loopback needs --api-key (default: %(default)s)",
-    )
-    h.add_argument(
-        "--http-port",
-        type=int,
-        default=hd.port,
-        help="port of the HTTP API; 0 picks a free one (default: %(default)s)",
-    )
-    h.add_argument("--no-http", dest="http", action="store_false", help="serve ZMQ only")
-    h.add_argument(
-        "--api-key",
-        default=os.environ.get("MEMSTEP_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1/* (default: $MEMSTEP_API_KEY, else "
-        "none); inline, the key is public (ps, /proc): prefer --api-key-file",
-    )
-    h.add_argument(
-        "--api-server-count",
-        type=int,
-        default=1,
-        help="HTTP front processes accepting on the one port, as vLLM's: the front's JSON and "
-        "SSE work spread over that many cores; each keeps its own latency histograms in "
-        "/metrics (default: %(default)s)",
-    )
-    h.add_argument("--api-key-file", type=Path, help="a file whose first line is the API key")
-    add_limit_arguments(h)
-    add_record_arguments(p, by_default=True, durability=True)
-    add_engine_arguments(p)
+        "--stats-interval", type=float, default=d.stats_interval_s, metavar="S",
+        help="seconds between 'stats' log lines while busy; 0: none",
+    )  # fmt: skip
 
 
 def add_limit_arguments(h: Any) -> None:
@@ -211,6 +200,7 @@ def run(args: argparse.Namespace) -> int:
         api_server_count=args.api_server_count,
     )
     http_sock = bind(http_cfg) if args.http else None  # fails here, before any model loads
+    check_port_free(server_cfg.host, server_cfg.port)
     front_keys = curve_client_keys() if http_sock is not None and server_cfg.uses_curve else None
     if front_keys is not None:
         keys = server_cfg.curve_client_keys | {front_keys[0]}
@@ -218,10 +208,12 @@ def run(args: argparse.Namespace) -> int:
     point = resume_point(load(args.resume)) if args.resume else None
     cfg = config_from_args(args)
     cfg = point.config(cfg) if point is not None else cfg
+    model = model_config(resolve(cfg.model, cfg.random_weights_seed, cfg.tokenizer))
+    max_model_len(cfg, model)  # a ConfigError beyond the model's context, before it loads
     link = {"resumed_from": point.link()} if point is not None else None
     recorder = open_recorder(args, header=link)
     sinks = [recorder] if recorder is not None else []
-    factory = _executor_factory(args, cfg)
+    factory = _executor_factory(args, cfg, model)
     engine = Engine(cfg, executor_factory=factory, sinks=sinks)
     front = None
     try:
@@ -281,7 +273,7 @@ def _start_front(
     front = HttpFront(
         sock,
         server.endpoint,
-        server.engine.cfg.model,
+        args.served_model_name or server.engine.cfg.model,
         count=args.api_server_count,
         api_key=args.api_key,
         curve=curve,
@@ -295,17 +287,60 @@ def _start_front(
     return front
 
 
-def _executor_factory(args: argparse.Namespace, cfg: EngineConfig) -> ExecutorFactory:
-    """Executor processes; with a loaded standby (executors/process/standby.py) on the CPU or
-    if asked."""
+def check_port_free(host: str, port: int) -> None:
+    """A ConfigError now if the ZMQ port is taken, rather than once the model has loaded (the
+    Server binds it after the engine starts); a race with another binder is still caught there."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        socket.create_server((host, port), family=family).close()
+    except OSError as exc:
+        raise ConfigError(f"cannot listen on tcp://{host}:{port}: {exc}") from exc
+
+
+def _executor_factory(
+    args: argparse.Namespace, cfg: EngineConfig, model: ModelConfig
+) -> ExecutorFactory:
+    """Executor processes; with a loaded standby (executors/process/standby.py) if asked, or
+    by default on the CPU when the free memory holds it."""
     factory = functools.partial(
         ProcessExecutor,
         heartbeat_timeout=args.executor_timeout,
         log_level=getattr(args, "log_level", "warning"),  # set by the top-level parser
         log_format=getattr(args, "log_format", "console"),
     )
-    on_cpu = args.standby_executor == "auto" and cuda_device_bytes(cfg.device) is None
-    return StandbyExecutors(factory) if args.standby_executor == "on" or on_cpu else factory
+    on, why = args.standby_executor == "on", "--standby-executor on"
+    if args.standby_executor == "auto":
+        on, why = standby_fits(cfg, model)
+    log.info("standby executor", on=on, why=why)
+    return StandbyExecutors(factory) if on else factory
+
+
+def standby_fits(cfg: EngineConfig, model: ModelConfig) -> tuple[bool, str]:
+    """Whether `auto` keeps a standby: on the CPU, when the memory available now holds
+    STANDBY_ROOM times a standby's estimated size (float32 weights, the KV budget, the runtime);
+    on CUDA never (a second copy of the weights on the device)."""
+    if cuda_device_bytes(cfg.device) is not None:
+        return False, "CUDA: a standby would hold a second copy of the weights on the device"
+    need = model.num_params * 4 + cfg.cpu_kv_cache_bytes + EXECUTOR_RUNTIME_BYTES
+    free = available_memory_bytes()
+    verdict = "holds" if free >= STANDBY_ROOM * need else "does not hold"
+    return free >= STANDBY_ROOM * need, (
+        f"{free / 2**30:.1f} GiB available {verdict} {STANDBY_ROOM} x a standby's "
+        f"{need / 2**30:.2f} GiB"
+    )
+
+
+def available_memory_bytes() -> int:
+    """The host's MemAvailable (/proc/meminfo); 0 where it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def _shutdown(engine: Engine) -> None:

@@ -6,6 +6,7 @@ What the user asks for lives here and never changes after start-up.  What the en
 
 from __future__ import annotations
 
+import warnings
 from functools import cached_property
 from typing import Any
 
@@ -28,6 +29,10 @@ PLANTED_LEAKS = (
     "fragmenting_scratch",
     "executor_host_bytes",
 )
+
+
+# memstep's former names of settings that vLLM names otherwise: old -> vLLM's
+RENAMED = {"memory_utilization": "gpu_memory_utilization"}
 
 
 class ConfigError(ValueError):
@@ -63,7 +68,7 @@ class EngineConfig:
     # reuse the KV pages of full blocks that an earlier request computed for the same prefix
     enable_prefix_caching: bool = True
     num_kv_blocks: int | None = None  # None: sized by the profiler
-    memory_utilization: float = 0.9  # CUDA: fraction of device memory the engine may use
+    gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory the engine may use
     cpu_kv_cache_bytes: int = 256 * 1024 * 1024  # CPU: KV budget when num_kv_blocks is None
     speculative_method: str | None = None
     num_speculative_tokens: int = 3
@@ -118,7 +123,7 @@ class EngineConfig:
         _check(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
         _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")
         _check(self.block_size >= 1, "block_size must be >= 1")
-        _check(0.0 < self.memory_utilization <= 1.0, "memory_utilization must be in (0, 1]")
+        _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]")
         _check(
             self.speculative_method in SPECULATIVE_METHODS,
             f"speculative_method must be one of {SPECULATIVE_METHODS[1:]} or None",
@@ -170,6 +175,7 @@ class EngineConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EngineConfig:
+        data = {RENAMED.get(k, k): v for k, v in data.items()}  # an older log's names
         names = {f.name for f in attrs.fields(cls)}
         unknown = set(data) - names
         _check(not unknown, f"unknown config keys: {sorted(unknown)}")
@@ -183,6 +189,17 @@ class EngineConfig:
 
     def replace(self, **changes: Any) -> EngineConfig:
         return attrs.evolve(self, **changes)
+
+
+def with_vllm_names(values: dict[str, Any]) -> dict[str, Any]:
+    """`values` with each former name (RENAMED) replaced by vLLM's, warning once per use."""
+    out = dict(values)
+    for old, new in RENAMED.items():
+        if old in out:
+            warnings.warn(f"{old} is deprecated; use {new}", DeprecationWarning, stacklevel=3)
+            _check(new not in out, f"give {new} or {old} (deprecated), not both")
+            out[new] = out.pop(old)
+    return out
 
 
 def _check_tensor_parallel(cfg: EngineConfig) -> None:

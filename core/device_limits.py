@@ -25,7 +25,7 @@ from memstep.core.model_config import ModelConfig
 
 GIB = 1 << 30
 LARGE_GPU_BYTES = 70 * GIB
-MEMORY_FRACTION = 0.9  # the default memory_utilization
+MEMORY_FRACTION = 0.9  # the default gpu_memory_utilization
 TOKENS_PER_SEQ = 256  # KV each running sequence should find, on average, at the default limit
 
 

@@ -233,21 +233,7 @@ class Engine:
         return request_id
 
     def validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
-        if not ids:
-            raise InvalidRequest("prompt is empty")
-        vocab = self.model_cfg.vocab_size
-        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequest(f"token id {bad!r} is outside the vocabulary [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise InvalidRequest(
-                f"prompt has {len(ids)} tokens; this model's context is {self.max_model_len}"
-            )
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise InvalidRequest(
-                f"prompt ({len(ids)}) + max_tokens ({params.max_tokens}) exceeds the context "
-                f"of {self.max_model_len} tokens"
-            )
+        check_prompt(ids, params, self.model_cfg.vocab_size, self.max_model_len)
 
     def abort(self, request_id: str) -> None:
         """Finish a request now, or, while recovering, when the recovery is done: a replay
@@ -625,3 +611,20 @@ def _find_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:
     begin = max(0, start - max(len(s) for s in stops))
     hits = [i for s in stops if (i := text.find(s, begin)) >= 0]
     return min(hits) if hits else None
+
+
+def check_prompt(ids: list[int], params: SamplingParams, vocab: int, max_len: int) -> None:
+    """InvalidRequest for a prompt the engine cannot run: empty, ids outside the vocabulary, or
+    longer (with its max_tokens) than the context.  The CLI calls it before the model loads."""
+    if not ids:
+        raise InvalidRequest("prompt is empty")
+    bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+    if bad is not None:
+        raise InvalidRequest(f"token id {bad!r} is outside the vocabulary [0, {vocab})")
+    if len(ids) >= max_len:
+        raise InvalidRequest(f"prompt has {len(ids)} tokens; this model's context is {max_len}")
+    if len(ids) + params.max_tokens > max_len:
+        raise InvalidRequest(
+            f"prompt ({len(ids)}) + max_tokens ({params.max_tokens}) exceeds the context "
+            f"of {max_len} tokens"
+        )

@@ -1,4 +1,9 @@
-"""Per-request sampling parameters, validated at the door."""
+"""Per-request sampling parameters, validated at the door.
+
+Names and defaults are vLLM's (temperature 1.0: sampled unless asked for greedy with 0), so the
+same request means the same thing through `LLM`, the ZMQ client, the HTTP API and the CLI; the
+one exception is `max_tokens` (64 here, 16 in vLLM; HTTP completions keep OpenAI's 16).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,8 @@ from functools import cached_property
 from typing import Any
 
 import attrs
+
+DEFAULT_TEMPERATURE = 1.0  # vLLM's and OpenAI's
 
 
 class InvalidRequest(ValueError):
@@ -23,7 +30,7 @@ def _require(cond: bool, msg: str) -> None:
 @attrs.frozen(kw_only=True)
 class SamplingParams:
     max_tokens: int = 64
-    temperature: float = 0.0  # 0 means greedy
+    temperature: float = DEFAULT_TEMPERATURE  # 0 means greedy
     top_k: int = 0  # 0 disables
     top_p: float = 1.0
     min_p: float = 0.0

@@ -21,10 +21,12 @@ default is `raise`: the OSError ends the run, as any failed write would.
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import re
 import time
 from pathlib import Path
+from typing import Any
 
 import structlog
 
@@ -40,7 +42,9 @@ from memstep.events.types import (
 
 log = structlog.get_logger("memstep.recorder")
 
-DEFAULT_RECORD_PATH = "memstep-{time}.memlog"  # {time} becomes the local start time
+DEFAULT_RECORD_DIR = Path("memstep-logs")  # relative to the working directory
+DEFAULT_RECORD_PATH = f"{DEFAULT_RECORD_DIR}/memstep-{{time}}.memlog"  # {time}: the start time
+DEFAULT_KEEP = 20  # logs kept in DEFAULT_RECORD_DIR: a new one removes the oldest beyond it
 DEFAULT_ROTATE_BYTES = 1 << 30
 _FLUSH_ON = (StepFinished, LeakSuspected, PhaseChanged)
 ON_LOG_ERROR = ("stop", "continue")
@@ -221,32 +225,50 @@ def parse_size(text: str) -> int:
 
 
 def add_record_arguments(
-    p: argparse.ArgumentParser, by_default: bool = False, durability: bool = False
+    p: argparse.ArgumentParser,
+    by_default: bool = False,
+    group: Any = None,
+    more: Any = None,
+    durability: bool = False,
 ) -> None:
-    """`--record PATH` and `--record-rotate-bytes N`; with `by_default`, also `--no-record`;
-    with `durability` (a server, which can stop admitting), `--on-log-error` and `--log-fsync`."""
-    g = p.add_argument_group("event log")
+    """`--record PATH` (with `by_default`, also `--no-record`) in `group`, and
+    `--record-rotate-bytes N` and `--record-keep N` in `more`; both default to an "event log"
+    group of `p`. With `durability` (a server, which can stop admitting), `--on-log-error` and
+    `--log-fsync` in `more`."""
+    g = group or more or p.add_argument_group("event log")
     default = DEFAULT_RECORD_PATH if by_default else None
+    where = f" (default: {DEFAULT_RECORD_DIR}/)" if by_default else ""
     g.add_argument(
-        "--record",
-        metavar="PATH",
-        default=default,
-        help="write the event log here ({time} becomes the start time)"
-        + (f"; default {DEFAULT_RECORD_PATH}" if by_default else ""),
-    )
+        "--record", metavar="PATH", default=default,
+        help=f"the event log ({{time}}: start time){where}",
+    )  # fmt: skip
     if by_default:
         g.add_argument(
             "--no-record", dest="record", action="store_const", const=None, help="record nothing"
         )
+    g = more or g
     if durability:
         _add_durability_arguments(g)
     g.add_argument(
-        "--record-rotate-bytes",
-        type=parse_size,
-        default=DEFAULT_ROTATE_BYTES,
-        metavar="N",
+        "--record-rotate-bytes", type=parse_size, default=DEFAULT_ROTATE_BYTES, metavar="N",
         help="start a new part (PATH.1, PATH.2, ...) past this size; 0 never rotates",
-    )
+    )  # fmt: skip
+    g.add_argument(
+        "--record-keep", type=int, default=DEFAULT_KEEP, metavar="N",
+        help=f"logs kept in {DEFAULT_RECORD_DIR}/: older ones are removed",
+    )  # fmt: skip
+
+
+def prune(directory: Path, keep: int) -> list[Path]:
+    """Remove all but the newest `keep` - 1 logs (with their parts) of `directory`, making room
+    for one more; the removed files.  Names hold the start time, so name order is age order."""
+    logs = sorted(directory.glob("memstep-*.memlog"))
+    gone = []
+    for log in logs[: max(0, len(logs) - max(keep - 1, 0))]:
+        for part in [log, *directory.glob(glob.escape(log.name) + ".*")]:
+            part.unlink(missing_ok=True)
+            gone.append(part)
+    return gone
 
 
 def _add_durability_arguments(g: argparse._ArgumentGroup) -> None:
@@ -277,7 +299,11 @@ def open_recorder(
     Refuses (RecordPathTaken, a ConfigError) a path that exists, before any model is loaded.
     """
     policy: dict[str, str] = {}
+    keep = DEFAULT_KEEP
     if isinstance(args_or_path, argparse.Namespace):
+        keep = getattr(args_or_path, "record_keep", DEFAULT_KEEP)
+        if getattr(args_or_path, "config_file", None):  # `--config FILE.yaml`, as read
+            header = {**(header or {}), "config_file": args_or_path.config_file}
         rotate_bytes = args_or_path.record_rotate_bytes
         if hasattr(args_or_path, "on_log_error"):
             policy = {"on_error": args_or_path.on_log_error, "fsync": args_or_path.log_fsync}
@@ -285,6 +311,9 @@ def open_recorder(
     if args_or_path is None:
         return None
     path = Path(os.fspath(args_or_path).replace("{time}", time.strftime("%Y%m%d-%H%M%S")))
+    if path.parent == DEFAULT_RECORD_DIR:  # the default directory: made, and kept small
+        path.parent.mkdir(exist_ok=True)
+        prune(path.parent, keep)
     if path.exists():
         raise RecordPathTaken(f"{path} exists; a log is never overwritten, choose another path")
     return Recorder(path, rotate_bytes or None, header, **policy)

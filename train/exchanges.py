@@ -21,7 +21,7 @@ from memstep.train.fit import Exchanges
 
 def target_replies(engine, exchanges, max_tokens: int) -> list[tuple[list[int], list[int]]]:
     """The same questions with the target's own greedy answers (of 8 tokens or more)."""
-    params = SamplingParams(max_tokens=max_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     done = engine.generate([prompt for prompt, _ in exchanges], params)
     return [
         (p, c.token_ids) for (p, _), c in zip(exchanges, done, strict=True) if len(c.token_ids) >= 8

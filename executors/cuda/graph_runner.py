@@ -343,7 +343,7 @@ def warm_sampler(
     ]
     most = min(sampler.max_rows, dummy_hidden.shape[0])
     filtered = {min(n, most) for n in [*sampler.warm_sizes(), max(sizes)]}
-    greedy = Row(SamplingParams(seed=0), 3, [1, 2, 3], 1)
+    greedy = Row(SamplingParams(temperature=0.0, seed=0), 3, [1, 2, 3], 1)
     for n in sorted({min(n, most) for n in sizes} | filtered):
         logits = model.logits(dummy_hidden[:n], sampler.logits_out(n))
         raw = sampler.keep_raw(logits)

@@ -127,7 +127,7 @@ def plan_memory(
         total = torch.cuda.get_device_properties(device).total_memory
         fixed = weights + activation + sampler + graphs
         fixed += _kind_bytes(cfg, model_cfg, dtype, 1, device.type, exclude_draft_kv=True)
-        blocks = int((total * cfg.memory_utilization - fixed) // (page + draft_page))
+        blocks = int((total * cfg.gpu_memory_utilization - fixed) // (page + draft_page))
     else:
         blocks = min(cfg.cpu_kv_cache_bytes // (page + draft_page), wanted)
     if blocks < 1:

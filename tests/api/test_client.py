@@ -35,11 +35,14 @@ def client(server):
 
 
 def test_generate_returns_the_whole_completion(client):
-    done = client.generate("abc", max_tokens=6)
+    done = client.generate("abc", max_tokens=6, temperature=0.0)
     assert isinstance(done, GenerateDone) and done.finish_reason == "length"
     assert len(done.token_ids) == done.usage.completion_tokens == 6
     assert done.usage.prompt_tokens == 3  # random: models use a byte tokenizer
-    assert client.generate([ord(c) + 3 for c in "abc"], max_tokens=6).token_ids == done.token_ids
+    assert (
+        client.generate([ord(c) + 3 for c in "abc"], max_tokens=6, temperature=0.0).token_ids
+        == done.token_ids
+    )
 
 
 def test_stream_yields_deltas_then_sets_the_result(client):
@@ -53,8 +56,8 @@ def test_stream_yields_deltas_then_sets_the_result(client):
 
 
 def test_interleaved_streams_on_one_client_are_kept_apart(client):
-    a = client.generate("first", stream=True, max_tokens=8)
-    b = client.generate("second", stream=True, max_tokens=8)
+    a = client.generate("first", stream=True, max_tokens=8, temperature=0.0)
+    b = client.generate("second", stream=True, max_tokens=8, temperature=0.0)
     got_a, got_b = [], []
     for _ in range(8):
         got_b.append(next(b))
@@ -62,8 +65,8 @@ def test_interleaved_streams_on_one_client_are_kept_apart(client):
     assert {d.request_id for d in got_a} == {a.request_id}
     assert {d.request_id for d in got_b} == {b.request_id}
     assert list(a) == [] and list(b) == []
-    assert a.result.token_ids == client.generate("first", max_tokens=8).token_ids
-    assert b.result.token_ids == client.generate("second", max_tokens=8).token_ids
+    assert a.result.token_ids == client.generate("first", max_tokens=8, temperature=0.0).token_ids
+    assert b.result.token_ids == client.generate("second", max_tokens=8, temperature=0.0).token_ids
 
 
 def test_closing_a_stream_aborts_its_request(client):
@@ -77,12 +80,12 @@ def test_closing_a_stream_aborts_its_request(client):
 
 def test_errors_raise_server_error_with_the_code(client):
     with pytest.raises(ServerError) as err:
-        client.generate("abc", max_tokens=5, top_p=2.0)
+        client.generate("abc", max_tokens=5, top_p=2.0, temperature=0.0)
     assert err.value.code == "invalid_request" and "top_p" in err.value.message
     with pytest.raises(ServerError) as err:
         client.abort("never-sent")
     assert err.value.code == "unknown_request"
-    assert client.generate("still fine", max_tokens=2).finish_reason == "length"
+    assert client.generate("still fine", max_tokens=2, temperature=0.0).finish_reason == "length"
 
 
 def test_no_server_means_timeout():
@@ -91,7 +94,9 @@ def test_no_server_means_timeout():
 
 
 def test_health_and_stats_describe_the_server(client, server):
-    client.generate("abc", max_tokens=2)  # a step has run, whichever tests ran before
+    client.generate(
+        "abc", max_tokens=2, temperature=0.0
+    )  # a step has run, whichever tests ran before
     health = client.health()
     assert health.status == "ok" and health.executor_alive
     assert (health.core_pid, health.executor_pid) == (
@@ -107,8 +112,8 @@ def test_health_and_stats_describe_the_server(client, server):
 
 def test_usage_reports_the_prompt_tokens_the_prefix_cache_held(client):
     prompt = "a system prompt that two requests share: " + "x" * 20
-    first = client.generate(prompt + " one", max_tokens=3)
-    second = client.generate(prompt + " two", max_tokens=3)
+    first = client.generate(prompt + " one", max_tokens=3, temperature=0.0)
+    second = client.generate(prompt + " two", max_tokens=3, temperature=0.0)
     block = 16  # EngineConfig's block_size; random: models tokenize bytes
     assert first.usage.cached_tokens == 0
     assert second.usage.cached_tokens == len(prompt) // block * block > 0
@@ -120,7 +125,9 @@ def test_async_client_runs_requests_concurrently(server):
     async def main():
         async with AsyncClient(server.address, timeout=20) as ac:
             prompts = [f"prompt {i}" for i in range(12)]
-            dones = await asyncio.gather(*(ac.generate(p, max_tokens=4) for p in prompts))
+            dones = await asyncio.gather(
+                *(ac.generate(p, max_tokens=4, temperature=0.0) for p in prompts)
+            )
             stream = await ac.generate("streamed", stream=True, **LONG)
             seen = 0
             async for _ in stream:
@@ -139,7 +146,7 @@ def test_async_client_runs_requests_concurrently(server):
 
 
 def test_serve_records_the_event_log(server, client, record_path):
-    done = client.generate("recorded", max_tokens=3)
+    done = client.generate("recorded", max_tokens=3, temperature=0.0)
     _, records, _ = read_log(record_path)  # flushed every step, readable while serving
     added = [r for r in records if isinstance(r, RequestAdded)]
     finished = [r for r in records if isinstance(r, RequestFinished)]

@@ -19,7 +19,7 @@ def llm():
 def test_chat_says_paris_in_vllm_shape(llm):
     [out] = llm.chat(
         [{"role": "user", "content": "What is the capital of France?"}],
-        SamplingParams(max_tokens=16),
+        SamplingParams(temperature=0.0, max_tokens=16),
         use_tqdm=False,
     )
     choice = out.outputs[0]
@@ -46,25 +46,33 @@ def test_generate_n_choices_distinct_and_seeded(llm):
 
 
 def test_a_progress_bar_counts_the_requests(llm, capsys):
-    llm.generate(["a", "b", "c"], SamplingParams(max_tokens=2, n=2))
+    llm.generate(["a", "b", "c"], SamplingParams(temperature=0.0, max_tokens=2, n=2))
     err = capsys.readouterr().err
     assert "6/6" in err and "req" in err
 
 
 def test_bad_params_are_refused_and_the_engine_keeps_serving(llm):
     with pytest.raises(InvalidRequest, match="n must be"):
-        SamplingParams(n=0)
+        SamplingParams(temperature=0.0, n=0)
     with pytest.raises(InvalidRequest, match="temperature"):
         SamplingParams(temperature=-1.0)
-    assert llm.generate("Hi", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].text
+    assert (
+        llm.generate("Hi", SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)[0]
+        .outputs[0]
+        .text
+    )
 
 
 def test_a_refused_prompt_in_a_batch_leaves_nothing_queued(llm):
     too_long = [504] * (llm.engine.max_model_len + 1)
     with pytest.raises(InvalidRequest, match="context"):
-        llm.generate(["Hi", "Hello", too_long], SamplingParams(max_tokens=2, n=2), use_tqdm=False)
+        llm.generate(
+            ["Hi", "Hello", too_long],
+            SamplingParams(temperature=0.0, max_tokens=2, n=2),
+            use_tqdm=False,
+        )
     assert not llm.engine.requests and not llm.engine.has_work()
-    [out] = llm.generate("Hi", SamplingParams(max_tokens=2), use_tqdm=False)
+    [out] = llm.generate("Hi", SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
     assert len(out.outputs) == 1 and out.outputs[0].token_ids
 
 
@@ -72,3 +80,20 @@ def test_importing_memstep_does_not_import_torch():
     code = "import memstep, memstep.api.http_server, sys; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_the_readme_example_gives_two_different_texts(llm):
+    """`SamplingParams(n=2, seed=1)` as the README writes it: vLLM's default temperature (1.0)
+    samples, so the two choices differ (with the old greedy default they were the same)."""
+    [out] = llm.generate(["The capital of France is"], SamplingParams(n=2, seed=1), use_tqdm=False)
+    assert out.outputs[0].text != out.outputs[1].text
+
+
+def test_vllm_names_are_taken_and_the_old_name_warns():
+    new = LLM(model="random:tiny", gpu_memory_utilization=0.5, num_threads=1)
+    assert new.engine.cfg.gpu_memory_utilization == 0.5
+    with pytest.warns(DeprecationWarning, match="use gpu_memory_utilization"):
+        old = LLM(model="random:tiny", memory_utilization=0.4, num_threads=1)
+    assert old.engine.cfg.gpu_memory_utilization == 0.4
+    new.engine.shutdown()
+    old.engine.shutdown()

@@ -54,7 +54,9 @@ def test_64_concurrent_streaming_clients_get_the_in_process_greedy_completions(s
     requests = [request(i, smol_engine.tokenizer) for i in range(NUM_CLIENTS)]
     prompts = [ids for _, ids in requests]
     assert len(set(map(tuple, prompts))) == NUM_CLIENTS
-    reference = _one_thread(smol_engine.generate, prompts, SamplingParams(max_tokens=MAX_TOKENS))
+    reference = _one_thread(
+        smol_engine.generate, prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    )
     server.wait_ready(timeout=300)
     sources = [source for source, _ in requests]
     results = asyncio.run(asyncio.wait_for(_stream_all(server.address, sources), 300))
@@ -85,7 +87,9 @@ async def _stream_all(address: str, sources: list[dict]):
     clients = [AsyncClient(address, timeout=120) for _ in sources]
 
     async def one(client: AsyncClient, source: dict):
-        stream = await client.generate(**source, stream=True, max_tokens=MAX_TOKENS)
+        stream = await client.generate(
+            **source, stream=True, max_tokens=MAX_TOKENS, temperature=0.0
+        )
         deltas = [delta async for delta in stream]
         return deltas, stream.result
 

@@ -125,7 +125,9 @@ def test_abort_of_an_unknown_request(sock):
 
 def test_abort_of_another_clients_request_is_unknown(server):
     with Client(server.address, timeout=10) as owner, Client(server.address, timeout=10) as other:
-        stream = owner.generate("mine", stream=True, max_tokens=400, ignore_eos=True)
+        stream = owner.generate(
+            "mine", stream=True, max_tokens=400, ignore_eos=True, temperature=0.0
+        )
         next(stream)
         with pytest.raises(ServerError) as err:
             other.abort(stream.request_id)
@@ -186,7 +188,7 @@ def test_req_socket_envelope_is_kept(server):
 
 def test_server_still_serves_after_all_that(server):
     with Client(server.address, timeout=10) as client:
-        done = client.generate([5, 6, 7], max_tokens=4)
+        done = client.generate([5, 6, 7], max_tokens=4, temperature=0.0)
     assert len(done.token_ids) == 4 and done.finish_reason == "length"
 
 

@@ -176,7 +176,7 @@ def test_fuzzed_frames_all_get_answers_and_the_server_survives(server):
     assert server.proc.poll() is None, "the server died"
     with Client(server.address, timeout=10) as client:
         assert client.health().status == "ok"
-        done = client.generate("still here", max_tokens=4)
+        done = client.generate("still here", max_tokens=4, temperature=0.0)
         assert len(done.token_ids) == 4
         assert client.stats().num_inflight == 0
 
@@ -411,7 +411,7 @@ def storm_reference() -> list[list[int]]:
     prompts = [[rng.randrange(512) for _ in range(rng.randint(3, 20))] for _ in range(REAL_PROMPTS)]
     engine = local_engine(EngineConfig(model="random:tiny", num_threads=1))
     try:
-        done = engine.generate(prompts, SamplingParams(max_tokens=REAL_MAX_TOKENS))
+        done = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=REAL_MAX_TOKENS))
     finally:
         engine.shutdown()
     return [[*prompt, *out.token_ids] for prompt, out in zip(prompts, done, strict=True)]

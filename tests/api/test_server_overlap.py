@@ -106,10 +106,10 @@ def test_an_input_while_a_step_is_launched_is_refused(served):
     """Adds and aborts land between steps (a replay applies them before the next plan): the
     engine refuses one while a launched step runs, and finishes the step afterwards."""
     engine = served[0].engine
-    rid = engine.add_request([5, 6, 7], SamplingParams(max_tokens=1))
+    rid = engine.add_request([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=1))
     assert engine.launch()
     with pytest.raises(RuntimeError, match="launched"):
-        engine.add_request([8, 9], SamplingParams(max_tokens=1))
+        engine.add_request([8, 9], SamplingParams(temperature=0.0, max_tokens=1))
     with pytest.raises(RuntimeError, match="launched"):
         engine.abort(rid)
     with pytest.raises(RuntimeError, match="launched"):

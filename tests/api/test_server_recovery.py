@@ -161,7 +161,7 @@ def test_a_crash_loop_fails_every_client_reports_dead_and_exits_non_zero():
         with Client(server.address, timeout=10) as client:
             health = client.health()
             with pytest.raises(ServerError) as refused:
-                client.generate("anyone there?", max_tokens=2)
+                client.generate("anyone there?", max_tokens=2, temperature=0.0)
         start = time.monotonic()
         code = server.proc.wait(timeout=30)
         exited_after = time.monotonic() - start

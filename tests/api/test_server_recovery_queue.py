@@ -23,14 +23,19 @@ async def _during_recovery(address: str) -> tuple[list, list]:
     """Two long streams; once the executor is lost, five new requests at once."""
     async with AsyncClient(address, timeout=60) as client:
         streams = [
-            await client.generate(f"long {i}", stream=True, max_tokens=100, ignore_eos=True)
+            await client.generate(
+                f"long {i}", stream=True, max_tokens=100, ignore_eos=True, temperature=0.0
+            )
             for i in range(NUM_RUNNING)
         ]
         await anext(streams[0])  # serving
         deadline = time.monotonic() + 30
         while (health := await client.health()).status != "recovering":
             assert time.monotonic() < deadline, f"never recovering: {health}"
-        new = [client.generate(f"new {i}", max_tokens=4, ignore_eos=True) for i in range(NUM_NEW)]
+        new = [
+            client.generate(f"new {i}", max_tokens=4, ignore_eos=True, temperature=0.0)
+            for i in range(NUM_NEW)
+        ]
         answers = await asyncio.gather(*new, return_exceptions=True)
         finished = []
         for stream in streams:
@@ -46,7 +51,7 @@ def test_new_requests_queue_during_recovery_until_the_limit_then_get_recovering(
         server.wait_ready()
         answers, finished = asyncio.run(asyncio.wait_for(_during_recovery(server.address), 120))
         with Client(server.address, timeout=30) as client:
-            after = client.generate("after the recovery", max_tokens=3)
+            after = client.generate("after the recovery", max_tokens=3, temperature=0.0)
             health = client.health()
     served = [a for a in answers if not isinstance(a, BaseException)]
     refused = [a for a in answers if isinstance(a, ServerError)]

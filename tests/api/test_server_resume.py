@@ -186,7 +186,7 @@ def test_a_torn_log_tail_is_recomputed_and_a_client_ahead_of_it_waits(tmp_path):
                 client.attach("story-0", from_index=0, stream=False)  # handed over already
             with pytest.raises(ServerError) as never:
                 client.attach("never-sent", stream=False)
-            fresh = client.generate("a new request", max_tokens=5, ignore_eos=True)
+            fresh = client.generate("a new request", max_tokens=5, ignore_eos=True, temperature=0.0)
         assert resumed.stop() == 0
         new_log = resumed.dir / "events.memlog"
         replayed = _memstep("replay", str(new_log))

@@ -22,7 +22,8 @@ def server():
 @pytest.mark.parametrize("backend", ["openai", "openai-chat"])
 def test_bench_serve_over_http_reports_every_request(server, backend, tmp_path, capsys):
     out = tmp_path / "bench.json"
-    argv = ["--backend", backend, "--base-url", server.http_url, "--dataset", "synthetic"]
+    url = server.http_url + ("/v1" if backend == "openai-chat" else "")  # as `serve` prints it
+    argv = ["--backend", backend, "--base-url", url, "--dataset", "synthetic"]
     argv += ["--num-prompts", "6", "--max-output-len", "8", "--ignore-eos", "--json", str(out)]
     argv += ["--max-concurrency", "3", *TINY]
     assert bench_serve.main(argv) == 0

@@ -18,6 +18,7 @@ def test_generate_json_answers_the_question(flags):
             "memstep.cli.main",
             "generate",
             "--json",
+            "--greedy",
             "--max-tokens",
             "12",
             "--prompt",

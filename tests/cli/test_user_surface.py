@@ -97,8 +97,8 @@ def test_serve_logs_each_request_a_stats_line_and_where_its_log_goes():
     with ServerProcess(["--log-format", "json", *args], log_level="info") as server:
         server.wait_ready()
         with Client(server.address, timeout=20) as client:
-            first = client.generate("abc", max_tokens=40, ignore_eos=True)
-            client.generate("abcd", max_tokens=3, ignore_eos=True)
+            first = client.generate("abc", max_tokens=40, ignore_eos=True, temperature=0.0)
+            client.generate("abcd", max_tokens=3, ignore_eos=True, temperature=0.0)
         time.sleep(0.5)
         text = server.log()
         log_path = server.dir / "events.memlog"

@@ -71,7 +71,9 @@ def test_prompt_longer_than_context(smol_engine):
     with pytest.raises(InvalidRequest, match="context"):
         smol_engine.add_request(too_long)
     with pytest.raises(InvalidRequest, match="exceeds the context"):
-        smol_engine.add_request([5] * 10, SamplingParams(max_tokens=smol_engine.max_model_len))
+        smol_engine.add_request(
+            [5] * 10, SamplingParams(temperature=0.0, max_tokens=smol_engine.max_model_len)
+        )
     res = run_cli(
         "generate", "--model", "random:tiny", "--max-model-len", "16", "--prompt", "x" * 40
     )
@@ -123,5 +125,5 @@ def test_engine_keeps_serving_after_bad_requests(smol_engine, chat_prompts):
     for bad in ([], [10**9]):
         with pytest.raises(InvalidRequest):
             smol_engine.add_request(bad)
-    (done,) = smol_engine.generate([chat_prompts[0]], SamplingParams(max_tokens=8))
+    (done,) = smol_engine.generate([chat_prompts[0]], SamplingParams(temperature=0.0, max_tokens=8))
     assert "Paris" in done.text

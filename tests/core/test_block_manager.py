@@ -75,7 +75,9 @@ def test_finished_and_aborted_requests_return_all_pages(smol_engine, chat_prompt
     from memstep.core.sampling_params import SamplingParams
 
     eng = smol_engine
-    ids = [eng.add_request(p, SamplingParams(max_tokens=6)) for p in chat_prompts[:6]]
+    ids = [
+        eng.add_request(p, SamplingParams(temperature=0.0, max_tokens=6)) for p in chat_prompts[:6]
+    ]
     eng.step()
     eng.step()
     assert eng.blocks.num_used > 0

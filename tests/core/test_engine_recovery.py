@@ -27,7 +27,7 @@ from memstep.replay.replayer import replay
 TINY = EngineConfig(model="random:tiny")
 PROMPTS: list[str | list[int]] = [f"recover request {i}" for i in range(10)]
 PARAMS = [SamplingParams(max_tokens=20, temperature=0.8, seed=i, ignore_eos=True) for i in range(6)]
-PARAMS += [SamplingParams(max_tokens=20, ignore_eos=True)] * 4
+PARAMS += [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)] * 4
 
 
 def _of(records: list, cls: type) -> list:

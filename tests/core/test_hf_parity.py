@@ -41,7 +41,7 @@ def hf_greedy(model, prompt: list[int]) -> list[int]:
 
 def test_greedy_matches_transformers_in_one_continuous_batch(smol_engine, chat_prompts, hf_model):
     assert len({len(p) for p in chat_prompts}) >= 6, "prompts of different lengths"
-    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     ours = smol_engine.generate(chat_prompts, params)
     for prompt, done in zip(chat_prompts, ours, strict=True):
         assert done.token_ids == hf_greedy(hf_model, prompt)
@@ -69,7 +69,7 @@ def test_hugging_face_folder_loads_and_matches_the_gguf(
     assert folder_engine.tokenizer.encode("Hello world!") == smol_engine.tokenizer.encode(
         "Hello world!"
     )
-    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     ours = folder_engine.generate(chat_prompts[:3], params)
     reference = smol_engine.generate(chat_prompts[:3], params)
     assert [c.token_ids for c in ours] == [c.token_ids for c in reference]

@@ -12,7 +12,7 @@ from memstep.core.sampling_params import SamplingParams
 from memstep.core.tokenizer import load_tokenizer
 from memstep.executors.process.inprocess import local_engine
 
-GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 BASE = dict(model="smollm2", dtype="float32", quantization="none", num_threads=2)
 
 
@@ -89,7 +89,7 @@ def tiny_prompts() -> tuple[list[int], list[list[int]]]:
 def test_preemption_with_shared_pages_keeps_the_output():
     base, variants = tiny_prompts()
     tight = dict(TINY, num_kv_blocks=24, max_num_seqs=6)
-    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     engine = local_engine(EngineConfig(**tight))
     try:
         cached = engine.generate([base], params) + engine.generate(variants, params)
@@ -108,7 +108,7 @@ def test_draft_model_catches_up_over_reused_pages():
     drafts, acceptance and output match a run without caching."""
     base, variants = tiny_prompts()
     spec = dict(TINY, speculative_method="draft", draft_layers=1, num_speculative_tokens=3)
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     cached, _, _ = run(EngineConfig(**spec), [base], variants, params)
     plain, _, _ = run(EngineConfig(**spec, enable_prefix_caching=False), [base], variants, params)
     assert [c.token_ids for c in cached] == [c.token_ids for c in plain]

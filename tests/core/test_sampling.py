@@ -25,7 +25,7 @@ LOGITS = [4.0, 3.0, 2.0, 1.0, 0.0, -1.0, -2.0, -3.0]
 
 
 def test_greedy_is_one_hot_on_argmax():
-    p = dist(SamplingParams(), LOGITS)
+    p = dist(SamplingParams(temperature=0.0), LOGITS)
     assert p.tolist() == [1.0] + [0.0] * 7
 
 
@@ -87,7 +87,7 @@ def test_all_greedy_shortcut_picks_the_tokens_of_the_full_path():
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(6, 50, generator=gen)
     logits[2, [7, 30]] = 9.0  # a tie: the first maximum wins
-    greedy = [Row(SamplingParams(seed=i), 5 + i, [], 0) for i in range(6)]
+    greedy = [Row(SamplingParams(temperature=0.0, seed=i), 5 + i, [], 0) for i in range(6)]
     sampler = Sampler(6, 50, torch.device("cpu"))
     full = sampler.sample(sampler.distribution(logits.clone(), greedy), greedy)
     assert sampler.sample_logits(logits.clone(), greedy).tolist() == full
@@ -136,25 +136,31 @@ def test_top_logprobs_are_log_softmax():
 
 
 def test_stop_strings_and_stop_ids_end_to_end(smol_engine, chat_prompts):
-    (free,) = smol_engine.generate([chat_prompts[0]], SamplingParams(max_tokens=10))
+    (free,) = smol_engine.generate(
+        [chat_prompts[0]], SamplingParams(temperature=0.0, max_tokens=10)
+    )
     assert free.text.startswith("The capital of France is Paris")
     (cut,) = smol_engine.generate(
-        [chat_prompts[0]], SamplingParams(max_tokens=10, stop=("France",))
+        [chat_prompts[0]], SamplingParams(temperature=0.0, max_tokens=10, stop=("France",))
     )
     assert cut.text == "The capital of " and cut.finish_reason == "stop"
     stop_id = free.token_ids[2]
     (by_id,) = smol_engine.generate(
-        [chat_prompts[0]], SamplingParams(max_tokens=10, stop_token_ids=(stop_id,))
+        [chat_prompts[0]], SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=(stop_id,))
     )
     assert by_id.token_ids == free.token_ids[:3] and by_id.finish_reason == "stop"
-    (eos,) = smol_engine.generate([chat_prompts[0]], SamplingParams(max_tokens=40))
+    (eos,) = smol_engine.generate([chat_prompts[0]], SamplingParams(temperature=0.0, max_tokens=40))
     assert eos.finish_reason == "stop" and eos.token_ids[-1] == 2
-    (ign,) = smol_engine.generate([chat_prompts[0]], SamplingParams(max_tokens=12, ignore_eos=True))
+    (ign,) = smol_engine.generate(
+        [chat_prompts[0]], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    )
     assert len(ign.token_ids) == 12 and ign.finish_reason == "length"
 
 
 def test_logprobs_returned_per_token(smol_engine, chat_prompts):
-    (done,) = smol_engine.generate([chat_prompts[0]], SamplingParams(max_tokens=4, logprobs=3))
+    (done,) = smol_engine.generate(
+        [chat_prompts[0]], SamplingParams(temperature=0.0, max_tokens=4, logprobs=3)
+    )
     assert len(done.logprobs) == 4
     for tok, (chosen, top) in zip(done.token_ids, done.logprobs, strict=True):
         assert len(top) == 3 and top[0][0] == tok and math.isclose(top[0][1], chosen)
@@ -170,7 +176,7 @@ def test_filter_passes_leave_each_row_as_alone():
     params = [
         SamplingParams(temperature=0.8, top_p=0.9),
         SamplingParams(temperature=1.0, top_k=5),
-        SamplingParams(),
+        SamplingParams(temperature=0.0),
         SamplingParams(temperature=1.3, min_p=0.05),
         SamplingParams(temperature=1.0, top_k=4),
         SamplingParams(temperature=0.7),

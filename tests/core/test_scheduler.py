@@ -11,7 +11,7 @@ from memstep.core.sampling_params import SamplingParams
 from memstep.core.scheduler import Scheduler
 from memstep.executors.process.inprocess import local_engine
 
-GREEDY = SamplingParams(max_tokens=20, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -37,13 +37,17 @@ def test_chunked_prefill_and_tight_pages_with_preemption(reference, chat_prompts
 
 def test_new_requests_join_running_ones(smol_engine, chat_prompts):
     eng = smol_engine
-    first = eng.add_request(chat_prompts[0], SamplingParams(max_tokens=12, ignore_eos=True))
+    first = eng.add_request(
+        chat_prompts[0], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    )
     for _ in range(3):
         eng.step()
     plans = []
     eng.sinks.append(plans.append)
     try:
-        eng.add_request(chat_prompts[1], SamplingParams(max_tokens=4, ignore_eos=True))
+        eng.add_request(
+            chat_prompts[1], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        )
         eng.step()
     finally:
         eng.sinks.remove(plans.append)

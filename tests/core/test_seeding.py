@@ -34,8 +34,8 @@ def test_unseeded_requests_draw_from_the_engine_seed_in_arrival_order():
     other, other_records = tiny_engine(seed=12)
     for engine in (first, second, other):
         for _ in range(3):
-            engine.add_request([1, 2, 3], SamplingParams(max_tokens=1))
-        engine.add_request([1, 2, 3], SamplingParams(max_tokens=1, seed=42))
+            engine.add_request([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=1))
+        engine.add_request([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=1, seed=42))
     seeds = added_seeds(first_records)
     assert len(set(seeds[:3])) == 3 and seeds[3] == 42
     assert added_seeds(second_records) == seeds
@@ -47,8 +47,8 @@ def test_unseeded_requests_draw_from_the_engine_seed_in_arrival_order():
 def test_a_refused_request_draws_no_seed():
     engine, records = tiny_engine(seed=11)
     with pytest.raises(InvalidRequest):
-        engine.add_request([], SamplingParams(max_tokens=1))
-    engine.add_request([1, 2, 3], SamplingParams(max_tokens=1))
+        engine.add_request([], SamplingParams(temperature=0.0, max_tokens=1))
+    engine.add_request([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=1))
     assert added_seeds(records) == [RequestSeeds(11).draw()]
 
 

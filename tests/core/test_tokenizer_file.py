@@ -41,7 +41,7 @@ def test_random_model_with_a_real_tokenizer_serves_and_records_it(tokenizer_json
     cfg = EngineConfig(model="random:tiny", tokenizer=path, num_threads=1)
     engine = local_engine(cfg, [records.append])
     assert engine.model_cfg.vocab_size == 49152  # widened from the preset's 512
-    out = engine.generate([TEXT], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+    out = engine.generate([TEXT], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))[0]
     assert len(out.token_ids) == 6 and out.prompt_tokens == len(engine.tokenizer.encode(TEXT)) < 20
     started = next(r for r in records if isinstance(r, EngineStarted))
     assert started.config["tokenizer"] == path and "tokenizer=" in started.model_identity

@@ -20,7 +20,7 @@ from memstep.executors.process.inprocess import local_engine
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler")
 
 PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "Write a haiku about the sea."]
-PARAMS = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=5)
+PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5)
 
 
 def q4_engine(precision: str):
@@ -121,7 +121,8 @@ def test_a_token_read_in_a_prompt_gets_the_bits_it_decoded_with(engine, monkeypa
     run = engine.generate([prompt], PARAMS)[0]
     cut = 5
     again = engine.generate(
-        [prompt + run.token_ids[:cut]], SamplingParams(max_tokens=7, ignore_eos=True, logprobs=5)
+        [prompt + run.token_ids[:cut]],
+        SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True, logprobs=5),
     )[0]
     assert again.token_ids == run.token_ids[cut:]
     assert again.logprobs == run.logprobs[cut:]
@@ -131,6 +132,7 @@ def test_a_token_read_in_a_prompt_gets_the_bits_it_decoded_with(engine, monkeypa
         cpu_backend, "attention", lambda *a, **k: attend(*a, **{**k, "queries_alone": False})
     )
     moved = engine.generate(
-        [prompt + run.token_ids[:cut]], SamplingParams(max_tokens=7, ignore_eos=True, logprobs=5)
+        [prompt + run.token_ids[:cut]],
+        SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True, logprobs=5),
     )[0]
     assert moved.logprobs != run.logprobs[cut:]

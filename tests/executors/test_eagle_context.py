@@ -115,13 +115,17 @@ def test_the_context_holds_a_pair_per_token_and_restarts_on_reentry(chat_prompts
     assert isinstance(spec, Spec)
     kinds: list[str] = []
     engine.sinks.append(lambda r: isinstance(r, StepFinished) and kinds.append(r.kind))
-    rid = engine.add_request(chat_prompts[0], SamplingParams(max_tokens=48, ignore_eos=True))
+    rid = engine.add_request(
+        chat_prompts[0], SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    )
     since, crossed, checked = len(chat_prompts[0]) - 1, False, 0
     step = 0
     while engine.has_work():
         if step == 6:  # two more requests: no_spec until they finish
             for i in (1, 2):
-                engine.add_request(chat_prompts[i], SamplingParams(max_tokens=3, ignore_eos=True))
+                engine.add_request(
+                    chat_prompts[i], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+                )
         step += 1
         outs = engine.step()
         mine = sum(len(o.new_token_ids) for o in outs if o.request_id == rid)

@@ -104,7 +104,9 @@ def test_greedy_matches_transformers_fp32_in_one_batch(fp32_engine):
     prompts = random_prompts([3, 9, 17, 26, 38, 51, 77, 120], worker.model_cfg.vocab_size, 1)
     replays = worker.graphs.num_replays
 
-    ours = fp32_engine.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+    ours = fp32_engine.generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    )
 
     assert worker.graphs.num_replays - replays >= NEW_TOKENS - 1, "decode ran from graphs"
     hf = hf_model_of(fp32_engine)
@@ -382,7 +384,7 @@ def spec_run(method: str | None) -> tuple[dict[str, list[int]], list[StepFinishe
         spec["draft_model"] = EAGLE_HEAD
     engine = make_engine("float32", sinks=[sink], max_num_seqs=16, **spec)
     try:
-        params = SamplingParams(max_tokens=48, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
         prompts = [p * 3 for p in random_prompts([7, 9, 11, 13], engine.model_cfg.vocab_size, 5)]
         done = engine.generate(prompts, params)
         tokens = {f"p{i}": c.token_ids for i, c in enumerate(done)}
@@ -480,7 +482,9 @@ def test_planted_leaks_are_flagged_on_the_gpu(plant):
     try:
         prompts = random_prompts([12] * 4, engine.model_cfg.vocab_size, 9)
         for prompt in prompts:
-            engine.add_request(prompt, SamplingParams(max_tokens=80, ignore_eos=True))
+            engine.add_request(
+                prompt, SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
+            )
         first = engine.step_no
         while engine.has_work() and not leaks:
             engine.step()
@@ -499,7 +503,9 @@ def test_planted_fragmentation_is_flagged_as_fragmentation_and_a_clean_run_is_si
     try:
         prompts = random_prompts([12, 40, 100, 7], engine.model_cfg.vocab_size, 12)
         for prompt in prompts:
-            engine.add_request(prompt, SamplingParams(max_tokens=80, ignore_eos=True))
+            engine.add_request(
+                prompt, SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
+            )
         first = engine.step_no
         while engine.has_work():
             engine.step()
@@ -523,13 +529,16 @@ def test_spec_disabled_by_batch_size_keeps_memory_allocated_over_each_no_spec_st
     try:
         vocab = engine.model_cfg.vocab_size
         engine.add_request(
-            random_prompts([20], vocab, 10)[0], SamplingParams(max_tokens=300, ignore_eos=True)
+            random_prompts([20], vocab, 10)[0],
+            SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True),
         )
         for wave in range(2):
             for _ in range(8):
                 engine.step()  # one request alone: spec
             for prompt in random_prompts([15, 30, 45, 60], vocab, 11 + wave):
-                engine.add_request(prompt, SamplingParams(max_tokens=60, ignore_eos=True))
+                engine.add_request(
+                    prompt, SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+                )
             while len(engine.requests) > 1:
                 engine.step()  # five running: no_spec
         while engine.has_work():

@@ -50,7 +50,9 @@ def _run(plant: str | None, num_requests: int = 48) -> list[object]:
     engine = Engine(cfg, ProcessExecutor, [records.append])
     try:
         for i in range(num_requests):
-            engine.add_request([1 + i % 50, 2, 3, 4], SamplingParams(max_tokens=4, seed=i))
+            engine.add_request(
+                [1 + i % 50, 2, 3, 4], SamplingParams(temperature=0.0, max_tokens=4, seed=i)
+            )
         engine.run_until_idle()
     finally:
         engine.shutdown()

@@ -107,7 +107,9 @@ def test_fp8_cache_serves_the_real_model_close_to_the_fp32_cache(
 
 def _lengths(n: int) -> list[SamplingParams]:
     """Greedy, 6 to 27 tokens: requests end at different steps, so batch-mates change."""
-    return [SamplingParams(max_tokens=6 + 3 * i, ignore_eos=True) for i in range(n)]
+    return [
+        SamplingParams(temperature=0.0, max_tokens=6 + 3 * i, ignore_eos=True) for i in range(n)
+    ]
 
 
 def _batch_and_arrivals(chat_prompts) -> tuple[list[list[int]], list[list[int]]]:

@@ -19,7 +19,7 @@ TINY = EngineConfig(model="random:tiny", max_num_seqs=4, num_threads=1)
 
 def _first_step_memory(engine: Engine) -> dict:
     """The step's device figures (host RSS is the whole process's, not the meter's)."""
-    engine.add_request([3, 4, 5], SamplingParams(max_tokens=2))
+    engine.add_request([3, 4, 5], SamplingParams(temperature=0.0, max_tokens=2))
     engine.step()
     figures = attrs.asdict(engine.last_memory)
     return {k: v for k, v in figures.items() if k not in MemoryReport.HOST_MEASURED}

@@ -48,7 +48,10 @@ def process_engine():
 
 def test_process_executor_gives_the_in_process_results(process_engine):
     prompts: list[str | list[int]] = ["hello there", [5, 17, 200, 3], "memory step"]
-    params = [SamplingParams(max_tokens=12), SamplingParams(max_tokens=9, temperature=0.8, seed=7)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=12),
+        SamplingParams(max_tokens=9, temperature=0.8, seed=7),
+    ]
     params.append(SamplingParams(max_tokens=5, top_p=0.5, temperature=1.0, seed=3))
     remote = process_engine.generate(prompts, params)
     local = local_engine(TINY).generate(prompts, params)
@@ -61,7 +64,9 @@ def test_executor_error_is_reported_and_executor_keeps_running(process_engine):
     executor = process_engine.executor
     with pytest.raises(ExecutorFailed, match="Can't go to 'warmup'"):
         executor.enter_phase("warmup", process_engine.step_no)  # illegal from a serving kind
-    (done,) = process_engine.generate(["still alive"], SamplingParams(max_tokens=3))
+    (done,) = process_engine.generate(
+        ["still alive"], SamplingParams(temperature=0.0, max_tokens=3)
+    )
     assert len(done.token_ids) == 3
 
 
@@ -70,7 +75,7 @@ def test_garbled_message_gets_an_error_reply_and_the_executor_keeps_running(proc
     executor._sock.send_multipart([MAIN_ID, b"\xc1 not msgpack"])
     with pytest.raises(ExecutorFailed, match="bad_message: not a msgpack record"):
         executor._wait_for(PhaseReply)
-    (done,) = process_engine.generate([[9, 8, 7]], SamplingParams(max_tokens=2))
+    (done,) = process_engine.generate([[9, 8, 7]], SamplingParams(temperature=0.0, max_tokens=2))
     assert len(done.token_ids) == 2
 
 

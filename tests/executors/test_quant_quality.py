@@ -40,7 +40,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def test_q4_stays_with_float32(q4_engine, smol_engine, chat_prompts):
-    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
     ours = q4_engine.generate(chat_prompts, params)
     reference = smol_engine.generate(chat_prompts, params)
     common = [common_prefix(a.token_ids, b.token_ids) for a, b in zip(ours, reference, strict=True)]

@@ -19,7 +19,9 @@ def test_params_arrive_with_the_first_chunk_and_are_kept():
     states.append("r", [8])
     later = states.update(plan(3, [8], {}))
     assert later is first and later.params.temperature == 0.5 and later.tokens == [5, 6, 7, 8]
-    again = states.update(plan(0, [5, 6, 7, 8], SamplingParams().to_dict()))  # recomputed
+    again = states.update(
+        plan(0, [5, 6, 7, 8], SamplingParams(temperature=0.0).to_dict())
+    )  # recomputed
     assert again.params.temperature == 0.0 and again.tokens == [5, 6, 7, 8]
 
 
@@ -27,14 +29,14 @@ def test_a_plan_that_continues_an_unknown_request_is_refused():
     with pytest.raises(RuntimeError, match="does not know"):
         RequestStates().update(plan(3, [8], {}))
     states = RequestStates()
-    states.update(plan(0, [5, 6, 7], SamplingParams().to_dict()))
+    states.update(plan(0, [5, 6, 7], SamplingParams(temperature=0.0).to_dict()))
     with pytest.raises(RuntimeError, match="plan starts at 9"):
         states.update(plan(9, [1], {}))
 
 
 def test_a_prefix_hit_teaches_the_executor_the_cached_tokens():
     states = RequestStates()
-    params = SamplingParams(seed=4).to_dict()
+    params = SamplingParams(temperature=0.0, seed=4).to_dict()
     first = states.update(SeqPlan("r", 4, [9, 8], [0, 1], True, 0, 6, params, [5, 6, 7, 1]))
     assert first.tokens == [5, 6, 7, 1, 9, 8] and first.params.seed == 4
     with pytest.raises(RuntimeError, match="carries 3 cached prefix tokens"):

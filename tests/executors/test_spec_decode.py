@@ -20,7 +20,7 @@ MAX_TOKENS = [20] + [6 + 3 * i for i in range(1, 8)]
 
 
 def greedy(i: int) -> SamplingParams:
-    return SamplingParams(max_tokens=MAX_TOKENS[i], ignore_eos=True)
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS[i], ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +109,9 @@ def test_acceptance_is_counted(chat_prompts):
     )
     finished = []
     engine.sinks.append(lambda r: type(r).__name__ == "StepFinished" and finished.append(r))
-    engine.generate(chat_prompts[:2], SamplingParams(max_tokens=12, ignore_eos=True))
+    engine.generate(
+        chat_prompts[:2], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    )
     proposed = sum(r.num_proposed for r in finished)
     accepted = sum(r.num_accepted for r in finished)
     assert proposed > 0 and accepted == proposed, "a draft identical to the target is always right"
@@ -126,7 +128,9 @@ def test_greedy_acceptance_is_the_rule_with_one_hot_targets():
         drafts = [c if torch.rand(1, generator=gen) < 0.6 else (c + 1) % vocab for c in choices[:n]]
         p = torch.nn.functional.one_hot(torch.tensor(choices), vocab).float()
         q = torch.softmax(torch.randn(max(n, 1), vocab, generator=gen), -1) if case % 2 else None
-        rows = [Row(SamplingParams(seed=case), 10 + j, [], 0) for j in range(n + 1)]
+        rows = [
+            Row(SamplingParams(temperature=0.0, seed=case), 10 + j, [], 0) for j in range(n + 1)
+        ]
         expected = accept_drafts(p, rows, drafts, q, torch.empty(2, vocab))
         assert accept_greedy(choices, drafts) == expected
 

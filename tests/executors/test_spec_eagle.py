@@ -30,13 +30,14 @@ def test_the_committed_head_drafts_what_the_target_says(chat_prompts):
     """The trained head's drafts are accepted far more often than chance (a head trained on 8
     prompts for one epoch: 1 of 352); and the output is the plain greedy output."""
     engine = local_engine(eagle_config(max_num_seqs=4))
-    done = engine.generate(chat_prompts[:4], SamplingParams(max_tokens=48))
+    done = engine.generate(chat_prompts[:4], SamplingParams(temperature=0.0, max_tokens=48))
     proposed = sum(c.num_proposed for c in done)
     accepted = sum(c.num_accepted for c in done)
     assert proposed > 50 and accepted / proposed > 0.04, (accepted, proposed)
     plain = local_engine(EngineConfig(max_num_seqs=4))
     assert [c.token_ids for c in done] == [
-        c.token_ids for c in plain.generate(chat_prompts[:4], SamplingParams(max_tokens=48))
+        c.token_ids
+        for c in plain.generate(chat_prompts[:4], SamplingParams(temperature=0.0, max_tokens=48))
     ]
 
 
@@ -47,12 +48,14 @@ def test_hidden_states_are_rebuilt_after_each_reentry(chat_prompts):
     engine = local_engine(eagle_config(max_num_seqs=8, speculative_disable_by_batch_size=4))
     records: list[object] = []
     engine.sinks.append(records.append)
-    greedy = SamplingParams(max_tokens=40, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     first = [engine.add_request(chat_prompts[i], greedy) for i in range(2)]
     for _ in range(8):
         engine.step()
     for i in range(2, 6):
-        engine.add_request(chat_prompts[i], SamplingParams(max_tokens=6, ignore_eos=True))
+        engine.add_request(
+            chat_prompts[i], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        )
     engine.run_until_idle()
     steps = [r for r in records if isinstance(r, StepFinished)]
     stretches: list[list[StepFinished]] = []
@@ -127,7 +130,9 @@ def drafted_position(chat_prompts):
     it is not: runs from there share their first token, and their second (drafted) token has a
     spread distribution, the target's own (its logprobs at temperature 1)."""
     plain = local_engine(EngineConfig(max_num_seqs=8))
-    replies = plain.generate(chat_prompts, SamplingParams(max_tokens=24, logprobs=5))
+    replies = plain.generate(
+        chat_prompts, SamplingParams(temperature=0.0, max_tokens=24, logprobs=5)
+    )
     best = None
     for prompt, reply in zip(chat_prompts, replies, strict=True):
         for i in range(len(reply.token_ids) - 1):
@@ -170,7 +175,7 @@ def test_train_draft_writes_a_head_the_engine_loads(tmp_path, chat_prompts):
     argv = ["train-draft", "--conversations", "4", "--max-tokens", "12", "--epochs", "1"]
     assert main([*argv, "--draft-vocab", "512", "--intermediate", "64", "--out", str(out)]) == 0
     engine = local_engine(eagle_config(max_num_seqs=2, draft_model=str(out)))
-    done = engine.generate(chat_prompts[:1], SamplingParams(max_tokens=8))
+    done = engine.generate(chat_prompts[:1], SamplingParams(temperature=0.0, max_tokens=8))
     assert done[0].num_proposed > 0 and len(done[0].token_ids) == 8
 
 
@@ -188,7 +193,7 @@ def test_train_draft_from_exported_questions_without_attention(tmp_path, chat_pr
     assert engine.executor.worker.eagle.attn is None
     spec = engine.executor.worker.lifecycle.kinds["spec"]
     assert "draft_context" not in [b.name for b in spec.buffers()]
-    done = engine.generate(chat_prompts[:1], SamplingParams(max_tokens=8))
+    done = engine.generate(chat_prompts[:1], SamplingParams(temperature=0.0, max_tokens=8))
     assert done[0].num_proposed > 0 and len(done[0].token_ids) == 8
 
 
@@ -207,7 +212,7 @@ def test_drafts_on_the_calling_thread_alone_are_the_pool_s(chat_prompts, monkeyp
     """Where the pool's threads sleep between regions (the executor's passive policy), the
     head drafts on the calling thread alone (executors/cpu/threads.small_work): the same drafts,
     accepted as often, and the same tokens as on the pool."""
-    params = SamplingParams(max_tokens=24)
+    params = SamplingParams(temperature=0.0, max_tokens=24)
 
     def run() -> list:
         engine = local_engine(eagle_config(max_num_seqs=2, num_threads=2))

@@ -27,7 +27,7 @@ from memstep.executors.process.remote import ProcessExecutor
 
 TINY = EngineConfig(model="random:tiny", num_threads=1, seed=5)  # 4 heads, 2 KV heads
 PROMPTS: list[str | list[int]] = ["hello there", [5, 17, 200, 3, 9]]
-GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 
 class KeptResults(ProcessExecutor):
@@ -73,7 +73,7 @@ def test_smollm2_at_three_ranks_gives_one_rank_s_greedy_tokens():
         model="smollm2", quantization="none", num_threads=1, seed=5, max_model_len=256
     )
     prompt: list[str | list[int]] = ["The capital of France is"]
-    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     one = _tokens(local_engine(cfg), prompt, params)
     engine = local_engine(cfg.replace(tensor_parallel_size=3))  # ranks are processes
     try:
@@ -93,7 +93,7 @@ def test_a_leak_on_every_rank_is_reported_with_its_rank():
     records: list[object] = []
     engine = Engine(cfg, ProcessExecutor, [records.append])
     try:
-        engine.generate(PROMPTS, SamplingParams(max_tokens=24, ignore_eos=True))
+        engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
     finally:
         engine.shutdown()
     leaks = [r for r in records if isinstance(r, LeakSuspected)]
@@ -102,7 +102,7 @@ def test_a_leak_on_every_rank_is_reported_with_its_rank():
 
 
 def test_a_rank_killed_is_the_executor_s_death_and_recovery_applies():
-    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     one = _tokens(local_engine(TINY), PROMPTS, params)
     records: list[object] = []
     engine = Engine(TINY.replace(tensor_parallel_size=2), ProcessExecutor, [records.append])
@@ -148,7 +148,7 @@ def test_a_rank_of_memstep_executor_joins_the_group_a_recovery_makes():
     argv += ["--rank", "1", "--tensor-parallel-size", "2", "--distributed-init-method", method]
     rank1 = subprocess.Popen(argv)  # starts its rank again each time a group ends
     records: list[object] = []
-    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     try:
         engine = Engine(cfg, ProcessExecutor, [records.append])
         try:

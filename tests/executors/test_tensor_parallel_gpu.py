@@ -36,7 +36,7 @@ BASE = EngineConfig(
     max_num_batched_tokens=512,
 )
 PROMPTS: list[str | list[int]] = [[5, 17, 200, 3, 9], list(range(100, 140))]
-GREEDY = SamplingParams(max_tokens=32, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
 
 def _tokens(cfg: EngineConfig, sinks=()) -> list[list[int]]:
@@ -70,7 +70,9 @@ def test_a_killed_rank_is_the_executor_s_death_on_cuda():
     engine = Engine(BASE.replace(model="random:tiny", tensor_parallel_size=2), ProcessExecutor)
     engine.sinks.append(records.append)
     try:
-        engine.add_request([1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True))
+        engine.add_request(
+            [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+        )
         engine.step()
         assert isinstance(engine.executor, ProcessExecutor)
         os.kill(engine.executor.ranks.pids[0], signal.SIGKILL)

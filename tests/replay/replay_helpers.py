@@ -36,12 +36,12 @@ def mixed_params(i: int, max_tokens: int) -> SamplingParams:
     """Greedy, temperature/top-p/top-k/min-p, penalties, seeds and stop strings, by turns."""
     seed = 1000 + i
     kinds = [
-        dict(),
+        dict(temperature=0.0),
         dict(temperature=0.8, top_p=0.9, seed=seed),
         dict(temperature=1.0, top_k=20, seed=seed),
         dict(temperature=0.7, min_p=0.05, repetition_penalty=1.3, seed=seed),
         dict(temperature=0.9, presence_penalty=0.6, frequency_penalty=0.4, seed=seed),
-        dict(stop=[" the", "."]),
+        dict(temperature=0.0, stop=[" the", "."]),
         dict(temperature=1.2, top_p=0.95, top_k=50, seed=seed, stop=[","]),
         dict(temperature=0.6, seed=seed, logprobs=2, ignore_eos=True),
     ]

@@ -48,7 +48,7 @@ def test_header_and_first_record_and_one_flush_per_step(tmp_path):
         first = next(iter(reader))
     assert first == EngineStarted(__version__, engine.cfg.to_dict(), "random:tiny:seed=0")
     size = path.stat().st_size
-    engine.add_request([5, 6, 7], SamplingParams(max_tokens=3))
+    engine.add_request([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=3))
     assert path.stat().st_size == size  # an input waits for the end of its step
     engine.step()
     grown = path.stat().st_size
@@ -69,7 +69,9 @@ def test_rotated_log_is_read_and_replayed_as_one(tmp_path):
     recorder = open_recorder(path, rotate_bytes=4096)
     assert recorder is not None
     engine = local_engine(cfg, sinks=[recorder])
-    engine.generate([[i + 1, 2, 3] for i in range(10)], SamplingParams(max_tokens=6))
+    engine.generate(
+        [[i + 1, 2, 3] for i in range(10)], SamplingParams(temperature=0.0, max_tokens=6)
+    )
     engine.shutdown()
     recorder.close()
     parts = recorder.parts
@@ -125,7 +127,7 @@ def test_a_log_written_without_the_recorder_header_still_replays(tmp_path):
     isolate_heap()
     with LogWriter(path, {"command": "serve", "config": TINY.to_dict()}) as writer:
         engine = local_engine(TINY, sinks=[writer.append])
-        engine.generate([[3, 4, 5], [6, 7]], SamplingParams(max_tokens=4))
+        engine.generate([[3, 4, 5], [6, 7]], SamplingParams(temperature=0.0, max_tokens=4))
         engine.shutdown()
     code, out, err = memstep("replay", str(path))
     assert code == 0, out + err

@@ -53,7 +53,8 @@ def test_a_served_engine_reports_the_same_growth():
         EngineConfig(model="random:tiny", max_num_seqs=2), sinks=[hoarder(hoard, reports)]
     )
     engine.generate(
-        [[1, 2, 3]], SamplingParams(max_tokens=HOARD_MIB // STEP_MIB + 8, ignore_eos=True)
+        [[1, 2, 3]],
+        SamplingParams(temperature=0.0, max_tokens=HOARD_MIB // STEP_MIB + 8, ignore_eos=True),
     )
     engine.shutdown()
     assert len(hoard) == HOARD_MIB // STEP_MIB

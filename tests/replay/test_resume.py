@@ -21,7 +21,9 @@ from memstep.replay.resume import resume_point
 TINY = EngineConfig(model="random:tiny")
 PROMPTS: list[str | list[int]] = [f"resume request {i}" for i in range(6)]
 PARAMS = [SamplingParams(max_tokens=12 + 4 * i, temperature=0.8, seed=i) for i in range(3)]
-PARAMS += [SamplingParams(max_tokens=12 + 4 * i, ignore_eos=True) for i in range(3)]
+PARAMS += [
+    SamplingParams(temperature=0.0, max_tokens=12 + 4 * i, ignore_eos=True) for i in range(3)
+]
 CRASH_AFTER_STEPS = 14
 
 
@@ -103,7 +105,9 @@ def test_new_requests_of_a_resumed_engine_do_not_reuse_carried_ids(tmp_path):
     params = SamplingParams.from_dict(first.params)
     args = (first.prompt_token_ids, params, first.output_token_ids, first.arrival_time)
     engine.resume_request(first.request_id, *args)
-    new_ids = {engine.add_request("hello", SamplingParams(max_tokens=2)) for _ in range(8)}
+    new_ids = {
+        engine.add_request("hello", SamplingParams(temperature=0.0, max_tokens=2)) for _ in range(8)
+    }
     assert first.request_id not in new_ids
     with pytest.raises(InvalidRequest, match="already in use"):
         engine.resume_request(first.request_id, *args)

@@ -58,9 +58,9 @@ def test_buffer_held_after_exit_is_reported(monkeypatch):
     )
     records: list = []
     engine = local_engine(cfg, sinks=[records.append])
-    engine.add_request([5, 6, 7, 5, 6], SamplingParams(max_tokens=6))
+    engine.add_request([5, 6, 7, 5, 6], SamplingParams(temperature=0.0, max_tokens=6))
     engine.step()  # spec: one request
-    engine.add_request([9, 10, 11], SamplingParams(max_tokens=4))
+    engine.add_request([9, 10, 11], SamplingParams(temperature=0.0, max_tokens=4))
     engine.run_until_idle()  # two requests: no_spec, so spec exits
     gc.collect()
     held = [r for r in records if type(r).__name__ == "LeakSuspected"]
@@ -99,11 +99,11 @@ def _crossings(draft_layers: int | None = None) -> list:
     )
     records: list = []
     engine = local_engine(cfg, sinks=[records.append])
-    engine.add_request([5, 6, 7, 5, 6], SamplingParams(max_tokens=6))
+    engine.add_request([5, 6, 7, 5, 6], SamplingParams(temperature=0.0, max_tokens=6))
     engine.step()
-    engine.add_request([9, 10, 11], SamplingParams(max_tokens=3))
+    engine.add_request([9, 10, 11], SamplingParams(temperature=0.0, max_tokens=3))
     engine.run_until_idle()
-    engine.add_request([1, 2, 3], SamplingParams(max_tokens=3))
+    engine.add_request([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=3))
     engine.run_until_idle()
     engine.shutdown()
     return records
@@ -145,7 +145,7 @@ def test_shutdown_exits_the_last_kind_and_keeps_its_leaks(monkeypatch):
     cfg = EngineConfig(model="random:tiny", speculative_method="ngram")
     records: list = []
     engine = local_engine(cfg, sinks=[records.append])
-    engine.add_request([5, 6, 7, 5, 6], SamplingParams(max_tokens=4))
+    engine.add_request([5, 6, 7, 5, 6], SamplingParams(temperature=0.0, max_tokens=4))
     engine.step()  # in spec, holding its own buffer on self
     engine.shutdown()
     names = [type(r).__name__ for r in records]
