@@ -36,6 +36,7 @@ from memstep.api import openai_protocol as oai
 from memstep.api.client import AsyncClient, AsyncStream, ServerError
 from memstep.api.metrics import Metrics
 from memstep.api.openai_protocol import Job, OpenAIError
+from memstep.api.tool_calls import CallStream
 from memstep.core.logging import setup_logging
 from memstep.events.wire import GenerateDone, HealthReply
 
@@ -198,6 +199,7 @@ class Front:
         dones: dict[int, GenerateDone] = {}
         offsets = [0] * len(streams)
         started: set[int] = set()  # choices whose first chunk (with the chat role) went out
+        calls = [CallStream() for _ in streams]  # text held while it may be a tool call
         try:
             while len(dones) < len(streams):
                 index, item = await queue.get()
@@ -207,16 +209,21 @@ class Front:
                 if isinstance(item, GenerateDone):
                     dones[index] = item
                     self.prom.observe(item)
-                    yield _event(oai.chunk(job, rid, index, "", [], 0, **_end(item)))
+                    held, called = [], False
+                    if job.calls_tools:
+                        held, called = _held_calls(job, rid, index, calls[index], started)
+                    for event in held:
+                        yield event
+                    yield _event(oai.chunk(job, rid, index, "", [], 0, **_end(item, called)))
                     continue
-                if not item.text and not item.logprobs:
-                    continue  # a token that ends inside a character: its text comes later
+                text = calls[index].feed(item.text) if job.calls_tools else item.text
+                if not text and (not item.logprobs or job.calls_tools):
+                    continue  # a token that ends inside a character (or may start a tool call)
                 role = index not in started
                 started.add(index)
-                yield _event(
-                    oai.chunk(job, rid, index, item.text, item.logprobs, offsets[index], role=role)
-                )
-                offsets[index] += len(item.text)
+                lp = item.logprobs
+                yield _event(oai.chunk(job, rid, index, text, lp, offsets[index], role=role))
+                offsets[index] += len(text)
             else:
                 if job.include_usage:
                     ordered = [dones[i] for i in range(len(streams))]
@@ -262,7 +269,24 @@ async def _pump(index: int, stream: AsyncStream, queue: asyncio.Queue) -> None:
         queue.put_nowait((index, ServerError("core_timeout", str(exc))))
 
 
-def _end(done: GenerateDone) -> dict[str, Any]:
+def _held_calls(
+    job: Job, rid: str, index: int, held: CallStream, started: set[int]
+) -> tuple[list[str], bool]:
+    """The events of a choice's held text at its end, and whether it called tools: its calls
+    (each whole), or the text as content where it held none."""
+    content, calls = held.finish()
+    role = index not in started
+    started.add(index)
+    if calls:
+        return [_event(oai.calls_chunk(job, rid, index, calls, role))], True
+    if not content:
+        return [], False
+    return [_event(oai.chunk(job, rid, index, content, [], 0, role=role))], False
+
+
+def _end(done: GenerateDone, called: bool = False) -> dict[str, Any]:
+    if called and done.finish_reason == "stop":
+        return {"finish_reason": "tool_calls"}
     return {"finish_reason": done.finish_reason}
 
 
