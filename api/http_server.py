@@ -209,7 +209,8 @@ class Front:
                 if isinstance(item, GenerateDone):
                     dones[index] = item
                     self.prom.observe(item)
-                    held, called = [], False
+                    held: list[str] = []
+                    called = False
                     if job.calls_tools:
                         held, called = _held_calls(job, rid, index, calls[index], started)
                     for event in held:

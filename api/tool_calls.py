@@ -105,7 +105,7 @@ def parse_tools(body: dict[str, Any]) -> Tools | None:
         name = (choice.get("function") or {}).get("name")
         if name not in names:
             raise ToolError(f"tool_choice names a function not in tools: {name!r}")
-        return Tools(functions, "function", name, parallel)
+        return Tools(functions, "function", str(name), parallel)
     raise ToolError("tool_choice must be auto, none, required or a named function")
 
 

@@ -160,7 +160,8 @@ class Sampler:
     @property
     def nbytes(self) -> int:
         bufs = (self.logits, self.raw, self.probs, self.sorted, self.order, self.uniforms)
-        return tensor_bytes((*bufs, self.mask_host, self.mask, self.bit))
+        mask = self.mask_host if self.mask is None else self.mask  # the pinned copy is host's
+        return tensor_bytes((*bufs, mask, self.bit))
 
     def logits_out(self, num_rows: int) -> torch.Tensor | None:
         """Where the head may write `num_rows` rows of logits; None where it cannot."""
@@ -342,8 +343,8 @@ def to_device(
 
 def sampler_nbytes(max_rows: int, vocab_size: int, in_place_logits: bool) -> int:
     """The bytes of a `Sampler`'s buffers, for the memory plan."""
-    mask = max_rows * mask_words(vocab_size) * 4 * 2  # the bitmask, on the host and device
-    return max_rows * vocab_size * (4 * (3 + in_place_logits) + 8) + max_rows * 4 + mask + 32 * 4
+    mask = max_rows * mask_words(vocab_size) * 4 + 32 * 4  # the bitmask and its bit indices
+    return max_rows * vocab_size * (4 * (3 + in_place_logits) + 8) + max_rows * 4 + mask
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor, scratch: torch.Tensor) -> list[int]:
