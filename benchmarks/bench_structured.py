@@ -96,7 +96,8 @@ def main() -> None:
 
 def report(args: argparse.Namespace, engine: Engine, plain: list, guided: list) -> None:
     ratios = [g / p for p, g in zip(plain, guided, strict=True)]
-    name = engine.cfg.model + (" (random weights)" if engine.cfg.model.startswith("random:") else "")
+    model = engine.cfg.model
+    name = model + (" (random weights)" if model.startswith("random:") else "")
     print(f"{name}, {args.device}, {args.streams} streams, {args.tokens} tokens each, "
           f"half the requests with one of {args.schemas} JSON schemas")  # fmt: skip
     print(f"plain        {statistics.median(plain):9.1f} tok/s")
