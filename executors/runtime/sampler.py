@@ -147,6 +147,9 @@ class Sampler:
         self.mask_host = torch.zeros(words, dtype=torch.int32, pin_memory=on_gpu)
         self.mask = torch.zeros(words, dtype=torch.int32, device=device) if on_gpu else None
         self.bit = torch.arange(32, dtype=torch.int32, device=device)
+        # the mask unpacked: each word's 32 bits, then which tokens are forbidden
+        self.bits = torch.zeros((*words, 32), dtype=torch.int32, device=device)
+        self.forbid = torch.zeros(shape, dtype=torch.bool, device=device)
         # rows a filter pass works on at once: its scratch (a sort's, the cumulative mass) is
         # about 30 bytes per element of that many rows of the vocabulary
         self.filter_rows = max(1, min(max_rows, filter_elements // vocab_size))
@@ -161,7 +164,7 @@ class Sampler:
     def nbytes(self) -> int:
         bufs = (self.logits, self.raw, self.probs, self.sorted, self.order, self.uniforms)
         mask = self.mask_host if self.mask is None else self.mask  # the pinned copy is host's
-        return tensor_bytes((*bufs, mask, self.bit))
+        return tensor_bytes((*bufs, mask, self.bit, self.bits, self.forbid))
 
     def logits_out(self, num_rows: int) -> torch.Tensor | None:
         """Where the head may write `num_rows` rows of logits; None where it cannot."""
@@ -176,7 +179,8 @@ class Sampler:
         """Tokens the grammar of a constrained row forbids get -inf in `logits` ([R, V]), in
         place; rows without a constraint are left alone, and a batch without any costs a scan
         of `rows`. Each matcher writes its row of the host bitmask, which crosses to the device
-        once, and is unpacked there with torch ops."""
+        once, and is unpacked there with torch ops into the sampler's own buffers (nothing is
+        asked of the allocator)."""
         guided = [i for i, row in enumerate(rows) if row.guide is not None]
         if not guided:
             return
@@ -187,14 +191,15 @@ class Sampler:
             assert row.guide is not None
             row.guide.mask_into(row.history[row.prompt_len :], host[j])
         words = host if self.mask is None else self.mask[:m].copy_(host, non_blocking=True)
-        # words: [m, W] int32 -> allowed: [m, V] bool
-        allowed = (words[:, :, None] >> self.bit).bitwise_and_(1).view(m, -1)[:, : logits.shape[1]]
+        # words: [m, W] int32 -> bits: [m, W, 32] -> forbid: [m, V] bool, in owned buffers
+        bits = torch.bitwise_right_shift(words[:, :, None], self.bit, out=self.bits[:m])
+        bits.bitwise_and_(1)
+        forbid = torch.eq(bits.view(m, -1)[:, : self.vocab_size], 0, out=self.forbid[:m])
         if m == logits.shape[0]:
-            logits.masked_fill_(allowed == 0, float("-inf"))
+            logits.masked_fill_(forbid, float("-inf"))
             return
-        index = to_device(guided, logits.device, torch.int64)
-        part = logits.index_select(0, index).masked_fill_(allowed == 0, float("-inf"))
-        logits.index_copy_(0, index, part)
+        for j, i in enumerate(guided):
+            logits[i].masked_fill_(forbid[j], float("-inf"))
 
     def distribution(self, logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
         """The filtered distribution each row samples from, in `self.probs[:R]` ([R, V])."""
@@ -343,7 +348,9 @@ def to_device(
 
 def sampler_nbytes(max_rows: int, vocab_size: int, in_place_logits: bool) -> int:
     """The bytes of a `Sampler`'s buffers, for the memory plan."""
-    mask = max_rows * mask_words(vocab_size) * 4 + 32 * 4  # the bitmask and its bit indices
+    words = max_rows * mask_words(vocab_size)
+    # the bitmask, its bit indices, its bits unpacked (int32) and the forbidden tokens (bool)
+    mask = words * 4 + 32 * 4 + words * 32 * 4 + max_rows * vocab_size
     return max_rows * vocab_size * (4 * (3 + in_place_logits) + 8) + max_rows * 4 + mask
 
 

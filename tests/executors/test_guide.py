@@ -74,7 +74,9 @@ def test_the_sampler_masks_constrained_rows_and_leaves_the_others_alone():
 def test_the_memory_plan_counts_the_bitmask():
     sampler = Sampler(8, MC.vocab_size, torch.device("cpu"))
     assert sampler.nbytes == sampler_nbytes(8, MC.vocab_size, in_place_logits=False)
-    mask = sampler.mask_host.numel() * 4 + sampler.bit.numel() * 4
-    assert mask == 8 * mask_words(MC.vocab_size) * 4 + 128
+    parts = (sampler.mask_host, sampler.bit, sampler.bits, sampler.forbid)
+    mask = sum(t.numel() * t.element_size() for t in parts)
+    words = 8 * mask_words(MC.vocab_size)
+    assert mask == words * 4 + 128 + words * 32 * 4 + 8 * MC.vocab_size
     # a plan without the bitmask falls short of what the sampler holds
     assert sampler_nbytes(8, MC.vocab_size, False) - mask < sampler.nbytes
