@@ -16,6 +16,7 @@ cache's hit rate (each distinct schema compiles once, a request after the first 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 
@@ -49,9 +50,9 @@ def mix(streams: int, tokens: int, schemas: int, constrained: bool) -> list[Samp
     """Half the requests (the odd ones) with schema (i // 2) % schemas where `constrained`."""
     out = []
     for i in range(streams):
-        extra = {"guided_json": schema((i // 2) % schemas)} if constrained and i % 2 else {}
+        guided = json.dumps(schema((i // 2) % schemas)) if constrained and i % 2 else ""
         out.append(SamplingParams(max_tokens=tokens, ignore_eos=True, seed=i, temperature=1.0,
-                                  **extra))  # fmt: skip
+                                  guided_json=guided))  # fmt: skip
     return out
 
 
