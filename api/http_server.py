@@ -55,6 +55,7 @@ from memstep.api.http_limits import (
 from memstep.api.metrics import FrontStats, Metrics
 from memstep.api.openai_protocol import Job, OpenAIError
 from memstep.api.tally import host_rss_bytes
+from memstep.api.tool_calls import CallStream
 from memstep.core.logging import setup_logging
 from memstep.events.wire import GenerateDone, HealthReply
 
@@ -333,7 +334,12 @@ class Front:
         if isinstance(item, GenerateDone):
             out.dones[index] = item
             self.prom.observe(item)
-            text = _event(oai.chunk(job, rid, index, "", [], 0, **_end(item)))
+            held: list[str] = []
+            called = False
+            if job.calls_tools:
+                held, called = _held_calls(job, rid, index, out.calls[index], out.started)
+            end = oai.chunk(job, rid, index, "", [], 0, **_end(item, called))
+            text = "".join(held) + _event(end)
             if len(out.dones) == out.num_choices:
                 out.ended = True
                 if job.include_usage:
@@ -341,13 +347,14 @@ class Front:
                     text += _event(oai.usage_chunk(job, rid, ordered))
                 text += "data: [DONE]\n\n"
             return text
-        if not item.text and not item.logprobs:
-            return ""  # a token that ends inside a character: its text comes later
+        text = out.calls[index].feed(item.text) if job.calls_tools else item.text
+        if not text and (not item.logprobs or job.calls_tools):
+            return ""  # a token that ends inside a character (or may start a tool call)
         role = index not in out.started
         out.started.add(index)
         offset = out.offsets[index]
-        out.offsets[index] += len(item.text)
-        return _event(oai.chunk(job, rid, index, item.text, item.logprobs, offset, role=role))
+        out.offsets[index] += len(text)
+        return _event(oai.chunk(job, rid, index, text, item.logprobs, offset, role=role))
 
     def _abort(self, request_ids: list[str]) -> None:
         """Abort requests in the core from a task of their own: the caller may be cancelled."""
@@ -373,6 +380,9 @@ class _SseState:
     offsets: collections.defaultdict[int, int] = attrs.Factory(lambda: collections.defaultdict(int))
     started: set[int] = attrs.Factory(set)  # choices whose first chunk (with the chat role) went
     ended: bool = False
+    calls: collections.defaultdict[int, CallStream] = attrs.Factory(
+        lambda: collections.defaultdict(CallStream)
+    )  # each choice's text held while it may be a tool call
 
 
 async def _first(stream: AsyncStream) -> Any:
@@ -412,7 +422,24 @@ async def _alarm(index: int, deadline: float, queue: asyncio.Queue) -> None:
     queue.put_nowait((index, ServerError("core_timeout", "the request passed its deadline")))
 
 
-def _end(done: GenerateDone) -> dict[str, Any]:
+def _held_calls(
+    job: Job, rid: str, index: int, held: CallStream, started: set[int]
+) -> tuple[list[str], bool]:
+    """The events of a choice's held text at its end, and whether it called tools: its calls
+    (each whole), or the text as content where it held none."""
+    content, calls = held.finish()
+    role = index not in started
+    started.add(index)
+    if calls:
+        return [_event(oai.calls_chunk(job, rid, index, calls, role))], True
+    if not content:
+        return [], False
+    return [_event(oai.chunk(job, rid, index, content, [], 0, role=role))], False
+
+
+def _end(done: GenerateDone, called: bool = False) -> dict[str, Any]:
+    if called and done.finish_reason == "stop":
+        return {"finish_reason": "tool_calls"}
     return {"finish_reason": done.finish_reason}
 
 

@@ -9,12 +9,14 @@ rather than silently ignored.  The response builders take the API's `GenerateDon
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any
 
 import attrs
 
+from memstep.api.tool_calls import ToolError, Tools, calls_message, parse_calls, parse_tools
 from memstep.events.wire import GenerateDone
 
 # What each request field of OpenAI (and vLLM's extras) becomes in the engine's SamplingParams.
@@ -30,9 +32,25 @@ SAMPLING_FIELDS = {
     "ignore_eos": "ignore_eos",
 }
 COMMON_FIELDS = {"model", "n", "stream", "stream_options", "stop", "max_tokens", "user"}
-COMMON_FIELDS |= set(SAMPLING_FIELDS)
+# structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_* fields
+GUIDED_FIELDS = {
+    "guided_json": "guided_json",
+    "guided_regex": "guided_regex",
+    "guided_choice": "guided_choice",
+    "guided_grammar": "guided_grammar",
+}
+STRUCTURED_KEYS = {
+    "json": "guided_json",
+    "regex": "guided_regex",
+    "choice": "guided_choice",
+    "grammar": "guided_grammar",
+    "json_object": "guided_json_object",
+}
+COMMON_FIELDS |= set(SAMPLING_FIELDS) | set(GUIDED_FIELDS) | {"response_format"}
+COMMON_FIELDS |= {"structured_outputs"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
+CHAT_FIELDS |= {"tools", "tool_choice", "parallel_tool_calls"}
 MAX_N = 16
 
 
@@ -67,6 +85,11 @@ class Job:
     stream: bool
     include_usage: bool
     top_logprobs: int | None  # None: no logprobs in the answer
+    tools: Tools | None = None  # a chat's tools, when it may call them
+
+    @property
+    def calls_tools(self) -> bool:
+        return self.tools is not None and self.tools.is_on
 
     @property
     def num_choices(self) -> int:
@@ -94,6 +117,12 @@ def parse_completion(body: Any, model: str) -> Job:
 def parse_chat(body: Any, model: str) -> Job:
     body = _object(body, CHAT_FIELDS)
     messages = _messages(body.get("messages"))
+    try:
+        tools = parse_tools(body)
+    except ToolError as exc:
+        raise bad(str(exc), "tools") from exc
+    if tools is not None and tools.is_on:
+        messages = _with_tools(messages, tools)
     top = _int(body, "top_logprobs", 0, 20)
     if not body.get("logprobs"):
         if top:
@@ -103,11 +132,26 @@ def parse_chat(body: Any, model: str) -> Job:
         top = 0
     given = _int(body, "max_completion_tokens", 1, None)
     max_tokens = given if given is not None else _int(body, "max_tokens", 1, None)
-    return _job(body, model, True, [{"messages": messages}], max_tokens, top)
+    return _job(body, model, True, [{"messages": messages}], max_tokens, top, tools)
+
+
+def _with_tools(messages: list[dict[str, str]], tools: Tools) -> list[dict[str, str]]:
+    """The tools' system prompt, before (or joined to) the conversation's own system turn."""
+    prompt = tools.system_prompt()
+    if messages[0]["role"] == "system":
+        first = {"role": "system", "content": f"{messages[0]['content']}\n\n{prompt}"}
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": prompt}, *messages]
 
 
 def _job(
-    body: dict, model: str, chat: bool, prompts: list, max_tokens: int | None, top: int | None
+    body: dict,
+    model: str,
+    chat: bool,
+    prompts: list,
+    max_tokens: int | None,
+    top: int | None,
+    tools: Tools | None = None,
 ) -> Job:
     name = body.get("model", model)
     if name != model:
@@ -119,10 +163,58 @@ def _job(
         raise bad("stream_options takes only include_usage", "stream_options")
     if options and not stream:
         raise bad("stream_options is only allowed with stream: true", "stream_options")
-    base = _sampling(body, max_tokens, top)
+    base = _sampling(body, max_tokens, top) | _constraint(body, tools)
     params = [_choice_params(base, body.get("seed"), j) for _ in prompts for j in range(n)]
     usage = bool(options.get("include_usage"))
-    return Job(chat, model, prompts, params, n, stream, usage, top)
+    return Job(chat, model, prompts, params, n, stream, usage, top, tools)
+
+
+def _constraint(body: dict, tools: Tools | None) -> dict[str, Any]:
+    """The structured-output params the request asks for, at most one (the engine checks that
+    it compiles, and refuses it with the reason where it does not)."""
+    given: dict[str, Any] = {}
+    for field, name in GUIDED_FIELDS.items():
+        if body.get(field) is not None:
+            given[name] = body[field]
+    given |= _structured_outputs(body.get("structured_outputs"))
+    given |= _response_format(body.get("response_format"))
+    grammar = tools.grammar() if tools is not None and tools.is_on else None
+    if grammar is not None:
+        if given:
+            raise bad("a forced tool call takes no other structured output", "tool_choice")
+        given["guided_grammar"] = grammar
+    if len(given) > 1:
+        raise bad(f"at most one structured-output constraint, got {sorted(given)}")
+    if isinstance(given.get("guided_json"), dict):
+        given["guided_json"] = json.dumps(given["guided_json"])
+    return given
+
+
+def _structured_outputs(value: Any) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or set(value) - set(STRUCTURED_KEYS):
+        keys = sorted(STRUCTURED_KEYS)
+        raise bad(f"structured_outputs takes one of {keys}", "structured_outputs")
+    return {STRUCTURED_KEYS[k]: v for k, v in value.items() if v not in (None, False)}
+
+
+def _response_format(value: Any) -> dict[str, Any]:
+    """OpenAI's response_format: text, json_object, or json_schema (its `schema`; strict or not,
+    the text always matches it)."""
+    if value is None:
+        return {}
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"guided_json_object": True}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise bad("response_format json_schema needs json_schema.schema", "response_format")
+        return {"guided_json": spec["schema"]}
+    raise bad("response_format type must be text, json_object or json_schema", "response_format")
 
 
 def _sampling(body: dict, max_tokens: int | None, top: int | None) -> dict[str, Any]:
@@ -203,6 +295,14 @@ def _message(m: Any) -> dict[str, str]:
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise bad("each message needs a role", "messages")
     content = m.get("content")
+    if m.get("tool_calls"):  # an assistant turn that called tools: the calls as the model wrote
+        try:
+            calls = calls_message(m)
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise bad(f"tool_calls of a message do not parse: {exc}", "messages") from exc
+        return {"role": m["role"], "content": "\n".join(filter(None, [content or "", calls]))}
+    if m["role"] == "tool" and isinstance(content, str):
+        return {"role": "tool", "content": f"<tool_response>\n{content}\n</tool_response>"}
     if isinstance(content, list):  # content parts: only text is understood
         if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
             raise bad("only text content parts are supported", "messages")
@@ -248,13 +348,14 @@ def response(job: Job, rid: str, dones: list[GenerateDone]) -> dict[str, Any]:
 def _choice(job: Job, index: int, done: GenerateDone) -> dict[str, Any]:
     logprobs = format_logprobs(job, done.logprobs, 0)
     if job.chat:
-        message = {"role": "assistant", "content": done.text}
-        return {
-            "index": index,
-            "message": message,
-            "logprobs": logprobs,
-            "finish_reason": done.finish_reason,
-        }
+        message: dict[str, Any] = {"role": "assistant", "content": done.text}
+        reason = done.finish_reason
+        if job.calls_tools:
+            content, calls = parse_calls(done.text)
+            if calls:
+                message = {"role": "assistant", "content": content or None, "tool_calls": calls}
+                reason = "tool_calls" if reason == "stop" else reason
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
     return {
         "index": index,
         "text": done.text,
@@ -277,6 +378,21 @@ def chunk(
     else:
         choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": reason}
         out = {**_head(job, rid, "text_completion"), "choices": [choice]}
+    if job.include_usage:
+        out["usage"] = None
+    return out
+
+
+def calls_chunk(
+    job: Job, rid: str, index: int, calls: list[dict[str, Any]], role: bool
+) -> dict[str, Any]:
+    """A streamed chat chunk with tool calls, as OpenAI sends them: each call's index, id, type
+    and name, with its arguments whole."""
+    deltas = [{"index": i, **call} for i, call in enumerate(calls)]
+    delta: dict[str, Any] = {"role": "assistant"} if role else {}
+    delta |= {"content": None, "tool_calls": deltas}
+    choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+    out = {**_head(job, rid, "chat.completion.chunk"), "choices": [choice]}
     if job.include_usage:
         out["usage"] = None
     return out

@@ -7,11 +7,14 @@ one exception is `max_tokens` (64 here, 16 in vLLM; HTTP completions keep OpenAI
 
 from __future__ import annotations
 
+import json
 import math
 from functools import cached_property
 from typing import Any
 
 import attrs
+
+from memstep.core.grammar import grammar_error
 
 DEFAULT_TEMPERATURE = 1.0  # vLLM's and OpenAI's
 
@@ -25,6 +28,17 @@ class InvalidRequest(ValueError):
 def _require(cond: bool, msg: str) -> None:
     if not cond:
         raise InvalidRequest(msg)
+
+
+GUIDES = ("guided_json", "guided_json_object", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def _schema_text(schema: Any) -> Any:
+    """A JSON schema given as a map becomes its JSON text, properties in their order (what the
+    log records)."""
+    if isinstance(schema, dict):
+        return json.dumps(schema, separators=(",", ":"))
+    return schema
 
 
 @attrs.frozen(kw_only=True)
@@ -42,6 +56,12 @@ class SamplingParams:
     stop: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     ignore_eos: bool = False
     logprobs: int = 0  # top-N logprobs per sampled token, 0 for none
+    # structured outputs (vLLM's guided_* names), at most one: the text must match the constraint
+    guided_json: str = attrs.field(default="", converter=_schema_text)  # a JSON schema
+    guided_json_object: bool = False  # any JSON object
+    guided_regex: str = ""
+    guided_choice: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    guided_grammar: str = ""  # EBNF (GBNF, `::=`) or Lark
 
     def __attrs_post_init__(self) -> None:
         floats = (
@@ -68,6 +88,32 @@ class SamplingParams:
         _require(0 <= self.logprobs <= 20, "logprobs must be in [0, 20]")
         _require(all(isinstance(t, int) for t in self.stop_token_ids), "stop_token_ids: ints")
         _require(all(isinstance(s, str) and s for s in self.stop), "stop: non-empty strings")
+        self._check_constraint()
+
+    def _check_constraint(self) -> None:
+        """At most one constraint, and one whose grammar compiles (checked once per distinct
+        constraint): a request the grammar engine cannot run is refused before admission."""
+        given = [name for name in GUIDES if getattr(self, name)]
+        _require(len(given) <= 1, f"at most one structured-output constraint, got {given}")
+        _require(all(isinstance(c, str) for c in self.guided_choice), "guided_choice: strings")
+        if self.constraint is not None:
+            error = grammar_error(*self.constraint)
+            _require(not error, f"{given[0]} does not compile: {error}")
+
+    @cached_property
+    def constraint(self) -> tuple[str, str] | None:
+        """(kind, text) of the structured-output constraint (core/grammar.py), or None."""
+        if self.guided_json:
+            return "json", self.guided_json
+        if self.guided_json_object:
+            return "json_object", ""
+        if self.guided_regex:
+            return "regex", self.guided_regex
+        if self.guided_choice:
+            return "choice", json.dumps(list(self.guided_choice))
+        if self.guided_grammar:
+            return "grammar", self.guided_grammar
+        return None
 
     @cached_property
     def is_greedy(self) -> bool:
@@ -88,6 +134,7 @@ class SamplingParams:
         data = attrs.asdict(self)
         data["stop_token_ids"] = list(self.stop_token_ids)
         data["stop"] = list(self.stop)
+        data["guided_choice"] = list(self.guided_choice)
         return data
 
     @classmethod
@@ -113,6 +160,8 @@ def _check_type(key: str, value: Any, default: Any) -> None:
         ok = isinstance(value, int) and not isinstance(value, bool)
     elif isinstance(default, float):
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif isinstance(default, str):
+        ok = isinstance(value, str) or key == "guided_json" and isinstance(value, dict)
     else:
         ok = isinstance(value, (list, tuple))
     _require(ok, f"sampling param {key!r} has the wrong type ({type(value).__name__})")

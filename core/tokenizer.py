@@ -51,6 +51,10 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
+    def tokenizer_json(self) -> str:
+        """The tokenizer as tokenizer.json text (what a grammar engine builds its view from)."""
+        return str(self._tok.to_str())
+
     def decode(self, ids: list[int]) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=True))
 
@@ -130,6 +134,10 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return [b + self.OFFSET for b in text.encode()]
+
+    def token_bytes(self) -> list[bytes]:
+        """Each id's bytes (empty for an end-of-sequence id)."""
+        return list(self._bytes)
 
     def decode(self, ids: list[int]) -> str:
         return b"".join(map(self._bytes.__getitem__, ids)).decode(errors="replace")

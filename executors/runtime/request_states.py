@@ -11,6 +11,7 @@ import attrs
 
 from memstep.core.sampling_params import SamplingParams
 from memstep.events.plan import SeqPlan
+from memstep.executors.runtime.guide import GrammarBook, Guide
 from memstep.executors.runtime.sampler import Row
 
 
@@ -19,15 +20,20 @@ class RequestState:
     tokens: list[int]
     prompt_len: int
     params: SamplingParams
+    guide: Guide | None = None  # its grammar matcher, brought to `tokens` at each mask
 
     def row(self, position: int, history: list[int]) -> Row:
         """The sampler's row for the token at `position`, penalised by `history`."""
-        return Row(self.params, position, history, self.prompt_len)
+        return Row(self.params, position, history, self.prompt_len, self.guide)
 
 
 class RequestStates:
-    def __init__(self) -> None:
+    """Every running request's state; `grammars` compiles the constraints of those that have
+    one (None: a constrained request is an error, for workers that never see one)."""
+
+    def __init__(self, grammars: GrammarBook | None = None) -> None:
         self._states: dict[str, RequestState] = {}
+        self.grammars = grammars
 
     def __len__(self) -> int:
         return len(self._states)
@@ -44,7 +50,7 @@ class RequestStates:
                     f"{len(seq.prefix_ids)} cached prefix tokens"
                 )
             params = SamplingParams.from_dict(seq.params)
-            state = RequestState(list(seq.prefix_ids), seq.prompt_len, params)
+            state = RequestState(list(seq.prefix_ids), seq.prompt_len, params, self._guide(params))
             self._states[seq.request_id] = state
         if state is None:
             raise RuntimeError(
@@ -59,6 +65,14 @@ class RequestStates:
         del state.tokens[seq.start_pos :]
         state.tokens.extend(seq.token_ids)
         return state
+
+    def _guide(self, params: SamplingParams) -> Guide | None:
+        """A fresh matcher at the grammar's start: its state comes from the tokens alone."""
+        if params.constraint is None:
+            return None
+        if self.grammars is None:
+            raise RuntimeError("a constrained request reached a worker without grammars")
+        return self.grammars.guide(params.constraint)
 
     def append(self, request_id: str, tokens: list[int]) -> None:
         """Tokens sampled this step; the next plan feeds the last of them again."""

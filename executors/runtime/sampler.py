@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from memstep.core.sampling_params import SamplingParams
+from memstep.executors.runtime.guide import Guide, mask_words
 from memstep.executors.runtime.random_stream import SAMPLE, uniforms
 from memstep.states.arena import tensor_bytes
 
@@ -105,6 +106,7 @@ class Row:
     position: int  # position of the token being chosen
     history: list[int]  # prompt + output tokens before this position (for penalties)
     prompt_len: int
+    guide: Guide | None = None  # the request's grammar matcher, if it has a constraint
 
     @property
     def seed(self) -> int:
@@ -117,7 +119,9 @@ class Row:
 class Sampler:
     """Owns the persistent sampling buffers, sized for `max_rows` (the memory plan counts them:
     `sampler_bytes`): the logits the head writes into (where it can: `in_place_logits`), a copy
-    of them kept for log-probabilities, the filtered distribution, its sorted copy and order."""
+    of them kept for log-probabilities, the filtered distribution, its sorted copy and order,
+    and the token bitmask of constrained rows (on the host, where the matchers write it, and on
+    the device where that is not the host)."""
 
     def __init__(
         self,
@@ -138,6 +142,14 @@ class Sampler:
         self.sorted = torch.zeros(shape, dtype=f32, device=device)
         self.order = torch.zeros(shape, dtype=torch.long, device=device)
         self.uniforms = torch.zeros(max_rows, dtype=f32, device=device)
+        words = (max_rows, mask_words(vocab_size))
+        on_gpu = device.type == "cuda"
+        self.mask_host = torch.zeros(words, dtype=torch.int32, pin_memory=on_gpu)
+        self.mask = torch.zeros(words, dtype=torch.int32, device=device) if on_gpu else None
+        self.bit = torch.arange(32, dtype=torch.int32, device=device)
+        # the mask unpacked: each word's 32 bits, then which tokens are forbidden
+        self.bits = torch.zeros((*words, 32), dtype=torch.int32, device=device)
+        self.forbid = torch.zeros(shape, dtype=torch.bool, device=device)
         # rows a filter pass works on at once: its scratch (a sort's, the cumulative mass) is
         # about 30 bytes per element of that many rows of the vocabulary
         self.filter_rows = max(1, min(max_rows, filter_elements // vocab_size))
@@ -151,7 +163,8 @@ class Sampler:
     @property
     def nbytes(self) -> int:
         bufs = (self.logits, self.raw, self.probs, self.sorted, self.order, self.uniforms)
-        return tensor_bytes(bufs)
+        mask = self.mask_host if self.mask is None else self.mask  # the pinned copy is host's
+        return tensor_bytes((*bufs, mask, self.bit, self.bits, self.forbid))
 
     def logits_out(self, num_rows: int) -> torch.Tensor | None:
         """Where the head may write `num_rows` rows of logits; None where it cannot."""
@@ -161,6 +174,32 @@ class Sampler:
         """A copy of `logits` ([R, V] float32) that the sampler's in-place filters leave alone,
         for log-probabilities: `PendingLogprobs` turns it into their log-softmax in place."""
         return self.raw[: logits.shape[0]].copy_(logits)
+
+    def constrain(self, logits: torch.Tensor, rows: list[Row]) -> None:
+        """Tokens the grammar of a constrained row forbids get -inf in `logits` ([R, V]), in
+        place; rows without a constraint are left alone, and a batch without any costs a scan
+        of `rows`. Each matcher writes its row of the host bitmask, which crosses to the device
+        once, and is unpacked there with torch ops into the sampler's own buffers (nothing is
+        asked of the allocator)."""
+        guided = [i for i, row in enumerate(rows) if row.guide is not None]
+        if not guided:
+            return
+        m = len(guided)
+        host = self.mask_host[:m]
+        for j, i in enumerate(guided):
+            row = rows[i]
+            assert row.guide is not None
+            row.guide.mask_into(row.history[row.prompt_len :], host[j])
+        words = host if self.mask is None else self.mask[:m].copy_(host, non_blocking=True)
+        # words: [m, W] int32 -> bits: [m, W, 32] -> forbid: [m, V] bool, in owned buffers
+        bits = torch.bitwise_right_shift(words[:, :, None], self.bit, out=self.bits[:m])
+        bits.bitwise_and_(1)
+        forbid = torch.eq(bits.view(m, -1)[:, : self.vocab_size], 0, out=self.forbid[:m])
+        if m == logits.shape[0]:
+            logits.masked_fill_(forbid, float("-inf"))
+            return
+        for j, i in enumerate(guided):
+            logits[i].masked_fill_(forbid[j], float("-inf"))
 
     def distribution(self, logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
         """The filtered distribution each row samples from, in `self.probs[:R]` ([R, V])."""
@@ -244,7 +283,8 @@ class Sampler:
 
         An all-greedy batch without penalties takes each row's argmax directly, which is the
         token that path picks (a one-hot distribution's inverse CDF lands on its one token for
-        every uniform in [0, 1))."""
+        every uniform in [0, 1)). Constrained rows are masked first (`constrain`)."""
+        self.constrain(logits, rows)
         if all(row.params.is_greedy and not row.params.has_penalties for row in rows):
             return PendingTokens(logits.argmax(dim=-1), None)
         return self._sample(self.distribution(logits, rows), rows, SAMPLE)
@@ -308,7 +348,10 @@ def to_device(
 
 def sampler_nbytes(max_rows: int, vocab_size: int, in_place_logits: bool) -> int:
     """The bytes of a `Sampler`'s buffers, for the memory plan."""
-    return max_rows * vocab_size * (4 * (3 + in_place_logits) + 8) + max_rows * 4
+    words = max_rows * mask_words(vocab_size)
+    # the bitmask, its bit indices, its bits unpacked (int32) and the forbidden tokens (bool)
+    mask = words * 4 + 32 * 4 + words * 32 * 4 + max_rows * vocab_size
+    return max_rows * vocab_size * (4 * (3 + in_place_logits) + 8) + max_rows * 4 + mask
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor, scratch: torch.Tensor) -> list[int]:

@@ -29,6 +29,7 @@ from memstep.executors.model.weights import gguf_is_q4_1, load_weights
 from memstep.executors.runtime import memory
 from memstep.executors.runtime.allocator import configure_cuda_allocator
 from memstep.executors.runtime.backends import pick_backend
+from memstep.executors.runtime.guide import GrammarBook
 from memstep.executors.runtime.host_allocator import HostTrim, bound_onednn_caches
 from memstep.executors.runtime.leak_detector import LeakDetector
 from memstep.executors.runtime.memory_plan import plan_memory, with_blocks
@@ -155,7 +156,8 @@ class Worker:
             self.eagle = eagle_head(cfg, self.model)
             self.meter.adopt(self.eagle.tensors())
         self.lifecycle = Lifecycle()
-        self.requests = RequestStates()
+        eos = self.model_cfg.eos_token_ids
+        self.requests = RequestStates(GrammarBook(self.source, self.model_cfg.vocab_size, eos))
         self.detector = LeakDetector(host_tolerance=cfg.host_leak_tolerance_mib << 20)
         self._holdings: dict | None = None  # the kinds' holdings at the last leak report
         self.memory_plan: MemoryPlan | None = None

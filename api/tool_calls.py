@@ -1,0 +1,184 @@
+"""Tool calling in chat: OpenAI's `tools` and `tool_choice` in, `tool_calls` out.
+
+The tools reach the model as a Hermes-style system prompt (the format ChatML models such as
+SmolLM2 are tuned on: a `<tools>` list, calls as `<tool_call>{"name", "arguments"}</tool_call>`).
+`tool_choice="required"` or a named function is enforced by a grammar (llguidance's Lark with
+an inline JSON schema per tool), so its arguments always parse against the tool's schema.
+The reply is parsed as Hermes `<tool_call>` blocks or as Llama-3.1's bare JSON call
+(`{"name": ..., "parameters": ...}`, after an optional `<|python_tag|>`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from typing import Any
+
+import attrs
+
+TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+PYTHON_TAG = "<|python_tag|>"
+MARKERS = ("<tool_call>", PYTHON_TAG, "{")  # a reply that may be a call starts so
+JSON_COMPACT = {"whitespace_flexible": False}
+
+SYSTEM = (
+    "You are a function calling AI model. You are provided with function signatures within "
+    "<tools></tools> XML tags. You may call one or more functions to assist with the user "
+    "query. Don't make assumptions about what values to plug into functions. Here are the "
+    "available tools: <tools>\n{tools}\n</tools>\nFor each function call return a JSON object "
+    "with the function name and arguments within <tool_call></tool_call> XML tags:\n"
+    '<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+)
+
+
+class ToolError(ValueError):
+    """A `tools` or `tool_choice` the request cannot use; the message says why."""
+
+
+@attrs.frozen
+class Tools:
+    """A chat request's tools and what it asked of them."""
+
+    functions: tuple[dict[str, Any], ...]  # each {"name", "description"?, "parameters"?}
+    choice: str  # "auto", "none", "required", or "function" (`named`)
+    named: str = ""
+    parallel: bool = True
+
+    @property
+    def is_on(self) -> bool:
+        return self.choice != "none" and bool(self.functions)
+
+    def system_prompt(self) -> str:
+        listed = [{"type": "function", "function": f} for f in self._offered()]
+        return SYSTEM.format(tools="\n".join(json.dumps(t) for t in listed))
+
+    def _offered(self) -> list[dict[str, Any]]:
+        if self.choice == "function":
+            return [f for f in self.functions if f["name"] == self.named]
+        return list(self.functions)
+
+    def grammar(self) -> str | None:
+        """The Lark grammar that forces a call (`required`, a named function), else None."""
+        if self.choice not in ("required", "function"):
+            return None
+        calls = [_call_schema(f) for f in self._offered()]
+        schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        schema = {**schema, "x-guidance": JSON_COMPACT}
+        more = ' ("\\n" call)*' if self.parallel and self.choice == "required" else ""
+        return (
+            f"start: call{more}\n"
+            'call: "<tool_call>\\n" body "\\n</tool_call>"\n'
+            f"body: %json {json.dumps(schema)}\n"
+        )
+
+
+def _call_schema(function: dict[str, Any]) -> dict[str, Any]:
+    parameters = function.get("parameters") or {"type": "object", "properties": {}}
+    return {
+        "type": "object",
+        "properties": {"name": {"const": function["name"]}, "arguments": parameters},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+def parse_tools(body: dict[str, Any]) -> Tools | None:
+    """The request's `tools`, `tool_choice` and `parallel_tool_calls`, checked."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise ToolError("parallel_tool_calls must be a boolean")
+    if tools is None:
+        if choice not in (None, "none"):
+            raise ToolError("tool_choice needs tools")
+        return None
+    if not isinstance(tools, list):
+        raise ToolError("tools must be a list")
+    functions = tuple(_function(t) for t in tools)
+    names = [f["name"] for f in functions]
+    if len(set(names)) != len(names):
+        raise ToolError("tools must have distinct names")
+    if choice is None or choice in ("auto", "none", "required"):
+        return Tools(functions, choice or "auto", "", parallel)
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        name = (choice.get("function") or {}).get("name")
+        if name not in names:
+            raise ToolError(f"tool_choice names a function not in tools: {name!r}")
+        return Tools(functions, "function", str(name), parallel)
+    raise ToolError("tool_choice must be auto, none, required or a named function")
+
+
+def _function(tool: Any) -> dict[str, Any]:
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        raise ToolError("each tool must be {'type': 'function', 'function': {...}}")
+    function = tool.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ToolError("each tool's function needs a name")
+    if not isinstance(function.get("parameters", {}), dict):
+        raise ToolError(f"{function['name']}: parameters must be a JSON schema object")
+    keep = ("name", "description", "parameters")
+    return {k: function[k] for k in keep if k in function}
+
+
+def parse_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
+    """(content left over, OpenAI tool_calls) of a reply; no calls where none parse."""
+    found = [_call(m.group(1)) for m in TOOL_CALL.finditer(text)]
+    calls = [c for c in found if c is not None]
+    if calls:
+        return TOOL_CALL.sub("", text).strip(), calls
+    bare = text.strip().removeprefix(PYTHON_TAG).strip()
+    call = _call(bare) if bare.startswith("{") else None
+    return ("", [call]) if call is not None else (text, [])
+
+
+def _call(text: str) -> dict[str, Any] | None:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("name"), str):
+        return None
+    arguments = data.get("arguments", data.get("parameters", {}))
+    return {
+        "id": "call_" + uuid.uuid4().hex[:24],
+        "type": "function",
+        "function": {"name": data["name"], "arguments": json.dumps(arguments)},
+    }
+
+
+class CallStream:
+    """One streamed choice's text while it may still be a tool call: held back while it could
+    start one (`MARKERS`), passed on as content once it cannot; `finish` gives what is left
+    as content and the parsed calls."""
+
+    def __init__(self) -> None:
+        self.held = ""
+        self.is_text = False
+
+    def feed(self, text: str) -> str:
+        """The content to send now."""
+        if self.is_text:
+            return text
+        self.held += text
+        start = self.held.lstrip()
+        if not start or any(m.startswith(start) or start.startswith(m) for m in MARKERS):
+            return ""
+        self.is_text, out, self.held = True, self.held, ""
+        return out
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        if self.is_text:
+            return "", []
+        return parse_calls(self.held)
+
+
+def calls_message(message: dict[str, Any]) -> str:
+    """An assistant message's `tool_calls` as the text the model would have written."""
+    parts = []
+    for call in message.get("tool_calls") or []:
+        function = call.get("function") or {}
+        args = function.get("arguments", "{}")
+        arguments = json.loads(args) if isinstance(args, str) else args
+        parts.append(json.dumps({"name": function.get("name"), "arguments": arguments}))
+    return "\n".join(f"<tool_call>\n{p}\n</tool_call>" for p in parts)

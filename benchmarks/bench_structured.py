@@ -1,0 +1,114 @@
+"""Structured outputs at speed: output tok/s of a mix where half the requests carry a JSON
+schema, against the same mix without schemas, and what the grammars cost to compile.
+
+Runs in one process (an in-process executor): `--streams` requests at once, each `--tokens`
+new tokens (ignore_eos, so both mixes decode the same number of tokens), rounds alternating the
+plain and the constrained mix (a shared machine's load moves both); prints each mix's median
+tok/s, the median of each round's ratio, the compile time per distinct schema and the compile
+cache's hit rate (each distinct schema compiles once, a request after the first is a hit).
+
+    python benchmarks/bench_structured.py                 # CPU: SmolLM2, 16 streams
+    python benchmarks/bench_structured.py --device cuda   # random:llama-3.1-8b, SmolLM2's
+                                                          # tokenizer, 64 streams
+    python benchmarks/bench_structured.py --quick         # random:tiny, a few seconds (a test)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+from memstep.core.config import EngineConfig
+from memstep.core.engine import Engine
+from memstep.core.model_source import shipped_gguf_path
+from memstep.core.sampling_params import SamplingParams
+from memstep.executors.process.inprocess import local_engine
+
+COLORS = ["red", "green", "blue", "cyan", "magenta", "yellow", "black", "white"]
+
+
+def schema(i: int) -> dict:
+    """Distinct schema i: a list of records with nested arrays, enums and required fields
+    (unbounded, so that a constrained request decodes as many tokens as a plain one)."""
+    record = {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer"},
+            "color": {"enum": COLORS[: 2 + i % 7]},
+            "grid": {"type": "array", "items": {"type": "array", "items": {"type": "number"}}},
+            "note": {"type": "string"},
+        },
+        "required": ["id", "color", "grid", "note"],
+    }
+    return {"type": "object", "properties": {"items": {"type": "array", "items": record}},
+            "required": ["items"]}  # fmt: skip
+
+
+def mix(streams: int, tokens: int, schemas: int, constrained: bool) -> list[SamplingParams]:
+    """Half the requests (the odd ones) with schema (i // 2) % schemas where `constrained`."""
+    out = []
+    for i in range(streams):
+        guided = json.dumps(schema((i // 2) % schemas)) if constrained and i % 2 else ""
+        out.append(SamplingParams(max_tokens=tokens, ignore_eos=True, seed=i, temperature=1.0,
+                                  guided_json=guided))  # fmt: skip
+    return out
+
+
+def timed(engine: Engine, prompts: list, params: list[SamplingParams]) -> float:
+    start = time.perf_counter()
+    done = engine.generate(prompts, params)
+    return sum(len(c.token_ids) for c in done) / (time.perf_counter() - start)
+
+
+def config(args: argparse.Namespace) -> EngineConfig:
+    if args.quick:
+        return EngineConfig(model="random:tiny", max_num_seqs=args.streams)
+    if args.device == "cuda":
+        return EngineConfig(model="random:llama-3.1-8b", tokenizer=str(shipped_gguf_path()),
+                            device="cuda", max_num_seqs=args.streams)  # fmt: skip
+    return EngineConfig(model="smollm2", max_num_seqs=args.streams, num_threads=args.threads)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--streams", type=int, default=None, help="16 on the CPU, 64 on CUDA")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--schemas", type=int, default=4, help="distinct schemas in the mix")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quick", action="store_true", help="random:tiny, 4 streams, 16 tokens")
+    args = ap.parse_args()
+    if args.quick:
+        args.streams, args.tokens, args.rounds = 4, 16, 1
+    args.streams = args.streams or (64 if args.device == "cuda" else 16)
+    engine = local_engine(config(args))
+    prompts = [f"Request {i}: list a few records as JSON." for i in range(args.streams)]
+    timed(engine, prompts, mix(args.streams, 4, args.schemas, True))  # warm, and compile
+    plain, guided = [], []
+    for _ in range(args.rounds):
+        plain.append(timed(engine, prompts, mix(args.streams, args.tokens, args.schemas, False)))
+        guided.append(timed(engine, prompts, mix(args.streams, args.tokens, args.schemas, True)))
+    report(args, engine, plain, guided)
+    engine.shutdown()
+
+
+def report(args: argparse.Namespace, engine: Engine, plain: list, guided: list) -> None:
+    ratios = [g / p for p, g in zip(plain, guided, strict=True)]
+    model = engine.cfg.model
+    name = model + (" (random weights)" if model.startswith("random:") else "")
+    print(f"{name}, {args.device}, {args.streams} streams, {args.tokens} tokens each, "
+          f"half the requests with one of {args.schemas} JSON schemas")  # fmt: skip
+    print(f"plain        {statistics.median(plain):9.1f} tok/s")
+    print(f"half schemas {statistics.median(guided):9.1f} tok/s")
+    print(f"ratio        {statistics.median(ratios):9.3f} (median of {len(ratios)} rounds)")
+    stats = engine.executor.worker.requests.grammars.stats  # type: ignore[attr-defined]
+    per = stats.compile_seconds / max(stats.compiled, 1)
+    print(f"grammars compiled {stats.compiled}, {per * 1000:.1f} ms each; "
+          f"cache hit rate {stats.hit_rate:.3f} ({stats.hits} hits)")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

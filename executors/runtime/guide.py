@@ -1,0 +1,159 @@
+"""Structured outputs in the executor: each constrained request's grammar matcher, and the
+token bitmask the sampler applies.
+
+A matcher's state is never kept for its own sake: `Guide.mask_into` brings it to the request's
+output tokens before each mask (rolling back what the tokens no longer hold, feeding what they
+gained), so replay, executor recovery, resume and preemption by recompute, which rebuild a
+request's tokens, rebuild its matcher too, and a speculative step's drafts are fed and rolled
+back like any other tokens.  `GrammarBook` compiles each distinct grammar once, against the
+model's tokenizer, and hands each request a copy.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import attrs
+
+from memstep.core.grammar import grammar_of
+from memstep.core.model_source import ModelSource
+from memstep.core.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+
+
+def mask_words(vocab_size: int) -> int:
+    """32-bit words of one row's bitmask (bit t of word t // 32 allows token t)."""
+    return (vocab_size + 31) // 32
+
+
+class Guide:
+    """One request's matcher and the output tokens it has consumed (`fed`)."""
+
+    def __init__(self, matcher: Any, eos: int):
+        self.matcher = matcher
+        self.fed: list[int] = []
+        self.eos = eos
+
+    def sync(self, output: list[int]) -> bool:
+        """Bring the matcher to `output`; False where a token of it breaks the grammar (a
+        draft the grammar refuses: rows past it sample nothing that is kept)."""
+        fed, m = self.fed, self.matcher
+        keep = _common_prefix(fed, output)
+        if keep < len(fed) and not m.rollback(len(fed) - keep):
+            m.reset()  # cannot roll back that far: rebuild from the tokens
+            keep = _feed(m, output[:keep])
+        del fed[keep:]
+        took = _feed(m, output[keep:])
+        fed.extend(output[keep : keep + took])
+        return keep + took == len(output)
+
+    def mask_into(self, output: list[int], words: Any) -> None:
+        """The mask of the token after `output` into `words` (int32 [mask_words] on the CPU).
+
+        A grammar at a dead end (no token allowed, the end of sequence included) allows the end
+        of sequence, so the request finishes ("stop") instead of sampling from nothing."""
+        if not self.sync(output):
+            words.fill_(-1)  # a refused draft's later rows: any mask, the row is rejected
+            return
+        self.matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
+        if not bool(words.any()):
+            words[self.eos // 32] = _bit(self.eos % 32)
+
+
+def _bit(i: int) -> int:
+    """Bit i of an int32 word, as a signed value."""
+    return (1 << i) - (1 << 32 if i == 31 else 0)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    if a == b[: len(a)]:
+        return len(a)
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _feed(matcher: Any, tokens: list[int]) -> int:
+    return matcher.try_consume_tokens(tokens) if tokens else 0
+
+
+@attrs.define
+class CompileStats:
+    compiled: int = 0
+    hits: int = 0
+    compile_seconds: float = 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.compiled + self.hits
+        return self.hits / total if total else 0.0
+
+
+class GrammarBook:
+    """The grammar engine's view of the model's tokenizer (built at the first constrained
+    request: about a second for a 49k vocabulary) and a compiled matcher per distinct
+    constraint, copied for each request (`guide`)."""
+
+    def __init__(self, source: ModelSource, vocab_size: int, eos: tuple[int, ...]):
+        self.source = source
+        self.vocab_size = vocab_size
+        self.eos = eos
+        self._tokenizer: Any = None
+        self._compiled: dict[tuple[str, str], Any] = {}
+        self.stats = CompileStats()
+
+    def guide(self, constraint: tuple[str, str]) -> Guide:
+        template = self._compiled.get(constraint)
+        if template is None:
+            template = self._compile(constraint)
+        else:
+            self.stats.hits += 1
+        return Guide(template.deep_copy(), self.eos[0] if self.eos else 0)
+
+    def _compile(self, constraint: tuple[str, str]) -> Any:
+        from llguidance import LLMatcher
+
+        tokenizer = self.tokenizer()  # built once, not counted as a grammar's compile time
+        start = time.perf_counter()
+        matcher = LLMatcher(tokenizer, grammar_of(*constraint), log_level=0)
+        if matcher.is_error():  # the core checked it compiles: only a broken engine gets here
+            raise RuntimeError(f"grammar does not compile: {matcher.get_error()}")
+        self.stats.compiled += 1
+        self.stats.compile_seconds += time.perf_counter() - start
+        self._compiled[constraint] = matcher
+        return matcher
+
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            self._tokenizer = ll_tokenizer(self.source, self.vocab_size, self.eos)
+        return self._tokenizer
+
+
+def ll_tokenizer(source: ModelSource, vocab_size: int, eos: tuple[int, ...]) -> Any:
+    """llguidance's tokenizer for the model: from the tokenizer.json of a Hugging Face tokenizer
+    (the GGUF's own included), or from the byte table of a random model's byte tokenizer."""
+    from llguidance import LLTokenizer, TokenizerWrapper
+
+    tok = load_tokenizer(source, vocab_size, eos)
+    eos_ids = list(eos or tok.eos_token_ids)
+    if isinstance(tok, HFTokenizer):
+        return LLTokenizer(tok.tokenizer_json(), n_vocab=vocab_size, eos_token=eos_ids)
+    assert isinstance(tok, ByteTokenizer)
+    return LLTokenizer(TokenizerWrapper(_ByteView(tok, eos_ids[0])), n_vocab=vocab_size)
+
+
+class _ByteView:
+    """A byte tokenizer as llguidance's TokenizerWrapper reads one."""
+
+    def __init__(self, tok: ByteTokenizer, eos: int):
+        self.tok = tok
+        self.eos_token_id = eos
+        self.bos_token_id = None
+        self.tokens = tok.token_bytes()
+        self.special_token_ids = [eos]
+
+    def __call__(self, text: bytes) -> list[int]:
+        return self.tok.encode(text.decode("utf-8", errors="replace"))

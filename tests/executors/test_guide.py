@@ -1,0 +1,82 @@
+"""The executor's grammar parts on random:tiny's byte tokenizer: a matcher brought to tokens
+by rollback equals one fed them fresh, the sampler masks constrained rows only, a completed
+grammar allows only the end of sequence, and the memory plan counts the bitmask."""
+
+from __future__ import annotations
+
+import torch
+
+from memstep.core.model_source import model_config, resolve
+from memstep.core.sampling_params import SamplingParams
+from memstep.executors.runtime.guide import GrammarBook, mask_words
+from memstep.executors.runtime.sampler import Row, Sampler, sampler_nbytes
+
+SOURCE = resolve("random:tiny")
+MC = model_config(SOURCE)
+BOOK = GrammarBook(SOURCE, MC.vocab_size, MC.eos_token_ids)
+REGEX = ("regex", "a(b|c)+d")
+
+
+def _ids(text: str) -> list[int]:
+    return [b + 3 for b in text.encode()]  # ByteTokenizer's ids
+
+
+def _any_of(chars: str) -> list[int]:
+    """Every id whose byte is one of `chars` (random:tiny's ids wrap around the 256 bytes)."""
+    tok = BOOK.tokenizer()
+    wanted = {bytes([b]) for b in chars.encode()}
+    return [i for i in range(MC.vocab_size) if tok.decode_bytes([i]) in wanted]
+
+
+def _allowed(guide, output: list[int]) -> list[int]:
+    words = torch.zeros(mask_words(MC.vocab_size), dtype=torch.int32)
+    guide.mask_into(output, words)
+    bits = ((words[:, None] >> torch.arange(32)) & 1).flatten()[: MC.vocab_size]
+    return bits.nonzero().flatten().tolist()
+
+
+def test_rollback_to_other_tokens_masks_as_a_fresh_matcher():
+    moved = BOOK.guide(REGEX)
+    assert _allowed(moved, _ids("abbb")) == _any_of("bcd")
+    assert moved.fed == _ids("abbb")
+    # a refused draft: the rows after it are left open, and the matcher keeps the good part
+    assert len(_allowed(moved, _ids("abx"))) == MC.vocab_size and moved.fed == _ids("ab")
+    fresh = BOOK.guide(REGEX)
+    assert _allowed(moved, _ids("acc")) == _allowed(fresh, _ids("acc")) == _any_of("bcd")
+
+
+def test_a_completed_grammar_allows_only_the_end_of_sequence():
+    guide = BOOK.guide(("choice", '["yes"]'))
+    assert _allowed(guide, _ids("yes")) == list(MC.eos_token_ids)
+
+
+def test_each_distinct_constraint_compiles_once():
+    before = BOOK.stats.compiled
+    BOOK.guide(("regex", "z+")), BOOK.guide(("regex", "z+"))
+    assert BOOK.stats.compiled == before + 1 and BOOK.stats.hits >= 1
+
+
+def test_the_sampler_masks_constrained_rows_and_leaves_the_others_alone():
+    sampler = Sampler(4, MC.vocab_size, torch.device("cpu"))
+    logits = torch.randn(3, MC.vocab_size, generator=torch.Generator().manual_seed(0))
+    before = logits.clone()
+    plain = SamplingParams(temperature=1.0, seed=1)
+    guided = SamplingParams(temperature=1.0, seed=1, guided_regex="a(b|c)+d")
+    rows = [Row(plain, 0, [], 0), Row(guided, 1, _ids("a"), 0, BOOK.guide(REGEX)),
+            Row(plain, 0, [], 0)]  # fmt: skip
+    sampler.constrain(logits, rows)
+    assert torch.equal(logits[0], before[0]) and torch.equal(logits[2], before[2])
+    assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == _any_of("bc")
+    tokens = sampler.sample_logits(logits, rows).tolist()
+    assert tokens[1] in _any_of("bc")
+
+
+def test_the_memory_plan_counts_the_bitmask():
+    sampler = Sampler(8, MC.vocab_size, torch.device("cpu"))
+    assert sampler.nbytes == sampler_nbytes(8, MC.vocab_size, in_place_logits=False)
+    parts = (sampler.mask_host, sampler.bit, sampler.bits, sampler.forbid)
+    mask = sum(t.numel() * t.element_size() for t in parts)
+    words = 8 * mask_words(MC.vocab_size)
+    assert mask == words * 4 + 128 + words * 32 * 4 + 8 * MC.vocab_size
+    # a plan without the bitmask falls short of what the sampler holds
+    assert sampler_nbytes(8, MC.vocab_size, False) - mask < sampler.nbytes
