@@ -53,7 +53,7 @@ def main() -> None:
     import structlog
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-    import memstep.executors.runtime.worker as worker_module
+    import memstep.executors.runtime.runner as runner_module
     from memstep.core.config import EngineConfig
     from memstep.core.sampling_params import SamplingParams
     from memstep.executors.process.inprocess import local_engine
@@ -75,7 +75,7 @@ def main() -> None:
     clock.wrap(engine, "_record", "core_record")
     clock.wrap(worker, "sample_rows")
     clock.wrap(worker, "_measure", "memory_measure")
-    clock.wrap(worker_module, "build_batch")
+    clock.wrap(runner_module, "build_batch")
 
     rng = random.Random(0)
     vocab = worker.model_cfg.vocab_size

@@ -13,7 +13,7 @@ import threading
 import pytest
 import zmq
 
-from memstep.api.client import AsyncClient, Client
+from memstep.api.client import AsyncClient, Client, ServerError
 
 SERVER_PUBLIC, SERVER_SECRET = zmq.curve_keypair()
 STRANGER_PUBLIC, STRANGER_SECRET = zmq.curve_keypair()
@@ -87,7 +87,8 @@ def test_a_refused_async_client_fails_within_its_timeout(refusing_server):
     async def calls() -> None:
         async with AsyncClient(refusing_server, timeout=1, **KEYS) as client:
             for _ in range(4):
-                with pytest.raises((TimeoutError, ConnectionError)):
+                # the dropped connection may also end a call as route_lost (its link closed)
+                with pytest.raises((TimeoutError, ConnectionError, ServerError)):
                     await client.health()
 
     assert in_bounded_time(lambda: asyncio.run(calls())) == []

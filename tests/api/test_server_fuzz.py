@@ -470,7 +470,7 @@ def send_real(real: zmq.Socket, out: Storm, reference: list[list[int]]) -> None:
     """One real generate request; every other one streams."""
     n = out.real_sent
     prompt = reference[n % REAL_PROMPTS][:-REAL_MAX_TOKENS]
-    params = {"max_tokens": REAL_MAX_TOKENS}
+    params = {"max_tokens": REAL_MAX_TOKENS, "temperature": 0.0}
     msg = GenerateRequest(f"real-{n}", prompt_token_ids=prompt, params=params, stream=n % 2 == 1)
     real.send(codec.encode(msg))
     out.real_streamed[msg.request_id] = []

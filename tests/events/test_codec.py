@@ -21,6 +21,7 @@ from memstep.events.types import (
     LedgerEntry,
     MemoryReport,
     PhaseChanged,
+    RecordsLost,
     RecoveryDone,
     RecoveryStarted,
     RequestAborted,
@@ -79,6 +80,9 @@ SAMPLES: list[object] = [
         step=70, request_id="req-0007", reason="length", prompt_tokens=7, completion_tokens=64
     ),
     LeakSuspected(step=50, kind="spec", what="held_after_exit", nbytes=3 << 20, detail="logits"),
+    RecordsLost(
+        step=90, num_records=12, first_step=80, last_step=88, reason="[Errno 27] File too large"
+    ),
     ExecutorLost(
         step=12,
         reason="executor process 4242 died (killed by SIGKILL)",

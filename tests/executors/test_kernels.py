@@ -457,7 +457,9 @@ def test_fused_decode_forward_matches_the_eager_model():
     same hidden states, same KV written, padding rows write nothing."""
     from memstep.core.config import EngineConfig
     from memstep.events.plan import SeqPlan
+    from memstep.executors.cuda.backend import CudaBackend
     from memstep.executors.cuda.graph_runner import GraphRunner
+    from memstep.executors.model.llama import LlamaModel
     from memstep.executors.runtime.worker import Worker
 
     cfg = EngineConfig(model="random:tiny", dtype="float32", max_num_seqs=8, num_kv_blocks=40)
@@ -474,7 +476,10 @@ def test_fused_decode_forward_matches_the_eager_model():
         SeqPlan(s.request_id, len(s.token_ids), [7 + i], s.block_table, True, 0, 0, {})
         for i, s in enumerate(prefill)
     ]
-    runner = GraphRunner(worker.model, worker.kv, 8, 128, 0, cfg.block_size)
+    # the runner's layers are CUDA's kernels (Triton's interpreter here) over the same weights
+    model = worker.model
+    twin = LlamaModel(model.cfg, model.w, model.cos.shape[0], CudaBackend())
+    runner = GraphRunner(twin, worker.kv, 8, 128, 0, cfg.block_size)
     with torch.inference_mode():
         worker.forward([(s, s.token_ids) for s in prefill])
         kv_before = [(k.clone(), v.clone()) for k, v in worker.kv]

@@ -10,11 +10,13 @@ import sys
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from memstep.core.config import ConfigError, EngineConfig
 from memstep.core.model_source import resolve
 from memstep.executors.cpu import kernels as cpu_kernels
 from memstep.executors.cpu.features import has_native_bf16
+from memstep.executors.cpu.linear import cpu_linear
 from memstep.executors.model import quant_linear as ql
 from memstep.executors.runtime.worker import pick_dtype, pick_quantization
 
@@ -70,7 +72,7 @@ def test_quantized_product_is_within_bound_of_the_float_one(mode, rows):
         reference = made["w.int8"].float() * made["w.int8_scales"].float()[:, None]
         bound = 2**-7  # bfloat16 rows
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(1))
-    got = ql.make_linear(made, "w")(x)
+    got = cpu_linear(made, "w", F.linear)(x)  # q4: the CPU backend's C kernels
     assert got.dtype == torch.float32 and got.shape == (rows, 96)
     scale = x.abs() @ reference.abs().t()
     assert ((got - x @ reference.t()).abs() / scale).max() < bound

@@ -39,7 +39,7 @@ PROMPTS: list[str | list[int]] = ["A person as JSON:", "Someone as JSON:", "A da
 PARAMS = [
     SamplingParams(max_tokens=32, temperature=0.9, seed=i, guided_json=SCHEMA) for i in range(2)
 ] + [
-    SamplingParams(max_tokens=12, guided_regex=DATE),
+    SamplingParams(max_tokens=12, temperature=0.0, guided_regex=DATE),
     SamplingParams(max_tokens=6, temperature=0.9, seed=7, guided_choice=["yes", "no"]),
 ]
 
@@ -98,7 +98,7 @@ def test_a_broken_rebuild_of_the_matcher_changes_the_tokens(clean, monkeypatch):
 def test_ngram_speculation_with_a_schema_gives_plain_decodings_tokens():
     copy = 'Copy {"name":"Bob","tags":["a","b"],"age":30} and {"name":"Al","tags":[],"age":5}:'
     prompts: list[str | list[int]] = [copy, "A person as JSON:"]
-    params = [SamplingParams(max_tokens=32, guided_json=SCHEMA)] * 2
+    params = [SamplingParams(max_tokens=32, temperature=0.0, guided_json=SCHEMA)] * 2
     plain, _ = _run(SMOL, prompts, params)
     spec_cfg = SMOL.replace(speculative_method="ngram", num_speculative_tokens=3)
     spec, records = _run(spec_cfg, prompts, params)

@@ -28,7 +28,9 @@ def serve_and_drive(into: Path) -> tuple[Path, list[dict], dict]:
     with ServerProcess(args, log_level="debug", http=True) as server:
         info = server.wait_ready()
         with Client(server.address, timeout=60) as client:
-            seen["first"] = client.generate(SHARED + [99], request_id="warm", max_tokens=4)
+            seen["first"] = client.generate(
+                SHARED + [99], request_id="warm", max_tokens=4, temperature=0.0
+            )
             try:
                 client.generate("", request_id="empty", max_tokens=4)
             except ServerError as exc:
@@ -50,7 +52,13 @@ async def _streams(address: str, executor_pid: int) -> list:
     async def one(client: AsyncClient, i: int) -> list[int]:
         rid = f"zmq-{i}"
         stream = await client.generate(
-            STREAMS[i], stream=True, request_id=rid, max_tokens=40, ignore_eos=True, seed=i
+            STREAMS[i],
+            stream=True,
+            request_id=rid,
+            max_tokens=40,
+            ignore_eos=True,
+            seed=i,
+            temperature=0.0,
         )
         tokens: list[int] = []
         async for delta in stream:
