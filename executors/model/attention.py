@@ -72,8 +72,11 @@ def build_group(
     tables: list[list[int]],
     block_size: int,
     device: torch.device,
+    per_query: bool = True,
 ) -> AttnGroup:
-    """One attention group; seq i's queries are rows starts[i]..+q_lens[i] at the end of ctx."""
+    """One attention group; seq i's queries are rows starts[i]..+q_lens[i] at the end of ctx.
+    `per_query`: also each query's own table and context (`query_tables`), for a backend that
+    attends queries of more than one token as decode rows (the CPU's)."""
     b, q = len(starts), max(q_lens)
     nb = max(cdiv(c, block_size) for c in ctx_lens)
     pages: list[int] = []  # built as flat lists, one tensor each: no small tensor per sequence
@@ -94,7 +97,7 @@ def build_group(
     flat = torch.arange(b) if q == 1 else (q_pos >= 0).flatten().nonzero().squeeze(1)
     in_order = rows == list(range(starts[0], starts[0] + b * q))
     query_tables = query_lens = None
-    if q > 1 and device.type == "cpu":
+    if q > 1 and per_query:
         query_tables = table.repeat_interleave(torch.tensor(q_lens), dim=0)
         query_lens = (q_pos.flatten()[flat] + 1).to(torch.int32)
     return AttnGroup(

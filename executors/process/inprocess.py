@@ -14,8 +14,8 @@ from memstep.core.engine import Engine
 from memstep.core.executor import ExecutorFactory
 from memstep.core.recovery import ExecutorDown
 from memstep.events.plan import PhaseReply, PhaseRequest, StepPlan, StepResult
+from memstep.executors.process.faults import planted_death
 from memstep.executors.process.remote import ProcessExecutor
-from memstep.executors.runtime.faults import planted_death
 from memstep.executors.runtime.worker import Worker
 
 

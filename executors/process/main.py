@@ -49,8 +49,8 @@ from memstep.events.wire import (
     ExecutorStop,
     Heartbeat,
 )
+from memstep.executors.process.faults import planted_death
 from memstep.executors.process.rank_replies import merge_replies
-from memstep.executors.runtime.faults import planted_death
 
 if TYPE_CHECKING:  # imports torch: the core imports this module and must not load it
     from memstep.executors.model.rank_group import RankGroup

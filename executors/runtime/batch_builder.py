@@ -54,6 +54,7 @@ def build_batch(
     `split_decodes`) puts every query but the decodes in one `PackedGroup`.
 
     Returns the batch and, per sequence, the row of its last fed token."""
+    per_query = device.type == "cpu"  # the CPU backend attends longer queries row by row
     if packed is None:
         packed = device.type == "cuda"
     if split_decodes is None:
@@ -80,14 +81,16 @@ def build_batch(
         elif n <= SHORT_QUERY:
             short.append(item)
         else:  # one call per chunk: its results never depend on what else is in the batch
-            groups.append(build_group(*map(lambda x: [x], item), block_size, device))
+            one = (*map(lambda x: [x], item), block_size, device, per_query)
+            groups.append(build_group(*one))
     for part in packed_parts(others):
         cols = (list(col) for col in zip(*part, strict=True))
         groups.append(build_packed(*cols, block_size, device))
     for items in (short, decodes):  # decodes first, then other short queries, then prefills
         if items:
             starts, q_lens, ctx, tables = (list(col) for col in zip(*items, strict=True))
-            groups.insert(0, build_group(starts, q_lens, ctx, tables, block_size, device))
+            group = build_group(starts, q_lens, ctx, tables, block_size, device, per_query)
+            groups.insert(0, group)
     batch = ForwardBatch(
         input_ids=torch.tensor(ids, dtype=torch.long, device=device),
         positions=torch.tensor(positions, dtype=torch.long, device=device),

@@ -1,6 +1,6 @@
 """Host memory the executor would otherwise keep for ever: oneDNN's caches, and freed heap pages.
 
-On the CPU the head, qkv and gate-up matmuls run through oneDNN (`llama.wide_linear`), which
+On the CPU the head, qkv and gate-up matmuls run through oneDNN (`executors/cpu/linear.py`), which
 compiles one primitive per input shape and keeps it in two caches: oneDNN's own and ideep's
 (PyTorch's wrapper), each 1,024 entries by default.  Serving meets a new shape for every new
 number of tokens in a step, so each cache grew with the requests served, by about 0.6 MiB a
