@@ -144,12 +144,19 @@ class Sampler:
         self.uniforms = torch.zeros(max_rows, dtype=f32, device=device)
         words = (max_rows, mask_words(vocab_size))
         on_gpu = device.type == "cuda"
-        self.mask_host = torch.zeros(words, dtype=torch.int32, pin_memory=on_gpu)
-        self.mask = torch.zeros(words, dtype=torch.int32, device=device) if on_gpu else None
-        self.bit = torch.arange(32, dtype=torch.int32, device=device)
+        # the bitmask's buffers are views of one allocation (`mask_block_bytes`): several small
+        # tensors each took an allocator block of their own, reserved past what the plan counts
+        self.mask_block = torch.zeros(
+            mask_block_bytes(max_rows, vocab_size), dtype=torch.uint8, device=device
+        )
+        carve = _Carver(self.mask_block)
         # the mask unpacked: each word's 32 bits, then which tokens are forbidden
-        self.bits = torch.zeros((*words, 32), dtype=torch.int32, device=device)
-        self.forbid = torch.zeros(shape, dtype=torch.bool, device=device)
+        self.bits = carve.take((*words, 32), torch.int32)
+        mask = carve.take(words, torch.int32)
+        self.bit = carve.take((32,), torch.int32).copy_(torch.arange(32, dtype=torch.int32))
+        self.forbid = carve.take(shape, torch.bool)
+        self.mask_host = torch.zeros(words, dtype=torch.int32, pin_memory=True) if on_gpu else mask
+        self.mask = mask if on_gpu else None
         # rows a filter pass works on at once: its scratch (a sort's, the cumulative mass) is
         # about 30 bytes per element of that many rows of the vocabulary
         self.filter_rows = max(1, min(max_rows, filter_elements // vocab_size))
@@ -163,8 +170,7 @@ class Sampler:
     @property
     def nbytes(self) -> int:
         bufs = (self.logits, self.raw, self.probs, self.sorted, self.order, self.uniforms)
-        mask = self.mask_host if self.mask is None else self.mask  # the pinned copy is host's
-        return tensor_bytes((*bufs, mask, self.bit, self.bits, self.forbid))
+        return tensor_bytes((*bufs, self.mask_block))
 
     def logits_out(self, num_rows: int) -> torch.Tensor | None:
         """Where the head may write `num_rows` rows of logits; None where it cannot."""
@@ -348,10 +354,33 @@ def to_device(
 
 def sampler_nbytes(max_rows: int, vocab_size: int, in_place_logits: bool) -> int:
     """The bytes of a `Sampler`'s buffers, for the memory plan."""
+    filters = max_rows * vocab_size * (4 * (3 + in_place_logits) + 8) + max_rows * 4
+    return filters + mask_block_bytes(max_rows, vocab_size)
+
+
+MASK_BLOCK_ROUND = 2 << 20  # the allocator's page: the block is reserved in whole pages
+
+
+def mask_block_bytes(max_rows: int, vocab_size: int) -> int:
+    """The bitmask's one allocation: its bits unpacked (int32), the bitmask on the device, the
+    32 bit indices and the forbidden tokens (bool), rounded up to whole allocator pages."""
     words = max_rows * mask_words(vocab_size)
-    # the bitmask, its bit indices, its bits unpacked (int32) and the forbidden tokens (bool)
-    mask = words * 4 + 32 * 4 + words * 32 * 4 + max_rows * vocab_size
-    return max_rows * vocab_size * (4 * (3 + in_place_logits) + 8) + max_rows * 4 + mask
+    used = words * 32 * 4 + words * 4 + 32 * 4 + max_rows * vocab_size
+    return -(-used // MASK_BLOCK_ROUND) * MASK_BLOCK_ROUND
+
+
+class _Carver:
+    """Consecutive views of one byte buffer, each of its own shape and dtype (4-byte dtypes
+    first: every offset stays aligned)."""
+
+    def __init__(self, block: torch.Tensor):
+        self.block, self.at = block, 0
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        size = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+        view = self.block[self.at : self.at + size].view(dtype).view(shape)
+        self.at += size
+        return view
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor, scratch: torch.Tensor) -> list[int]:
