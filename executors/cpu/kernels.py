@@ -1,40 +1,27 @@
 """The CPU's compiled kernels: float32 matmuls straight from a GGUF's Q4_1 and Q8_0 blocks, and
 paged decode attention.
 
-x [M, K] float32 @ W^T, where W's rows are the file's blocks: Q4_1 blocks of 32 inputs (d and
-m, the file's fp16 values widened to float32 at load, and 16 bytes of nibbles: w = code * d +
-m) or Q8_0 blocks as the file ships them (fp16 d, 32 int8: w = q * d). Each weight is exactly
-the float32 value gguf's dequantization gives, read at 6 (Q4_1) or 8.5 (Q8_0) bits each, and
-every product and sum is float32. So a q4 model's greedy text stays with the float32 model's
-where torch's bfloat16 int4 kernel (bf16 activations, scales and outputs) parted from it within
-20 tokens.
+x [M, K] float32 @ W^T, W's rows the file's blocks: Q4_1 (d and m, the file's fp16 values
+widened to float32 at load, 16 bytes of nibbles: w = code * d + m) or Q8_0 as shipped (fp16 d,
+32 int8: w = q * d). Each weight is exactly gguf's dequantized float32 value, read at 6 or 8.5
+bits, and every product and sum is float32, so a q4 model's greedy text stays with the float32
+model's (torch's bfloat16 int4 kernel parted from it within 20 tokens).
 
-With bfloat16 products (`bf16=True`, matmul_precision "bfloat16") x's rows are rounded to
-bfloat16 (`to_bf16`, as torch rounds) and each group's 32 weights too (gguf's float32 values,
-rounded once), and AVX512-BF16's dot product sums them in float32: twice the multiply-adds an
-instruction of float32's FMA, and half the bytes of x to read. A CPU without it gets the same
-sums a product at a time (`native_bf16()` says which).
+With bfloat16 products (`bf16=True`) x's rows and each group's weights are rounded to bfloat16
+(`to_bf16`, as torch rounds) and AVX512-BF16's dot product sums them in float32; a CPU without
+it gets the same sums a product at a time (`native_bf16()` says which). Each output is computed
+alone, in one order, whatever the number of rows: a row's result does not depend on its batch.
 
-Each output is computed alone, in one order (a row's groups left to right), whatever the
-number of rows M: a row's result does not depend on what else is in the batch.
+The C source (kernels.c) is compiled once per machine with the system's C compiler (`-O3
+-march=native -fopenmp`: AVX-512, else AVX2 + FMA, else plain C) into memstep's cache folder
+and loaded with ctypes; it runs on torch's OpenMP pool (the same libgomp.so.1), so
+`torch.set_num_threads` sets its threads too. `available()` says whether that worked.
 
-The C source (executors/cpu/kernels.c) is compiled once per machine with the system's C
-compiler (`-O3 -march=native -fopenmp`; AVX-512 where the CPU has it, else AVX2 + FMA, else
-plain C) into memstep's cache
-folder, and loaded with ctypes; it runs on the OpenMP pool torch already loaded (the same
-libgomp.so.1), so `torch.set_num_threads` sets its threads too. `available()` says whether
-that worked.
-
-`decode_attention` is the CPU's counterpart of the CUDA paged decode kernel (one query token per
-sequence, read from the cache pages in place, each sequence and head alone) and
-`rope_and_write_kv` of its rotary + KV write: in torch they were a gather of the pages and an
-attention call, and ~10 small ops, per layer. They made SmolLM2's q4 decode steps ~20-25% faster
-(docs/benchmarks.md).
-
-Where the OpenMP pool's threads sleep between regions (the executor's passive policy,
-executors/cpu/threads.py), waking them costs more than a small kernel's work, so a kernel under
-PARALLEL_MIN_WHEN_ASLEEP runs on the calling thread alone; each output is computed the same way
-either way.
+`decode_attention` and `rope_and_write_kv` are the CPU's counterparts of the CUDA paged decode
+kernel and rotary + KV write: the pages read in place instead of a gather and ~10 small torch
+ops a layer (docs/benchmarks.md has what they saved). Where the pool's threads sleep between
+regions (executors/cpu/threads.py), waking them costs more than a small kernel's work, so a
+kernel under PARALLEL_MIN_WHEN_ASLEEP runs on the calling thread alone, with the same bits.
 """
 
 from __future__ import annotations
