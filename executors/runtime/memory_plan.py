@@ -16,7 +16,7 @@ from memstep.events.plan import MemoryPlan, SeqPlan
 from memstep.executors.model import kv_cache
 from memstep.executors.model.attention import SHORT_QUERY
 from memstep.executors.runtime.batch_builder import build_batch
-from memstep.executors.runtime.sampler import sampler_nbytes
+from memstep.executors.runtime.sampler import filter_scratch_bytes, sampler_nbytes
 from memstep.executors.spec.eagle import draft_context
 from memstep.states.arena import nbytes_of, tensor_bytes
 from memstep.states.catalog import KINDS
@@ -112,6 +112,7 @@ def plan_memory(
     activation = _activation_peak(cfg, model_cfg, max_len, model, dtype, kv_dtype, device)
     if device.type == "cuda":
         activation += _eager_logits_bytes(cfg, model_cfg)
+        activation += filter_scratch_bytes(rows, model_cfg.vocab_size)
     page = _kv_page_bytes(cfg, model_cfg, kv_dtype, model_cfg.num_layers)
     draft_page = 0
     if cfg.speculative_method == "draft":

@@ -454,6 +454,26 @@ def test_reserved_memory_after_warmup_and_capture_is_within_the_plan(piecewise):
         release(engine)
 
 
+@pytest.mark.parametrize("rows", [1, 42, 64])
+def test_a_filter_pass_allocates_no_more_than_the_plan_adds_for_it(rows):
+    """The sort of a top-p/top-k pass allocates scratch outside the sampler's buffers; the
+    memory plan adds `filter_scratch_bytes` for it. The bound holds at one row, at a whole
+    pass, and at more rows than one pass takes (two passes, one after the other)."""
+    from memstep.executors.runtime.sampler import Row, Sampler, filter_scratch_bytes
+
+    vocab = 49152
+    sampler = Sampler(64, vocab, torch.device("cuda"), in_place_logits=True)
+    params = SamplingParams(temperature=0.7, top_p=0.9, top_k=50, seed=0)
+    logits = torch.randn(rows, vocab, device="cuda")
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    sampler.distribution(logits, [Row(params, 3, [1, 2, 3], 1) for _ in range(rows)])
+    torch.cuda.synchronize()
+    scratch = torch.cuda.max_memory_allocated() - base
+    assert 0 < scratch <= filter_scratch_bytes(64, vocab), scratch
+
+
 @pytest.mark.parametrize("piecewise", [False, True])
 def test_no_new_allocator_segments_after_warmup_and_capture(piecewise):
     leaks: list[LeakSuspected] = []
