@@ -37,15 +37,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_http_vs_zmq import cpu_seconds, server_pids  # noqa: E402
+from common import cpu_seconds, server_pids
 
-from memstep.cli.bench_serve import _samples, arrival_gaps, benchmark, compute_metrics  # noqa: E402
-from memstep.cli.datasets import Sample, token_totals  # noqa: E402
-from memstep.cli.serve import ServerProcess  # noqa: E402
-from memstep.core.config import EngineConfig  # noqa: E402
-from memstep.core.model_config import ModelConfig  # noqa: E402
-from memstep.core.model_source import model_config, resolve  # noqa: E402
+from memstep.cli.bench_serve import _samples, arrival_gaps, benchmark, compute_metrics
+from memstep.cli.datasets import Sample, token_totals
+from memstep.cli.serve import ServerProcess
+from memstep.core.config import EngineConfig
+from memstep.core.model_config import ModelConfig
+from memstep.core.model_source import model_config, resolve
 
 QUICK = {  # the CPU: a tiny model, a small sample, an SLO a 2-core machine can meet
     "model": "random:tiny",

@@ -25,19 +25,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import resource
 import statistics
 import time
-from pathlib import Path
 from typing import Any
+
+from common import cpu_seconds, server_pids
 
 from memstep.cli.bench_serve import _samples, arrival_gaps, benchmark, compute_metrics
 from memstep.cli.serve import ServerProcess
 from memstep.core.config import EngineConfig
-
-TICKS = os.sysconf("SC_CLK_TCK")
-PROCESSES = ("core", "executor", "http")
 
 
 def parse() -> argparse.Namespace:
@@ -92,24 +88,6 @@ def main() -> None:
                 tps[backend].append(m["output_throughput"])
                 print(f"run {repeat} {backend:<12} {describe(m, used)}", flush=True)
     summarise(backends, tps)
-
-
-def server_pids(info: dict[str, Any]) -> dict[str, list[int]]:
-    """The processes of a `memstep serve` by role, from its ready file (every HTTP front)."""
-    pids = {name: [int(info[f"{name}_pid"])] for name in PROCESSES}
-    return pids | {"http": [int(pid) for pid in info.get("http_pids") or pids["http"]]}
-
-
-def cpu_seconds(pids: dict[str, list[int]]) -> dict[str, float]:
-    """User + system CPU seconds of each server role's processes so far, and of this client."""
-    out = {}
-    for name, group in pids.items():
-        out[name] = 0.0
-        for pid in group:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            out[name] += (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime
-    me = resource.getrusage(resource.RUSAGE_SELF)
-    return out | {"client": me.ru_utime + me.ru_stime}
 
 
 def describe(m: dict[str, Any], used: dict[str, float]) -> str:

@@ -9,10 +9,14 @@ from a PYTHONPATH holding a `memstep` link to the checkout.
 
 from __future__ import annotations
 
+import os
 import random
+import resource
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -252,3 +256,25 @@ def ideal_run(batch: int, model_cfg, weight_bytes: int, bandwidth: float, rate: 
         "decode_s": round(decode, 4),
         "tok_per_s": round(batch * OUTPUT_LEN / seconds, 1),
     }
+
+
+TICKS = os.sysconf("SC_CLK_TCK")
+PROCESSES = ("core", "executor", "http")  # a `memstep serve`'s roles
+
+
+def server_pids(info: dict[str, Any]) -> dict[str, list[int]]:
+    """The processes of a `memstep serve` by role, from its ready file (every HTTP front)."""
+    pids = {name: [int(info[f"{name}_pid"])] for name in PROCESSES}
+    return pids | {"http": [int(pid) for pid in info.get("http_pids") or pids["http"]]}
+
+
+def cpu_seconds(pids: dict[str, list[int]]) -> dict[str, float]:
+    """User + system CPU seconds of each server role's processes so far, and of this client."""
+    out = {}
+    for name, group in pids.items():
+        out[name] = 0.0
+        for pid in group:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            out[name] += (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    return out | {"client": me.ru_utime + me.ru_stime}
