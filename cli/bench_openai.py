@@ -2,7 +2,9 @@
 `/v1/chat/completions` ("openai-chat") of memstep's HTTP front or any OpenAI-compatible server.
 
 Times are taken as by the ZMQ backend: each SSE chunk that carries text is one arrival.  The token
-counts come from the server's `usage` (asked for with `stream_options.include_usage`).
+counts come from the server's `usage` (asked for with `stream_options.include_usage`).  The client
+is aiohttp, as vLLM's `benchmark_serving.py` (httpx spent about twice its CPU a chunk, and a busy
+client's late reads count as the server's latency).
 """
 
 from __future__ import annotations
@@ -10,8 +12,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import aiohttp
 import attrs
-import httpx
 import orjson
 
 BACKENDS = ("zmq", "openai", "openai-chat")
@@ -31,11 +33,22 @@ class Streamed:
     completion_tokens: int = 0
 
 
-async def model_id(http: httpx.AsyncClient, base_url: str) -> str:
+HTTP_ERRORS = (aiohttp.ClientError, TimeoutError)  # a connection's failures, besides HttpError
+
+
+def session(timeout: float) -> aiohttp.ClientSession:
+    """One client for a whole run, without a cap on its connections (each stream holds one)."""
+    return aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=timeout),
+        connector=aiohttp.TCPConnector(limit=0),
+    )
+
+
+async def model_id(http: aiohttp.ClientSession, base_url: str) -> str:
     """The first model the server lists."""
-    reply = await http.get(f"{base_url}/v1/models")
-    reply.raise_for_status()
-    return str(reply.json()["data"][0]["id"])
+    async with http.get(f"{base_url}/v1/models") as reply:
+        reply.raise_for_status()
+        return str((await reply.json())["data"][0]["id"])
 
 
 def request_body(chat: bool, model: str, prompt: str, max_tokens: int, ignore_eos: bool) -> dict:
@@ -51,19 +64,20 @@ def request_body(chat: bool, model: str, prompt: str, max_tokens: int, ignore_eo
     return body
 
 
-async def stream(http: httpx.AsyncClient, base_url: str, chat: bool, body: dict) -> Streamed:
-    """One streamed request; the SSE events are split from the raw bytes as they come (httpx's
-    line iterator and json cost the client more CPU a token than the server's front spends)."""
+async def stream(http: aiohttp.ClientSession, base_url: str, chat: bool, body: dict) -> Streamed:
+    """One streamed request; the SSE events are split from the raw bytes as they come (a line
+    iterator and json cost the client more CPU a token than the server's front spends)."""
     path = "/v1/chat/completions" if chat else "/v1/completions"
     out = Streamed(time.perf_counter())
-    async with http.stream("POST", base_url + path, json=body) as reply:
-        if reply.status_code != 200:
-            text = (await reply.aread()).decode(errors="replace")
+    headers = {"Content-Type": "application/json"}
+    async with http.post(base_url + path, data=orjson.dumps(body), headers=headers) as reply:
+        if reply.status != 200:
+            text = (await reply.read()).decode(errors="replace")
             retry = reply.headers.get("retry-after")
             after = f" (Retry-After {retry})" if retry is not None else ""
-            raise HttpError(f"HTTP {reply.status_code}{after}: {text[:300]}")
+            raise HttpError(f"HTTP {reply.status}{after}: {text[:300]}")
         tail = b""
-        async for data in reply.aiter_bytes():
+        async for data in reply.content.iter_any():
             events, tail = split_events(tail + data)
             _take_events(out, events, chat)
         _take_events(out, [tail], chat)

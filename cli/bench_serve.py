@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import attrs
-import httpx
 import numpy as np
 
 from memstep.api.client import AsyncClient, Client, ServerError
@@ -167,10 +167,10 @@ def check_server(address: str, sample: Sample, timeout: float) -> None:
 
 async def check_http(url: str, timeout: float) -> None:
     """The OpenAI-compatible server at `url` must answer /v1/models."""
-    async with httpx.AsyncClient(timeout=timeout) as http:
+    async with bench_openai.session(timeout) as http:
         try:
             await bench_openai.model_id(http, url)
-        except (bench_openai.HttpError, httpx.HTTPError) as exc:
+        except (bench_openai.HttpError, *bench_openai.HTTP_ERRORS) as exc:
             raise BenchFailed(f"server {url} cannot be reached: {exc!r}") from exc
 
 
@@ -307,8 +307,7 @@ async def _backend(address: str, args: Any) -> Any:
         finally:
             await client.close()
         return
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
+    async with bench_openai.session(timeout) as http:
         model = await bench_openai.model_id(http, address)
         yield functools.partial(_one_openai, http, address, model, backend == "openai-chat")
 
@@ -319,7 +318,7 @@ async def _limited(limit: asyncio.Semaphore, send: Any, *args: Any) -> RequestRe
 
 
 async def _one_openai(
-    http: httpx.AsyncClient,
+    http: aiohttp.ClientSession,
     url: str,
     model: str,
     chat: bool,
@@ -337,7 +336,7 @@ async def _one_openai(
         result.itl = [later - earlier for earlier, later in zip(times, times[1:], strict=False)]
         result.latency = time.perf_counter() - got.start
         result.prompt_len, result.output_len = got.prompt_tokens, got.completion_tokens
-    except (bench_openai.HttpError, httpx.HTTPError) as exc:
+    except (bench_openai.HttpError, *bench_openai.HTTP_ERRORS) as exc:
         result.error = str(exc)
     bar.update(1)
     return result
