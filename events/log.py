@@ -34,7 +34,7 @@ from typing import Any, BinaryIO, Literal, Self
 import attrs
 import msgpack
 
-from memstep.events import codec
+from memstep.events import codec, plan, wire  # noqa: F401  (plan, wire: their records, registered)
 from memstep.events.version import VERSION
 
 MAGIC = b"MEMSTEP\x00"

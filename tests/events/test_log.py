@@ -409,3 +409,19 @@ def test_part_from_another_log_is_refused(tmp_path):
     (tmp_path / "other.log").rename(f"{path}.1")
     with pytest.raises(LogFormatError, match="header differs"):
         read_log(path)
+
+
+@pytest.mark.parametrize("module", ["memstep.events.log", "memstep.replay.recording"])
+def test_a_log_reader_alone_knows_every_record_the_engine_writes(module):
+    """`memstep inspect` loads no engine: the reader's own imports must register every record
+    class (a GPU run's MemoryPlanned was once read as corruption)."""
+    import subprocess
+    import sys
+
+    code = (
+        f"import {module}\n"
+        "from memstep.events.types import REGISTRY\n"
+        "print(sorted({'MemoryPlanned', 'ExecutorStop', 'StepPlan'} - set(REGISTRY)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
