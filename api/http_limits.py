@@ -13,16 +13,13 @@ docs/limits.md lists them with their flags.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
-from typing import Any
 
 import attrs
-import h11
 from starlette.requests import ClientDisconnect, Request
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from memstep.api.openai_protocol import OpenAIError
 from memstep.core.config import ConfigError
@@ -59,54 +56,25 @@ class HttpLimits:
         ]
 
 
-class GuardedH11(H11Protocol):
-    """uvicorn's h11 protocol with a connection cap and a deadline for each request head."""
+class GuardedHttptools(HttpToolsProtocol):
+    """uvicorn's httptools protocol under the guards (a C parser and writer: h11, pure Python,
+    cost the front more CPU a streamed chunk than the rest of its work), refusing an HTTP/1.1
+    request without a Host header (RFC 9112), as h11 did."""
 
     limits = HttpLimits()
     refused = 0  # connections closed at once, past max_connections
     timed_out = 0  # connections closed for sending no whole request head in time
+    head_timer: asyncio.TimerHandle | None = None
 
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self.head_timer: asyncio.TimerHandle | None = None
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+    def _admit(self, transport: asyncio.Transport) -> None:
+        """After uvicorn's connection_made: close a connection past the cap, else start the
+        clock for its first request head."""
         if len(self.connections) > self.limits.max_connections:
-            GuardedH11.refused += 1
+            GuardedHttptools.refused += 1
             log.warning("connection refused: %d open", len(self.connections) - 1)
             transport.abort()
             return
         self._arm_head_timer()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._cancel_head_timer()
-        super().connection_lost(exc)
-
-    def handle_events(self) -> None:
-        super().handle_events()
-        if self.conn.their_state is not h11.IDLE:  # a whole request head came
-            self._cancel_head_timer()
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
-            self._arm_head_timer()
-
-    def send_400_response(self, msg: str) -> None:
-        """A request h11 cannot parse (no Host header, a bad request line): OpenAI's JSON error
-        object, as for every other error."""
-        body = json.dumps(OpenAIError(400, msg, code="invalid_http").body()).encode()
-        headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
-        headers.append((b"content-length", str(len(body)).encode()))
-        for event in (
-            h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
-            h11.Data(data=body),
-            h11.EndOfMessage(),
-        ):
-            with contextlib.suppress(h11.LocalProtocolError):  # a response had begun
-                self.transport.write(self.conn.send(event))
-        self.transport.close()
 
     def _arm_head_timer(self) -> None:
         self._cancel_head_timer()
@@ -119,14 +87,55 @@ class GuardedH11(H11Protocol):
 
     def _head_late(self) -> None:
         self.head_timer = None
-        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-            GuardedH11.timed_out += 1
+        if not self.transport.is_closing():  # armed until a whole head comes: none did
+            GuardedHttptools.timed_out += 1
             self.transport.close()
 
+    def send_400_response(self, msg: str) -> None:
+        """OpenAI's JSON error object for a request the parser refused, then close."""
+        body = json.dumps(OpenAIError(400, msg, code="invalid_http").body()).encode()
+        head = (
+            b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
+            b"connection: close\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n"
+        )
+        self.transport.write(head + body)
+        self.transport.close()
 
-def guarded_protocol(limits: HttpLimits) -> type[GuardedH11]:
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._admit(transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_timer()
+        super().connection_lost(exc)
+
+    def on_headers_complete(self) -> None:
+        self._cancel_head_timer()  # a whole request head came
+        if self.parser.get_http_version() == "1.1" and not any(
+            name == b"host" for name, _ in self.headers
+        ):
+            self.send_400_response("Missing required header: Host")
+            return
+        super().on_headers_complete()
+
+    def on_response_complete(self) -> None:
+        queued = bool(self.pipeline)  # a pipelined request whose head came already
+        super().on_response_complete()
+        if not queued and not self.transport.is_closing():
+            self._arm_head_timer()
+
+    def on_body(self, body: bytes) -> None:
+        if not self.transport.is_closing():  # not the rest of a refused request
+            super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        if not self.transport.is_closing():
+            super().on_message_complete()
+
+
+def guarded_protocol(limits: HttpLimits) -> type[GuardedHttptools]:
     """The protocol class uvicorn builds each connection with, under `limits`."""
-    return type("GuardedH11", (GuardedH11,), {"limits": limits})
+    return type("GuardedHttptools", (GuardedHttptools,), {"limits": limits})
 
 
 async def read_body(request: Request, limits: HttpLimits) -> bytes:

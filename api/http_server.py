@@ -46,7 +46,7 @@ from starlette.routing import Route
 from memstep.api import openai_protocol as oai
 from memstep.api.client import ROUTE_LOST, AsyncClient, AsyncStream, ServerError
 from memstep.api.http_limits import (
-    GuardedH11,
+    GuardedHttptools,
     HttpLimits,
     guarded_protocol,
     limit_log_rate,
@@ -171,8 +171,8 @@ class Front:
             num_connections=len(self.connections),
             num_inflight=self.num_inflight + len(self.streaming),
             num_client_entries=self.client.num_pending if self.client is not None else 0,
-            num_refused_connections=GuardedH11.refused,
-            num_timed_out_connections=GuardedH11.timed_out,
+            num_refused_connections=GuardedHttptools.refused,
+            num_timed_out_connections=GuardedHttptools.timed_out,
         )
 
     # --- generation ------------------------------------------------------------------------
