@@ -2,7 +2,7 @@
 
 `prefix`: the live replica that was sent the longest prefix of the request (at least one block),
 unless its load exceeds the least loaded one's by more than `balance_tokens`; else the least
-loaded.  `load`: the least loaded live replica (ties: the lowest index).  `round-robin`: the
+loaded.  `load`: the least loaded live replica (ties: each in turn).  `round-robin`: the
 next live replica in turn.  A replay (`router/replay.py`) calls the same `choose` with the
 recorded inputs, so every decision is checked.
 """
@@ -53,7 +53,8 @@ class Policy:
             replica = candidates[self.turn % len(candidates)]
             self.turn += 1
             return Choice(replica, "round-robin", self.index.matched(replica, hashes))
-        least = min(candidates, key=lambda i: (loads[i], i))
+        least = min(candidates, key=lambda i: (loads[i], (i - self.turn) % len(loads)))
+        self.turn += 1  # ties among the least loaded go round in turn
         if self.name == "prefix":
             best = max(candidates, key=lambda i: (self.index.matched(i, hashes), -loads[i], -i))
             matched = self.index.matched(best, hashes)
