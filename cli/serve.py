@@ -110,7 +110,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="past N waiting, refuse: 'overloaded' (HTTP 503); 0: no bound",
     )  # fmt: skip
     _add_curve_arguments(g["distributed"])
-    serve_replicas.add_replica_arguments(g["distributed"])
+    serve_replicas.add_replica_arguments(g["distributed"], g["debugging"])
     _add_debugging_arguments(g["debugging"], d)
     add_limit_arguments(g["debugging"])
 

@@ -42,25 +42,26 @@ NOT_FOR_REPLICAS = {
 }  # fmt: skip
 
 
-def add_replica_arguments(g: Any) -> None:
+def add_replica_arguments(g: Any, more: Any) -> None:
+    """`--data-parallel-size` in `g` (shown by --help), the rest in `more` (--help-all)."""
     g.add_argument(
         "--data-parallel-size", type=int, default=1, metavar="N",
-        help="N engine replicas on this machine behind one router (docs/replicas.md)",
+        help="N replicas behind one router (docs/replicas.md)",
     )  # fmt: skip
-    g.add_argument(
+    more.add_argument(
         "--replica", action="append", default=[], metavar="tcp://HOST:PORT",
         help="a `memstep serve` engine elsewhere, routed to as a replica (repeatable)",
     )  # fmt: skip
-    g.add_argument(
+    more.add_argument(
         "--routing-policy", choices=POLICIES, default="prefix",
         help="prefix: the longest prefix sent before, else least loaded (default: %(default)s)",
     )  # fmt: skip
-    g.add_argument(
+    more.add_argument(
         "--replica-timeout", type=float, default=RouterConfig().replica_timeout_s, metavar="S",
         help="a replica silent this long is lost; its requests migrate",
     )  # fmt: skip
-    g.add_argument("--replica-server-key", metavar="KEY", help="--replica's CURVE public key")
-    g.add_argument(
+    more.add_argument("--replica-server-key", metavar="KEY", help="--replica's CURVE public key")
+    more.add_argument(
         "--replica-client-key", metavar="FILE",
         help="the router's CURVE secret key (its public key allowed by each --replica)",
     )  # fmt: skip
