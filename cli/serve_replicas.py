@@ -24,6 +24,7 @@ import zmq
 
 from memstep.api.http_front import HttpConfig, HttpFront, bind
 from memstep.api.http_limits import HttpLimits
+from memstep.api.server import is_loopback
 from memstep.core.config import ConfigError
 from memstep.core.device_limits import cuda_device_bytes
 from memstep.router.policy import POLICIES
@@ -189,6 +190,8 @@ def _visible(index: int) -> str:
 
 
 def _router_config(args: argparse.Namespace, load_key: Callable[[str], bytes]) -> RouterConfig:
+    if not is_loopback(args.host):
+        raise ConfigError("the router's ZMQ endpoint has no CURVE yet: give a loopback --host")
     curve: tuple[bytes | None, bytes | None, bytes | None] = (None, None, None)
     if args.replica_server_key:
         if not args.replica_client_key:
