@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
@@ -50,3 +52,19 @@ def test_each_mode_plans_its_runs():
     assert "--data-parallel-size" in cpu[0][1] and "--data-parallel-size" not in cpu[1][1]
     h200 = bench.parse([])
     assert (h200.num_prompts, h200.request_rate, h200.device) == (7200, 60.0, "cuda")
+
+
+@pytest.mark.gpu
+def test_two_replicas_share_one_gpu_through_a_kill():
+    """On a GPU: two replicas of random:tiny at half the memory each, one core killed under
+    load; no request fails and the survivor's reserved memory does not grow."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    bench = _bench()
+    args = bench.parse(["--quick", "--device", "cuda", "--num-prompts", "64", "--kill-at", "1.5"])
+    label, flags, kill, env = bench.plan(args)[0]
+    out = bench.run_one(label, flags, bench.samples_of(args), args, kill, env)
+    assert (out["completed"], out["failed"]) == (64, 0) and out["migrations"] > 0
+    survivor = out["memory"]["1"]
+    assert survivor["samples"] >= 2 and survivor["reserved_growth"] == 0, survivor

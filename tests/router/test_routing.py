@@ -98,3 +98,32 @@ def test_a_lost_replica_is_never_chosen():
     policy = Policy("round-robin", 3)
     picks = [policy.choose([], [0, 0, 0], [True, False, True]).replica for _ in range(4)]
     assert picks == [0, 2, 0, 2]
+
+
+def test_a_replica_elsewhere_is_reached_over_curve_and_a_stranger_is_not(tmp_path: Path):
+    """`--replica` with CURVE: the router's key pair is allowed by the replica; a router with
+    another key pair is refused, and the replica never counts as live for it."""
+    import zmq
+
+    from memstep.cli.serve import ServerProcess
+    from memstep.router.router import Router, RouterConfig
+
+    server_public, server_secret = zmq.curve_keypair()
+    router_public, router_secret = zmq.curve_keypair()
+    stranger_public, stranger_secret = zmq.curve_keypair()
+    (tmp_path / "server.key").write_bytes(server_secret)
+    flags = ["--model", "random:tiny", "--curve-secret-key", str(tmp_path / "server.key"),
+             "--curve-client-keys", router_public.decode()]  # fmt: skip
+    with ServerProcess(flags) as replica:
+        replica.wait_ready()
+        curve = (server_public, router_public, router_secret)
+        with running([replica.address], tmp_path / "c.memlog", replica_curve=curve) as router:
+            with Client(router.endpoint) as client:
+                done = client.generate("over curve", max_tokens=4, seed=1)
+            assert len(done.token_ids) == 4
+        cfg = RouterConfig(replica_curve=(server_public, stranger_public, stranger_secret))
+        refused = Router([replica.address], cfg)
+        try:
+            assert not refused.wait_live(2.0)
+        finally:
+            refused.close()
