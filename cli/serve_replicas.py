@@ -59,7 +59,7 @@ def add_replica_arguments(g: Any, more: Any) -> None:
     )  # fmt: skip
     more.add_argument(
         "--replica-timeout", type=float, default=RouterConfig().replica_timeout_s, metavar="S",
-        help="a replica silent this long is lost; its requests migrate",
+        help="a replica whose connection carries nothing (heartbeats included) this long is lost",
     )  # fmt: skip
     more.add_argument("--replica-server-key", metavar="KEY", help="--replica's CURVE public key")
     more.add_argument(

@@ -1,9 +1,12 @@
 """One replica as the router sees it: a DEALER socket to its core and what it last said.
 
-A replica is `live` from its first `ok` health reply until it is lost: its connection closes
-(a core killed or gone from the network), it stays silent `replica_timeout_s` while polled every
-`poll_interval_s`, or it answers `executor_dead` (its engine gave up).  A lost replica's socket
-is closed at once, so nothing it sent after the loss is read: its requests continue elsewhere.
+A replica is `live` from its first `ok` health reply until it is lost: its connection closes (a
+core killed: its OS closes the connection), its connection carries nothing for `timeout_s`
+(ZMTP heartbeats, answered by the replica's ZMQ I/O thread, so a core busy in a long step still
+answers them and only a machine or network gone is silent), or it answers `executor_dead` (its
+engine gave up).  Health is asked every `poll_interval_s`; a slow answer is no loss.  A lost
+replica's socket is closed at once, so nothing it sent after the loss is read: its requests
+continue elsewhere.
 """
 
 from __future__ import annotations
@@ -16,16 +19,26 @@ from memstep.events import codec
 from memstep.events.wire import HealthReply, HealthRequest, StatsReply, StatsRequest
 
 Key = bytes | None
+HEARTBEAT_IVL_MS = 1000  # a ZMTP PING this often on an otherwise quiet connection
 
 
 class Backend:
     """The socket to one replica's core; owns it and its monitor."""
 
-    def __init__(self, ctx: zmq.Context, index: int, endpoint: str, curve: tuple[Key, Key, Key]):
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        index: int,
+        endpoint: str,
+        curve: tuple[Key, Key, Key],
+        timeout_s: float,
+    ):
         self.index = index
         self.endpoint = endpoint
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(timeout_s * 1000))
         server_key, public, secret = curve
         if server_key:
             self.sock.setsockopt(zmq.CURVE_SERVERKEY, server_key)
@@ -65,9 +78,6 @@ class Backend:
             self.live = msg.status == "ok"
         elif isinstance(msg, StatsReply):
             self.stats = msg
-
-    def is_silent(self, now: float, timeout: float) -> bool:
-        return self.joined and now - self.last_heard > timeout
 
     def disconnected(self) -> bool:
         """Whether its connection closed since the last look."""

@@ -64,12 +64,12 @@ SEED_BOUND = 2**63
 
 @attrs.frozen(kw_only=True)
 class RouterConfig:
-    """Where the router listens, how it routes and when a silent replica counts as lost."""
+    """Where the router listens, how it routes and when a silent connection counts as lost."""
 
     host: str = "127.0.0.1"
     port: int = 0  # 0: a free port (Router.endpoint)
     policy: str = "prefix"
-    replica_timeout_s: float = 5.0
+    replica_timeout_s: float = 5.0  # a connection silent this long, heartbeats included, closes
     poll_interval_s: float = 0.5
     max_frame_bytes: int = 1 << 20
     seed: int | None = None  # draws the seeds of requests that come without one
@@ -89,7 +89,10 @@ class Router:
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.bind(f"tcp://{cfg.host}:{cfg.port}")
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.backends = [Backend(self.ctx, i, e, cfg.replica_curve) for i, e in enumerate(replicas)]
+        self.backends = [
+            Backend(self.ctx, i, e, cfg.replica_curve, cfg.replica_timeout_s)
+            for i, e in enumerate(replicas)
+        ]
         self.policy = Policy(cfg.policy, len(replicas))
         self.seeds = random.Random(cfg.seed if cfg.seed is not None else os.urandom(16))
         self.routed: dict[tuple[bytes, str], Routed] = {}
@@ -256,9 +259,7 @@ class Router:
             if b.lost:
                 continue
             if b.disconnected() and b.joined:
-                self._lose(b, "its connection closed")
-            elif b.is_silent(now, self.cfg.replica_timeout_s):
-                self._lose(b, f"silent for {self.cfg.replica_timeout_s} s")
+                self._lose(b, "its connection closed (or carried nothing for the timeout)")
             elif now - b.last_polled >= self.cfg.poll_interval_s:
                 b.poll(now)
 

@@ -17,7 +17,7 @@ from memstep.api.client import AsyncClient
 from memstep.cli.serve import ServerProcess
 from memstep.router.router import Router, RouterConfig
 
-MODEL = ["--model", "random:tiny"]
+MODEL = ["--model", "random:tiny", "--max-num-seqs", "8"]  # a batch of 32 runs in waves
 
 
 @pytest.fixture(scope="module")
