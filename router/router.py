@@ -174,7 +174,11 @@ class Router:
             StatsRequest: lambda env, m: self._send(env, stats_of(m, self.backends, self)),
             AttachRequest: self._no_attach,
         }
-        handlers[type(msg)](envelope, msg)
+        try:
+            handlers[type(msg)](envelope, msg)
+        except Exception as exc:  # a router bug costs this request, never the router
+            log.exception("request failed", request_id=msg.request_id)
+            self._error(envelope, msg.request_id, "internal_error", str(exc))
 
     def _generate(self, envelope: list[bytes], msg: GenerateRequest) -> None:
         if (envelope[0], msg.request_id) in self.routed:
@@ -195,7 +199,8 @@ class Router:
         r = Routed(envelope, msg, self.seq, choice.replica, f"r{self.seq}", time.monotonic(),
                    hashes, _estimate(msg), _max_tokens(params))  # fmt: skip
         self._track(r)
-        self._record(RequestRouted(self.seq, msg.request_id, r.backend_id, params["seed"], hashes,
+        seed = params["seed"] if type(params["seed"]) is int else -1  # not an int: refused there
+        self._record(RequestRouted(self.seq, msg.request_id, r.backend_id, seed, hashes,
                                    loads, live, choice.replica, choice.reason,
                                    choice.matched_blocks, time.time()))  # fmt: skip
         self._forward(r, [])

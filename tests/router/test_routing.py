@@ -127,3 +127,14 @@ def test_a_replica_elsewhere_is_reached_over_curve_and_a_stranger_is_not(tmp_pat
             assert not refused.wait_live(2.0)
         finally:
             refused.close()
+
+
+def test_a_bad_request_is_refused_by_its_replica_and_the_router_goes_on(replicas, tmp_path: Path):
+    from memstep.api.client import ServerError
+
+    endpoints = [p.address for p in replicas]
+    with running(endpoints, tmp_path / "bad.memlog") as router, Client(router.endpoint) as client:
+        with pytest.raises(ServerError) as refused:
+            client.generate("a bad seed", max_tokens=2, seed="not a number")
+        assert refused.value.code == "invalid_request", refused.value
+        assert len(client.generate("a good one", max_tokens=2, seed=1).token_ids) == 2
