@@ -121,6 +121,20 @@ class CoreStats(Collector):
         yield _labelled("steps", "engine steps run", "kind", s.steps)
         yield _labelled("step_transitions", "step-kind transitions", "transition", s.transitions)
         yield from _memory(s)
+        yield from _replicas(s)
+
+
+def _replicas(s: StatsReply) -> Iterator[Metric]:
+    """Behind a router (`serve --data-parallel-size`): each replica's figures, by `replica`."""
+    names = sorted({name for figures in s.replicas.values() for name in figures})
+    for name in names:
+        family = GaugeMetricFamily(
+            f"memstep:replica_{name}", f"{name} of each replica", labels=["replica"]
+        )
+        for replica, figures in sorted(s.replicas.items()):
+            if name in figures:
+                family.add_metric([replica], figures[name])
+        yield family
 
 
 def _memory(s: StatsReply) -> Iterator[Metric]:

@@ -204,6 +204,7 @@ class Server:
         self.dead_since: float | None = None
         self.tally = Tally()
         self.detached = Reattach()  # requests carried over from a dead server's log
+        self.num_migrated_in = 0  # requests a router moved here (GenerateRequest.output_token_ids)
         engine.sinks.extend([self.tally, self._note_scheduled])
         self.started = time.monotonic()
         self.last_keepalive = 0.0
@@ -460,14 +461,27 @@ class Server:
         prompt = self._prompt(msg)
         params = _sampling_params(msg.params)
         log.info("request arrived", step=self.engine.step_no, request_id=msg.request_id)
-        engine_id = self.engine.add_request(
-            prompt, params, arrival_time=time.time(), client_id=msg.request_id
-        )
+        if msg.output_token_ids:
+            engine_id = self._migrated(prompt, params, msg)
+        else:
+            engine_id = self.engine.add_request(
+                prompt, params, arrival_time=time.time(), client_id=msg.request_id
+            )
         num_prompt = self.engine.requests[engine_id].num_prompt_tokens
         inf = Inflight(envelope, msg.request_id, msg.stream, time.monotonic(), num_prompt)
         self.inflight[engine_id] = inf
         self.by_client[key] = engine_id
         self.last_sent.setdefault(inf.peer, inf.arrival)
+
+    def _migrated(self, prompt: str | list[int], params: SamplingParams, msg: Any) -> str:
+        """Admit a request a router moved here off a dead engine, with the tokens its client
+        has: sampled on from there, keyed by (seed, position), as on the engine it left."""
+        ids = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self.num_migrated_in += 1
+        engine_id = f"migrated-{self.num_migrated_in}"
+        self.engine.resume_request(engine_id, ids, params, msg.output_token_ids, time.time())
+        self.engine.name(engine_id, msg.request_id)
+        return engine_id
 
     def _check_queue(self) -> None:
         """While a new executor starts, count the new requests of this recovery (the engine's

@@ -9,10 +9,12 @@ import sys
 from collections import defaultdict
 from typing import Any
 
+from memstep.cli import router_log
 from memstep.cli.request_report import life_report, slowest_report
 from memstep.replay.recording import Recording, load
 from memstep.replay.summary import LogSummary, summarize
 from memstep.replay.text_table import fmt_bytes, render
+from memstep.router.replay import is_router_log
 
 MAX_STRETCHES = 20  # the text table shows the first ones; --json has them all
 
@@ -37,6 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if is_router_log(args.log):  # serve --data-parallel-size: the router's own log
+        return router_log.inspect(args)
     recording = load(args.log)
     if recording.is_corrupt:
         print(f"memstep: warning: {recording.describe_problem()}", file=sys.stderr)

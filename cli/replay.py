@@ -14,12 +14,14 @@ import argparse
 import json
 import sys
 
+from memstep.cli import router_log
 from memstep.cli.progress import Progress, add_progress_argument
 from memstep.core.config import parse_override
 from memstep.events.types import StepFinished
 from memstep.replay.recording import load
 from memstep.replay.replayer import ReplayStalled, replay
 from memstep.replay.report import EXIT_CORRUPT, EXIT_DIVERGED, build_report
+from memstep.router.replay import is_router_log
 
 EXIT_CODES = (
     f"exit codes: 0 identical (a torn tail is only a warning), {EXIT_DIVERGED} diverged (in what "
@@ -44,6 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if is_router_log(args.log):  # serve --data-parallel-size: the router's own log
+        return router_log.replay(args)
     overrides = dict(parse_override(text) for text in args.overrides)
     recording = load(args.log)
     problem = recording.describe_problem()

@@ -38,6 +38,7 @@ from memstep.api.http_front import (
 )
 from memstep.api.http_limits import HttpLimits
 from memstep.api.server import Server, ServerConfig
+from memstep.cli import serve_replicas
 from memstep.cli.curve_keys import attach_dashed_keys, is_z85_key
 from memstep.cli.help_format import groups
 from memstep.cli.main import add_engine_arguments, config_from_args
@@ -109,6 +110,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="past N waiting, refuse: 'overloaded' (HTTP 503); 0: no bound",
     )  # fmt: skip
     _add_curve_arguments(g["distributed"])
+    serve_replicas.add_replica_arguments(g["distributed"], g["debugging"])
     _add_debugging_arguments(g["debugging"], d)
     add_limit_arguments(g["debugging"])
 
@@ -191,6 +193,8 @@ def _api_key(args: argparse.Namespace) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if serve_replicas.wants_replicas(args):
+        return _serve_replicas(args)
     server_cfg = _server_config(args)
     args.api_key = _api_key(args)
     http_cfg = HttpConfig(
@@ -240,6 +244,15 @@ def run(args: argparse.Namespace) -> int:
         if recorder is not None:
             recorder.close()
     return 0 if engine.death is None else EXIT_ENGINE_DEAD
+
+
+def _serve_replicas(args: argparse.Namespace) -> int:
+    """`--data-parallel-size N` or `--replica`: replicas behind a router (cli/serve_replicas.py)."""
+    args.api_key = _api_key(args)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    parts = serve_replicas.ServeParts(parser, _http_limits(args), ServerProcess, load_key)
+    return serve_replicas.run(args, parts)
 
 
 def _server_config(args: argparse.Namespace) -> ServerConfig:
@@ -415,7 +428,13 @@ def load_keys(text: str) -> frozenset[bytes]:
 class ServerProcess:
     """`memstep serve` in a child process on a free port; owns the process and its log file."""
 
-    def __init__(self, args: list[str], log_level: str = "warning", http: bool = False):
+    def __init__(
+        self,
+        args: list[str],
+        log_level: str = "warning",
+        http: bool = False,
+        env: dict[str, str] | None = None,
+    ):
         self.dir = Path(tempfile.mkdtemp(prefix="memstep-serve-"))
         self.ready_file = self.dir / "ready.json"
         self.log_path = self.dir / "server.log"
@@ -428,7 +447,7 @@ class ServerProcess:
         if "--standby-executor" not in args:  # a second loading executor would skew benchmarks
             cmd += ["--standby-executor", "off"]
         with self.log_path.open("wb") as log_file:
-            self.proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env)
 
     @property
     def address(self) -> str:

@@ -36,6 +36,9 @@ class GenerateRequest:
     params: dict = attrs.Factory(dict)  # SamplingParams fields; absent ones take defaults
     stream: bool = False
     special_tokens_in_messages: bool = False  # read "<|im_start|>" in a message as the token
+    # a request migrated off a dead engine (router/): the tokens its client already has; they are
+    # taken as the first outputs and sampling goes on after them (needs params["seed"])
+    output_token_ids: list[int] = attrs.Factory(list)
 
 
 @record
@@ -158,6 +161,8 @@ class StatsReply:
     transitions: dict[str, int] = attrs.Factory(dict)  # "old->new" kind changes
     host_rss_bytes: dict[str, int] = attrs.Factory(dict)  # "core", "executor": resident bytes
     refused: dict[str, int] = attrs.Factory(dict)  # generate requests refused, by error code
+    # a router's reply (router/): each replica's figures by name ("live", "num_running", ...)
+    replicas: dict[str, dict[str, int]] = attrs.Factory(dict)
 
 
 # the error codes a well-formed generate request is refused with for now, not for what it is

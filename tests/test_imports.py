@@ -18,9 +18,10 @@ FLOORS = {
     "executors": 3,
     "replay": 4,
     "api": 5,
-    "train": 6,
-    "cli": 7,
-    "": 8,  # memstep/__init__.py: the package's front door
+    "router": 6,  # replicas behind one front: a client of each replica's core
+    "train": 7,
+    "cli": 8,
+    "": 9,  # memstep/__init__.py: the package's front door
 }
 
 
