@@ -415,7 +415,10 @@ def load_keys(text: str) -> frozenset[bytes]:
 class ServerProcess:
     """`memstep serve` in a child process on a free port; owns the process and its log file."""
 
-    def __init__(self, args: list[str], log_level: str = "warning", http: bool = False):
+    def __init__(
+        self, args: list[str], log_level: str = "warning", http: bool = False, group: bool = False
+    ):
+        """`group`: in a process group of its own, as a shell starts it (Ctrl-C reaches all)."""
         self.dir = Path(tempfile.mkdtemp(prefix="memstep-serve-"))
         self.ready_file = self.dir / "ready.json"
         self.log_path = self.dir / "server.log"
@@ -428,7 +431,9 @@ class ServerProcess:
         if "--standby-executor" not in args:  # a second loading executor would skew benchmarks
             cmd += ["--standby-executor", "off"]
         with self.log_path.open("wb") as log_file:
-            self.proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                cmd, stdout=log_file, stderr=subprocess.STDOUT, process_group=0 if group else None
+            )
 
     @property
     def address(self) -> str:

@@ -255,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-format", choices=["console", "json"], default="console")
     p.add_argument("--log-level", default="warning")
     args = p.parse_args(argv)
+    # Ctrl-C on `serve` reaches its whole process group: the core stops its executors (ExecutorStop,
+    # then its heartbeats end), so an executor never dies of SIGINT with a traceback
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     setup_logging(args.log_format, args.log_level)
     if args.rank > 0:
         return _follower(args)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import struct
+import subprocess
+import sys
 import tracemalloc
 import warnings
 import zlib
@@ -117,7 +119,7 @@ def test_file_layout_is_magic_version_header_then_crc_frames(tmp_path):
     write_log(path, RECORDS[:1])
     data = path.read_bytes()
     assert data[:8] == MAGIC == b"MEMSTEP\x00"
-    assert struct.unpack_from("<H", data, 8) == (1,)
+    assert struct.unpack_from("<H", data, 8) == (2,)
     header_len, header_crc = struct.unpack_from("<II", data, 10)
     header_payload = data[18 : 18 + header_len]
     assert zlib.crc32(header_payload) == header_crc
@@ -335,7 +337,7 @@ def test_wrong_magic_is_a_format_error(tmp_path):
 @pytest.mark.parametrize(
     ("version", "match"),
     [
-        (2, r"^log format version 2 is newer than this memstep supports \(1\); upgrade memstep$"),
+        (3, r"^log format version 3 is newer than this memstep supports \(2\); upgrade memstep$"),
         (0, "version 0 does not exist"),
     ],
 )
@@ -409,3 +411,13 @@ def test_part_from_another_log_is_refused(tmp_path):
     (tmp_path / "other.log").rename(f"{path}.1")
     with pytest.raises(LogFormatError, match="header differs"):
         read_log(path)
+
+
+def test_a_fresh_reader_knows_every_record_a_log_holds():
+    """`memstep trace LOG` imports no events.plan of its own: reading a log must register the
+    records it may hold (MemoryPlanned is in every served log)."""
+    code = (
+        "import memstep.events.log, memstep.events.types as t; print('MemoryPlanned' in t.REGISTRY)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "True"
