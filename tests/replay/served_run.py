@@ -96,9 +96,7 @@ async def _twice(url: str, body: dict) -> list[httpx.Response]:
     """Two requests in flight at once under one `X-Request-Id` (a stream and a whole one)."""
     headers = {"X-Request-Id": TWICE}
     async with httpx.AsyncClient(timeout=60) as client:
-        post = url + "/v1/completions"
-        whole = client.post(post, json={**body, "max_tokens": 12}, headers=headers)
-        streamed = client.post(
-            post, json={**body, "max_tokens": 12, "stream": True}, headers=headers
-        )
+        post, body = url + "/v1/completions", {**body, "max_tokens": 12, "ignore_eos": True}
+        whole = client.post(post, json=body, headers=headers)
+        streamed = client.post(post, json={**body, "stream": True}, headers=headers)
         return list(await asyncio.gather(whole, streamed))

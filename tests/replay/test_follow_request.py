@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
-from replay_helpers import memstep
+from replay_helpers import isolate_heap, memstep
 from served_run import TWICE, X_REQUEST_ID
 
 from memstep.events import log as events_log
@@ -21,7 +21,10 @@ from memstep.events.types import (
     RequestPreempted,
     StepFinished,
 )
+from memstep.replay.compare import replayable_bytes
 from memstep.replay.recording import load
+from memstep.replay.replayer import replay
+from memstep.replay.report import build_report
 
 # a request's info lines, one letter each, in the only orders a life can take
 CODES = {
@@ -211,6 +214,16 @@ def test_the_log_records_each_preemption_and_requeue_the_lines_tell(served_run):
     as_lines = [(r.step, names[r.request_id], words[r.cause], r.num_tokens) for r in recorded]
     assert {"preemption", "recovery"} <= {r.cause for r in recorded}
     assert sorted(as_lines) == sorted(told)
+
+
+def test_the_served_log_replays_byte_for_byte_with_its_preemptions(served_run):
+    recording = load(served_run.log)
+    isolate_heap()
+    run = replay(recording)
+    preempted = [r for r in recording.records if isinstance(r, RequestPreempted)]
+    assert [r for r in run.derived if isinstance(r, RequestPreempted)] == preempted
+    assert replayable_bytes(run.derived) == replayable_bytes(recording.derived)
+    assert build_report(recording, run).exit_code == 0
 
 
 def test_a_log_without_its_preemptions_tells_another_life(served_run, tmp_path):
