@@ -313,6 +313,7 @@ class Engine:
             self._recover_stage()
             return None
         batch = self.scheduler.schedule()
+        self._evicted(batch.preempted, "preemption")  # recorded even when nothing runs
         if not batch.seqs:
             return None
         return batch, self._plan(batch)
@@ -352,7 +353,6 @@ class Engine:
             )
             composition.append([req.request_id, s.num_tokens])
         finished, self._finished_ids = self._finished_ids, []
-        self._evicted(batch.preempted, "preemption")
         lifecycle.planned(self.step_no, batch)
         self.emit(StepPlanned(self.step_no, batch.kind, composition, batch.num_tokens, cached))
         return StepPlan(self.step_no, batch.kind, seqs, finished)

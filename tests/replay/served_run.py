@@ -79,7 +79,7 @@ async def _streams(address: str, executor_pid: int) -> list:
 
 def _http(url: str) -> dict:
     model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
-    body = {"model": model, "prompt": SHARED[:20], "max_tokens": 5}
+    body = {"model": model, "prompt": SHARED[:20], "max_tokens": 5, "ignore_eos": True}
     named = httpx.post(
         url + "/v1/completions", json=body, headers={"X-Request-Id": X_REQUEST_ID}, timeout=60
     )
@@ -96,7 +96,7 @@ async def _twice(url: str, body: dict) -> list[httpx.Response]:
     """Two requests in flight at once under one `X-Request-Id` (a stream and a whole one)."""
     headers = {"X-Request-Id": TWICE}
     async with httpx.AsyncClient(timeout=60) as client:
-        post, body = url + "/v1/completions", {**body, "max_tokens": 12, "ignore_eos": True}
+        post, body = url + "/v1/completions", {**body, "max_tokens": 12}
         whole = client.post(post, json=body, headers=headers)
         streamed = client.post(post, json={**body, "stream": True}, headers=headers)
         return list(await asyncio.gather(whole, streamed))
