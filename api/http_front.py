@@ -6,20 +6,25 @@ key and the front's CURVE keys travel in the child's environment, never on its c
 With `count` > 1 (`--api-server-count`, as vLLM's) that many children accept on the one socket
 (pre-fork, as gunicorn's workers): each parses, encodes and streams its own connections, a ZMQ
 client of the core of its own, so the front's per-token work spreads over that many cores.
+Their latency histograms are merged: each writes them to a folder they share, and `/metrics`
+from any front sums them all (the front's own gauges stay the answering front's).
 """
 
 from __future__ import annotations
 
 import os
 import select
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 
 import attrs
 import zmq
 
 from memstep.api.http_limits import HttpLimits
+from memstep.api.metrics import MULTIPROC_ENV
 from memstep.api.server import is_loopback
 from memstep.core.config import ConfigError
 
@@ -67,6 +72,11 @@ class HttpFront:
     ):
         host, port = sock.getsockname()[:2]
         self.url = f"http://{_url_host(host)}:{port}"
+        # several fronts write their latency histograms to one folder, so that the front that
+        # answers a scrape shows every front's (prometheus_client's multiprocess mode)
+        self.shared_dir = tempfile.mkdtemp(prefix="memstep-metrics-") if count > 1 else None
+        if self.shared_dir is not None:
+            options = {**options, "metrics_dir": self.shared_dir}
         children = [_Child(sock, zmq_address, model, options) for _ in range(max(1, count))]
         self.children = children
 
@@ -90,6 +100,8 @@ class HttpFront:
     def stop(self, timeout: float = 10.0) -> None:
         for child in self.children:
             child.stop(timeout)
+        if self.shared_dir is not None:
+            shutil.rmtree(self.shared_dir, ignore_errors=True)
 
 
 class _Child:
@@ -111,6 +123,8 @@ class _Child:
             env["MEMSTEP_API_KEY"] = str(options["api_key"])
         if options.get("curve"):
             env["MEMSTEP_FRONT_CURVE"] = str(options["curve"])
+        if options.get("metrics_dir"):
+            env[MULTIPROC_ENV] = str(options["metrics_dir"])
         self.proc = subprocess.Popen(cmd, env=env, pass_fds=(sock.fileno(), write_fd))
         os.close(write_fd)
         self._ready_fd = read_fd

@@ -29,6 +29,7 @@ import socket
 import sys
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -179,8 +180,9 @@ class Front:
 
     async def _serve(self, request: Request, parse: Any) -> Response:
         """A completion; `X-Request-Id` (the client's id, as vLLM takes it) names the HTTP id
-        (`cmpl-<id>`, its choices `cmpl-<id>-<i>` in the core) and comes back as a header. Every
-        request has a deadline (`--request-timeout`)."""
+        (`cmpl-<id>`) and comes back as a header; in the core its choices are `cmpl-<id>.<tag>-<i>`
+        (`_core_id`), so two requests in flight with one id do not collide. Every request has a
+        deadline (`--request-timeout`)."""
         given = request.headers.get("x-request-id")
         header: dict[str, str] = {}
         self.num_inflight += 1
@@ -192,18 +194,19 @@ class Front:
             job = parse(_json(await read_body(request, self.limits)), self.model)
             rid = oai.new_id(job.chat, xid)
             header = {"X-Request-Id": xid or rid}
+            cid = _core_id(rid, xid)
             for i in range(job.num_choices):
-                log.info("request arrived", request_id=f"{rid}-{i}", http_id=rid, x_request_id=xid)
+                log.info("request arrived", request_id=f"{cid}-{i}", http_id=rid, x_request_id=xid)
             if job.stream:
-                streams, firsts = await self._within(deadline, self._start(job, rid))
-                self.streaming.add(rid)
-                events = self._sse(job, rid, streams, firsts, deadline)
+                streams, firsts = await self._within(deadline, self._start(job, cid))
+                self.streaming.add(cid)
+                events = self._sse(job, (rid, cid), streams, firsts, deadline)
                 # the background task ends the streams also when the body never started
-                end = BackgroundTask(self._end_streams, rid, streams)
+                end = BackgroundTask(self._end_streams, cid, streams)
                 return StreamingResponse(
                     events, media_type="text/event-stream", headers=header, background=end
                 )
-            work = self._within(deadline, self._run(job, rid))
+            work = self._within(deadline, self._run(job, cid))
             dones = await self._until_done_or_gone(request, work)
             return JSONResponse(oai.response(job, rid, dones), headers=header)
         except OpenAIError as exc:
@@ -212,12 +215,12 @@ class Front:
         finally:
             self.num_inflight -= 1
 
-    async def _end_streams(self, rid: str, streams: list[AsyncStream]) -> None:
-        self._end_streams_now(rid, streams)
+    async def _end_streams(self, cid: str, streams: list[AsyncStream]) -> None:
+        self._end_streams_now(cid, streams)
 
-    def _end_streams_now(self, rid: str, streams: list[AsyncStream]) -> None:
+    def _end_streams_now(self, cid: str, streams: list[AsyncStream]) -> None:
         """Abort and forget the choices that did not end; safe to call twice."""
-        self.streaming.discard(rid)
+        self.streaming.discard(cid)
         unfinished = [s.request_id for s in streams if self.core.is_pending(s.request_id)]
         self._abort(unfinished)
         for request_id in unfinished:
@@ -242,9 +245,9 @@ class Front:
         if not ok:
             raise OpenAIError(401, "Incorrect API key provided.", "authentication_error")
 
-    async def _run(self, job: Job, rid: str) -> list[GenerateDone]:
+    async def _run(self, job: Job, cid: str) -> list[GenerateDone]:
         """Every choice to its end, at once; the first failure aborts the others."""
-        ids = [f"{rid}-{i}" for i in range(job.num_choices)]
+        ids = [f"{cid}-{i}" for i in range(job.num_choices)]
         calls = [
             self.core.generate(**job.prompt_of(i), request_id=ids[i], **job.params[i])
             for i in range(job.num_choices)
@@ -274,14 +277,14 @@ class Front:
         except (ServerError, TimeoutError, ConnectionError) as exc:
             raise _error_of(_as_server_error(exc)) from exc
 
-    async def _start(self, job: Job, rid: str) -> tuple[list[AsyncStream], list[Any]]:
+    async def _start(self, job: Job, cid: str) -> tuple[list[AsyncStream], list[Any]]:
         """Send every choice as a streaming request and await each one's first reply, so that a
         refused request gets its HTTP status before the first byte of the stream."""
         streams: list[AsyncStream] = []
         try:
             for i in range(job.num_choices):
                 stream = await self.core.generate(
-                    **job.prompt_of(i), stream=True, request_id=f"{rid}-{i}", **job.params[i]
+                    **job.prompt_of(i), stream=True, request_id=f"{cid}-{i}", **job.params[i]
                 )
                 assert isinstance(stream, AsyncStream)
                 streams.append(stream)
@@ -296,7 +299,12 @@ class Front:
         return streams, firsts
 
     async def _sse(
-        self, job: Job, rid: str, streams: list[AsyncStream], firsts: list[Any], deadline: float
+        self,
+        job: Job,
+        ids: tuple[str, str],  # the response's id, the core's
+        streams: list[AsyncStream],
+        firsts: list[Any],
+        deadline: float,
     ) -> AsyncIterator[str]:
         """SSE events: each choice's chunks as they come, its last with a finish_reason, then
         the usage chunk if asked for, then [DONE]; an error (the deadline included) is an error
@@ -308,7 +316,7 @@ class Front:
             queue.put_nowait((i, first))
         readers = [asyncio.create_task(_pump(i, s, queue)) for i, s in enumerate(streams)]
         readers.append(asyncio.create_task(_alarm(len(streams), deadline, queue)))
-        out = _SseState(job, rid, len(streams))
+        out = _SseState(job, ids[0], len(streams))
         try:
             while not out.ended:
                 items = [await queue.get()]
@@ -320,7 +328,7 @@ class Front:
         finally:
             for reader in readers:
                 reader.cancel()
-            self._end_streams_now(rid, streams)
+            self._end_streams_now(ids[1], streams)
 
     def _events(self, out: _SseState, index: int, item: Any) -> str:
         """The SSE text for one reply of choice `index`: its chunk; after the last choice's
@@ -405,6 +413,13 @@ async def _pump(index: int, stream: AsyncStream, queue: asyncio.Queue) -> None:
         queue.put_nowait((index, exc))
     except TimeoutError as exc:
         queue.put_nowait((index, ServerError("core_timeout", str(exc))))
+
+
+def _core_id(rid: str, client_id: str | None) -> str:
+    """The id of the request's choices in the core: the response's id, tagged when the client
+    named it, since a client may send one `X-Request-Id` twice at once (vLLM echoes it, too, and
+    keeps its own ids unique)."""
+    return rid if client_id is None else f"{rid}.{uuid.uuid4().hex[:8]}"
 
 
 def _client_id(given: str | None) -> str | None:

@@ -2,7 +2,10 @@
 
 Three sources.  The front's own figures (`FrontStats`: its resident memory, open connections,
 requests in flight, its client's entries) are read at each scrape.  Latency histograms (TTFT,
-inter-token, end to end) are observed by the front from the `Timing` of each request it answers.
+inter-token, end to end) are observed by the front from the `Timing` of each request it answers;
+with several fronts (`--api-server-count`), each writes them to the folder named by
+`PROMETHEUS_MULTIPROC_DIR` (prometheus_client's multiprocess mode) and a scrape of any front sums
+every front's.
 Everything the core owns (requests running and waiting, KV pages, token and step totals, memory)
 is mirrored from a `StatsReply` fetched at each scrape, so the figures are the core's own, never
 counted a second time here.
@@ -10,16 +13,19 @@ counted a second time here.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import attrs
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from memstep.events.wire import GenerateDone, StatsReply
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # read by prometheus_client when it is imported
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -40,6 +46,11 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        shared = os.environ.get(MULTIPROC_ENV)
+        # shared: the histograms live in the folder's files, read back merged by the collector
+        self._own = None if shared else self.registry
+        if shared:
+            MultiProcessCollector(self.registry, shared)
         self.core = CoreStats()
         self.registry.register(self.core)
         self.front = FrontCollector()
@@ -49,13 +60,13 @@ class Metrics:
             "memstep:inter_token_latency_seconds",
             "time between consecutive output tokens",
             buckets=TOKEN_BUCKETS,
-            registry=self.registry,
+            registry=self._own,
         )
         self.e2e = self._histogram("e2e_request_latency_seconds", "request end-to-end latency")
         self.queue = self._histogram("request_queue_time_seconds", "arrival to first scheduled")
 
     def _histogram(self, name: str, doc: str) -> Histogram:
-        return Histogram(f"memstep:{name}", doc, buckets=LATENCY_BUCKETS, registry=self.registry)
+        return Histogram(f"memstep:{name}", doc, buckets=LATENCY_BUCKETS, registry=self._own)
 
     def observe(self, done: GenerateDone) -> None:
         """Record one finished request's latencies."""

@@ -71,5 +71,5 @@ def run(args: argparse.Namespace) -> int:
 
 def _start(rank: int, command: list[str]) -> subprocess.Popen:
     log.info("rank starting", rank=rank)
-    argv = [sys.executable, "-m", "memstep.executors.process.main", "--rank", str(rank), *command]
+    argv = [sys.executable, "-m", "memstep.executors.process", "--rank", str(rank), *command]
     return subprocess.Popen(argv, stdin=subprocess.DEVNULL, env=executor_env(os.environ))

@@ -8,6 +8,7 @@ from typing import Any
 import attrs
 
 from memstep.cli.errors import UsageError
+from memstep.events.types import RequestPreempted
 from memstep.replay.recording import Recording
 from memstep.replay.request_view import (
     RequestLife,
@@ -23,7 +24,8 @@ Decode = Callable[[list[int]], str]
 
 def life_report(recording: Recording, request_id: str, as_json: bool) -> dict | str:
     try:
-        life = request_life(recording.records, request_id)
+        recorded = recording.format_version >= RequestPreempted.SINCE_FORMAT
+        life = request_life(recording.records, request_id, records_preemptions=recorded)
     except UnknownRequestId as exc:
         raise UsageError(str(exc)) from None
     text = _decoder(recording)(life.output_token_ids)

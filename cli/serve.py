@@ -434,7 +434,10 @@ class ServerProcess:
         log_level: str = "warning",
         http: bool = False,
         env: dict[str, str] | None = None,
+        group: bool = False,
     ):
+        """`env`: the child's environment (default: this one's); `group`: in a process group
+        of its own, as a shell starts it (Ctrl-C reaches all)."""
         self.dir = Path(tempfile.mkdtemp(prefix="memstep-serve-"))
         self.ready_file = self.dir / "ready.json"
         self.log_path = self.dir / "server.log"
@@ -447,7 +450,13 @@ class ServerProcess:
         if "--standby-executor" not in args:  # a second loading executor would skew benchmarks
             cmd += ["--standby-executor", "off"]
         with self.log_path.open("wb") as log_file:
-            self.proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+            self.proc = subprocess.Popen(
+                cmd,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env=env,
+                process_group=0 if group else None,
+            )
 
     @property
     def address(self) -> str:

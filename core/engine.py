@@ -56,6 +56,7 @@ from memstep.events.types import (
     RequestAdded,
     RequestFinished,
     RequestNamed,
+    RequestPreempted,
     RequestResumed,
     StepFinished,
     StepPlanned,
@@ -312,6 +313,7 @@ class Engine:
             self._recover_stage()
             return None
         batch = self.scheduler.schedule()
+        self._evicted(batch.preempted, "preemption")  # recorded even when nothing runs
         if not batch.seqs:
             return None
         return batch, self._plan(batch)
@@ -511,12 +513,20 @@ class Engine:
         if self.recovery is not None:
             self.recovery.restart()
             return
-        lifecycle.requeued(self.step_no, self.scheduler.running, reason)
+        self._evicted(self.scheduler.running, "recovery", reason)
         readmitted, tokens = self.scheduler.requeue_all()
         num_waiting = len(self.scheduler.waiting)
         self.emit(RecoveryStarted(self.step_no, self.num_losses, readmitted, num_waiting, tokens))
         kills_from = self.step_no + 1 if during == "step" else self.step_no
         self.recovery = Recovery(time.monotonic(), readmitted, tokens, kills_from)
+
+    def _evicted(self, reqs: list[Request], cause: str, why: str = "") -> None:
+        """Record the requests sent back to the queue to recompute their KV (a preemption, or a
+        requeue by an executor loss): the logs, `inspect` and `trace` read these records."""
+        for req in reqs:
+            rec = RequestPreempted(self.step_no, req.request_id, cause, req.num_tokens)
+            self.emit(rec)
+            lifecycle.evicted(rec, req, why)
 
     def _recover_stage(self) -> None:
         assert self.recovery is not None

@@ -3,10 +3,10 @@
 Every line carries the request's ids (`request_id`: its client's, `engine_id`: the engine's) and
 the step number, so that one request's lines, picked out of a JSON log by either id, read in
 order: queued, admitted (with its prefix-cache hit), prompt chunks (debug), first token,
-preempted and resumed, requeued by a recovery and re-admitted.  The server adds `request
-arrived`, `request rejected` and `request finished` (with its latencies); the HTTP front its own
-arrival line with the HTTP ids.  At info level a request costs a few lines; the per-step and
-per-chunk lines are debug.
+preempted and resumed, requeued by a recovery and re-admitted (a preemption's and a requeue's
+line from its RequestPreempted record).  The server adds `request arrived`, `request rejected`
+and `request finished` (with its latencies); the HTTP front its own arrival line with the HTTP
+ids.  At info level a request costs a few lines; the per-step and per-chunk lines are debug.
 """
 
 from __future__ import annotations
@@ -15,13 +15,14 @@ import structlog
 
 from memstep.core.request import Request
 from memstep.core.scheduler import StepBatch
-from memstep.events.types import MemoryReport
+from memstep.events.types import MemoryReport, RequestPreempted
 
 log = structlog.get_logger("memstep.request")
 
 # the line of an admission's first plan, by why the request was waiting
 ADMISSION = {None: "request admitted", "preemption": "request resumed"}
 READMITTED = "request re-admitted"
+EVICTED = {"preemption": "request preempted", "recovery": "request requeued"}
 
 
 def queued(step: int, req: Request, num_waiting: int) -> None:
@@ -37,9 +38,7 @@ def queued(step: int, req: Request, num_waiting: int) -> None:
 
 
 def planned(step: int, batch: StepBatch) -> None:
-    """The lines of a planned step: preemptions, admissions, prompt chunks (debug)."""
-    for req in batch.preempted:
-        log.info("request preempted", step=step, **req.log_ids, tokens=req.num_tokens)
+    """The lines of a planned step: admissions, prompt chunks (debug)."""
     for s in batch.seqs:
         req = s.request
         start = req.num_computed
@@ -61,10 +60,11 @@ def first_token(step: int, req: Request) -> None:
     log.info("first token", step=step, **req.log_ids)
 
 
-def requeued(step: int, reqs: list[Request], reason: str) -> None:
-    """Requests sent back to the queue by an executor loss: re-admitted after the recovery."""
-    for req in reqs:
-        log.info("request requeued", step=step, **req.log_ids, tokens=req.num_tokens, why=reason)
+def evicted(rec: RequestPreempted, req: Request, why: str) -> None:
+    """The line of a recorded preemption or requeue (an executor loss, `why`): the record's
+    words, so the log lines and the tools that read the event log tell one story."""
+    reason = {"why": why} if why else {}
+    log.info(EVICTED[rec.cause], step=rec.step, **req.log_ids, tokens=rec.num_tokens, **reason)
 
 
 def step_done(step: int, batch: StepBatch, memory: MemoryReport) -> None:

@@ -38,7 +38,10 @@ from memstep.events import codec, plan, wire  # noqa: F401  (plan, wire: their r
 from memstep.events.version import VERSION
 
 MAGIC = b"MEMSTEP\x00"
-FORMAT_VERSION = 1
+# Raised when a log may hold a record an older reader cannot decode, or lacks one a newer
+# writer always writes: an older memstep refuses the newer log; a newer one reads every older
+# format (a record type's SINCE_FORMAT says which formats hold it).  2: RequestPreempted.
+FORMAT_VERSION = 2
 _VERSION = struct.Struct("<H")
 _FRAME = struct.Struct("<II")  # payload length, crc32 of payload
 _TYPE_KEY = b"\xa1t"  # msgpack fixstr "t": the first key of every record map (codec.to_obj)

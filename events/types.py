@@ -191,6 +191,20 @@ class RequestFinished:
 
 
 @record
+class RequestPreempted:
+    """A running request sent back to the queue with its KV pages freed, to be recomputed from
+    its prompt and tokens when it is admitted again: by the scheduler, to make room for others
+    (`cause` "preemption"), or by an executor loss (`cause` "recovery", before RecoveryStarted).
+    Derived, so replay reproduces it.  Logs of format 1 have none (`SINCE_FORMAT`)."""
+
+    step: int
+    request_id: str
+    cause: str  # "preemption" | "recovery"
+    num_tokens: int  # prompt + produced tokens, whose KV it recomputes
+    SINCE_FORMAT: ClassVar[int] = 2
+
+
+@record
 class LeakSuspected:
     step: int  # step where the growth began
     kind: str
@@ -257,6 +271,12 @@ def is_input(rec: object) -> bool:
 def is_derived(rec: object) -> bool:
     """Emitted by the engine from its inputs, so a replay emits it again."""
     return not (is_input(rec) or getattr(type(rec), "OBSERVED", False))
+
+
+def in_format(rec: object, format_version: int) -> bool:
+    """Whether a log of `format_version` holds records of `rec`'s type: a replay of an older log
+    compares only the records that log could hold."""
+    return int(getattr(type(rec), "SINCE_FORMAT", 1)) <= format_version
 
 
 def unreplayable_fields(cls: type) -> tuple[str, ...]:

@@ -46,6 +46,11 @@ class Recording:
         return self.header["model_identity"]
 
     @property
+    def format_version(self) -> int:
+        """The log format it was written in (`events.log.FORMAT_VERSION` of its writer)."""
+        return int(self.header.get("format_version", 1))
+
+    @property
     def memstep_version(self) -> str | None:
         return self.header.get("memstep_version")
 

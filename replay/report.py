@@ -9,7 +9,7 @@ from typing import Any
 
 import attrs
 
-from memstep.events.types import is_input
+from memstep.events.types import in_format, is_input
 from memstep.events.version import VERSION
 from memstep.replay.compare import Comparison, compare
 from memstep.replay.recording import Recording
@@ -113,7 +113,9 @@ def build_report(
     corrupt one only up to its first gap."""
     checked = recording.before_damage()
     unchecked = recording.records[len(checked.records) :]
-    recorded, replayed = checked.derived, run.derived
+    recorded = checked.derived
+    # a log of an older format holds none of the records added since: they are not compared
+    replayed = [r for r in run.derived if in_format(r, recording.format_version)]
     beyond = 0
     if run.stopped_at_step is not None and len(replayed) > len(recorded):
         beyond = len(replayed) - len(recorded)

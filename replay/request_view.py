@@ -3,13 +3,15 @@
 `request_life` follows a request (by its engine id or the id its client gave it) through every
 step that planned it: the step's kind and batch, the tokens fed and sampled, memory after the
 step; its admissions, with what they reused through the prefix cache and which other requests
-reused the same pages; its recomputations after a preemption or an executor loss; its finish and,
-for a served log, the latencies the server measured.  `slowest` ranks a log's requests by TTFT,
-TPOT and queue time (seconds where the server measured them, steps otherwise).
+reused the same pages; its preemptions and requeues (recorded) and the recomputations after
+them; its finish and, for a served log, the latencies the server measured.  `slowest` ranks a
+log's requests by TTFT, TPOT and queue time (seconds where the server measured them, steps
+otherwise).
 """
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 
 import attrs
@@ -20,6 +22,7 @@ from memstep.events.types import (
     RequestAdded,
     RequestFinished,
     RequestNamed,
+    RequestPreempted,
     RequestResumed,
     RequestTimed,
     StepFinished,
@@ -79,16 +82,24 @@ def find_engine_id(records: list[object], request_id: str) -> str:
 
 
 def _names(client_id: str, given: str) -> bool:
-    """Whether `given` is the client's id, or for the HTTP front's `cmpl-X-0` (a choice of the
-    HTTP request `cmpl-X`, named `X` by its `X-Request-Id`) its HTTP id or X."""
-    http_id = client_id.rsplit("-", 1)[0]
-    return given in (client_id, http_id) or http_id.split("-", 1)[-1] == given
+    """Whether `given` is the client's id, or for the HTTP front's `cmpl-X.TAG-0` (a choice of
+    the HTTP request `cmpl-X`, named `X` by its `X-Request-Id`, tagged in the core) its HTTP id,
+    X, or either tagged."""
+    tagged = client_id.rsplit("-", 1)[0]
+    http_id = _TAG.sub("", tagged)
+    return given in (client_id, tagged, http_id) or http_id.split("-", 1)[-1] == given
 
 
-def request_life(records: list[object], request_id: str) -> RequestLife:
+_TAG = re.compile(r"\.[0-9a-f]{8}$")  # the HTTP front's tag of a named request (`_core_id`)
+
+
+def request_life(
+    records: list[object], request_id: str, records_preemptions: bool = True
+) -> RequestLife:
+    """`records_preemptions`: False for a log of format 1 (no RequestPreempted records)."""
     engine_id = find_engine_id(records, request_id)
     life: RequestLife | None = None
-    tracker = _Tracker()
+    tracker = _Tracker(records_preemptions)
     for rec in records:
         if life is None:
             if isinstance(rec, RequestAdded | RequestResumed) and rec.request_id == engine_id:
@@ -111,13 +122,25 @@ def _born(rec: RequestAdded | RequestResumed) -> RequestLife:
     return life
 
 
+# a re-admission's note and why, by the cause of the preemption recorded before it (None: a log
+# of format 1, which records no preemption: only the recomputation shows)
+READMISSION = {
+    "preemption": ("resumed", "after a preemption"),
+    "recovery": ("re-admitted", "after the recovery"),
+    None: ("recomputed", "its KV was freed (this log's format records no preemption)"),
+}
+
+
 @attrs.define
 class _Tracker:
-    """Follows the request's computed tokens to tell an admission from a recomputation."""
+    """Follows the request's recorded preemptions and requeues to tell an admission from a
+    recomputation (in a log of format 1, its computed tokens)."""
 
+    recorded: bool  # the log records preemptions (RequestPreempted, format 2 on)
     computed: int = 0
     last_step: int | None = None
-    lost_since: bool = False  # an executor was lost since the request last ran
+    evicted: str | None = None  # the cause of its last preemption, until it runs again
+    loss: str = ""  # the reason of the last executor loss
     done: bool = False
 
     def see(self, life: RequestLife, rec: object) -> None:
@@ -135,6 +158,8 @@ class _Tracker:
             self._finished(life, rec)
         elif isinstance(rec, ExecutorLost):
             self._lost(life, rec)
+        elif isinstance(rec, RequestPreempted) and rec.request_id == life.engine_id:
+            self._evicted(life, rec)
         elif isinstance(rec, RequestAborted) and rec.request_id == life.engine_id:
             life.events.append((rec.step, "aborted", "by its client"))
         elif isinstance(rec, RequestFinished) and rec.request_id == life.engine_id:
@@ -143,26 +168,33 @@ class _Tracker:
             self.done = True
 
     def _lost(self, life: RequestLife, rec: ExecutorLost) -> None:
-        """Requeued if it was running (planned at the step lost, or the one before an idle
-        loss); one that waited (preempted, or never run) only waits on."""
         if life.rows and life.rows[-1].step == rec.step:
             life.rows[-1].note = "executor lost: never ran"
-        if self.last_step is not None and self.last_step >= rec.step - 1:
-            self.lost_since = True
-            life.events.append((rec.step, "requeued", f"executor lost: {rec.reason}"))
+        self.loss = rec.reason
+
+    def _evicted(self, life: RequestLife, rec: RequestPreempted) -> None:
+        self.evicted = rec.cause
+        if rec.cause == "recovery":
+            life.events.append((rec.step, "requeued", f"executor lost: {self.loss}"))
+        else:
+            life.events.append((rec.step, "preempted", f"{rec.num_tokens} tokens to recompute"))
+
+    def _is_readmitted(self, life: RequestLife, fed: int, hit: list | None) -> bool:
+        if self.recorded:
+            return self.evicted is not None
+        total = len(life.prompt_token_ids) + len(life.output_token_ids)
+        return hit is not None or self.computed + fed > total
 
     def _planned(self, life: RequestLife, rec: StepPlanned) -> None:
         fed = next((n for rid, n in rec.batch if rid == life.engine_id), None)
         if fed is None:
             return
         hit = next((c for c in rec.cached if c[0] == life.engine_id), None)
-        total = len(life.prompt_token_ids) + len(life.output_token_ids)
         note = ""
         if self.last_step is None:
             note, self.computed = "admitted", hit[1] if hit else 0
-        elif hit is not None or self.computed + fed > total:
-            note = "re-admitted" if self.lost_since else "resumed"
-            why = "after the recovery" if self.lost_since else "after a preemption"
+        elif self._is_readmitted(life, fed, hit):
+            note, why = READMISSION[self.evicted]
             detail = f"{why}: recomputes its KV (last ran at step {self.last_step})"
             life.events.append((rec.step, note, detail))
             self.computed = hit[1] if hit else 0
@@ -171,7 +203,7 @@ class _Tracker:
         if note == "admitted":
             life.events.append((rec.step, note, f"prefix hit {hit[1] if hit else 0} tokens"))
         self.computed += fed
-        self.last_step, self.lost_since = rec.step, False
+        self.last_step, self.evicted = rec.step, None
         row = StepRow(rec.step, rec.kind, len(rec.batch), rec.num_tokens, fed, note=note)
         life.rows.append(row)
 

@@ -7,8 +7,9 @@ with its batch in the args; transitions, phase changes, executor losses, recover
 reports as instants; memory as counters (live, reserved and arena MiB; KV pages used and cached;
 host RSS MiB of each process).  Process "requests": each request as an async span from its
 arrival to its finish, named by its client's id, with its phases nested in it (queued, prefill,
-decode) and the steps it was not scheduled in between (waiting: preempted, requeued or out of
-budget).  `requests` keeps only the named requests, `steps` a range of steps.
+decode) and the steps it was not scheduled in between, named by the preemption recorded there
+(preempted; requeued, by an executor loss) or waiting (out of budget).  `requests` keeps only
+the named requests, `steps` a range of steps.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from memstep.events.types import (
     RequestAdded,
     RequestFinished,
     RequestNamed,
+    RequestPreempted,
     RequestResumed,
     StateEntered,
     StepFinished,
@@ -33,6 +35,7 @@ US_PER_STEP = 1000  # a step is one millisecond of the trace
 ENGINE, REQUESTS = 1, 2
 STEPS_TID = 1
 MIB = 1 << 20
+GAP_NAMES = {"preemption": "preempted", "recovery": "requeued"}
 KIND_CNAME = {"no_spec": "thread_state_running", "spec": "thread_state_iowait"}
 
 
@@ -46,6 +49,13 @@ class _Life:
     first_token: int | None = None
     finish: int | None = None
     reason: str = ""
+    evicted: dict[int, str] = attrs.Factory(dict)  # step: cause of a recorded preemption
+
+    def gap_name(self, last_ran: int, runs_again: int) -> str:
+        """A stretch out of the batch, named by the preemption recorded in it ("preempted",
+        "requeued" by an executor loss), or "waiting" (no room in the step's budget)."""
+        causes = [c for step, c in self.evicted.items() if last_ran <= step < runs_again]
+        return GAP_NAMES[causes[0]] if causes else "waiting"
 
 
 @attrs.frozen
@@ -169,6 +179,8 @@ def lives(records: list[object]) -> dict[str, _Life]:
             for rid, tokens in rec.sampled:
                 if tokens and out[rid].first_token is None:
                     out[rid].first_token = rec.step
+        elif isinstance(rec, RequestPreempted):
+            out[rec.request_id].evicted.setdefault(rec.step, rec.cause)
         elif isinstance(rec, RequestFinished) and rec.request_id in out:
             out[rec.request_id].finish, out[rec.request_id].reason = rec.step, rec.reason
     return out
@@ -195,7 +207,7 @@ def _request(engine_id: str, life: _Life, last: int, window: Window) -> list[dic
         spans.append((1, "prefill", _us(life.ran[0]), token_end, {}))
         spans.append((1, "decode", token_end, end, {}))
     spans += [
-        (2, "waiting", _us(a + 1), _us(b), {"last_ran": a})
+        (2, life.gap_name(a, b), _us(a + 1), _us(b), {"last_ran": a})
         for a, b in zip(life.ran, life.ran[1:], strict=False)
         if b > a + 1
     ]

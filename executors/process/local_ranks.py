@@ -45,7 +45,7 @@ class LocalRanks:
         num_local = cfg.num_local_ranks or cfg.tensor_parallel_size
         self.procs = [
             subprocess.Popen(
-                [sys.executable, "-m", "memstep.executors.process.main", "--rank", str(rank)]
+                [sys.executable, "-m", "memstep.executors.process", "--rank", str(rank)]
                 + rank_arguments(cfg, init_method)
                 + log_args,
                 stdin=subprocess.DEVNULL,

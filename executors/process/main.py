@@ -1,4 +1,4 @@
-"""The executor process: `python -m memstep.executors.process.main --endpoint ipc://...`.
+"""The executor process: `python -m memstep.executors.process --endpoint ipc://...`.
 
 A DEALER socket (routing id `main`) connected to the core's ROUTER carries the requests and
 replies (ExecutorInit, PhaseRequest, StepPlan, ExecutorStop -> ExecutorReady, PhaseReply,
@@ -26,7 +26,6 @@ import contextlib
 import os
 import shutil
 import signal
-import sys
 import threading
 import time
 import traceback
@@ -244,7 +243,7 @@ def _describe(exc: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m memstep.executors.process.main")
+    p = argparse.ArgumentParser(prog="python -m memstep.executors.process")
     p.add_argument("--endpoint", help="the core's ROUTER, e.g. ipc:///tmp/x.sock (rank 0)")
     p.add_argument("--heartbeat-endpoint", help="the core's heartbeat PAIR (rank 0)")
     p.add_argument("--heartbeat-interval", type=float, default=0.2)
@@ -296,10 +295,3 @@ def _follower(args: argparse.Namespace) -> int:
     watch_parent()
     ExecutorProcess(None, _join(args)).follow()
     return 0
-
-
-if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # a clean exit would wait on the heartbeat thread's zmq context

@@ -1,6 +1,6 @@
 """The engine side of the executor socket: `ProcessExecutor`.
 
-It spawns `python -m memstep.executors.process.main` and speaks to it over ZeroMQ ipc (a socket in a
+It spawns `python -m memstep.executors.process` and speaks to it over ZeroMQ ipc (a socket in a
 private temp dir), with the same interface as `InProcessExecutor`:
 ``Engine(cfg, executor_factory=ProcessExecutor)``.  This module never imports torch or the
 worker; the executor process loads the model.
@@ -127,7 +127,7 @@ class ProcessExecutor:
 
     def _command(self, core_timeout: float, log_level: str, log_format: str) -> list[str]:
         return [
-            sys.executable, "-m", "memstep.executors.process.main",
+            sys.executable, "-m", "memstep.executors.process",
             "--endpoint", self.endpoint,
             "--heartbeat-endpoint", f"ipc://{self._dir}/heartbeat.sock",
             "--heartbeat-interval", str(self.heartbeat_interval),

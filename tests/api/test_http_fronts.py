@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
+import signal
+import subprocess
+import sys
 
 import httpx
 
@@ -58,3 +62,59 @@ def test_zero_fronts_is_a_one_line_error():
         server.proc.wait(60)
         assert server.proc.returncode == 2, server.log()
         assert "api_server_count must be >= 1" in server.log()
+
+
+E2E_COUNT = re.compile(r"^memstep:e2e_request_latency_seconds_count (\S+)$", re.M)
+
+
+def e2e_count(url: str) -> float:
+    """The end-to-end latency histogram's count in one scrape of `/metrics`."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    (count,) = E2E_COUNT.findall(text)
+    return float(count)
+
+
+def test_the_latency_histograms_of_two_fronts_are_merged():
+    """One front answers 4 requests while the other is stopped (SIGSTOP: it accepts nothing);
+    then the other alone answers the scrape, and counts them."""
+    with ServerProcess([*TINY, "--api-server-count", "2"], http=True) as server:
+        first, second = server.wait_ready()["http_pids"]
+        url = server.http_url
+        os.kill(second, signal.SIGSTOP)
+        try:
+            asyncio.run(streams(url, 4))
+        finally:
+            os.kill(second, signal.SIGCONT)
+        os.kill(first, signal.SIGSTOP)
+        try:
+            assert e2e_count(url) == 4
+        finally:
+            os.kill(first, signal.SIGCONT)
+
+
+HISTOGRAM_IN_A_PROCESS = """
+import sys
+from memstep.api.metrics import Metrics
+m = Metrics()
+if sys.argv[1] == "observe":
+    m.e2e.observe(0.5)
+print(m.exposition(None).decode())
+"""
+
+
+def count_seen_by_another_process(env: dict) -> float:
+    """One process observes a latency, a second one scrapes: the count the second one shows."""
+    for what in ("observe", "scrape"):
+        run = [sys.executable, "-c", HISTOGRAM_IN_A_PROCESS, what]
+        out = subprocess.run(run, env=env, capture_output=True, text=True, check=True).stdout
+    (count,) = E2E_COUNT.findall(out)
+    return float(count)
+
+
+def test_without_the_shared_folder_a_front_sees_only_its_own_latencies(tmp_path):
+    """What the merge fixes, shown on purpose: two processes' histograms are apart unless they
+    share the multiprocess folder."""
+    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    assert count_seen_by_another_process(env) == 0
+    shared = {**env, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    assert count_seen_by_another_process(shared) == 1

@@ -28,6 +28,7 @@ from memstep.events.types import (
     RequestAdded,
     RequestFinished,
     RequestNamed,
+    RequestPreempted,
     RequestResumed,
     RequestTimed,
     StateEntered,
@@ -102,6 +103,7 @@ SAMPLES: list[object] = [
         arrival_time=1717171717.25,
     ),
     RequestNamed(step=3, request_id="req-0007", client_id="3f2a-story-0"),
+    RequestPreempted(step=44, request_id="req-0008", cause="preemption", num_tokens=519),
     RequestTimed(
         step=31, request_id="req-7", reason="length", ttft_s=0.041, e2e_s=1.93, queue_s=None
     ),

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import struct
+import subprocess
+import sys
 import tracemalloc
 import warnings
 import zlib
@@ -117,7 +119,7 @@ def test_file_layout_is_magic_version_header_then_crc_frames(tmp_path):
     write_log(path, RECORDS[:1])
     data = path.read_bytes()
     assert data[:8] == MAGIC == b"MEMSTEP\x00"
-    assert struct.unpack_from("<H", data, 8) == (1,)
+    assert struct.unpack_from("<H", data, 8) == (2,)
     header_len, header_crc = struct.unpack_from("<II", data, 10)
     header_payload = data[18 : 18 + header_len]
     assert zlib.crc32(header_payload) == header_crc
@@ -335,7 +337,7 @@ def test_wrong_magic_is_a_format_error(tmp_path):
 @pytest.mark.parametrize(
     ("version", "match"),
     [
-        (2, r"^log format version 2 is newer than this memstep supports \(1\); upgrade memstep$"),
+        (3, r"^log format version 3 is newer than this memstep supports \(2\); upgrade memstep$"),
         (0, "version 0 does not exist"),
     ],
 )

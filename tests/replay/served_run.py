@@ -1,6 +1,7 @@
 """One served run with every event of a request's life: a prefix hit, preemptions (10 KV pages
 for 6 streams), an executor SIGKILLed from outside mid-stream and recovered, an HTTP request
-named by `X-Request-Id`, a request the core rejects and two the HTTP front rejects."""
+named by `X-Request-Id`, two in flight at once under one `X-Request-Id`, a request the core
+rejects and two the HTTP front rejects."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ ARGS = ["--model", "random:tiny", "--num-threads", "1", "--num-kv-blocks", "10"]
 SHARED = list(range(1, 40))  # 39 tokens: two full pages the prefix cache keeps
 STREAMS = [[*SHARED, 40 + i] for i in range(6)]
 X_REQUEST_ID = "trace-me-41"
+TWICE = "sent-twice-41"
 
 
 def serve_and_drive(into: Path) -> tuple[Path, list[dict], dict]:
@@ -77,7 +79,7 @@ async def _streams(address: str, executor_pid: int) -> list:
 
 def _http(url: str) -> dict:
     model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
-    body = {"model": model, "prompt": SHARED[:20], "max_tokens": 5}
+    body = {"model": model, "prompt": SHARED[:20], "max_tokens": 5, "ignore_eos": True}
     named = httpx.post(
         url + "/v1/completions", json=body, headers={"X-Request-Id": X_REQUEST_ID}, timeout=60
     )
@@ -87,4 +89,14 @@ def _http(url: str) -> dict:
     spaced = httpx.post(
         url + "/v1/completions", json=body, headers={"X-Request-Id": "a b"}, timeout=60
     )
-    return {"named": named, "bad": bad, "spaced": spaced}
+    return {"named": named, "bad": bad, "spaced": spaced, "twice": asyncio.run(_twice(url, body))}
+
+
+async def _twice(url: str, body: dict) -> list[httpx.Response]:
+    """Two requests in flight at once under one `X-Request-Id` (a stream and a whole one)."""
+    headers = {"X-Request-Id": TWICE}
+    async with httpx.AsyncClient(timeout=60) as client:
+        post, body = url + "/v1/completions", {**body, "max_tokens": 12}
+        whole = client.post(post, json=body, headers=headers)
+        streamed = client.post(post, json={**body, "stream": True}, headers=headers)
+        return list(await asyncio.gather(whole, streamed))

@@ -7,13 +7,24 @@ from __future__ import annotations
 import json
 import random
 import re
+from pathlib import Path
 
 import pytest
-from replay_helpers import memstep
-from served_run import X_REQUEST_ID
+from replay_helpers import isolate_heap, memstep
+from served_run import TWICE, X_REQUEST_ID
 
-from memstep.events.types import RequestFinished, StepFinished
+from memstep.events import log as events_log
+from memstep.events.log import _RESERVED_KEYS, LogWriter
+from memstep.events.types import (
+    RequestFinished,
+    RequestNamed,
+    RequestPreempted,
+    StepFinished,
+)
+from memstep.replay.compare import replayable_bytes
 from memstep.replay.recording import load
+from memstep.replay.replayer import replay
+from memstep.replay.report import build_report
 
 # a request's info lines, one letter each, in the only orders a life can take
 CODES = {
@@ -80,10 +91,38 @@ def test_x_request_id_round_trips_and_names_the_request_in_the_logs(served_run):
     named = served_run.seen["http"]["named"]
     assert named.status_code == 200 and named.headers["x-request-id"] == X_REQUEST_ID
     assert named.json()["id"] == f"cmpl-{X_REQUEST_ID}"
-    life = life_of(served_run.lines, f"cmpl-{X_REQUEST_ID}-0")
+    core_id = core_id_of(served_run.lines, X_REQUEST_ID)
+    life = life_of(served_run.lines, core_id)
     assert life[0]["x_request_id"] == X_REQUEST_ID and life[0]["http_id"] == f"cmpl-{X_REQUEST_ID}"
     assert reads_in_order(life), [x["event"] for x in life]
     assert life[-1]["completion_tokens"] == 5
+
+
+def core_id_of(lines: list[dict], x_request_id: str) -> str:
+    """The core's id of the request the client named `x_request_id` (its one choice), as its
+    arrival line gives it: the way to follow a named request through the core's lines."""
+    (arrived,) = arrivals(lines, x_request_id)
+    return arrived["request_id"]
+
+
+def arrivals(lines: list[dict], x_request_id: str) -> list[dict]:
+    named = [x for x in lines if x.get("x_request_id") == x_request_id]
+    return [x for x in named if x["event"] == "request arrived"]
+
+
+def test_two_requests_in_flight_with_one_x_request_id_are_both_served(served_run):
+    """vLLM's way: the header is echoed and names the response, the core's ids stay unique."""
+    whole, streamed = served_run.seen["http"]["twice"]
+    assert [whole.status_code, streamed.status_code] == [200, 200], whole.text + streamed.text
+    assert whole.headers["x-request-id"] == streamed.headers["x-request-id"] == TWICE
+    assert whole.json()["id"] == f"cmpl-{TWICE}" and f'"id":"cmpl-{TWICE}"' in streamed.text
+    assert whole.json()["usage"]["completion_tokens"] == 12 and streamed.text.endswith("[DONE]\n\n")
+    core_ids = [x["request_id"] for x in arrivals(served_run.lines, TWICE)]
+    assert len(set(core_ids)) == 2 and all(i.startswith(f"cmpl-{TWICE}.") for i in core_ids)
+    finished = [x for x in served_run.lines if x["event"] == "request finished"]
+    assert sorted(x["request_id"] for x in finished if x["request_id"] in core_ids) == sorted(
+        core_ids
+    )
 
 
 def test_rejected_requests_are_logged_with_their_reason(served_run):
@@ -103,6 +142,7 @@ def test_rejected_requests_are_logged_with_their_reason(served_run):
 
 VIEW_OF_LINE = {
     "request admitted": "admitted",
+    "request preempted": "preempted",
     "first token": "first token",
     "request resumed": "resumed",
     "request requeued": "requeued",
@@ -110,40 +150,114 @@ VIEW_OF_LINE = {
 }
 
 
+def evicted_ids(lines: list[dict]) -> list[str]:
+    """The requests the run preempted or requeued, by their log lines."""
+    evicted = ("request preempted", "request requeued")
+    return sorted({x["request_id"] for x in lines if x["event"] in evicted})
+
+
+def life_shown(log: Path, rid: str) -> tuple[dict, list[tuple[int, str]]]:
+    """`inspect --request` of `rid`: its view, and its events as the log lines name them."""
+    code, out, err = memstep("inspect", str(log), "--request", rid, "--json")
+    assert code == 0, err
+    view = json.loads(out)
+    return view, [(step, what) for step, what, _ in view["events"] if what in LINE_OF_VIEW]
+
+
+LINE_OF_VIEW = set(VIEW_OF_LINE.values())
+
+
+def life_logged(lines: list[dict], rid: str) -> list[tuple[int, str]]:
+    return [(x["step"], VIEW_OF_LINE[x["event"]]) for x in life_of(lines, rid)
+            if x["event"] in VIEW_OF_LINE]  # fmt: skip
+
+
 def test_inspect_request_shows_the_life_the_log_lines_tell(served_run):
     lines = served_run.lines
-    rids = sorted({x["request_id"] for x in lines if x["event"] in ("request preempted",
-                   "request requeued")})  # fmt: skip
-    for rid in rids:
-        code, out, err = memstep("inspect", str(served_run.log), "--request", rid, "--json")
-        assert code == 0, err
-        view = json.loads(out)
-        requeued = {x["request_id"] for x in lines if x["event"] == "request requeued"}
-        logged = [(x["step"], VIEW_OF_LINE[x["event"]]) for x in life_of(lines, rid)
-                  if x["event"] in VIEW_OF_LINE]  # fmt: skip
-        shown = [(step, what) for step, what, _ in view["events"] if what in VIEW_OF_LINE.values()]
-        # the log records no preemption, so a request requeued by the executor loss while it
-        # waited out of the batch can look preempted to inspect (a known gap, see the docs)
-        if rid not in requeued:
-            assert shown == logged, rid
-        else:
-            steps = {step for step, what in logged if what != "requeued"}
-            assert steps <= {step for step, _ in shown}, rid  # the same steps, if not words
+    requeued = {x["request_id"] for x in lines if x["event"] == "request requeued"}
+    for rid in evicted_ids(lines):
+        view, shown = life_shown(served_run.log, rid)
+        assert shown == life_logged(lines, rid), rid  # the same words at the same steps
         assert view["client_ids"] == [rid] and len(view["output_token_ids"]) == 40
         assert view["hits"] and all(tokens == 32 for _, tokens, _ in view["hits"])
         assert view["shared_with"] and view["timed"]["ttft_s"] > 0
         assert sum(len(r["sampled"]) for r in view["rows"]) == 40
         ran = [r for r in view["rows"] if r["note"] != "executor lost: never ran"]
         assert all(r["batch_size"] >= 1 and r["live_bytes"] > 0 for r in ran)
-        assert len(view["rows"]) - len(ran) == (rid in requeued)
+        assert len(view["rows"]) - len(ran) <= (rid in requeued)
+
+
+def rewritten(log: Path, into: Path, keep, format_version: int) -> Path:
+    """The records of `log` that `keep` keeps, written as a log of `format_version`."""
+    recording = load(log)
+    header = {k: v for k, v in recording.header.items() if k not in _RESERVED_KEYS}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(events_log, "FORMAT_VERSION", format_version)
+        with LogWriter(into, header) as writer:
+            for rec in recording.records:
+                if keep(rec):
+                    writer.append(rec)
+    return into
+
+
+def not_preempted(rec: object) -> bool:
+    return not isinstance(rec, RequestPreempted)
+
+
+def test_the_log_records_each_preemption_and_requeue_the_lines_tell(served_run):
+    recorded = [r for r in load(served_run.log).records if isinstance(r, RequestPreempted)]
+    names = {r.request_id: r.client_id for r in load(served_run.log).records
+             if isinstance(r, RequestNamed)}  # fmt: skip
+    told = [(x["step"], x["request_id"], x["event"], x["tokens"]) for x in served_run.lines
+            if x["event"] in ("request preempted", "request requeued")]  # fmt: skip
+    words = {"preemption": "request preempted", "recovery": "request requeued"}
+    as_lines = [(r.step, names[r.request_id], words[r.cause], r.num_tokens) for r in recorded]
+    assert {"preemption", "recovery"} <= {r.cause for r in recorded}
+    assert sorted(as_lines) == sorted(told)
+
+
+def test_the_served_log_replays_byte_for_byte_with_its_preemptions(served_run):
+    recording = load(served_run.log)
+    isolate_heap()
+    run = replay(recording)
+    preempted = [r for r in recording.records if isinstance(r, RequestPreempted)]
+    assert [r for r in run.derived if isinstance(r, RequestPreempted)] == preempted
+    assert replayable_bytes(run.derived) == replayable_bytes(recording.derived)
+    assert build_report(recording, run).exit_code == 0
+
+
+def test_a_log_without_its_preemptions_tells_another_life(served_run, tmp_path):
+    """Broken on purpose: the served log less its RequestPreempted records, still claiming the
+    format that holds them.  `inspect` then shows no preemption where the lines tell one, and
+    replay finds the missing records (a divergence)."""
+    doctored = rewritten(served_run.log, tmp_path / "doctored.memlog", not_preempted, 2)
+    rid = next(r for r in evicted_ids(served_run.lines))
+    assert life_shown(doctored, rid)[1] != life_logged(served_run.lines, rid)
+    code, out, _ = memstep("replay", str(doctored))
+    assert code == 1 and "RequestPreempted" in out
+
+
+def test_a_format_1_log_still_reads_and_replays(served_run, tmp_path):
+    """A log written before preemptions were recorded (format 1): replay compares only what it
+    holds (exit 0), and `inspect` names each recomputation without saying why."""
+    old = rewritten(served_run.log, tmp_path / "old.memlog", not_preempted, 1)
+    assert load(old).format_version == 1
+    code, out, err = memstep("replay", str(old))
+    assert code == 0, out + err
+    rid = next(r for r in evicted_ids(served_run.lines))
+    again = [step for step, what in life_logged(served_run.lines, rid)
+             if what in ("resumed", "re-admitted")]  # fmt: skip
+    view = life_shown(old, rid)[0]
+    assert [step for step, what, _ in view["events"] if what == "recomputed"] == again
 
 
 def test_inspect_request_text_names_it_by_any_id(served_run):
-    ids = (X_REQUEST_ID, f"cmpl-{X_REQUEST_ID}", f"cmpl-{X_REQUEST_ID}-0")
+    core_id = core_id_of(served_run.lines, X_REQUEST_ID)
+    ids = (X_REQUEST_ID, f"cmpl-{X_REQUEST_ID}", core_id)
     outs = [memstep("inspect", str(served_run.log), "--request", rid)[1] for rid in ids]
     assert outs[0] == outs[1] == outs[2]
     text = outs[0]
-    assert f"client id: cmpl-{X_REQUEST_ID}-0" in text and "admitted: prefix hit 16 tokens" in text
+    assert f"client id: {core_id}" in text and "admitted: prefix hit 16 tokens" in text
     assert "steps that ran it: 5" in text and "text: " in text and "tokens: [" in text
     code, _, err = memstep("inspect", str(served_run.log), "--request", "nobody")
     assert code == 2 and "no request 'nobody'" in err
@@ -158,7 +272,7 @@ def test_inspect_requests_ranks_the_slowest(served_run):
         values = [r[field] for r in rows]
         assert len(rows) == 3 and values == sorted(values, reverse=True) and rows[0]["unit"] == "s"
     # TPOT: the 40-token streams that waited through preemptions and the recovery are slowest
-    assert all(r["completion_tokens"] == 40 for r in ranked["tpot"]) and len(finished) == 8
+    assert all(r["completion_tokens"] == 40 for r in ranked["tpot"]) and len(finished) == 10
     text = memstep("inspect", str(served_run.log), "--requests")[1]
     assert "slowest by time per output token (s):" in text and "zmq-" in text
 
@@ -213,9 +327,10 @@ def test_trace_is_a_valid_trace_event_file(served_run, trace):
     counters = {e["name"] for e in events if e["ph"] == "C"}
     assert counters == {"memory (MiB)", "KV pages", "host RSS (MiB)"}
     spans = [e for e in events if e["ph"] == "b" and "engine_id" in e["args"]]
-    assert {e["name"] for e in spans} >= {"warm", f"cmpl-{X_REQUEST_ID}-0", "zmq-5"}
+    names = {e["name"] for e in spans}
+    assert {"warm", core_id_of(served_run.lines, X_REQUEST_ID), "zmq-5"} <= names
     phases = {e["name"] for e in events if e["ph"] == "b" and e["cat"] == "request"}
-    assert {"prefill", "decode", "waiting"} <= phases
+    assert {"prefill", "decode", "preempted", "requeued"} <= phases  # named by the records
 
 
 def test_the_trace_check_catches_each_fault(trace):
