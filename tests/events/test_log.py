@@ -417,8 +417,6 @@ def test_part_from_another_log_is_refused(tmp_path):
 def test_a_log_reader_alone_knows_every_record_the_engine_writes(module):
     """`memstep inspect` loads no engine: the reader's own imports must register every record
     class (a GPU run's MemoryPlanned was once read as corruption)."""
-    import subprocess
-    import sys
 
     code = (
         f"import {module}\n"
