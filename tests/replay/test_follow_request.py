@@ -179,7 +179,10 @@ def test_inspect_request_shows_the_life_the_log_lines_tell(served_run):
         view, shown = life_shown(served_run.log, rid)
         assert shown == life_logged(lines, rid), rid  # the same words at the same steps
         assert view["client_ids"] == [rid] and len(view["output_token_ids"]) == 40
-        assert view["hits"] and all(tokens == 32 for _, tokens, _ in view["hits"])
+        # its admission shares the 32-token system prompt; a re-admission after a preemption
+        # may also find blocks of its own output still cached
+        hits = [tokens for _, tokens, _ in view["hits"]]
+        assert hits and hits[0] == 32 and all(t >= 32 and t % 16 == 0 for t in hits), hits
         assert view["shared_with"] and view["timed"]["ttft_s"] > 0
         assert sum(len(r["sampled"]) for r in view["rows"]) == 40
         ran = [r for r in view["rows"] if r["note"] != "executor lost: never ran"]

@@ -8,7 +8,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import differences, run_batch, running
+from router_helpers import differences, run_batch, running
 
 from memstep.cli.main import main as memstep
 from memstep.cli.serve import ServerProcess

@@ -7,7 +7,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from conftest import running
+from router_helpers import running
 
 from memstep.api.client import AsyncClient, Client
 from memstep.events.routing import RequestRouted
