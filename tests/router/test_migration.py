@@ -55,12 +55,18 @@ def test_a_killed_replica_costs_no_request_and_no_token(front):
     assert 'memstep:replica_live{replica="1"} 1.0' in metrics
 
 
-def test_the_router_log_replays(front):
-    """After the kill above: every routing and migration decision replays."""
+def test_the_router_log_replays_and_inspect_lists_it(front, capsys):
+    """After the kill above: every routing and migration decision replays; inspect lists the
+    loss and each migration."""
     log = load_router_log(front.info["router_log"])
     checked, diverged = replay_router(log)
     assert diverged is None and checked >= 64 + 1
     assert memstep(["replay", front.info["router_log"]]) == 0
+    capsys.readouterr()
+    assert memstep(["inspect", front.info["router_log"]]) == 0
+    text = capsys.readouterr().out
+    moved = sum(isinstance(r, RequestMigrated) for r in log.records)
+    assert "replica 0 lost at decision" in text and f"migrations: {moved}" in text
 
 
 @pytest.mark.slow
