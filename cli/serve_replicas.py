@@ -98,6 +98,7 @@ def run(args: argparse.Namespace, parts: ServeParts) -> int:
         router = Router(endpoints, router_cfg, router_log)
         if not router.wait_live(READY_TIMEOUT_S):
             print("memstep serve: warning: not every replica answers yet", flush=True)
+        check_same_model(router.models())
         if http_sock is not None:
             model = args.served_model_name or args.model
             front = HttpFront(http_sock, router.endpoint, model, count=args.api_server_count,
@@ -116,6 +117,13 @@ def run(args: argparse.Namespace, parts: ServeParts) -> int:
         for p in local:
             p.close()
     return 0
+
+
+def check_same_model(models: dict[int, str]) -> None:
+    """A ConfigError unless every replica serves the same model: migration relies on it."""
+    if len(set(models.values())) > 1:
+        listed = ", ".join(f"{i}: {m}" for i, m in sorted(models.items()))
+        raise ConfigError(f"the replicas serve different models ({listed})")
 
 
 def log_paths(record: str | None, num_local: int) -> tuple[Path | None, list[Path | None]]:

@@ -138,3 +138,24 @@ def test_a_bad_request_is_refused_by_its_replica_and_the_router_goes_on(replicas
             client.generate("a bad seed", max_tokens=2, seed="not a number")
         assert refused.value.code == "invalid_request", refused.value
         assert len(client.generate("a good one", max_tokens=2, seed=1).token_ids) == 2
+
+
+def test_replicas_of_different_weights_are_refused(replicas, tmp_path: Path):
+    """Migration continues a stream exactly only on the same weights: a replica with another
+    weights seed makes the check fire, the same ones pass it."""
+    from memstep.cli.serve import ServerProcess
+    from memstep.cli.serve_replicas import check_same_model
+    from memstep.core.config import ConfigError
+
+    flags = ["--model", "random:tiny", "--random-weights-seed", "7"]
+    with ServerProcess(flags) as other:
+        other.wait_ready()
+        same = [p.address for p in replicas]
+        with running(same, tmp_path / "same.memlog") as router:
+            check_same_model(router.models())
+        mixed = [same[0], other.address]
+        with (
+            running(mixed, tmp_path / "mixed.memlog") as router,
+            pytest.raises(ConfigError, match="different models"),
+        ):
+            check_same_model(router.models())
