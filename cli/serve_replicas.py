@@ -161,22 +161,33 @@ def _start_replica(
 def replica_argv(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
     """The flags given to this serve that a local replica takes: engine, executor, limits."""
     argv: list[str] = []
+    seen: set[str] = set()  # a deprecated alias (another action, the same dest) is not passed on
     for action in parser._actions:
         dest = action.dest
         if dest in NOT_FOR_REPLICAS or not action.option_strings or not hasattr(args, dest):
             continue
         value = getattr(args, dest)
-        if value == action.default or (dest == "gpu_memory_utilization" and _on_cuda(args)):
+        if dest in seen or value == action.default:
+            seen.add(dest)
             continue
-        option = action.option_strings[-1]
-        if action.nargs == 0:
-            argv += [option] if value == action.const else []
-        elif isinstance(value, list):
-            for item in value:
-                argv += [option, str(item)]
-        else:
-            argv += [option, str(value)]
+        if dest == "gpu_memory_utilization" and _on_cuda(args):  # its share, given apart
+            continue
+        flag = _flag(action, value)
+        seen.update([dest] if flag else [])
+        argv += flag
     return argv
+
+
+def _flag(action: argparse.Action, value: Any) -> list[str]:
+    """The command-line words that give `action` this value."""
+    option = next(o for o in action.option_strings if o.startswith("--"))
+    if action.nargs == 0:  # a switch: given when its value is the one it sets
+        return [option] if value == action.const else []
+    if isinstance(value, list):  # a repeatable flag
+        return [word for item in value for word in (option, str(item))]
+    if isinstance(value, tuple):  # a comma list, as 5,12
+        return [option, ",".join(map(str, value))]
+    return [option, str(value)]
 
 
 def _on_cuda(args: argparse.Namespace) -> bool:

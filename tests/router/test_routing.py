@@ -159,3 +159,22 @@ def test_replicas_of_different_weights_are_refused(replicas, tmp_path: Path):
             pytest.raises(ConfigError, match="different models"),
         ):
             check_same_model(router.models())
+
+
+def test_a_local_replica_takes_the_engine_flags_and_not_the_routers():
+    import argparse
+
+    from memstep.cli import serve, serve_replicas
+
+    p = argparse.ArgumentParser()
+    serve.add_arguments(p)
+    given = "--data-parallel-size 2 --model random:tiny --port 7000 --max-num-seqs 8 "
+    given += "--no-enable-prefix-caching --api-key k --debug-kill-executor-at 5,9 "
+    args = p.parse_args((given + "--routing-policy load").split())
+    argv = serve_replicas.replica_argv(args, p)
+    assert argv[:2] == ["--model", "random:tiny"] and "--no-enable-prefix-caching" in argv
+    assert argv[argv.index("--max-num-seqs") + 1] == "8"
+    assert argv[argv.index("--debug-kill-executor-at") + 1] == "5,9"
+    routers = {"--port", "--api-key", "--data-parallel-size", "--routing-policy", "--record"}
+    assert not routers & set(argv)
+    assert p.parse_args(argv).max_num_seqs == 8  # serve reads it back
