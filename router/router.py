@@ -245,7 +245,7 @@ class Router:
             except zmq.Again:
                 return
             now = time.monotonic()
-            b.heard(msg, now)
+            b.heard(msg)
             r = self.by_backend.get((b.index, getattr(msg, "request_id", "")))
             if r is not None:
                 self._reply(b, r, msg, now)
