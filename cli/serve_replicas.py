@@ -27,6 +27,7 @@ from memstep.api.http_limits import HttpLimits
 from memstep.api.server import is_loopback
 from memstep.core.config import ConfigError
 from memstep.core.device_limits import cuda_device_bytes
+from memstep.replay.recorder import DEFAULT_KEEP, DEFAULT_RECORD_DIR, prune
 from memstep.router.policy import POLICIES
 from memstep.router.router import Router, RouterConfig
 
@@ -90,7 +91,7 @@ def run(args: argparse.Namespace, parts: ServeParts) -> int:
                           api_server_count=args.api_server_count)  # fmt: skip
     http_sock = bind(http_cfg) if args.http else None
     router_cfg = _router_config(args, parts.load_key)
-    router_log, replica_logs = log_paths(args.record, _num_local(args))
+    router_log, replica_logs = log_paths(args.record, _num_local(args), args.record_keep)
     local = [_start_replica(args, parts, i, replica_logs[i]) for i in range(_num_local(args))]
     router = front = None
     try:
@@ -126,12 +127,17 @@ def check_same_model(models: dict[int, str]) -> None:
         raise ConfigError(f"the replicas serve different models ({listed})")
 
 
-def log_paths(record: str | None, num_local: int) -> tuple[Path | None, list[Path | None]]:
-    """The router's log and each local replica's beside it (`.replicaN.memlog`)."""
+def log_paths(
+    record: str | None, num_local: int, keep: int = DEFAULT_KEEP
+) -> tuple[Path | None, list[Path | None]]:
+    """The router's log and each local replica's beside it (`.replicaN.memlog`); in the default
+    folder, the logs of the newest `keep` runs are kept."""
     if record is None:
         return None, [None] * num_local
     path = Path(record.replace("{time}", time.strftime("%Y%m%d-%H%M%S")))
     path.parent.mkdir(parents=True, exist_ok=True)
+    if path.parent == DEFAULT_RECORD_DIR:
+        prune(path.parent, (keep - 1) * (num_local + 1) + 1)  # each run: num_local + 1 logs
     if path.exists():
         raise ConfigError(f"{path} exists; a log is never overwritten, choose another path")
     stem = path.name.removesuffix(".memlog")

@@ -178,3 +178,23 @@ def test_a_local_replica_takes_the_engine_flags_and_not_the_routers():
     routers = {"--port", "--api-key", "--data-parallel-size", "--routing-policy", "--record"}
     assert not routers & set(argv)
     assert p.parse_args(argv).max_num_seqs == 8  # serve reads it back
+
+
+def test_the_logs_of_a_run_lie_together_and_old_runs_are_pruned(tmp_path: Path, monkeypatch):
+    from memstep.cli.serve_replicas import log_paths
+    from memstep.replay.recorder import DEFAULT_RECORD_PATH
+
+    monkeypatch.chdir(tmp_path)
+    old = tmp_path / "memstep-logs"
+    old.mkdir()
+    for name in ("memstep-20260101-000000", "memstep-20260102-000000"):
+        for suffix in (".memlog", ".replica0.memlog", ".replica1.memlog"):
+            (old / (name + suffix)).write_bytes(b"")
+    router, replicas = log_paths(DEFAULT_RECORD_PATH, 2, keep=2)  # this run and the newest one
+    assert router is not None and replicas == [
+        router.with_name(router.name.replace(".memlog", f".replica{i}.memlog")) for i in (0, 1)
+    ]
+    left = sorted(p.name for p in old.iterdir())
+    assert left == [f"memstep-20260102-000000{s}" for s in (".memlog", ".replica0.memlog",
+                                                              ".replica1.memlog")]  # fmt: skip
+    assert log_paths(None, 2) == (None, [None, None])
