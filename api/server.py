@@ -473,7 +473,9 @@ class Server:
         self.by_client[key] = engine_id
         self.last_sent.setdefault(inf.peer, inf.arrival)
 
-    def _migrated(self, prompt: str | list[int], params: SamplingParams, msg: Any) -> str:
+    def _migrated(
+        self, prompt: str | list[int], params: SamplingParams, msg: GenerateRequest
+    ) -> str:
         """Admit a request a router moved here off a dead engine, with the tokens its client
         has: sampled on from there, keyed by (seed, position), as on the engine it left."""
         ids = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)

@@ -27,6 +27,7 @@ from memstep.api.http_limits import HttpLimits
 from memstep.api.server import is_loopback
 from memstep.core.config import ConfigError
 from memstep.core.device_limits import cuda_device_bytes
+from memstep.replay.recorder import DEFAULT_KEEP, DEFAULT_RECORD_DIR, prune
 from memstep.router.policy import POLICIES
 from memstep.router.router import Router, RouterConfig
 
@@ -90,7 +91,7 @@ def run(args: argparse.Namespace, parts: ServeParts) -> int:
                           api_server_count=args.api_server_count)  # fmt: skip
     http_sock = bind(http_cfg) if args.http else None
     router_cfg = _router_config(args, parts.load_key)
-    router_log, replica_logs = log_paths(args.record, _num_local(args))
+    router_log, replica_logs = log_paths(args.record, _num_local(args), args.record_keep)
     local = [_start_replica(args, parts, i, replica_logs[i]) for i in range(_num_local(args))]
     router = front = None
     try:
@@ -98,6 +99,7 @@ def run(args: argparse.Namespace, parts: ServeParts) -> int:
         router = Router(endpoints, router_cfg, router_log)
         if not router.wait_live(READY_TIMEOUT_S):
             print("memstep serve: warning: not every replica answers yet", flush=True)
+        check_same_model(router.models())
         if http_sock is not None:
             model = args.served_model_name or args.model
             front = HttpFront(http_sock, router.endpoint, model, count=args.api_server_count,
@@ -118,12 +120,24 @@ def run(args: argparse.Namespace, parts: ServeParts) -> int:
     return 0
 
 
-def log_paths(record: str | None, num_local: int) -> tuple[Path | None, list[Path | None]]:
-    """The router's log and each local replica's beside it (`.replicaN.memlog`)."""
+def check_same_model(models: dict[int, str]) -> None:
+    """A ConfigError unless every replica serves the same model: migration relies on it."""
+    if len(set(models.values())) > 1:
+        listed = ", ".join(f"{i}: {m}" for i, m in sorted(models.items()))
+        raise ConfigError(f"the replicas serve different models ({listed})")
+
+
+def log_paths(
+    record: str | None, num_local: int, keep: int = DEFAULT_KEEP
+) -> tuple[Path | None, list[Path | None]]:
+    """The router's log and each local replica's beside it (`.replicaN.memlog`); in the default
+    folder, the logs of the newest `keep` runs are kept."""
     if record is None:
         return None, [None] * num_local
     path = Path(record.replace("{time}", time.strftime("%Y%m%d-%H%M%S")))
     path.parent.mkdir(parents=True, exist_ok=True)
+    if path.parent == DEFAULT_RECORD_DIR:
+        prune(path.parent, (keep - 1) * (num_local + 1) + 1)  # each run: num_local + 1 logs
     if path.exists():
         raise ConfigError(f"{path} exists; a log is never overwritten, choose another path")
     stem = path.name.removesuffix(".memlog")
@@ -153,22 +167,33 @@ def _start_replica(
 def replica_argv(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
     """The flags given to this serve that a local replica takes: engine, executor, limits."""
     argv: list[str] = []
+    seen: set[str] = set()  # a deprecated alias (another action, the same dest) is not passed on
     for action in parser._actions:
         dest = action.dest
         if dest in NOT_FOR_REPLICAS or not action.option_strings or not hasattr(args, dest):
             continue
         value = getattr(args, dest)
-        if value == action.default or (dest == "gpu_memory_utilization" and _on_cuda(args)):
+        if dest in seen or value == action.default:
+            seen.add(dest)
             continue
-        option = action.option_strings[-1]
-        if action.nargs == 0:
-            argv += [option] if value == action.const else []
-        elif isinstance(value, list):
-            for item in value:
-                argv += [option, str(item)]
-        else:
-            argv += [option, str(value)]
+        if dest == "gpu_memory_utilization" and _on_cuda(args):  # its share, given apart
+            continue
+        flag = _flag(action, value)
+        seen.update([dest] if flag else [])
+        argv += flag
     return argv
+
+
+def _flag(action: argparse.Action, value: Any) -> list[str]:
+    """The command-line words that give `action` this value."""
+    option = next(o for o in action.option_strings if o.startswith("--"))
+    if action.nargs == 0:  # a switch: given when its value is the one it sets
+        return [option] if value == action.const else []
+    if isinstance(value, list):  # a repeatable flag
+        return [word for item in value for word in (option, str(item))]
+    if isinstance(value, tuple):  # a comma list, as 5,12
+        return [option, ",".join(map(str, value))]
+    return [option, str(value)]
 
 
 def _on_cuda(args: argparse.Namespace) -> bool:

@@ -11,8 +11,6 @@ continue elsewhere.
 
 from __future__ import annotations
 
-import time
-
 import zmq
 
 from memstep.events import codec
@@ -49,7 +47,6 @@ class Backend:
         self.joined = False  # answered health once: from now on its silence or closing is a loss
         self.live = False  # its last health was "ok" (not "recovering", not "dead")
         self.lost = False
-        self.last_heard = time.monotonic()
         self.last_polled = 0.0
         self.health: HealthReply | None = None
         self.stats: StatsReply | None = None
@@ -70,8 +67,8 @@ class Backend:
         self.send(StatsRequest(f"s{self.num_polls}"))
         self.last_polled = now
 
-    def heard(self, msg: object, now: float) -> None:
-        self.last_heard = now
+    def heard(self, msg: object) -> None:
+        """Keep its last health and stats."""
         if isinstance(msg, HealthReply):
             self.health = msg
             self.joined = True

@@ -141,6 +141,11 @@ class Router:
             self.run_once(0.05)
         return True
 
+    def models(self) -> dict[int, str]:
+        """The model each replica that answered health serves (its label, weights seed and all):
+        a migration continues a stream exactly only on the same model."""
+        return {b.index: b.health.model for b in self.backends if b.health is not None}
+
     def close(self) -> None:
         for b in self.backends:
             if not b.lost:
@@ -240,7 +245,7 @@ class Router:
             except zmq.Again:
                 return
             now = time.monotonic()
-            b.heard(msg, now)
+            b.heard(msg)
             r = self.by_backend.get((b.index, getattr(msg, "request_id", "")))
             if r is not None:
                 self._reply(b, r, msg, now)

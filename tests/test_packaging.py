@@ -70,3 +70,9 @@ def test_wheel_installs_and_imports_in_clean_venv(tmp_path):
     version, location = res.stdout.split()
     assert version == "0.1.0"
     assert location.startswith(str(target)), "imported from the wheel, not the checkout"
+
+
+def test_every_top_level_folder_is_a_listed_package():
+    """A new folder (as router/) left out of pyproject's list would be missing from the wheel."""
+    folders = {p.parent.name for p in ROOT.glob("*/__init__.py")} - {"tests"}
+    assert {f"memstep.{name}" for name in folders} <= set(PACKAGES)

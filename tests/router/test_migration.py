@@ -4,6 +4,7 @@ kill, the router's log replays, and a migration that drops the tokens sent is ca
 
 from __future__ import annotations
 
+import json
 import urllib.request
 from pathlib import Path
 
@@ -48,6 +49,11 @@ def test_a_killed_replica_costs_no_request_and_no_token(front):
     moved = [r for r in log.records if isinstance(r, RequestMigrated)]
     assert [r.replica for r in log.records if isinstance(r, ReplicaLost)] == [0]
     assert moved and any(0 < r.tokens_carried < 48 for r in moved)  # moved mid-stream
+    body = json.dumps({"prompt": "over HTTP", "max_tokens": 4, "seed": 3}).encode()
+    post = urllib.request.Request(front.http_url + "/v1/completions", body,
+                                  {"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(post, timeout=30) as reply:
+        assert json.loads(reply.read())["usage"]["completion_tokens"] == 4
     status, body = _get(front.http_url + "/health")
     assert status == 200 and "1 of 2 replicas serve" in body
     status, metrics = _get(front.http_url + "/metrics")
@@ -55,12 +61,18 @@ def test_a_killed_replica_costs_no_request_and_no_token(front):
     assert 'memstep:replica_live{replica="1"} 1.0' in metrics
 
 
-def test_the_router_log_replays(front):
-    """After the kill above: every routing and migration decision replays."""
+def test_the_router_log_replays_and_inspect_lists_it(front, capsys):
+    """After the kill above: every routing and migration decision replays; inspect lists the
+    loss and each migration."""
     log = load_router_log(front.info["router_log"])
     checked, diverged = replay_router(log)
     assert diverged is None and checked >= 64 + 1
     assert memstep(["replay", front.info["router_log"]]) == 0
+    capsys.readouterr()
+    assert memstep(["inspect", front.info["router_log"]]) == 0
+    text = capsys.readouterr().out
+    moved = sum(isinstance(r, RequestMigrated) for r in log.records)
+    assert "replica 0 lost at decision" in text and f"migrations: {moved}" in text
 
 
 @pytest.mark.slow

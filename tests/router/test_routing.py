@@ -138,3 +138,63 @@ def test_a_bad_request_is_refused_by_its_replica_and_the_router_goes_on(replicas
             client.generate("a bad seed", max_tokens=2, seed="not a number")
         assert refused.value.code == "invalid_request", refused.value
         assert len(client.generate("a good one", max_tokens=2, seed=1).token_ids) == 2
+
+
+def test_replicas_of_different_weights_are_refused(replicas, tmp_path: Path):
+    """Migration continues a stream exactly only on the same weights: a replica with another
+    weights seed makes the check fire, the same ones pass it."""
+    from memstep.cli.serve import ServerProcess
+    from memstep.cli.serve_replicas import check_same_model
+    from memstep.core.config import ConfigError
+
+    flags = ["--model", "random:tiny", "--random-weights-seed", "7"]
+    with ServerProcess(flags) as other:
+        other.wait_ready()
+        same = [p.address for p in replicas]
+        with running(same, tmp_path / "same.memlog") as router:
+            check_same_model(router.models())
+        mixed = [same[0], other.address]
+        with (
+            running(mixed, tmp_path / "mixed.memlog") as router,
+            pytest.raises(ConfigError, match="different models"),
+        ):
+            check_same_model(router.models())
+
+
+def test_a_local_replica_takes_the_engine_flags_and_not_the_routers():
+    import argparse
+
+    from memstep.cli import serve, serve_replicas
+
+    p = argparse.ArgumentParser()
+    serve.add_arguments(p)
+    given = "--data-parallel-size 2 --model random:tiny --port 7000 --max-num-seqs 8 "
+    given += "--no-enable-prefix-caching --api-key k --debug-kill-executor-at 5,9 "
+    args = p.parse_args((given + "--routing-policy load").split())
+    argv = serve_replicas.replica_argv(args, p)
+    assert argv[:2] == ["--model", "random:tiny"] and "--no-enable-prefix-caching" in argv
+    assert argv[argv.index("--max-num-seqs") + 1] == "8"
+    assert argv[argv.index("--debug-kill-executor-at") + 1] == "5,9"
+    routers = {"--port", "--api-key", "--data-parallel-size", "--routing-policy", "--record"}
+    assert not routers & set(argv)
+    assert p.parse_args(argv).max_num_seqs == 8  # serve reads it back
+
+
+def test_the_logs_of_a_run_lie_together_and_old_runs_are_pruned(tmp_path: Path, monkeypatch):
+    from memstep.cli.serve_replicas import log_paths
+    from memstep.replay.recorder import DEFAULT_RECORD_PATH
+
+    monkeypatch.chdir(tmp_path)
+    old = tmp_path / "memstep-logs"
+    old.mkdir()
+    for name in ("memstep-20260101-000000", "memstep-20260102-000000"):
+        for suffix in (".memlog", ".replica0.memlog", ".replica1.memlog"):
+            (old / (name + suffix)).write_bytes(b"")
+    router, replicas = log_paths(DEFAULT_RECORD_PATH, 2, keep=2)  # this run and the newest one
+    assert router is not None and replicas == [
+        router.with_name(router.name.replace(".memlog", f".replica{i}.memlog")) for i in (0, 1)
+    ]
+    left = sorted(p.name for p in old.iterdir())
+    assert left == [f"memstep-20260102-000000{s}" for s in (".memlog", ".replica0.memlog",
+                                                              ".replica1.memlog")]  # fmt: skip
+    assert log_paths(None, 2) == (None, [None, None])
