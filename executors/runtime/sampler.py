@@ -150,10 +150,11 @@ class Sampler:
             mask_block_bytes(max_rows, vocab_size), dtype=torch.uint8, device=device
         )
         carve = _Carver(self.mask_block)
-        # the mask unpacked: each word's 32 bits, then which tokens are forbidden
+        # the mask spread out: on a GPU each word's 32 bits (int32), then which tokens are
+        # forbidden; on the CPU one row's additive biases (float32, `mask_row`)
         self.bits = carve.take((*words, 32), torch.int32)
         mask = carve.take(words, torch.int32)
-        self.bit = carve.take((32,), torch.int32).copy_(torch.arange(32, dtype=torch.int32))
+        self.bit = carve.take((32,), torch.int32).copy_(_bit_values())
         self.forbid = carve.take(shape, torch.bool)
         self.mask_host = torch.zeros(words, dtype=torch.int32, pin_memory=True) if on_gpu else mask
         self.mask = mask if on_gpu else None
@@ -184,28 +185,49 @@ class Sampler:
     def constrain(self, logits: torch.Tensor, rows: list[Row]) -> None:
         """Tokens the grammar of a constrained row forbids get -inf in `logits` ([R, V]), in
         place; rows without a constraint are left alone, and a batch without any costs a scan
-        of `rows`. Each matcher writes its row of the host bitmask, which crosses to the device
-        once, and is unpacked there with torch ops into the sampler's own buffers (nothing is
-        asked of the allocator)."""
+        of `rows`. Each matcher writes its row of the host bitmask. Nothing is asked of the
+        allocator: the buffers are the sampler's."""
         guided = [i for i, row in enumerate(rows) if row.guide is not None]
         if not guided:
             return
-        m = len(guided)
-        host = self.mask_host[:m]
-        for j, i in enumerate(guided):
+        if self.mask is None:
+            self._constrain_on_host(logits, rows, guided)
+        else:
+            self._constrain_on_device(logits, rows, guided)
+
+    def _constrain_on_host(self, logits: torch.Tensor, rows: list[Row], guided: list[int]) -> None:
+        """Row by row with numpy, on the calling thread: no torch op, so no wake-up of torch's
+        thread pool (whose threads the forward pass's kernels need), and no unpacked mask: each
+        byte of the bitmask becomes 8 additive biases (0 or -inf) through a 256-entry table."""
+        assert logits.dtype == torch.float32, logits.dtype
+        out, words = logits.numpy(), self.mask_host[0]
+        bias = self.bits[0].view(torch.float32).numpy().reshape(-1)
+        for i in guided:
             row = rows[i]
             assert row.guide is not None
-            row.guide.mask_into(row.history[row.prompt_len :], host[j])
-        words = host if self.mask is None else self.mask[:m].copy_(host, non_blocking=True)
-        # words: [m, W] int32 -> bits: [m, W, 32] -> forbid: [m, V] bool, in owned buffers
-        bits = torch.bitwise_right_shift(words[:, :, None], self.bit, out=self.bits[:m])
-        bits.bitwise_and_(1)
-        forbid = torch.eq(bits.view(m, -1)[:, : self.vocab_size], 0, out=self.forbid[:m])
-        if m == logits.shape[0]:
-            logits.masked_fill_(forbid, float("-inf"))
-            return
-        for j, i in enumerate(guided):
-            logits[i].masked_fill_(forbid[j], float("-inf"))
+            row.guide.mask_into(row.history[row.prompt_len :], words)
+            mask_row(out[i], words.numpy(), bias)
+
+    def _constrain_on_device(
+        self, logits: torch.Tensor, rows: list[Row], guided: list[int]
+    ) -> None:
+        """The whole batch's bitmask (rows without a constraint allow every token) crosses to
+        the device in one copy from pinned memory and is applied by the same four ops over the
+        batch, whichever rows are constrained: no host sync, no per-row launch, and the host
+        fills the mask while the device still runs the forward pass."""
+        r = logits.shape[0]
+        host = self.mask_host[:r]
+        host.fill_(-1)
+        for i in guided:
+            row = rows[i]
+            assert row.guide is not None
+            row.guide.mask_into(row.history[row.prompt_len :], host[i])
+        assert self.mask is not None
+        words = self.mask[:r].copy_(host, non_blocking=True)
+        # words: [r, W] int32 -> bits: [r, W, 32] -> forbid: [r, V] bool, in owned buffers
+        bits = torch.bitwise_and(words[:, :, None], self.bit, out=self.bits[:r])
+        forbid = torch.eq(bits.view(r, -1)[:, : self.vocab_size], 0, out=self.forbid[:r])
+        logits.masked_fill_(forbid, float("-inf"))
 
     def distribution(self, logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
         """The filtered distribution each row samples from, in `self.probs[:R]` ([R, V])."""
@@ -367,6 +389,41 @@ def mask_block_bytes(max_rows: int, vocab_size: int) -> int:
     words = max_rows * mask_words(vocab_size)
     used = words * 32 * 4 + words * 4 + 32 * 4 + max_rows * vocab_size
     return -(-used // MASK_BLOCK_ROUND) * MASK_BLOCK_ROUND
+
+
+def _bit_values() -> torch.Tensor:
+    """Bit i of an int32 word for i in 0..31 (bit 31 is the sign)."""
+    return torch.tensor([1 << i for i in range(31)] + [-(1 << 31)], dtype=torch.int32)
+
+
+# each byte of a bitmask as the additive biases of its 8 tokens: 0 (allowed) or -inf: [256, 8]
+BYTE_BIAS = np.where(
+    np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little") == 1,
+    np.float32(0.0),
+    np.float32(-np.inf),
+).astype(np.float32)
+
+
+def mask_row(logits: np.ndarray, words: np.ndarray, bias: np.ndarray) -> None:
+    """-inf where the bitmask `words` ([W] int32) forbids a token of `logits` ([V] float32), in
+    place, branch-free: the bitmask's bytes looked up in `BYTE_BIAS` into `bias` (float32, at
+    least 32 W: a buffer of the caller's), added to the logits. A row that allows every token
+    (free text inside a JSON string, mostly) is left as it is."""
+    vocab = logits.shape[0]
+    if allows_all(words, vocab):
+        return
+    spread = bias[: words.size * 32]
+    np.take(BYTE_BIAS, words.view(np.uint8), axis=0, out=spread.reshape(-1, 8))
+    np.add(logits, spread[:vocab], out=logits)
+
+
+def allows_all(words: np.ndarray, vocab: int) -> bool:
+    """Whether the bitmask `words` allows each of the `vocab` tokens (bits past it ignored)."""
+    full, rest = divmod(vocab, 32)
+    if not bool((words[:full] == -1).all()):
+        return False
+    low = (1 << rest) - 1
+    return rest == 0 or int(words[full]) & low == low
 
 
 class _Carver:
