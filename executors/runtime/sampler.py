@@ -215,15 +215,27 @@ class Sampler:
         the device in one copy from pinned memory and is applied by the same four ops over the
         batch, whichever rows are constrained: no host sync, no per-row launch, and the host
         fills the mask while the device still runs the forward pass."""
-        r = logits.shape[0]
-        host = self.mask_host[:r]
+        host = self.mask_host[: logits.shape[0]]
         host.fill_(-1)
         for i in guided:
             row = rows[i]
             assert row.guide is not None
             row.guide.mask_into(row.history[row.prompt_len :], host[i])
-        assert self.mask is not None
-        words = self.mask[:r].copy_(host, non_blocking=True)
+        self.apply_mask(logits)
+
+    def warm_mask(self, logits: torch.Tensor) -> None:
+        """A constrained step's device work with every token allowed (logits unchanged), for
+        the warm-up: serving's first constrained step then meets its kernels loaded."""
+        if self.mask is not None:
+            self.mask_host[: logits.shape[0]].fill_(-1)
+            self.apply_mask(logits)
+
+    def apply_mask(self, logits: torch.Tensor) -> None:
+        """The device's part of `constrain`: rows 0..R-1 of the host bitmask into the device's
+        buffer, then -inf where a bit is 0."""
+        r = logits.shape[0]
+        assert self.mask is not None, "the bitmask is applied on the device only off the CPU"
+        words = self.mask[:r].copy_(self.mask_host[:r], non_blocking=True)
         # words: [r, W] int32 -> bits: [r, W, 32] -> forbid: [r, V] bool, in owned buffers
         bits = torch.bitwise_and(words[:, :, None], self.bit, out=self.bits[:r])
         forbid = torch.eq(bits.view(r, -1)[:, : self.vocab_size], 0, out=self.forbid[:r])

@@ -123,6 +123,9 @@ def test_the_host_and_the_device_paths_mask_as_the_bits_say():
     assert torch.equal(on_host, want) and torch.equal(on_device, want)
     assert torch.isfinite(want[3]).nonzero().flatten().tolist() == list(MC.eos_token_ids)
     assert torch.equal(want[2], logits[2])  # a row that allows everything is untouched
+    warmed = logits.clone()
+    device.warm_mask(warmed)  # the warm-up's pass allows every token
+    assert torch.equal(warmed, logits)
 
 
 def test_a_byte_table_in_the_wrong_bit_order_is_caught(monkeypatch):
