@@ -349,8 +349,8 @@ class Front:
                 text += "data: [DONE]\n\n"
             return text
         if job.calls_tools:
-            held = out.held_logprobs.pop(index, []) + list(item.logprobs)
-            return self._tool_chunks(out, index, out.calls[index].feed(item.text), held)
+            waiting = out.held_logprobs.pop(index, []) + list(item.logprobs)
+            return self._tool_chunks(out, index, out.calls[index].feed(item.text), waiting)
         text = item.text
         if not text and not item.logprobs:
             return ""  # a token that ends inside a character

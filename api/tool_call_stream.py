@@ -103,7 +103,7 @@ class CallStream:
         head = call_header(self.buf)
         if head == PARTIAL:
             return False
-        if head == NO:
+        if isinstance(head, str):  # NO
             return self._step_unheaded()
         name, end = head
         self.out.append({"tool_calls": [self._first_delta(name, "")]})
