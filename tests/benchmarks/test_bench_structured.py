@@ -24,3 +24,5 @@ def test_quick_run_prints_both_mixes_and_the_compile_cache():
     # 4 streams: requests 1 and 3 carry schemas 0 and 1; the warm-up compiles both, the
     # round's two requests hit the cache
     assert re.search(r"grammars compiled 2, [\d.]+ ms each; cache hit rate 0.500", out), out
+    share = float(re.search(r"^mask\s+([\d.]+) of the constrained", out, re.M).group(1))
+    assert 0.0 < share < 1.0, out
