@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from memstep.core.sampling_params import SamplingParams
-from memstep.executors.runtime.guide import Guide, mask_words
+from memstep.executors.runtime.guide import Guide, mask_words, masks_into
 from memstep.executors.runtime.random_stream import SAMPLE, uniforms
 from memstep.states.arena import tensor_bytes
 
@@ -212,15 +212,12 @@ class Sampler:
         self, logits: torch.Tensor, rows: list[Row], guided: list[int]
     ) -> None:
         """The whole batch's bitmask (rows without a constraint allow every token) crosses to
-        the device in one copy from pinned memory and is applied by the same four ops over the
-        batch, whichever rows are constrained: no host sync, no per-row launch, and the host
-        fills the mask while the device still runs the forward pass."""
+        the device in one copy from pinned memory and is applied by the same ops over the batch,
+        whichever rows are constrained: no host sync, no per-row launch; the host fills the
+        mask (the matchers in parallel, `masks_into`) while the device runs the forward pass."""
         host = self.mask_host[: logits.shape[0]]
         host.fill_(-1)
-        for i in guided:
-            row = rows[i]
-            assert row.guide is not None
-            row.guide.mask_into(row.history[row.prompt_len :], host[i])
+        masks_into([_guided(rows[i], i) for i in guided], host)
         self.apply_mask(logits)
 
     def warm_mask(self, logits: torch.Tensor) -> None:
@@ -401,6 +398,11 @@ def mask_block_bytes(max_rows: int, vocab_size: int) -> int:
     words = max_rows * mask_words(vocab_size)
     used = words * 32 * 4 + words * 4 + 32 * 4 + max_rows * vocab_size
     return -(-used // MASK_BLOCK_ROUND) * MASK_BLOCK_ROUND
+
+
+def _guided(row: Row, i: int) -> tuple[Guide, list[int], int]:
+    assert row.guide is not None
+    return row.guide, row.history[row.prompt_len :], i
 
 
 def _bit_values() -> torch.Tensor:

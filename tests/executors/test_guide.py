@@ -4,6 +4,7 @@ grammar allows only the end of sequence, and the memory plan counts the bitmask.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from memstep.core.model_source import model_config, resolve
@@ -110,8 +111,18 @@ def _reference(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
     return out
 
 
-def test_the_host_and_the_device_paths_mask_as_the_bits_say():
-    logits, rows = _mixed_batch()
+def _drafts_batch() -> tuple[torch.Tensor, list[Row]]:
+    """A speculative step's rows: one guide for the row and the rows after its two drafts."""
+    logits = torch.randn(3, MC.vocab_size, generator=torch.Generator().manual_seed(2))
+    guided = SamplingParams(temperature=1.0, seed=1, guided_regex="a(b|c)+d")
+    guide = BOOK.guide(REGEX)
+    rows = [Row(guided, 1 + j, _ids("abd"[: 1 + j]), 0, guide) for j in range(3)]
+    return logits, rows
+
+
+@pytest.mark.parametrize("batch", [_mixed_batch, _drafts_batch])
+def test_the_host_and_the_device_paths_mask_as_the_bits_say(batch):
+    logits, rows = batch()
     want = _reference(logits, rows)
     host = Sampler(8, MC.vocab_size, torch.device("cpu"))
     on_host = logits.clone()
@@ -121,8 +132,12 @@ def test_the_host_and_the_device_paths_mask_as_the_bits_say():
     on_device = logits.clone()
     device.constrain(on_device, rows)
     assert torch.equal(on_host, want) and torch.equal(on_device, want)
-    assert torch.isfinite(want[3]).nonzero().flatten().tolist() == list(MC.eos_token_ids)
-    assert torch.equal(want[2], logits[2])  # a row that allows everything is untouched
+    if batch is _mixed_batch:
+        assert torch.isfinite(want[3]).nonzero().flatten().tolist() == list(MC.eos_token_ids)
+        assert torch.equal(want[2], logits[2])  # a row that allows everything is untouched
+    else:  # after "ab": b, c or d; after "abd": the end only
+        assert torch.isfinite(want[1]).nonzero().flatten().tolist() == _any_of("bcd")
+        assert torch.isfinite(want[2]).nonzero().flatten().tolist() == list(MC.eos_token_ids)
     warmed = logits.clone()
     device.warm_mask(warmed)  # the warm-up's pass allows every token
     assert torch.equal(warmed, logits)
