@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from memstep.core.sampling_params import SamplingParams
+from memstep.executors.runtime.bitmask import bit_values, mask_row
 from memstep.executors.runtime.guide import Guide, mask_words, masks_into
 from memstep.executors.runtime.random_stream import SAMPLE, uniforms
 from memstep.states.arena import tensor_bytes
@@ -154,7 +155,7 @@ class Sampler:
         # forbidden; on the CPU one row's additive biases (float32, `mask_row`)
         self.bits = carve.take((*words, 32), torch.int32)
         mask = carve.take(words, torch.int32)
-        self.bit = carve.take((32,), torch.int32).copy_(_bit_values())
+        self.bit = carve.take((32,), torch.int32).copy_(bit_values())
         self.forbid = carve.take(shape, torch.bool)
         self.mask_host = torch.zeros(words, dtype=torch.int32, pin_memory=True) if on_gpu else mask
         self.mask = mask if on_gpu else None
@@ -403,41 +404,6 @@ def mask_block_bytes(max_rows: int, vocab_size: int) -> int:
 def _guided(row: Row, i: int) -> tuple[Guide, list[int], int]:
     assert row.guide is not None
     return row.guide, row.history[row.prompt_len :], i
-
-
-def _bit_values() -> torch.Tensor:
-    """Bit i of an int32 word for i in 0..31 (bit 31 is the sign)."""
-    return torch.tensor([1 << i for i in range(31)] + [-(1 << 31)], dtype=torch.int32)
-
-
-# each byte of a bitmask as the additive biases of its 8 tokens: 0 (allowed) or -inf: [256, 8]
-BYTE_BIAS = np.where(
-    np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little") == 1,
-    np.float32(0.0),
-    np.float32(-np.inf),
-).astype(np.float32)
-
-
-def mask_row(logits: np.ndarray, words: np.ndarray, bias: np.ndarray) -> None:
-    """-inf where the bitmask `words` ([W] int32) forbids a token of `logits` ([V] float32), in
-    place, branch-free: the bitmask's bytes looked up in `BYTE_BIAS` into `bias` (float32, at
-    least 32 W: a buffer of the caller's), added to the logits. A row that allows every token
-    (free text inside a JSON string, mostly) is left as it is."""
-    vocab = logits.shape[0]
-    if allows_all(words, vocab):
-        return
-    spread = bias[: words.size * 32]
-    np.take(BYTE_BIAS, words.view(np.uint8), axis=0, out=spread.reshape(-1, 8))
-    np.add(logits, spread[:vocab], out=logits)
-
-
-def allows_all(words: np.ndarray, vocab: int) -> bool:
-    """Whether the bitmask `words` allows each of the `vocab` tokens (bits past it ignored)."""
-    full, rest = divmod(vocab, 32)
-    if not bool((words[:full] == -1).all()):
-        return False
-    low = (1 << rest) - 1
-    return rest == 0 or int(words[full]) & low == low
 
 
 class _Carver:

@@ -146,10 +146,10 @@ def test_the_host_and_the_device_paths_mask_as_the_bits_say(batch):
 def test_a_byte_table_in_the_wrong_bit_order_is_caught(monkeypatch):
     import numpy as np
 
-    from memstep.executors.runtime import sampler as sampler_module
+    from memstep.executors.runtime import bitmask
 
-    swapped = sampler_module.BYTE_BIAS[:, ::-1].copy()
-    monkeypatch.setattr(sampler_module, "BYTE_BIAS", swapped)
+    swapped = bitmask.BYTE_BIAS[:, ::-1].copy()
+    monkeypatch.setattr(bitmask, "BYTE_BIAS", swapped)
     logits, rows = _mixed_batch()
     got = logits.clone()
     Sampler(8, MC.vocab_size, torch.device("cpu")).constrain(got, rows)
@@ -160,7 +160,7 @@ def test_a_byte_table_in_the_wrong_bit_order_is_caught(monkeypatch):
 def test_allows_all_reads_only_the_vocabulary_bits():
     import numpy as np
 
-    from memstep.executors.runtime.sampler import allows_all
+    from memstep.executors.runtime.bitmask import allows_all
 
     words = np.full(mask_words(70), -1, dtype=np.int32)  # 70 tokens: 6 bits of the last word
     words[-1] = 0b111111
