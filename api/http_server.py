@@ -56,7 +56,7 @@ from memstep.api.http_limits import (
 from memstep.api.metrics import FrontStats, Metrics
 from memstep.api.openai_protocol import Job, OpenAIError
 from memstep.api.tally import host_rss_bytes
-from memstep.api.tool_calls import CallStream
+from memstep.api.tool_call_stream import CallStream
 from memstep.core.logging import setup_logging
 from memstep.events.wire import GenerateDone, HealthReply
 
@@ -342,12 +342,13 @@ class Front:
         if isinstance(item, GenerateDone):
             out.dones[index] = item
             self.prom.observe(item)
-            held: list[str] = []
-            called = False
+            held, called, left = "", False, []
             if job.calls_tools:
-                held, called = _held_calls(job, rid, index, out.calls[index], out.started)
-            end = oai.chunk(job, rid, index, "", [], 0, **_end(item, called))
-            text = "".join(held) + _event(end)
+                calls, waiting = out.calls[index], out.held_logprobs.pop(index, [])
+                held = self._tool_chunks(out, index, calls.finish(), waiting)
+                called, left = calls.num_calls > 0, out.held_logprobs.pop(index, [])
+            end = oai.chunk(job, rid, index, "", left, 0, **_end(item, called))
+            text = held + _event(end)
             if len(out.dones) == out.num_choices:
                 out.ended = True
                 if job.include_usage:
@@ -355,14 +356,39 @@ class Front:
                     text += _event(oai.usage_chunk(job, rid, ordered))
                 text += "data: [DONE]\n\n"
             return text
-        text = out.calls[index].feed(item.text) if job.calls_tools else item.text
-        if not text and (not item.logprobs or job.calls_tools):
-            return ""  # a token that ends inside a character (or may start a tool call)
+        if job.calls_tools:
+            waiting = out.held_logprobs.pop(index, []) + list(item.logprobs)
+            return self._tool_chunks(out, index, out.calls[index].feed(item.text), waiting)
+        text = item.text
+        if not text and not item.logprobs:
+            return ""  # a token that ends inside a character
         role = index not in out.started
         out.started.add(index)
         offset = out.offsets[index]
         out.offsets[index] += len(text)
         return _event(oai.chunk(job, rid, index, text, item.logprobs, offset, role=role))
+
+    def _tool_chunks(
+        self, out: _SseState, index: int, deltas: list[dict[str, Any]], logprobs: list[list]
+    ) -> str:
+        """The chunks of a choice that may call tools: its content and tool-call deltas
+        (api/tool_call_stream.py), the tokens' logprobs on the first of them; with no delta to
+        send, the logprobs wait for the next."""
+        if not deltas:
+            if logprobs:
+                out.held_logprobs[index] = logprobs
+            return ""
+        chunks, job, rid = [], out.job, out.rid
+        for delta in deltas:
+            role = index not in out.started
+            out.started.add(index)
+            if "content" in delta:
+                chunk = oai.chunk(job, rid, index, delta["content"], logprobs, 0, role=role)
+            else:
+                chunk = oai.calls_chunk(job, rid, index, delta["tool_calls"], role, logprobs)
+            chunks.append(_event(chunk))
+            logprobs = []
+        return "".join(chunks)
 
     def _abort(self, request_ids: list[str]) -> None:
         """Abort requests in the core from a task of their own: the caller may be cancelled."""
@@ -390,7 +416,8 @@ class _SseState:
     ended: bool = False
     calls: collections.defaultdict[int, CallStream] = attrs.Factory(
         lambda: collections.defaultdict(CallStream)
-    )  # each choice's text held while it may be a tool call
+    )  # each choice's text split into content and tool-call deltas
+    held_logprobs: dict[int, list[list]] = attrs.Factory(dict)  # of tokens held back
 
 
 async def _first(stream: AsyncStream) -> Any:
@@ -435,21 +462,6 @@ async def _alarm(index: int, deadline: float, queue: asyncio.Queue) -> None:
     """At the request's deadline, an error into the stream's queue."""
     await asyncio.sleep(max(deadline - asyncio.get_running_loop().time(), 0.0))
     queue.put_nowait((index, ServerError("core_timeout", "the request passed its deadline")))
-
-
-def _held_calls(
-    job: Job, rid: str, index: int, held: CallStream, started: set[int]
-) -> tuple[list[str], bool]:
-    """The events of a choice's held text at its end, and whether it called tools: its calls
-    (each whole), or the text as content where it held none."""
-    content, calls = held.finish()
-    role = index not in started
-    started.add(index)
-    if calls:
-        return [_event(oai.calls_chunk(job, rid, index, calls, role))], True
-    if not content:
-        return [], False
-    return [_event(oai.chunk(job, rid, index, content, [], 0, role=role))], False
 
 
 def _end(done: GenerateDone, called: bool = False) -> dict[str, Any]:

@@ -384,14 +384,14 @@ def chunk(
 
 
 def calls_chunk(
-    job: Job, rid: str, index: int, calls: list[dict[str, Any]], role: bool
+    job: Job, rid: str, index: int, deltas: list[dict[str, Any]], role: bool, logprobs: list[list]
 ) -> dict[str, Any]:
-    """A streamed chat chunk with tool calls, as OpenAI sends them: each call's index, id, type
-    and name, with its arguments whole."""
-    deltas = [{"index": i, **call} for i, call in enumerate(calls)]
+    """A streamed chat chunk with tool-call deltas, as OpenAI sends them: a call's first with
+    its index, id, type, name and empty arguments, then fragments of its arguments."""
     delta: dict[str, Any] = {"role": "assistant"} if role else {}
     delta |= {"content": None, "tool_calls": deltas}
-    choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+    lp = format_logprobs(job, logprobs, 0)
+    choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": None}
     out = {**_head(job, rid, "chat.completion.chunk"), "choices": [choice]}
     if job.include_usage:
         out["usage"] = None

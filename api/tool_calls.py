@@ -5,21 +5,19 @@ SmolLM2 are tuned on: a `<tools>` list, calls as `<tool_call>{"name", "arguments
 `tool_choice="required"` or a named function is enforced by a grammar (llguidance's Lark with
 an inline JSON schema per tool), so its arguments always parse against the tool's schema.
 The reply is parsed as Hermes `<tool_call>` blocks or as Llama-3.1's bare JSON call
-(`{"name": ..., "parameters": ...}`, after an optional `<|python_tag|>`).
+(`{"name": ..., "parameters": ...}`, after an optional `<|python_tag|>`), streamed or whole, by
+api/tool_call_stream.py.
 """
 
 from __future__ import annotations
 
 import json
-import re
-import uuid
 from typing import Any
 
 import attrs
 
-TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
-PYTHON_TAG = "<|python_tag|>"
-MARKERS = ("<tool_call>", PYTHON_TAG, "{")  # a reply that may be a call starts so
+from memstep.api.tool_call_stream import split_reply
+
 JSON_COMPACT = {"whitespace_flexible": False}
 
 SYSTEM = (
@@ -122,55 +120,9 @@ def _function(tool: Any) -> dict[str, Any]:
 
 
 def parse_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
-    """(content left over, OpenAI tool_calls) of a reply; no calls where none parse."""
-    found = [_call(m.group(1)) for m in TOOL_CALL.finditer(text)]
-    calls = [c for c in found if c is not None]
-    if calls:
-        return TOOL_CALL.sub("", text).strip(), calls
-    bare = text.strip().removeprefix(PYTHON_TAG).strip()
-    call = _call(bare) if bare.startswith("{") else None
-    return ("", [call]) if call is not None else (text, [])
-
-
-def _call(text: str) -> dict[str, Any] | None:
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(data, dict) or not isinstance(data.get("name"), str):
-        return None
-    arguments = data.get("arguments", data.get("parameters", {}))
-    return {
-        "id": "call_" + uuid.uuid4().hex[:24],
-        "type": "function",
-        "function": {"name": data["name"], "arguments": json.dumps(arguments)},
-    }
-
-
-class CallStream:
-    """One streamed choice's text while it may still be a tool call: held back while it could
-    start one (`MARKERS`), passed on as content once it cannot; `finish` gives what is left
-    as content and the parsed calls."""
-
-    def __init__(self) -> None:
-        self.held = ""
-        self.is_text = False
-
-    def feed(self, text: str) -> str:
-        """The content to send now."""
-        if self.is_text:
-            return text
-        self.held += text
-        start = self.held.lstrip()
-        if not start or any(m.startswith(start) or start.startswith(m) for m in MARKERS):
-            return ""
-        self.is_text, out, self.held = True, self.held, ""
-        return out
-
-    def finish(self) -> tuple[str, list[dict[str, Any]]]:
-        if self.is_text:
-            return "", []
-        return parse_calls(self.held)
+    """(content left over, OpenAI tool_calls) of a whole reply, as its stream would accumulate
+    (api/tool_call_stream.py); no calls where none parse."""
+    return split_reply(text)
 
 
 def calls_message(message: dict[str, Any]) -> str:

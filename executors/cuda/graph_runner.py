@@ -333,8 +333,9 @@ def warm_sampler(
     """The head and the sampler at every captured size, from the dummy decode batch
     `dummy_hidden` (seeded noise), into the sampler's persistent buffers: every filter on (and a
     greedy row with penalties, and logprobs) at the sizes that meet the filters' allocations
-    (`Sampler.warm_sizes`, and the largest), the all-greedy shortcut at every size. Penalties
-    allocate per row, not per batch: one such row is enough."""
+    (`Sampler.warm_sizes`, and the largest), a constrained step's bitmask (allowing all) and the
+    all-greedy shortcut at every size. Penalties allocate per row, not per batch: one such row
+    is enough."""
     noise = torch.Generator(device=dummy_hidden.device).manual_seed(0)
     torch.randn(dummy_hidden.shape, generator=noise, out=dummy_hidden)
     params = [
@@ -352,5 +353,6 @@ def warm_sampler(
             rows = [Row(params[int(i == 1)], 3, [1, 2, 3], 1) for i in range(n)]  # one penalised
             tokens = sampler.sample(sampler.distribution(logits, rows), rows)
             logits = model.logits(dummy_hidden[:n], sampler.logits_out(n))  # filtered in place
+        sampler.warm_mask(logits)
         picked = sampler.sample_logits(logits, [greedy] * n).tolist()  # the all-greedy shortcut
         top_logprobs(raw, tokens or picked, 2, in_place=True)

@@ -11,6 +11,7 @@ model's tokenizer, and hands each request a copy.
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -56,8 +57,41 @@ class Guide:
             words.fill_(-1)  # a refused draft's later rows: any mask, the row is rejected
             return
         self.matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
+        self.open_dead_end(words)
+
+    def open_dead_end(self, words: Any) -> None:
+        """A mask that allows nothing allows the end of sequence (`mask_into`)."""
         if not bool(words.any()):
             words[self.eos // 32] = _bit(self.eos % 32)
+
+
+def masks_into(guided: list[tuple[Guide, list[int], int]], words: Any) -> None:
+    """Each guide's mask of the token after its output into its row of `words` ([R, W] int32
+    on the host), the matchers run at once on llguidance's own threads (`mask_pool`: no GIL);
+    row by row (`Guide.mask_into`) where a guide serves several rows, as a speculative step's
+    drafts do (a matcher is at one state at a time)."""
+    if len({id(guide) for guide, _, _ in guided}) < len(guided):
+        for guide, output, i in guided:
+            guide.mask_into(output, words[i])
+        return
+    ready = []
+    for guide, output, i in guided:
+        if guide.sync(output):
+            ready.append((guide, i))
+        else:
+            words[i].fill_(-1)  # a refused draft's later rows: any mask, the row is rejected
+    pairs = [(guide.matcher, i) for guide, i in ready]
+    mask_pool().unsafe_compute_mask_ptr(pairs, words.data_ptr(), words.shape[1] * 4, len(words))
+    for guide, i in ready:
+        guide.open_dead_end(words[i])
+
+
+@functools.cache
+def mask_pool() -> Any:
+    """llguidance's thread pool for a batch of masks (its default: most of the host's cores)."""
+    from llguidance import LLExecutor
+
+    return LLExecutor()
 
 
 def _bit(i: int) -> int:

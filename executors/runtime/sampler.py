@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from memstep.core.sampling_params import SamplingParams
-from memstep.executors.runtime.guide import Guide, mask_words
+from memstep.executors.runtime.bitmask import bit_values, mask_row
+from memstep.executors.runtime.guide import Guide, mask_words, masks_into
 from memstep.executors.runtime.random_stream import SAMPLE, uniforms
 from memstep.states.arena import tensor_bytes
 
@@ -150,10 +151,11 @@ class Sampler:
             mask_block_bytes(max_rows, vocab_size), dtype=torch.uint8, device=device
         )
         carve = _Carver(self.mask_block)
-        # the mask unpacked: each word's 32 bits, then which tokens are forbidden
+        # the mask spread out: on a GPU each word's 32 bits (int32), then which tokens are
+        # forbidden; on the CPU one row's additive biases (float32, `mask_row`)
         self.bits = carve.take((*words, 32), torch.int32)
         mask = carve.take(words, torch.int32)
-        self.bit = carve.take((32,), torch.int32).copy_(torch.arange(32, dtype=torch.int32))
+        self.bit = carve.take((32,), torch.int32).copy_(bit_values())
         self.forbid = carve.take(shape, torch.bool)
         self.mask_host = torch.zeros(words, dtype=torch.int32, pin_memory=True) if on_gpu else mask
         self.mask = mask if on_gpu else None
@@ -183,28 +185,58 @@ class Sampler:
     def constrain(self, logits: torch.Tensor, rows: list[Row]) -> None:
         """Tokens the grammar of a constrained row forbids get -inf in `logits` ([R, V]), in
         place; rows without a constraint are left alone, and a batch without any costs a scan
-        of `rows`. Each matcher writes its row of the host bitmask, which crosses to the device
-        once, and is unpacked there with torch ops into the sampler's own buffers (nothing is
-        asked of the allocator)."""
+        of `rows`. Each matcher writes its row of the host bitmask. Nothing is asked of the
+        allocator: the buffers are the sampler's."""
         guided = [i for i, row in enumerate(rows) if row.guide is not None]
         if not guided:
             return
-        m = len(guided)
-        host = self.mask_host[:m]
-        for j, i in enumerate(guided):
+        if self.mask is None:
+            self._constrain_on_host(logits, rows, guided)
+        else:
+            self._constrain_on_device(logits, rows, guided)
+
+    def _constrain_on_host(self, logits: torch.Tensor, rows: list[Row], guided: list[int]) -> None:
+        """Row by row with numpy, on the calling thread: no torch op, so no wake-up of torch's
+        thread pool (whose threads the forward pass's kernels need), and no unpacked mask: each
+        byte of the bitmask becomes 8 additive biases (0 or -inf) through a 256-entry table."""
+        assert logits.dtype == torch.float32, logits.dtype
+        out, words = logits.numpy(), self.mask_host[0]
+        bias = self.bits[0].view(torch.float32).numpy().reshape(-1)
+        for i in guided:
             row = rows[i]
             assert row.guide is not None
-            row.guide.mask_into(row.history[row.prompt_len :], host[j])
-        words = host if self.mask is None else self.mask[:m].copy_(host, non_blocking=True)
-        # words: [m, W] int32 -> bits: [m, W, 32] -> forbid: [m, V] bool, in owned buffers
-        bits = torch.bitwise_right_shift(words[:, :, None], self.bit, out=self.bits[:m])
-        bits.bitwise_and_(1)
-        forbid = torch.eq(bits.view(m, -1)[:, : self.vocab_size], 0, out=self.forbid[:m])
-        if m == logits.shape[0]:
-            logits.masked_fill_(forbid, float("-inf"))
-            return
-        for j, i in enumerate(guided):
-            logits[i].masked_fill_(forbid[j], float("-inf"))
+            row.guide.mask_into(row.history[row.prompt_len :], words)
+            mask_row(out[i], words.numpy(), bias)
+
+    def _constrain_on_device(
+        self, logits: torch.Tensor, rows: list[Row], guided: list[int]
+    ) -> None:
+        """The whole batch's bitmask (rows without a constraint allow every token) crosses to
+        the device in one copy from pinned memory and is applied by the same ops over the batch,
+        whichever rows are constrained: no host sync, no per-row launch; the host fills the
+        mask (the matchers in parallel, `masks_into`) while the device runs the forward pass."""
+        host = self.mask_host[: logits.shape[0]]
+        host.fill_(-1)
+        masks_into([_guided(rows[i], i) for i in guided], host)
+        self.apply_mask(logits)
+
+    def warm_mask(self, logits: torch.Tensor) -> None:
+        """A constrained step's device work with every token allowed (logits unchanged), for
+        the warm-up: serving's first constrained step then meets its kernels loaded."""
+        if self.mask is not None:
+            self.mask_host[: logits.shape[0]].fill_(-1)
+            self.apply_mask(logits)
+
+    def apply_mask(self, logits: torch.Tensor) -> None:
+        """The device's part of `constrain`: rows 0..R-1 of the host bitmask into the device's
+        buffer, then -inf where a bit is 0."""
+        r = logits.shape[0]
+        assert self.mask is not None, "the bitmask is applied on the device only off the CPU"
+        words = self.mask[:r].copy_(self.mask_host[:r], non_blocking=True)
+        # words: [r, W] int32 -> bits: [r, W, 32] -> forbid: [r, V] bool, in owned buffers
+        bits = torch.bitwise_and(words[:, :, None], self.bit, out=self.bits[:r])
+        forbid = torch.eq(bits.view(r, -1)[:, : self.vocab_size], 0, out=self.forbid[:r])
+        logits.masked_fill_(forbid, float("-inf"))
 
     def distribution(self, logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
         """The filtered distribution each row samples from, in `self.probs[:R]` ([R, V])."""
@@ -385,6 +417,11 @@ def mask_block_bytes(max_rows: int, vocab_size: int) -> int:
     words = max_rows * mask_words(vocab_size)
     used = words * 32 * 4 + words * 4 + 32 * 4 + max_rows * vocab_size
     return -(-used // MASK_BLOCK_ROUND) * MASK_BLOCK_ROUND
+
+
+def _guided(row: Row, i: int) -> tuple[Guide, list[int], int]:
+    assert row.guide is not None
+    return row.guide, row.history[row.prompt_len :], i
 
 
 class _Carver:

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import jsonschema
 import openai
 import pytest
+from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from memstep.cli.serve import ServerProcess
 
@@ -124,10 +125,35 @@ def test_required_tool_call_validates_whole_and_streamed(sdk):
         _check_call(call)
     chunks = list(sdk.chat.completions.create(**kw, max_tokens=100, temperature=0, stream=True))
     deltas = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
-    assert deltas and deltas[0].index == 0 and deltas[0].id.startswith("call_")
-    args = "".join(d.function.arguments or "" for d in deltas if d.index == 0)
-    jsonschema.validate(json.loads(args), WEATHER["function"]["parameters"])
+    first = deltas[0]
+    assert first.index == 0 and first.id.startswith("call_") and first.type == "function"
+    assert first.function.name == "get_weather" and first.function.arguments == ""
+    assert len([d for d in deltas if d.index == 0]) > 2, "the arguments came in one delta"
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # the openai SDK's own accumulation of the stream gives the non-streamed calls
+    state = ChatCompletionStreamState()
+    for c in chunks:
+        state.handle_chunk(c)
+    streamed = state.get_final_completion().choices[0].message.tool_calls
+    assert [(c.function.name, c.function.arguments) for c in streamed] == [
+        (c.function.name, c.function.arguments) for c in choice.message.tool_calls
+    ]
+
+
+def test_tool_streams_send_content_as_it_comes_with_its_logprobs(sdk):
+    ask = [{"role": "user", "content": "Say hello to Ada in one sentence."}]
+    kw = dict(model="smollm2", messages=ask, tools=[WEATHER], max_tokens=12, temperature=0,
+              logprobs=True, top_logprobs=2)  # fmt: skip
+    whole = sdk.chat.completions.create(**kw).choices[0]
+    assert not whole.message.tool_calls and whole.message.content
+    chunks = list(sdk.chat.completions.create(**kw, stream=True))
+    texts = [c.choices[0].delta.content for c in chunks if c.choices[0].delta.content]
+    assert len(texts) > 3, texts  # not held to the end
+    assert "".join(texts) == whole.message.content
+    streamed = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [(t.token, t.logprob) for t in streamed] == [
+        (t.token, t.logprob) for t in whole.logprobs.content
+    ]
 
 
 def test_named_tool_choice_and_none(sdk):

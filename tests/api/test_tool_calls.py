@@ -1,6 +1,7 @@
 """Tool-call parsing and streaming without a model: Hermes `<tool_call>` blocks and Llama-3.1
-JSON calls parse into OpenAI's tool_calls, plain text stays content, and a streamed reply is
-held back only while it may still be a call."""
+JSON calls parse into OpenAI's tool_calls, plain text stays content, a streamed reply is held
+back only while it may still start a call, calls stream as OpenAI's deltas, and any split of a
+reply accumulates to the whole reply's parse."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import json
 import pytest
 
 from memstep.api.openai_protocol import OpenAIError, parse_chat
-from memstep.api.tool_calls import CallStream, parse_calls
+from memstep.api.tool_call_stream import CallStream
+from memstep.api.tool_calls import parse_calls
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 ASK = [{"role": "user", "content": "hi"}]
@@ -28,14 +30,72 @@ def test_hermes_blocks_and_llama_json_parse_into_tool_calls():
     assert parse_calls('{"not": "a call"}')[1] == []
 
 
-def test_a_stream_is_held_only_while_it_may_be_a_call():
-    plain = CallStream()
-    assert plain.feed(" <to") == "" and plain.feed("day") == " <today"
-    assert plain.feed(" more") == " more" and plain.finish() == ("", [])
-    call = CallStream()
-    for part in ["<tool", "_call>\n", '{"name": "f", "arguments": {}}', "\n</tool_call>"]:
-        assert call.feed(part) == ""
-    assert call.finish()[1][0]["function"]["name"] == "f"
+def _fed(text: str, step: int) -> list[dict]:
+    stream = CallStream()
+    out = [d for i in range(0, len(text), step) for d in stream.feed(text[i : i + step])]
+    return out + stream.finish()
+
+
+def _accumulated(deltas: list[dict]) -> tuple[str, list[tuple[str, str]]]:
+    """Content and (name, arguments) per call, merged by index as the openai SDK merges."""
+    content, calls = "", {}
+    for delta in deltas:
+        content += delta.get("content", "")
+        for part in delta.get("tool_calls", []):
+            name, args = calls.get(part["index"], ("", ""))
+            fn = part["function"]
+            calls[part["index"]] = (name + fn.get("name", ""), args + fn["arguments"])
+    return content, [calls[i] for i in sorted(calls)]
+
+
+REPLIES = [
+    '<tool_call>\n{"name": "f", "arguments": {"x": 1, "s": "a}\\"b"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>',
+    'Let me look.\n<tool_call>\n{"name":"f","arguments":{"city":"Paris"}}\n</tool_call>',
+    '<|python_tag|>{"name": "f", "parameters": {"y": [1, {"z": "}"}]}}',
+    '<tool_call>{"arguments": {"a": 1}, "name": "h"}</tool_call>',
+    "<tool_call>not json</tool_call> then text",
+    '<tool_call>\n{"name": "f", "argu',
+    '{"not": "a call"}',
+    " <today is <tool_call nearly> a call",
+]
+
+
+@pytest.mark.parametrize("text", REPLIES)
+def test_any_split_of_a_reply_accumulates_to_the_whole_reply(text):
+    content, calls = parse_calls(text)
+    whole = (content, [(c["function"]["name"], c["function"]["arguments"]) for c in calls])
+    for step in (1, 2, 3, 5, 11, len(text)):
+        assert _accumulated(_fed(text, step)) == whole, step
+
+
+def test_calls_stream_as_openai_sends_them():
+    text = '<tool_call>\n{"name": "f", "arguments": {"city": "Paris", "n": [1, 2]}}\n</tool_call>'
+    deltas = _fed(text, 4)
+    first = deltas[0]["tool_calls"][0]
+    assert first["index"] == 0 and first["id"].startswith("call_") and first["type"] == "function"
+    assert first["function"] == {"name": "f", "arguments": ""}
+    fragments = [d["tool_calls"][0] for d in deltas[1:]]
+    assert len(fragments) > 3 and all(set(f) == {"index", "function"} for f in fragments)
+    args = "".join(f["function"]["arguments"] for f in fragments)
+    assert json.loads(args) == {"city": "Paris", "n": [1, 2]}
+    assert args == '{"city": "Paris", "n": [1, 2]}'  # the model's text, not re-serialized
+
+
+def test_content_streams_at_once_and_only_a_possible_marker_waits():
+    stream = CallStream()
+    assert stream.feed("Hello") == [{"content": "Hello"}]
+    assert stream.feed(" there <tool") == [{"content": " there"}]  # " <tool" may be a marker
+    assert stream.feed("box>") == [{"content": " <toolbox>"}]
+    assert stream.feed("\n") == []  # whitespace waits: it may precede a call
+    assert stream.feed("<tool_call>") == []
+    assert stream.feed('{"name": "f", ') == []
+    assert stream.feed('"arguments": {')[0]["tool_calls"][0]["function"]["name"] == "f"
+    start = CallStream()
+    assert start.feed("{") == [] and start.feed('"answer"') == [{"content": '{"answer"'}]
+    assert start.finish() == []
+    tag = CallStream()  # a Llama-3.1 call may open with its tag
+    assert tag.feed("<|python") == [] and tag.feed("_tag|>") == []
 
 
 def test_required_and_named_choices_force_a_grammar_and_bad_ones_are_400s():

@@ -7,8 +7,10 @@ capture, and the planted leaks. CPU runs skip this module; on a GPU machine:
 from __future__ import annotations
 
 import gc
+import json
 import random
 
+import jsonschema
 import pytest
 import torch
 
@@ -428,26 +430,34 @@ def allocator_figures() -> tuple[int, int]:
     return stats["segment.all.current"], stats["reserved_bytes.all.current"]
 
 
+@pytest.mark.parametrize("schemas", [False, True])
 @pytest.mark.parametrize("piecewise", [False, True])
-def test_reserved_memory_after_warmup_and_capture_is_within_the_plan(piecewise):
+def test_reserved_memory_after_warmup_and_capture_is_within_the_plan(piecewise, schemas):
     """Warm-up runs every shape serving allocates for (short chunks at the end of long
     contexts among them, whose packed attention gathers the most keys): the allocator's
     reserved peak stays within the profile's predicted peak, with the piecewise graphs' pool
     and buffers too. The executor runs in a process of its own, as served: this one's CUDA
-    memory (other tests' engines) is not its."""
+    memory (other tests' engines) is not its. With `schemas`, traffic where half the requests
+    carry a JSON schema is served after capture first (`_serve_half_schemas`); SmolLM2's
+    tokenizer on the random model, since the grammars need JSON's tokens."""
+    from memstep.core.model_source import shipped_gguf_path
     from memstep.executors.process.remote import ProcessExecutor
 
     cfg = EngineConfig(
         model=SMOL,
+        tokenizer=str(shipped_gguf_path()) if schemas else None,
         dtype="bfloat16",
         max_num_seqs=32,
         max_model_len=512,
         num_kv_blocks=1024,
         piecewise_graphs=piecewise,
     )
-    engine = Engine(cfg, ProcessExecutor)
+    records: list = []
+    engine = Engine(cfg, ProcessExecutor, sinks=[records.append])
     try:
         figures = engine.captured
+        if schemas:
+            _serve_half_schemas(engine, records, figures["predicted_peak_bytes"])
         assert figures["reserved_peak_bytes"] <= figures["predicted_peak_bytes"], figures
         assert figures["reserved_within_plan"]
     finally:
@@ -472,6 +482,45 @@ def test_a_filter_pass_allocates_no_more_than_the_plan_adds_for_it(rows):
     torch.cuda.synchronize()
     scratch = torch.cuda.max_memory_allocated() - base
     assert 0 < scratch <= filter_scratch_bytes(64, vocab), scratch
+
+
+GRID = {
+    "type": "object",
+    "properties": {
+        "color": {"enum": ["red", "green", "blue"]},
+        "grid": {
+            "type": "array",
+            "items": {"type": "integer", "minimum": 0, "maximum": 99},
+            "maxItems": 6,
+        },
+        "note": {"type": "string", "maxLength": 24},
+    },
+    "required": ["color", "grid", "note"],
+    "additionalProperties": False,
+}
+
+
+def _serve_half_schemas(engine: Engine, records: list, predicted: int) -> None:
+    """48 requests, the odd ones with `GRID` (the bitmask filled on the host, copied to its
+    device buffer and applied every step): every step's reserved bytes and allocator segments
+    stay those of the first, within the plan, with no leak report, and each constrained text
+    validates."""
+    schema = json.dumps(GRID)
+    params = [
+        SamplingParams(max_tokens=120, temperature=1.0, seed=i, guided_json=schema * (i % 2))
+        for i in range(48)
+    ]
+    prompts = [f"Request {i}: a color, a grid and a note as JSON." for i in range(48)]
+    done = engine.generate(prompts, params)
+    for completion in done[1::2]:
+        assert completion.finish_reason == "stop", completion.text
+        jsonschema.validate(json.loads(completion.text), GRID)
+    steps = [r.memory for r in records if isinstance(r, StepFinished)]
+    assert len(steps) > 20
+    shape = {(m.reserved_bytes, m.num_segments) for m in steps}
+    assert shape == {(steps[0].reserved_bytes, steps[0].num_segments)}, shape
+    assert [r for r in records if isinstance(r, LeakSuspected)] == []
+    assert steps[0].reserved_bytes <= predicted, (steps[0].reserved_bytes, predicted)
 
 
 @pytest.mark.parametrize("piecewise", [False, True])

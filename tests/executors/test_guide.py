@@ -4,6 +4,7 @@ grammar allows only the end of sequence, and the memory plan counts the bitmask.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from memstep.core.model_source import model_config, resolve
@@ -80,3 +81,93 @@ def test_the_memory_plan_counts_the_bitmask():
     assert mask == words * 4 + 128 + words * 32 * 4 + 8 * MC.vocab_size
     # a plan without the bitmask falls short of what the sampler holds
     assert sampler_nbytes(8, MC.vocab_size, False) - mask < sampler.nbytes
+
+
+def _mixed_batch() -> tuple[torch.Tensor, list[Row]]:
+    """Five rows: plain, a regex part-way, a regex that allows every token after a refused
+    draft, a completed choice (end of sequence only), plain."""
+    logits = torch.randn(5, MC.vocab_size, generator=torch.Generator().manual_seed(1))
+    plain = SamplingParams(temperature=1.0, seed=1)
+    guided = SamplingParams(temperature=1.0, seed=1, guided_regex="a(b|c)+d")
+    yes = SamplingParams(temperature=1.0, seed=1, guided_choice=["yes"])
+    rows = [
+        Row(plain, 0, [], 0),
+        Row(guided, 2, _ids("ab"), 0, BOOK.guide(REGEX)),
+        Row(guided, 2, _ids("ax"), 0, BOOK.guide(REGEX)),
+        Row(yes, 3, _ids("yes"), 0, BOOK.guide(yes.constraint)),
+        Row(plain, 0, [], 0),
+    ]
+    return logits, rows
+
+
+def _reference(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+    """The mask of each constrained row unpacked bit by bit in torch, applied with masked_fill."""
+    out = logits.clone()
+    for i, row in enumerate(rows):
+        if row.guide is not None:
+            allowed = torch.zeros(MC.vocab_size, dtype=torch.bool)
+            allowed[_allowed(BOOK.guide(row.params.constraint), row.history)] = True
+            out[i].masked_fill_(~allowed, float("-inf"))
+    return out
+
+
+def _drafts_batch() -> tuple[torch.Tensor, list[Row]]:
+    """A speculative step's rows: one guide for the row and the rows after its two drafts."""
+    logits = torch.randn(3, MC.vocab_size, generator=torch.Generator().manual_seed(2))
+    guided = SamplingParams(temperature=1.0, seed=1, guided_regex="a(b|c)+d")
+    guide = BOOK.guide(REGEX)
+    rows = [Row(guided, 1 + j, _ids("abd"[: 1 + j]), 0, guide) for j in range(3)]
+    return logits, rows
+
+
+@pytest.mark.parametrize("batch", [_mixed_batch, _drafts_batch])
+def test_the_host_and_the_device_paths_mask_as_the_bits_say(batch):
+    logits, rows = batch()
+    want = _reference(logits, rows)
+    host = Sampler(8, MC.vocab_size, torch.device("cpu"))
+    on_host = logits.clone()
+    host.constrain(on_host, rows)
+    device = Sampler(8, MC.vocab_size, torch.device("cpu"))
+    device.mask = torch.zeros_like(device.mask_host)  # the device path, on the CPU
+    on_device = logits.clone()
+    device.constrain(on_device, rows)
+    assert torch.equal(on_host, want) and torch.equal(on_device, want)
+    if batch is _mixed_batch:
+        assert torch.isfinite(want[3]).nonzero().flatten().tolist() == list(MC.eos_token_ids)
+        assert torch.equal(want[2], logits[2])  # a row that allows everything is untouched
+    else:  # after "ab": b, c or d; after "abd": the end only
+        assert torch.isfinite(want[1]).nonzero().flatten().tolist() == _any_of("bcd")
+        assert torch.isfinite(want[2]).nonzero().flatten().tolist() == list(MC.eos_token_ids)
+    warmed = logits.clone()
+    device.warm_mask(warmed)  # the warm-up's pass allows every token
+    assert torch.equal(warmed, logits)
+
+
+def test_a_byte_table_in_the_wrong_bit_order_is_caught(monkeypatch):
+    import numpy as np
+
+    from memstep.executors.runtime import bitmask
+
+    swapped = bitmask.BYTE_BIAS[:, ::-1].copy()
+    monkeypatch.setattr(bitmask, "BYTE_BIAS", swapped)
+    logits, rows = _mixed_batch()
+    got = logits.clone()
+    Sampler(8, MC.vocab_size, torch.device("cpu")).constrain(got, rows)
+    assert not torch.equal(got, _reference(logits, rows))
+    assert np.isneginf(swapped).any()
+
+
+def test_allows_all_reads_only_the_vocabulary_bits():
+    import numpy as np
+
+    from memstep.executors.runtime.bitmask import allows_all
+
+    words = np.full(mask_words(70), -1, dtype=np.int32)  # 70 tokens: 6 bits of the last word
+    words[-1] = 0b111111
+    assert allows_all(words, 70)
+    words[-1] = 0b011111  # token 69 forbidden
+    assert not allows_all(words, 70)
+    words[-1] = -1 & ~(1 << 10)  # a bit past the vocabulary: ignored
+    assert allows_all(words, 70)
+    words[0] = ~1  # token 0 forbidden
+    assert not allows_all(words, 70)
