@@ -4,7 +4,7 @@ A user's `speculative_disable_by_batch_size` rules when given. Otherwise, with s
 `speculative_auto_disable` (the default), the core chooses the threshold itself from the steps it
 runs: per batch-size bucket (powers of two: 1, 2-3, 4-7, 8-15, ...) it keeps the tokens per
 second of the latest pure decode steps of each kind, and disables speculation from the smallest
-bucket where `spec` makes fewer tokens per second than `no_spec`.
+bucket where `spec` makes fewer tokens per second than `no_spec` (each kind's median step).
 
 Both kinds stay measured at every bucket by probes: a decode step runs the kind the threshold
 does not pick while that kind has fewer than `MIN_SAMPLES` steps in the bucket, and once every
@@ -16,6 +16,7 @@ one (`set`) instead of deciding (`decide`).
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 
 import attrs
@@ -48,8 +49,10 @@ class Rate:
 
     @property
     def per_second(self) -> float:
-        total = sum(self.seconds)
-        return sum(self.tokens) / total if total > 0 else 0.0
+        """The median step's tokens per second: a step that lost the CPU to another process
+        (a shared machine) moves it little."""
+        rates = [t / s for t, s in zip(self.tokens, self.seconds, strict=True) if s > 0]
+        return statistics.median(rates) if rates else 0.0
 
 
 class SpecThreshold:
