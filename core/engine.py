@@ -336,18 +336,19 @@ class Engine:
         decode = is_decode(batch.seqs)
         outputs = self._record(batch, result)
         self.step_no += 1
-        if decode:
-            self._observe_cost(batch, result, seconds)
+        self._observe_cost(batch, decode, result, seconds)
         return outputs
 
-    def _observe_cost(self, batch: StepBatch, result: StepResult, seconds: float) -> None:
-        """Count a decode step and, unless replaying, keep its cost and record a new automatic
-        speculation threshold where the costs call for one (core/spec_threshold.py)."""
+    def _observe_cost(
+        self, batch: StepBatch, decode: bool, result: StepResult, seconds: float
+    ) -> None:
+        """Count a step and, unless replaying, keep a decode step's cost and record a new
+        automatic speculation threshold where the costs call for one (core/spec_threshold.py)."""
         kinds = self.spec_kinds
         tokens = sum(len(r.token_ids) for r in result.seqs)
         measured = seconds if self.decides_spec_threshold else None
-        kinds.observe(batch.kind, len(batch.seqs), tokens, measured)
-        if kinds.is_auto and self.decides_spec_threshold:
+        kinds.observe(batch.kind, len(batch.seqs), decode, tokens, measured)
+        if decode and kinds.is_auto and self.decides_spec_threshold:
             threshold = kinds.decide()
             if threshold != kinds.threshold:
                 self.set_spec_threshold(threshold, kinds.figures())

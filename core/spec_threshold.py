@@ -8,10 +8,12 @@ bucket where `spec` makes fewer tokens per second than `no_spec` (each kind's me
 
 Both kinds stay measured at every bucket by probes: a decode step runs the kind the threshold
 does not pick while that kind has fewer than `MIN_SAMPLES` steps in the bucket, and once every
-`PROBE_PERIOD` decode steps of the bucket. Probes depend only on counts of steps, so a replay
-makes the same ones. The threshold depends on wall time, which no replay can measure again: the
-engine records each change (`SpecThresholdChanged`, an input) and a replay applies the recorded
-one (`set`) instead of deciding (`decide`).
+`PROBE_PERIOD` decode steps of the bucket (`spec` twice in a row: a `spec` step right after a
+`no_spec` one re-enters the kind, where an EAGLE head has no fresh state to draft from and a
+draft model catches up, so it is neither counted nor measured). Probes depend only on counts of
+steps, so a replay makes the same ones. The threshold depends on wall time, which no replay can
+measure again: the engine records each change (`SpecThresholdChanged`, an input) and a replay
+applies the recorded one (`set`) instead of deciding (`decide`).
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ class SpecThreshold:
             and cfg.speculative_disable_by_batch_size is None
         )
         self.threshold: int | None = None  # auto: spec while the batch is smaller; None: always
+        self.last_kind: str | None = None  # of the step before
         self.num_steps: dict[tuple[str, int], int] = {}  # (kind, bucket) -> decode steps run
         self.rates: dict[tuple[str, int], Rate] = {}
 
@@ -84,11 +87,17 @@ class SpecThreshold:
         if self.num_steps.get((other, bucket), 0) < MIN_SAMPLES:
             return True
         done = self.num_steps.get(("spec", bucket), 0) + self.num_steps.get(("no_spec", bucket), 0)
+        # a spec probe's first step re-enters the kind, is not counted, and so is probed again
         return done % PROBE_PERIOD == PROBE_PERIOD - 1
 
-    def observe(self, kind: str, batch_size: int, tokens: int, seconds: float | None) -> None:
-        """A pure decode step ran: count it, and keep its cost when measured (`seconds`)."""
-        if not self.is_auto:
+    def observe(
+        self, kind: str, batch_size: int, is_decode: bool, tokens: int, seconds: float | None
+    ) -> None:
+        """A step ran: count a pure decode step (`is_decode`) that did not re-enter `spec`, and
+        keep its cost when measured (`seconds`; None in a replay)."""
+        reentry = kind == "spec" and self.last_kind == "no_spec"
+        self.last_kind = kind
+        if not (self.is_auto and is_decode) or reentry:
             return
         key = (kind, bucket_of(batch_size))
         self.num_steps[key] = self.num_steps.get(key, 0) + 1

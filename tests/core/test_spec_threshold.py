@@ -1,6 +1,7 @@
 """The automatic speculation threshold, decided from synthetic step costs: spec off from the
 smallest batch-size bucket where it makes fewer tokens per second, probes that keep both kinds
-measured, a margin before it comes back on, and the user's threshold winning."""
+measured (a step that re-enters spec not counted), a margin before it comes back on, and the
+user's threshold winning."""
 
 from __future__ import annotations
 
@@ -13,10 +14,13 @@ SPEC = EngineConfig(model="random:tiny", speculative_method="ngram", num_specula
 
 
 def feed(kinds: SpecThreshold, batch: int, spec: tuple[int, float], plain: tuple[int, float]):
-    """MIN_SAMPLES decode steps of each kind at `batch`: (tokens, seconds) each."""
+    """MIN_SAMPLES decode steps of each kind at `batch` ((tokens, seconds) each), no_spec first:
+    the spec step that re-enters the kind after them is not counted, so it costs a day."""
     for _ in range(MIN_SAMPLES):
-        kinds.observe("spec", batch, *spec)
-        kinds.observe("no_spec", batch, *plain)
+        kinds.observe("no_spec", batch, True, *plain)
+    kinds.observe("spec", batch, True, spec[0], 86400.0)
+    for _ in range(MIN_SAMPLES):
+        kinds.observe("spec", batch, True, *spec)
 
 
 def test_buckets_are_powers_of_two():
@@ -52,7 +56,7 @@ def test_no_threshold_while_spec_wins_everywhere_or_a_kind_is_unmeasured():
     feed(kinds, 8, (12, 0.020), (8, 0.018))
     assert kinds.decide() is None
     for _ in range(10):
-        kinds.observe("spec", 64, 30, 1.0)  # loses badly, but no_spec is unmeasured at 64
+        kinds.observe("spec", 64, True, 30, 1.0)  # loses badly, but no_spec is unmeasured at 64
     assert kinds.ratio(64) is None and kinds.decide() is None
 
 
@@ -68,7 +72,7 @@ def test_a_bucket_switched_off_comes_back_only_past_the_margin():
     assert kinds.decide() is None, "1.01x while on: stays on"
     kinds.set(8)
     for _ in range(16):
-        kinds.observe("spec", 8, 10, 0.009)  # 1.11x
+        kinds.observe("spec", 8, True, 10, 0.009)  # 1.11x
     assert kinds.decide() is None
 
 
@@ -78,15 +82,34 @@ def test_probes_measure_the_kind_not_chosen_then_once_a_period():
     for _ in range(2 * PROBE_PERIOD):
         kind = kinds.kind_for(4, is_decode=True)
         chosen.append(kind)
-        kinds.observe(kind, 4, 4, 0.01)
+        kinds.observe(kind, 4, True, 4, 0.01)
     assert chosen[:MIN_SAMPLES] == ["no_spec"] * MIN_SAMPLES  # spec wanted: no_spec probed
-    assert chosen.count("no_spec") == MIN_SAMPLES + 2  # and one in each PROBE_PERIOD steps
-    assert chosen[PROBE_PERIOD - 1] == "no_spec"
+    # then one in PROBE_PERIOD counted steps; the spec step after each no_spec stretch
+    # re-enters spec and is not counted (the first periodic probe: the 33rd step, not the 32nd)
+    assert chosen.count("no_spec") == MIN_SAMPLES + 1 and chosen[PROBE_PERIOD] == "no_spec"
+    assert kinds.num_steps[("spec", 4)] == 2 * PROBE_PERIOD - (MIN_SAMPLES + 1) - 2
+    assert len(kinds.rates[("spec", 4)].tokens) == 16
     assert kinds.kind_for(4, is_decode=False) == "spec", "a prefill step is never a probe"
     kinds.set(4)
     assert kinds.kind_for(3, is_decode=False) == "spec"
     assert kinds.kind_for(4, is_decode=False) == "no_spec"
     assert kinds.kind_for(8, is_decode=True) == "spec", "spec unmeasured at 8: probed"
+
+
+def test_a_spec_probe_is_two_steps_where_spec_is_off():
+    kinds = SpecThreshold(SPEC)
+    feed(kinds, 8, (10, 0.02), (8, 0.01))
+    kinds.set(8)
+    chosen = []
+    for _ in range(2 * PROBE_PERIOD):
+        kind = kinds.kind_for(8, is_decode=True)
+        chosen.append(kind)
+        kinds.observe(kind, 8, True, 8, 0.01)
+    runs = "".join("s" if k == "spec" else "n" for k in chosen)
+    assert runs.count("ss") == 2 and runs.count("s") == 4, runs
+    assert len(kinds.rates[("spec", 8)].tokens) == MIN_SAMPLES + 2  # the second of each pair
+    kinds.observe("no_spec", 8, False, 1, 0.01)  # a prefill step: not counted, but a kind
+    assert kinds.last_kind == "no_spec"
 
 
 def test_probes_count_the_same_without_measuring():
@@ -98,7 +121,7 @@ def test_probes_count_the_same_without_measuring():
             batch = 1 + step % 5
             kind = kinds.kind_for(batch, is_decode=True)
             seen.append(kind)
-            kinds.observe(kind, batch, batch, seconds)
+            kinds.observe(kind, batch, True, batch, seconds)
     assert kinds_live == kinds_replay
     assert live.rates and not replay.rates and replay.decide() is None
 
@@ -112,7 +135,7 @@ def test_the_users_threshold_wins_and_no_speculation_never_specs():
     assert not off.is_auto and off.kind_for(64, True) == "spec"
     plain = SpecThreshold(EngineConfig(model="random:tiny"))
     assert not plain.is_auto and plain.kind_for(1, True) == "no_spec"
-    plain.observe("no_spec", 1, 1, 0.01)
+    plain.observe("no_spec", 1, True, 1, 0.01)
     assert not plain.rates
 
 
