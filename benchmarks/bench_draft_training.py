@@ -24,13 +24,14 @@ from pathlib import Path
 
 from memstep.cli import train_draft
 from memstep.cli.main import main as memstep
+from memstep.core.engine import Engine
 from memstep.train.draft_head import target_engine
 from memstep.train.exchanges import read_exchanges, target_replies
 from memstep.train.fit import Exchanges, accepted_lengths, from_answers
 from memstep.train.saved_head import read_head
 
 
-def held_out(options: argparse.Namespace) -> tuple[Exchanges, object]:
+def held_out(options: argparse.Namespace) -> tuple[Exchanges, Engine]:
     """The held-out exchanges as the target reads them, and the target's engine."""
     parser = argparse.ArgumentParser()
     train_draft.add_arguments(parser)
@@ -46,7 +47,9 @@ def held_out(options: argparse.Namespace) -> tuple[Exchanges, object]:
     return data, engine
 
 
-def acceptance(head_path: Path, data: Exchanges, engine, passes: int) -> tuple[int, list[float]]:
+def acceptance(
+    head_path: Path, data: Exchanges, engine: Engine, passes: int
+) -> tuple[int, list[float]]:
     """(answers the head was trained on, drafts accepted per step at k = 1..passes)."""
     worker = engine.executor.worker
     embed, mc = worker.weights["embed"].float(), worker.model_cfg

@@ -73,8 +73,12 @@ def one_round(engine: Engine, n: int, seed: int, tokens: int, tally: Tally | Non
 def measure(cfg: EngineConfig, options) -> tuple[dict[int, Tally], list[SpecThresholdChanged]]:
     """Per concurrency, the timed rounds of one engine; and the thresholds it recorded."""
     thresholds: list[SpecThresholdChanged] = []
-    engine = local_engine(cfg, sinks=[lambda r: isinstance(r, SpecThresholdChanged) and (
-        thresholds.append(r))])  # fmt: skip
+
+    def keep(rec: object) -> None:
+        if isinstance(rec, SpecThresholdChanged):
+            thresholds.append(rec)
+
+    engine = local_engine(cfg, sinks=[keep])
     tallies: dict[int, Tally] = {}
     try:
         for n in options.concurrency:
