@@ -348,7 +348,7 @@ class Engine:
         tokens = sum(len(r.token_ids) for r in result.seqs)
         measured = seconds if self.decides_spec_threshold else None
         kinds.observe(batch.kind, len(batch.seqs), decode, tokens, measured)
-        if decode and kinds.is_auto and self.decides_spec_threshold:
+        if decode and kinds.is_auto and self.decides_spec_threshold and kinds.may_change:
             threshold = kinds.decide()
             if threshold != kinds.threshold:
                 self.set_spec_threshold(threshold, kinds.figures())

@@ -28,6 +28,7 @@ from memstep.core.config import EngineConfig
 MIN_SAMPLES = 3  # steps of each kind in a bucket before it is judged
 PROBE_PERIOD = 32  # one decode step in this many runs the other kind, to keep it measured
 WINDOW = 16  # the latest steps of each kind and bucket that the rates are made of
+HOLD_STEPS = 16  # decode steps a new threshold is kept before the rates are judged again
 # speculation switched off in a bucket comes back on only above this ratio to `no_spec`: a
 # margin against switching on and off on noise
 REENABLE_RATIO = 1.03
@@ -70,6 +71,7 @@ class SpecThreshold:
         )
         self.threshold: int | None = None  # auto: spec while the batch is smaller; None: always
         self.last_kind: str | None = None  # of the step before
+        self.steps_since_change = 0  # decode steps counted since the threshold last changed
         self.num_steps: dict[tuple[str, int], int] = {}  # (kind, bucket) -> decode steps run
         self.rates: dict[tuple[str, int], Rate] = {}
 
@@ -101,8 +103,14 @@ class SpecThreshold:
             return
         key = (kind, bucket_of(batch_size))
         self.num_steps[key] = self.num_steps.get(key, 0) + 1
+        self.steps_since_change += 1
         if seconds is not None:
             self.rates.setdefault(key, Rate()).add(tokens, seconds)
+
+    @property
+    def may_change(self) -> bool:
+        """A threshold is kept HOLD_STEPS decode steps: noisy rates do not flip it every step."""
+        return self.steps_since_change >= HOLD_STEPS
 
     def decide(self) -> int | None:
         """The threshold the measured rates call for: the smallest bucket where `spec` loses
@@ -134,3 +142,4 @@ class SpecThreshold:
 
     def set(self, threshold: int | None) -> None:
         self.threshold = threshold
+        self.steps_since_change = 0

@@ -8,7 +8,13 @@ from __future__ import annotations
 import pytest
 
 from memstep.core.config import EngineConfig
-from memstep.core.spec_threshold import MIN_SAMPLES, PROBE_PERIOD, SpecThreshold, bucket_of
+from memstep.core.spec_threshold import (
+    HOLD_STEPS,
+    MIN_SAMPLES,
+    PROBE_PERIOD,
+    SpecThreshold,
+    bucket_of,
+)
 
 SPEC = EngineConfig(model="random:tiny", speculative_method="ngram", num_speculative_tokens=3)
 
@@ -145,3 +151,17 @@ def test_an_older_log_keeps_its_fixed_threshold_and_k():
     old = EngineConfig.from_dict(cfg)
     assert not old.speculative_auto_disable and not old.speculative_adaptive_k
     assert EngineConfig.from_dict(SPEC.to_dict()) == SPEC
+
+
+def test_a_new_threshold_is_held_a_while():
+    kinds = SpecThreshold(SPEC)
+    assert not kinds.may_change
+    feed(kinds, 8, (10, 0.02), (8, 0.01))
+    assert kinds.may_change == (2 * MIN_SAMPLES >= HOLD_STEPS)
+    for _ in range(HOLD_STEPS):
+        kinds.observe("no_spec", 8, True, 8, 0.01)
+    assert kinds.may_change
+    kinds.set(8)
+    assert not kinds.may_change
+    kinds.observe("no_spec", 8, False, 8, 0.01)  # a prefill step does not count
+    assert kinds.steps_since_change == 0
