@@ -210,6 +210,8 @@ SPECULATION_FIELDS = (
     "speculative_method",
     "num_speculative_tokens",
     "speculative_disable_by_batch_size",
+    "speculative_auto_disable",
+    "speculative_adaptive_k",
     "draft_layers",
     "draft_model",
 )
@@ -227,7 +229,19 @@ def add_speculation_arguments(g, d: EngineConfig | None) -> None:
     )
     g.add_argument(
         "--speculative-disable-by-batch-size", type=int, metavar="N",
-        help="no speculation at N requests or more (default: never)",
+        help="no speculation at N requests or more (default: chosen from measured step costs)",
+    )  # fmt: skip
+    auto, adaptive = (
+        (None, None) if d is None else (d.speculative_auto_disable, d.speculative_adaptive_k)
+    )
+    g.add_argument(
+        "--speculative-auto-disable", action=argparse.BooleanOptionalAction, default=auto,
+        help="without --speculative-disable-by-batch-size: stop speculating at the batch sizes "
+        "where it measures slower",
+    )  # fmt: skip
+    g.add_argument(
+        "--speculative-adaptive-k", action=argparse.BooleanOptionalAction, default=adaptive,
+        help="drop a request's drafts per step while they keep failing",
     )  # fmt: skip
     g.add_argument(
         "--draft-layers", type=int, default=layers, metavar="N", help="layers of the draft model"

@@ -6,6 +6,7 @@ sharegpt`), or a JSONL file of them (`--prompts`, written by `--export-prompts` 
 has the dataset package).
 
     memstep train-draft [--conversations N] [--attention] [--device cuda] [--out PATH]
+        [--init HEAD.npz]
 
 The written `.npz` is what `--speculative-method eagle` loads (`--draft-model PATH`); the one
 for SmolLM2 is committed (executors/spec/drafts/), its command and figures in
@@ -28,7 +29,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     pass `--conversations 400 --max-tokens 128` or so to try it there)."""
     p.add_argument("--model", default="smollm2", help="the target model")
     p.add_argument("--out", type=Path, default=SMOLLM2_HEAD, help="where the .npz goes")
+    p.add_argument(
+        "--init",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="train the head saved there further (its shapes and draft vocabulary kept; the "
+        "target's states are read again from this run's questions)",
+    )
     p.add_argument("--conversations", type=int, default=10000, help="questions answered and read")
+    p.add_argument(
+        "--skip",
+        type=int,
+        default=0,
+        help="pass over the first N questions picked (those an earlier run of --init read)",
+    )
     p.add_argument(
         "--max-prompt-tokens", type=int, default=384, help="longer questions are skipped"
     )
@@ -109,7 +124,7 @@ def picked(args: argparse.Namespace, tok) -> list[tuple[str, list[int], list[int
     random.Random(args.seed).shuffle(pairs)
     out: list[tuple[str, list[int], list[int]]] = []
     for human, reply in pairs:
-        if len(out) == args.conversations:
+        if len(out) == args.skip + args.conversations:
             break
         prompt = tok.encode_chat([{"role": "user", "content": human}])
         answer = tok.encode(reply)[: args.max_tokens]
@@ -117,7 +132,7 @@ def picked(args: argparse.Namespace, tok) -> list[tuple[str, list[int], list[int
         if len(prompt) > args.max_prompt_tokens or short:
             continue
         out.append((human, prompt, answer))
-    return out
+    return out[args.skip :]
 
 
 def sharegpt_questions() -> list[str]:

@@ -73,6 +73,11 @@ class EngineConfig:
     speculative_method: str | None = None
     num_speculative_tokens: int = 3
     speculative_disable_by_batch_size: int | None = None
+    # without a disable threshold, the core picks one from measured step costs
+    # (core/spec_threshold.py) and records each change
+    speculative_auto_disable: bool = True
+    # per-request K: dropped when a request's drafts keep failing (core/draft_length.py)
+    speculative_adaptive_k: bool = True
     draft_layers: int = 4
     # "draft": a model folder or GGUF (None: the target's first layers); "eagle": a head's .npz
     # from `memstep train-draft` (None: the head committed for smollm2)
@@ -185,6 +190,8 @@ class EngineConfig:
             data = {**data, "quantization": "none"}
         if "matmul_precision" not in data:  # an older log: q4 multiplied in float32
             data = {**data, "matmul_precision": "float32"}
+        for name in ("speculative_auto_disable", "speculative_adaptive_k"):
+            data.setdefault(name, False)  # an older log: a fixed threshold and K
         return cls(**data)
 
     def replace(self, **changes: Any) -> EngineConfig:

@@ -21,6 +21,7 @@ import structlog
 from memstep.core import lifecycle
 from memstep.core.block_manager import BlockManager
 from memstep.core.config import EngineConfig
+from memstep.core.draft_length import adapt
 from memstep.core.executor import (
     Checked,
     ExecutorFactory,
@@ -41,12 +42,14 @@ from memstep.core.recovery import (
 )
 from memstep.core.request import Request, Status
 from memstep.core.sampling_params import InvalidRequest, SamplingParams
-from memstep.core.scheduler import Scheduler, StepBatch
+from memstep.core.scheduler import Scheduler, StepBatch, is_decode
 from memstep.core.seeding import RequestSeeds, engine_seed
 from memstep.core.shapes import check_tensor_parallel, max_model_len
+from memstep.core.spec_threshold import SpecThreshold
 from memstep.core.tokenizer import load_tokenizer
 from memstep.events.plan import MemoryPlanned, SeqPlan, SeqResult, StepPlan, StepResult
 from memstep.events.types import (
+    DraftLengthChanged,
     EngineStarted,
     ExecutorLost,
     PhaseChanged,
@@ -58,6 +61,7 @@ from memstep.events.types import (
     RequestNamed,
     RequestPreempted,
     RequestResumed,
+    SpecThresholdChanged,
     StepFinished,
     StepPlanned,
 )
@@ -74,13 +78,17 @@ class UnknownRequest(KeyError):
 
 class Engine:
     """The engine core. `executor_factory(cfg, max_model_len)` starts the executor that runs
-    its plans (in this process or behind ZeroMQ): the caller picks it, the core imports none."""
+    its plans (in this process or behind ZeroMQ): the caller picks it, the core imports none.
+    `decides_spec_threshold=False` (a replay): the automatic speculation threshold changes only
+    where a recorded `SpecThresholdChanged` is applied (`set_spec_threshold`), never from the
+    step costs this run measures."""
 
     def __init__(
         self,
         cfg: EngineConfig,
         executor_factory: ExecutorFactory,
         sinks: Iterable[Sink] = (),
+        decides_spec_threshold: bool = True,
     ):
         seed = engine_seed(cfg)
         self.cfg = cfg = cfg.replace(seed=seed)  # recorded: a replay draws nothing from entropy
@@ -105,11 +113,16 @@ class Engine:
         self.num_losses = 0
         self._aborted_in_recovery: list[str] = []
         self._launched: tuple[StepBatch, StepPlan, bool] | None = None  # launch() .. finish()
+        self._launched_at = 0.0  # perf_counter when the launched step was handed over
+        self.spec_kinds = SpecThreshold(cfg)
+        self.decides_spec_threshold = decides_spec_threshold
         self.host_watch = HostWatch("core", cfg.host_leak_tolerance_mib << 20)
         self.emit(EngineStarted(VERSION, cfg.to_dict(), self.source.identity))
         for stage in START_STAGES:
             self._start_stage(stage)
-        self.scheduler = Scheduler(cfg, self._pages(), self.max_model_len, self._lookahead())
+        self.scheduler = Scheduler(
+            cfg, self._pages(), self.max_model_len, self._lookahead(), self.spec_kinds
+        )
         log.info("engine ready", model=self.source.label, max_model_len=self.max_model_len)
 
     # --- plumbing --------------------------------------------------------------------------
@@ -316,12 +329,39 @@ class Engine:
         self._evicted(batch.preempted, "preemption")  # recorded even when nothing runs
         if not batch.seqs:
             return None
-        return batch, self._plan(batch)
+        plan = self._plan(batch)
+        self._launched_at = time.perf_counter()
+        return batch, plan
 
     def _done(self, batch: StepBatch, result: StepResult) -> list[RequestOutput]:
+        seconds = time.perf_counter() - self._launched_at
+        decode = is_decode(batch.seqs)
         outputs = self._record(batch, result)
         self.step_no += 1
+        self._observe_cost(batch, decode, result, seconds)
         return outputs
+
+    def _observe_cost(
+        self, batch: StepBatch, decode: bool, result: StepResult, seconds: float
+    ) -> None:
+        """Count a step and, unless replaying, keep a decode step's cost and record a new
+        automatic speculation threshold where the costs call for one (core/spec_threshold.py)."""
+        kinds = self.spec_kinds
+        tokens = sum(len(r.token_ids) for r in result.seqs)
+        measured = seconds if self.decides_spec_threshold else None
+        kinds.observe(batch.kind, len(batch.seqs), decode, tokens, measured)
+        if decode and kinds.is_auto and self.decides_spec_threshold and kinds.may_change:
+            threshold = kinds.decide()
+            if threshold != kinds.threshold:
+                self.set_spec_threshold(threshold, kinds.figures())
+
+    def set_spec_threshold(self, threshold: int | None, rates: list[list]) -> None:
+        """Speculation from now on only below `threshold` requests (None: at every size), as
+        the automatic threshold; recorded, so that a replay applies it here."""
+        self._between_steps()
+        self.emit(SpecThresholdChanged(self.step_no, threshold, rates))
+        log.info("speculation threshold", step=self.step_no, threshold=threshold, rates=rates)
+        self.spec_kinds.set(threshold)
 
     def _plan(self, batch: StepBatch) -> StepPlan:
         seqs = []
@@ -421,12 +461,20 @@ class Engine:
                 req.num_computed += len(res.token_ids) - 1
                 req.num_proposed += res.num_proposed
                 req.num_accepted += res.num_accepted
+                if batch.kind == "spec" and self.cfg.speculative_adaptive_k:
+                    self._adapt_k(req, res)
                 out = self._append(req, res.token_ids, res.logprobs)
                 sampled.append([req.request_id, out.new_token_ids])
                 outputs.append(out)
             if min(req.num_computed, req.num_tokens) // bs > full_before:
                 filled.append(req)
         return outputs, sampled, filled
+
+    def _adapt_k(self, req: Request, res: SeqResult) -> None:
+        old = req.draft_length or self.cfg.num_speculative_tokens
+        new = adapt(req, res.num_proposed, res.num_accepted, self.cfg.num_speculative_tokens)
+        if new is not None:
+            self.emit(DraftLengthChanged(self.step_no, req.request_id, old, new))
 
     def _append(self, req: Request, tokens: list[int], logprobs: list[list]) -> RequestOutput:
         """Append sampled tokens one by one until a stop condition; the output of this step."""

@@ -40,6 +40,10 @@ class Request:
         self.evicted_by: str | None = None  # "preemption" or "recovery": why it last lost its KV
         self.num_proposed = 0
         self.num_accepted = 0
+        # adaptive K (core/draft_length.py): drafts this request is given per spec step, and its
+        # spec steps in a row with no draft accepted; None: K is the config's
+        self.draft_length: int | None = None
+        self.num_missed_steps = 0
         self.detok = IncrementalText(decode)  # the output text, grown step by step
 
     @property

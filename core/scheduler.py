@@ -16,6 +16,7 @@ import attrs
 from memstep.core.block_manager import BlockManager
 from memstep.core.config import EngineConfig
 from memstep.core.request import Request, Status
+from memstep.core.spec_threshold import SpecThreshold
 
 
 @attrs.define
@@ -42,9 +43,15 @@ class StepBatch:
 
 class Scheduler:
     def __init__(
-        self, cfg: EngineConfig, blocks: BlockManager, max_model_len: int, decode_lookahead: int = 0
+        self,
+        cfg: EngineConfig,
+        blocks: BlockManager,
+        max_model_len: int,
+        decode_lookahead: int = 0,
+        kinds: SpecThreshold | None = None,
     ):
         self.cfg = cfg
+        self.kinds = kinds or SpecThreshold(cfg)  # picks each batch's step kind
         self.blocks = blocks
         self.max_model_len = max_model_len
         # slots past each decode that its pages should already cover, when pages are free: the
@@ -94,7 +101,7 @@ class Scheduler:
             self.running.append(req)
             seqs.append(Scheduled(req, n))
             budget -= n
-        kind = "spec" if self.cfg.spec_enabled_for(len(seqs)) else "no_spec"
+        kind = self.kinds.kind_for(len(seqs), is_decode(seqs))
         if kind == "spec":
             for s in seqs:
                 s.num_drafts = self._draft_slots(s)
@@ -148,7 +155,12 @@ class Scheduler:
         left = min(
             req.params.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens
         )
-        k = max(0, min(self.cfg.num_speculative_tokens, left - 1))
+        k = max(0, min(req.draft_length or self.cfg.num_speculative_tokens, left - 1))
         if k and not self.blocks.ensure(req.request_id, req.num_tokens + k):
             return 0
         return k
+
+
+def is_decode(seqs: list[Scheduled]) -> bool:
+    """Every sequence decodes (one token fed, sampled): a step whose cost is a decode step's."""
+    return bool(seqs) and all(s.num_tokens == 1 and s.samples for s in seqs)

@@ -3,10 +3,10 @@
 One frozen attrs class per record, registered by name with `record`, so that the codec in
 `events/codec.py` can encode and decode any of them without pickling.  Inputs are the records a
 replay feeds back in (EngineStarted, RequestAdded, RequestAborted, ExecutorLost, RequestResumed,
-RequestNamed); observations (`OBSERVED`: what a server measured around the engine, such as a
-request's latencies) are neither fed back nor reproduced; everything else is derived and is
-compared field by field on replay, except the fields a record names in `WALL_CLOCK` (durations
-that no replay can reproduce).
+RequestNamed, SpecThresholdChanged); observations (`OBSERVED`: what a server measured around the
+engine, such as a request's latencies) are neither fed back nor reproduced; everything else is
+derived and is compared field by field on replay, except the fields a record names in
+`WALL_CLOCK` (durations that no replay can reproduce).
 """
 
 from __future__ import annotations
@@ -134,7 +134,31 @@ class RequestNamed:
     INPUT: ClassVar[bool] = True
 
 
+@record
+class SpecThresholdChanged:
+    """The batch size from which the engine itself turned speculation off changed
+    (core/spec_threshold.py): `spec` runs while a batch is smaller than `threshold` (None: at
+    every size). Chosen from step costs measured in wall time, which no replay can measure
+    again: an input, applied by a replay where it was recorded."""
+
+    step: int
+    threshold: int | None
+    rates: list[list]  # [[bucket, spec tok/s, no_spec tok/s], ...] of the buckets judged
+    INPUT: ClassVar[bool] = True
+
+
 # --- derived -------------------------------------------------------------------------------
+
+
+@record
+class DraftLengthChanged:
+    """A request's K changed (core/draft_length.py): dropped after its drafts kept failing,
+    raised after all of a step's were accepted."""
+
+    step: int
+    request_id: str
+    old: int
+    new: int
 
 
 @record

@@ -10,6 +10,9 @@ it goes idle before the next input's step, that input is applied at once (counte
 `inputs_shifted`); an input that no longer applies (aborting a request that already finished, a
 request the new config refuses) is skipped with the reason.
 
+The automatic speculation threshold is chosen from step costs measured in wall time: the replay
+measures none and applies each recorded change (`SpecThresholdChanged`) at its step instead.
+
 A recorded executor loss is an input too: replay cannot cause it, so the replay's executors
 (`_ScriptedLosses`) raise the recorded loss where it happened (between steps, in a step, or
 while a new executor starts) and the engine records it and recovers as it did.
@@ -36,6 +39,7 @@ from memstep.events.types import (
     RequestAdded,
     RequestNamed,
     RequestResumed,
+    SpecThresholdChanged,
     is_derived,
 )
 from memstep.executors.process.inprocess import InProcessExecutor
@@ -85,7 +89,9 @@ def replay(
     records: list[object] = []
     feeder = _Feeder(recording.inputs)
     scripted = _ScriptedLosses(feeder.pending, executor_factory)
-    engine = Engine(cfg, scripted.start, sinks=[records.append, *sinks])
+    engine = Engine(
+        cfg, scripted.start, sinks=[records.append, *sinks], decides_spec_threshold=False
+    )
     stop = None if recording.is_complete or overrides else recording.last_step
     try:
         _run(engine, feeder, stop)
@@ -169,6 +175,8 @@ class _Feeder:
                 engine.resume_request(rec.request_id, ids, params, out, rec.arrival_time)
             elif isinstance(rec, RequestNamed):
                 return  # the client's name for a request: nothing for the engine
+            elif isinstance(rec, SpecThresholdChanged):
+                engine.set_spec_threshold(rec.threshold, list(rec.rates))
             else:
                 raise TypeError(f"not an input record: {type(rec).__name__}")
         except (InvalidRequest, UnknownRequest) as exc:

@@ -142,6 +142,7 @@ def fit(
     eps: float,
     attn: AttnShape | None,
     *,
+    init: dict[str, torch.Tensor] | None = None,
     intermediate: int,
     passes: int,
     epochs: int,
@@ -153,15 +154,14 @@ def fit(
     log=print,
 ) -> dict[str, torch.Tensor]:
     """Fit a head: per pass, cross-entropy of the target's choice over the draft vocabulary plus
-    `feature_weight` x smooth-L1 to the target's next state."""
+    `feature_weight` x smooth-L1 to the target's next state. `init`: a saved head's parameters
+    to start from (`train-draft --init`) instead of fresh ones."""
     device = embed.device
     labels = draft_labels(vocab, int(embed.shape[0]), device)
     covered = float((labels[torch.cat(answer_choices(data)).to(device)] >= 0).float().mean())
     log(f"the draft vocabulary holds {covered:.1%} of the target's choices")
-    params = {
-        n: p.to(device).requires_grad_(True)
-        for n, p in init_params(embed.shape[1], intermediate, seed, attn).items()
-    }
+    start = init if init is not None else init_params(embed.shape[1], intermediate, seed, attn)
+    params = {n: p.to(device, torch.float32).clone().requires_grad_(True) for n, p in start.items()}
     opt = torch.optim.AdamW(params.values(), lr=lr, weight_decay=weight_decay)
     steps = epochs * math.ceil(len(data[1]) / batch)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, lr, total_steps=steps, pct_start=0.05)

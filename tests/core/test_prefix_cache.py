@@ -108,6 +108,7 @@ def test_draft_model_catches_up_over_reused_pages():
     drafts, acceptance and output match a run without caching."""
     base, variants = tiny_prompts()
     spec = dict(TINY, speculative_method="draft", draft_layers=1, num_speculative_tokens=3)
+    spec["speculative_auto_disable"] = False  # the two runs' kinds from step counts alone
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     cached, _, _ = run(EngineConfig(**spec), [base], variants, params)
     plain, _, _ = run(EngineConfig(**spec, enable_prefix_caching=False), [base], variants, params)

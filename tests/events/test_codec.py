@@ -15,6 +15,7 @@ from memstep.events import codec, plan
 from memstep.events.codec import CodecError, decode, encode, from_obj, to_obj
 from memstep.events.types import (
     REGISTRY,
+    DraftLengthChanged,
     EngineStarted,
     ExecutorLost,
     LeakSuspected,
@@ -31,6 +32,7 @@ from memstep.events.types import (
     RequestPreempted,
     RequestResumed,
     RequestTimed,
+    SpecThresholdChanged,
     StateEntered,
     StateExited,
     StepFinished,
@@ -104,6 +106,9 @@ SAMPLES: list[object] = [
     ),
     RequestNamed(step=3, request_id="req-0007", client_id="3f2a-story-0"),
     RequestPreempted(step=44, request_id="req-0008", cause="preemption", num_tokens=519),
+    SpecThresholdChanged(step=88, threshold=8, rates=[[1, 61.5, 52.25], [8, 190.0, 312.75]]),
+    SpecThresholdChanged(step=301, threshold=None, rates=[[8, 330.5, 312.0]]),
+    DraftLengthChanged(step=40, request_id="req-12", old=3, new=2),
     RequestTimed(
         step=31, request_id="req-7", reason="length", ttft_s=0.041, e2e_s=1.93, queue_s=None
     ),

@@ -101,7 +101,9 @@ def test_only_a_head_with_attention_claims_a_context(tmp_path):
 
 
 def eagle_config(**kw) -> EngineConfig:
-    return EngineConfig(speculative_method="eagle", num_speculative_tokens=3, **kw)
+    """K = 3 at every spec step: no adaptive K, no automatic threshold (tests/core has those)."""
+    fixed = {"speculative_adaptive_k": False, "speculative_auto_disable": False} | kw
+    return EngineConfig(speculative_method="eagle", num_speculative_tokens=3, **fixed)
 
 
 def test_the_context_holds_a_pair_per_token_and_restarts_on_reentry(chat_prompts):

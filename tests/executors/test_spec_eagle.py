@@ -23,7 +23,9 @@ from memstep.states.kinds import KindEnv, Spec
 
 
 def eagle_config(**kw) -> EngineConfig:
-    return EngineConfig(speculative_method="eagle", num_speculative_tokens=3, **kw)
+    """K = 3 at every spec step: no adaptive K, no automatic threshold (tests/core has those)."""
+    fixed = {"speculative_adaptive_k": False, "speculative_auto_disable": False} | kw
+    return EngineConfig(speculative_method="eagle", num_speculative_tokens=3, **fixed)
 
 
 def test_the_committed_head_drafts_what_the_target_says(chat_prompts):

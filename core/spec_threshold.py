@@ -1,0 +1,145 @@
+"""Which step kind a batch runs: `spec` only at the batch sizes where speculation pays.
+
+A user's `speculative_disable_by_batch_size` rules when given. Otherwise, with speculation on and
+`speculative_auto_disable` (the default), the core chooses the threshold itself from the steps it
+runs: per batch-size bucket (powers of two: 1, 2-3, 4-7, 8-15, ...) it keeps the tokens per
+second of the latest pure decode steps of each kind, and disables speculation from the smallest
+bucket where `spec` makes fewer tokens per second than `no_spec` (each kind's median step).
+
+Both kinds stay measured at every bucket by probes: a decode step runs the kind the threshold
+does not pick while that kind has fewer than `MIN_SAMPLES` steps in the bucket, and once every
+`PROBE_PERIOD` decode steps of the bucket (`spec` twice in a row: a `spec` step right after a
+`no_spec` one re-enters the kind, where an EAGLE head has no fresh state to draft from and a
+draft model catches up, so it is neither counted nor measured). Probes depend only on counts of
+steps, so a replay makes the same ones. The threshold depends on wall time, which no replay can
+measure again: the engine records each change (`SpecThresholdChanged`, an input) and a replay
+applies the recorded one (`set`) instead of deciding (`decide`).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+
+import attrs
+
+from memstep.core.config import EngineConfig
+
+MIN_SAMPLES = 3  # steps of each kind in a bucket before it is judged
+PROBE_PERIOD = 32  # one decode step in this many runs the other kind, to keep it measured
+WINDOW = 16  # the latest steps of each kind and bucket that the rates are made of
+HOLD_STEPS = 16  # decode steps a new threshold is kept before the rates are judged again
+# speculation switched off in a bucket comes back on only above this ratio to `no_spec`: a
+# margin against switching on and off on noise
+REENABLE_RATIO = 1.03
+
+
+def bucket_of(batch_size: int) -> int:
+    """The power of two at or below `batch_size`: the bucket its step costs are kept in."""
+    return 1 << (batch_size.bit_length() - 1)
+
+
+@attrs.define
+class Rate:
+    """Tokens and seconds of a kind's latest decode steps in one bucket."""
+
+    tokens: deque[int] = attrs.Factory(lambda: deque(maxlen=WINDOW))
+    seconds: deque[float] = attrs.Factory(lambda: deque(maxlen=WINDOW))
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.tokens.append(tokens)
+        self.seconds.append(seconds)
+
+    @property
+    def per_second(self) -> float:
+        """The median step's tokens per second: a step that lost the CPU to another process
+        (a shared machine) moves it little."""
+        rates = [t / s for t, s in zip(self.tokens, self.seconds, strict=True) if s > 0]
+        return statistics.median(rates) if rates else 0.0
+
+
+class SpecThreshold:
+    """The step kind of each batch (`kind_for`), and, in auto mode, what the engine's steps
+    cost by kind and bucket. Owns the automatic threshold; the engine records its changes."""
+
+    def __init__(self, cfg: EngineConfig):
+        self.cfg = cfg
+        self.is_auto = (
+            cfg.is_speculative
+            and cfg.speculative_auto_disable
+            and cfg.speculative_disable_by_batch_size is None
+        )
+        self.threshold: int | None = None  # auto: spec while the batch is smaller; None: always
+        self.last_kind: str | None = None  # of the step before
+        self.steps_since_change = 0  # decode steps counted since the threshold last changed
+        self.num_steps: dict[tuple[str, int], int] = {}  # (kind, bucket) -> decode steps run
+        self.rates: dict[tuple[str, int], Rate] = {}
+
+    def kind_for(self, batch_size: int, is_decode: bool) -> str:
+        """`spec` or `no_spec` for a batch; a pure decode batch (`is_decode`) may be a probe."""
+        if not self.is_auto:
+            return "spec" if self.cfg.spec_enabled_for(batch_size) else "no_spec"
+        wanted = self.threshold is None or batch_size < self.threshold
+        if is_decode and self._is_probe(bucket_of(batch_size), wanted):
+            wanted = not wanted
+        return "spec" if wanted else "no_spec"
+
+    def _is_probe(self, bucket: int, wanted: bool) -> bool:
+        other = "no_spec" if wanted else "spec"
+        if self.num_steps.get((other, bucket), 0) < MIN_SAMPLES:
+            return True
+        done = self.num_steps.get(("spec", bucket), 0) + self.num_steps.get(("no_spec", bucket), 0)
+        # a spec probe's first step re-enters the kind, is not counted, and so is probed again
+        return done % PROBE_PERIOD == PROBE_PERIOD - 1
+
+    def observe(
+        self, kind: str, batch_size: int, is_decode: bool, tokens: int, seconds: float | None
+    ) -> None:
+        """A step ran: count a pure decode step (`is_decode`) that did not re-enter `spec`, and
+        keep its cost when measured (`seconds`; None in a replay)."""
+        reentry = kind == "spec" and self.last_kind == "no_spec"
+        self.last_kind = kind
+        if not (self.is_auto and is_decode) or reentry:
+            return
+        key = (kind, bucket_of(batch_size))
+        self.num_steps[key] = self.num_steps.get(key, 0) + 1
+        self.steps_since_change += 1
+        if seconds is not None:
+            self.rates.setdefault(key, Rate()).add(tokens, seconds)
+
+    @property
+    def may_change(self) -> bool:
+        """A threshold is kept HOLD_STEPS decode steps: noisy rates do not flip it every step."""
+        return self.steps_since_change >= HOLD_STEPS
+
+    def decide(self) -> int | None:
+        """The threshold the measured rates call for: the smallest bucket where `spec` loses
+        (with a margin for a bucket where it is off now), None where it loses nowhere."""
+        for bucket in sorted({b for _, b in self.rates}):
+            ratio = self.ratio(bucket)
+            if ratio is None:
+                continue
+            is_on = self.threshold is None or bucket < self.threshold
+            if ratio < (1.0 if is_on else REENABLE_RATIO):
+                return bucket
+        return None
+
+    def ratio(self, bucket: int) -> float | None:
+        """spec tok/s over no_spec tok/s in `bucket`; None until each kind has MIN_SAMPLES."""
+        spec, plain = self.rates.get(("spec", bucket)), self.rates.get(("no_spec", bucket))
+        if spec is None or plain is None or min(len(spec.tokens), len(plain.tokens)) < MIN_SAMPLES:
+            return None
+        return spec.per_second / plain.per_second if plain.per_second > 0 else None
+
+    def figures(self) -> list[list]:
+        """[bucket, spec tok/s, no_spec tok/s] of each bucket judged, for the record."""
+        rows = []
+        for bucket in sorted({b for _, b in self.rates}):
+            if self.ratio(bucket) is not None:
+                spec, plain = self.rates[("spec", bucket)], self.rates[("no_spec", bucket)]
+                rows.append([bucket, round(spec.per_second, 2), round(plain.per_second, 2)])
+        return rows
+
+    def set(self, threshold: int | None) -> None:
+        self.threshold = threshold
+        self.steps_since_change = 0

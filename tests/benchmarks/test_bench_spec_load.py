@@ -1,0 +1,48 @@
+"""benchmarks/bench_spec_load.py in its --quick mode (CPU, random:tiny): a line per method and
+concurrency with its ratio to plain decoding, and the automatic thresholds recorded."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from test_bench_mixed import load
+
+
+def test_quick_mode_prints_each_concurrency_and_its_ratio_to_plain_decoding(capsys):
+    bench = load("bench_spec_load")
+    assert bench.main(["--quick"]) == 0
+    out = capsys.readouterr().out
+    rows = re.findall(
+        r"^(none|ngram)\s+(\d+)\s+([\d.]+)\s+([\d.]+)x\s+([\d.]+)\s+(\d+)%$", out, re.M
+    )
+    assert [(m, int(n)) for m, n, *_ in rows] == [
+        ("none", 1),
+        ("none", 4),
+        ("ngram", 1),
+        ("ngram", 4),
+    ]
+    assert all(float(r[3]) == 1.0 for r in rows[:2]) and all(float(r[3]) > 0 for r in rows[2:])
+    # the tiny model's greedy text repeats its last token: n-gram drafts are accepted
+    assert all(float(r[4]) > 0.5 and int(r[5]) > 0 for r in rows[2:])
+    assert "ngram automatic thresholds:" in out
+
+
+def test_prompts_repeat_a_run_of_ids_and_differ_by_seed():
+    bench = load("bench_spec_load")
+    a, b = bench.repeating_prompts(2, 1, 500), bench.repeating_prompts(2, 2, 500)
+    assert len(a[0]) == 96 and a[0][:24] * 4 == a[0] and a[0] != a[1] and a != b
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_automatic_threshold_keeps_ngram_near_plain_decoding_at_64(capsys):
+    """The must-show run is the default command on an H200 (random:llama-3.1-8b, 1-256); this
+    is its small version: 64 streams are where speculation stops paying on a GPU."""
+    bench = load("bench_spec_load")
+    argv = ["--model", "random:smollm2-135m", "--concurrency", "1,64", "--tokens", "64"]
+    assert bench.main([*argv, "--rounds", "2", "--dtype", "bfloat16"]) == 0
+    out = capsys.readouterr().out
+    ratio = re.search(r"^ngram\s+64\s+[\d.]+\s+([\d.]+)x", out, re.M)
+    assert ratio is not None and float(ratio.group(1)) >= 0.9, out

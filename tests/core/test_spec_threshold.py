@@ -1,0 +1,167 @@
+"""The automatic speculation threshold, decided from synthetic step costs: spec off from the
+smallest batch-size bucket where it makes fewer tokens per second, probes that keep both kinds
+measured (a step that re-enters spec not counted), a margin before it comes back on, and the
+user's threshold winning."""
+
+from __future__ import annotations
+
+import pytest
+
+from memstep.core.config import EngineConfig
+from memstep.core.spec_threshold import (
+    HOLD_STEPS,
+    MIN_SAMPLES,
+    PROBE_PERIOD,
+    SpecThreshold,
+    bucket_of,
+)
+
+SPEC = EngineConfig(model="random:tiny", speculative_method="ngram", num_speculative_tokens=3)
+
+
+def feed(kinds: SpecThreshold, batch: int, spec: tuple[int, float], plain: tuple[int, float]):
+    """MIN_SAMPLES decode steps of each kind at `batch` ((tokens, seconds) each), no_spec first:
+    the spec step that re-enters the kind after them is not counted, so it costs a day."""
+    for _ in range(MIN_SAMPLES):
+        kinds.observe("no_spec", batch, True, *plain)
+    kinds.observe("spec", batch, True, spec[0], 86400.0)
+    for _ in range(MIN_SAMPLES):
+        kinds.observe("spec", batch, True, *spec)
+
+
+def test_buckets_are_powers_of_two():
+    assert [bucket_of(b) for b in (1, 2, 3, 4, 7, 8, 15, 16, 255, 256)] == [
+        1,
+        2,
+        2,
+        4,
+        4,
+        8,
+        8,
+        16,
+        128,
+        256,
+    ]
+
+
+def test_spec_goes_off_from_the_smallest_bucket_where_it_loses():
+    kinds = SpecThreshold(SPEC)
+    assert kinds.is_auto and kinds.decide() is None  # nothing measured: spec everywhere
+    # batch 1: 2 tokens in 12 ms against 1 in 8 ms (1.33x); batch 4: 8 in 20 ms against 4 in 9
+    feed(kinds, 1, (2, 0.012), (1, 0.008))
+    feed(kinds, 4, (8, 0.020), (4, 0.009))
+    feed(kinds, 16, (20, 0.080), (16, 0.030))
+    assert kinds.ratio(1) == pytest.approx(2 / 0.012 / (1 / 0.008))
+    assert kinds.decide() == 4
+    assert kinds.figures()[0] == [1, pytest.approx(166.67), pytest.approx(125.0)]
+
+
+def test_no_threshold_while_spec_wins_everywhere_or_a_kind_is_unmeasured():
+    kinds = SpecThreshold(SPEC)
+    feed(kinds, 1, (2, 0.010), (1, 0.008))
+    feed(kinds, 8, (12, 0.020), (8, 0.018))
+    assert kinds.decide() is None
+    for _ in range(10):
+        kinds.observe("spec", 64, True, 30, 1.0)  # loses badly, but no_spec is unmeasured at 64
+    assert kinds.ratio(64) is None and kinds.decide() is None
+
+
+def test_a_bucket_switched_off_comes_back_only_past_the_margin():
+    kinds = SpecThreshold(SPEC)
+    feed(kinds, 8, (10, 0.0101), (8, 0.008))  # 0.99x
+    assert kinds.decide() == 8
+    kinds.set(8)
+    assert kinds.decide() == 8, "0.99x: stays off"
+    feed(kinds, 8, (10, 0.0098), (8, 0.008))  # the window now 1.01x: inside the margin
+    assert 1.0 < kinds.ratio(8) < 1.03 and kinds.decide() == 8
+    kinds.set(None)
+    assert kinds.decide() is None, "1.01x while on: stays on"
+    kinds.set(8)
+    for _ in range(16):
+        kinds.observe("spec", 8, True, 10, 0.009)  # 1.11x
+    assert kinds.decide() is None
+
+
+def test_probes_measure_the_kind_not_chosen_then_once_a_period():
+    kinds = SpecThreshold(SPEC)
+    chosen = []
+    for _ in range(2 * PROBE_PERIOD):
+        kind = kinds.kind_for(4, is_decode=True)
+        chosen.append(kind)
+        kinds.observe(kind, 4, True, 4, 0.01)
+    assert chosen[:MIN_SAMPLES] == ["no_spec"] * MIN_SAMPLES  # spec wanted: no_spec probed
+    # then one in PROBE_PERIOD counted steps; the spec step after each no_spec stretch
+    # re-enters spec and is not counted (the first periodic probe: the 33rd step, not the 32nd)
+    assert chosen.count("no_spec") == MIN_SAMPLES + 1 and chosen[PROBE_PERIOD] == "no_spec"
+    assert kinds.num_steps[("spec", 4)] == 2 * PROBE_PERIOD - (MIN_SAMPLES + 1) - 2
+    assert len(kinds.rates[("spec", 4)].tokens) == 16
+    assert kinds.kind_for(4, is_decode=False) == "spec", "a prefill step is never a probe"
+    kinds.set(4)
+    assert kinds.kind_for(3, is_decode=False) == "spec"
+    assert kinds.kind_for(4, is_decode=False) == "no_spec"
+    assert kinds.kind_for(8, is_decode=True) == "spec", "spec unmeasured at 8: probed"
+
+
+def test_a_spec_probe_is_two_steps_where_spec_is_off():
+    kinds = SpecThreshold(SPEC)
+    feed(kinds, 8, (10, 0.02), (8, 0.01))
+    kinds.set(8)
+    chosen = []
+    for _ in range(2 * PROBE_PERIOD):
+        kind = kinds.kind_for(8, is_decode=True)
+        chosen.append(kind)
+        kinds.observe(kind, 8, True, 8, 0.01)
+    runs = "".join("s" if k == "spec" else "n" for k in chosen)
+    assert runs.count("ss") == 2 and runs.count("s") == 4, runs
+    assert len(kinds.rates[("spec", 8)].tokens) == MIN_SAMPLES + 2  # the second of each pair
+    kinds.observe("no_spec", 8, False, 1, 0.01)  # a prefill step: not counted, but a kind
+    assert kinds.last_kind == "no_spec"
+
+
+def test_probes_count_the_same_without_measuring():
+    """A replay observes steps without seconds: the same probes, no rates to decide from."""
+    live, replay = SpecThreshold(SPEC), SpecThreshold(SPEC)
+    kinds_live, kinds_replay = [], []
+    for kinds, seen, seconds in ((live, kinds_live, 0.01), (replay, kinds_replay, None)):
+        for step in range(80):
+            batch = 1 + step % 5
+            kind = kinds.kind_for(batch, is_decode=True)
+            seen.append(kind)
+            kinds.observe(kind, batch, True, batch, seconds)
+    assert kinds_live == kinds_replay
+    assert live.rates and not replay.rates and replay.decide() is None
+
+
+def test_the_users_threshold_wins_and_no_speculation_never_specs():
+    user = SpecThreshold(SPEC.replace(speculative_disable_by_batch_size=3))
+    assert not user.is_auto
+    user.set(1)  # a recorded automatic threshold (a what-if replay) changes nothing
+    assert [user.kind_for(b, True) for b in (1, 2, 3, 9)] == ["spec", "spec", "no_spec", "no_spec"]
+    off = SpecThreshold(SPEC.replace(speculative_auto_disable=False))
+    assert not off.is_auto and off.kind_for(64, True) == "spec"
+    plain = SpecThreshold(EngineConfig(model="random:tiny"))
+    assert not plain.is_auto and plain.kind_for(1, True) == "no_spec"
+    plain.observe("no_spec", 1, True, 1, 0.01)
+    assert not plain.rates
+
+
+def test_an_older_log_keeps_its_fixed_threshold_and_k():
+    cfg = SPEC.to_dict()
+    del cfg["speculative_auto_disable"], cfg["speculative_adaptive_k"]
+    old = EngineConfig.from_dict(cfg)
+    assert not old.speculative_auto_disable and not old.speculative_adaptive_k
+    assert EngineConfig.from_dict(SPEC.to_dict()) == SPEC
+
+
+def test_a_new_threshold_is_held_a_while():
+    kinds = SpecThreshold(SPEC)
+    assert not kinds.may_change
+    feed(kinds, 8, (10, 0.02), (8, 0.01))
+    assert kinds.may_change == (2 * MIN_SAMPLES >= HOLD_STEPS)
+    for _ in range(HOLD_STEPS):
+        kinds.observe("no_spec", 8, True, 8, 0.01)
+    assert kinds.may_change
+    kinds.set(8)
+    assert not kinds.may_change
+    kinds.observe("no_spec", 8, False, 8, 0.01)  # a prefill step does not count
+    assert kinds.steps_since_change == 0
