@@ -55,16 +55,23 @@ class MemorySampler(threading.Thread):
         self.samples: list[tuple[float, str, dict[str, int]]] = []
 
     def run(self) -> None:
+        """One sample at once, one a second, one when the load is over (a short load on a busy
+        machine may last under a second)."""
         start = time.monotonic()
         with Client(self.address, timeout=30) as client:
+            self._sample(client, start)
             while not self.stopped.wait(1.0):
-                try:
-                    stats = client.stats()
-                except (TimeoutError, ConnectionError):
-                    continue
-                now = time.monotonic() - start
-                for replica, figures in _figures(stats).items():
-                    self.samples.append((now, replica, figures))
+                self._sample(client, start)
+            self._sample(client, start)
+
+    def _sample(self, client: Client, start: float) -> None:
+        try:
+            stats = client.stats()
+        except (TimeoutError, ConnectionError):
+            return
+        now = time.monotonic() - start
+        for replica, figures in _figures(stats).items():
+            self.samples.append((now, replica, figures))
 
     def survivor(self, replica: str) -> dict[str, Any]:
         """Reserved and live bytes of `replica` over the run: first, max, growth."""
@@ -111,6 +118,7 @@ def run_one(
                                   backend="zmq", timeout=600.0)  # fmt: skip
         results, duration = asyncio.run(benchmark(server.address, samples, gaps, True, load))
         sampler.stopped.set()
+        sampler.join(timeout=35)
         if killer is not None:
             killer.cancel()
         out = compute_metrics(results, duration, parse_goodput(args.goodput))
