@@ -104,6 +104,8 @@ class DecodeStep:
         )
         if group.query_tables is None or group.query_lens is None or not in_order:
             return None
+        if group.query_remap is not None:  # a draft tree's rows: kernel by kernel
+            return None
         return group.query_tables, group.query_lens
 
     def _cache_pointers(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
