@@ -297,3 +297,73 @@ def test_greedy_tree_equals_greedy_on_cuda(tmp_path, broken, monkeypatch):
     done = local_engine(cfg).generate(prompts, params)
     assert ([c.token_ids for c in done] == replies) is not broken
     assert sum(c.num_accepted for c in done) > 40
+
+
+# --- the kernels: a node's keys read through its path ----------------------------------------
+
+
+def tree_rows(seed: int = 0):
+    """Paged caches and 4 rows of one tree at base 37 (nodes 0..5: 0 -> 1, 2; 1 -> 3; 2 -> 4
+    -> 5): each node's path positions past the base."""
+    gen = torch.Generator().manual_seed(seed)
+    bs, kvh, d, heads = 16, 2, 64, 4
+    k_cache = torch.randn(8, bs, kvh, d, generator=gen)
+    v_cache = torch.randn(8, bs, kvh, d, generator=gen)
+    base, paths = 37, {1: [0, 1], 3: [0, 1, 3], 4: [0, 2, 4], 5: [0, 2, 4, 5]}
+    table = torch.tensor([5, 2, 7, 0], dtype=torch.int32)
+    remap = torch.full((4, 4), -1, dtype=torch.int32)
+    for r, path in enumerate(paths.values()):
+        remap[r, : len(path)] = torch.tensor([base + a for a in path])
+    lens = torch.tensor([base + len(p) for p in paths.values()], dtype=torch.int32)
+    bases = torch.full((4,), base, dtype=torch.int32)
+    q = torch.randn(4, heads, d, generator=gen)
+    return q, k_cache, v_cache, table.repeat(4, 1), lens, bases, remap
+
+
+def tree_reference(q, k_cache, v_cache, tables, lens, bases, remap, scale):
+    """Each row over its keys gathered one by one: the context, then its path."""
+    bs, kvh, d = k_cache.shape[1:]
+    out = torch.empty_like(q)
+    for r in range(q.shape[0]):
+        base, n = int(bases[r]), int(lens[r])
+        positions = [*range(base), *remap[r, : n - base].tolist()]
+        slots = [int(tables[r, p // bs]) * bs + p % bs for p in positions]
+        k, v = k_cache.view(-1, kvh, d)[slots], v_cache.view(-1, kvh, d)[slots]
+        out[r] = torch.nn.functional.scaled_dot_product_attention(
+            q[r][None, :, None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            scale=scale,
+            enable_gqa=True,
+        )[0, :, 0]
+    return out
+
+
+def test_c_decode_attention_reads_a_node_s_keys_through_its_path():
+    if not cpu_kernels.attends(64):
+        pytest.skip("no C kernels here")
+    q, k, v, tables, lens, bases, remap = tree_rows()
+    expected = tree_reference(q, k, v, tables, lens, bases, remap, 0.125)
+    got = cpu_kernels.decode_attention(q, k, v, tables, lens, 0.125, None, bases, remap)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    plain = cpu_kernels.decode_attention(q, k, v, tables, lens, 0.125)  # the path ignored
+    assert not torch.allclose(plain, expected, atol=1e-3)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_triton_decode_attention_reads_a_node_s_keys_through_its_path(split):
+    """In Triton's interpreter on a machine without CUDA (tests/conftest.py sets it)."""
+    pytest.importorskip("triton")
+    from memstep.executors.cuda.kernels import DecodeWorkspace, paged_decode_attention
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows = [t.to(device) for t in tree_rows()]
+    q, k, v, tables, lens, bases, remap = rows
+    expected = tree_reference(*[t.cpu() for t in rows], 0.125)
+    ws = DecodeWorkspace.allocate(4, q.shape[1], q.shape[2], 64, device, 16) if split else None
+    got = paged_decode_attention(
+        q, k, v, tables, lens, 0.125, None, ws, split, bases=bases, remap=remap
+    )
+    torch.testing.assert_close(got.cpu(), expected, atol=1e-4, rtol=1e-4)
+    plain = paged_decode_attention(q, k, v, tables, lens, 0.125, None, ws, split)
+    assert not torch.allclose(plain.cpu(), expected, atol=1e-3)
