@@ -81,6 +81,8 @@ def main() -> None:
     ap.add_argument("--draft-model", default=None, help="an EAGLE head .npz (default: committed)")
     ap.add_argument("--rounds", type=int, default=3, help="each a run of every method in turn")
     ap.add_argument("--tree", default="3,2", help="eagle-tree: the draft tree's widths")
+    ap.add_argument("--workloads", default="copy,free", help="comma-separated: copy, free")
+    ap.add_argument("--concurrency", default="1,8", help="comma-separated stream counts")
     ap.add_argument(
         "--prefix-caching", action="store_true", help="keep prefix caching on (later rounds hit)"
     )
@@ -107,8 +109,9 @@ def main() -> None:
     # method (run a moment before), and the drafts' counts
     runs: dict[tuple, list[tuple[float, float, int, int, int]]] = {}
     for _ in range(args.rounds):
-        for name, prompts in (("copy", COPY), ("free", FREE)):
-            for conc in (1, 8):
+        for name in args.workloads.split(","):
+            prompts = {"copy": COPY, "free": FREE}[name]
+            for conc in (int(c) for c in args.concurrency.split(",")):
                 first = None
                 for method, engine in engines.items():
                     tps, proposed, accepted, seq_steps = run(engine, prompts, conc, args.tokens)

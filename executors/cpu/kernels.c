@@ -746,15 +746,17 @@ static void add_norm_stage(float *h, const float *d, const float *w, float *x, u
    wo, gate_up, down) of bs[...] bytes (Q4_BYTES Q4_1, 34 Q8_0); norms[2l], norms[2l+1] (attention,
    MLP) and norms[2L] (final) float32 [E]; caches kc[l], vc[l].  Scratch: qkv [M, (H+2KVH) D],
    att [M, H D], gu [M, 2 I], act [M, I], tmp [M, E]; xb [M, max(E, H D, I)] for bfloat16
-   products, NULL for float32 */
+   products, NULL for float32. bases, remap, RA: draft tree rows as decode_attention's, or NULL */
 void decode_step(float *h, float *out, const int64_t *w, const int32_t *bs, const int64_t *norms,
                  const int64_t *kc, const int64_t *vc, const float *cos, const float *sin,
                  const int64_t *pos, const int64_t *slots, const int32_t *tables,
                  const int32_t *lens, float *qkv, float *att, float *gu, float *act, float *tmp,
                  uint16_t *xb, int64_t M, int64_t E, int64_t H, int64_t KVH, int64_t D,
-                 int64_t I, int64_t L, int64_t BS, int64_t NB, float eps, float scale)
+                 int64_t I, int64_t L, int64_t BS, int64_t NB, float eps, float scale,
+                 const int32_t *bases, const int32_t *remap, int64_t RA)
 {
     const int64_t QKV = (H + 2 * KVH) * D, HD = H * D;
+    const tree_keys keys = {bases, remap, RA}, *tree = remap ? &keys : NULL;
     const int64_t work = L * ((M + 2) * (QKV * E + E * HD + 3 * I * E)
                               + 8 * total_positions(lens, M) * HD);
     spin_barrier bar = {0, 0};
@@ -776,7 +778,7 @@ void decode_step(float *h, float *out, const int64_t *w, const int32_t *bs, cons
                 SHARE(M * KVH, p0, p1);  /* (sequence, KV head) pairs */
                 for (int64_t p = p0; p < p1; p++)
                     attend_group(qkv, QKV, k, v, tables, lens, att, HD, p / KVH, p % KVH, H, KVH,
-                                 D, BS, NB, scale, NULL);
+                                 D, BS, NB, scale, tree);
                 const int64_t from = p0 * (H / KVH) * D, to = p1 * (H / KVH) * D;  /* of att */
                 if (xb) bf16_row(att + from, xb + from, to - from);
             }

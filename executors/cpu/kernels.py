@@ -83,7 +83,7 @@ def _library() -> ctypes.CDLL | None:
     lib.rope_write_kv.argtypes = [p, i, p, p, p, p, p, p, i, i, i, i]
     lib.rms_norm.argtypes = [p, p, p, i, i, f]
     lib.silu_mul.argtypes = [p, p, i, i]
-    lib.decode_step.argtypes = [p] * 19 + [i] * 9 + [f, f]
+    lib.decode_step.argtypes = [p] * 19 + [i] * 9 + [f, f, p, p, i]
     lib.set_parallel_min.argtypes = [i]
     lib.vector_bits.restype = ctypes.c_int
     lib.native_bf16.restype = ctypes.c_int
@@ -210,12 +210,13 @@ def decode_attention(
     _kernels().decode_attention(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
         tables.data_ptr(), lens.data_ptr(), out.data_ptr(), out.stride(0),
-        b, h, kvh, d, block_size, tables.shape[1], scale, *_tree_args(bases, remap),
+        b, h, kvh, d, block_size, tables.shape[1], scale, *tree_args(bases, remap),
     )  # fmt: skip
     return out
 
 
-def _tree_args(bases: torch.Tensor | None, remap: torch.Tensor | None) -> tuple[int, int, int]:
+def tree_args(bases: torch.Tensor | None, remap: torch.Tensor | None) -> tuple[int, int, int]:
+    """A draft tree's rows as the C kernels take them: bases and paths' addresses and width."""
     if bases is None or remap is None:
         return 0, 0, 0
     assert bases.dtype == remap.dtype == torch.int32 and bases.is_contiguous()

@@ -28,7 +28,7 @@ from memstep.executors.runtime.sampler import Row, Sampler, inverse_cdf, top_log
 from memstep.executors.spec.eagle import head_path
 from memstep.executors.spec.eagle_head import EagleHead
 from memstep.executors.spec.proposers import DraftModelProposer, EagleProposer, Kept, ngram_propose
-from memstep.executors.spec.tree import run_tree
+from memstep.executors.spec.tree import TreeStep
 from memstep.states.kinds import Spec, draft_config
 
 
@@ -101,7 +101,6 @@ class SpecDecoder:
     ):
         """`kv`: the target's caches, where a draft tree's accepted rows move (`tree.py`)."""
         self.cfg = cfg
-        self.kv = kv
         self.target = target
         self.forward = forward
         self.requests = requests
@@ -112,6 +111,9 @@ class SpecDecoder:
             self.draft = DraftModelProposer(draft, spec, requests, sampler, cfg.block_size)
         self.eagle = None if head is None else EagleProposer(head, spec, requests)
         self.on_cpu = target.w["embed"].device.type == "cpu"
+        self.tree: TreeStep | None = None
+        if cfg.speculative_tree and self.eagle is not None and kv is not None:
+            self.tree = TreeStep(cfg, target, forward, requests, sampler, spec, self.eagle, kv)
 
     def forget(self, request_id: str) -> None:
         self.spec.forget(request_id)
@@ -133,8 +135,8 @@ class SpecDecoder:
         return drafts, [None] * len(seqs)
 
     def run(self, plan: StepPlan) -> tuple[list[SeqResult], torch.Tensor]:
-        if self.cfg.speculative_tree and self.kv is not None:
-            return run_tree(self, self.kv, plan)
+        if self.tree is not None:
+            return self.tree.run(plan)
         for seq in plan.seqs:
             if seq.start_pos == 0 or seq.params:
                 # admitted (again): the draft KV holds nothing of it, even where a prefix hit

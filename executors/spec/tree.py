@@ -15,102 +15,135 @@ row of a rejected branch stays inside the sequence.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 
+from memstep.core.config import EngineConfig
 from memstep.events.plan import SeqPlan, SeqResult, StepPlan
 from memstep.executors.cpu.threads import small_work
 from memstep.executors.model.kv_cache import KvCaches, move_slots, slot_of
-from memstep.executors.runtime.batch_builder import TreeTokens
+from memstep.executors.model.llama import LlamaModel
+from memstep.executors.runtime.batch_builder import Feed, TreeTokens
 from memstep.executors.runtime.random_stream import ACCEPT, SAMPLE, SIBLING, uniform
-from memstep.executors.runtime.sampler import Row, inverse_cdf, top_logprobs
-from memstep.executors.spec.proposers import DraftTree
+from memstep.executors.runtime.request_states import RequestStates
+from memstep.executors.runtime.sampler import Row, Sampler, inverse_cdf, top_logprobs
+from memstep.executors.spec.proposers import DraftTree, EagleProposer
+from memstep.states.kinds import Spec
 
-if TYPE_CHECKING:
-    from memstep.executors.spec.decoder import SpecDecoder
 
+class TreeStep:
+    """Runs `spec` steps with draft trees; holds what `SpecDecoder` hands it, owns nothing
+    between steps (the head's state lives in the `spec` kind, as for chains)."""
 
-def run_tree(
-    dec: SpecDecoder, kv: KvCaches, plan: StepPlan
-) -> tuple[list[SeqResult], torch.Tensor]:
-    """`SpecDecoder.run` with draft trees: propose, verify in one forward, accept, keep the
-    accepted path's K/V and hidden states where a chain's would be."""
-    assert dec.eagle is not None
-    for seq in plan.seqs:
-        if seq.start_pos == 0 or seq.params:
-            dec.forget(seq.request_id)  # as `SpecDecoder.run`: the draft state starts afresh
-    spec_seqs = [s for s in plan.seqs if s.samples and s.num_drafts > 0 and len(s.token_ids) == 1]
-    trees: dict[str, DraftTree] = {}
-    if spec_seqs:
-        with small_work(dec.on_cpu):
-            drafted = dec.eagle.propose_tree(
-                spec_seqs, [s.num_drafts for s in spec_seqs], dec.cfg.speculative_tree
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        target: LlamaModel,
+        forward: Callable[[list[Feed]], tuple[torch.Tensor, list[int]]],
+        requests: RequestStates,
+        sampler: Sampler,
+        spec: Spec,
+        eagle: EagleProposer,
+        kv: KvCaches,
+    ):
+        self.cfg, self.target, self.forward, self.requests = cfg, target, forward, requests
+        self.sampler, self.spec, self.eagle, self.kv = sampler, spec, eagle, kv
+        self.on_cpu = target.w["embed"].device.type == "cpu"
+
+    def run(self, plan: StepPlan) -> tuple[list[SeqResult], torch.Tensor]:
+        """`SpecDecoder.run` with draft trees: propose, verify in one forward, accept, keep the
+        accepted path's K/V and hidden states where a chain's would be."""
+        for seq in plan.seqs:
+            if seq.start_pos == 0 or seq.params:
+                self.spec.forget(seq.request_id)  # as `SpecDecoder.run`: the head starts afresh
+        trees = self._propose(plan.seqs)
+        feeds = [(s, _fed(s, trees.get(s.request_id))) for s in plan.seqs]
+        hidden, last_rows = self.forward(feeds)
+        owners = [(s, last) for (s, _), last in zip(feeds, last_rows, strict=True) if s.samples]
+        rows_idx: list[int] = []
+        sample_rows: list[Row] = []
+        for seq, last in owners:
+            tree = trees.get(seq.request_id, NO_TREE)
+            rows_idx.extend(range(last - len(tree.parents) + 1, last + 1))
+            sample_rows.extend(self._rows(seq, tree))
+        h = hidden[rows_idx]
+        if not owners:
+            return [], h
+        results = self._accept(owners, trees, hidden, h, sample_rows)
+        return results, h
+
+    def _propose(self, seqs: list[SeqPlan]) -> dict[str, DraftTree]:
+        spec_seqs = [s for s in seqs if s.samples and s.num_drafts > 0 and len(s.token_ids) == 1]
+        if not spec_seqs:
+            return {}
+        with small_work(self.on_cpu):
+            drafted = self.eagle.propose_tree(
+                spec_seqs, [s.num_drafts for s in spec_seqs], self.cfg.speculative_tree
             )
-        trees = {s.request_id: t for s, t in zip(spec_seqs, drafted, strict=True) if t}
-    feeds = [(s, _fed(s, trees.get(s.request_id))) for s in plan.seqs]
-    hidden, last_rows = dec.forward(feeds)
-    owners = [(s, last) for (s, _), last in zip(feeds, last_rows, strict=True) if s.samples]
-    rows_idx: list[int] = []
-    sample_rows: list[Row] = []
-    for seq, last in owners:
-        tree = trees.get(seq.request_id, DraftTree([], (-1,)))
-        rows_idx.extend(range(last - len(tree.parents) + 1, last + 1))
-        sample_rows.extend(_rows(dec, seq, tree))
-    h = hidden[rows_idx]
-    if not owners:
-        return [], h
-    logits = dec.target.logits(h, dec.sampler.logits_out(len(rows_idx)))
-    raw = dec.sampler.keep_raw(logits) if any(r.params.logprobs for r in sample_rows) else None
-    dec.sampler.constrain(logits, sample_rows)
-    greedy = all(r.params.is_greedy and not r.params.has_penalties for r in sample_rows)
-    probs = None if greedy else dec.sampler.distribution(logits, sample_rows)
-    choices = logits.argmax(dim=-1).tolist() if greedy else []
-    results, kept = [], []
-    moves: tuple[list[int], list[int]] = ([], [])
-    offset = 0
-    for seq, last in owners:
-        tree = trees.get(seq.request_id, DraftTree([], (-1,)))
-        n = len(tree.parents)
-        if probs is None:
-            tokens, path = accept_tree_greedy(choices[offset : offset + n], tree)
-        else:
+        return {s.request_id: t for s, t in zip(spec_seqs, drafted, strict=True) if t}
+
+    def _rows(self, seq: SeqPlan, tree: DraftTree) -> list[Row]:
+        """Each node's sampling row: the token after it, at its depth, after its path's
+        tokens."""
+        req = self.requests[seq.request_id]
+        base = len(req.tokens)
+        paths: list[list[int]] = [[]]
+        for node in range(1, len(tree.parents)):
+            paths.append([*paths[tree.parents[node]], tree.token(node)])
+        return [req.row(base + len(path), req.tokens + path) for path in paths]
+
+    def _accept(
+        self,
+        owners: list[tuple[SeqPlan, int]],
+        trees: dict[str, DraftTree],
+        hidden: torch.Tensor,
+        h: torch.Tensor,
+        sample_rows: list[Row],
+    ) -> list[SeqResult]:
+        """Each sampling sequence's tokens down its tree; the accepted paths' K/V and hidden
+        states moved, then kept for the head."""
+        sampler = self.sampler
+        logits = self.target.logits(h, sampler.logits_out(len(sample_rows)))
+        raw = sampler.keep_raw(logits) if any(r.params.logprobs for r in sample_rows) else None
+        sampler.constrain(logits, sample_rows)
+        greedy = all(r.params.is_greedy and not r.params.has_penalties for r in sample_rows)
+        probs = None if greedy else sampler.distribution(logits, sample_rows)
+        choices = logits.argmax(dim=-1).tolist() if greedy else []
+        results, kept = [], []
+        moves: tuple[list[int], list[int]] = ([], [])
+        offset = 0
+        for seq, last in owners:
+            tree = trees.get(seq.request_id, NO_TREE)
+            n = len(tree.parents)
             rows = sample_rows[offset : offset + n]
-            tokens, path = accept_tree(probs[offset : offset + n], rows, tree, dec.spec)
-        logprobs = []
-        params = sample_rows[offset].params
-        if raw is not None and params.logprobs:
-            own = raw[[offset + node for node in [0, *path]]]
-            logprobs = top_logprobs(own, tokens, params.logprobs, in_place=True)
-        results.append(SeqResult(seq.request_id, tokens, logprobs, len(tree.tokens), len(path)))
-        first = last - n + 1
-        keep_path(seq, path, hidden, first, moves, dec.cfg.block_size)
-        kept.append(dec.eagle.kept(seq, first, tokens))
-        offset += n
-    if moves[0]:
-        device = hidden.device
-        move_slots(kv, *(torch.tensor(m, dtype=torch.long, device=device) for m in moves))
-    with small_work(dec.on_cpu):
-        dec.eagle.keep(kept, hidden)
-    return results, h
+            if probs is None:
+                tokens, path = accept_tree_greedy(choices[offset : offset + n], tree)
+            else:
+                tokens, path = accept_tree(probs[offset : offset + n], rows, tree, self.spec)
+            logprobs = []
+            if raw is not None and rows[0].params.logprobs:
+                own = raw[[offset + node for node in [0, *path]]]
+                logprobs = top_logprobs(own, tokens, rows[0].params.logprobs, in_place=True)
+            results.append(SeqResult(seq.request_id, tokens, logprobs, len(tree.tokens), len(path)))
+            keep_path(seq, path, hidden, last - n + 1, moves, self.cfg.block_size)
+            kept.append(self.eagle.kept(seq, last - n + 1, tokens))
+            offset += n
+        if moves[0]:
+            device = hidden.device
+            move_slots(self.kv, *(torch.tensor(m, dtype=torch.long, device=device) for m in moves))
+        with small_work(self.on_cpu):
+            self.eagle.keep(kept, hidden)
+        return results
+
+
+NO_TREE = DraftTree([], (-1,))  # a sequence that drafts nothing: its root alone
 
 
 def _fed(seq: SeqPlan, tree: DraftTree | None) -> list[int]:
     if tree is None:
         return seq.token_ids
     return TreeTokens(seq.token_ids + tree.tokens, tree.parents)
-
-
-def _rows(dec: SpecDecoder, seq: SeqPlan, tree: DraftTree) -> list[Row]:
-    """Each node's sampling row: the token after it, at its depth, after its path's tokens."""
-    req = dec.requests[seq.request_id]
-    base = len(req.tokens)
-    rows, paths = [], [[]]  # type: list[Row], list[list[int]]
-    for node in range(1, len(tree.parents)):
-        paths.append([*paths[tree.parents[node]], tree.token(node)])
-    for path in paths:
-        rows.append(req.row(base + len(path), req.tokens + path))
-    return rows
 
 
 def keep_path(

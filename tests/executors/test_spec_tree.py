@@ -17,6 +17,8 @@ from memstep.events.types import LeakSuspected
 from memstep.executors.cpu import kernels as cpu_kernels
 from memstep.executors.model import attention
 from memstep.executors.process.inprocess import local_engine
+from memstep.executors.runtime.random_stream import ACCEPT, SIBLING, uniform
+from memstep.executors.runtime.sampler import Row
 from memstep.executors.spec import tree as spec_tree
 from memstep.executors.spec.eagle import CONTEXT, AttnShape, init_params, save_head
 from memstep.executors.spec.proposers import DraftTree, EagleProposer
@@ -42,21 +44,22 @@ def test_a_tree_is_numbered_breadth_first_and_cut_as_a_prefix():
 # --- greedy: the plain output, token for token ----------------------------------------------
 
 
-def test_greedy_tree_equals_greedy_smollm2(smol_engine, chat_prompts, monkeypatch):
-    """The committed head's tree, float32: the plain greedy output, more drafts accepted than
-    none, and some accepted paths through a node that is not its parent's first child (their
-    K/V rows moved)."""
+@pytest.mark.parametrize("quantization", ["none", "q4"])
+def test_greedy_tree_equals_greedy_smollm2(quantization, smol_engine, chat_prompts, monkeypatch):
+    """The committed head's tree, float32 activations (float weights, or the GGUF's q4 blocks,
+    whose verify rows run as one C call, `DecodeStep`): the plain greedy output, drafts
+    accepted, and some accepted paths through a node that is not its parent's first child
+    (their K/V rows moved)."""
     moved = []
     move = spec_tree.move_slots
     monkeypatch.setattr(
         spec_tree, "move_slots", lambda kv, a, b: (moved.append(len(a)), move(kv, a, b))
     )
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    ref = [c.token_ids for c in smol_engine.generate(chat_prompts[:4], params)]
-    cfg = EngineConfig(
-        dtype="float32", quantization="none", max_num_seqs=4, speculative_method="eagle",
-        speculative_tree=TREE,
-    )  # fmt: skip
+    base = dict(dtype="float32", quantization=quantization, max_num_seqs=4)
+    plain = smol_engine if quantization == "none" else local_engine(EngineConfig(**base))
+    ref = [c.token_ids for c in plain.generate(chat_prompts[:4], params)]
+    cfg = EngineConfig(**base, speculative_method="eagle", speculative_tree=TREE)
     done = local_engine(cfg).generate(chat_prompts[:4], params)
     assert [c.token_ids for c in done] == ref
     assert sum(c.num_accepted for c in done) > 10 and sum(moved) > 0
@@ -167,6 +170,54 @@ def test_a_wrong_tree_mask_changes_the_output(tiny, path, monkeypatch):
     )
     replies, _ = tiny_tree_run(tiny, monkeypatch)
     assert replies != tiny[1]
+
+
+# --- the acceptance rule, statistically ------------------------------------------------------
+
+P = torch.tensor([0.05, 0.30, 0.10, 0.25, 0.20, 0.10])
+TRIALS = 6000
+
+
+class Residual:
+    """The `spec` kind's `residual` workspace, as `accept_tree` reads it."""
+
+    held = {"residual": torch.empty(2, len(P))}
+
+
+def first_tokens(rule) -> torch.Tensor:
+    """The first token appended over TRIALS seeds: a root with three children (tokens 1, 3,
+    4: the target's likeliest), each with one child, every node's target distribution P."""
+    tree = DraftTree([1, 3, 4, 2, 2, 2], (-1, 0, 0, 0, 1, 2, 3))
+    counts = torch.zeros(len(P))
+    for seed in range(TRIALS):
+        params = SamplingParams(temperature=1.0, seed=seed)
+        rows = [Row(params, 10 + (node > 0) + (node > 3), [], 0) for node in range(7)]
+        tokens, path = rule(P.expand(7, -1), rows, tree, Residual())
+        assert len(tokens) == len(path) + 1
+        counts[tokens[0]] += 1
+    return counts
+
+
+def test_tree_acceptance_keeps_the_target_distribution():
+    counts = first_tokens(spec_tree.accept_tree)
+    expected = P * counts.sum()
+    assert float(((counts - expected) ** 2 / expected).sum()) < 20.5  # 5 dof, p = 0.001
+
+
+def test_a_wrong_sibling_rule_fails_the_same_test():
+    """Broken on purpose: a rejected child's mass left in, so later siblings are tried against
+    the whole distribution."""
+
+    def keeps_mass(p, rows, tree, spec):
+        for i, child in enumerate(tree.children()[0]):
+            u = uniform(rows[0].seed, rows[0].position, ACCEPT if i == 0 else SIBLING + i)
+            if u < float(p[0, tree.token(child)]):
+                return [tree.token(child), 0], [child]
+        return [0], []
+
+    counts = first_tokens(keeps_mass)
+    expected = P * counts.sum()
+    assert float(((counts - expected) ** 2 / expected).sum()) > 20.5
 
 
 # --- sampled: the target's distribution at a drafted position --------------------------------
