@@ -227,11 +227,13 @@ CRITICAL = {2: 13.8, 3: 16.3, 4: 18.5, 5: 20.5}  # chi-square at p = 0.001, by d
 
 
 def second_tokens(prompt: list[int]) -> tuple[collections.Counter, int, int]:
-    """Over RUNS seeds at temperature 1 with the tree: the second reply tokens of the runs whose
-    first was the most common one (the second is drafted by the tree after the first)."""
-    engine = local_engine(
-        EngineConfig(speculative_method="eagle", speculative_tree=TREE, max_num_seqs=16)
-    )
+    """Over RUNS seeds at temperature 1 with a tree: the second reply tokens of the runs whose
+    first was the most common one (the second is drafted by the tree after the first: the
+    head's top three candidates, tried in turn)."""
+    cfg = EngineConfig(
+        speculative_method="eagle", num_speculative_tokens=1, speculative_tree=(3,), max_num_seqs=32
+    )  # the drafted position's three candidates, every run's one tree step
+    engine = local_engine(cfg)
     params = [SamplingParams(max_tokens=3, temperature=1.0, seed=s) for s in range(RUNS)]
     done = engine.generate([prompt] * RUNS, params)
     firsts = collections.Counter(c.token_ids[0] for c in done)
