@@ -273,6 +273,7 @@ def drafted_position(chat_prompts):
     return best[1], best[2], best[3]
 
 
+@pytest.mark.slow  # 640 sampled runs (test_tree_acceptance_... is the small version)
 def test_sampled_tokens_at_a_tree_drafted_position_follow_the_target(drafted_position):
     prompt, first, top = drafted_position
     seconds, mode, accepted = second_tokens(prompt)
@@ -281,6 +282,7 @@ def test_sampled_tokens_at_a_tree_drafted_position_follow_the_target(drafted_pos
     assert bins >= 2 and stat < CRITICAL[bins], (stat, bins, seconds, top)
 
 
+@pytest.mark.slow  # 640 sampled runs (test_tree_acceptance_... is the small version)
 def test_the_same_test_fails_when_the_first_child_is_always_kept(drafted_position, monkeypatch):
     """Broken on purpose: a node's first child accepted whatever the target says."""
     prompt, _, top = drafted_position
