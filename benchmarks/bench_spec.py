@@ -7,7 +7,9 @@ ratio to no speculation (run a moment before, so that a shared machine's load mo
 the acceptance rate and mean accepted drafts per step.
 
     python benchmarks/bench_spec.py [--tokens 64] [--draft-layers 8] [--k 3] [--methods none,eagle]
-        [--rounds 3] [--draft-model HEAD.npz]
+        [--rounds 3] [--draft-model HEAD.npz] [--tree 3,2]
+
+`eagle-tree` in `--methods` is `eagle` drafting a tree of `--tree`'s widths (speculative_tree).
 
 The engine runs as `memstep generate` does on the CPU (the GGUF's q4 blocks, the passive OpenMP
 wait policy unless the environment names one: executors/cpu/threads.py); `--threads` sets torch's
@@ -78,6 +80,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--draft-model", default=None, help="an EAGLE head .npz (default: committed)")
     ap.add_argument("--rounds", type=int, default=3, help="each a run of every method in turn")
+    ap.add_argument("--tree", default="3,2", help="eagle-tree: the draft tree's widths")
+    ap.add_argument("--workloads", default="copy,free", help="comma-separated: copy, free")
+    ap.add_argument("--concurrency", default="1,8", help="comma-separated stream counts")
     ap.add_argument(
         "--prefix-caching", action="store_true", help="keep prefix caching on (later rounds hit)"
     )
@@ -85,13 +90,15 @@ def main() -> None:
     methods = [None if m == "none" else m for m in args.methods.split(",")]
     engines = {}
     for method in methods:
+        tree = tuple(int(w) for w in args.tree.split(",")) if method == "eagle-tree" else ()
         cfg = EngineConfig(
             num_threads=args.threads,
             max_num_seqs=8,
-            speculative_method=method,
+            speculative_method="eagle" if tree else method,
+            speculative_tree=tree,
             num_speculative_tokens=args.k,
             draft_layers=args.draft_layers,
-            draft_model=args.draft_model if method == "eagle" else None,
+            draft_model=args.draft_model if method in ("eagle", "eagle-tree") else None,
             # every round reads its prompts whole, as the first does: the EAGLE head's context
             # gets the pairs of the prompt's computed positions only, none of a cached prefix
             enable_prefix_caching=args.prefix_caching,
@@ -102,8 +109,9 @@ def main() -> None:
     # method (run a moment before), and the drafts' counts
     runs: dict[tuple, list[tuple[float, float, int, int, int]]] = {}
     for _ in range(args.rounds):
-        for name, prompts in (("copy", COPY), ("free", FREE)):
-            for conc in (1, 8):
+        for name in args.workloads.split(","):
+            prompts = {"copy": COPY, "free": FREE}[name]
+            for conc in (int(c) for c in args.concurrency.split(",")):
                 first = None
                 for method, engine in engines.items():
                     tps, proposed, accepted, seq_steps = run(engine, prompts, conc, args.tokens)
@@ -113,7 +121,7 @@ def main() -> None:
     for engine in engines.values():
         engine.shutdown()
     print(
-        f"{'method':<7} {'workload':<5} {'conc':>4} {'tok/s':>8} {'vs none':>8} "
+        f"{'method':<10} {'workload':<5} {'conc':>4} {'tok/s':>8} {'vs none':>8} "
         f"{'accept':>7} {'mean acc len':>12}   (medians of {args.rounds} rounds)"
     )
     for (method, name, conc), entries in runs.items():
@@ -125,7 +133,7 @@ def main() -> None:
         tps = statistics.median(e[0] for e in entries)
         ratio = statistics.median(e[1] for e in entries)
         print(
-            f"{method or 'none':<7} {name:<5} {conc:>4} {tps:>8.1f} {ratio:>7.2f}x "
+            f"{method or 'none':<10} {name:<5} {conc:>4} {tps:>8.1f} {ratio:>7.2f}x "
             f"{rate:>7.2f} {mean_len:>12.2f}"
         )
 

@@ -214,6 +214,7 @@ SPECULATION_FIELDS = (
     "speculative_adaptive_k",
     "draft_layers",
     "draft_model",
+    "speculative_tree",
 )
 
 
@@ -250,6 +251,17 @@ def add_speculation_arguments(g, d: EngineConfig | None) -> None:
         "--draft-model", metavar="PATH",
         help="draft: a model (default: the target's first layers); eagle: a head's .npz",
     )  # fmt: skip
+    g.add_argument(
+        "--speculative-tree", type=_widths, default=None if d is None else d.speculative_tree,
+        metavar="W,W,...", help="eagle: a draft tree, the head's top W candidates at each depth",
+    )  # fmt: skip
+
+
+def _widths(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected tree widths like 3,2,1: {text!r}") from exc
 
 
 def config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:

@@ -12,6 +12,8 @@ from typing import Any
 
 import attrs
 
+from memstep.core.spec_tree import MAX_TREE_NODES, tree_size
+
 SPECULATIVE_METHODS = (None, "ngram", "draft", "eagle")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -82,6 +84,9 @@ class EngineConfig:
     # "draft": a model folder or GGUF (None: the target's first layers); "eagle": a head's .npz
     # from `memstep train-draft` (None: the head committed for smollm2)
     draft_model: str | None = None
+    # EAGLE-2 style tree drafting (eagle only): the head's top `speculative_tree[d]` candidates
+    # after each node at depth d (depths past it: one), verified in one forward; () drafts a chain
+    speculative_tree: tuple[int, ...] = attrs.field(default=(), converter=tuple)
     ngram_max: int = 3
     ngram_min: int = 1
     cuda_graphs: bool = True
@@ -140,6 +145,7 @@ class EngineConfig:
             "speculative_method 'eagle' needs draft_model, a head trained for this model "
             "(`memstep train-draft --model M --out HEAD.npz`); only smollm2 has one built in",
         )
+        self._check_tree()
         _check(1 <= self.ngram_min <= self.ngram_max, "need 1 <= ngram_min <= ngram_max")
         disable = self.speculative_disable_by_batch_size
         _check(disable is None or disable >= 1, "speculative_disable_by_batch_size must be >= 1")
@@ -160,6 +166,26 @@ class EngineConfig:
             "debug_kill_executor_at must be step numbers >= 0",
         )
 
+    def _check_tree(self) -> None:
+        tree = self.speculative_tree
+        if not tree:
+            return
+        _check(all(type(w) is int and w >= 1 for w in tree), "speculative_tree widths must be >= 1")
+        _check(self.speculative_method == "eagle", "speculative_tree needs the eagle method")
+        _check(
+            len(tree) <= self.num_speculative_tokens,
+            "speculative_tree has more widths than num_speculative_tokens (its depth)",
+        )
+        _check(
+            tree_size(tree, self.num_speculative_tokens) <= MAX_TREE_NODES,
+            f"speculative_tree has more than {MAX_TREE_NODES} nodes",
+        )
+
+    def draft_slots(self, depth: int) -> int:
+        """KV slots past a sequence that `depth` draft positions write: a chain's `depth`, or
+        the nodes of the tree cut there."""
+        return tree_size(self.speculative_tree, depth) if self.speculative_tree else depth
+
     @cached_property
     def is_speculative(self) -> bool:
         return self.speculative_method is not None
@@ -167,7 +193,7 @@ class EngineConfig:
     @cached_property
     def num_lookahead_slots(self) -> int:
         """KV slots a decode step may write beyond the sequence: the drafts it verifies."""
-        return self.num_speculative_tokens if self.is_speculative else 0
+        return self.draft_slots(self.num_speculative_tokens) if self.is_speculative else 0
 
     def spec_enabled_for(self, batch_size: int) -> bool:
         disable = self.speculative_disable_by_batch_size
@@ -176,6 +202,7 @@ class EngineConfig:
     def to_dict(self) -> dict[str, Any]:
         data = attrs.asdict(self)
         data["debug_kill_executor_at"] = list(self.debug_kill_executor_at)  # as logs give it back
+        data["speculative_tree"] = list(self.speculative_tree)
         return data
 
     @classmethod

@@ -156,7 +156,8 @@ class Scheduler:
             req.params.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens
         )
         k = max(0, min(req.draft_length or self.cfg.num_speculative_tokens, left - 1))
-        if k and not self.blocks.ensure(req.request_id, req.num_tokens + k):
+        slots = self.cfg.draft_slots(k)  # a tree's nodes, a chain's k
+        if k and not self.blocks.ensure(req.request_id, req.num_tokens + slots):
             return 0
         return k
 

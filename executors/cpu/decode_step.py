@@ -85,12 +85,12 @@ class DecodeStep:
     @staticmethod
     def rows(
         batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    ) -> tuple[torch.Tensor, ...] | None:
         """Each row's pages and context ([M, NB], [M] int32) where every row of `batch` is a
         query attended as a decode row, in order: a decode step, a speculative verify step
         whose sequences all feed as many tokens, or one prompt's chunk (on the CPU their queries
         attend as decode rows); fewer than ONE_CALL_ROWS rows, over a float32 cache. None for
-        any other batch."""
+        any other batch. A draft tree's rows also give their bases and paths (`query_remap`)."""
         m = batch.num_tokens
         if len(batch.groups) != 1 or kv_caches[0][0].dtype != torch.float32 or m >= ONE_CALL_ROWS:
             return None
@@ -104,6 +104,8 @@ class DecodeStep:
         )
         if group.query_tables is None or group.query_lens is None or not in_order:
             return None
+        if group.query_remap is not None and group.query_bases is not None:
+            return group.query_tables, group.query_lens, group.query_bases, group.query_remap
         return group.query_tables, group.query_lens
 
     def _cache_pointers(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
@@ -119,7 +121,7 @@ class DecodeStep:
         self,
         h: torch.Tensor,
         batch: ForwardBatch,
-        rows: tuple[torch.Tensor, torch.Tensor],
+        rows: tuple[torch.Tensor, ...],
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         cos: torch.Tensor,
         sin: torch.Tensor,
@@ -142,12 +144,13 @@ class DecodeStep:
         scale: float,
     ) -> torch.Tensor:
         """`__call__` over rows given as `where` (positions and slots [M] int64, pages [M, NB]
-        and context [M] int32) and `caches` (each layer's K and V cache addresses, the block
-        size)."""
+        and context [M] int32, and for a draft tree's rows bases [M] and paths [M, R] int32)
+        and `caches` (each layer's K and V cache addresses, the block size)."""
         cfg, m = self.cfg, h.shape[0]
         h = h.contiguous()
         e, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-        pos, slots, tables, lens = (t.contiguous() for t in where)
+        pos, slots, tables, lens, *tree = (t.contiguous() for t in where)
+        bases, remap = tree if tree else (None, None)
         keys, values, block_size = caches
 
         def scratch(width: int) -> torch.Tensor:
@@ -165,6 +168,6 @@ class DecodeStep:
             *[ctypes.addressof(a) for a in addresses],
             *[t.data_ptr() for t in rest], 0 if xb is None else xb.data_ptr(),
             m, e, cfg.num_heads, cfg.num_kv_heads, d, inter, cfg.num_layers,
-            block_size, tables.shape[1], cfg.rms_eps, scale,
+            block_size, tables.shape[1], cfg.rms_eps, scale, *cpu_kernels.tree_args(bases, remap),
         )  # fmt: skip
         return out

@@ -480,11 +480,16 @@ static inline vec vexp(vec x) { for (int i = 0; i < LANES; i++) x.v[i] = expf(x.
    query heads h0..h0+nq of sequence b, all of KV head g, each K and V row read once for them;
    softmax in float32 a chunk of positions at a time (rescaled when the running maximum grows);
    len 0 gives zeros. q, out: [B, H, D] with row strides qs, os (elements); caches [blocks, BS,
-   KVH, D]; D = DV * LANES. A head's bits do not depend on nq (each head's sums are its own) */
+   KVH, D]; D = DV * LANES. A head's bits do not depend on nq (each head's sums are its own).
+   With `tree` (a draft tree's node), the row's positions from bases[b] on are read where
+   remap[b * RA + p - bases[b]] says (its ancestors' rows, then its own): the same sums, chunk
+   by chunk, as a plain decode row over those keys at positions 0..len-1 */
+typedef struct { const int32_t *bases, *remap; int64_t RA; } tree_keys;
+
 static inline __attribute__((always_inline)) void attend_heads(
     const float *q, int64_t qs, const float *kc, const float *vc, const int32_t *tables,
     const int32_t *lens, float *out, int64_t os, int64_t b, int64_t h0, int nq, int64_t g,
-    int64_t KVH, const int DV, int64_t BS, int64_t NB, float scale)
+    int64_t KVH, const int DV, int64_t BS, int64_t NB, float scale, const tree_keys *tree)
 {
     const int64_t D = (int64_t)DV * LANES;
     vec acc[MAX_GROUP][MAX_DV];
@@ -500,7 +505,8 @@ static inline __attribute__((always_inline)) void attend_heads(
         float most[MAX_GROUP];
         for (int a = 0; a < nq; a++) most[a] = -INFINITY;
         for (int64_t j = 0; j < n; j++) {
-            const int64_t p = p0 + j;
+            int64_t p = p0 + j;
+            if (tree && p >= tree->bases[b]) p = tree->remap[b * tree->RA + p - tree->bases[b]];
             const int64_t at = (((int64_t)tables[b * NB + p / BS] * BS + p % BS) * KVH + g) * D;
             vec k[MAX_DV];
             for (int c = 0; c < DV; c++) k[c] = vload(kc + at + c * LANES);
@@ -552,7 +558,7 @@ static inline __attribute__((always_inline)) void attend_heads(
 static void attend_group(const float *q, int64_t qs, const float *kc, const float *vc,
                          const int32_t *tables, const int32_t *lens, float *out, int64_t os,
                          int64_t b, int64_t g, int64_t H, int64_t KVH, int64_t D, int64_t BS,
-                         int64_t NB, float scale)
+                         int64_t NB, float scale, const tree_keys *tree)
 {
     const int64_t per_kv = H / KVH;
     for (int64_t a = 0; a < per_kv; a += MAX_GROUP) {
@@ -560,13 +566,13 @@ static void attend_group(const float *q, int64_t qs, const float *kc, const floa
         const int64_t h0 = g * per_kv + a;
         if (D == 4 * LANES)
             attend_heads(q, qs, kc, vc, tables, lens, out, os, b, h0, nq, g, KVH, 4, BS, NB,
-                         scale);
+                         scale, tree);
         else if (D == 8 * LANES)
             attend_heads(q, qs, kc, vc, tables, lens, out, os, b, h0, nq, g, KVH, 8, BS, NB,
-                         scale);
+                         scale, tree);
         else
             attend_heads(q, qs, kc, vc, tables, lens, out, os, b, h0, nq, g, KVH,
-                         (int)(D / LANES), BS, NB, scale);
+                         (int)(D / LANES), BS, NB, scale, tree);
     }
 }
 
@@ -580,13 +586,15 @@ static int64_t total_positions(const int32_t *lens, int64_t B)
 void decode_attention(const float *q, int64_t qs, const float *kc, const float *vc,
                       const int32_t *tables, const int32_t *lens, float *out, int64_t os,
                       int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS, int64_t NB,
-                      float scale)
+                      float scale, const int32_t *bases, const int32_t *remap, int64_t RA)
 {
     const int64_t positions = total_positions(lens, B);
+    const tree_keys keys = {bases, remap, RA}, *tree = remap ? &keys : NULL;
     #pragma omp parallel for collapse(2) schedule(static) if (8 * positions * H * D >= parallel_min)
     for (int64_t b = 0; b < B; b++)
         for (int64_t g = 0; g < KVH; g++)
-            attend_group(q, qs, kc, vc, tables, lens, out, os, b, g, H, KVH, D, BS, NB, scale);
+            attend_group(q, qs, kc, vc, tables, lens, out, os, b, g, H, KVH, D, BS, NB, scale,
+                         tree);
 }
 
 /* rotate q and k of each token (Hugging Face's halves: x1 cos - x2 sin, x2 cos + x1 sin, the
@@ -738,15 +746,17 @@ static void add_norm_stage(float *h, const float *d, const float *w, float *x, u
    wo, gate_up, down) of bs[...] bytes (Q4_BYTES Q4_1, 34 Q8_0); norms[2l], norms[2l+1] (attention,
    MLP) and norms[2L] (final) float32 [E]; caches kc[l], vc[l].  Scratch: qkv [M, (H+2KVH) D],
    att [M, H D], gu [M, 2 I], act [M, I], tmp [M, E]; xb [M, max(E, H D, I)] for bfloat16
-   products, NULL for float32 */
+   products, NULL for float32. bases, remap, RA: draft tree rows as decode_attention's, or NULL */
 void decode_step(float *h, float *out, const int64_t *w, const int32_t *bs, const int64_t *norms,
                  const int64_t *kc, const int64_t *vc, const float *cos, const float *sin,
                  const int64_t *pos, const int64_t *slots, const int32_t *tables,
                  const int32_t *lens, float *qkv, float *att, float *gu, float *act, float *tmp,
                  uint16_t *xb, int64_t M, int64_t E, int64_t H, int64_t KVH, int64_t D,
-                 int64_t I, int64_t L, int64_t BS, int64_t NB, float eps, float scale)
+                 int64_t I, int64_t L, int64_t BS, int64_t NB, float eps, float scale,
+                 const int32_t *bases, const int32_t *remap, int64_t RA)
 {
     const int64_t QKV = (H + 2 * KVH) * D, HD = H * D;
+    const tree_keys keys = {bases, remap, RA}, *tree = remap ? &keys : NULL;
     const int64_t work = L * ((M + 2) * (QKV * E + E * HD + 3 * I * E)
                               + 8 * total_positions(lens, M) * HD);
     spin_barrier bar = {0, 0};
@@ -768,7 +778,7 @@ void decode_step(float *h, float *out, const int64_t *w, const int32_t *bs, cons
                 SHARE(M * KVH, p0, p1);  /* (sequence, KV head) pairs */
                 for (int64_t p = p0; p < p1; p++)
                     attend_group(qkv, QKV, k, v, tables, lens, att, HD, p / KVH, p % KVH, H, KVH,
-                                 D, BS, NB, scale);
+                                 D, BS, NB, scale, tree);
                 const int64_t from = p0 * (H / KVH) * D, to = p1 * (H / KVH) * D;  /* of att */
                 if (xb) bf16_row(att + from, xb + from, to - from);
             }

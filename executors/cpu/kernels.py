@@ -79,11 +79,11 @@ def _library() -> ctypes.CDLL | None:
         getattr(lib, name).argtypes = [p, p, p, i, i, i]
     lib.to_bf16.argtypes = [p, p, i, i]
     lib.q4_1_dequant.argtypes = [p, p, i, i]
-    lib.decode_attention.argtypes = [p, i, p, p, p, p, p, i, i, i, i, i, i, i, f]
+    lib.decode_attention.argtypes = [p, i, p, p, p, p, p, i, i, i, i, i, i, i, f, p, p, i]
     lib.rope_write_kv.argtypes = [p, i, p, p, p, p, p, p, i, i, i, i]
     lib.rms_norm.argtypes = [p, p, p, i, i, f]
     lib.silu_mul.argtypes = [p, p, i, i]
-    lib.decode_step.argtypes = [p] * 19 + [i] * 9 + [f, f]
+    lib.decode_step.argtypes = [p] * 19 + [i] * 9 + [f, f, p, p, i]
     lib.set_parallel_min.argtypes = [i]
     lib.vector_bits.restype = ctypes.c_int
     lib.native_bf16.restype = ctypes.c_int
@@ -193,10 +193,14 @@ def decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    bases: torch.Tensor | None = None,
+    remap: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The CPU's `paged_decode_attention` (executors/cuda/kernels), float32: q [B, H, D] (rows
     may be strided), caches [blocks, block_size, KVH, D], block_tables [B, NB] int32, seq_lens [B]
-    int32; writes and returns `out` ([B, H, D], allocated like q when None)."""
+    int32; writes and returns `out` ([B, H, D], allocated like q when None). Draft tree rows:
+    `bases` [B] int32 and `remap` [B, R] int32, a row's positions from bases[b] on read at
+    remap[b, p - bases[b]] (`AttnGroup.query_remap`)."""
     b, h, d = q.shape
     _, block_size, kvh, _ = k_cache.shape
     if out is None:
@@ -206,9 +210,18 @@ def decode_attention(
     _kernels().decode_attention(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
         tables.data_ptr(), lens.data_ptr(), out.data_ptr(), out.stride(0),
-        b, h, kvh, d, block_size, tables.shape[1], scale,
+        b, h, kvh, d, block_size, tables.shape[1], scale, *tree_args(bases, remap),
     )  # fmt: skip
     return out
+
+
+def tree_args(bases: torch.Tensor | None, remap: torch.Tensor | None) -> tuple[int, int, int]:
+    """A draft tree's rows as the C kernels take them: bases and paths' addresses and width."""
+    if bases is None or remap is None:
+        return 0, 0, 0
+    assert bases.dtype == remap.dtype == torch.int32 and bases.is_contiguous()
+    assert remap.is_contiguous()
+    return bases.data_ptr(), remap.data_ptr(), remap.shape[1]
 
 
 def rope_and_write_kv(

@@ -23,7 +23,7 @@ from memstep.executors.cuda.backend import cuda_backend
 from memstep.executors.cuda.kernels import DecodeWorkspace, paged_decode_attention
 from memstep.executors.model.kv_cache import slot_of
 from memstep.executors.model.llama import LlamaModel
-from memstep.executors.runtime.batch_builder import Feed
+from memstep.executors.runtime.batch_builder import Feed, TreeTokens
 from memstep.states.arena import tensor_bytes
 
 # split-K partition of the decode attention: on an H200, one sequence at 193 tokens of
@@ -64,6 +64,8 @@ class DecodeInputs:
         for seq, tokens in feeds:
             n = len(tokens)
             if not 0 < n <= max_tokens or seq.start_pos + n > width:
+                return False
+            if isinstance(tokens, TreeTokens):  # its rows are not consecutive: the tree mask's
                 return False
             if len(seq.block_table) > self.max_blocks:
                 return False

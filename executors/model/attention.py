@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from memstep.core.shapes import cdiv
+from memstep.core.spec_tree import tree_path
 from memstep.executors.model.kv_cache import gather_kv, gather_slots, slots_for
 
 SHORT_QUERY = 8  # CPU: queries up to this many tokens share one padded attention call
@@ -39,6 +40,13 @@ class AttnGroup:
     # [N] int32
     query_tables: torch.Tensor | None = None
     query_lens: torch.Tensor | None = None
+    # draft trees (`TreeTokens` feeds): [B, 1, Q, NB * block size] which keys each query sees
+    # (the context before its tree, then its ancestors and itself); and for decode rows, each
+    # query's keys past its tree's start [N, depth + 1] int32 (positions of the root .. itself)
+    # and that start [N] int32: its keys are 0..start-1, then those
+    tree_mask: torch.Tensor | None = None
+    query_remap: torch.Tensor | None = None
+    query_bases: torch.Tensor | None = None
 
 
 @attrs.frozen
@@ -73,10 +81,12 @@ def build_group(
     block_size: int,
     device: torch.device,
     per_query: bool = True,
+    trees: list[tuple[int, ...]] | None = None,
 ) -> AttnGroup:
     """One attention group; seq i's queries are rows starts[i]..+q_lens[i] at the end of ctx.
     `per_query`: also each query's own table and context (`query_tables`), for a backend that
-    attends queries of more than one token as decode rows (the CPU's)."""
+    attends queries of more than one token as decode rows (the CPU's). `trees`: each
+    sequence's queries are a draft tree, their parents (`core/spec_tree.py`'s numbering)."""
     b, q = len(starts), max(q_lens)
     nb = max(cdiv(c, block_size) for c in ctx_lens)
     pages: list[int] = []  # built as flat lists, one tensor each: no small tensor per sequence
@@ -100,6 +110,12 @@ def build_group(
     if q > 1 and per_query:
         query_tables = table.repeat_interleave(torch.tensor(q_lens), dim=0)
         query_lens = (q_pos.flatten()[flat] + 1).to(torch.int32)
+    tree: dict[str, torch.Tensor] = {}
+    if trees is not None:
+        tree = tree_fields(trees, q_lens, ctx_lens, nb * block_size)
+        q_pos, lens = tree.pop("q_pos"), tree.pop("query_lens")
+        query_lens = lens if per_query else None
+        tree = tree if per_query else {"tree_mask": tree["tree_mask"]}
     return AttnGroup(
         token_index=index.to(device),
         q_pos=q_pos.to(device),
@@ -111,7 +127,40 @@ def build_group(
         first_row=starts[0] if in_order else -1,
         query_tables=query_tables,
         query_lens=query_lens,
+        **{name: t.to(device) for name, t in tree.items()},
     )
+
+
+def tree_fields(
+    trees: list[tuple[int, ...]], q_lens: list[int], ctx_lens: list[int], num_keys: int
+) -> dict[str, torch.Tensor]:
+    """A tree group's query positions [B, Q] (its tree's start plus the node's depth), its
+    key mask, and for decode rows each query's context length, keys past its start and start
+    (`AttnGroup`'s tree fields). A node's rotary position is its depth; its K/V row is its
+    number past the start."""
+    b, q = len(trees), max(q_lens)
+    deepest = max(len(tree_path(parents, len(parents) - 1)) for parents in trees)
+    q_pos = torch.full((b, q), -1, dtype=torch.long)
+    mask = torch.zeros(b, 1, q, num_keys, dtype=torch.bool)
+    mask[:, :, :, 0] = True  # padded queries see key 0, so that softmax stays finite
+    lens, remap, bases = [], [], []
+    for i, (parents, ctx) in enumerate(zip(trees, ctx_lens, strict=True)):
+        base = ctx - len(parents)
+        mask[i, 0, :, :base] = True
+        for node in range(len(parents)):
+            path = [0, *tree_path(parents, node)]
+            q_pos[i, node] = base + len(path) - 1
+            mask[i, 0, node, [base + a for a in path]] = True
+            lens.append(base + len(path))
+            remap.append([base + a for a in path] + [-1] * (deepest + 1 - len(path)))
+            bases.append(base)
+    return {
+        "q_pos": q_pos,
+        "tree_mask": mask,
+        "query_lens": torch.tensor(lens, dtype=torch.int32),
+        "query_remap": torch.tensor(remap, dtype=torch.int32),
+        "query_bases": torch.tensor(bases, dtype=torch.int32),
+    }
 
 
 def build_packed(
@@ -189,6 +238,8 @@ def group_mask(group: AttnGroup, num_keys: int) -> torch.Tensor:
     """[B, 1, Q, num_keys] True where a query may attend a key (made where the torch path
     needs it, on the group's device: a decode kernel never reads it). Padded query rows attend
     key 0 so that softmax stays finite; their output is dropped."""
+    if group.tree_mask is not None:
+        return group.tree_mask[..., :num_keys]
     q_pos = group.q_pos[:, :, None]
     k_pos = torch.arange(num_keys, device=q_pos.device)
     mask = (k_pos[None, None, :] <= q_pos) & (q_pos >= 0)
@@ -269,12 +320,15 @@ def attention(
                 index = group.token_index[:, 0]
                 out[index] = decode_kernel(q[index], k_cache, v_cache, tables, lens, scale)
             continue
-        short = group.token_index.shape[1] <= SHORT_QUERY
+        short = group.token_index.shape[1] <= SHORT_QUERY or group.tree_mask is not None
         if group.query_lens is not None and decode_kernel is not None and (short or queries_alone):
-            # each query a decode row, as plain decode attends it
+            # each query a decode row, as plain decode attends it (a tree's: through its path)
             index = group.valid_rows
+            tree: dict[str, torch.Tensor | None] = {}
+            if group.query_remap is not None:
+                tree = {"bases": group.query_bases, "remap": group.query_remap}
             out[index] = decode_kernel(
-                q[index], k_cache, v_cache, group.query_tables, group.query_lens, scale
+                q[index], k_cache, v_cache, group.query_tables, group.query_lens, scale, **tree
             )
             continue
         res = torch_group_attention(q, k_cache, v_cache, group, scale).flatten(0, 1)

@@ -95,3 +95,13 @@ def gather_slots(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -
     """The cache's flat slots `slots` ([N]) as [N, KVH, D] of `dtype`."""
     kvh, d = cache.shape[-2:]
     return _raw(cache).view(-1, kvh, d).index_select(0, slots).view(cache.dtype).to(dtype)
+
+
+def move_slots(kv_caches: KvCaches, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Every layer's K/V rows at flat slots `src` ([N]) copied to slots `dst` ([N]): a draft
+    tree's accepted path moved to the positions it now holds (read before any is written)."""
+    for k_cache, v_cache in kv_caches:
+        for cache in (k_cache, v_cache):
+            kvh, d = cache.shape[-2:]
+            flat = _raw(cache).view(-1, kvh, d)
+            flat.index_copy_(0, dst, flat.index_select(0, src))

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+from memstep.core.spec_tree import tree_depths
 from memstep.events.plan import SeqPlan
 from memstep.executors.model.attention import (
     SHORT_QUERY,
@@ -18,6 +19,19 @@ from memstep.executors.model.attention import (
 from memstep.executors.model.kv_cache import slots_for
 
 Feed = tuple[SeqPlan, Sequence[int]]  # a sequence and the tokens it feeds this step
+
+
+class TreeTokens(list[int]):
+    """A feed's tokens that are a draft tree (`core/spec_tree.py`): its root (the token fed)
+    and draft nodes, each after its parent; `parents[i]` is node i's (-1 for the root). A node
+    sits at its tree's start position plus its depth, its K/V in the slot of its number past
+    that start, and attends the context and its ancestors only (`attention.tree_fields`)."""
+
+    def __init__(self, tokens: Sequence[int], parents: tuple[int, ...]):
+        super().__init__(tokens)
+        assert len(parents) == len(tokens) and parents[0] == -1
+        self.parents = parents
+
 
 PACKED_KEYS = 16384  # context keys one packed attention call gathers, at most (or one context)
 
@@ -67,13 +81,20 @@ def build_batch(
     groups: list[AttnGroup | PackedGroup] = []
     others: list[tuple[int, int, int, list[int]]] = []  # packed: every query but the decodes
     last_rows: list[int] = []
+    trees: list[tuple[int, int, int, list[int]]] = []
+    parents: list[tuple[int, ...]] = []
     for seq, tokens in feeds:
         start_row, n = len(ids), len(tokens)
         ids.extend(tokens)
-        positions.extend(range(seq.start_pos, seq.start_pos + n))
         slots.extend(slots_for(seq.block_table, seq.start_pos, n, block_size))
         last_rows.append(start_row + n - 1)
         item = (start_row, n, seq.start_pos + n, seq.block_table)
+        if isinstance(tokens, TreeTokens) and n > 1:
+            positions.extend(seq.start_pos + depth for depth in tree_depths(tokens.parents))
+            trees.append(item)
+            parents.append(tokens.parents)
+            continue
+        positions.extend(range(seq.start_pos, seq.start_pos + n))
         if n == 1 and split_decodes:
             decodes.append(item)
         elif packed:
@@ -91,6 +112,10 @@ def build_batch(
             starts, q_lens, ctx, tables = (list(col) for col in zip(*items, strict=True))
             group = build_group(starts, q_lens, ctx, tables, block_size, device, per_query)
             groups.insert(0, group)
+    if trees:  # one group, masked: never packed nor padded into the short queries' group
+        starts, q_lens, ctx, tables = (list(col) for col in zip(*trees, strict=True))
+        tree = build_group(starts, q_lens, ctx, tables, block_size, device, per_query, parents)
+        groups.append(tree)
     batch = ForwardBatch(
         input_ids=torch.tensor(ids, dtype=torch.long, device=device),
         positions=torch.tensor(positions, dtype=torch.long, device=device),

@@ -12,6 +12,7 @@ MASK64 = (1 << 64) - 1
 SAMPLE = 0  # the token sampled at a position
 ACCEPT = 1  # speculative acceptance test at a position
 DRAFT = 2  # a draft model's own sample at a position
+SIBLING = 16  # a draft tree: the acceptance test of a node's i-th child (i >= 1) is SIBLING + i
 
 
 def _mix(x: int) -> int:

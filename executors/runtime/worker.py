@@ -222,8 +222,9 @@ class Worker:
             assert isinstance(spec, Spec)
             draft = draft_model(cfg, mc, self.weights, self.dtype, self.device, self.max_model_len)
             self.spec = SpecDecoder(
-                cfg, self.model, self.forward, self.requests, self.sampler, spec, draft, self.eagle
-            )
+                cfg, self.model, self.forward, self.requests, self.sampler, spec, draft, self.eagle,
+                self.kv,
+            )  # fmt: skip
         total = 0
         if self.device.type == "cuda":
             total = torch.cuda.get_device_properties(self.device).total_memory

@@ -17,6 +17,7 @@ from memstep.core.config import ConfigError, EngineConfig
 from memstep.core.model_config import ModelConfig
 from memstep.events.plan import SeqPlan, SeqResult, StepPlan
 from memstep.executors.cpu.threads import small_work
+from memstep.executors.model.kv_cache import KvCaches
 from memstep.executors.model.llama import LlamaModel
 from memstep.executors.model.weights import Weights
 from memstep.executors.runtime.backends import pick_backend
@@ -27,6 +28,7 @@ from memstep.executors.runtime.sampler import Row, Sampler, inverse_cdf, top_log
 from memstep.executors.spec.eagle import head_path
 from memstep.executors.spec.eagle_head import EagleHead
 from memstep.executors.spec.proposers import DraftModelProposer, EagleProposer, Kept, ngram_propose
+from memstep.executors.spec.tree import TreeStep
 from memstep.states.kinds import Spec, draft_config
 
 
@@ -66,6 +68,8 @@ def eagle_head(cfg: EngineConfig, target: LlamaModel) -> EagleHead | None:
     mc = target.cfg
     kv_shape = (mc.num_kv_heads, mc.head_dim)
     positions = target.cos.shape[0]  # the target's own rotary table: no context reads past it
+    # a tree drafts through torch (the C kernels draft chains): int8 rows on the CPU
+    int8 = target.w["embed"].device.type == "cpu" if cfg.speculative_tree else None
     return EagleHead(
         path,
         target.w["embed"],
@@ -73,7 +77,7 @@ def eagle_head(cfg: EngineConfig, target: LlamaModel) -> EagleHead | None:
         mc.vocab_size,
         mc.rms_eps,
         kv_shape,
-        None,
+        int8,
         positions,
     )
 
@@ -93,7 +97,9 @@ class SpecDecoder:
         spec: Spec,
         draft: LlamaModel | None,
         head: EagleHead | None = None,
+        kv: KvCaches | None = None,
     ):
+        """`kv`: the target's caches, where a draft tree's accepted rows move (`tree.py`)."""
         self.cfg = cfg
         self.target = target
         self.forward = forward
@@ -105,6 +111,9 @@ class SpecDecoder:
             self.draft = DraftModelProposer(draft, spec, requests, sampler, cfg.block_size)
         self.eagle = None if head is None else EagleProposer(head, spec, requests)
         self.on_cpu = target.w["embed"].device.type == "cpu"
+        self.tree: TreeStep | None = None
+        if cfg.speculative_tree and self.eagle is not None and kv is not None:
+            self.tree = TreeStep(cfg, target, forward, requests, sampler, spec, self.eagle, kv)
 
     def forget(self, request_id: str) -> None:
         self.spec.forget(request_id)
@@ -126,6 +135,8 @@ class SpecDecoder:
         return drafts, [None] * len(seqs)
 
     def run(self, plan: StepPlan) -> tuple[list[SeqResult], torch.Tensor]:
+        if self.tree is not None:
+            return self.tree.run(plan)
         for seq in plan.seqs:
             if seq.start_pos == 0 or seq.params:
                 # admitted (again): the draft KV holds nothing of it, even where a prefix hit

@@ -166,3 +166,18 @@ class EagleHead:
             assert isinstance(self.backend, TorchHead)
             return self.backend.draft(hidden, tokens, k)
         return self.backend.draft_rows(hidden, tokens, k, context, rows, counts)
+
+    def draft_tree(
+        self,
+        hidden: torch.Tensor,
+        tokens: torch.Tensor,
+        parents: tuple[int, ...],
+        context: torch.Tensor | None,
+        rows: list[int],
+        counts: list[int],
+    ) -> torch.Tensor:
+        """`draft_rows` for a static draft tree of `parents` (`core/spec_tree.py`): [B, nodes]
+        target ids, each node's children the head's top candidates after it. Through torch
+        only: a head loaded for trees is (`eagle_head`, int8 rows on the CPU)."""
+        assert isinstance(self.backend, TorchHead), "tree drafting runs on the torch head"
+        return self.backend.draft_tree_rows(hidden, tokens, parents, context, rows, counts)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from memstep.core.spec_tree import tree_depths
 from memstep.executors.spec.eagle import AttnShape, Matmuls, Rotation, block_out, pair_input, qkv
 
 
@@ -76,6 +77,93 @@ class TorchHead:
         valid = torch.arange(kv.shape[2], device=device) < read.clamp(max=self.attn.window)[:, None]
         return self.draft(hidden, tokens, k, (kv, valid, read - 1))
 
+    def draft_tree_rows(
+        self,
+        hidden: torch.Tensor,
+        tokens: torch.Tensor,
+        parents: tuple[int, ...],
+        context: torch.Tensor | None,
+        rows: list[int],
+        counts: list[int],
+    ) -> torch.Tensor:
+        """`draft_rows` for a draft tree of `parents` (`core/spec_tree.py`): [B, nodes]."""
+        if context is None or self.attn is None:
+            return self.draft_tree(hidden, tokens, parents)
+        device = hidden.device
+        kv = context[torch.tensor(rows, device=device)]
+        read = torch.tensor(counts, device=device)
+        valid = torch.arange(kv.shape[2], device=device) < read.clamp(max=self.attn.window)[:, None]
+        return self.draft_tree(hidden, tokens, parents, (kv, valid, read - 1))
+
+    def draft_tree(
+        self,
+        hidden: torch.Tensor,
+        tokens: torch.Tensor,
+        parents: tuple[int, ...],
+        context: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """[B, H] states and [B] last tokens -> [B, nodes] draft tokens of a static tree
+        (`core/spec_tree.py`'s numbering, the root not included): a depth at a time, every
+        node of the frontier one row, its children the head's top candidates after it. A node's
+        pair attends the context and the pairs of its ancestors and itself (as `draft`'s chain
+        does its own), its keys kept in [B, nodes] (`tree_attention`)."""
+        b, nodes = hidden.shape[0], len(parents) - 1
+        out = tokens.new_empty(b, nodes)
+        frontier, states, picked = [0], hidden, tokens  # states [B * F, H], picked [B * F]
+        tree_kv = None
+        if context is not None and self.attn is not None:
+            kv = context[0]
+            tree_kv = kv.new_zeros(b, 2, nodes, *kv.shape[3:])
+        sees = ancestors(parents).to(hidden.device)  # [nodes + 1, nodes + 1]
+        for depth in range(max(tree_depths(parents))):
+            x = pair_input(self.mm, self.embed, states, picked)
+            attended = None
+            if tree_kv is not None:
+                assert context is not None
+                attended = self.tree_attention(x, context, tree_kv, frontier, sees, depth)
+            states, logits = block_out(self.params, self.mm, x, attended, self.eps)
+            grown = [n for n in range(len(parents)) if parents[n] in frontier]
+            width = len(grown) // len(frontier)
+            top = self.vocab[logits.topk(width, dim=-1).indices]  # [B * F, width], best first
+            out[:, [n - 1 for n in grown]] = top.view(b, -1)
+            states = states.repeat_interleave(width, dim=0)
+            picked, frontier = top.flatten(), grown
+        return out
+
+    def tree_attention(
+        self,
+        x: torch.Tensor,
+        context: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        tree_kv: torch.Tensor,
+        frontier: list[int],
+        sees: torch.Tensor,
+        depth: int,
+    ) -> torch.Tensor:
+        """The frontier's pairs x [B * F, H] at `depth` attending the context (`draft`'s) and
+        their ancestors' and own pairs, whose keys join `tree_kv` [B, 2, nodes, kv heads, d]
+        (the root's pair is in the context already); [B * F, heads * d]."""
+        assert self.attn is not None
+        kv, valid, position = context
+        b, f = kv.shape[0], len(frontier)
+        rotation = self.rotation((position + depth).repeat_interleave(f))
+        q, key, value = qkv(self.params, self.mm, x, rotation, self.attn, self.eps)
+        if depth > 0:
+            index = torch.tensor([n - 1 for n in frontier], device=x.device)
+            tree_kv[:, 0, index] = key.view(b, f, *key.shape[1:])
+            tree_kv[:, 1, index] = value.view(b, f, *value.shape[1:])
+        keys = torch.cat([kv[:, 0], tree_kv[:, 0]], dim=1)  # [B, L + nodes, kv heads, d]
+        values = torch.cat([kv[:, 1], tree_kv[:, 1]], dim=1)
+        own = sees[frontier, 1:]  # [F, nodes]
+        mask = torch.cat([valid[:, None].expand(-1, f, -1), own.expand(b, -1, -1)], dim=2)
+        attended = F.scaled_dot_product_attention(
+            q.view(b, f, *q.shape[1:]).transpose(1, 2),  # [B, heads, F, d]
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=mask[:, None],
+            enable_gqa=True,
+        )
+        return attended.transpose(1, 2).reshape(b * f, -1)
+
     def draft(
         self,
         hidden: torch.Tensor,
@@ -115,3 +203,15 @@ class TorchHead:
             tokens = self.vocab[logits.argmax(dim=-1)]
             drafts.append(tokens)
         return torch.stack(drafts, dim=1)
+
+
+def ancestors(parents: tuple[int, ...]) -> torch.Tensor:
+    """[N, N] bool: row i is True at i's ancestors and i itself (nodes of `parents`)."""
+    n = len(parents)
+    sees = torch.zeros(n, n, dtype=torch.bool)
+    for node in range(n):
+        at = node
+        while at >= 0:
+            sees[node, at] = True
+            at = parents[at]
+    return sees

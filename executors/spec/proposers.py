@@ -10,6 +10,7 @@ from __future__ import annotations
 import attrs
 import torch
 
+from memstep.core.spec_tree import tree_parents
 from memstep.events.plan import SeqPlan
 from memstep.executors.model.llama import LlamaModel
 from memstep.executors.runtime.batch_builder import build_batch
@@ -95,6 +96,25 @@ class DraftModelProposer:
 
 
 @attrs.frozen
+class DraftTree:
+    """A request's draft tree: `tokens` of nodes 1.. and every node's parent, the root's (the
+    token fed) -1 first (`core/spec_tree.py`'s numbering)."""
+
+    tokens: list[int]
+    parents: tuple[int, ...]
+
+    def token(self, node: int) -> int:
+        return self.tokens[node - 1]
+
+    def children(self) -> list[list[int]]:
+        """Each node's children, best candidate first."""
+        kids: list[list[int]] = [[] for _ in self.parents]
+        for node in range(1, len(self.parents)):
+            kids[self.parents[node]].append(node)
+        return kids
+
+
+@attrs.frozen
 class Kept:
     """What a spec step keeps of one request for its EAGLE head: the rows of the step's hidden
     states from `first` on, one per token of `tokens`: the state and the token it chose, the
@@ -126,6 +146,35 @@ class EagleProposer:
 
     def propose(self, seqs: list[SeqPlan], ks: list[int]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in seqs]
+        inputs = self._inputs(seqs, ks)
+        if inputs is None:
+            return drafts
+        who, hidden, tokens, context, rows, read = inputs
+        proposed = self.head.draft_rows(hidden, tokens, max(ks), context, rows, read).tolist()
+        for r, i in enumerate(who):
+            drafts[i] = proposed[r][: ks[i]]
+        return drafts
+
+    def propose_tree(
+        self, seqs: list[SeqPlan], ks: list[int], widths: tuple[int, ...]
+    ) -> list[DraftTree | None]:
+        """A draft tree of `widths` per sequence, cut at its depth `ks[i]` (a prefix of the
+        deepest: `core/spec_tree.py`); None where it drafts nothing."""
+        trees: list[DraftTree | None] = [None] * len(seqs)
+        inputs = self._inputs(seqs, ks)
+        if inputs is None:
+            return trees
+        who, hidden, tokens, context, rows, read = inputs
+        parents = tree_parents(widths, max(ks))
+        proposed = self.head.draft_tree(hidden, tokens, parents, context, rows, read).tolist()
+        for r, i in enumerate(who):
+            cut = tree_parents(widths, ks[i])
+            trees[i] = DraftTree(proposed[r][: len(cut) - 1], cut)
+        return trees
+
+    def _inputs(self, seqs: list[SeqPlan], ks: list[int]):
+        """Which sequences draft (a fresh state, k > 0), their states [B, H] and last tokens
+        [B], the context and its rows and pairs read; None where none drafts."""
         who, rows, last = [], [], []
         for i, seq in enumerate(seqs):
             tokens = self.requests[seq.request_id].tokens
@@ -135,7 +184,7 @@ class EagleProposer:
                 rows.append(row)
                 last.append(tokens[-1])
         if not who:
-            return drafts
+            return None
         held = self.spec.held["previous_hidden_states"]
         device = held.device
         context, read = None, []
@@ -143,11 +192,7 @@ class EagleProposer:
             context = self.spec.held["draft_context"]
             read = [self.spec.context_of[seqs[i].request_id] for i in who]
         hidden = held[torch.tensor(rows, device=device)]
-        tokens = torch.tensor(last, device=device)
-        proposed = self.head.draft_rows(hidden, tokens, max(ks), context, rows, read).tolist()
-        for r, i in enumerate(who):
-            drafts[i] = proposed[r][: ks[i]]
-        return drafts
+        return who, hidden, torch.tensor(last, device=device), context, rows, read
 
     def kept(self, seq: SeqPlan, first: int, tokens: list[int]) -> Kept:
         """What a step keeps of `seq`, whose rows from `first` on (of the step's hidden states)

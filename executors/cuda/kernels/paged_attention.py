@@ -48,6 +48,8 @@ def _decode_kernel(
     seq_lens_ptr,
     out_ptr,
     lse_ptr,
+    bases_ptr,
+    remap_ptr,
     qk_scale,
     stride_q_seq,
     stride_q_head,
@@ -58,6 +60,7 @@ def _decode_kernel(
     stride_v_slot,
     stride_v_head,
     stride_bt_seq,
+    stride_remap_seq,
     stride_o_seq,
     stride_o_head,
     stride_o_part,
@@ -73,9 +76,12 @@ def _decode_kernel(
     IS_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FP16_DOT: tl.constexpr,
+    HAS_TREE: tl.constexpr,
 ):
     """Grid (num_seqs, num_kv_heads, num_partitions). Unsplit: writes out. Split: writes the
-    partition's normalised output and its log2-sum-exp, for `_merge_partitions_kernel`."""
+    partition's normalised output and its log2-sum-exp, for `_merge_partitions_kernel`. With
+    HAS_TREE a row's positions from bases[seq] on are read at remap[seq, p - base] (a draft
+    tree node's ancestors, then itself)."""
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
@@ -110,9 +116,15 @@ def _decode_kernel(
     for tile_start in range(start, end, BLOCK_N):
         offs_n = tile_start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
+        pos = offs_n
+        if HAS_TREE:
+            base = tl.load(bases_ptr + seq)
+            in_tree = mask_n & (offs_n >= base)
+            mapped = tl.load(remap_ptr + seq * stride_remap_seq + offs_n - base, in_tree, other=0)
+            pos = tl.where(in_tree, mapped, offs_n)
         # int64: page * stride_block overflows int32 on large caches
-        page = tl.load(block_table + offs_n // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
-        slot = offs_n % BLOCK_SIZE
+        page = tl.load(block_table + pos // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
+        slot = pos % BLOCK_SIZE
         kv_mask = mask_n[:, None] & mask_d[None, :]
         # k, v: [BLOCK_N, HEAD_DIM_PAD]
         k_rows = page * stride_k_block + slot * stride_k_slot
@@ -296,6 +308,8 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     workspace: DecodeWorkspace | None = None,
     split: bool | None = None,
+    bases: torch.Tensor | None = None,
+    remap: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its cached positions 0..seq_len-1.
 
@@ -305,7 +319,9 @@ def paged_decode_attention(
     seq_len 0 (a padding slot) gets zeros. Writes and returns `out` ([num_seqs, num_heads,
     head_dim], allocated like q when None). `split` forces or forbids split-K; None lets
     `use_split_k` decide. With `out` and `workspace` given, nothing is allocated and nothing
-    syncs with the host, so the call can be captured in a CUDA graph.
+    syncs with the host, so the call can be captured in a CUDA graph. Draft tree rows:
+    `bases` [num_seqs] int32 and `remap` [num_seqs, R] int32, a row's positions from its base
+    on read at remap[row, p - base] (`AttnGroup.query_remap`).
     """
     _check_inputs(q, k_cache, v_cache, block_tables, seq_lens)
     num_seqs, num_heads, head_dim = q.shape
@@ -321,20 +337,24 @@ def paged_decode_attention(
         split = use_split_k(num_seqs, num_kv_heads, max_context_len, num_sms, partition_size)
 
     meta = _kernel_meta(q, k_cache, num_heads // num_kv_heads, partition_size)
+    meta["HAS_TREE"] = remap is not None
+    tree = (seq_lens, seq_lens) if bases is None or remap is None else (bases, remap)
     inputs = (q, k_cache, v_cache, block_tables, seq_lens)
     input_strides = (
         *q.stride()[:2],
         *k_cache.stride()[:3],
         *v_cache.stride()[:3],
         block_tables.stride(0),
+        0 if remap is None else remap.stride(0),
     )
     qk_scale = scale * _LOG2E
     if not split:
         out_strides = (*out.stride()[:2], 0, 0, 0)
         grid = (num_seqs, num_kv_heads, 1)
         _decode_kernel[grid](
-            *inputs, out, out, qk_scale, *input_strides, *out_strides, IS_SPLIT=False, **meta
-        )
+            *inputs, out, out, *tree, qk_scale, *input_strides, *out_strides, IS_SPLIT=False,
+            **meta,
+        )  # fmt: skip
         return out
     num_parts = num_partitions(max_context_len, partition_size)
     if workspace is None:
@@ -349,6 +369,7 @@ def paged_decode_attention(
         *inputs,
         partial_out,
         partial_lse,
+        *tree,
         qk_scale,
         *input_strides,
         *partial_strides,
