@@ -125,7 +125,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         help="do not reuse the KV pages of shared prompt prefixes",
     )  # fmt: skip
     perf.add_argument("--num-threads", type=int, metavar="N", help="(default: torch's)")
-    add_speculation_arguments(perf, d)
+    add_speculation_arguments(perf, d, g["debugging"])
     add_cuda_graph_arguments(perf)
     add_tensor_parallel_arguments(g["distributed"], d)
     add_debugging_arguments(g["debugging"], d)
@@ -218,9 +218,11 @@ SPECULATION_FIELDS = (
 )
 
 
-def add_speculation_arguments(g, d: EngineConfig | None) -> None:
+def add_speculation_arguments(g, d: EngineConfig | None, more=None) -> None:
     """The flags of SPECULATION_FIELDS; defaults from `d`, or all None when `d` is None (the
-    caller keeps its own settings for flags not given)."""
+    caller keeps its own settings for flags not given). The tuning flags (the automatic
+    threshold, adaptive K, trees) go to the group `more` where one is given (--help-all)."""
+    more = g if more is None else more
     g.add_argument(
         "--speculative-method", choices=["ngram", "draft", "eagle"], help="(default: no drafts)"
     )
@@ -235,23 +237,23 @@ def add_speculation_arguments(g, d: EngineConfig | None) -> None:
     auto, adaptive = (
         (None, None) if d is None else (d.speculative_auto_disable, d.speculative_adaptive_k)
     )
-    g.add_argument(
+    more.add_argument(
         "--speculative-auto-disable", action=argparse.BooleanOptionalAction, default=auto,
         help="without --speculative-disable-by-batch-size: stop speculating at the batch sizes "
         "where it measures slower",
     )  # fmt: skip
-    g.add_argument(
+    more.add_argument(
         "--speculative-adaptive-k", action=argparse.BooleanOptionalAction, default=adaptive,
         help="drop a request's drafts per step while they keep failing",
     )  # fmt: skip
-    g.add_argument(
+    more.add_argument(
         "--draft-layers", type=int, default=layers, metavar="N", help="layers of the draft model"
     )
     g.add_argument(
         "--draft-model", metavar="PATH",
         help="draft: a model (default: the target's first layers); eagle: a head's .npz",
     )  # fmt: skip
-    g.add_argument(
+    more.add_argument(
         "--speculative-tree", type=_widths, default=None if d is None else d.speculative_tree,
         metavar="W,W,...", help="eagle: a draft tree, the head's top W candidates at each depth",
     )  # fmt: skip

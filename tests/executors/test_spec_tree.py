@@ -25,6 +25,9 @@ from memstep.executors.spec.proposers import DraftTree, EagleProposer
 
 TREE = (3, 2)
 
+# speculation at a fixed K and threshold: what these tests compare must not adapt under them
+FIXED = dict(speculative_auto_disable=False, speculative_adaptive_k=False)
+
 
 def test_a_tree_is_numbered_breadth_first_and_cut_as_a_prefix():
     assert tree_parents((2, 2), 2) == (-1, 0, 0, 1, 1, 2, 2)
@@ -59,7 +62,7 @@ def test_greedy_tree_equals_greedy_smollm2(quantization, smol_engine, chat_promp
     base = dict(dtype="float32", quantization=quantization, max_num_seqs=4)
     plain = smol_engine if quantization == "none" else local_engine(EngineConfig(**base))
     ref = [c.token_ids for c in plain.generate(chat_prompts[:4], params)]
-    cfg = EngineConfig(**base, speculative_method="eagle", speculative_tree=TREE)
+    cfg = EngineConfig(**base, **FIXED, speculative_method="eagle", speculative_tree=TREE)
     done = local_engine(cfg).generate(chat_prompts[:4], params)
     assert [c.token_ids for c in done] == ref
     assert sum(c.num_accepted for c in done) > 10 and sum(moved) > 0
@@ -127,7 +130,7 @@ def tiny_tree_run(tiny, monkeypatch) -> tuple[list[list[int]], int]:
     )
     cfg = EngineConfig(
         model="random:tiny", dtype="float32", max_num_seqs=4, speculative_method="eagle",
-        draft_model=head, speculative_tree=TREE,
+        draft_model=head, speculative_tree=TREE, **FIXED,
     )  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     done = local_engine(cfg).generate(prompts, params)
@@ -231,7 +234,11 @@ def second_tokens(prompt: list[int]) -> tuple[collections.Counter, int, int]:
     first was the most common one (the second is drafted by the tree after the first: the
     head's top three candidates, tried in turn)."""
     cfg = EngineConfig(
-        speculative_method="eagle", num_speculative_tokens=1, speculative_tree=(3,), max_num_seqs=32
+        speculative_method="eagle",
+        num_speculative_tokens=1,
+        speculative_tree=(3,),
+        max_num_seqs=32,
+        **FIXED,
     )  # the drafted position's three candidates, every run's one tree step
     engine = local_engine(cfg)
     params = [SamplingParams(max_tokens=3, temperature=1.0, seed=s) for s in range(RUNS)]
@@ -348,7 +355,9 @@ def test_greedy_tree_equals_greedy_on_cuda(tmp_path, broken, monkeypatch):
     if broken:
         monkeypatch.setattr(spec_tree, "move_slots", lambda kv, src, dst: None)
     head = random_head(tmp_path / "head.npz", mc)
-    cfg = EngineConfig(**base, speculative_method="eagle", draft_model=head, speculative_tree=TREE)
+    cfg = EngineConfig(
+        **base, **FIXED, speculative_method="eagle", draft_model=head, speculative_tree=TREE
+    )
     done = local_engine(cfg).generate(prompts, params)
     assert ([c.token_ids for c in done] == replies) is not broken
     assert sum(c.num_accepted for c in done) > 40
