@@ -186,15 +186,17 @@ def table(runs: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     samples = samples_of(args)
-    runs = [run_one(label, flags, samples, args, kill, env)
-            for label, flags, kill, env in plan(args)]  # fmt: skip
+    chosen = plan(args)
+    if args.runs:
+        chosen = [chosen[int(i)] for i in args.runs.split(",")]
+    runs = [run_one(label, flags, samples, args, kill, env) for label, flags, kill, env in chosen]
     print(table(runs))
     for r in runs:
         print(f"{r['label']}: memory {json.dumps(r['memory'])}; errors {r['errors']}")
-    first, second = runs[0]["output_throughput"], runs[1]["output_throughput"]
-    if args.cpu_threads:
+    if args.cpu_threads and len(runs) == 2:
+        first, second = runs[0]["output_throughput"], runs[1]["output_throughput"]
         print(f"output tok/s, 2 replicas x 1 thread / 1 engine x 2 threads: {first / second:.3f}")
-    if args.two_gpus and args.goodput:
+    if args.two_gpus and args.goodput and len(runs) == 2:
         ratio = runs[1]["request_goodput"] / max(runs[0]["request_goodput"], 1e-9)
         print(f"goodput, 2 replicas on 2 GPUs / 1 engine on 1 GPU: {ratio:.3f} (goal >= 1.8)")
     if args.json:
@@ -229,6 +231,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--serve-flags", default="", help="more `memstep serve` flags, one string")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="every run's figures")
+    p.add_argument("--runs", metavar="I,J", help="only these of the mode's runs, by index from 0")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="random:tiny on the CPU, seconds")
     mode.add_argument("--cpu-threads", action="store_true", help="must-show 4 (see above)")

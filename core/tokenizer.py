@@ -51,6 +51,11 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
+    def token_id(self, text: str) -> int | None:
+        """The id of a token of the vocabulary by its text, None where it has none."""
+        found = self._tok.token_to_id(text)
+        return None if found is None else int(found)
+
     def tokenizer_json(self) -> str:
         """The tokenizer as tokenizer.json text (what a grammar engine builds its view from)."""
         return str(self._tok.to_str())

@@ -30,10 +30,11 @@ def mask_words(vocab_size: int) -> int:
 class Guide:
     """One request's matcher and the output tokens it has consumed (`fed`)."""
 
-    def __init__(self, matcher: Any, eos: int):
+    def __init__(self, matcher: Any, eos: int, stand_in: int | None = None):
         self.matcher = matcher
         self.fed: list[int] = []
         self.eos = eos
+        self.stand_in = stand_in  # the grammar's end where the model's is not in its vocabulary
 
     def sync(self, output: list[int]) -> bool:
         """Bring the matcher to `output`; False where a token of it breaks the grammar (a
@@ -60,7 +61,12 @@ class Guide:
         self.open_dead_end(words)
 
     def open_dead_end(self, words: Any) -> None:
-        """A mask that allows nothing allows the end of sequence (`mask_into`)."""
+        """A mask that allows nothing allows the end of sequence (`mask_into`); one that allows
+        the grammar's stand-in end (`grammar_ends`) allows the model's in its place."""
+        end = self.stand_in
+        if end is not None and bool(words[end // 32] & _bit(end % 32)):
+            words[end // 32] &= ~_bit(end % 32)
+            words[self.eos // 32] |= _bit(self.eos % 32)
         if not bool(words.any()):
             words[self.eos // 32] = _bit(self.eos % 32)
 
@@ -145,7 +151,9 @@ class GrammarBook:
             template = self._compile(constraint)
         else:
             self.stats.hits += 1
-        return Guide(template.deep_copy(), self.eos[0] if self.eos else 0)
+        end = self.tokenizer().eos_token
+        stand_in = None if end in self.eos else end
+        return Guide(template.deep_copy(), self.eos[0] if self.eos else 0, stand_in)
 
     def _compile(self, constraint: tuple[str, str]) -> Any:
         from llguidance import LLMatcher
@@ -174,9 +182,25 @@ def ll_tokenizer(source: ModelSource, vocab_size: int, eos: tuple[int, ...]) -> 
     tok = load_tokenizer(source, vocab_size, eos)
     eos_ids = list(eos or tok.eos_token_ids)
     if isinstance(tok, HFTokenizer):
-        return LLTokenizer(tok.tokenizer_json(), n_vocab=vocab_size, eos_token=eos_ids)
+        ends = grammar_ends(tok, eos_ids)
+        return LLTokenizer(tok.tokenizer_json(), n_vocab=vocab_size, eos_token=ends)
     assert isinstance(tok, ByteTokenizer)
     return LLTokenizer(TokenizerWrapper(_ByteView(tok, eos_ids[0])), n_vocab=vocab_size)
+
+
+END_TEXTS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<|im_end|>", "<eos>")
+
+
+def grammar_ends(tok: HFTokenizer, eos_ids: list[int]) -> list[int]:
+    """The end tokens llguidance is given: the model's that the tokenizer holds.  A random
+    model with another model's tokenizer (`random:llama-3.1-8b --tokenizer` SmolLM2's) has none
+    there: it gets the tokenizer's own end of text, which each mask swaps for the model's
+    (`Guide.open_dead_end`), so a finished grammar stops the request."""
+    held = [i for i in eos_ids if i < tok.vocab_size]
+    if held:
+        return held
+    own = [tok.token_id(text) for text in END_TEXTS]
+    return [next((i for i in own if i is not None), 0)]
 
 
 class _ByteView:

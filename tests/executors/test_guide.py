@@ -171,3 +171,24 @@ def test_allows_all_reads_only_the_vocabulary_bits():
     assert allows_all(words, 70)
     words[0] = ~1  # token 0 forbidden
     assert not allows_all(words, 70)
+
+
+def test_a_random_model_with_another_model_s_tokenizer_gets_a_grammar_that_ends():
+    """random:llama-3.1-8b with SmolLM2's tokenizer (the H200 benchmarks' setup): the model's end
+    ids (128001, 128009) lie past the tokenizer's 49,152 tokens, which llguidance refuses; the
+    grammar ends on the tokenizer's own end of text, which the mask swaps for the model's."""
+    from memstep.core.model_source import shipped_gguf_path
+    from memstep.core.tokenizer import load_tokenizer
+
+    source = resolve("random:llama-3.1-8b", 0, str(shipped_gguf_path()))
+    mc = model_config(source)
+    book = GrammarBook(source, mc.vocab_size, mc.eos_token_ids)
+    guide = book.guide(("regex", "yes|no"))
+    words = torch.zeros(mask_words(mc.vocab_size), dtype=torch.int32)
+    guide.mask_into([], words)
+    bits = ((words[:, None] >> torch.arange(32)) & 1).flatten()[: mc.vocab_size]
+    assert 0 < len(bits.nonzero()) < 49152 and not bits[mc.eos_token_ids[0]]
+    done = load_tokenizer(source, mc.vocab_size, mc.eos_token_ids).encode("yes")
+    guide.mask_into(done, words)
+    bits = ((words[:, None] >> torch.arange(32)) & 1).flatten()[: mc.vocab_size]
+    assert bits.nonzero().flatten().tolist() == [mc.eos_token_ids[0]]
