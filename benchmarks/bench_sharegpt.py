@@ -36,6 +36,7 @@ import collections
 import importlib.util
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -43,6 +44,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from common import cpu_seconds, server_pids
 
 CONFIGS: dict[str, list[str]] = {  # name -> engine flags beyond the model's
     # batch limits chosen for the device: on an H200 1,024 seqs and 8,192 tokens, the "large"
@@ -152,13 +155,16 @@ def run_config(name: str, args: argparse.Namespace, tokenizer: Path) -> dict[str
         server.wait_ready(timeout=1800)
         print(f"[{name}] ready in {time.monotonic() - start:.0f} s; load starts", flush=True)
         killer = ExecutorKiller(server.address, args.kill_executor_at)
+        cpu: dict[str, dict[str, float]] = {}
         for backend in backends:
             json_path = (
                 bench_json.with_suffix(f".{backend}.json") if backend != "zmq" else bench_json
             )
             bench = [*bench_args(args, server, backend, flags), "--json", str(json_path)]
+            before = role_cpu(server.info)
             table = memstep(*bench, out=args.out / f"{name}.{backend}.bench.txt")
-            print(table, flush=True)
+            cpu[backend] = {k: round(v - before[k], 1) for k, v in role_cpu(server.info).items()}
+            print(table, f"\nCPU seconds by process: {cpu[backend]}", flush=True)
         killer.join()
         server.stop(timeout=120)
         server_log = server.log_path.read_text(errors="replace")
@@ -171,6 +177,7 @@ def run_config(name: str, args: argparse.Namespace, tokenizer: Path) -> dict[str
     if "zmq" in backends:
         figures = {"zmq": _bench_figures(bench_json)} | figures
     result["bench"] = next(iter(figures.values()))
+    result["cpu_seconds"] = cpu
     result["backends"] = figures
     result["memory"] = verdict
     result["recoveries"] = recoveries(log, killer.kills)
@@ -224,6 +231,20 @@ class ExecutorKiller(threading.Thread):
                 os.kill(pid, signal.SIGKILL)
                 self.kills.append({"pid": pid, "at_s": round(time.monotonic() - self.start_s, 1)})
                 print(f"killed executor {pid} at {self.kills[-1]['at_s']} s", flush=True)
+
+
+def role_cpu(info: dict[str, Any]) -> dict[str, float]:
+    """CPU seconds so far of the server's core, executor (the live one) and HTTP fronts, and of
+    this script's finished children (the load's client)."""
+    pids = server_pids(info)
+    try:
+        used = cpu_seconds(pids)
+    except FileNotFoundError:  # an executor killed and replaced: its successor's from now on
+        used = cpu_seconds({k: v for k, v in pids.items() if k != "executor"}) | {"executor": 0.0}
+    child = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return {k: v for k, v in used.items() if k != "client"} | {
+        "client": child.ru_utime + child.ru_stime
+    }
 
 
 def recoveries(log: Path, kills: list[dict[str, float]]) -> dict[str, Any]:
