@@ -12,6 +12,7 @@ need a real vocabulary: JSON's tokens, not bytes).
     python benchmarks/bench_structured.py                 # CPU: SmolLM2, 16 streams
     python benchmarks/bench_structured.py --device cuda --model random:llama-3.1-8b \
         --concurrency 64 --tokens 256 --rounds 5          # the H200 run
+    python benchmarks/bench_structured.py --device cuda --mask-threads default,0,4   # the pools
     python benchmarks/bench_structured.py --quick         # random:tiny with SmolLM2's tokenizer,
                                                           # on the CPU, a few seconds (a test)
 """
@@ -114,6 +115,9 @@ def main() -> None:
     ap.add_argument("--schemas", type=int, default=4, help="distinct schemas in the mix")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--mask-threads", default="", metavar="N,N",
+                    help="CUDA: each of these grammar_mask_threads in turn (default: the "
+                         "config's), e.g. default,0,4")  # fmt: skip
     quick = "random:tiny, SmolLM2's tokenizer, CPU, 4 requests, 16 tokens"
     ap.add_argument("--quick", action="store_true", help=quick)
     args = ap.parse_args()
@@ -125,14 +129,20 @@ def main() -> None:
     n = args.concurrency
     prompts = [f"Request {i}: list a few records as JSON." for i in range(n)]
     timed(engine, prompts, mix(n, 4, args.schemas, True))  # warm, and compile
-    plain, guided = [], []
     clock = MaskClock(engine)
-    for _ in range(args.rounds):
-        plain.append(timed(engine, prompts, mix(n, args.tokens, args.schemas, False)))
-        guided.append(clock.timed(engine, prompts, mix(n, args.tokens, args.schemas, True)))
-    report(args, engine, plain, guided)
-    print(f"mask         {clock.seconds / clock.wall:9.3f} of the constrained mix's wall time "
-          f"in Sampler.constrain ({clock.seconds * 1000:.0f} ms)")  # fmt: skip
+    sampler = engine.executor.worker.sampler  # type: ignore[attr-defined]
+    for threads in args.mask_threads.split(",") if args.mask_threads else [None]:
+        if threads is not None:
+            sampler.mask_threads = None if threads == "default" else int(threads)
+            print(f"--- grammar_mask_threads {sampler.mask_threads}")
+        plain, guided = [], []
+        clock.seconds = clock.wall = 0.0
+        for _ in range(args.rounds):
+            plain.append(timed(engine, prompts, mix(n, args.tokens, args.schemas, False)))
+            guided.append(clock.timed(engine, prompts, mix(n, args.tokens, args.schemas, True)))
+        report(args, engine, plain, guided)
+        print(f"mask         {clock.seconds / clock.wall:9.3f} of the constrained mix's wall time "
+              f"in Sampler.constrain ({clock.seconds * 1000:.0f} ms)")  # fmt: skip
     engine.shutdown()
 
 

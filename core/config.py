@@ -97,6 +97,10 @@ class EngineConfig:
     # CUDA graphs for the other steps too: each layer's work outside attention captured per
     # token bucket, attention eager between (executors/cuda/piecewise.py)
     piecewise_graphs: bool = True
+    # threads computing a constrained step's token masks on a GPU, while the forward runs
+    # (llguidance's pool); None: its default (80% of the cores, at most 32); 0: row by row on
+    # the executor's own thread
+    grammar_mask_threads: int | None = None
     num_threads: int | None = None
     # tensor parallelism: the executor is this many ranks in one torch.distributed group
     tensor_parallel_size: int = 1
@@ -157,6 +161,8 @@ class EngineConfig:
         _check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks must be >= 1")
         _check(self.seed is None or 0 <= self.seed < 2**63, "seed must be in [0, 2**63)")
         _check(self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1")
+        threads = self.grammar_mask_threads
+        _check(threads is None or threads >= 0, "grammar_mask_threads must be >= 0")
         _check_tensor_parallel(self)
         _check(self.max_executor_restarts >= 0, "max_executor_restarts must be >= 0")
         _check(self.host_leak_tolerance_mib >= 1, "host_leak_tolerance_mib must be >= 1")

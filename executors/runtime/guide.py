@@ -71,12 +71,15 @@ class Guide:
             words[self.eos // 32] = _bit(self.eos % 32)
 
 
-def masks_into(guided: list[tuple[Guide, list[int], int]], words: Any) -> None:
+def masks_into(
+    guided: list[tuple[Guide, list[int], int]], words: Any, threads: int | None = None
+) -> None:
     """Each guide's mask of the token after its output into its row of `words` ([R, W] int32
-    on the host), the matchers run at once on llguidance's own threads (`mask_pool`: no GIL);
-    row by row (`Guide.mask_into`) where a guide serves several rows, as a speculative step's
-    drafts do (a matcher is at one state at a time)."""
-    if len({id(guide) for guide, _, _ in guided}) < len(guided):
+    on the host), the matchers run at once on `threads` of llguidance's own (`mask_pool`: no
+    GIL; None its default); row by row (`Guide.mask_into`) with `threads` 0, or where a guide
+    serves several rows, as a speculative step's drafts do (a matcher is at one state at a
+    time)."""
+    if threads == 0 or len({id(guide) for guide, _, _ in guided}) < len(guided):
         for guide, output, i in guided:
             guide.mask_into(output, words[i])
         return
@@ -87,17 +90,18 @@ def masks_into(guided: list[tuple[Guide, list[int], int]], words: Any) -> None:
         else:
             words[i].fill_(-1)  # a refused draft's later rows: any mask, the row is rejected
     pairs = [(guide.matcher, i) for guide, i in ready]
-    mask_pool().unsafe_compute_mask_ptr(pairs, words.data_ptr(), words.shape[1] * 4, len(words))
+    pool = mask_pool(threads)
+    pool.unsafe_compute_mask_ptr(pairs, words.data_ptr(), words.shape[1] * 4, len(words))
     for guide, i in ready:
         guide.open_dead_end(words[i])
 
 
 @functools.cache
-def mask_pool() -> Any:
-    """llguidance's thread pool for a batch of masks (its default: most of the host's cores)."""
+def mask_pool(threads: int | None = None) -> Any:
+    """llguidance's thread pool for a batch of masks (None: its default, most of the cores)."""
     from llguidance import LLExecutor
 
-    return LLExecutor()
+    return LLExecutor(threads)
 
 
 def _bit(i: int) -> int:

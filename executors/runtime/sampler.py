@@ -132,8 +132,10 @@ class Sampler:
         in_place_logits: bool = False,
         filter_elements: int = FILTER_ELEMENTS,
         candidates: int = CANDIDATES,
+        mask_threads: int | None = None,
     ):
         self.max_rows = max_rows
+        self.mask_threads = mask_threads  # `EngineConfig.grammar_mask_threads`
         self.vocab_size = vocab_size
         f32 = torch.float32
         shape = (max_rows, vocab_size)
@@ -217,7 +219,7 @@ class Sampler:
         mask (the matchers in parallel, `masks_into`) while the device runs the forward pass."""
         host = self.mask_host[: logits.shape[0]]
         host.fill_(-1)
-        masks_into([_guided(rows[i], i) for i in guided], host)
+        masks_into([_guided(rows[i], i) for i in guided], host, self.mask_threads)
         self.apply_mask(logits)
 
     def warm_mask(self, logits: torch.Tensor) -> None:

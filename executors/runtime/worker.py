@@ -214,7 +214,10 @@ class Worker:
         self.kv = kv_cache.allocate(mc.num_layers, shape, self.kv_dtype, self.device)
         self.runner = EagerRunner(self.model, self.kv, cfg.block_size)
         rows = self.cfg.max_num_seqs * (self.cfg.num_lookahead_slots + 1)
-        self.sampler = Sampler(rows, mc.vocab_size, self.device, self.model.logits_in_place)
+        self.sampler = Sampler(
+            rows, mc.vocab_size, self.device, self.model.logits_in_place,
+            mask_threads=cfg.grammar_mask_threads,
+        )  # fmt: skip
         if cfg.is_speculative:
             from memstep.executors.spec.decoder import SpecDecoder, draft_model
 
