@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 import attrs
+import torch
 
 from memstep.core.grammar import grammar_of
 from memstep.core.model_source import ModelSource
@@ -35,6 +36,7 @@ class Guide:
         self.fed: list[int] = []
         self.eos = eos
         self.stand_in = stand_in  # the grammar's end where the model's is not in its vocabulary
+        self.ahead: tuple[int, Any] | None = None  # (output length, its mask): `masks_ahead`
 
     def sync(self, output: list[int]) -> bool:
         """Bring the matcher to `output`; False where a token of it breaks the grammar (a
@@ -59,6 +61,14 @@ class Guide:
             return
         self.matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
         self.open_dead_end(words)
+
+    def take_ahead(self, output: list[int]) -> Any | None:
+        """The mask `masks_ahead` made for `output`, once; None where none was made, or it was
+        made for other tokens (a preemption's recompute, a rejected draft, a step it missed)."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is None or ahead[0] != len(output) or self.fed != output:
+            return None
+        return ahead[1]
 
     def open_dead_end(self, words: Any) -> None:
         """A mask that allows nothing allows the end of sequence (`mask_into`); one that allows
@@ -90,10 +100,21 @@ def masks_into(
         else:
             words[i].fill_(-1)  # a refused draft's later rows: any mask, the row is rejected
     pairs = [(guide.matcher, i) for guide, i in ready]
-    pool = mask_pool(threads)
-    pool.unsafe_compute_mask_ptr(pairs, words.data_ptr(), words.shape[1] * 4, len(words))
+    if pairs:  # (llguidance refuses an empty batch)
+        pool = mask_pool(threads)
+        pool.unsafe_compute_mask_ptr(pairs, words.data_ptr(), words.shape[1] * 4, len(words))
     for guide, i in ready:
         guide.open_dead_end(words[i])
+
+
+def masks_ahead(pending: list[tuple[Guide, list[int]]], words: int, threads: int | None) -> None:
+    """Each guide's mask of the token after its `output`, kept on the guide (`Guide.ahead`) for
+    the step that will need it: run on a thread of its own (`Sampler.mask_ahead`) between a step
+    and the next, while the core plans that one."""
+    block = torch.full((len(pending), words), -1, dtype=torch.int32)
+    masks_into([(guide, output, i) for i, (guide, output) in enumerate(pending)], block, threads)
+    for (guide, output), row in zip(pending, block, strict=True):
+        guide.ahead = (len(output), row)
 
 
 @functools.cache

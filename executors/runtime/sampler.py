@@ -8,8 +8,10 @@ counter-based uniform per (seed, position), so it is batch-independent.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import attrs
 import numpy as np
@@ -17,7 +19,7 @@ import torch
 
 from memstep.core.sampling_params import SamplingParams
 from memstep.executors.runtime.bitmask import bit_values, mask_row
-from memstep.executors.runtime.guide import Guide, mask_words, masks_into
+from memstep.executors.runtime.guide import Guide, mask_words, masks_ahead, masks_into
 from memstep.executors.runtime.random_stream import SAMPLE, uniforms
 from memstep.states.arena import tensor_bytes
 
@@ -136,6 +138,11 @@ class Sampler:
     ):
         self.max_rows = max_rows
         self.mask_threads = mask_threads  # `EngineConfig.grammar_mask_threads`
+        # the next step's masks begun between steps (`mask_ahead`): on a GPU, where the host
+        # waits for the core's plan with idle cores; on the CPU the forward pass fills them
+        self.masks_ahead = device.type == "cuda"
+        self._ahead: Future | None = None
+        self.num_ahead_used = 0  # rows masked from `mask_ahead`'s work
         self.vocab_size = vocab_size
         f32 = torch.float32
         shape = (max_rows, vocab_size)
@@ -197,6 +204,41 @@ class Sampler:
         else:
             self._constrain_on_device(logits, rows, guided)
 
+    def mask_ahead(self, rows: list[Row]) -> None:
+        """Begin the masks of the step after this one for the constrained `rows` (requests that
+        just sampled, their outputs grown by this step's tokens), on a thread of their own while
+        the core plans that step; `constrain` waits for them and takes each whose row still
+        holds those tokens (`Guide.take_ahead`)."""
+        pending = [(row.guide, row.history[row.prompt_len :]) for row in rows if row.guide]
+        if not (self.masks_ahead and pending):
+            return
+        self.join_ahead()
+        self._ahead = _ahead_thread().submit(
+            masks_ahead, pending, self.mask_host.shape[1], self.mask_threads
+        )
+
+    def join_ahead(self) -> None:
+        """Wait for `mask_ahead`'s work: the guides are its until then."""
+        if self._ahead is not None:
+            ahead, self._ahead = self._ahead, None
+            ahead.result()
+
+    def _ready_rows(
+        self, rows: list[Row], guided: list[int], words: torch.Tensor
+    ) -> list[tuple[Guide, list[int], int]]:
+        """Copy into `words` the rows `mask_ahead` made; the others, still to mask."""
+        self.join_ahead()
+        todo = []
+        for i in guided:
+            guide, output, _ = _guided(rows[i], i)
+            ready = guide.take_ahead(output)
+            if ready is None:
+                todo.append((guide, output, i))
+            else:
+                words[i].copy_(ready)
+                self.num_ahead_used += 1
+        return todo
+
     def _constrain_on_host(self, logits: torch.Tensor, rows: list[Row], guided: list[int]) -> None:
         """Row by row with numpy, on the calling thread: no torch op, so no wake-up of torch's
         thread pool (whose threads the forward pass's kernels need), and no unpacked mask: each
@@ -204,11 +246,15 @@ class Sampler:
         assert logits.dtype == torch.float32, logits.dtype
         out, words = logits.numpy(), self.mask_host[0]
         bias = self.bits[0].view(torch.float32).numpy().reshape(-1)
+        self.join_ahead()  # (`masks_ahead`: off on the CPU unless a test turns it on)
         for i in guided:
-            row = rows[i]
-            assert row.guide is not None
-            row.guide.mask_into(row.history[row.prompt_len :], words)
-            mask_row(out[i], words.numpy(), bias)
+            guide, output, _ = _guided(rows[i], i)
+            ready = guide.take_ahead(output)
+            if ready is None:
+                guide.mask_into(output, words)
+            else:
+                self.num_ahead_used += 1
+            mask_row(out[i], (words if ready is None else ready).numpy(), bias)
 
     def _constrain_on_device(
         self, logits: torch.Tensor, rows: list[Row], guided: list[int]
@@ -219,7 +265,9 @@ class Sampler:
         mask (the matchers in parallel, `masks_into`) while the device runs the forward pass."""
         host = self.mask_host[: logits.shape[0]]
         host.fill_(-1)
-        masks_into([_guided(rows[i], i) for i in guided], host, self.mask_threads)
+        todo = self._ready_rows(rows, guided, host)
+        if todo:
+            masks_into(todo, host, self.mask_threads)
         self.apply_mask(logits)
 
     def warm_mask(self, logits: torch.Tensor) -> None:
@@ -419,6 +467,12 @@ def mask_block_bytes(max_rows: int, vocab_size: int) -> int:
     words = max_rows * mask_words(vocab_size)
     used = words * 32 * 4 + words * 4 + 32 * 4 + max_rows * vocab_size
     return -(-used // MASK_BLOCK_ROUND) * MASK_BLOCK_ROUND
+
+
+@functools.cache
+def _ahead_thread() -> ThreadPoolExecutor:
+    """The thread `Sampler.mask_ahead` runs on (the matchers release the GIL)."""
+    return ThreadPoolExecutor(1, thread_name_prefix="masks-ahead")
 
 
 def _guided(row: Row, i: int) -> tuple[Guide, list[int], int]:

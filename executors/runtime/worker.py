@@ -276,6 +276,7 @@ class Worker:
             results, hidden = self._run_plain(step_plan.seqs)
         for res in results:
             self.requests.append(res.request_id, res.token_ids)
+        self._masks_ahead(results)
         admitted = sum(1 for seq in step_plan.seqs if seq.params)
         self.lifecycle.kinds[step_plan.kind].after_step(
             StepOutputs(hidden, hidden.shape[0], admitted)
@@ -286,6 +287,12 @@ class Worker:
         return StepResult(
             step_plan.step, step_plan.kind, results, mem, move.exited, move.entered, leaks
         )
+
+    def _masks_ahead(self, results: list[SeqResult]) -> None:
+        """The next step's masks of the constrained requests that sampled, begun now: computed
+        while the core plans that step (`Sampler.mask_ahead`)."""
+        states = [self.requests[res.request_id] for res in results]
+        self.sampler.mask_ahead([s.row(0, s.tokens) for s in states if s.guide is not None])
 
     def _named(self, leaks: list[LeakSuspected]) -> list[LeakSuspected]:
         """Live-growth reports, with what the step kinds hold that grew since the last."""
