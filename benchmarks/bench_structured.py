@@ -12,7 +12,7 @@ need a real vocabulary: JSON's tokens, not bytes).
     python benchmarks/bench_structured.py                 # CPU: SmolLM2, 16 streams
     python benchmarks/bench_structured.py --device cuda --model random:llama-3.1-8b \
         --concurrency 64 --tokens 256 --rounds 5          # the H200 run
-    python benchmarks/bench_structured.py --device cuda --mask-threads default,0,4   # the pools
+    python benchmarks/bench_structured.py --device cuda --mask-threads 0,pool,4   # the pools
     python benchmarks/bench_structured.py --quick         # random:tiny with SmolLM2's tokenizer,
                                                           # on the CPU, a few seconds (a test)
 """
@@ -117,7 +117,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--mask-threads", default="", metavar="N,N",
                     help="CUDA: each of these grammar_mask_threads in turn (default: the "
-                         "config's), e.g. default,0,4")  # fmt: skip
+                         "config's), e.g. 0,pool,4 (pool: llguidance's default size)")  # fmt: skip
     quick = "random:tiny, SmolLM2's tokenizer, CPU, 4 requests, 16 tokens"
     ap.add_argument("--quick", action="store_true", help=quick)
     args = ap.parse_args()
@@ -133,7 +133,7 @@ def main() -> None:
     sampler = engine.executor.worker.sampler  # type: ignore[attr-defined]
     for threads in args.mask_threads.split(",") if args.mask_threads else [None]:
         if threads is not None:
-            sampler.mask_threads = None if threads == "default" else int(threads)
+            sampler.mask_threads = None if threads == "pool" else int(threads)
             print(f"--- grammar_mask_threads {sampler.mask_threads}")
         plain, guided = [], []
         clock.seconds = clock.wall = 0.0

@@ -134,7 +134,7 @@ class Sampler:
         in_place_logits: bool = False,
         filter_elements: int = FILTER_ELEMENTS,
         candidates: int = CANDIDATES,
-        mask_threads: int | None = None,
+        mask_threads: int | None = 0,
     ):
         self.max_rows = max_rows
         self.mask_threads = mask_threads  # `EngineConfig.grammar_mask_threads`
