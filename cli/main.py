@@ -12,6 +12,7 @@ import importlib
 import os
 import sys
 import warnings
+from collections.abc import Callable
 
 import attrs
 import structlog
@@ -199,11 +200,20 @@ def add_tensor_parallel_arguments(g, d: EngineConfig) -> None:
     )  # fmt: skip
 
 
-def _steps(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected step numbers like 5,12,20: {text!r}") from exc
+def _int_list(example: str) -> Callable[[str], tuple[int, ...]]:
+    """An argparse type: comma-separated integers, refused with `example` of the form."""
+
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            return tuple(int(part) for part in text.split(",") if part.strip())
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"expected {example}: {text!r}") from exc
+
+    return parse
+
+
+_steps = _int_list("step numbers like 5,12,20")
+_widths = _int_list("tree widths like 3,2,1")
 
 
 SPECULATION_FIELDS = (
@@ -257,13 +267,6 @@ def add_speculation_arguments(g, d: EngineConfig | None, more=None) -> None:
         "--speculative-tree", type=_widths, default=None if d is None else d.speculative_tree,
         metavar="W,W,...", help="eagle: a draft tree, the head's top W candidates at each depth",
     )  # fmt: skip
-
-
-def _widths(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected tree widths like 3,2,1: {text!r}") from exc
 
 
 def config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:

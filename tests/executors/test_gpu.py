@@ -7,12 +7,11 @@ capture, and the planted leaks. CPU runs skip this module; on a GPU machine:
 from __future__ import annotations
 
 import gc
-import json
 import random
 
-import jsonschema
 import pytest
 import torch
+from half_schemas import check_constrained, half_schemas
 
 from memstep.cli.traffic import random_params, rising_waves
 from memstep.core.config import EngineConfig
@@ -505,16 +504,8 @@ def _serve_half_schemas(engine: Engine, records: list, predicted: int) -> None:
     device buffer and applied every step): every step's reserved bytes and allocator segments
     stay those of the first, within the plan, with no leak report, and each constrained text
     validates."""
-    schema = json.dumps(GRID)
-    params = [
-        SamplingParams(max_tokens=120, temperature=1.0, seed=i, guided_json=schema * (i % 2))
-        for i in range(48)
-    ]
-    prompts = [f"Request {i}: a color, a grid and a note as JSON." for i in range(48)]
-    done = engine.generate(prompts, params)
-    for completion in done[1::2]:
-        assert completion.finish_reason == "stop", completion.text
-        jsonschema.validate(json.loads(completion.text), GRID)
+    done = engine.generate(*half_schemas(48, GRID, 120))
+    check_constrained(done, GRID)
     steps = [r.memory for r in records if isinstance(r, StepFinished)]
     assert len(steps) > 20
     shape = {(m.reserved_bytes, m.num_segments) for m in steps}

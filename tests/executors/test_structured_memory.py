@@ -5,15 +5,12 @@ validates; a constrained step that keeps a tensor per row (planted) is caught.""
 
 from __future__ import annotations
 
-import json
-
-import jsonschema
 import numpy as np
 import torch
+from half_schemas import check_constrained, half_schemas
 
 from memstep.core.config import EngineConfig
 from memstep.core.model_source import shipped_gguf_path
-from memstep.core.sampling_params import SamplingParams
 from memstep.events.types import LeakSuspected, StepFinished
 from memstep.executors.process.inprocess import local_engine
 from memstep.executors.runtime import sampler as sampler_module
@@ -40,12 +37,7 @@ def _serve(num: int = 8) -> tuple[list, list]:
     records: list = []
     engine = local_engine(cfg, sinks=[records.append])
     try:
-        schema = json.dumps(GRID)
-        params = [
-            SamplingParams(max_tokens=60, temperature=1.0, seed=i, guided_json=schema * (i % 2))
-            for i in range(num)
-        ]
-        done = engine.generate([f"Request {i}: JSON." for i in range(num)], params)
+        done = engine.generate(*half_schemas(num, GRID, 60))
     finally:
         engine.shutdown()
     return done, records
@@ -57,9 +49,7 @@ def _live(records: list) -> set[int]:
 
 def test_constrained_steps_keep_live_bytes_flat_and_validate():
     done, records = _serve()
-    for completion in done[1::2]:
-        assert completion.finish_reason == "stop", completion.text
-        jsonschema.validate(json.loads(completion.text), GRID)
+    check_constrained(done, GRID)
     assert sum(isinstance(r, StepFinished) for r in records) > 10
     assert len(_live(records)) == 1, _live(records)
     assert [r for r in records if isinstance(r, LeakSuspected)] == []
