@@ -3,11 +3,9 @@ after every re-entry, and a head that `memstep train-draft` makes and the engine
 
 from __future__ import annotations
 
-import collections
-import math
-
 import pytest
 import torch
+from drafted_position import CRITICAL, chi_square, find_position, second_tokens
 
 from memstep.cli.main import main
 from memstep.core.config import ConfigError, EngineConfig
@@ -99,55 +97,15 @@ def test_a_hidden_state_is_used_only_for_the_tokens_it_follows():
 
 # --- lossless at temperature > 0 -----------------------------------------------------------
 
-RUNS = 640
-CRITICAL = {2: 13.8, 3: 16.3, 4: 18.5, 5: 20.5}  # chi-square at p = 0.001, by degrees of freedom
-
-
-def second_tokens(engine, prompt: list[int]) -> tuple[collections.Counter, int, int]:
-    """Over RUNS seeds at temperature 1: the second reply tokens of the runs whose first was
-    the most common one (that first token, then the drafted position's samples: the first
-    token comes from the prefill, whose hidden state drafts the next ones)."""
-    params = [SamplingParams(max_tokens=4, temperature=1.0, seed=s) for s in range(RUNS)]
-    done = engine.generate([prompt] * RUNS, params)
-    firsts = collections.Counter(c.token_ids[0] for c in done)
-    mode = firsts.most_common(1)[0][0]
-    seconds = collections.Counter(c.token_ids[1] for c in done if c.token_ids[0] == mode)
-    return seconds, mode, sum(c.num_proposed for c in done)
-
-
-def chi_square(counts: collections.Counter, top: dict[int, float]) -> tuple[float, int]:
-    """The statistic and its degrees of freedom, over the tokens expected 5 times or more and
-    one bin for the rest."""
-    n = sum(counts.values())
-    kept = {t: p for t, p in top.items() if p * n >= 5}
-    observed = [counts.get(t, 0) for t in kept] + [n - sum(counts.get(t, 0) for t in kept)]
-    expected = [p * n for p in kept.values()] + [(1.0 - sum(kept.values())) * n]
-    stat = sum((o - e) ** 2 / e for o, e in zip(observed, expected, strict=True))
-    return stat, len(kept)
-
 
 @pytest.fixture(scope="module")
 def drafted_position(chat_prompts):
-    """A point in a greedy chat reply where the next token is nearly certain and the one after
-    it is not: runs from there share their first token, and their second (drafted) token has a
-    spread distribution, the target's own (its logprobs at temperature 1)."""
-    plain = local_engine(EngineConfig(max_num_seqs=8))
-    replies = plain.generate(
-        chat_prompts, SamplingParams(temperature=0.0, max_tokens=24, logprobs=5)
-    )
-    best = None
-    for prompt, reply in zip(chat_prompts, replies, strict=True):
-        for i in range(len(reply.token_ids) - 1):
-            sure = math.exp(reply.logprobs[i][0])
-            top = {int(t): math.exp(lp) for t, lp in reply.logprobs[i + 1][1]}
-            spread = sorted(top.values())[-2] if len(top) > 1 else 0.0  # the runner-up's share
-            if sure > 0.9 and sum(top.values()) > 0.8 and (best is None or spread > best[0]):
-                best = (spread, prompt + reply.token_ids[:i], reply.token_ids[i], top)
-    assert best is not None and best[0] > 0.1, "no point with a spread next-but-one token"
-    _, prompt, first, top = best
-    seconds, mode, proposed = second_tokens(local_engine(eagle_config(max_num_seqs=64)), prompt)
+    """`find_position`'s point, and the second tokens of RUNS seeded EAGLE runs from it."""
+    prompt, first, top = find_position(chat_prompts)
+    engine = local_engine(eagle_config(max_num_seqs=64))
+    seconds, mode, done = second_tokens(engine, prompt, 4)
     assert mode == first
-    return prompt, seconds, top, proposed
+    return prompt, seconds, top, sum(c.num_proposed for c in done)
 
 
 def test_sampled_tokens_at_a_drafted_position_follow_the_target(drafted_position):
@@ -164,7 +122,7 @@ def test_the_same_test_fails_when_every_draft_is_accepted(drafted_position, monk
         return [*drafts, int(p[len(drafts)].argmax())], len(drafts)
 
     monkeypatch.setattr(spec_decode, "accept_drafts", always_accept)
-    seconds, _, _ = second_tokens(local_engine(eagle_config(max_num_seqs=64)), prompt)
+    seconds, _, _ = second_tokens(local_engine(eagle_config(max_num_seqs=64)), prompt, 4)
     stat, bins = chi_square(seconds, top)
     assert stat > CRITICAL[bins]
 

@@ -4,10 +4,10 @@ accepted path's K/V kept, and the seed-shaped leak still found with trees on."""
 from __future__ import annotations
 
 import collections
-import math
 
 import pytest
 import torch
+from drafted_position import CRITICAL, chi_square, find_position, second_tokens
 
 from memstep.cli.scenarios import run_scenario
 from memstep.core.config import ConfigError, EngineConfig
@@ -225,65 +225,30 @@ def test_a_wrong_sibling_rule_fails_the_same_test():
 
 # --- sampled: the target's distribution at a drafted position --------------------------------
 
-RUNS = 640
-CRITICAL = {2: 13.8, 3: 16.3, 4: 18.5, 5: 20.5}  # chi-square at p = 0.001, by degrees of freedom
 
-
-def second_tokens(prompt: list[int]) -> tuple[collections.Counter, int, int]:
-    """Over RUNS seeds at temperature 1 with a tree: the second reply tokens of the runs whose
-    first was the most common one (the second is drafted by the tree after the first: the
-    head's top three candidates, tried in turn)."""
+def tree_runs(prompt: list[int]) -> tuple[collections.Counter, int, int]:
+    """`second_tokens` with a tree: the drafted position's three candidates (the head's top
+    three, tried in turn), every run's one tree step; and the drafts accepted."""
     cfg = EngineConfig(
         speculative_method="eagle",
         num_speculative_tokens=1,
         speculative_tree=(3,),
         max_num_seqs=32,
         **FIXED,
-    )  # the drafted position's three candidates, every run's one tree step
-    engine = local_engine(cfg)
-    params = [SamplingParams(max_tokens=3, temperature=1.0, seed=s) for s in range(RUNS)]
-    done = engine.generate([prompt] * RUNS, params)
-    firsts = collections.Counter(c.token_ids[0] for c in done)
-    mode = firsts.most_common(1)[0][0]
-    seconds = collections.Counter(c.token_ids[1] for c in done if c.token_ids[0] == mode)
+    )
+    seconds, mode, done = second_tokens(local_engine(cfg), prompt, 3)
     return seconds, mode, sum(c.num_accepted for c in done)
-
-
-def chi_square(counts: collections.Counter, top: dict[int, float]) -> tuple[float, int]:
-    """The statistic and its degrees of freedom, over the tokens expected 5 times or more and
-    one bin for the rest."""
-    n = sum(counts.values())
-    kept = {t: p for t, p in top.items() if p * n >= 5}
-    observed = [counts.get(t, 0) for t in kept] + [n - sum(counts.get(t, 0) for t in kept)]
-    expected = [p * n for p in kept.values()] + [(1.0 - sum(kept.values())) * n]
-    stat = sum((o - e) ** 2 / e for o, e in zip(observed, expected, strict=True))
-    return stat, len(kept)
 
 
 @pytest.fixture(scope="module")
 def drafted_position(chat_prompts):
-    """A point in a greedy chat reply where the next token is nearly certain and the one after
-    it is not (as test_spec_eagle's, for the chain): the target's own distribution there."""
-    plain = local_engine(EngineConfig(max_num_seqs=8))
-    replies = plain.generate(
-        chat_prompts, SamplingParams(temperature=0.0, max_tokens=24, logprobs=5)
-    )
-    best = None
-    for prompt, reply in zip(chat_prompts, replies, strict=True):
-        for i in range(len(reply.token_ids) - 1):
-            sure = math.exp(reply.logprobs[i][0])
-            top = {int(t): math.exp(lp) for t, lp in reply.logprobs[i + 1][1]}
-            spread = sorted(top.values())[-2] if len(top) > 1 else 0.0
-            if sure > 0.9 and sum(top.values()) > 0.8 and (best is None or spread > best[0]):
-                best = (spread, prompt + reply.token_ids[:i], reply.token_ids[i], top)
-    assert best is not None and best[0] > 0.1, "no point with a spread next-but-one token"
-    return best[1], best[2], best[3]
+    return find_position(chat_prompts)
 
 
 @pytest.mark.slow  # 640 sampled runs (test_tree_acceptance_... is the small version)
 def test_sampled_tokens_at_a_tree_drafted_position_follow_the_target(drafted_position):
     prompt, first, top = drafted_position
-    seconds, mode, accepted = second_tokens(prompt)
+    seconds, mode, accepted = tree_runs(prompt)
     assert mode == first and accepted > 0 and sum(seconds.values()) > 400
     stat, bins = chi_square(seconds, top)
     assert bins >= 2 and stat < CRITICAL[bins], (stat, bins, seconds, top)
@@ -304,7 +269,7 @@ def test_the_same_test_fails_when_the_first_child_is_always_kept(drafted_positio
         return [*tokens, int(p[node].argmax())], path
 
     monkeypatch.setattr(spec_tree, "accept_tree", first_child)
-    seconds, _, _ = second_tokens(prompt)
+    seconds, _, _ = tree_runs(prompt)
     stat, bins = chi_square(seconds, top)
     assert stat > CRITICAL[bins]
 
