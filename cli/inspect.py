@@ -101,6 +101,7 @@ def to_text(recording: Recording, s: LogSummary) -> str:
         ),
         _requests(s),
         _steps(s),
+        _adaptive(s),
         _transitions(s),
         _ledger(s),
         _memory(s),
@@ -135,6 +136,22 @@ def _steps(s: LogSummary) -> str:
     ]  # fmt: skip
     headers = ["kind", "steps", "tokens fed", "tokens sampled", "proposed", "accepted", "rate"]
     return head + ("\n" + render(headers, rows) if rows else "")
+
+
+def _adaptive(s: LogSummary) -> str:
+    """The engine's own speculation decisions, and the requests it sent back to recompute."""
+    changes = ", ".join(
+        f"step {step} -> {'none' if t is None else f'below {t}'}" for step, t in s.spec_thresholds
+    )
+    k = s.draft_lengths
+    evicted = ", ".join(f"{n} by {cause}" for cause, n in sorted(s.evictions.items()))
+    return "\n".join(
+        [
+            f"speculation threshold changes: {changes or 'none'}",
+            f"draft length changes: {k['dropped']} dropped, {k['raised']} raised",
+            f"requests sent back to recompute: {evicted or 'none'}",
+        ]
+    )
 
 
 def _transitions(s: LogSummary) -> str:

@@ -18,13 +18,16 @@ import attrs
 from memstep.events.stretches import Stretch
 from memstep.events.stretches import stretches as find_stretches
 from memstep.events.types import (
+    DraftLengthChanged,
     ExecutorLost,
     LeakSuspected,
     PhaseChanged,
     RecoveryDone,
     RequestAdded,
     RequestFinished,
+    RequestPreempted,
     RequestResumed,
+    SpecThresholdChanged,
     StateEntered,
     StateExited,
     StepFinished,
@@ -116,6 +119,10 @@ class LogSummary:
     peak_kv_pages_cached: int  # pages held by no request that cache a prefix block
     final_kv_pages_cached: int
     host_rss: dict[str, HostRss]  # "executor", "core": where measured
+    # the automatic speculation threshold's changes, in order: [step, threshold (None: none)]
+    spec_thresholds: list[list]
+    draft_lengths: dict[str, int]  # per-request K changes: "dropped", "raised"
+    evictions: dict[str, int]  # requests sent back to recompute, by cause (RequestPreempted)
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -156,7 +163,20 @@ def summarize(records: list[object]) -> LogSummary:
         peak_kv_pages_cached=max((m.kv_pages_cached for m in mems), default=0),
         final_kv_pages_cached=mems[-1].kv_pages_cached if mems else 0,
         host_rss=_host_rss(mems),
+        spec_thresholds=[
+            [r.step, r.threshold] for r in records if isinstance(r, SpecThresholdChanged)
+        ],
+        draft_lengths=_draft_lengths(records),
+        evictions=dict(Counter(r.cause for r in records if isinstance(r, RequestPreempted))),
     )
+
+
+def _draft_lengths(records: list[object]) -> dict[str, int]:
+    changes = [r for r in records if isinstance(r, DraftLengthChanged)]
+    return {
+        "dropped": sum(r.new < r.old for r in changes),
+        "raised": sum(r.new > r.old for r in changes),
+    }
 
 
 def tokens_by_request(records: list[object]) -> dict[str, list[int]]:

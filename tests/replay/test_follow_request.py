@@ -217,6 +217,10 @@ def test_the_log_records_each_preemption_and_requeue_the_lines_tell(served_run):
     as_lines = [(r.step, names[r.request_id], words[r.cause], r.num_tokens) for r in recorded]
     assert {"preemption", "recovery"} <= {r.cause for r in recorded}
     assert sorted(as_lines) == sorted(told)
+    code, out, _ = memstep("inspect", str(served_run.log))  # and `inspect` counts them by cause
+    by = {c: sum(r.cause == c for r in recorded) for c in ("preemption", "recovery")}
+    counted = f"{by['preemption']} by preemption, {by['recovery']} by recovery"
+    assert code == 0 and f"requests sent back to recompute: {counted}" in out
 
 
 def test_the_served_log_replays_byte_for_byte_with_its_preemptions(served_run):

@@ -128,3 +128,21 @@ def test_a_replay_that_ignores_the_recorded_threshold_diverges(auto_log):
     assert not result.is_identical
     first = result.first
     assert first is not None and first.event in ("StepPlanned", "StateExited", "StateEntered")
+
+
+def test_inspect_shows_the_threshold_and_draft_length_changes(auto_log, capsys):
+    from memstep.cli.main import main
+
+    rec = load(auto_log)
+    thresholds = [r for r in rec.records if isinstance(r, SpecThresholdChanged)]
+    changes = [r for r in rec.records if isinstance(r, DraftLengthChanged)]
+    assert main(["inspect", str(auto_log)]) == 0
+    text = capsys.readouterr().out
+    first = thresholds[0]
+    shown = (
+        f"step {first.step} -> {'none' if first.threshold is None else f'below {first.threshold}'}"
+    )
+    assert f"speculation threshold changes: {shown}" in text
+    dropped = sum(c.new < c.old for c in changes)
+    raised = len(changes) - dropped
+    assert f"draft length changes: {dropped} dropped, {raised} raised" in text
