@@ -607,6 +607,7 @@ class Server:
             prompt_tokens=self.tally.prompt_tokens,
             generation_tokens=self.tally.generation_tokens,
             num_preemptions=sched.num_preemptions,
+            num_requeues=sched.num_requeues,
             num_leak_reports=self.tally.num_leak_reports,
             steps=dict(self.tally.steps),
             transitions=dict(self.tally.transitions),

@@ -59,7 +59,8 @@ class Scheduler:
         self.decode_lookahead = decode_lookahead
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.num_preemptions = 0
+        self.num_preemptions = 0  # by the scheduler, for room
+        self.num_requeues = 0  # by executor losses (`requeue_all`)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -133,7 +134,10 @@ class Scheduler:
         self.running.remove(req)
         self.blocks.free(req.request_id)
         req.preempt(cause)
-        self.num_preemptions += 1
+        if cause == "preemption":
+            self.num_preemptions += 1
+        else:
+            self.num_requeues += 1
         self.waiting.appendleft(req)
 
     def requeue_all(self) -> tuple[int, int]:

@@ -155,7 +155,8 @@ class StatsReply:
     kv_pages_cached: int = 0  # held by none, caching prefix blocks (reclaimable)
     prompt_tokens: int = 0  # totals since the server started
     generation_tokens: int = 0
-    num_preemptions: int = 0
+    num_preemptions: int = 0  # by the scheduler, for room
+    num_requeues: int = 0  # by executor losses
     num_leak_reports: int = 0
     steps: dict[str, int] = attrs.Factory(dict)  # steps run, by kind
     transitions: dict[str, int] = attrs.Factory(dict)  # "old->new" kind changes

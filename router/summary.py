@@ -24,7 +24,7 @@ from memstep.router.backend import Backend
 
 SUMMED = ("num_running", "num_waiting", "num_inflight", "num_clients", "kv_pages_total",
           "kv_pages_used", "kv_pages_cached", "prompt_tokens", "generation_tokens",
-          "num_preemptions", "num_leak_reports")  # fmt: skip
+          "num_preemptions", "num_requeues", "num_leak_reports")  # fmt: skip
 COUNTED = ("finished", "steps", "transitions", "refused")
 
 

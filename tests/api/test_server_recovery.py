@@ -23,7 +23,7 @@ from memstep.cli.serve import EXIT_ENGINE_DEAD, ServerProcess
 from memstep.core.config import EngineConfig
 from memstep.core.outputs import Completion
 from memstep.core.sampling_params import SamplingParams
-from memstep.events.types import ExecutorLost, RecoveryDone, RequestFinished
+from memstep.events.types import ExecutorLost, RecoveryDone, RequestFinished, RequestPreempted
 from memstep.executors.process.inprocess import local_engine
 from memstep.replay.recording import load
 
@@ -100,6 +100,7 @@ def test_three_executor_kills_on_smollm2_lose_no_token_and_the_log_replays():
         results = asyncio.run(asyncio.wait_for(_stream_all(server.address, requests), 600))
         with Client(server.address, timeout=10) as client:
             health = client.health()
+            stats = client.stats()
         assert server.stop() == 0
         log = server.dir / "events.memlog"
         records = load(log).records
@@ -110,6 +111,9 @@ def test_three_executor_kills_on_smollm2_lose_no_token_and_the_log_replays():
     assert [r.step for r in losses] == list(KILL_STEPS)
     assert all("SIGKILL" in r.reason and r.during == "step" and not r.gave_up for r in losses)
     assert [r.step for r in done] == list(KILL_STEPS)
+    evicted = [r.cause for r in records if isinstance(r, RequestPreempted)]
+    assert stats.num_requeues == evicted.count("recovery") > 0  # the losses' requeues, apart
+    assert stats.num_preemptions == evicted.count("preemption")
     for r in done:
         print(f"\nrecovery at step {r.step}: {r.seconds:.2f} s ({r.num_readmitted} requests, "
               f"{r.tokens_to_recompute} tokens recomputed)", end="")  # fmt: skip
