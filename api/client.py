@@ -454,9 +454,16 @@ class AsyncClient:
         self._queues[request_id] = shared
 
     async def take(self, queue: asyncio.Queue[T]) -> T:
-        """The next item of a queue that `share` fills; TimeoutError after `timeout` seconds
-        without a word from the server, as a stream's."""
-        return await self._wait(queue)
+        """The next item of a queue that `share` fills.  No timer is armed per wait: the
+        caller watches the server's silence (`heard`) once for all the queue's requests."""
+        if self._reader is not None and self._reader.done():
+            self._reader.result()  # re-raise what ended the reader
+        return queue.get_nowait() if not queue.empty() else await queue.get()
+
+    @property
+    def heard(self) -> float:
+        """The event loop's time of the last frame from the server (or of the first send)."""
+        return self._heard
 
     def forget(self, request_id: str) -> None:
         """Drop the entry of a request whose replies nobody will read (a stream its reader

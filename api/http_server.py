@@ -316,11 +316,11 @@ class Front:
         for i, (first, stream) in enumerate(zip(firsts, streams, strict=True)):
             queue.put_nowait((i, first))
             self.core.share(stream.request_id, queue, i)
-        alarm = asyncio.create_task(_alarm(len(streams), deadline, queue))
+        alarm = asyncio.create_task(_alarm(deadline, queue, self.core))
         out = _SseState(job, ids[0], len(streams))
         try:
             while not out.ended:
-                items = [await self._take(queue)]
+                items = [await self.core.take(queue)]
                 while not queue.empty():  # all that came meanwhile, in one write
                     items.append(queue.get_nowait())
                 out.created = int(time.time())
@@ -332,13 +332,6 @@ class Front:
         finally:
             alarm.cancel()
             self._end_streams_now(ids[1], streams)
-
-    async def _take(self, queue: asyncio.Queue[tuple[int, Any]]) -> tuple[int, Any]:
-        """The next reply of the choices of one response; a silent core is an error."""
-        try:
-            return await self.core.take(queue)
-        except TimeoutError as exc:
-            return 0, ServerError("core_timeout", str(exc))
 
     def _ended(self, stream: AsyncStream, reply: Any) -> Any:
         """A reply, its request forgotten once it ends the request; an ErrorReply as the error
@@ -471,10 +464,18 @@ def _client_id(given: str | None) -> str | None:
     return given
 
 
-async def _alarm(index: int, deadline: float, queue: asyncio.Queue) -> None:
-    """At the request's deadline, an error into the stream's queue."""
-    await asyncio.sleep(max(deadline - asyncio.get_running_loop().time(), 0.0))
-    queue.put_nowait((index, ServerError("core_timeout", "the request passed its deadline")))
+async def _alarm(deadline: float, queue: asyncio.Queue, core: AsyncClient) -> None:
+    """At the request's deadline, or once the core said nothing for its timeout, an error into
+    the response's queue (one timer for all its choices, instead of one per reply awaited); it
+    ends the whole response, whichever choice it names."""
+    loop = asyncio.get_running_loop()
+    while (wake := min(deadline, core.heard + core.timeout)) > loop.time():
+        await asyncio.sleep(wake - loop.time())
+    if loop.time() >= deadline:
+        error = ServerError("core_timeout", "the request passed its deadline")
+    else:
+        error = ServerError("core_timeout", f"no word from {core.address} for {core.timeout} s")
+    queue.put_nowait((0, error))
 
 
 def _end(done: GenerateDone, called: bool = False) -> dict[str, Any]:
