@@ -676,7 +676,7 @@ class Server:
         inf.token_ids.extend(out.new_token_ids)
         inf.texts.append(out.new_text)
         inf.token_times.extend([now - inf.arrival] * len(out.new_token_ids))
-        logprobs = self._named_logprobs(out.new_token_ids, out.logprobs)
+        logprobs = self._named_logprobs(out.new_token_ids, out.logprobs) if out.logprobs else []
         inf.logprobs.extend(logprobs)
         send = box.add if inf.batch else self._send
         if inf.stream:
