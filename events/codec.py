@@ -369,7 +369,7 @@ def _rows_by_column(cls: type, rows: list) -> list | None:
     columns = _row_columns(cls)
     if not set(map(type, rows)) <= _ROW_TYPES or not set(map(len, rows)) <= {len(columns)}:
         return None
-    values = list(zip(*rows, strict=True)) or [()] * len(columns)  # column by column
+    values: list[typing.Sequence] = list(zip(*rows, strict=True)) or [()] * len(columns)
     decoded = False
     for j, (tp, item_tp, decoder) in enumerate(columns):
         column = values[j]
