@@ -183,11 +183,10 @@ class Outbox:
         self.peers: dict[bytes, tuple[list[bytes], list[GenerateDelta], list[object]]] = {}
 
     def add(self, envelope: list[bytes], msg: object) -> None:
-        _, deltas, after = self.peers.setdefault(envelope[0], (envelope, [], []))
-        if isinstance(msg, GenerateDelta):
-            deltas.append(msg)
-        else:
-            after.append(msg)
+        entry = self.peers.get(envelope[0])
+        if entry is None:
+            entry = self.peers[envelope[0]] = (envelope, [], [])
+        (entry[1] if type(msg) is GenerateDelta else entry[2]).append(msg)
 
     def replies(self) -> list[tuple[list[bytes], object]]:
         """(envelope, reply) in the order they go out."""
@@ -675,7 +674,10 @@ class Server:
             return
         inf.token_ids.extend(out.new_token_ids)
         inf.texts.append(out.new_text)
-        inf.token_times.extend([now - inf.arrival] * len(out.new_token_ids))
+        if len(out.new_token_ids) == 1:  # a decode's one token: no list to make
+            inf.token_times.append(now - inf.arrival)
+        else:
+            inf.token_times.extend([now - inf.arrival] * len(out.new_token_ids))
         logprobs = self._named_logprobs(out.new_token_ids, out.logprobs) if out.logprobs else []
         inf.logprobs.extend(logprobs)
         send = box.add if inf.batch else self._send
