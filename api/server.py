@@ -186,7 +186,10 @@ class Outbox:
         entry = self.peers.get(envelope[0])
         if entry is None:
             entry = self.peers[envelope[0]] = (envelope, [], [])
-        (entry[1] if type(msg) is GenerateDelta else entry[2]).append(msg)
+        if type(msg) is GenerateDelta:
+            entry[1].append(msg)
+        else:
+            entry[2].append(msg)
 
     def replies(self) -> list[tuple[list[bytes], object]]:
         """(envelope, reply) in the order they go out."""
