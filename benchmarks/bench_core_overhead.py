@@ -5,7 +5,8 @@ prompts, EOS ignored, long outputs).  Each step's wall time is split into the ti
 `executor.execute` and the rest, the core's own work (schedule, plan, record, detokenize, emit);
 the medians over `--steps` steady-state steps are printed, with the core thread's CPU time
 (steadier than wall time on a shared machine), and the codec's time for the last step's plan
-and result (which a process executor encodes and decodes each step).  `--record`
+and result (which a process executor encodes and decodes each step).  The collector's threshold
+is the core process's (core/collector.py) unless `--default-gc`.  `--record`
 adds an event-log `Recorder` to the sinks; `--profile N` prints the N costliest functions of
 the core's steps. `--process` runs the executor in a process of its own, as `memstep serve`
 does: the executor's figure is then its round trip (the codec, the socket and its own work).
@@ -14,7 +15,7 @@ core on a small machine (the core's time, not the model's, is measured).
 
     python benchmarks/bench_core_overhead.py [--requests 1000] [--steps 50] [--warmup 5]
         [--record] [--profile 25] [--num-threads 1] [--process] [--set KEY=VALUE ...]
-        [--log-level warning]
+        [--log-level warning] [--default-gc]
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from memstep.core import collector
 from memstep.core.config import EngineConfig, parse_override
 from memstep.core.engine import Engine
 from memstep.core.logging import setup_logging
@@ -83,8 +85,13 @@ def main() -> None:
     )
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--log-level", default="warning", help="as `memstep serve`'s (its default)")
+    p.add_argument(
+        "--default-gc", action="store_true", help="Python's collector threshold, not the core's"
+    )
     args = p.parse_args()
     setup_logging("console", args.log_level)
+    if not args.default_gc:
+        collector.tune_for_core()
     max_tokens = args.warmup + args.steps + 16  # nobody finishes while measured
     cfg = EngineConfig(
         model="random:tiny",
