@@ -139,7 +139,7 @@ def generate_request(
 
 def _addressed(msg: object) -> list[tuple[str, object]]:
     """(request id, reply) of each reply a frame holds: a GenerateDeltas holds several."""
-    if type(msg) is GenerateDeltas:
+    if isinstance(msg, GenerateDeltas):  # the type checker narrows on isinstance
         return [(delta.request_id, delta) for delta in msg.deltas]
     return [(_addressee(msg) or "", msg)]
 
