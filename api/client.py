@@ -28,7 +28,7 @@ import contextlib
 import itertools
 import time
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 import zmq
@@ -42,6 +42,7 @@ from memstep.events.wire import (
     AttachRequest,
     ErrorReply,
     GenerateDelta,
+    GenerateDeltas,
     GenerateDone,
     GenerateRequest,
     HealthReply,
@@ -52,9 +53,12 @@ from memstep.events.wire import (
 
 log = structlog.get_logger("memstep.client")
 
+T = TypeVar("T")
+
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5557"
 ROUTE_LOST = "route_lost"
 CONNECT_TIMEOUT_S = 3.0
+MAX_FRAMES_PER_READ = 256  # frames the async reader takes at once before others may run
 
 
 class ServerError(RuntimeError):
@@ -123,12 +127,21 @@ def generate_request(
     stream: bool,
     params: dict[str, Any],
     special_tokens_in_messages: bool = False,
+    batch_deltas: bool = False,
 ) -> GenerateRequest:
     """A GenerateRequest from the arguments of `generate`; a list prompt is token ids."""
     text, ids = (None, prompt) if isinstance(prompt, list) else (prompt, None)
+    special = special_tokens_in_messages
     return GenerateRequest(
-        request_id, text, ids, messages, params, stream, special_tokens_in_messages
+        request_id, text, ids, messages, params, stream, special, batch_deltas=batch_deltas
     )
+
+
+def _addressed(msg: object) -> list[tuple[str, object]]:
+    """(request id, reply) of each reply a frame holds: a GenerateDeltas holds several."""
+    if isinstance(msg, GenerateDeltas):  # the type checker narrows on isinstance
+        return [(delta.request_id, delta) for delta in msg.deltas]
+    return [(_addressee(msg) or "", msg)]
 
 
 def _addressee(msg: object) -> str | None:
@@ -139,8 +152,13 @@ def _addressee(msg: object) -> str | None:
 
 def _final(msg: object) -> object:
     if isinstance(msg, ErrorReply):
-        raise ERRORS.get(msg.code, ServerError)(msg.code, msg.message, msg.request_id)
+        raise error_of(msg)
     return msg
+
+
+def error_of(reply: ErrorReply) -> ServerError:
+    """The exception an ErrorReply raises."""
+    return ERRORS.get(reply.code, ServerError)(reply.code, reply.message, reply.request_id)
 
 
 def _expect(reply: object, expect: type[Any]) -> Any:
@@ -276,10 +294,10 @@ class Client:
         while not queue:
             if not self._poll():
                 raise TimeoutError(f"no word from {self.address} for {self.timeout} s")
-            msg = codec.decode(self._sock.recv())
-            waiting = self._pending.get(_addressee(msg) or "")  # None for a Keepalive
-            if waiting is not None:
-                waiting.append(msg)
+            for rid, msg in _addressed(codec.decode(self._sock.recv())):
+                waiting = self._pending.get(rid)  # None for a Keepalive
+                if waiting is not None:
+                    waiting.append(msg)
         msg = queue.popleft()
         if isinstance(msg, ErrorReply):
             self._pending.pop(request_id, None)
@@ -367,10 +385,12 @@ class AsyncClient:
         self.max_frame_bytes = max_frame_bytes  # larger requests fail here, never sent
         self._ctx = context or zmq.asyncio.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
+        # the same socket, read without awaiting: what has come already
+        self._now: zmq.Socket = zmq.Socket.shadow(self._sock.underlying)
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         _connect(self._sock, address, curve_server_key, curve_public_key, curve_secret_key)
         self._ids = itertools.count()
-        self._queues: dict[str, asyncio.Queue[object]] = {}
+        self._queues: dict[str, asyncio.Queue[object] | _Shared] = {}
         self._reader: asyncio.Task[None] | None = None
         self._watcher: asyncio.Task[None] | None = None
         self._heard = 0.0
@@ -385,10 +405,11 @@ class AsyncClient:
         special_tokens_in_messages: bool = False,
         **params: Any,
     ) -> GenerateDone | AsyncStream:
-        """As `Client.generate`; with `stream=True` an async iterator of GenerateDelta."""
+        """As `Client.generate`; with `stream=True` an async iterator of GenerateDelta (taken
+        from the server in one GenerateDeltas a step with this client's other streams)."""
         rid = request_id or self._new_id()
         special = special_tokens_in_messages
-        await self._send(generate_request(rid, prompt, messages, stream, params, special))
+        await self._send(generate_request(rid, prompt, messages, stream, params, special, stream))
         if stream:
             return AsyncStream(self, rid)
         try:
@@ -418,6 +439,31 @@ class AsyncClient:
 
     async def stats(self) -> StatsReply:
         return await self._call(StatsRequest(self._new_id()), StatsReply)
+
+    def share(self, request_id: str, queue: asyncio.Queue[tuple[int, object]], tag: int) -> None:
+        """Put the replies of `request_id` (those here already, then those to come) into
+        `queue` as `(tag, reply)`, for a caller that reads several requests' replies from one
+        queue (`take`) instead of a stream each: one task wakes for a step's replies, not one a
+        request.  The caller `forget`s the request at its GenerateDone or ErrorReply."""
+        own = self._queues.get(request_id)
+        if not isinstance(own, asyncio.Queue):
+            return
+        shared = _Shared(queue, tag)
+        while not own.empty():
+            shared.put_nowait(own.get_nowait())
+        self._queues[request_id] = shared
+
+    async def take(self, queue: asyncio.Queue[T]) -> T:
+        """The next item of a queue that `share` fills.  No timer is armed per wait: the
+        caller watches the server's silence (`heard`) once for all the queue's requests."""
+        if self._reader is not None and self._reader.done():
+            self._reader.result()  # re-raise what ended the reader
+        return queue.get_nowait() if not queue.empty() else await queue.get()
+
+    @property
+    def heard(self) -> float:
+        """The event loop's time of the last frame from the server (or of the first send)."""
+        return self._heard
 
     def forget(self, request_id: str) -> None:
         """Drop the entry of a request whose replies nobody will read (a stream its reader
@@ -478,13 +524,20 @@ class AsyncClient:
         return _expect(reply, expect)
 
     async def _read(self) -> None:
+        """Route every reply to its request's queue: one awaited frame, then, without awaiting,
+        those that came with it (an await per frame costs more than the frame's decoding)."""
         loop = asyncio.get_running_loop()
         while True:
-            msg = codec.decode(await self._sock.recv())
+            frames = [await self._sock.recv()]
+            with contextlib.suppress(zmq.Again):
+                while len(frames) < MAX_FRAMES_PER_READ:
+                    frames.append(self._now.recv(zmq.NOBLOCK))
             self._heard = loop.time()
-            queue = self._queues.get(_addressee(msg) or "")
-            if queue is not None:
-                queue.put_nowait(msg)
+            for frame in frames:
+                for rid, msg in _addressed(codec.decode(frame)):
+                    queue = self._queues.get(rid)
+                    if queue is not None:
+                        queue.put_nowait(msg)
 
     async def _watch(self) -> None:
         """On each closed connection, fail every request in flight: the server has dropped the
@@ -502,21 +555,37 @@ class AsyncClient:
         queue = self._queues.get(request_id)
         if queue is None:
             raise ServerError(ROUTE_LOST, "the request is no longer tracked", request_id)
+        assert isinstance(queue, asyncio.Queue), "a shared request is read with `take`"
+        msg = await self._wait(queue)
+        if isinstance(msg, ErrorReply):
+            self._queues.pop(request_id, None)
+        return _final(msg)
+
+    async def _wait(self, queue: asyncio.Queue[T]) -> T:
         loop = asyncio.get_running_loop()
         while True:
             if self._reader is not None and self._reader.done():
                 self._reader.result()  # re-raise what ended the reader
+            if not queue.empty():  # no timer to arm for a reply that is here
+                return queue.get_nowait()
             try:
-                msg = await asyncio.wait_for(queue.get(), self.timeout)
-                break
+                async with asyncio.timeout(self.timeout):  # a timer, not a task as wait_for's
+                    return await queue.get()
             except TimeoutError:
                 if loop.time() - self._heard >= self.timeout:
                     raise TimeoutError(
                         f"no word from {self.address} for {self.timeout} s"
                     ) from None
-        if isinstance(msg, ErrorReply):
-            self._queues.pop(request_id, None)
-        return _final(msg)
+
+
+class _Shared:
+    """The entry of a request whose replies go, tagged, into a queue shared with others."""
+
+    def __init__(self, queue: asyncio.Queue[tuple[int, object]], tag: int):
+        self.queue, self.tag = queue, tag
+
+    def put_nowait(self, msg: object) -> None:
+        self.queue.put_nowait((self.tag, msg))
 
 
 class AsyncStream(_Replies):

@@ -45,7 +45,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from memstep.api import openai_protocol as oai
-from memstep.api.client import ROUTE_LOST, AsyncClient, AsyncStream, ServerError
+from memstep.api.client import ROUTE_LOST, AsyncClient, AsyncStream, ServerError, error_of
 from memstep.api.http_limits import (
     GuardedHttptools,
     HttpLimits,
@@ -58,7 +58,7 @@ from memstep.api.openai_protocol import Job, OpenAIError
 from memstep.api.tally import host_rss_bytes
 from memstep.api.tool_call_stream import CallStream
 from memstep.core.logging import setup_logging
-from memstep.events.wire import GenerateDone, HealthReply
+from memstep.events.wire import ErrorReply, GenerateDone, HealthReply
 
 log = structlog.get_logger("memstep.http")
 
@@ -69,6 +69,7 @@ UNAVAILABLE = {"executor_dead", "executor_error", "recovering", "overloaded", "l
 UNAVAILABLE |= {ROUTE_LOST}
 RETRY_AFTER_S = 1  # a refused request's Retry-After: a queue drains in about a TTFT budget
 TOO_LARGE = {"frame_too_large"}
+DONE = b"data: [DONE]\n\n"
 
 
 class Front:
@@ -305,44 +306,53 @@ class Front:
         streams: list[AsyncStream],
         firsts: list[Any],
         deadline: float,
-    ) -> AsyncIterator[str]:
+    ) -> AsyncIterator[bytes]:
         """SSE events: each choice's chunks as they come, its last with a finish_reason, then
         the usage chunk if asked for, then [DONE]; an error (the deadline included) is an error
-        event, then [DONE]. The replies that arrived while the last write went out leave in one
-        write (a stream behind by several steps catches up in one). A closed connection aborts
-        what is left."""
+        event, then [DONE]. Every choice's replies come into one queue (`AsyncClient.share`),
+        and those that arrived while the last write went out leave in one write (a stream behind
+        by several steps catches up in one). A closed connection aborts what is left."""
         queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
-        for i, first in enumerate(firsts):
+        for i, (first, stream) in enumerate(zip(firsts, streams, strict=True)):
             queue.put_nowait((i, first))
-        readers = [asyncio.create_task(_pump(i, s, queue)) for i, s in enumerate(streams)]
-        readers.append(asyncio.create_task(_alarm(len(streams), deadline, queue)))
+            self.core.share(stream.request_id, queue, i)
+        alarm = asyncio.create_task(_alarm(deadline, queue, self.core))
         out = _SseState(job, ids[0], len(streams))
         try:
             while not out.ended:
-                items = [await queue.get()]
+                items = [await self.core.take(queue)]
                 while not queue.empty():  # all that came meanwhile, in one write
                     items.append(queue.get_nowait())
-                text = "".join(self._events(out, index, item) for index, item in items)
-                if text:
-                    yield text
+                out.created = int(time.time())
+                data = b"".join(
+                    [self._events(out, i, self._ended(streams[i], r)) for i, r in items]
+                )
+                if data:
+                    yield data
         finally:
-            for reader in readers:
-                reader.cancel()
+            alarm.cancel()
             self._end_streams_now(ids[1], streams)
 
-    def _events(self, out: _SseState, index: int, item: Any) -> str:
+    def _ended(self, stream: AsyncStream, reply: Any) -> Any:
+        """A reply, its request forgotten once it ends the request; an ErrorReply as the error
+        it raises."""
+        if isinstance(reply, GenerateDone | ErrorReply):
+            self.core.forget(stream.request_id)
+        return error_of(reply) if isinstance(reply, ErrorReply) else reply
+
+    def _events(self, out: _SseState, index: int, item: Any) -> bytes:
         """The SSE text for one reply of choice `index`: its chunk; after the last choice's
         GenerateDone the usage chunk if asked for and [DONE]; an error event ends the stream."""
         job, rid = out.job, out.rid
         if out.ended:
-            return ""
+            return b""
         if isinstance(item, ServerError):
             out.ended = True
-            return _event(_error_of(item).body()) + "data: [DONE]\n\n"
+            return _event(_error_of(item).body()) + DONE
         if isinstance(item, GenerateDone):
             out.dones[index] = item
             self.prom.observe(item)
-            held, called, left = "", False, []
+            held, called, left = b"", False, []
             if job.calls_tools:
                 calls, waiting = out.calls[index], out.held_logprobs.pop(index, [])
                 held = self._tool_chunks(out, index, calls.finish(), waiting)
@@ -354,30 +364,32 @@ class Front:
                 if job.include_usage:
                     ordered = [out.dones[i] for i in range(out.num_choices)]
                     text += _event(oai.usage_chunk(job, rid, ordered))
-                text += "data: [DONE]\n\n"
+                text += DONE
             return text
         if job.calls_tools:
             waiting = out.held_logprobs.pop(index, []) + list(item.logprobs)
             return self._tool_chunks(out, index, out.calls[index].feed(item.text), waiting)
         text = item.text
         if not text and not item.logprobs:
-            return ""  # a token that ends inside a character
+            return b""  # a token that ends inside a character
         role = index not in out.started
         out.started.add(index)
         offset = out.offsets[index]
         out.offsets[index] += len(text)
+        if not (role or item.logprobs) and (plain := out.text_chunks(index)) is not None:
+            return plain.event(text, out.created)
         return _event(oai.chunk(job, rid, index, text, item.logprobs, offset, role=role))
 
     def _tool_chunks(
         self, out: _SseState, index: int, deltas: list[dict[str, Any]], logprobs: list[list]
-    ) -> str:
+    ) -> bytes:
         """The chunks of a choice that may call tools: its content and tool-call deltas
         (api/tool_call_stream.py), the tokens' logprobs on the first of them; with no delta to
         send, the logprobs wait for the next."""
         if not deltas:
             if logprobs:
                 out.held_logprobs[index] = logprobs
-            return ""
+            return b""
         chunks, job, rid = [], out.job, out.rid
         for delta in deltas:
             role = index not in out.started
@@ -388,7 +400,7 @@ class Front:
                 chunk = oai.calls_chunk(job, rid, index, delta["tool_calls"], role, logprobs)
             chunks.append(_event(chunk))
             logprobs = []
-        return "".join(chunks)
+        return b"".join(chunks)
 
     def _abort(self, request_ids: list[str]) -> None:
         """Abort requests in the core from a task of their own: the caller may be cancelled."""
@@ -418,6 +430,14 @@ class _SseState:
         lambda: collections.defaultdict(CallStream)
     )  # each choice's text split into content and tool-call deltas
     held_logprobs: dict[int, list[list]] = attrs.Factory(dict)  # of tokens held back
+    created: int = 0  # the `created` of the chunks of this write (seconds)
+    plain: dict[int, oai.TextChunks | None] = attrs.Factory(dict)  # each choice's, once made
+
+    def text_chunks(self, index: int) -> oai.TextChunks | None:
+        """Choice `index`'s plain text chunks, made on its first."""
+        if index not in self.plain:
+            self.plain[index] = oai.TextChunks.of(self.job, self.rid, index)
+        return self.plain[index]
 
 
 async def _first(stream: AsyncStream) -> Any:
@@ -426,20 +446,6 @@ async def _first(stream: AsyncStream) -> Any:
         return await stream.__anext__()
     except StopAsyncIteration:
         return stream.result
-
-
-async def _pump(index: int, stream: AsyncStream, queue: asyncio.Queue) -> None:
-    """Move one choice's replies into the shared queue, then its GenerateDone or its error
-    (a silent core included: the stream must end, never wait for a reply that cannot come)."""
-    try:
-        if stream.result is None:  # its GenerateDone may have come first
-            async for delta in stream:
-                queue.put_nowait((index, delta))
-            queue.put_nowait((index, stream.result))
-    except ServerError as exc:
-        queue.put_nowait((index, exc))
-    except TimeoutError as exc:
-        queue.put_nowait((index, ServerError("core_timeout", str(exc))))
 
 
 def _core_id(rid: str, client_id: str | None) -> str:
@@ -458,10 +464,18 @@ def _client_id(given: str | None) -> str | None:
     return given
 
 
-async def _alarm(index: int, deadline: float, queue: asyncio.Queue) -> None:
-    """At the request's deadline, an error into the stream's queue."""
-    await asyncio.sleep(max(deadline - asyncio.get_running_loop().time(), 0.0))
-    queue.put_nowait((index, ServerError("core_timeout", "the request passed its deadline")))
+async def _alarm(deadline: float, queue: asyncio.Queue, core: AsyncClient) -> None:
+    """At the request's deadline, or once the core said nothing for its timeout, an error into
+    the response's queue (one timer for all its choices, instead of one per reply awaited); it
+    ends the whole response, whichever choice it names."""
+    loop = asyncio.get_running_loop()
+    while (wake := min(deadline, core.heard + core.timeout)) > loop.time():
+        await asyncio.sleep(wake - loop.time())
+    if loop.time() >= deadline:
+        error = ServerError("core_timeout", "the request passed its deadline")
+    else:
+        error = ServerError("core_timeout", f"no word from {core.address} for {core.timeout} s")
+    queue.put_nowait((0, error))
 
 
 def _end(done: GenerateDone, called: bool = False) -> dict[str, Any]:
@@ -470,8 +484,8 @@ def _end(done: GenerateDone, called: bool = False) -> dict[str, Any]:
     return {"finish_reason": done.finish_reason}
 
 
-def _event(obj: dict[str, Any]) -> str:
-    return f"data: {orjson.dumps(obj).decode()}\n\n"
+def _event(obj: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
 def _json(body: bytes) -> Any:

@@ -15,6 +15,7 @@ import uuid
 from typing import Any
 
 import attrs
+import orjson
 
 from memstep.api.tool_calls import ToolError, Tools, calls_message, parse_calls, parse_tools
 from memstep.events.wire import GenerateDone
@@ -381,6 +382,33 @@ def chunk(
     if job.include_usage:
         out["usage"] = None
     return out
+
+
+class TextChunks:
+    """The SSE events of one choice's plain text chunks (no role, logprobs or finish reason) as
+    bytes: `chunk`'s JSON made once, its text and `created` spliced in per event (orjson writes
+    a map's keys in order, compactly), so a streamed token costs one `orjson.dumps` of its text.
+    `of` gives None where the JSON cannot be split so (the model's name holds the marker)."""
+
+    MARK = "\ue000memstep-text\ue000"
+
+    def __init__(self, head: bytes, mid: bytes, tail: bytes):
+        self.head, self.mid, self.tail = head, mid, tail
+
+    @classmethod
+    def of(cls, job: Job, rid: str, index: int) -> TextChunks | None:
+        whole = orjson.dumps(chunk(job, rid, index, cls.MARK, [], 0))
+        parts = whole.split(orjson.dumps(cls.MARK))
+        key = b'"created":'
+        if len(parts) != 2 or parts[0].count(key) != 1:
+            return None
+        before, after = parts[0].split(key)
+        mid = after[after.index(b",") :]  # from the comma after the number
+        return cls(b"data: " + before + key, mid, parts[1] + b"\n\n")
+
+    def event(self, text: str, created: int) -> bytes:
+        """`data: <chunk(...) with this text>` and the blank line, as `_event` writes it."""
+        return b"".join((self.head, b"%d" % created, self.mid, orjson.dumps(text), self.tail))
 
 
 def calls_chunk(

@@ -56,6 +56,7 @@ from memstep.events.wire import (
     AttachRequest,
     ErrorReply,
     GenerateDelta,
+    GenerateDeltas,
     GenerateDone,
     GenerateRequest,
     HealthReply,
@@ -158,6 +159,7 @@ class Inflight:
     cached_tokens: int = 0  # prompt tokens the prefix cache held, known when it finishes
     queue_s: float | None = None  # arrival to the first step that scheduled it
     logprobs: list[list] = attrs.Factory(list)
+    batch: bool = False  # its deltas go in the client's GenerateDeltas (batch_deltas)
 
     @property
     def peer(self) -> bytes:
@@ -171,6 +173,32 @@ class Inflight:
         return GenerateDone(
             self.request_id, text, list(self.token_ids), reason, usage, timing, self.logprobs
         )
+
+
+class Outbox:
+    """One turn's replies to the clients that take their deltas together: to each, its deltas
+    in one GenerateDeltas, then the replies that must come after them (GenerateDone)."""
+
+    def __init__(self) -> None:
+        self.peers: dict[bytes, tuple[list[bytes], list[GenerateDelta], list[object]]] = {}
+
+    def add(self, envelope: list[bytes], msg: object) -> None:
+        entry = self.peers.get(envelope[0])
+        if entry is None:
+            entry = self.peers[envelope[0]] = (envelope, [], [])
+        if type(msg) is GenerateDelta:
+            entry[1].append(msg)
+        else:
+            entry[2].append(msg)
+
+    def replies(self) -> list[tuple[list[bytes], object]]:
+        """(envelope, reply) in the order they go out."""
+        out: list[tuple[list[bytes], object]] = []
+        for envelope, deltas, after in self.peers.values():
+            if deltas:
+                out.append((envelope, GenerateDeltas(deltas)))
+            out.extend((envelope, msg) for msg in after)
+        return out
 
 
 class Server:
@@ -331,8 +359,11 @@ class Server:
             outputs = [out for out in self.unsent if out.request_id == request_id]
             self.unsent = [out for out in self.unsent if out.request_id != request_id]
         now = time.monotonic()
+        box = Outbox()
         for out in outputs:
-            self._deliver(out, now)
+            self._deliver(out, now, box)
+        for envelope, reply in box.replies():
+            self._send(envelope, reply)
 
     def _engine_call(self, call: Callable[[], T]) -> T | None:
         """`call()`, or None once every request failed: the engine gave up on executors, or a
@@ -469,6 +500,7 @@ class Server:
             )
         num_prompt = self.engine.requests[engine_id].num_prompt_tokens
         inf = Inflight(envelope, msg.request_id, msg.stream, time.monotonic(), num_prompt)
+        inf.batch = msg.batch_deltas
         self.inflight[engine_id] = inf
         self.by_client[key] = engine_id
         self.last_sent.setdefault(inf.peer, inf.arrival)
@@ -636,7 +668,8 @@ class Server:
 
     # --- outgoing messages -----------------------------------------------------------------
 
-    def _deliver(self, out: RequestOutput, now: float) -> None:
+    def _deliver(self, out: RequestOutput, now: float, box: Outbox) -> None:
+        """Send (or put in `box`, for a client that takes its deltas together) the output."""
         inf = self.inflight.get(out.request_id)
         if inf is None:
             held = self.detached.deliver(out)
@@ -645,17 +678,23 @@ class Server:
             return
         inf.token_ids.extend(out.new_token_ids)
         inf.texts.append(out.new_text)
-        inf.token_times.extend([now - inf.arrival] * len(out.new_token_ids))
-        logprobs = self._named_logprobs(out.new_token_ids, out.logprobs)
+        if len(out.new_token_ids) == 1:  # a decode's one token: no list to make
+            inf.token_times.append(now - inf.arrival)
+        else:
+            inf.token_times.extend([now - inf.arrival] * len(out.new_token_ids))
+        logprobs = self._named_logprobs(out.new_token_ids, out.logprobs) if out.logprobs else []
         inf.logprobs.extend(logprobs)
+        send = box.add if inf.batch else self._send
         if inf.stream:
-            delta = GenerateDelta(inf.request_id, out.new_token_ids, out.new_text, logprobs)
-            self._send(inf.envelope, delta)
+            send(
+                inf.envelope,
+                GenerateDelta(inf.request_id, out.new_token_ids, out.new_text, logprobs),
+            )
         if out.finished:
             inf.cached_tokens = out.cached_tokens
             reason = out.finish_reason or "stop"
             self._forget(out.request_id, reason, now)
-            self._send(inf.envelope, inf.done(reason, now))
+            send(inf.envelope, inf.done(reason, now))
 
     def _named_logprobs(self, tokens: list[int], logprobs: list[list]) -> list[list]:
         """The engine's [logprob, [[id, logprob]...]] per token, with ids and texts added."""

@@ -7,12 +7,14 @@ engine emits, so the totals agree with the event log and the engine keeps no sec
 from __future__ import annotations
 
 import collections
+import operator
 import os
 from pathlib import Path
 
 from memstep.events.types import LeakSuspected, RequestAdded, StateEntered, StepFinished
 
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+_TOKENS = operator.itemgetter(1)  # of a StepFinished.sampled row: [request id, tokens]
 
 
 class Tally:
@@ -31,7 +33,7 @@ class Tally:
             self.prompt_tokens += len(rec.prompt_token_ids)
         elif isinstance(rec, StepFinished):
             self.steps[rec.kind] += 1
-            self.generation_tokens += sum(len(tokens) for _, tokens in rec.sampled)
+            self.generation_tokens += sum(map(len, map(_TOKENS, rec.sampled)))
         elif isinstance(rec, StateEntered):
             self.transitions[f"{self.kind or 'none'}->{rec.kind}"] += 1
             self.kind = rec.kind

@@ -12,9 +12,9 @@ sends the prompt as ZMQ does; `openai-chat` wraps it in the chat template (longe
 its figures are not a like-for-like comparison with ZMQ's.
 
 On a shared machine the ratio drifts with other people's load, so each run also reports the CPU
-seconds each process spent (core, executor, HTTP front, this client; from /proc): what the HTTP
-path itself costs, whatever the machine is doing.  Printed at the end: the medians, their ratio,
-and the median of each repeat's own HTTP / ZMQ ratio.
+seconds each process spent (core, executor, HTTP front, this client; from /proc), and per output
+token: what the HTTP path itself costs, whatever the machine is doing.  Printed at the end: the
+medians, their ratio, and the median of each repeat's own HTTP / ZMQ ratio.
 
     python benchmarks/bench_http_vs_zmq.py [--model smollm2] [--num-prompts 32]
         [--concurrency 16] [--output-len 64] [--repeats 3] [--dataset synthetic] [--num-threads N]
@@ -92,12 +92,14 @@ def main() -> None:
 
 def describe(m: dict[str, Any], used: dict[str, float]) -> str:
     cpu = " ".join(f"{name} {seconds:.2f}" for name, seconds in used.items())
+    tokens = max(m["total_output_tokens"], 1)
+    per_token = " ".join(f"{name} {1e6 * seconds / tokens:.0f}" for name, seconds in used.items())
     return (
         f"ok {m['completed']:>3} failed {m['failed']} "
         f"in/out tokens {m['total_input_tokens']}/{m['total_output_tokens']}  "
         f"output {m['output_throughput']:7.1f} tok/s  "
         f"TTFT median {m['median_ttft_ms']:7.1f} ms  ITL median {m['median_itl_ms']:6.1f} ms  "
-        f"CPU s: {cpu}"
+        f"CPU s: {cpu}  CPU us/output token: {per_token}"
     )
 
 

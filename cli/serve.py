@@ -42,6 +42,7 @@ from memstep.cli import serve_replicas
 from memstep.cli.curve_keys import attach_dashed_keys, is_z85_key
 from memstep.cli.help_format import groups
 from memstep.cli.main import add_engine_arguments, config_from_args
+from memstep.core import collector
 from memstep.core.config import ConfigError, EngineConfig
 from memstep.core.device_limits import cuda_device_bytes
 from memstep.core.engine import Engine
@@ -232,6 +233,7 @@ def run(args: argparse.Namespace) -> int:
             if http_sock is not None:
                 front = _start_front(args, http_sock, server, front_keys)
             _announce(server, args.ready_file, front, recorder)
+            collector.tune_for_core()
             server.serve_forever()
         finally:
             if front is not None:

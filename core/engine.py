@@ -12,6 +12,7 @@ executor, one start-up stage per `step()` so that its caller keeps answering cli
 from __future__ import annotations
 
 import itertools
+import operator
 import time
 from collections.abc import Callable, Iterable
 
@@ -42,7 +43,7 @@ from memstep.core.recovery import (
 )
 from memstep.core.request import Request, Status
 from memstep.core.sampling_params import InvalidRequest, SamplingParams
-from memstep.core.scheduler import Scheduler, StepBatch, is_decode
+from memstep.core.scheduler import Scheduled, Scheduler, StepBatch
 from memstep.core.seeding import RequestSeeds, engine_seed
 from memstep.core.shapes import check_tensor_parallel, max_model_len
 from memstep.core.spec_threshold import SpecThreshold
@@ -70,6 +71,10 @@ from memstep.events.version import VERSION
 log = structlog.get_logger("memstep.engine")
 
 Sink = Callable[[object], None]
+# a step's thousand SeqResults are added up at C speed
+_TOKEN_IDS = operator.attrgetter("token_ids")
+_PROPOSED = operator.attrgetter("num_proposed")
+_ACCEPTED = operator.attrgetter("num_accepted")
 
 
 class UnknownRequest(KeyError):
@@ -335,7 +340,7 @@ class Engine:
 
     def _done(self, batch: StepBatch, result: StepResult) -> list[RequestOutput]:
         seconds = time.perf_counter() - self._launched_at
-        decode = is_decode(batch.seqs)
+        decode = batch.is_decode
         outputs = self._record(batch, result)
         self.step_no += 1
         self._observe_cost(batch, decode, result, seconds)
@@ -347,7 +352,7 @@ class Engine:
         """Count a step and, unless replaying, keep a decode step's cost and record a new
         automatic speculation threshold where the costs call for one (core/spec_threshold.py)."""
         kinds = self.spec_kinds
-        tokens = sum(len(r.token_ids) for r in result.seqs)
+        tokens = sum(map(len, map(_TOKEN_IDS, result.seqs)))
         measured = seconds if self.decides_spec_threshold else None
         kinds.observe(batch.kind, len(batch.seqs), decode, tokens, measured)
         if decode and kinds.is_auto and self.decides_spec_threshold and kinds.may_change:
@@ -364,38 +369,58 @@ class Engine:
         self.spec_kinds.set(threshold)
 
     def _plan(self, batch: StepBatch) -> StepPlan:
-        seqs = []
+        """The step's plan for the executor, recorded as StepPlanned.  Every running request
+        passes here every step: a decode's row is made from a few attributes; an admission's
+        first plan and a prompt chunk go through `_first_seq_plan`."""
+        seqs: list[SeqPlan] = []
         composition: list[list] = []
         cached: list[list] = []  # the record of reused pages: replay reproduces the hits
         table_of = self.blocks.table
+        num_tokens = 0
         for s in batch.seqs:
-            req = s.request
-            start, stop = req.num_computed, req.num_computed + s.num_tokens
-            table = list(table_of(req.request_id))
-            params: dict = {}
-            prefix_ids: list[int] = []
-            if start == req.admitted_at:  # an admission's first plan
-                params, prefix_ids = req.params.to_dict(), req.token_at(0, start)
-                if start:
-                    cached.append([req.request_id, start, table[: start // self.cfg.block_size]])
-            seqs.append(
-                SeqPlan(
-                    request_id=req.request_id,
-                    start_pos=start,
-                    token_ids=req.token_at(start, stop),
-                    block_table=table,
-                    samples=stop == req.num_tokens,  # Scheduled.samples
-                    num_drafts=s.num_drafts,
-                    prompt_len=req.num_prompt_tokens,
-                    params=params,
-                    prefix_ids=prefix_ids,
-                )
-            )
-            composition.append([req.request_id, s.num_tokens])
+            req, n = s.request, s.num_tokens
+            start, num_prompt = req.num_computed, len(req.prompt_token_ids)
+            if start == req.admitted_at or start < num_prompt:
+                seqs.append(self._first_seq_plan(s, batch.kind, cached))
+            else:  # decoding, or recomputing its output after a preemption
+                out, at = req.output_token_ids, start - num_prompt
+                table = list(table_of(req.request_id))
+                seqs.append(
+                    SeqPlan(
+                        req.request_id, start, out[at : at + n], table, at + n == len(out),
+                        s.num_drafts, num_prompt, {}, [],
+                    )
+                )  # fmt: skip
+            composition.append([req.request_id, n])
+            num_tokens += n + s.num_drafts
         finished, self._finished_ids = self._finished_ids, []
-        lifecycle.planned(self.step_no, batch)
-        self.emit(StepPlanned(self.step_no, batch.kind, composition, batch.num_tokens, cached))
+        self.emit(StepPlanned(self.step_no, batch.kind, composition, num_tokens, cached))
         return StepPlan(self.step_no, batch.kind, seqs, finished)
+
+    def _first_seq_plan(self, s: Scheduled, kind: str, cached: list[list]) -> SeqPlan:
+        """The plan of an admission's first step (with its params and the tokens its cached
+        pages hold, in `cached` too) or of a prompt chunk."""
+        req = s.request
+        start, stop = req.num_computed, req.num_computed + s.num_tokens
+        table = list(self.blocks.table(req.request_id))
+        params: dict = {}
+        prefix_ids: list[int] = []
+        if start == req.admitted_at:  # an admission's first plan
+            params, prefix_ids = req.params.to_dict(), req.token_at(0, start)
+            if start:
+                cached.append([req.request_id, start, table[: start // self.cfg.block_size]])
+        lifecycle.planned(self.step_no, kind, s)
+        return SeqPlan(
+            request_id=req.request_id,
+            start_pos=start,
+            token_ids=req.token_at(start, stop),
+            block_table=table,
+            samples=stop == req.num_tokens,  # Scheduled.samples
+            num_drafts=s.num_drafts,
+            prompt_len=req.num_prompt_tokens,
+            params=params,
+            prefix_ids=prefix_ids,
+        )
 
     def _record(self, batch: StepBatch, result: StepResult) -> list[RequestOutput]:
         for rec in [*result.exited, *result.entered]:
@@ -420,8 +445,8 @@ class Engine:
         memory = attrs.evolve(
             result.memory, kv_pages_used=used, kv_pages_cached=cached, core_rss_bytes=rss_bytes()
         )
-        proposed = sum(r.num_proposed for r in result.seqs)
-        accepted = sum(r.num_accepted for r in result.seqs)
+        proposed = sum(map(_PROPOSED, result.seqs))
+        accepted = sum(map(_ACCEPTED, result.seqs))
         self.emit(StepFinished(self.step_no, batch.kind, sampled, proposed, accepted, memory))
         lifecycle.step_done(self.step_no, batch, memory)
         if proposed:
@@ -446,6 +471,7 @@ class Engine:
         computed KV.  Every running request passes here every step, so it calls little."""
         by_id = {r.request_id: r for r in results}
         bs = self.cfg.block_size
+        adapts_k = batch.kind == "spec" and self.cfg.speculative_adaptive_k
         outputs: list[RequestOutput] = []
         sampled: list[list] = []
         filled: list[Request] = []
@@ -455,18 +481,23 @@ class Engine:
             # full blocks of computed KV (drafts past a stop are not tokens); the prefix cache
             # holds them all once a step is done, so only a step that fills one offers it more
             # (a running request's blocks fill one in `block_size` steps)
-            full_before = min(req.num_computed, req.num_tokens) // bs
-            req.num_computed += s.num_tokens
-            if res is not None:
-                req.num_computed += len(res.token_ids) - 1
+            num_tokens = len(req.prompt_token_ids) + len(req.output_token_ids)
+            computed = req.num_computed
+            full_before = min(computed, num_tokens) // bs
+            computed += s.num_tokens
+            if res is None:
+                req.num_computed = computed
+            else:
+                req.num_computed = computed = computed + len(res.token_ids) - 1
                 req.num_proposed += res.num_proposed
                 req.num_accepted += res.num_accepted
-                if batch.kind == "spec" and self.cfg.speculative_adaptive_k:
+                if adapts_k:
                     self._adapt_k(req, res)
                 out = self._append(req, res.token_ids, res.logprobs)
                 sampled.append([req.request_id, out.new_token_ids])
                 outputs.append(out)
-            if min(req.num_computed, req.num_tokens) // bs > full_before:
+                num_tokens += len(out.new_token_ids)
+            if min(computed, num_tokens) // bs > full_before:
                 filled.append(req)
         return outputs, sampled, filled
 
@@ -479,29 +510,34 @@ class Engine:
     def _append(self, req: Request, tokens: list[int], logprobs: list[list]) -> RequestOutput:
         """Append sampled tokens one by one until a stop condition; the output of this step."""
         p = req.params
-        old_len = len(req.detok.text)
+        out_ids = req.output_token_ids
+        old_len = len(req.detok.text) if p.stop else 0
         reason = None
         num_new = 0
         eos = () if p.ignore_eos else self.model_cfg.eos_token_ids
+        # max_tokens, or the context: prompt + output reaching max_model_len
+        limit = min(p.max_tokens, self.max_model_len - len(req.prompt_token_ids))
         for tok in tokens:
-            req.output_token_ids.append(tok)
+            out_ids.append(tok)
             num_new += 1
             if tok in eos or tok in p.stop_token_ids:
                 reason = "stop"
-            elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            elif len(out_ids) >= limit:
                 reason = "length"
             if reason:
                 break
-        if len(req.output_token_ids) == num_new:
+        if len(out_ids) == num_new:
             lifecycle.first_token(self.step_no, req)
-        new = tokens[:num_new]
-        req.output_logprobs.extend(logprobs[:num_new])
-        text = req.detok.extend(req.output_token_ids, final=reason is not None)
+        if num_new < len(tokens):
+            tokens, logprobs = tokens[:num_new], logprobs[:num_new]
+        if logprobs:
+            req.output_logprobs.extend(logprobs)
+        text = req.detok.extend(out_ids, final=reason is not None)
         if p.stop and reason is None or reason == "length" and p.stop:
             cut = _find_stop(req.detok.text, p.stop, old_len)
             if cut is not None:
                 text, reason = req.detok.text[old_len:cut], "stop"
-        out = RequestOutput(req.request_id, new, text, logprobs=logprobs[:num_new])
+        out = RequestOutput(req.request_id, tokens, text, logprobs=logprobs)
         if reason:
             self._finish(req, reason)
             out.finished, out.finish_reason = True, reason
@@ -676,7 +712,8 @@ def check_prompt(ids: list[int], params: SamplingParams, vocab: int, max_len: in
     longer (with its max_tokens) than the context.  The CLI calls it before the model loads."""
     if not ids:
         raise InvalidRequest("prompt is empty")
-    bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+    in_vocab = set(map(type, ids)) <= {int} and min(ids) >= 0 and max(ids) < vocab  # C speed
+    bad = None if in_vocab else next((t for t in ids if not _is_token(t, vocab)), None)
     if bad is not None:
         raise InvalidRequest(f"token id {bad!r} is outside the vocabulary [0, {vocab})")
     if len(ids) >= max_len:
@@ -686,3 +723,7 @@ def check_prompt(ids: list[int], params: SamplingParams, vocab: int, max_len: in
             f"prompt ({len(ids)}) + max_tokens ({params.max_tokens}) exceeds the context "
             f"of {max_len} tokens"
         )
+
+
+def _is_token(t: object, vocab: int) -> bool:
+    return isinstance(t, int) and 0 <= t < vocab

@@ -11,10 +11,12 @@ ids.  At info level a request costs a few lines; the per-step and per-chunk line
 
 from __future__ import annotations
 
+import logging
+
 import structlog
 
 from memstep.core.request import Request
-from memstep.core.scheduler import StepBatch
+from memstep.core.scheduler import Scheduled, StepBatch
 from memstep.events.types import MemoryReport, RequestPreempted
 
 log = structlog.get_logger("memstep.request")
@@ -37,23 +39,23 @@ def queued(step: int, req: Request, num_waiting: int) -> None:
     )
 
 
-def planned(step: int, batch: StepBatch) -> None:
-    """The lines of a planned step: admissions, prompt chunks (debug)."""
-    for s in batch.seqs:
-        req = s.request
-        start = req.num_computed
-        if start == req.admitted_at:
-            event = ADMISSION.get(req.evicted_by, READMITTED)
-            log.info(event, step=step, **req.log_ids, prefix_hit_tokens=start, kind=batch.kind)
-        if start < req.num_prompt_tokens:
-            log.debug(
-                "prompt chunk",
-                step=step,
-                **req.log_ids,
-                start=start,
-                num_tokens=s.num_tokens,
-                prompt_tokens=req.num_prompt_tokens,
-            )
+def planned(step: int, kind: str, s: Scheduled) -> None:
+    """The lines of a planned sequence that starts an admission or feeds a prompt chunk (debug);
+    the engine calls it for those only (a decode has none)."""
+    req = s.request
+    start = req.num_computed
+    if start == req.admitted_at:
+        event = ADMISSION.get(req.evicted_by, READMITTED)
+        log.info(event, step=step, **req.log_ids, prefix_hit_tokens=start, kind=kind)
+    if start < req.num_prompt_tokens:
+        log.debug(
+            "prompt chunk",
+            step=step,
+            **req.log_ids,
+            start=start,
+            num_tokens=s.num_tokens,
+            prompt_tokens=req.num_prompt_tokens,
+        )
 
 
 def first_token(step: int, req: Request) -> None:
@@ -68,7 +70,10 @@ def evicted(rec: RequestPreempted, req: Request, why: str) -> None:
 
 
 def step_done(step: int, batch: StepBatch, memory: MemoryReport) -> None:
-    """One debug line per step: its kind, batch and memory."""
+    """One debug line per step: its kind, batch and memory (its figures added up only when
+    the line is written)."""
+    if not log.is_enabled_for(logging.DEBUG):
+        return
     log.debug(
         "step",
         step=step,

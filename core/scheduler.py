@@ -35,6 +35,7 @@ class StepBatch:
     kind: str
     seqs: list[Scheduled]
     preempted: list[Request] = attrs.Factory(list)  # sent back to the queue to make room
+    is_decode: bool = False  # `is_decode(seqs)`, as the scheduler found it
 
     @property
     def num_tokens(self) -> int:
@@ -80,16 +81,19 @@ class Scheduler:
         budget = self.cfg.max_num_batched_tokens
         seqs: list[Scheduled] = []
         preempted: list[Request] = []
+        decode = True  # every sequence so far feeds one token and samples it
         for req in list(self.running):
             if req.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(req.num_uncomputed, budget)
+            uncomputed = req.num_uncomputed
+            n = min(uncomputed, budget)
             if n == 0:
                 break
             if not self._reserve(req, req.num_computed + n, preempted):
                 continue
             seqs.append(Scheduled(req, n))
             budget -= n
+            decode = decode and uncomputed == 1  # n is 1: the budget is over 0
         while self.waiting and len(self.running) < self.cfg.max_num_seqs and budget > 0:
             req = self.waiting[0]
             prefix = self.blocks.lookup(req.token_at(0, req.num_tokens))
@@ -102,13 +106,15 @@ class Scheduler:
             self.running.append(req)
             seqs.append(Scheduled(req, n))
             budget -= n
-        kind = self.kinds.kind_for(len(seqs), is_decode(seqs))
+            decode = decode and n == 1 and hit + n == req.num_tokens
+        decode = decode and bool(seqs)
+        kind = self.kinds.kind_for(len(seqs), decode)
         if kind == "spec":
             for s in seqs:
                 s.num_drafts = self._draft_slots(s)
         elif self.decode_lookahead:
             self._reserve_lookahead(seqs)
-        return StepBatch(kind, seqs, preempted)
+        return StepBatch(kind, seqs, preempted, decode)
 
     def _reserve_lookahead(self, seqs: list[Scheduled]) -> None:
         """Best effort, after every step's own pages: pages for `decode_lookahead` slots past

@@ -363,28 +363,30 @@ def _rows_by_column(cls: type, rows: list) -> list | None:
     """The records of `rows` with every column checked at once: the types of a column's values
     in one scan at C speed, and the items of a list[int]-like column in one more, so that a
     thousand-sequence step plan costs a few scans per field instead of a few calls per row; a
-    field of another kind goes through its decoder value by value. None where any check
-    fails: the row-by-row pass then decodes, and names what it finds wrong."""
+    field of another kind goes through its decoder value by value, unless all its values are
+    empty. None where any check fails: the row-by-row pass then decodes, and names what it
+    finds wrong."""
     columns = _row_columns(cls)
     if not set(map(type, rows)) <= _ROW_TYPES or not set(map(len, rows)) <= {len(columns)}:
         return None
-    values = []
+    values: list[typing.Sequence] = list(zip(*rows, strict=True)) or [()] * len(columns)
+    decoded = False
     for j, (tp, item_tp, decoder) in enumerate(columns):
-        column = list(map(operator.itemgetter(j), rows))
-        if decoder is not None:
+        column = values[j]
+        if decoder is None:
+            if not _all_of(column, tp) or (
+                item_tp is not None and not _all_of(itertools.chain(*column), item_tp)
+            ):
+                return None
+        elif tp is object or not _all_of(column, tp) or any(column):
             try:
-                column = [decoder(value, None) for value in column]
+                values[j] = [decoder(value, None) for value in column]
             except CodecError:
                 return None
-        elif (
-            not _all_of(column, tp)
-            or item_tp is not None
-            and not _all_of(itertools.chain(*column), item_tp)
-        ):
-            return None
-        values.append(column)
+            decoded = True
+        # else all empty (a step's logprobs, its params after admission): nothing to check
     try:
-        return list(itertools.starmap(cls, zip(*values, strict=True)))
+        return list(itertools.starmap(cls, zip(*values, strict=True) if decoded else rows))
     except (TypeError, ValueError):
         return None
 
@@ -397,13 +399,18 @@ def _all_of(values: typing.Iterable, tp: type) -> bool:
 @functools.cache
 def _row_columns(cls: type) -> tuple[tuple[type, type | None, Decoder | None], ...]:
     """Per field of a row of `cls`: (its exact type, None, None), (list, the exact type of its
-    items, None), or (object, None, its decoder)."""
+    items, None), (list or dict, None, its decoder) for another list or dict field (whose
+    empty values need no decoder), or (object, None, its decoder)."""
+    hints = typing.get_type_hints(cls)
     columns: list[tuple[type, type | None, Decoder | None]] = []
-    for _, tp, decoder in _spec(cls).fast:
+    for name, tp, decoder in _spec(cls).fast:
+        container = typing.get_origin(hints[name]) or hints[name]
         if tp is not None:
             columns.append((tp, None, None))
         elif decoder in _ITEM_TYPES:
             columns.append((list, _ITEM_TYPES[decoder], None))
+        elif container in (list, dict):
+            columns.append((container, None, decoder))
         else:
             columns.append((object, None, decoder))
     return tuple(columns)

@@ -17,7 +17,7 @@ import attrs
 import msgpack
 
 from memstep.events import codec
-from memstep.events.types import MemoryReport, record
+from memstep.events.types import MemoryReport, record, row_record
 
 PROTOCOL_VERSION = 1
 MAX_REQUEST_ID_CHARS = 128
@@ -39,6 +39,9 @@ class GenerateRequest:
     # a request migrated off a dead engine (router/): the tokens its client already has; they are
     # taken as the first outputs and sampling goes on after them (needs params["seed"])
     output_token_ids: list[int] = attrs.Factory(list)
+    # a streaming request's GenerateDelta may come inside a GenerateDeltas: one frame a step for
+    # all such requests of the client, instead of one per request (the HTTP front asks for it)
+    batch_deltas: bool = False
 
 
 @record
@@ -75,7 +78,7 @@ API_REQUESTS: dict[str, type] = {
 # --- server -> client ----------------------------------------------------------------------
 
 
-@record
+@row_record
 class GenerateDelta:
     """New tokens of a streaming request, one message per engine step that produced some."""
 
@@ -84,6 +87,16 @@ class GenerateDelta:
     text: str
     # per token when params.logprobs = N > 0: [id, text, logprob, [[id, text, logprob] x N]]
     logprobs: list[list] = attrs.Factory(list)
+
+
+@record
+class GenerateDeltas:
+    """One step's GenerateDelta of every streaming request of one client that asked for them
+    together (`GenerateRequest.batch_deltas`), in one frame: a server with hundreds of streams
+    to one HTTP front sends, and the front reads, one frame a step instead of hundreds.  Each
+    delta travels as a row (an array of its field values, in order)."""
+
+    deltas: list[GenerateDelta]
 
 
 @record

@@ -192,7 +192,8 @@ class Router:
         params = dict(msg.params)
         if params.get("seed") is None:
             params["seed"] = self.seeds.randrange(SEED_BOUND)
-        msg = attrs.evolve(msg, params=params, stream=msg.stream)
+        # the router reads its engines' replies one frame a request (no GenerateDeltas)
+        msg = attrs.evolve(msg, params=params, stream=msg.stream, batch_deltas=False)
         hashes = block_hashes(prompt_key(msg.prompt, msg.prompt_token_ids, msg.messages))
         loads, live = self._loads(), self._live()
         try:

@@ -96,6 +96,40 @@ def test_a_silent_core_ends_requests_with_504_instead_of_hanging():
             front.wait(10)
 
 
+def test_a_stream_past_its_deadline_ends_with_an_error_event_then_done():
+    """`--request-timeout`: a stream whose core has gone quiet (but within --core-timeout) ends at
+    its deadline with a core_timeout error event naming the deadline, then [DONE]; a choice of
+    a two-choice response ends the same way (the alarm names no choice)."""
+    with ServerProcess(["--model", "random:tiny", "--num-threads", "1"]) as server:
+        server.wait_ready()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "memstep.api.http_server", "--zmq", server.address]
+        cmd += ["--model-name", "random:tiny", "--port", str(port), "--request-timeout", "3"]
+        front = subprocess.Popen(cmd)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            _wait_http(url)
+            for n in (1, 2):
+                body = {"model": "random:tiny", "prompt": "abc", "max_tokens": 400, "n": n}
+                body |= {"ignore_eos": True, "stream": True}
+                with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+                    lines = r.iter_lines()
+                    assert next(lines).startswith("data: {")
+                    os.kill(server.info["core_pid"], signal.SIGSTOP)
+                    start = time.monotonic()
+                    rest = [line for line in lines if line]
+                os.kill(server.info["core_pid"], signal.SIGCONT)
+                assert time.monotonic() - start < 10
+                assert "core_timeout" in rest[-2] and "deadline" in rest[-2], rest[-2:]
+                assert rest[-1] == "data: [DONE]"
+        finally:
+            os.kill(server.info["core_pid"], signal.SIGCONT)
+            front.terminate()
+            front.wait(10)
+
+
 def _wait_http(url: str, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -82,7 +82,13 @@ def test_prompt_longer_than_context(smol_engine):
 
 @pytest.mark.parametrize(
     "ids, message",
-    [([], "empty"), ([49152], "outside the vocabulary"), ([-1], "outside the vocabulary")],
+    [
+        ([], "empty"),
+        ([49152], "outside the vocabulary"),  # the vocabulary's size: one past its last id
+        ([-1], "outside the vocabulary"),
+        ([5, 7, 49152, 9], "token id 49152 is outside"),  # named among good ids
+        ([5, 2.0], "token id 2.0 is outside"),  # not an int
+    ],
 )
 def test_bad_token_ids(smol_engine, ids, message):
     with pytest.raises(InvalidRequest, match=message):

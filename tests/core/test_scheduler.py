@@ -8,7 +8,7 @@ from memstep.core.block_manager import BlockManager
 from memstep.core.config import EngineConfig
 from memstep.core.request import Request
 from memstep.core.sampling_params import SamplingParams
-from memstep.core.scheduler import Scheduler
+from memstep.core.scheduler import Scheduler, is_decode
 from memstep.executors.process.inprocess import local_engine
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
@@ -111,3 +111,41 @@ def test_decode_lookahead_reserves_the_slot_after_a_prompts_last_chunk():
     sched.add(Request("long", list(range(1, 9)), GREEDY, str))
     (s,) = sched.schedule().seqs
     assert not s.samples and len(sched.blocks.table("long")) == 1
+
+
+def _step(sched: Scheduler) -> list[bool]:
+    """Schedule and run one step (one token sampled per sequence that samples); the batch's
+    decode flag and `is_decode` of its sequences, as computed before the step ran."""
+    batch = sched.schedule()
+    flags = [batch.is_decode, is_decode(batch.seqs)]
+    for s in batch.seqs:
+        sampled = s.samples
+        s.request.num_computed += s.num_tokens
+        if sampled:
+            s.request.output_token_ids.append(7)
+    return flags
+
+
+def test_the_batch_decode_flag_is_what_its_sequences_say():
+    """`StepBatch.is_decode`, found while scheduling, equals `is_decode(seqs)`: for one-token
+    admissions (a decode), a long prompt admitted with the one token the budget leaves (no
+    sample), that prompt's next one-token chunk, and for prefills, chunks, decodes and
+    preemptions over many steps."""
+    cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=4, block_size=BLOCK)
+    sched = Scheduler(cfg, BlockManager(64, BLOCK), max_model_len=64)
+    for i in range(3):
+        sched.add(Request(f"r{i}", [5], GREEDY, str))
+    assert _step(sched) == [True, True]
+    sched.add(Request("long", list(range(1, 9)), GREEDY, str))
+    assert _step(sched) == [False, False], "the long prompt's first token samples nothing"
+    assert _step(sched) == [False, False], "its second chunk, one token, samples nothing"
+    cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=6, block_size=BLOCK)
+    sched = Scheduler(cfg, BlockManager(7, BLOCK), max_model_len=64)
+    for i in range(3):
+        sched.add(Request(f"r{i}", [1, 2], GREEDY, str))
+    seen = [_step(sched) for _ in range(2)]
+    sched.add(Request("long", list(range(1, 9)), GREEDY, str))
+    seen += [_step(sched) for _ in range(12)]
+    assert all(flag == expected for flag, expected in seen), seen
+    assert {flag for flag, _ in seen} == {True, False}
+    assert sched.num_preemptions > 0, "7 pages of 4 slots ran out: some steps preempted"

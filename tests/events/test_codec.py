@@ -242,6 +242,24 @@ def test_a_long_plan_is_checked_by_column_and_a_bad_item_in_its_last_row_is_name
         from_obj(obj)
 
 
+def test_an_all_empty_column_skips_its_decoder_but_not_its_type_check():
+    """A column whose values are all empty (the logprobs of a step without them, the params of
+    admitted requests) is taken without calling its decoder per row; an empty value of the
+    wrong container type is still refused, and named."""
+    seqs = [plan.SeqResult(f"r{i}", [i], [], 0, 0) for i in range(100)]
+    mem = MemoryReport(*range(9))
+    rec = plan.StepResult(0, "no_spec", seqs, mem, [], [], [])
+    obj = msgpack.unpackb(encode(rec), raw=False)
+    assert from_obj(obj) == rec
+    obj["seqs"][57][2] = {}  # logprobs: an empty map where a list is typed
+    with pytest.raises(CodecError, match=r"seqs\[57\]: SeqResult\.logprobs: expected list"):
+        from_obj(obj)
+    step = plan_rows(*[plan.SeqPlan(f"r{i}", i, [i], [0], True, 0, 1, {}) for i in range(50)])
+    step["seqs"][49][7] = []  # params: an empty list where a map is typed
+    with pytest.raises(CodecError, match=r"seqs\[49\]: SeqPlan\.params: expected dict"):
+        from_obj(step)
+
+
 def test_nested_records_encode_as_tagged_maps():
     rec = StateExited(step=40, kind="decode", bytes_released=0, ledger=LEDGER[:1])
     expected = {
