@@ -57,6 +57,7 @@ from memstep.api.metrics import FrontStats, Metrics
 from memstep.api.openai_protocol import Job, OpenAIError
 from memstep.api.tally import host_rss_bytes
 from memstep.api.tool_call_stream import CallStream
+from memstep.core import collector
 from memstep.core.logging import setup_logging
 from memstep.events.wire import ErrorReply, GenerateDone, HealthReply
 
@@ -583,6 +584,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument(f"--{field.name.replace('_', '-')}", type=type(field.default))
     args = p.parse_args(argv)
     setup_logging(args.log_format, args.log_level)
+    collector.tune_for_core()  # a step's chunks are as many short-lived objects as the core's
     given = {f.name: getattr(args, f.name) for f in attrs.fields(HttpLimits)}
     limits = HttpLimits(**{name: value for name, value in given.items() if value is not None})
     api_key = os.environ.pop("MEMSTEP_API_KEY", None) or None  # not on the command line
