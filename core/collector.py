@@ -6,8 +6,9 @@ Python's default threshold (700 young objects) the collector runs a dozen times 
 and every tenth young collection walks the older generation too: all the running requests'
 objects, a few milliseconds a step for nothing, since those objects are not garbage.  The core
 process raises the young threshold above a step's objects; what is cyclic garbage still goes,
-a few steps later.  An HTTP front's process does the same: a step's chunks make as many.  The executor's process keeps the default: its memory meter walks the
-collector's objects itself (executors/runtime/memory.py).
+a few steps later.  An HTTP front's process does the same: a step's chunks make as many.  The
+executor's process keeps the default: its memory meter walks the collector's objects itself
+(executors/runtime/memory.py).
 """
 
 from __future__ import annotations
