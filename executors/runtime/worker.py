@@ -290,7 +290,9 @@ class Worker:
 
     def _masks_ahead(self, results: list[SeqResult]) -> None:
         """The next step's masks of the constrained requests that sampled, begun now: computed
-        while the core plans that step (`Sampler.mask_ahead`)."""
+        while the core plans that step (`Sampler.mask_ahead`); nothing where that is off."""
+        if not self.sampler.masks_ahead:
+            return
         states = [self.requests[res.request_id] for res in results]
         self.sampler.mask_ahead([s.row(0, s.tokens) for s in states if s.guide is not None])
 
