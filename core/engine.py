@@ -105,6 +105,7 @@ class Engine:
         check_tensor_parallel(self.model_cfg, cfg.tensor_parallel_size)
         mc = self.model_cfg
         self.tokenizer = load_tokenizer(self.source, mc.vocab_size, mc.eos_token_ids)
+        self.token_bytes = self.tokenizer.token_bytes()  # None: text by decoding (detokenizer.py)
         self.step_no = 0
         self.state = "boot"  # as the executor last reported it; the executor checks the table
         self.requests: dict[str, Request] = {}
@@ -204,7 +205,7 @@ class Engine:
             params = params.with_seed(self.seeds.draw())
         arrival = time.time() if arrival_time is None else arrival_time
         self.emit(RequestAdded(self.step_no, request_id, ids, params.to_dict(), arrival))
-        req = Request(request_id, ids, params, self.tokenizer.decode)
+        req = Request(request_id, ids, params, self.tokenizer.decode, self.token_bytes)
         self.requests[request_id] = req
         self.scheduler.add(req)
         if client_id is not None:
@@ -238,7 +239,7 @@ class Engine:
         self.emit(
             RequestResumed(self.step_no, request_id, ids, params.to_dict(), out, arrival_time)
         )
-        req = Request(request_id, ids, params, self.tokenizer.decode)
+        req = Request(request_id, ids, params, self.tokenizer.decode, self.token_bytes)
         req.output_token_ids = out
         req.detok.extend(out)
         self.requests[request_id] = req

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-from memstep.core.detokenizer import IncrementalText
+from memstep.core.detokenizer import ByteText, IncrementalText
 from memstep.core.sampling_params import SamplingParams
 
 
@@ -22,6 +22,7 @@ class Request:
         prompt_token_ids: list[int],
         params: SamplingParams,
         decode: Callable[[list[int]], str],
+        token_bytes: Sequence[bytes] | None = None,  # each id's bytes, where ids are bytes
     ):
         self.request_id = request_id
         self.client_id = request_id  # the id its client gave (`Engine.name`), in its log lines
@@ -44,7 +45,8 @@ class Request:
         # spec steps in a row with no draft accepted; None: K is the config's
         self.draft_length: int | None = None
         self.num_missed_steps = 0
-        self.detok = IncrementalText(decode)  # the output text, grown step by step
+        # the output text, grown step by step
+        self.detok = IncrementalText(decode) if token_bytes is None else ByteText(token_bytes)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -29,6 +29,8 @@ class Tokenizer(Protocol):
         self, messages: list[dict[str, str]], special_tokens_in_messages: bool = False
     ) -> list[int]: ...
 
+    def token_bytes(self) -> list[bytes] | None: ...
+
 
 class HFTokenizer:
     """A `tokenizers.Tokenizer` plus the model's chat template, compiled and checked at load.
@@ -47,6 +49,7 @@ class HFTokenizer:
         self._template = ChatTemplate(chat_template, bos) if chat_template else None
         self.eos_token_ids = eos
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        self._token_bytes: list[bytes] | None = None  # made when first asked for
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
@@ -62,6 +65,15 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=True))
+
+    def token_bytes(self) -> list[bytes] | None:
+        """Each id's bytes, where `decode` joins the ids' bytes and reads them as UTF-8
+        (byte-level BPE: GPT-2's, Llama 3's, SmolLM2's), special tokens as nothing; else None.
+        Made once, and checked id by id against `decode` (an id whose bytes read otherwise
+        alone, where `decode` gives a whole text, is that text's bytes: an added token)."""
+        if self._token_bytes is None:
+            self._token_bytes = _byte_level_table(self._tok, self.vocab_size) or []
+        return self._token_bytes or None
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
         """The chat as text, to show; `encode_chat` makes the ids (encoding this text would not)."""
@@ -112,6 +124,47 @@ def _without_special_tokens(tok: Any) -> Any:
     plain = RawTokenizer.from_str(tok.to_str())
     plain.encode_special_tokens = True
     return plain
+
+
+def _byte_level_table(tok: Any, vocab_size: int) -> list[bytes] | None:
+    """`HFTokenizer.token_bytes`: None unless the decoder is byte-level and every id's bytes
+    read as `decode([id])` does (or that text is whole, and is taken as the id's bytes)."""
+    from tokenizers import decoders
+
+    if not isinstance(tok.decoder, decoders.ByteLevel):
+        return None
+    byte_of = {c: b for b, c in enumerate(_byte_level_chars())}
+    special = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+    table = []
+    for i in range(vocab_size):
+        piece = tok.id_to_token(i)
+        if i in special or piece is None:
+            table.append(b"")
+        elif all(c in byte_of for c in piece):
+            table.append(bytes(byte_of[c] for c in piece))
+        else:
+            table.append(piece.encode())
+    texts = tok.decode_batch([[i] for i in range(vocab_size)], skip_special_tokens=True)
+    for i, text in enumerate(texts):
+        if table[i].decode(errors="replace") != text:
+            if "\ufffd" in text:
+                return None
+            table[i] = text.encode()
+    return table
+
+
+def _byte_level_chars() -> list[str]:
+    """GPT-2's byte-level alphabet: the character that stands for each byte 0..255."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    kept += range(ord("®"), ord("ÿ") + 1)
+    chars, extra = [], 0
+    for b in range(256):
+        if b in kept:
+            chars.append(chr(b))
+        else:
+            chars.append(chr(256 + extra))
+            extra += 1
+    return chars
 
 
 def _content_spans(parts: list[tuple[str, bool]]) -> list[tuple[int, int]]:

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from memstep.core.detokenizer import IncrementalText
-from memstep.core.tokenizer import ByteTokenizer
+from memstep.core.detokenizer import ByteText, IncrementalText
+from memstep.core.tokenizer import ByteTokenizer, HFTokenizer
 
 TEXTS = [
     "The capital of France is Paris. Émile's café serves crème brûlée — 美味しい 🍞🥖!",
@@ -90,3 +90,58 @@ def test_pieces_are_those_of_a_window_decoded_afresh_each_call(smol_engine, kind
         inc = IncrementalText(tok.decode)
         pieces = [inc.extend(ids[:n], final=n == len(ids)) for n in ends]
         assert pieces == window_per_call_pieces(tok.decode, ids, ends), seed
+
+
+def byte_text_pieces(table: list[bytes], ids: list[int], ends: list[int]) -> list[str]:
+    inc = ByteText(table)
+    return [inc.extend(ids[:n], final=n == len(ids)) for n in ends]
+
+
+@pytest.mark.parametrize("kind", ["bytes", "smollm2"])
+def test_byte_text_adds_up_to_the_whole_decode(smol_engine, kind):
+    """Pieces made from the ids' bytes add up to `decode` of the whole output, on random ids
+    (invalid UTF-8, special ids that decode to nothing) as on text, and no piece shows a character
+    that a later token completes."""
+    tok = ByteTokenizer(512, (1,)) if kind == "bytes" else smol_engine.tokenizer
+    table = tok.token_bytes()
+    assert table is not None and len(table) == tok.vocab_size
+    rng = random.Random(11)
+    for seed in range(60):
+        if seed % 2:
+            ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 200))]
+        else:
+            ids = [i for text in rng.choices(TEXTS, k=4) for i in tok.encode(text)]
+        ends, n = [], 0
+        while n < len(ids):
+            n = min(len(ids), n + rng.randint(1, rng.choice([1, 3])))
+            ends.append(n)
+        pieces = byte_text_pieces(table, ids, ends)
+        assert "".join(pieces) == tok.decode(ids), seed
+        if seed % 2 == 0:  # text: whole characters only
+            assert not any("\ufffd" in p for p in pieces), seed
+
+
+def test_byte_text_holds_a_split_character_until_it_completes():
+    tok = ByteTokenizer(300, (2,))
+    ids = tok.encode("é!€")  # two bytes, one, three
+    inc = ByteText(tok.token_bytes())
+    assert [inc.extend(ids[:n]) for n in range(1, 7)] == ["", "é", "!", "", "", "€"]
+    inc = ByteText(tok.token_bytes())
+    assert inc.extend(ids[:1]) == ""
+    assert inc.extend(ids[:1], final=True) == "\ufffd" == tok.decode(ids[:1])
+    assert inc.text == "\ufffd"
+
+
+def test_the_engine_streams_bytes_where_the_tokenizer_has_them(smol_engine):
+    """SmolLM2's byte-level BPE gets the table (each id's bytes read as `decode` reads that id);
+    a tokenizer whose decoder is not byte-level gets none, and its requests decode windows."""
+    from tokenizers import Tokenizer, decoders, models
+
+    tok = smol_engine.tokenizer
+    table = tok.token_bytes()
+    assert table is not None and smol_engine.token_bytes is table
+    for i in range(0, tok.vocab_size, 97):
+        assert table[i].decode(errors="replace") == tok.decode([i]), i
+    raw = Tokenizer(models.WordLevel({"a": 0, "##b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    raw.decoder = decoders.WordPiece()
+    assert HFTokenizer(raw, None, (2,), "").token_bytes() is None
