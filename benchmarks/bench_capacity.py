@@ -121,6 +121,8 @@ def one_run(
     run = {"rate": rate, **{k: m[k] for k in keep}, "cpu_s": cpu, "meets": meets(m, ctx["args"])}
     out_tokens = max(1, sum(r.output_len for r in results if r.ok))
     run["front_cpu_us_a_token"] = round(cpu.get("http", 0.0) * 1e6 / out_tokens, 1)
+    errors = [r.error for r in results if not r.ok]
+    run["first_error"] = errors[0] if errors else None  # what a run that failed any met
     print(f"{label or backend:<7} {describe(run)}", flush=True)
     return run
 
@@ -131,6 +133,7 @@ def describe(run: dict) -> str:
         f"served {run['request_throughput']:.2f} req/s, {run['output_throughput']:.0f} tok/s, "
         f"TTFT p99 {run['p99_ttft_ms']:.0f} ms, TPOT mean {run['mean_tpot_ms']:.1f} ms, "
         f"failed {run['failed']}, CPU s {run['cpu_s']}"
+        + (f"; first error: {run['first_error'][:200]}" if run["first_error"] else "")
     )
 
 
@@ -168,13 +171,15 @@ def overload(url: str, backend: str, found: dict, samples: list[Sample], ctx: di
     lost = sum(
         1 for r, s in zip(results, asked, strict=True) if r.ok and r.output_len != s.output_len
     )
-    return run | {
+    found = {
         "served_of_capacity": round(run["output_throughput"] / at["output_throughput"], 3),
         "tpot_of_capacity": round(run["mean_tpot_ms"] / at["mean_tpot_ms"], 3),
         "refused": len(refused),
         "untyped_refusals": [e for e in refused if e not in typed][:5],
         "admitted_lost": lost,
     }
+    print(f"{backend} 2x: {found}", flush=True)
+    return run | found
 
 
 def is_typed_refusal(error: str) -> bool:

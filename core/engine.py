@@ -105,7 +105,10 @@ class Engine:
         check_tensor_parallel(self.model_cfg, cfg.tensor_parallel_size)
         mc = self.model_cfg
         self.tokenizer = load_tokenizer(self.source, mc.vocab_size, mc.eos_token_ids)
-        self.token_bytes = self.tokenizer.token_bytes()  # None: text by decoding (detokenizer.py)
+        # None: text by decoding (core/detokenizer.py); ids past the tokenizer's vocabulary (a
+        # random model with another model's tokenizer) decode to nothing, as `decode` has them
+        table = self.tokenizer.token_bytes()
+        self.token_bytes = None if table is None else table + [b""] * (mc.vocab_size - len(table))
         self.step_no = 0
         self.state = "boot"  # as the executor last reported it; the executor checks the table
         self.requests: dict[str, Request] = {}

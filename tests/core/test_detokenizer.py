@@ -139,9 +139,36 @@ def test_the_engine_streams_bytes_where_the_tokenizer_has_them(smol_engine):
 
     tok = smol_engine.tokenizer
     table = tok.token_bytes()
-    assert table is not None and smol_engine.token_bytes is table
+    assert table is not None and smol_engine.token_bytes == table
     for i in range(0, tok.vocab_size, 97):
         assert table[i].decode(errors="replace") == tok.decode([i]), i
     raw = Tokenizer(models.WordLevel({"a": 0, "##b": 1, "[UNK]": 2}, unk_token="[UNK]"))
     raw.decoder = decoders.WordPiece()
     assert HFTokenizer(raw, None, (2,), "").token_bytes() is None
+
+
+def test_a_model_with_a_smaller_tokenizer_streams_what_decode_gives(tmp_path):
+    """A random model's ids past its tokenizer's vocabulary (random:llama-3.1-8b with SmolLM2's
+    tokenizer on a GPU) decode to nothing, as the tokenizer's `decode` has them: the engine's
+    table covers the model's vocabulary, and the text equals `decode` of the ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from memstep.core.config import EngineConfig
+    from memstep.core.sampling_params import SamplingParams
+    from memstep.executors.process.inprocess import local_engine
+
+    vocab = {c: i for i, c in enumerate("abcdefghij")}
+    raw = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    raw.save(str(tmp_path / "tokenizer.json"))
+    cfg = EngineConfig(model="random:tiny", tokenizer=str(tmp_path / "tokenizer.json"))
+    engine = local_engine(cfg.replace(num_threads=1))
+    try:
+        assert engine.token_bytes is not None and len(engine.token_bytes) == 512
+        params = SamplingParams(max_tokens=40, ignore_eos=True, temperature=1.0, seed=3)
+        (out,) = engine.generate(["abc"], params)
+        assert any(i >= 10 for i in out.token_ids), "no id past the tokenizer's"
+        assert out.text == engine.tokenizer.decode(out.token_ids)
+    finally:
+        engine.shutdown()
