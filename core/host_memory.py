@@ -23,9 +23,22 @@ MIB = 1 << 20
 def rss_bytes(pid: int | str = "self") -> int:
     """Resident bytes of process `pid` (this one by default); 0 where /proc cannot tell."""
     try:
-        return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * PAGE_BYTES
+        data = _own_statm() if pid == "self" else Path(f"/proc/{pid}/statm").read_bytes()
+        return int(data.split()[1]) * PAGE_BYTES
     except (OSError, IndexError, ValueError):
         return 0
+
+
+_statm: tuple[int, int] | None = None  # (pid, fd): this process's statm, kept open
+
+
+def _own_statm() -> bytes:
+    """This process's /proc statm, read from a descriptor opened once (read after every step;
+    a forked child opens its own, since the parent's names the parent)."""
+    global _statm
+    if _statm is None or _statm[0] != os.getpid():
+        _statm = (os.getpid(), os.open(f"/proc/{os.getpid()}/statm", os.O_RDONLY | os.O_CLOEXEC))
+    return os.pread(_statm[1], 256, 0)
 
 
 class HostWatch:
