@@ -229,6 +229,9 @@ class Server:
         self.refused: collections.Counter[str] = collections.Counter()  # by error code
         self.executor_death: str | None = None  # why the engine gave up on executors
         self.unsent: list[RequestOutput] = []  # the last step's outputs, sent during the next
+        # frames read while the executor ran a step, with their prompts' ids made then (None:
+        # nothing made ahead); handled in order at the next turn, before any later frame
+        self.early: collections.deque[tuple[list[bytes], list[int] | None]] = collections.deque()
         self.dead_since: float | None = None
         self.tally = Tally()
         self.detached = Reattach()  # requests carried over from a dead server's log
@@ -283,7 +286,7 @@ class Server:
     def run_once(self) -> None:
         """Read, check the executor, step (sending the last step's outputs while the executor
         runs this one), keep quiet clients alive."""
-        busy = self._can_step() or bool(self.unsent)
+        busy = self._can_step() or bool(self.unsent) or bool(self.early)
         self._receive(0 if busy else self.cfg.idle_poll_s)
         self._check_executor()
         self._drop_gone_peers()
@@ -318,15 +321,43 @@ class Server:
         ready = dict(self.poller.poll(int(timeout * 1000)))
         if self.zap is not None and self.zap in ready:
             self._answer_zap()
+        while self.early:
+            self._handle_safely(*self.early.popleft())
         for _ in range(MAX_MESSAGES_PER_TURN):
             try:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            self._handle_safely(frames, None)
+
+    def _handle_safely(self, frames: list[bytes], ids: list[int] | None) -> None:
+        try:
+            self._handle(frames, ids)
+        except Exception:  # even the error reply failed: drop the frame, keep serving
+            log.exception("frame dropped", num_frames=len(frames))
+
+    def _read_ahead(self) -> None:
+        """While the executor runs a step: take the frames that came meanwhile and make their
+        prompts' ids, so that the tokenizer's time (a long prompt's is a millisecond) is not
+        spent between steps; the next turn handles them, in order, with those ids."""
+        for _ in range(MAX_MESSAGES_PER_TURN - len(self.early)):
             try:
-                self._handle(frames)
-            except Exception:  # even the error reply failed: drop the frame, keep serving
-                log.exception("frame dropped", num_frames=len(frames))
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.early.append((frames, self._ids_ahead(frames[-1])))
+
+    def _ids_ahead(self, payload: bytes) -> list[int] | None:
+        """The ids of a generate request's text prompt or chat; None for any other frame, or a
+        prompt that fails here (handled in its turn, it fails there with its error)."""
+        try:
+            msg = decode_request(payload, self.cfg.max_frame_bytes)
+            if not isinstance(msg, GenerateRequest) or msg.prompt_token_ids is not None:
+                return None
+            prompt = self._prompt(msg)
+            return self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        except Exception:
+            return None
 
     def _check_executor(self) -> None:
         if self.executor_death is not None:
@@ -344,6 +375,8 @@ class Server:
         launched = self._can_step() and self._engine_call(self.engine.launch)
         try:
             self._send_unsent()
+            if launched:
+                self._read_ahead()
         finally:
             if launched:
                 self.unsent = self._engine_call(self.engine.finish) or []
@@ -426,7 +459,8 @@ class Server:
 
     # --- incoming messages -----------------------------------------------------------------
 
-    def _handle(self, frames: list[bytes]) -> None:
+    def _handle(self, frames: list[bytes], ids: list[int] | None = None) -> None:
+        """One frame; `ids`: its prompt's ids, made ahead (`_read_ahead`)."""
         if len(frames) == 2:
             envelope, payload = frames[:1], frames[1]
         elif len(frames) == 3 and frames[1] == b"":
@@ -445,7 +479,7 @@ class Server:
             self._send(envelope, ErrorReply("", "internal_error", _message(exc)))
             return
         try:
-            self._dispatch(envelope, msg)
+            self._dispatch(envelope, msg, ids)
         except (RequestRefused, InvalidRequest, UnknownRequest) as exc:
             if isinstance(exc, RequestRefused):
                 self.refused[exc.code] += 1
@@ -460,9 +494,9 @@ class Server:
         log.info("request rejected", step=step, request_id=request_id, code=code, reason=reason)
         self._send(envelope, ErrorReply(request_id, code, reason))
 
-    def _dispatch(self, envelope: list[bytes], msg: Any) -> None:
+    def _dispatch(self, envelope: list[bytes], msg: Any, ids: list[int] | None = None) -> None:
         if isinstance(msg, GenerateRequest):
-            self._generate(envelope, msg)
+            self._generate(envelope, msg, ids)
         elif isinstance(msg, AbortRequest):
             self._abort(envelope, msg)
         elif isinstance(msg, HealthRequest):
@@ -474,7 +508,9 @@ class Server:
         else:
             raise NotImplementedError(f"no handler for {type(msg).__name__}")
 
-    def _generate(self, envelope: list[bytes], msg: GenerateRequest) -> None:
+    def _generate(
+        self, envelope: list[bytes], msg: GenerateRequest, ids: list[int] | None = None
+    ) -> None:
         if self.executor_death is not None:
             raise RequestRefused("executor_dead", f"the executor is dead: {self.executor_death}")
         if not self._log_writable():
@@ -489,7 +525,7 @@ class Server:
             raise RequestRefused("duplicate_request", f"request {msg.request_id!r} is in flight")
         self._check_queue()
         self._check_waiting()
-        prompt = self._prompt(msg)
+        prompt = self._prompt(msg) if ids is None else ids
         params = _sampling_params(msg.params)
         log.info("request arrived", step=self.engine.step_no, request_id=msg.request_id)
         if msg.output_token_ids:
