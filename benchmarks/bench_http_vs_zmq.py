@@ -65,7 +65,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, help="default: --concurrency")
     p.add_argument("--max-num-batched-tokens", type=int)
     p.add_argument("--max-model-len", type=int, help="and samples longer than this are dropped")
-    p.add_argument("--output-len", type=int, default=64, help="each request's output cap")
+    p.add_argument("--output-len", type=int, default=64, help="output cap (0: each sample's own)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dataset", default="synthetic")
     p.add_argument("--backends", default="zmq,openai", help="comma-separated, run alternately")
