@@ -343,7 +343,13 @@ class Front:
 
     def _events(self, out: _SseState, index: int, item: Any) -> bytes:
         """The SSE text for one reply of choice `index`: its chunk; after the last choice's
-        GenerateDone the usage chunk if asked for and [DONE]; an error event ends the stream."""
+        GenerateDone the usage chunk if asked for and [DONE]; an error event ends the stream.
+
+        A delta with tokens gets its chunk even when it adds no text (a token that ends inside
+        a character, one the tokenizer has no text for, text held back by a stop string), as
+        vLLM's server sends one: a client times each token as it comes, and the first chunk is
+        the first token, as over ZMQ.  Held back, a random model's reply whose tokens have no
+        text would show its first chunk, and its TTFT, only at its end."""
         job, rid = out.job, out.rid
         if out.ended:
             return b""
@@ -371,8 +377,8 @@ class Front:
             waiting = out.held_logprobs.pop(index, []) + list(item.logprobs)
             return self._tool_chunks(out, index, out.calls[index].feed(item.text), waiting)
         text = item.text
-        if not text and not item.logprobs:
-            return b""  # a token that ends inside a character
+        if not (text or item.token_ids or item.logprobs):
+            return b""
         role = index not in out.started
         out.started.add(index)
         offset = out.offsets[index]

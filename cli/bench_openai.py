@@ -1,10 +1,13 @@
 """`bench serve`'s OpenAI backends: one streamed request to `/v1/completions` ("openai") or
 `/v1/chat/completions` ("openai-chat") of memstep's HTTP front or any OpenAI-compatible server.
 
-Times are taken as by the ZMQ backend: each SSE chunk that carries text is one arrival.  The token
-counts come from the server's `usage` (asked for with `stream_options.include_usage`).  The client
-is aiohttp, as vLLM's `benchmark_serving.py` (httpx spent about twice its CPU a chunk, and a busy
-client's late reads count as the server's latency).
+Times are taken as by the ZMQ backend and by vLLM's `benchmark_serving.py`: each SSE chunk of a
+choice is one arrival, with text or without (`is_token`), and TTFT is the first one's.  Counting
+only chunks with text would time a reply whose first tokens have none (a character split over
+tokens, or a random model's ids that the tokenizer has no text for) from its first text.  The
+token counts come from the server's `usage` (asked for with `stream_options.include_usage`).
+The client is aiohttp, as vLLM's `benchmark_serving.py` (httpx spent about twice its CPU a
+chunk, and a busy client's late reads count as the server's latency).
 """
 
 from __future__ import annotations
@@ -104,6 +107,13 @@ def _take(out: Streamed, event: dict, chat: bool) -> None:
         out.prompt_tokens = event["usage"]["prompt_tokens"]
         out.completion_tokens = event["usage"]["completion_tokens"]
     for choice in event.get("choices", []):
-        text = choice["delta"].get("content") if chat else choice.get("text")
-        if text:
+        if is_token(choice, chat):
             out.arrivals.append(time.perf_counter())
+
+
+def is_token(choice: dict, chat: bool) -> bool:
+    """Whether a streamed choice brings tokens: every chunk does, with text or without (a token
+    that ends inside a character has none yet), but a closing one that only gives the finish
+    reason (memstep's front ends each choice so; vLLM's puts it on the last token's chunk)."""
+    text = choice["delta"].get("content") if chat else choice.get("text")
+    return bool(text) or choice.get("finish_reason") is None

@@ -256,6 +256,25 @@ def test_api_key_is_required_on_v1(tiny):
     assert httpx.post(url + "/v1/completions", json=body, headers=right).status_code == 200
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_every_token_gets_its_chunk_also_one_without_text(tiny, chat):
+    """A token that adds no text yet (a byte of an unfinished UTF-8 character, from random:tiny's
+    byte tokenizer) still gets its chunk, as vLLM's server sends one: a client times each token,
+    and the first chunk comes with the first token.  The check fires: a front that holds such
+    tokens back sends fewer chunks than tokens (and a reply of them only its last, at its end)."""
+    body = {"model": "random:tiny", "max_tokens": 24, "temperature": 1.0, "seed": 3}
+    body |= {"ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    body |= {"messages": [{"role": "user", "content": "abc"}]} if chat else {"prompt": "abc"}
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    auth = {"Authorization": "Bearer sesame"}
+    with httpx.stream("POST", tiny.http_url + path, json=body, headers=auth, timeout=60) as reply:
+        events = [json.loads(line[6:]) for line in reply.iter_lines() if line[:7] == "data: {"]
+    tokens = [c for e in events for c in e["choices"] if c["finish_reason"] is None]
+    texts = [c["delta"]["content"] if chat else c["text"] for c in tokens]
+    assert len(tokens) == events[-1]["usage"]["completion_tokens"] == 24
+    assert "" in texts and any(texts), texts  # tokens without text, and with
+
+
 def test_a_killed_executor_turns_health_503_and_requests_into_openai_errors(tiny):
     sdk = openai.OpenAI(base_url=tiny.http_url + "/v1", api_key="sesame", max_retries=0)
     assert httpx.get(tiny.http_url + "/health").status_code == 200

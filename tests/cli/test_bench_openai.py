@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
 
-from memstep.cli import bench_serve
+from memstep.cli import bench_openai, bench_serve
 from memstep.cli.serve import ServerProcess
 
 TINY = ["--model", "random:tiny", "--num-threads", "1"]
@@ -45,3 +46,21 @@ def test_http_errors_count_as_failed_requests(server, tmp_path, capsys):
     data = json.loads(out.read_text())
     assert (data["completed"], data["failed"]) == (1, 1)
     assert "HTTP 400" in data["requests"]["errors"][1]
+
+
+def test_the_client_times_every_token_also_one_without_text(server):
+    """Every chunk of a choice is an arrival, with text or without (as vLLM's client times them),
+    so TTFT is the first token's; only a closing chunk with no text is not one.  The check fires:
+    counting chunks with text only, random:tiny's bytes of unfinished characters go untimed."""
+    body = bench_openai.request_body(False, "random:tiny", "abc", 24, True)
+    body |= {"temperature": 1.0, "seed": 3}  # some tokens without text (see tests/api)
+
+    async def run() -> bench_openai.Streamed:
+        async with bench_openai.session(60) as http:
+            return await bench_openai.stream(http, server.http_url, False, body)
+
+    got = asyncio.run(run())
+    assert len(got.arrivals) == got.completion_tokens == 24
+    assert bench_openai.is_token({"text": "", "finish_reason": None}, False)
+    assert not bench_openai.is_token({"delta": {"content": ""}, "finish_reason": "length"}, True)
+    assert bench_openai.is_token({"delta": {"content": "a"}, "finish_reason": "stop"}, True)
