@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 
 import pytest
 
@@ -72,13 +73,10 @@ def window_per_call_pieces(decode, ids: list[int], ends: list[int]) -> list[str]
     return pieces
 
 
-@pytest.mark.parametrize("kind", ["bytes", "smollm2"])
-def test_pieces_are_those_of_a_window_decoded_afresh_each_call(smol_engine, kind):
-    """One decode a call streams the very pieces that two did, on random ids (invalid UTF-8,
-    end-of-sequence ids that decode to nothing) as on text."""
-    tok = ByteTokenizer(512, (1,)) if kind == "bytes" else smol_engine.tokenizer
-    rng = random.Random(7)
-    for seed in range(60):
+def outputs(tok, rng: random.Random, num: int = 60) -> Iterator[tuple[int, list[int], list[int]]]:
+    """`num` outputs, (seed, ids, the lengths at which they are extended): odd seeds random ids
+    (invalid UTF-8, ids that decode to nothing), even ones the ids of text; 1 or 3 tokens a call."""
+    for seed in range(num):
         if seed % 2:
             ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 200))]
         else:
@@ -87,6 +85,15 @@ def test_pieces_are_those_of_a_window_decoded_afresh_each_call(smol_engine, kind
         while n < len(ids):
             n = min(len(ids), n + rng.randint(1, rng.choice([1, 3])))
             ends.append(n)
+        yield seed, ids, ends
+
+
+@pytest.mark.parametrize("kind", ["bytes", "smollm2"])
+def test_pieces_are_those_of_a_window_decoded_afresh_each_call(smol_engine, kind):
+    """One decode a call streams the very pieces that two did, on random ids (invalid UTF-8,
+    end-of-sequence ids that decode to nothing) as on text."""
+    tok = ByteTokenizer(512, (1,)) if kind == "bytes" else smol_engine.tokenizer
+    for seed, ids, ends in outputs(tok, random.Random(7)):
         inc = IncrementalText(tok.decode)
         pieces = [inc.extend(ids[:n], final=n == len(ids)) for n in ends]
         assert pieces == window_per_call_pieces(tok.decode, ids, ends), seed
@@ -105,16 +112,7 @@ def test_byte_text_adds_up_to_the_whole_decode(smol_engine, kind):
     tok = ByteTokenizer(512, (1,)) if kind == "bytes" else smol_engine.tokenizer
     table = tok.token_bytes()
     assert table is not None and len(table) == tok.vocab_size
-    rng = random.Random(11)
-    for seed in range(60):
-        if seed % 2:
-            ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 200))]
-        else:
-            ids = [i for text in rng.choices(TEXTS, k=4) for i in tok.encode(text)]
-        ends, n = [], 0
-        while n < len(ids):
-            n = min(len(ids), n + rng.randint(1, rng.choice([1, 3])))
-            ends.append(n)
+    for seed, ids, ends in outputs(tok, random.Random(11)):
         pieces = byte_text_pieces(table, ids, ends)
         assert "".join(pieces) == tok.decode(ids), seed
         if seed % 2 == 0:  # text: whole characters only
