@@ -77,6 +77,9 @@ log = structlog.get_logger("memstep.server")
 T = TypeVar("T")
 
 MAX_MESSAGES_PER_TURN = 256
+
+# a generate request read while the executor ran a step, and its prompt's ids made then
+Ahead = tuple[GenerateRequest, list[int]]
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 
 
@@ -229,9 +232,10 @@ class Server:
         self.refused: collections.Counter[str] = collections.Counter()  # by error code
         self.executor_death: str | None = None  # why the engine gave up on executors
         self.unsent: list[RequestOutput] = []  # the last step's outputs, sent during the next
-        # frames read while the executor ran a step, with their prompts' ids made then (None:
-        # nothing made ahead); handled in order at the next turn, before any later frame
-        self.early: collections.deque[tuple[list[bytes], list[int] | None]] = collections.deque()
+        # frames read while the executor ran a step, with a generate request's message and its
+        # prompt's ids made then (None: nothing made ahead); handled in order at the next turn,
+        # before any later frame
+        self.early: collections.deque[tuple[list[bytes], Ahead | None]] = collections.deque()
         self.dead_since: float | None = None
         self.tally = Tally()
         self.detached = Reattach()  # requests carried over from a dead server's log
@@ -330,9 +334,9 @@ class Server:
                 return
             self._handle_safely(frames, None)
 
-    def _handle_safely(self, frames: list[bytes], ids: list[int] | None) -> None:
+    def _handle_safely(self, frames: list[bytes], ahead: Ahead | None) -> None:
         try:
-            self._handle(frames, ids)
+            self._handle(frames, ahead)
         except Exception:  # even the error reply failed: drop the frame, keep serving
             log.exception("frame dropped", num_frames=len(frames))
 
@@ -345,17 +349,18 @@ class Server:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self.early.append((frames, self._ids_ahead(frames[-1])))
+            self.early.append((frames, self._made_ahead(frames[-1])))
 
-    def _ids_ahead(self, payload: bytes) -> list[int] | None:
-        """The ids of a generate request's text prompt or chat; None for any other frame, or a
-        prompt that fails here (handled in its turn, it fails there with its error)."""
+    def _made_ahead(self, payload: bytes) -> Ahead | None:
+        """A generate request with a text prompt or chat, and its prompt's ids; None for any
+        other frame, or one that fails here (handled in its turn, it fails there with its
+        error)."""
         try:
             msg = decode_request(payload, self.cfg.max_frame_bytes)
             if not isinstance(msg, GenerateRequest) or msg.prompt_token_ids is not None:
                 return None
             prompt = self._prompt(msg)
-            return self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+            return msg, self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         except Exception:
             return None
 
@@ -459,8 +464,8 @@ class Server:
 
     # --- incoming messages -----------------------------------------------------------------
 
-    def _handle(self, frames: list[bytes], ids: list[int] | None = None) -> None:
-        """One frame; `ids`: its prompt's ids, made ahead (`_read_ahead`)."""
+    def _handle(self, frames: list[bytes], ahead: Ahead | None = None) -> None:
+        """One frame; `ahead`: its message and prompt's ids, made ahead (`_read_ahead`)."""
         if len(frames) == 2:
             envelope, payload = frames[:1], frames[1]
         elif len(frames) == 3 and frames[1] == b"":
@@ -470,7 +475,7 @@ class Server:
             self._send(frames[:1], ErrorReply("", "malformed_frame", err))
             return
         try:
-            msg = decode_request(payload, self.cfg.max_frame_bytes)
+            msg, ids = ahead or (decode_request(payload, self.cfg.max_frame_bytes), None)
         except WireError as exc:
             self._reject(envelope, exc.request_id, exc.code, str(exc))
             return

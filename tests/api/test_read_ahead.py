@@ -48,12 +48,13 @@ def test_frames_read_during_a_step_are_tokenized_then_and_handled_in_order(serve
         s.send(codec.encode(msg))
     _arrived(s, server, len(msgs))
     server._read_ahead()  # as `_step` does between launch and finish
-    assert [ids for _, ids in server.early] == [
+    assert [ahead and ahead[1] for _, ahead in server.early] == [
         server.engine.tokenizer.encode(text),
         [],  # the empty prompt's ids: refused in its turn, as without reading ahead
         server.engine.tokenizer.encode_chat(chat),
         None,  # ids given: nothing to make
     ]
+    assert [ahead and ahead[0].request_id for _, ahead in server.early] == ["a", "b", "c", None]
     assert not added, "read ahead, nothing may enter the engine before the step ends"
     replies: list[object] = []
     for _ in range(200):
