@@ -171,15 +171,15 @@ def overload(url: str, backend: str, found: dict, samples: list[Sample], ctx: di
     lost = sum(
         1 for r, s in zip(results, asked, strict=True) if r.ok and r.output_len != s.output_len
     )
-    found = {
+    verdict = {
         "served_of_capacity": round(run["output_throughput"] / at["output_throughput"], 3),
         "tpot_of_capacity": round(run["mean_tpot_ms"] / at["mean_tpot_ms"], 3),
         "refused": len(refused),
         "untyped_refusals": [e for e in refused if e not in typed][:5],
         "admitted_lost": lost,
     }
-    print(f"{backend} 2x: {found}", flush=True)
-    return run | found
+    print(f"{backend} 2x: {verdict}", flush=True)
+    return run | verdict
 
 
 def is_typed_refusal(error: str) -> bool:

@@ -49,7 +49,6 @@ class HFTokenizer:
         self._template = ChatTemplate(chat_template, bos) if chat_template else None
         self.eos_token_ids = eos
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
-        self._token_bytes: list[bytes] | None = None  # made when first asked for
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
@@ -69,11 +68,10 @@ class HFTokenizer:
     def token_bytes(self) -> list[bytes] | None:
         """Each id's bytes, where `decode` joins the ids' bytes and reads them as UTF-8
         (byte-level BPE: GPT-2's, Llama 3's, SmolLM2's), special tokens as nothing; else None.
-        Made once, and checked id by id against `decode` (an id whose bytes read otherwise
-        alone, where `decode` gives a whole text, is that text's bytes: an added token)."""
-        if self._token_bytes is None:
-            self._token_bytes = _byte_level_table(self._tok, self.vocab_size) or []
-        return self._token_bytes or None
+        Made on each call (the engine asks once) and checked id by id against `decode` (an id
+        whose bytes read otherwise alone, where `decode` gives a whole text, is that text's
+        bytes: an added token)."""
+        return _byte_level_table(self._tok, self.vocab_size)
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
         """The chat as text, to show; `encode_chat` makes the ids (encoding this text would not)."""
