@@ -41,7 +41,14 @@ def _requests(s: zmq.Socket, batch: bool, tag: str) -> list[str]:
 
 
 def _frames(server: Server, s: zmq.Socket, num_done: int) -> list[object]:
-    """Turn the server until `num_done` GenerateDone came; every frame, decoded, in order."""
+    """Turn the server until `num_done` GenerateDone came; every frame, decoded, in order.  The
+    requests sent are all taken before the first turn (on a loaded machine the first turn's read
+    may find only some of them arrived: the rest would start a step later, in frames of their
+    own)."""
+    for _ in range(500):
+        if len(server.engine.scheduler.waiting) == num_done:
+            break
+        server._receive(0.01)
     got: list[object] = []
     for _ in range(500):
         server.run_once()
