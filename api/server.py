@@ -77,6 +77,9 @@ log = structlog.get_logger("memstep.server")
 T = TypeVar("T")
 
 MAX_MESSAGES_PER_TURN = 256
+# while the executor runs a step, the frames that come are read (and their prompts tokenized)
+# this often: not between that step's result and the next plan, where the device would wait
+AHEAD_POLL_S = 0.001
 
 # a generate request read while the executor ran a step, and its prompt's ids made then
 Ahead = tuple[GenerateRequest, list[int]]
@@ -373,8 +376,9 @@ class Server:
             self._executor_died(str(exc))
 
     def _step(self) -> None:
-        """Launch a step; while the executor runs it, send the outputs of the last one; then
-        wait for this one's, which the next turn sends (at once if no step follows it)."""
+        """Launch a step; while the executor runs it, send the outputs of the last one and read
+        ahead the frames that come until its result does; then take this one's outputs, which
+        the next turn sends (at once if no step follows it)."""
         if self.engine.is_recovering:  # launch() starts an executor: seconds, not a step
             self._send_unsent()
         launched = self._can_step() and self._engine_call(self.engine.launch)
@@ -382,6 +386,8 @@ class Server:
             self._send_unsent()
             if launched:
                 self._read_ahead()
+                while not self.engine.step_ready(AHEAD_POLL_S):
+                    self._read_ahead()
         finally:
             if launched:
                 self.unsent = self._engine_call(self.engine.finish) or []

@@ -307,6 +307,15 @@ class Engine:
         self._launched = (batch, plan, submits)
         return True
 
+    def step_ready(self, timeout: float) -> bool:
+        """Whether `finish` would not wait for the launched step: its result came (or the
+        executor is gone, which `finish` handles), waiting up to `timeout` s for it."""
+        launched = self._launched
+        executor = self.executor
+        if launched is None or not launched[2] or not isinstance(executor, Submits):
+            return True
+        return executor.ready(timeout)
+
     def finish(self) -> list[RequestOutput]:
         """The launched step's result, recorded: the outputs `step` returns."""
         assert self._launched is not None, "finish without launch"

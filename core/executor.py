@@ -34,6 +34,10 @@ class Submits(Protocol):
 
     def collect(self) -> StepResult: ...
 
+    def ready(self, timeout: float) -> bool:
+        """Whether `collect` would return (or raise) at once, waiting up to `timeout` s."""
+        ...
+
 
 @runtime_checkable
 class Checked(Protocol):

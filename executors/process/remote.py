@@ -167,6 +167,17 @@ class ProcessExecutor:
     def collect(self) -> StepResult:
         return self._wait_for(StepResult)
 
+    def ready(self, timeout: float) -> bool:
+        """`Submits.ready`: the reply came within `timeout` s, or the executor is gone (which
+        `collect` then raises)."""
+        if not self._inbox:
+            try:
+                self.check()
+                self._pump(timeout)
+            except ExecutorDown:
+                return True
+        return bool(self._inbox)
+
     def close(self) -> None:
         """Ask the executor to stop, kill it if it does not, and remove the socket."""
         if self._closed:

@@ -66,6 +66,41 @@ def test_a_step_s_outputs_are_sent_while_the_executor_runs_the_next(served, monk
     assert sends_in_a_step == [True] * 5 + [False] * 2, events
 
 
+def test_frames_that_come_while_the_executor_runs_are_read_ahead_until_its_result(
+    served, monkeypatch
+):
+    """A prompt that arrives after the step's hand-over is tokenized before its result, not
+    between that result and the next plan: read once just after the hand-over, as before, it
+    waited for the next turn (broken on purpose, `early` stays empty after the turn)."""
+    server, s = served
+    executor = server.engine.executor
+    text = "Came while the executor ran the step."
+    late = GenerateRequest("late", prompt=text, params={"max_tokens": 2, "ignore_eos": True})
+    real_ready, calls = executor.ready, []
+
+    def ready(timeout: float) -> bool:
+        calls.append(timeout)
+        if len(calls) > 1:
+            return real_ready(timeout)
+        s.send(codec.encode(late))
+        assert server.sock.poll(TIMEOUT_MS), "the late frame never came"
+        return False  # the step still runs
+
+    monkeypatch.setattr(executor, "ready", ready)
+    params = {"max_tokens": 2, "ignore_eos": True}
+    s.send(codec.encode(GenerateRequest("first", prompt_token_ids=[5, 6, 7], params=params)))
+    assert s.poll(0) == 0 and server.sock.poll(TIMEOUT_MS)
+    server.run_once()  # takes "first", launches its step; "late" comes while it runs
+    assert len(calls) >= 2, calls
+    assert [(a and a[0].request_id, a and a[1]) for _, a in server.early] == [
+        ("late", server.engine.tokenizer.encode(text))
+    ]
+    got = replies(server, s, GenerateDone)
+    while sum(isinstance(r, GenerateDone) for r in got) < 2:
+        got += replies(server, s, GenerateDone)
+    assert {r.request_id for r in got if isinstance(r, GenerateDone)} == {"first", "late"}
+
+
 def _in_flight(before: list[str]) -> bool:
     """Whether a step was handed over and not yet collected at the end of `before`."""
     last = [e for e in before if e in ("submit", "collect")]

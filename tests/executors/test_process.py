@@ -138,3 +138,31 @@ def _maps(pid: int) -> str:
 def test_the_core_never_loads_torch(server):
     assert "libtorch" not in _maps(server.info["core_pid"])
     assert "libtorch" in _maps(server.info["executor_pid"])
+
+
+def test_ready_waits_for_the_submitted_step_and_says_so_when_the_executor_is_gone():
+    """`ready` is False while the step runs (a timeout of 0 right after the hand-over), True
+    once its result came (then `collect` returns it at once), and True when the executor died:
+    `collect` raises that."""
+    engine = Engine(TINY, executor_factory=ProcessExecutor)
+    try:
+        engine.add_request([5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True), "a")
+        executor = engine.executor
+        assert isinstance(executor, ProcessExecutor)
+        assert engine.launch()
+        waited = 0
+        while not engine.step_ready(0.001):
+            waited += 1
+            assert waited < 10_000, "no result in 10 s"
+        start = time.monotonic()
+        assert engine.finish() and time.monotonic() - start < 0.5
+        assert engine.launch()
+        os.kill(executor.pid, signal.SIGKILL)
+        assert _wait_gone(executor.pid, 10)
+        deadline = time.monotonic() + 10
+        while not executor.ready(0.01):
+            assert time.monotonic() < deadline, "a dead executor never read as ready"
+        with pytest.raises(ExecutorDied):
+            executor.collect()
+    finally:
+        engine.executor.close()
