@@ -7,13 +7,19 @@ second of the latest pure decode steps of each kind, and disables speculation fr
 bucket where `spec` makes fewer tokens per second than `no_spec` (each kind's median step).
 
 Both kinds stay measured at every bucket by probes: a decode step runs the kind the threshold
-does not pick while that kind has fewer than `MIN_SAMPLES` steps in the bucket, and once every
-`PROBE_PERIOD` decode steps of the bucket (`spec` twice in a row: a `spec` step right after a
-`no_spec` one re-enters the kind, where an EAGLE head has no fresh state to draft from and a
-draft model catches up, so it is neither counted nor measured). Probes depend only on counts of
-steps, so a replay makes the same ones. The threshold depends on wall time, which no replay can
-measure again: the engine records each change (`SpecThresholdChanged`, an input) and a replay
-applies the recorded one (`set`) instead of deciding (`decide`).
+does not pick while that kind has fewer than `MIN_SAMPLES` steps in the bucket, then once after
+`PROBE_PERIOD` decode steps of the bucket, the gap doubling after each probe up to
+`MAX_PROBE_PERIOD` and back to `PROBE_PERIOD` whenever the threshold changes (`spec` twice in a
+row: a `spec` step right after a `no_spec` one re-enters the kind, where an EAGLE head has no
+fresh state to draft from and a draft model catches up, so it is neither counted nor measured).
+A probe of the losing kind costs its loss: at 8 streams on the CPU a `spec` step costs ~1.6x a
+plain one, and a pair every 32 steps left a few percent. Probes depend only on counts of steps
+and on the threshold's changes, so a replay makes the same ones. The threshold depends on wall
+time, which no replay can measure again: the engine records each change
+(`SpecThresholdChanged`, an input) and a replay applies the recorded one (`set`) instead of
+deciding (`decide`). A new threshold is held `HOLD_STEPS` decode steps before the rates are
+judged again, unless a bucket's verdict is decisive (`DECISIVE`): spec losing by 20% where it
+is on (or winning by 25% where it is off) is no noise, and waiting costs every step.
 """
 
 from __future__ import annotations
@@ -26,12 +32,14 @@ import attrs
 from memstep.core.config import EngineConfig
 
 MIN_SAMPLES = 3  # steps of each kind in a bucket before it is judged
-PROBE_PERIOD = 32  # one decode step in this many runs the other kind, to keep it measured
+PROBE_PERIOD = 32  # decode steps of a bucket before its first periodic probe of the other kind
+MAX_PROBE_PERIOD = 512  # the gap between probes doubles up to this
 WINDOW = 16  # the latest steps of each kind and bucket that the rates are made of
 HOLD_STEPS = 16  # decode steps a new threshold is kept before the rates are judged again
 # speculation switched off in a bucket comes back on only above this ratio to `no_spec`: a
 # margin against switching on and off on noise
 REENABLE_RATIO = 1.03
+DECISIVE = 0.8  # a bucket's spec/no_spec ratio below this (above its inverse, spec off) is judged
 
 
 def bucket_of(batch_size: int) -> int:
@@ -74,6 +82,8 @@ class SpecThreshold:
         self.steps_since_change = 0  # decode steps counted since the threshold last changed
         self.num_steps: dict[tuple[str, int], int] = {}  # (kind, bucket) -> decode steps run
         self.rates: dict[tuple[str, int], Rate] = {}
+        # bucket -> (its counted steps at the next periodic probe, the gap after that probe)
+        self.probes: dict[int, tuple[int, int]] = {}
 
     def kind_for(self, batch_size: int, is_decode: bool) -> str:
         """`spec` or `no_spec` for a batch; a pure decode batch (`is_decode`) may be a probe."""
@@ -88,9 +98,19 @@ class SpecThreshold:
         other = "no_spec" if wanted else "spec"
         if self.num_steps.get((other, bucket), 0) < MIN_SAMPLES:
             return True
-        done = self.num_steps.get(("spec", bucket), 0) + self.num_steps.get(("no_spec", bucket), 0)
         # a spec probe's first step re-enters the kind, is not counted, and so is probed again
-        return done % PROBE_PERIOD == PROBE_PERIOD - 1
+        return self._done(bucket) == self.probes.get(bucket, (PROBE_PERIOD - 1, 0))[0]
+
+    def _done(self, bucket: int) -> int:
+        return self.num_steps.get(("spec", bucket), 0) + self.num_steps.get(("no_spec", bucket), 0)
+
+    def _next_probe(self, bucket: int) -> None:
+        """Past the bucket's periodic probe: the next twice as far (at most MAX_PROBE_PERIOD)."""
+        at, gap = self.probes.get(bucket, (PROBE_PERIOD - 1, PROBE_PERIOD))
+        while self._done(bucket) > at:
+            gap = min(2 * gap, MAX_PROBE_PERIOD)
+            at += gap
+        self.probes[bucket] = (at, gap)
 
     def observe(
         self, kind: str, batch_size: int, is_decode: bool, tokens: int, seconds: float | None
@@ -101,16 +121,27 @@ class SpecThreshold:
         self.last_kind = kind
         if not (self.is_auto and is_decode) or reentry:
             return
-        key = (kind, bucket_of(batch_size))
+        bucket = bucket_of(batch_size)
+        key = (kind, bucket)
         self.num_steps[key] = self.num_steps.get(key, 0) + 1
+        self._next_probe(bucket)
         self.steps_since_change += 1
         if seconds is not None:
             self.rates.setdefault(key, Rate()).add(tokens, seconds)
 
     @property
     def may_change(self) -> bool:
-        """A threshold is kept HOLD_STEPS decode steps: noisy rates do not flip it every step."""
-        return self.steps_since_change >= HOLD_STEPS
+        """A threshold is kept HOLD_STEPS decode steps, so that noisy rates do not flip it every
+        step, unless a bucket's verdict against it is decisive."""
+        return self.steps_since_change >= HOLD_STEPS or self._decisive()
+
+    def _decisive(self) -> bool:
+        for bucket in {b for _, b in self.rates}:
+            ratio = self.ratio(bucket)
+            is_on = self.threshold is None or bucket < self.threshold
+            if ratio is not None and (ratio < DECISIVE if is_on else ratio > 1 / DECISIVE):
+                return True
+        return False
 
     def decide(self) -> int | None:
         """The threshold the measured rates call for: the smallest bucket where `spec` loses
@@ -141,5 +172,9 @@ class SpecThreshold:
         return rows
 
     def set(self, threshold: int | None) -> None:
+        """A new threshold (decided, or a recorded one in a replay); every bucket's probes start
+        again at PROBE_PERIOD, to measure what the change moved."""
         self.threshold = threshold
         self.steps_since_change = 0
+        buckets = {b for _, b in self.num_steps}
+        self.probes = {b: (self._done(b) + PROBE_PERIOD - 1, PROBE_PERIOD) for b in buckets}

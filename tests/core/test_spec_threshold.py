@@ -10,6 +10,7 @@ import pytest
 from memstep.core.config import EngineConfig
 from memstep.core.spec_threshold import (
     HOLD_STEPS,
+    MAX_PROBE_PERIOD,
     MIN_SAMPLES,
     PROBE_PERIOD,
     SpecThreshold,
@@ -102,18 +103,36 @@ def test_probes_measure_the_kind_not_chosen_then_once_a_period():
     assert kinds.kind_for(8, is_decode=True) == "spec", "spec unmeasured at 8: probed"
 
 
-def test_a_spec_probe_is_two_steps_where_spec_is_off():
+def test_a_spec_probe_is_two_steps_where_spec_is_off_and_probes_grow_apart():
+    """After a threshold change the other kind is probed PROBE_PERIOD counted steps on, then
+    twice as far each time, up to MAX_PROBE_PERIOD; a change starts the gaps again."""
     kinds = SpecThreshold(SPEC)
     feed(kinds, 8, (10, 0.02), (8, 0.01))
     kinds.set(8)
+    start = kinds.num_steps[("spec", 8)] + kinds.num_steps[("no_spec", 8)]
     chosen = []
-    for _ in range(2 * PROBE_PERIOD):
+    for _ in range(2000):
         kind = kinds.kind_for(8, is_decode=True)
         chosen.append(kind)
         kinds.observe(kind, 8, True, 8, 0.01)
     runs = "".join("s" if k == "spec" else "n" for k in chosen)
-    assert runs.count("ss") == 2 and runs.count("s") == 4, runs
-    assert len(kinds.rates[("spec", 8)].tokens) == MIN_SAMPLES + 2  # the second of each pair
+    assert runs.count("ss") == runs.count("s") // 2, runs  # each probe a pair
+    pairs = [i for i in range(len(runs)) if runs.startswith("ss", i)]
+    gaps = [b - a - 1 for a, b in zip(pairs, pairs[1:], strict=False)]  # counted steps apart
+    assert pairs[0] == PROBE_PERIOD - 1, pairs  # counted steps after the change
+    assert gaps[:3] == [2 * PROBE_PERIOD, 4 * PROBE_PERIOD, 8 * PROBE_PERIOD], gaps
+    assert len(gaps) > 3 and set(gaps[3:]) == {MAX_PROBE_PERIOD}, gaps
+    assert len(kinds.rates[("spec", 8)].tokens) == MIN_SAMPLES + len(pairs)  # each pair's second
+    assert start == 2 * MIN_SAMPLES
+    kinds.set(None)  # a change: the other kind (no_spec now) probed PROBE_PERIOD steps on again
+    assert kinds.kind_for(8, True) == "spec"
+    chosen = []
+    for _ in range(PROBE_PERIOD + 1):
+        kind = kinds.kind_for(8, is_decode=True)
+        chosen.append(kind)
+        kinds.observe(kind, 8, True, 8, 0.01)
+    # the first spec step re-enters the kind and is not counted: the probe one step later
+    assert chosen.index("no_spec") == PROBE_PERIOD, chosen
     kinds.observe("no_spec", 8, False, 1, 0.01)  # a prefill step: not counted, but a kind
     assert kinds.last_kind == "no_spec"
 
@@ -156,7 +175,7 @@ def test_an_older_log_keeps_its_fixed_threshold_and_k():
 def test_a_new_threshold_is_held_a_while():
     kinds = SpecThreshold(SPEC)
     assert not kinds.may_change
-    feed(kinds, 8, (10, 0.02), (8, 0.01))
+    feed(kinds, 8, (10, 0.0135), (8, 0.01))  # spec at 0.93x: a loss, but not a decisive one
     assert kinds.may_change == (2 * MIN_SAMPLES >= HOLD_STEPS)
     for _ in range(HOLD_STEPS):
         kinds.observe("no_spec", 8, True, 8, 0.01)
@@ -165,3 +184,29 @@ def test_a_new_threshold_is_held_a_while():
     assert not kinds.may_change
     kinds.observe("no_spec", 8, False, 8, 0.01)  # a prefill step does not count
     assert kinds.steps_since_change == 0
+
+
+def test_a_decisive_verdict_is_acted_on_without_waiting():
+    """Spec at 0.5x where it is on: the threshold may change at once, not HOLD_STEPS steps
+    later; held, the same bucket at 0.9x waits (broken on purpose: DECISIVE at 0 never acts)."""
+    kinds = SpecThreshold(SPEC)
+    feed(kinds, 8, (10, 0.025), (8, 0.01))  # 0.5x
+    assert kinds.steps_since_change < HOLD_STEPS and kinds.may_change
+    assert kinds.decide() == 8
+    kinds.set(8)
+    assert not kinds.may_change, "0.5x agrees with spec off at 8: nothing decisive against it"
+    for _ in range(2):  # now 1.54x where spec is off (the window: most of it new): decisive
+        feed(kinds, 8, (10, 0.0065), (8, 0.01))
+    assert kinds.may_change and kinds.decide() is None
+    mild = SpecThreshold(SPEC)
+    feed(mild, 8, (10, 0.0139), (8, 0.01))  # 0.9x
+    assert mild.decide() == 8 and not mild.may_change
+
+
+def test_without_the_decisive_rule_a_clear_loss_waits(monkeypatch):
+    from memstep.core import spec_threshold
+
+    monkeypatch.setattr(spec_threshold, "DECISIVE", 0.0)
+    kinds = SpecThreshold(SPEC)
+    feed(kinds, 8, (10, 0.025), (8, 0.01))
+    assert not kinds.may_change
