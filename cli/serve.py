@@ -34,6 +34,7 @@ from memstep.api.http_front import (
     HttpFront,
     bind,
     curve_client_keys,
+    default_front_count,
     stop_process,
 )
 from memstep.api.http_limits import HttpLimits
@@ -103,8 +104,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="a loaded spare executor (auto: if memory allows)",
     )  # fmt: skip
     perf.add_argument(
-        "--api-server-count", type=int, default=1, metavar="N",
-        help="HTTP front processes sharing the port, as vLLM's",
+        "--api-server-count", type=_front_count, default="auto", metavar="N",
+        help="HTTP front processes, as vLLM's (auto: 2 on a GPU)",
     )  # fmt: skip
     perf.add_argument(
         "--max-waiting-requests", type=int, default=d.max_waiting_requests, metavar="N",
@@ -193,7 +194,20 @@ def _api_key(args: argparse.Namespace) -> str | None:
     return args.api_key
 
 
+def _front_count(value: str) -> int | str:
+    return value if value == "auto" else int(value)
+
+
+def front_count(given: int | str, device: str) -> int:
+    """`--api-server-count`: as given, or with "auto" by the host (`default_front_count`)."""
+    if given != "auto":
+        return int(given)
+    on_gpu = cuda_device_bytes(device) is not None
+    return default_front_count(on_gpu, os.cpu_count() or 1)
+
+
 def run(args: argparse.Namespace) -> int:
+    args.api_server_count = front_count(args.api_server_count, args.device)
     if serve_replicas.wants_replicas(args):
         return _serve_replicas(args)
     server_cfg = _server_config(args)
@@ -299,6 +313,7 @@ def _start_front(
     )
     sock.close()  # the child holds it now
     front.wait_ready()
+    log.info("http fronts", count=args.api_server_count)
     return front
 
 

@@ -12,7 +12,8 @@ import sys
 
 import httpx
 
-from memstep.cli.serve import ServerProcess
+from memstep.api.http_front import default_front_count
+from memstep.cli.serve import ServerProcess, front_count
 
 TINY = ["--model", "random:tiny", "--num-threads", "1"]
 
@@ -62,6 +63,14 @@ def test_zero_fronts_is_a_one_line_error():
         server.proc.wait(60)
         assert server.proc.returncode == 2, server.log()
         assert "api_server_count must be >= 1" in server.log()
+
+
+def test_auto_is_two_fronts_on_a_gpu_host_with_cpus_to_spare_else_one():
+    assert default_front_count(on_gpu=True, num_cpus=16) == 2
+    assert default_front_count(on_gpu=True, num_cpus=4) == 1  # the cores go to core and executor
+    assert default_front_count(on_gpu=False, num_cpus=64) == 1
+    assert front_count("auto", "cpu") == 1  # a CPU device: no GPU asked of nvidia-smi
+    assert front_count(3, "cuda") == 3  # a count given wins
 
 
 E2E_COUNT = re.compile(r"^memstep:e2e_request_latency_seconds_count (\S+)$", re.M)
