@@ -119,6 +119,7 @@ def tokenizer_path(args: argparse.Namespace) -> Path:
         return args.tokenizer
     path = args.out / "tokenizer.json"
     if not path.is_file():
+        args.out.mkdir(parents=True, exist_ok=True)
         memstep("export-tokenizer", "--out", str(path))
     return path
 
@@ -455,11 +456,11 @@ def workload_line(name: str, num_in: int, num_out: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
     tokenizer = tokenizer_path(args)
     if args.export_dataset is not None:
         export_dataset(args, tokenizer)
         return 0
+    args.out.mkdir(parents=True, exist_ok=True)
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
