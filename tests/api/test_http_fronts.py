@@ -13,6 +13,7 @@ import sys
 import httpx
 
 from memstep.api.http_front import default_front_count
+from memstep.api.metrics import TOKEN_BUCKETS
 from memstep.cli.serve import ServerProcess, front_count
 
 TINY = ["--model", "random:tiny", "--num-threads", "1"]
@@ -127,3 +128,36 @@ def test_without_the_shared_folder_a_front_sees_only_its_own_latencies(tmp_path)
     assert count_seen_by_another_process(env) == 0
     shared = {**env, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
     assert count_seen_by_another_process(shared) == 1
+
+
+GAPS_IN_A_PROCESS = """
+import os, random
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
+from memstep.api.metrics import TOKEN_BUCKETS, observe_all
+rng = random.Random(0)
+gaps = [rng.expovariate(1 / 0.03) for _ in range(300)] + [0.001, 0.0025, 2.5, 99.0, 0.0]
+shared = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+registry = CollectorRegistry()
+own = None if shared else registry
+if shared:
+    MultiProcessCollector(registry, shared)
+one, together = (Histogram(n, n, buckets=TOKEN_BUCKETS, registry=own) for n in ("one", "all"))
+for gap in gaps:
+    one.observe(gap)
+observe_all(together, gaps)
+print(generate_latest(registry).decode())
+"""
+
+
+def test_a_request_s_gaps_observed_at_once_read_as_observed_one_by_one(tmp_path):
+    """`observe_all` (one update a bucket for a request's hundreds of inter-token gaps) gives
+    the exposition of one `observe` a gap, in one front and in the shared folder of several."""
+    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    for mode in (env, {**env, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}):
+        run = [sys.executable, "-c", GAPS_IN_A_PROCESS]
+        out = subprocess.run(run, env=mode, capture_output=True, text=True, check=True).stdout
+        lines = [ln for ln in out.splitlines() if not ln.startswith("#") and "_created" not in ln]
+        one = sorted(ln.removeprefix("one") for ln in lines if ln.startswith("one"))
+        together = sorted(ln.removeprefix("all") for ln in lines if ln.startswith("all"))
+        assert one == together and len(one) == len(TOKEN_BUCKETS) + 3, out  # +Inf, count, sum
