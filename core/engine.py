@@ -397,11 +397,12 @@ class Engine:
                 seqs.append(self._first_seq_plan(s, batch.kind, cached))
             else:  # decoding, or recomputing its output after a preemption
                 out, at = req.output_token_ids, start - num_prompt
-                table = list(table_of(req.request_id))
+                table, sent = table_of(req.request_id), req.table_sent
+                req.table_sent = len(table)
                 seqs.append(
                     SeqPlan(
-                        req.request_id, start, out[at : at + n], table, at + n == len(out),
-                        s.num_drafts, num_prompt, {}, [],
+                        req.request_id, start, out[at : at + n], table[sent:], at + n == len(out),
+                        s.num_drafts, num_prompt, {}, [], sent,
                     )
                 )  # fmt: skip
             composition.append([req.request_id, n])
@@ -416,6 +417,7 @@ class Engine:
         req = s.request
         start, stop = req.num_computed, req.num_computed + s.num_tokens
         table = list(self.blocks.table(req.request_id))
+        req.table_sent = len(table)  # the whole table: the executor starts it afresh
         params: dict = {}
         prefix_ids: list[int] = []
         if start == req.admitted_at:  # an admission's first plan

@@ -31,6 +31,7 @@ class Request:
         self.output_token_ids: list[int] = []
         self.output_logprobs: list[dict[int, float]] = []
         self.num_computed = 0  # tokens whose K/V are in the cache
+        self.table_sent = 0  # entries of its block table the executor holds (SeqPlan.table_from)
         # where the latest admission started: its prefix hit (0 without one); the first plan of
         # an admission starts here and carries the params and the cached prefix to the executor
         self.admitted_at = 0

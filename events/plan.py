@@ -13,9 +13,9 @@ from memstep.events.types import (
     row_record,
 )
 
-# the executor link's version (ExecutorHello.protocol): 3 since the memory plan travels as a
-# record (PhaseReply.memory_plan)
-EXECUTOR_PROTOCOL_VERSION = 3
+# the executor link's version (ExecutorHello.protocol): 4 since a plan carries only the block
+# table's entries the executor does not hold yet (SeqPlan.table_from)
+EXECUTOR_PROTOCOL_VERSION = 4
 
 
 @row_record
@@ -23,6 +23,9 @@ class SeqPlan:
     request_id: str
     start_pos: int  # position of token_ids[0]
     token_ids: list[int]  # tokens fed this step
+    # the request's pages from entry `table_from` on: the executor holds the entries before it
+    # from earlier plans (a table only grows while its request runs) and puts them back in front
+    # when the plan arrives (RequestStates.update), so everything after sees the whole table
     block_table: list[int]
     samples: bool  # the last fed token's logits are sampled
     num_drafts: int  # speculative lookahead slots reserved for this request
@@ -33,6 +36,7 @@ class SeqPlan:
     # with params: the tokens before start_pos, whose KV cached pages hold (the executor learns
     # the whole history from them); else []
     prefix_ids: list[int] = attrs.Factory(list)
+    table_from: int = 0  # 0: block_table is the whole table (an admission's plans, a chunk's)
 
 
 @record

@@ -1,8 +1,10 @@
-"""What the executor remembers about each running request between steps: its tokens.
+"""What the executor remembers about each running request between steps: its tokens and pages.
 
 The core sends only the tokens fed each step (and, on an admission's first plan, the prefix whose
 KV cached pages hold), and the executor appends what it sampled, so that penalties and proposers
-see the whole sequence.  `forget` is called for every finished request.
+see the whole sequence. Likewise a running request's plan carries only the block-table entries
+added since its last plan; the executor keeps the table and makes each plan's whole again.
+`forget` is called for every finished request.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ class RequestState:
     prompt_len: int
     params: SamplingParams
     guide: Guide | None = None  # its grammar matcher, brought to `tokens` at each mask
+    table: list[int] = attrs.Factory(list)  # its block table as of the latest plan
 
     def row(self, position: int, history: list[int]) -> Row:
         """The sampler's row for the token at `position`, penalised by `history`."""
@@ -64,7 +67,21 @@ class RequestStates:
             )
         del state.tokens[seq.start_pos :]
         state.tokens.extend(seq.token_ids)
+        self._whole_table(seq, state)
         return state
+
+    @staticmethod
+    def _whole_table(seq: SeqPlan, state: RequestState) -> None:
+        """Put the entries the executor holds back in front of the plan's tail (in the plan's
+        own list: this process's decoded copy, or the core's fresh slice in-process)."""
+        if seq.table_from:
+            if seq.table_from > len(state.table):
+                raise RuntimeError(
+                    f"{seq.request_id}: plan's table continues at entry {seq.table_from} but "
+                    f"the executor holds {len(state.table)}"
+                )
+            seq.block_table[:0] = state.table[: seq.table_from]
+        state.table = seq.block_table
 
     def _guide(self, params: SamplingParams) -> Guide | None:
         """A fresh matcher at the grammar's start: its state comes from the tokens alone."""
