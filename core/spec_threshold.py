@@ -42,6 +42,12 @@ REENABLE_RATIO = 1.03
 DECISIVE = 0.8  # a bucket's spec/no_spec ratio below this (above its inverse, spec off) is judged
 
 
+def _probe_after(done: int) -> tuple[int, int]:
+    """A bucket's probe schedule started at `done` counted steps: (the counted steps at its next
+    probe, the gap after it)."""
+    return done + PROBE_PERIOD - 1, PROBE_PERIOD
+
+
 def bucket_of(batch_size: int) -> int:
     """The power of two at or below `batch_size`: the bucket its step costs are kept in."""
     return 1 << (batch_size.bit_length() - 1)
@@ -89,7 +95,7 @@ class SpecThreshold:
         """`spec` or `no_spec` for a batch; a pure decode batch (`is_decode`) may be a probe."""
         if not self.is_auto:
             return "spec" if self.cfg.spec_enabled_for(batch_size) else "no_spec"
-        wanted = self.threshold is None or batch_size < self.threshold
+        wanted = self._spec_on(batch_size)
         if is_decode and self._is_probe(bucket_of(batch_size), wanted):
             wanted = not wanted
         return "spec" if wanted else "no_spec"
@@ -99,14 +105,14 @@ class SpecThreshold:
         if self.num_steps.get((other, bucket), 0) < MIN_SAMPLES:
             return True
         # a spec probe's first step re-enters the kind, is not counted, and so is probed again
-        return self._done(bucket) == self.probes.get(bucket, (PROBE_PERIOD - 1, 0))[0]
+        return self._done(bucket) == self.probes.get(bucket, _probe_after(0))[0]
 
     def _done(self, bucket: int) -> int:
         return self.num_steps.get(("spec", bucket), 0) + self.num_steps.get(("no_spec", bucket), 0)
 
     def _next_probe(self, bucket: int) -> None:
         """Past the bucket's periodic probe: the next twice as far (at most MAX_PROBE_PERIOD)."""
-        at, gap = self.probes.get(bucket, (PROBE_PERIOD - 1, PROBE_PERIOD))
+        at, gap = self.probes.get(bucket, _probe_after(0))
         while self._done(bucket) > at:
             gap = min(2 * gap, MAX_PROBE_PERIOD)
             at += gap
@@ -138,8 +144,8 @@ class SpecThreshold:
     def _decisive(self) -> bool:
         for bucket in {b for _, b in self.rates}:
             ratio = self.ratio(bucket)
-            is_on = self.threshold is None or bucket < self.threshold
-            if ratio is not None and (ratio < DECISIVE if is_on else ratio > 1 / DECISIVE):
+            on = self._spec_on(bucket)
+            if ratio is not None and (ratio < DECISIVE if on else ratio > 1 / DECISIVE):
                 return True
         return False
 
@@ -150,8 +156,7 @@ class SpecThreshold:
             ratio = self.ratio(bucket)
             if ratio is None:
                 continue
-            is_on = self.threshold is None or bucket < self.threshold
-            if ratio < (1.0 if is_on else REENABLE_RATIO):
+            if ratio < (1.0 if self._spec_on(bucket) else REENABLE_RATIO):
                 return bucket
         return None
 
@@ -177,4 +182,8 @@ class SpecThreshold:
         self.threshold = threshold
         self.steps_since_change = 0
         buckets = {b for _, b in self.num_steps}
-        self.probes = {b: (self._done(b) + PROBE_PERIOD - 1, PROBE_PERIOD) for b in buckets}
+        self.probes = {b: _probe_after(self._done(b)) for b in buckets}
+
+    def _spec_on(self, batch_size: int) -> bool:
+        """Whether the threshold has speculation on at `batch_size` (or a bucket's size)."""
+        return self.threshold is None or batch_size < self.threshold
