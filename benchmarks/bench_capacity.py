@@ -2,11 +2,14 @@
 
 One `memstep serve` (with its HTTP front, prefix caching off so every run costs the same) serves
 the same sample at rising rates, over each backend in turn (`zmq`, `openai`): the rate doubles
-from `--rate-start` until a run misses the SLO, then `--bisect` halvings between the last rate
-that met it and the first that did not.  Each run is `bench serve`'s load (`--ignore-eos`, vLLM's
-ShareGPT sample by default) with vLLM's goodput counted; its CPU seconds by process (core,
-executor, HTTP front, this client) are kept, so the front's cost is measured whatever the
-machine does.
+from `--rate-start` until a run misses the SLO (the last doubling stops at `--rate-max`, which is
+tried), then `--bisect` halvings between the last rate that met it and the first that did not.
+Each rate's arrivals last `--seconds` (the sample repeated as needed): a load that ends before
+its requests' lifetimes have filled the running batch measures a burst, not a rate, as its queue
+never forms (docs/benchmarks.md has a pair that shows it).  Each run is `bench serve`'s load
+(`--ignore-eos`, vLLM's ShareGPT sample by default) with vLLM's goodput counted; its CPU
+seconds by process (core, executor, HTTP front, this client) are kept, so the front's cost is
+measured whatever the machine does.
 
 Beside it, an ideal engine's capacity for the same workload, from the device's measured matmul
 rate R and read bandwidth BW: every prompt's FLOPs at R; decode steps of the whole running batch
@@ -21,7 +24,7 @@ max_num_seqs that keeps the device at its per-token pace; docs/serving-overload.
 at capacity, refusals that were not typed (`overloaded`; HTTP 503 + Retry-After), admitted lost.
 
     python benchmarks/bench_capacity.py --tokenizer tokenizer.json [--model random:llama-3.1-8b]
-        [--num-prompts 1200] [--rate-start 16] [--bisect 3] [--backends zmq,openai]
+        [--num-prompts 1200] [--seconds 60] [--rate-start 16] [--bisect 3] [--backends zmq,openai]
         [--engine-flags "--max-waiting-requests 64"] [--overload-prompts 3600] [--out DIR]
     python benchmarks/bench_capacity.py --quick    # the CPU: random:tiny, a small sample
 """
@@ -54,6 +57,7 @@ QUICK = {  # the CPU: a tiny model, a small sample, an SLO a 2-core machine can 
     "rate_start": 4.0,
     "rate_max": 16.0,
     "bisect": 1,
+    "seconds": 0.0,
     "slo_ttft_p99": 2000.0,
     "slo_tpot_mean": 500.0,
     "engine_flags": "--num-threads 1 --max-num-seqs 8",
@@ -70,8 +74,17 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=1200)
     p.add_argument("--max-output-len", type=int, help="cap replies (default: real lengths)")
     p.add_argument("--rate-start", type=float, default=16.0, help="req/s of the first run")
-    p.add_argument("--rate-max", type=float, default=512.0, help="stop doubling here")
+    p.add_argument(
+        "--rate-max", type=float, default=512.0, help="the last rate tried (doubling stops there)"
+    )
     p.add_argument("--bisect", type=int, default=3, help="halvings after the doubling")
+    p.add_argument(
+        "--seconds",
+        type=float,
+        default=60.0,
+        help="each rate's arrivals last at least this long (the sample repeated as needed): a "
+        "load that ends before its requests' lifetimes fill the batch is a burst, not a rate",
+    )
     p.add_argument("--slo-ttft-p99", type=float, default=500.0, help="ms")
     p.add_argument("--slo-tpot-mean", type=float, default=50.0, help="ms")
     p.add_argument("--slo-ttft-mean", type=float, help="ms (default: not part of the SLO)")
@@ -118,7 +131,8 @@ def one_run(
     ctx["last"] = (results, samples)
     keep: tuple[str, ...] = ("completed", "failed", "request_throughput", "output_throughput")
     keep += ("mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "good_requests")
-    run = {"rate": rate, **{k: m[k] for k in keep}, "cpu_s": cpu, "meets": meets(m, ctx["args"])}
+    run = {"rate": rate, "prompts": len(samples), **{k: m[k] for k in keep}, "cpu_s": cpu}
+    run["meets"] = meets(m, ctx["args"])
     out_tokens = max(1, sum(r.output_len for r in results if r.ok))
     run["front_cpu_us_a_token"] = round(cpu.get("http", 0.0) * 1e6 / out_tokens, 1)
     errors = [r.error for r in results if not r.ok]
@@ -129,7 +143,8 @@ def one_run(
 
 def describe(run: dict) -> str:
     return (
-        f"rate {run['rate']:7.2f}: {'meets' if run['meets'] else 'MISSES'} the SLO; "
+        f"rate {run['rate']:7.2f} ({run['prompts']} prompts): "
+        f"{'meets' if run['meets'] else 'MISSES'} the SLO; "
         f"served {run['request_throughput']:.2f} req/s, {run['output_throughput']:.0f} tok/s, "
         f"TTFT p99 {run['p99_ttft_ms']:.0f} ms, TPOT mean {run['mean_tpot_ms']:.1f} ms, "
         f"failed {run['failed']}, CPU s {run['cpu_s']}"
@@ -142,18 +157,25 @@ def search(url: str, backend: str, samples: list[Sample], ctx: dict) -> dict:
     args, runs = ctx["args"], []
     good, bad, rate = 0.0, math.inf, args.rate_start
     while rate <= args.rate_max:
-        runs.append(one_run(url, backend, rate, samples, ctx))
+        runs.append(one_run(url, backend, rate, sustained(samples, rate, args.seconds), ctx))
         if not runs[-1]["meets"]:
             bad = rate
             break
-        good, rate = rate, rate * 2
+        good = rate
+        rate = rate * 2 if rate * 2 <= args.rate_max or rate == args.rate_max else args.rate_max
     for _ in range(args.bisect if math.isfinite(bad) else 0):
         rate = (good + bad) / 2 if good else bad / 2
-        runs.append(one_run(url, backend, rate, samples, ctx))
+        runs.append(one_run(url, backend, rate, sustained(samples, rate, args.seconds), ctx))
         good, bad = (rate, bad) if runs[-1]["meets"] else (good, rate)
     best = max((r for r in runs if r["meets"]), key=lambda r: r["rate"], default=None)
     first_miss = bad if math.isfinite(bad) else None  # None: met up to --rate-max
     return {"capacity_req_s": good, "at_capacity": best, "first_miss": first_miss, "runs": runs}
+
+
+def sustained(samples: list[Sample], rate: float, seconds: float) -> list[Sample]:
+    """The sample, repeated until its Poisson arrivals at `rate` last `seconds` on average."""
+    n = max(len(samples), math.ceil(rate * seconds))
+    return [samples[i % len(samples)] for i in range(n)]
 
 
 def overload(url: str, backend: str, found: dict, samples: list[Sample], ctx: dict) -> dict:

@@ -70,16 +70,34 @@ def test_the_search_doubles_then_bisects_to_the_highest_rate_that_met_the_slo(ca
         return {"rate": rate, "meets": rate <= 11}
 
     monkeypatch.setattr(cap, "one_run", fake_run)
-    args = argparse.Namespace(rate_start=4.0, rate_max=512.0, bisect=3)
+    args = argparse.Namespace(rate_start=4.0, rate_max=512.0, bisect=3, seconds=0.0)
     got = cap.search("u", "zmq", [], {"args": args})
     assert tried == [4, 8, 16, 12, 10, 11]
     assert got["capacity_req_s"] == 11 and got["first_miss"] == 12
     assert got["at_capacity"]["rate"] == 11
     tried.clear()
     never = cap.search(
-        "u", "zmq", [], {"args": argparse.Namespace(rate_start=32, rate_max=512, bisect=2)}
+        "u",
+        "zmq",
+        [],
+        {"args": argparse.Namespace(rate_start=32, rate_max=512, bisect=2, seconds=0.0)},
     )
     assert tried == [32, 16, 8] and never["capacity_req_s"] == 8 and never["first_miss"] == 16
+    tried.clear()
+    capped = cap.search(
+        "u",
+        "zmq",
+        [],
+        {"args": argparse.Namespace(rate_start=8, rate_max=12, bisect=0, seconds=0.0)},
+    )
+    assert tried == [8, 12] and capped["capacity_req_s"] == 8 and capped["first_miss"] == 12
+
+
+def test_each_rate_runs_for_the_seconds_asked_repeating_the_sample(cap):
+    sample = [Sample(f"p{i}", 4, 8) for i in range(3)]
+    assert cap.sustained(sample, rate=2.0, seconds=0.0) == sample  # never fewer than the sample
+    got = cap.sustained(sample, rate=2.5, seconds=3.0)
+    assert [s.prompt for s in got] == ["p0", "p1", "p2", "p0", "p1", "p2", "p0", "p1"]
 
 
 def test_overload_counts_typed_refusals_and_admitted_requests_cut_short(cap, monkeypatch):
