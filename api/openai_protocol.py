@@ -31,6 +31,9 @@ SAMPLING_FIELDS = {
     "min_p": "min_p",
     "repetition_penalty": "repetition_penalty",
     "ignore_eos": "ignore_eos",
+    "min_tokens": "min_tokens",
+    "stop_token_ids": "stop_token_ids",
+    "logit_bias": "logit_bias",
 }
 COMMON_FIELDS = {"model", "n", "stream", "stream_options", "stop", "max_tokens", "user"}
 # structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_* fields

@@ -548,7 +548,7 @@ class Engine:
         if logprobs:
             req.output_logprobs.extend(logprobs)
         text = req.detok.extend(out_ids, final=reason is not None)
-        if p.stop and reason is None or reason == "length" and p.stop:
+        if p.stop and reason in (None, "length") and len(out_ids) >= p.min_tokens:
             cut = _find_stop(req.detok.text, p.stop, old_len)
             if cut is not None:
                 text, reason = req.detok.text[old_len:cut], "stop"
@@ -717,14 +717,17 @@ class Engine:
 
 
 def _find_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:
-    begin = max(0, start - max(len(s) for s in stops))
+    """Where the first stop string that ends past `start` (the text's length before this step)
+    begins: one that ended by then was matched then, or not at all (before `min_tokens`)."""
+    begin = max(0, start - max(len(s) for s in stops) + 1)
     hits = [i for s in stops if (i := text.find(s, begin)) >= 0]
     return min(hits) if hits else None
 
 
 def check_prompt(ids: list[int], params: SamplingParams, vocab: int, max_len: int) -> None:
-    """InvalidRequest for a prompt the engine cannot run: empty, ids outside the vocabulary, or
-    longer (with its max_tokens) than the context.  The CLI calls it before the model loads."""
+    """InvalidRequest for a prompt the engine cannot run: empty, ids outside the vocabulary (its
+    own, its logit_bias's or stop_token_ids'), or longer (with its max_tokens) than the context.
+    The CLI calls it before the model loads."""
     if not ids:
         raise InvalidRequest("prompt is empty")
     in_vocab = set(map(type, ids)) <= {int} and min(ids) >= 0 and max(ids) < vocab  # C speed
@@ -733,6 +736,13 @@ def check_prompt(ids: list[int], params: SamplingParams, vocab: int, max_len: in
         raise InvalidRequest(f"token id {bad!r} is outside the vocabulary [0, {vocab})")
     if len(ids) >= max_len:
         raise InvalidRequest(f"prompt has {len(ids)} tokens; this model's context is {max_len}")
+    named = [*(t for t, _ in params.logit_bias), *params.stop_token_ids]
+    outside = next((t for t in named if not 0 <= t < vocab), None)
+    if outside is not None:
+        raise InvalidRequest(
+            f"token id {outside} of logit_bias or stop_token_ids is outside the vocabulary "
+            f"[0, {vocab})"
+        )
     if len(ids) + params.max_tokens > max_len:
         raise InvalidRequest(
             f"prompt ({len(ids)}) + max_tokens ({params.max_tokens}) exceeds the context "

@@ -33,6 +33,30 @@ def _require(cond: bool, msg: str) -> None:
 GUIDES = ("guided_json", "guided_json_object", "guided_regex", "guided_choice", "guided_grammar")
 
 
+MAX_LOGIT_BIAS = 300  # entries in a request's logit_bias (OpenAI's limit)
+LOGIT_BIAS_RANGE = 100.0  # each bias within +-100, as OpenAI's
+
+
+def _bias_pairs(bias: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias ({token id: bias}, the ids as JSON's strings or ints) or (id, bias)
+    pairs, as pairs sorted by id: one form whatever the client sent, so the log records one."""
+    items = bias.items() if isinstance(bias, dict) else bias
+    _require(isinstance(items, (list, tuple)) or isinstance(bias, dict), "logit_bias: a map")
+    pairs = []
+    for item in items:
+        _require(isinstance(item, (list, tuple)) and len(item) == 2, "logit_bias: id, bias pairs")
+        key, value = item
+        if isinstance(key, str) and key.strip().isdigit():
+            key = int(key)
+        _require(type(key) is int and key >= 0, f"logit_bias: {key!r} is not a token id")
+        _require(
+            type(value) in (int, float) and abs(value) <= LOGIT_BIAS_RANGE,
+            f"logit_bias: the bias of {key} must be a number in [-100, 100]",
+        )
+        pairs.append((key, float(value)))
+    return tuple(sorted(pairs))
+
+
 def _schema_text(schema: Any) -> Any:
     """A JSON schema given as a map becomes its JSON text, properties in their order (what the
     log records)."""
@@ -53,6 +77,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     seed: int | None = None  # None: the engine draws one from its own generator and records it
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    # before this many output tokens: EOS and stop_token_ids banned, stop strings not matched
+    min_tokens: int = 0
+    # (token id, bias) pairs, sorted by id: each bias added to that token's logit (logit_bias)
+    logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=_bias_pairs)
     stop: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     ignore_eos: bool = False
     logprobs: int = 0  # top-N logprobs per sampled token, 0 for none
@@ -86,6 +114,14 @@ class SamplingParams:
         _require(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]")
         _require(self.seed is None or 0 <= self.seed < 2**63, "seed must be in [0, 2**63)")
         _require(0 <= self.logprobs <= 20, "logprobs must be in [0, 20]")
+        _require(
+            isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+            "min_tokens must be in [0, max_tokens]",
+        )
+        _require(len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias: at most 300 tokens")
+        _require(
+            len({t for t, _ in self.logit_bias}) == len(self.logit_bias), "logit_bias: an id twice"
+        )
         _require(all(isinstance(t, int) for t in self.stop_token_ids), "stop_token_ids: ints")
         _require(all(isinstance(s, str) and s for s in self.stop), "stop: non-empty strings")
         self._check_constraint()
@@ -95,6 +131,11 @@ class SamplingParams:
         constraint): a request the grammar engine cannot run is refused before admission."""
         given = [name for name in GUIDES if getattr(self, name)]
         _require(len(given) <= 1, f"at most one structured-output constraint, got {given}")
+        _require(
+            not (given and self.min_tokens),
+            "min_tokens cannot go with a structured-output constraint: its grammar says where "
+            "the output may end",
+        )
         _require(all(isinstance(c, str) for c in self.guided_choice), "guided_choice: strings")
         if self.constraint is not None:
             error = grammar_error(*self.constraint)
@@ -120,11 +161,15 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @cached_property
-    def has_penalties(self) -> bool:
+    def adjusts_logits(self) -> bool:
+        """Penalties, biases or bans move this request's logits before it samples (so a greedy
+        row is not simply the model's argmax)."""
         return (
             self.repetition_penalty != 1.0
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
+            or bool(self.logit_bias)
+            or self.min_tokens > 0
         )
 
     def with_seed(self, seed: int) -> SamplingParams:
@@ -135,6 +180,7 @@ class SamplingParams:
         data["stop_token_ids"] = list(self.stop_token_ids)
         data["stop"] = list(self.stop)
         data["guided_choice"] = list(self.guided_choice)
+        data["logit_bias"] = [list(pair) for pair in self.logit_bias]
         return data
 
     @classmethod
@@ -162,6 +208,6 @@ def _check_type(key: str, value: Any, default: Any) -> None:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     elif isinstance(default, str):
         ok = isinstance(value, str) or key == "guided_json" and isinstance(value, dict)
-    else:
-        ok = isinstance(value, (list, tuple))
+    else:  # a list; OpenAI's logit_bias is a map
+        ok = isinstance(value, (list, tuple)) or key == "logit_bias" and isinstance(value, dict)
     _require(ok, f"sampling param {key!r} has the wrong type ({type(value).__name__})")

@@ -24,19 +24,22 @@ class RequestState:
     params: SamplingParams
     guide: Guide | None = None  # its grammar matcher, brought to `tokens` at each mask
     table: list[int] = attrs.Factory(list)  # its block table as of the latest plan
+    stops: tuple[int, ...] = ()  # the ids that end it, which `min_tokens` bans until then
 
     def row(self, position: int, history: list[int]) -> Row:
         """The sampler's row for the token at `position`, penalised by `history`."""
-        return Row(self.params, position, history, self.prompt_len, self.guide)
+        return Row(self.params, position, history, self.prompt_len, self.guide, self.stops)
 
 
 class RequestStates:
     """Every running request's state; `grammars` compiles the constraints of those that have
-    one (None: a constrained request is an error, for workers that never see one)."""
+    one (None: a constrained request is an error, for workers that never see one); `eos`: the
+    model's end-of-sequence ids, which a request's `min_tokens` bans with its stop_token_ids."""
 
-    def __init__(self, grammars: GrammarBook | None = None) -> None:
+    def __init__(self, grammars: GrammarBook | None = None, eos: tuple[int, ...] = ()) -> None:
         self._states: dict[str, RequestState] = {}
         self.grammars = grammars
+        self.eos = eos
 
     def __len__(self) -> int:
         return len(self._states)
@@ -54,6 +57,8 @@ class RequestStates:
                 )
             params = SamplingParams.from_dict(seq.params)
             state = RequestState(list(seq.prefix_ids), seq.prompt_len, params, self._guide(params))
+            if params.min_tokens:
+                state.stops = (*(() if params.ignore_eos else self.eos), *params.stop_token_ids)
             self._states[seq.request_id] = state
         if state is None:
             raise RuntimeError(

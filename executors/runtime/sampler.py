@@ -110,6 +110,7 @@ class Row:
     history: list[int]  # prompt + output tokens before this position (for penalties)
     prompt_len: int
     guide: Guide | None = None  # the request's grammar matcher, if it has a constraint
+    stops: tuple[int, ...] = ()  # the ids that end it (EOS, stop_token_ids): min_tokens bans them
 
     @property
     def seed(self) -> int:
@@ -293,7 +294,7 @@ class Sampler:
         r = len(rows)
         assert r <= self.max_rows, f"{r} rows > sampler capacity {self.max_rows}"
         for i, row in enumerate(rows):
-            if row.params.has_penalties:
+            if row.params.adjusts_logits:
                 apply_penalties(logits[i], row)
         probs = self.probs[:r]
         temps = to_device([row.params.temperature or 1.0 for row in rows], logits.device)
@@ -368,11 +369,11 @@ class Sampler:
     def sample_logits(self, logits: torch.Tensor, rows: list[Row]) -> PendingTokens:
         """`sample(distribution(logits, rows), rows)`, left on the device until `tolist`.
 
-        An all-greedy batch without penalties takes each row's argmax directly, which is the
-        token that path picks (a one-hot distribution's inverse CDF lands on its one token for
-        every uniform in [0, 1)). Constrained rows are masked first (`constrain`)."""
+        An all-greedy batch whose logits nothing adjusts takes each row's argmax directly, which
+        is the token that path picks (a one-hot distribution's inverse CDF lands on its one token
+        for every uniform in [0, 1)). Constrained rows are masked first (`constrain`)."""
         self.constrain(logits, rows)
-        if all(row.params.is_greedy and not row.params.has_penalties for row in rows):
+        if all(row.params.is_greedy and not row.params.adjusts_logits for row in rows):
             return PendingTokens(logits.argmax(dim=-1), None)
         return self._sample(self.distribution(logits, rows), rows, SAMPLE)
 
@@ -522,7 +523,8 @@ def _one_hot_argmax(logits: torch.Tensor, probs: torch.Tensor, greedy: list[int]
 
 
 def apply_penalties(logits: torch.Tensor, row: Row) -> None:
-    """Repetition (prompt + output), presence and frequency (output only), in place."""
+    """Repetition (prompt + output), presence and frequency (output only), then the logit bias,
+    and the ban on ending before `min_tokens` output tokens, in place."""
     p = row.params
     if p.repetition_penalty != 1.0 and row.history:
         seen = torch.tensor(sorted(set(row.history)), device=logits.device)
@@ -536,6 +538,12 @@ def apply_penalties(logits: torch.Tensor, row: Row) -> None:
         ids = torch.tensor(list(counts), device=logits.device)
         freq = torch.tensor(list(counts.values()), dtype=logits.dtype, device=logits.device)
         logits[ids] -= p.frequency_penalty * freq + p.presence_penalty
+    if p.logit_bias:
+        ids = torch.tensor([t for t, _ in p.logit_bias], device=logits.device)
+        bias = torch.tensor([b for _, b in p.logit_bias], dtype=logits.dtype, device=logits.device)
+        logits[ids] += bias
+    if row.stops and len(output) < p.min_tokens:
+        logits[torch.tensor(row.stops, device=logits.device)] = float("-inf")
 
 
 def top_logprobs(

@@ -157,7 +157,7 @@ class Worker:
             self.meter.adopt(self.eagle.tensors())
         self.lifecycle = Lifecycle()
         eos = self.model_cfg.eos_token_ids
-        self.requests = RequestStates(GrammarBook(self.source, self.model_cfg.vocab_size, eos))
+        self.requests = RequestStates(GrammarBook(self.source, self.model_cfg.vocab_size, eos), eos)
         self.detector = LeakDetector(host_tolerance=cfg.host_leak_tolerance_mib << 20)
         self._holdings: dict | None = None  # the kinds' holdings at the last leak report
         self.memory_plan: MemoryPlan | None = None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -289,3 +290,34 @@ def test_a_killed_executor_turns_health_503_and_requests_into_openai_errors(tiny
         sdk.completions.create(model="random:tiny", prompt="abc", max_tokens=2)
     assert err.value.status_code == 503
     assert err.value.body["code"] == "executor_dead"
+
+
+def test_logit_bias_min_tokens_and_stop_token_ids_over_http(server, sdk):
+    """OpenAI's logit_bias (ids as strings) through the SDK, vLLM's min_tokens and
+    stop_token_ids through extra_body; the same request over ZMQ gives the same tokens."""
+    with Client(server.address, timeout=60) as zmq_client:
+        free = zmq_client.generate(PROMPT, temperature=0.0, max_tokens=12)
+        forced = free.token_ids[1]
+        pushed = zmq_client.generate(
+            PROMPT, temperature=0.0, max_tokens=4, logit_bias={str(forced): 100}
+        )
+    assert pushed.token_ids == [forced] * 4
+    biased = sdk.completions.create(
+        model="smollm2", prompt=PROMPT, temperature=0, max_tokens=4,
+        logit_bias={str(forced): 100},
+    )  # fmt: skip
+    assert biased.choices[0].text == pushed.text
+    stop_id = free.token_ids[2]
+    cut = sdk.completions.create(
+        model="smollm2", prompt=PROMPT, temperature=0, max_tokens=12,
+        extra_body={"stop_token_ids": [stop_id]},
+    )  # fmt: skip
+    assert cut.choices[0].finish_reason == "stop" and cut.usage.completion_tokens == 3
+    held = sdk.completions.create(
+        model="smollm2", prompt=PROMPT, temperature=0, max_tokens=12,
+        extra_body={"stop_token_ids": [stop_id], "min_tokens": 4},
+    )  # fmt: skip
+    assert held.usage.completion_tokens > 3
+    for bad, says in (({"x": 1}, "not a token id"), ({str(forced): 500}, "in [-100, 100]")):
+        with pytest.raises(openai.BadRequestError, match=re.escape(says)):
+            sdk.completions.create(model="smollm2", prompt=PROMPT, max_tokens=2, logit_bias=bad)

@@ -111,11 +111,27 @@ def test_bad_token_ids(smol_engine, ids, message):
         ("frequency_penalty", float("nan"), "frequency_penalty must be a finite number"),
         ("max_tokens", "ten", "wrong type"),
         ("bogus", 1, "unknown sampling params"),
+        ("min_tokens", 65, "min_tokens must be in"),
+        ("min_tokens", -1, "min_tokens must be in"),
+        ("logit_bias", {"abc": 1}, "not a token id"),
+        ("logit_bias", {"-3": 1}, "not a token id"),
+        ("logit_bias", {"5": 101}, "must be a number in"),
+        ("logit_bias", {"5": float("nan")}, "must be a number in"),
+        ("logit_bias", {"5": True}, "must be a number in"),
+        ("logit_bias", [[5, 1.0], [5, 2.0]], "an id twice"),
+        ("logit_bias", {str(i): 1 for i in range(301)}, "at most 300"),
+        ("logit_bias", "5", "wrong type"),
+        ("logit_bias", [5], "id, bias pairs"),
     ],
 )
 def test_bad_sampling_params(field, value, message):
     with pytest.raises(InvalidRequest, match=message):
         SamplingParams.from_dict({field: value})
+
+
+def test_min_tokens_cannot_go_with_a_grammar_that_ends_the_output():
+    with pytest.raises(InvalidRequest, match="min_tokens cannot go with"):
+        SamplingParams(guided_choice=("yes", "no"), min_tokens=3)
 
 
 def test_bad_config():
@@ -133,3 +149,15 @@ def test_engine_keeps_serving_after_bad_requests(smol_engine, chat_prompts):
             smol_engine.add_request(bad)
     (done,) = smol_engine.generate([chat_prompts[0]], SamplingParams(temperature=0.0, max_tokens=8))
     assert "Paris" in done.text
+
+
+def test_logit_bias_and_stop_ids_outside_the_vocabulary_are_refused(smol_engine):
+    vocab = smol_engine.model_cfg.vocab_size
+    for params in (
+        SamplingParams(logit_bias={str(vocab): 5.0}),
+        SamplingParams(stop_token_ids=(vocab + 3,)),
+        SamplingParams(stop_token_ids=(-1,), min_tokens=2),
+    ):
+        with pytest.raises(InvalidRequest, match="outside the vocabulary"):
+            smol_engine.add_request([1, 2, 3], params)
+    assert not smol_engine.has_work()

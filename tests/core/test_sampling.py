@@ -67,6 +67,35 @@ def test_penalties():
     assert math.isclose(float(pres[2]), float(pres[3]), rel_tol=1e-6) and pres[2] < pres[0]
 
 
+def test_logit_bias_moves_logits_and_min_tokens_bans_the_stops_until_then():
+    flat = [0.0] * V
+    biased = dist(SamplingParams(temperature=1.0, logit_bias={"3": 2.0, "6": -100}), flat)
+    assert math.isclose(float(biased[3] / biased[0]), math.exp(2.0), rel_tol=1e-5)
+    assert float(biased[6]) < 1e-40 and biased[1] == biased[0]
+    greedy = dist(SamplingParams(temperature=0.0, logit_bias=[[7, 20.0]]), LOGITS)
+    assert greedy.tolist() == [0.0] * 7 + [1.0], "the bias moves the greedy choice"
+    sampler = Sampler(2, V, torch.device("cpu"))
+    params = SamplingParams(temperature=0.0, min_tokens=2)
+    for output, banned in (([], True), ([5], True), ([5, 5], False)):
+        row = Row(params, 3 + len(output), [1, 2, 3, *output], 3, stops=(0, 4))
+        p = sampler.distribution(torch.tensor([LOGITS]), [row])[0]
+        # banned: token 0 (LOGITS' argmax) and 4 cannot come; the argmax is then token 1
+        assert int(p.argmax()) == (1 if banned else 0) and float(p[4]) == 0.0
+    assert (
+        SamplingParams(min_tokens=1).adjusts_logits
+        and SamplingParams(logit_bias={1: 1}).adjusts_logits
+    )
+    assert not SamplingParams(temperature=0.0).adjusts_logits
+
+
+def test_logit_bias_travels_as_sorted_pairs():
+    params = SamplingParams(logit_bias={"9": -1, "2": 0.5}, min_tokens=3)
+    assert params.logit_bias == ((2, 0.5), (9, -1.0))
+    data = params.to_dict()
+    assert data["logit_bias"] == [[2, 0.5], [9, -1.0]] and data["min_tokens"] == 3
+    assert SamplingParams.from_dict(data) == params
+
+
 def test_seeded_sampling_follows_the_distribution():
     sampler = Sampler(1, V, torch.device("cpu"))
     params = SamplingParams(temperature=1.0, seed=7)
@@ -155,6 +184,38 @@ def test_stop_strings_and_stop_ids_end_to_end(smol_engine, chat_prompts):
         [chat_prompts[0]], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     )
     assert len(ign.token_ids) == 12 and ign.finish_reason == "length"
+
+
+def test_logit_bias_and_min_tokens_end_to_end(smol_engine, chat_prompts):
+    greedy = SamplingParams(temperature=0.0, max_tokens=40)
+    (free,) = smol_engine.generate([chat_prompts[0]], greedy)
+    assert free.finish_reason == "stop" and len(free.token_ids) < 30  # a short answer, then EOS
+    forced = free.token_ids[1]
+    (pushed,) = smol_engine.generate(
+        [chat_prompts[0]], SamplingParams(temperature=0.0, max_tokens=6, logit_bias={forced: 100})
+    )
+    assert pushed.token_ids == [forced] * 6
+    (banned,) = smol_engine.generate(
+        [chat_prompts[0]], SamplingParams(temperature=0.0, max_tokens=3, logit_bias={forced: -100})
+    )
+    assert banned.token_ids[0] == free.token_ids[0] and banned.token_ids[1] != forced
+    n = len(free.token_ids) + 5
+    (longer,) = smol_engine.generate(
+        [chat_prompts[0]], SamplingParams(temperature=0.0, max_tokens=40, min_tokens=n)
+    )
+    assert 2 not in longer.token_ids[:n] and len(longer.token_ids) >= n
+    assert longer.token_ids[: len(free.token_ids) - 1] == free.token_ids[:-1]
+    (no_stop_yet,) = smol_engine.generate(
+        [chat_prompts[0]],
+        SamplingParams(temperature=0.0, max_tokens=10, min_tokens=5, stop=("France",)),
+    )  # "France" is the 4th token: not matched before the 5th, nor after it
+    assert no_stop_yet.text.startswith("The capital of France is")
+    stop_id = free.token_ids[2]
+    (late,) = smol_engine.generate(
+        [chat_prompts[0]],
+        SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=(stop_id,), min_tokens=4),
+    )
+    assert stop_id not in late.token_ids[:4]
 
 
 def test_logprobs_returned_per_token(smol_engine, chat_prompts):

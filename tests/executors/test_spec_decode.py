@@ -101,6 +101,44 @@ def test_greedy_spec_equals_greedy_with_an_fp8_kv_cache(chat_prompts):
     assert "sn" in kinds and "ns" in kinds, kinds
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_logit_bias_and_min_tokens_are_lossless_under_speculation(
+    method, smol_engine, chat_prompts
+):
+    """Verify rows (and the draft model's own sampling) see a request's logit_bias and its ban
+    on ending before min_tokens at each row's own position: greedy equals plain greedy, in a
+    batch beside a request without them."""
+    (free,) = smol_engine.generate([chat_prompts[0]], SamplingParams(temperature=0.0))
+    params = [
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=30,
+            min_tokens=len(free.token_ids) + 8,
+            logit_bias={free.token_ids[3]: -100, free.token_ids[5]: 4.0},
+        ),
+        SamplingParams(temperature=0.0, max_tokens=12),
+        SamplingParams(temperature=0.0, max_tokens=30, min_tokens=25),
+    ]
+    prompts = [chat_prompts[0], chat_prompts[1], chat_prompts[0]]
+    reference = [c.token_ids for c in smol_engine.generate(prompts, params)]
+    assert reference[0] != free.token_ids[: len(reference[0])], "the bias changed the output"
+    assert len(reference[2]) >= 25 and 2 not in reference[2][:25]
+    cfg = EngineConfig(
+        dtype="float32",
+        quantization="none",
+        speculative_method=method,
+        num_speculative_tokens=3,
+        draft_layers=30,
+        speculative_auto_disable=False,
+    )
+    engine = local_engine(cfg)
+    steps = []
+    engine.sinks.append(lambda r: type(r).__name__ == "StepFinished" and steps.append(r))
+    got = [c.token_ids for c in engine.generate(prompts, params)]
+    assert got == reference
+    assert sum(r.num_accepted for r in steps) > 0, "drafts were verified and taken"
+
+
 def test_acceptance_is_counted(chat_prompts):
     engine = local_engine(
         EngineConfig(

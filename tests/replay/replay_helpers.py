@@ -33,7 +33,8 @@ TOPICS = [
 
 
 def mixed_params(i: int, max_tokens: int) -> SamplingParams:
-    """Greedy, temperature/top-p/top-k/min-p, penalties, seeds and stop strings, by turns."""
+    """Greedy, temperature/top-p/top-k/min-p, penalties, seeds, stop strings, logit biases and
+    min_tokens, by turns."""
     seed = 1000 + i
     kinds = [
         dict(temperature=0.0),
@@ -44,6 +45,7 @@ def mixed_params(i: int, max_tokens: int) -> SamplingParams:
         dict(temperature=0.0, stop=[" the", "."]),
         dict(temperature=1.2, top_p=0.95, top_k=50, seed=seed, stop=[","]),
         dict(temperature=0.6, seed=seed, logprobs=2, ignore_eos=True),
+        dict(temperature=0.9, seed=seed, logit_bias={"7": 3.0, "11": -50}, min_tokens=2),
     ]
     return SamplingParams(max_tokens=max_tokens, **kinds[i % len(kinds)])
 
