@@ -34,6 +34,7 @@ SAMPLING_FIELDS = {
     "min_tokens": "min_tokens",
     "stop_token_ids": "stop_token_ids",
     "logit_bias": "logit_bias",
+    "include_stop_str_in_output": "include_stop_str_in_output",
 }
 COMMON_FIELDS = {"model", "n", "stream", "stream_options", "stop", "max_tokens", "user"}
 # structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_* fields

@@ -551,7 +551,8 @@ class Engine:
         if p.stop and reason in (None, "length") and len(out_ids) >= p.min_tokens:
             cut = _find_stop(req.detok.text, p.stop, old_len)
             if cut is not None:
-                text, reason = req.detok.text[old_len:cut], "stop"
+                end = cut[1] if p.include_stop_str_in_output else cut[0]
+                text, reason = req.detok.text[old_len:end], "stop"
         out = RequestOutput(req.request_id, tokens, text, logprobs=logprobs)
         if reason:
             self._finish(req, reason)
@@ -716,12 +717,16 @@ class Engine:
             self._close_executor()
 
 
-def _find_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:
+def _find_stop(text: str, stops: tuple[str, ...], start: int) -> tuple[int, int] | None:
     """Where the first stop string that ends past `start` (the text's length before this step)
-    begins: one that ended by then was matched then, or not at all (before `min_tokens`)."""
+    begins and ends (the longest of those that begin there): one that ended by then was matched
+    then, or not at all (before `min_tokens`)."""
     begin = max(0, start - max(len(s) for s in stops) + 1)
-    hits = [i for s in stops if (i := text.find(s, begin)) >= 0]
-    return min(hits) if hits else None
+    hits = [(i, -len(s)) for s in stops if (i := text.find(s, begin)) >= 0]
+    if not hits:
+        return None
+    at, minus = min(hits)
+    return at, at - minus
 
 
 def check_prompt(ids: list[int], params: SamplingParams, vocab: int, max_len: int) -> None:

@@ -82,6 +82,7 @@ class SamplingParams:
     # (token id, bias) pairs, sorted by id: each bias added to that token's logit (logit_bias)
     logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=_bias_pairs)
     stop: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    include_stop_str_in_output: bool = False  # the text ends after the stop string, not before
     ignore_eos: bool = False
     logprobs: int = 0  # top-N logprobs per sampled token, 0 for none
     # structured outputs (vLLM's guided_* names), at most one: the text must match the constraint

@@ -173,6 +173,16 @@ def test_stop_strings_and_stop_ids_end_to_end(smol_engine, chat_prompts):
         [chat_prompts[0]], SamplingParams(temperature=0.0, max_tokens=10, stop=("France",))
     )
     assert cut.text == "The capital of " and cut.finish_reason == "stop"
+    (kept,) = smol_engine.generate(
+        [chat_prompts[0]],
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=10,
+            stop=("capital", "France"),
+            include_stop_str_in_output=True,
+        ),
+    )
+    assert kept.text == "The capital" and kept.finish_reason == "stop"
     stop_id = free.token_ids[2]
     (by_id,) = smol_engine.generate(
         [chat_prompts[0]], SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=(stop_id,))
@@ -298,3 +308,12 @@ def test_cpu_cuts_on_candidates_equal_the_whole_sort():
     tie = [Row(SamplingParams(temperature=1.0, top_k=7), 3, [], 0)]
     kept, fast = both(tie_edge[None], tie)
     assert fast.sorted.any() and int((kept > 0).sum()) == 10, "the 7th value's tie: 10 kept"
+
+
+def test_a_stop_string_is_found_where_it_ends_past_the_step_s_start():
+    from memstep.core.engine import _find_stop
+
+    text = "one two, three."
+    assert _find_stop(text, (",", ", three"), 5) == (7, 14)  # the longest at the first start
+    assert _find_stop(text, ("two",), 7) is None  # it ended at 7: matched then, or never
+    assert _find_stop(text, ("two",), 6) == (4, 7)  # straddling the start
