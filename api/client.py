@@ -30,6 +30,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, TypeVar
 
+import attrs
 import structlog
 import zmq
 import zmq.asyncio
@@ -49,6 +50,8 @@ from memstep.events.wire import (
     HealthRequest,
     StatsReply,
     StatsRequest,
+    TokenizeReply,
+    TokenizeRequest,
 )
 
 log = structlog.get_logger("memstep.client")
@@ -260,6 +263,21 @@ class Client:
     def stats(self) -> StatsReply:
         return self._call(StatsRequest(self._new_id()), StatsReply)
 
+    def tokenize(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict[str, str]] | None = None,
+        special_tokens_in_messages: bool = False,
+    ) -> TokenizeReply:
+        """The token ids the server reads `prompt` (raw) or chat `messages` as."""
+        msg = TokenizeRequest(self._new_id(), prompt, messages, None, special_tokens_in_messages)
+        return self._call(msg, TokenizeReply)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        msg = TokenizeRequest(self._new_id(), token_ids=list(token_ids))
+        return self._call(msg, TokenizeReply).text
+
     def close(self) -> None:
         self._forget_monitor()
         self._sock.close(0)
@@ -439,6 +457,10 @@ class AsyncClient:
 
     async def stats(self) -> StatsReply:
         return await self._call(StatsRequest(self._new_id()), StatsReply)
+
+    async def tokenize(self, request: TokenizeRequest) -> TokenizeReply:
+        """`request` (its request_id replaced by this client's own) answered."""
+        return await self._call(attrs.evolve(request, request_id=self._new_id()), TokenizeReply)
 
     def share(self, request_id: str, queue: asyncio.Queue[tuple[int, object]], tag: int) -> None:
         """Put the replies of `request_id` (those here already, then those to come) into

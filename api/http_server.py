@@ -3,10 +3,12 @@
     python -m memstep.api.http_server --zmq tcp://127.0.0.1:5557 --port 8000
 
 `memstep serve` starts it (see `api/http_front.py`).  Endpoints: `POST /v1/completions`,
-`POST /v1/chat/completions` (SSE with `stream: true`), `GET /v1/models`, `GET /health` (200 only
-while the core says "ok"), `GET /metrics`.  Every request goes through `AsyncClient`: one codec,
-one path into the engine, and no torch in this process.  A client that disconnects aborts its
-requests in the core.  With an API key, `/v1/*` needs `Authorization: Bearer KEY`.
+`POST /v1/chat/completions` (SSE with `stream: true`), `GET /v1/models`, `POST /tokenize` and
+`POST /detokenize` (vLLM's), `GET /health` (200 only while the core says "ok"), `GET /metrics`.
+Every request goes through `AsyncClient`: one codec, one path into the engine, and no torch in
+this process.  A client that disconnects aborts its
+requests in the core.  With an API key, `/v1/*` and the token endpoints need `Authorization:
+Bearer KEY`.
 
 No request shares fate with another: its size, its connection and its time are bounded
 (`api/http_limits.py`, docs/limits.md); a request the core cannot take (over its frame limit, not
@@ -140,6 +142,27 @@ class Front:
 
     async def chat_completions(self, request: Request) -> Response:
         return await self._serve(request, oai.parse_chat)
+
+    async def tokenize(self, request: Request) -> Response:
+        return await self._tokens(request, oai.parse_tokenize, oai.tokenized)
+
+    async def detokenize(self, request: Request) -> Response:
+        return await self._tokens(request, oai.parse_detokenize, oai.detokenized)
+
+    async def _tokens(self, request: Request, parse: Any, answer: Any) -> Response:
+        """vLLM's /tokenize and /detokenize: one TokenizeRequest to the core, within the
+        request's deadline."""
+        deadline = asyncio.get_running_loop().time() + self.limits.request_timeout_s
+        try:
+            self._check_key(request)
+            msg = parse(_json(await read_body(request, self.limits)), self.model)
+            try:
+                reply = await self._within(deadline, self.core.tokenize(msg))
+            except (ServerError, TimeoutError, ConnectionError) as exc:
+                raise _error_of(_as_server_error(exc)) from None
+            return JSONResponse(answer(reply))
+        except OpenAIError as exc:
+            return _error_response(exc)
 
     async def models(self, request: Request) -> Response:
         self._check_key(request)
@@ -536,6 +559,8 @@ def build_app(front: Front) -> Starlette:
         Route("/v1/completions", front.completions, methods=["POST"]),
         Route("/v1/chat/completions", front.chat_completions, methods=["POST"]),
         Route("/v1/models", front.models, methods=["GET"]),
+        Route("/tokenize", front.tokenize, methods=["POST"]),
+        Route("/detokenize", front.detokenize, methods=["POST"]),
         Route("/health", front.health, methods=["GET"]),
         Route("/metrics", front.metrics, methods=["GET"]),
     ]

@@ -18,7 +18,7 @@ import attrs
 import orjson
 
 from memstep.api.tool_calls import ToolError, Tools, calls_message, parse_calls, parse_tools
-from memstep.events.wire import GenerateDone
+from memstep.events.wire import GenerateDone, TokenizeReply, TokenizeRequest
 
 # What each request field of OpenAI (and vLLM's extras) becomes in the engine's SamplingParams.
 SAMPLING_FIELDS = {
@@ -140,6 +140,41 @@ def parse_chat(body: Any, model: str) -> Job:
     return _job(body, model, True, [{"messages": messages}], max_tokens, top, tools)
 
 
+def parse_tokenize(body: Any, model: str) -> TokenizeRequest:
+    """vLLM's /tokenize: a raw `prompt`, or chat `messages` read as a chat completion would
+    (`add_generation_prompt` true: the only form the engine reads them in)."""
+    body = _object(body, {"model", "prompt", "messages", "add_generation_prompt"})
+    _model(body, model)
+    if body.get("add_generation_prompt") is False:
+        raise bad("add_generation_prompt false is not supported", "add_generation_prompt")
+    if ("prompt" in body) == ("messages" in body):
+        raise bad("give exactly one of prompt, messages")
+    if "messages" in body:
+        return TokenizeRequest("", messages=_messages(body["messages"]))
+    if not isinstance(body["prompt"], str):
+        raise bad("prompt must be a string", "prompt")
+    return TokenizeRequest("", prompt=body["prompt"])
+
+
+def parse_detokenize(body: Any, model: str) -> TokenizeRequest:
+    """vLLM's /detokenize: the text of `tokens`."""
+    body = _object(body, {"model", "tokens"})
+    _model(body, model)
+    tokens = body.get("tokens")
+    if not (isinstance(tokens, list) and all(type(t) is int for t in tokens)):
+        raise bad("tokens must be a list of token ids", "tokens")
+    return TokenizeRequest("", token_ids=tokens)
+
+
+def tokenized(reply: TokenizeReply) -> dict[str, Any]:
+    ids = reply.token_ids
+    return {"count": len(ids), "max_model_len": reply.max_model_len, "tokens": ids}
+
+
+def detokenized(reply: TokenizeReply) -> dict[str, Any]:
+    return {"prompt": reply.text}
+
+
 def _with_tools(messages: list[dict[str, str]], tools: Tools) -> list[dict[str, str]]:
     """The tools' system prompt, before (or joined to) the conversation's own system turn."""
     prompt = tools.system_prompt()
@@ -158,9 +193,7 @@ def _job(
     top: int | None,
     tools: Tools | None = None,
 ) -> Job:
-    name = body.get("model", model)
-    if name != model:
-        raise OpenAIError(404, f"The model `{name}` does not exist.", code="model_not_found")
+    _model(body, model)
     n = _int(body, "n", 1, MAX_N) or 1
     stream = _bool(body, "stream")
     options = body.get("stream_options") or {}
@@ -238,6 +271,12 @@ def _sampling(body: dict, max_tokens: int | None, top: int | None) -> dict[str, 
             raise bad("stop must be a string or a list of at most 4 strings", "stop")
         params["stop"] = stops
     return params
+
+
+def _model(body: dict, model: str) -> None:
+    name = body.get("model", model)
+    if name != model:
+        raise OpenAIError(404, f"The model `{name}` does not exist.", code="model_not_found")
 
 
 def _choice_params(base: dict[str, Any], seed: Any, j: int) -> dict[str, Any]:

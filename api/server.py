@@ -65,6 +65,8 @@ from memstep.events.wire import (
     StatsReply,
     StatsRequest,
     Timing,
+    TokenizeReply,
+    TokenizeRequest,
     Usage,
     WireError,
     decode_request,
@@ -516,6 +518,8 @@ class Server:
             self._send(envelope, self._stats(msg))
         elif isinstance(msg, AttachRequest):
             self._attach(envelope, msg)
+        elif isinstance(msg, TokenizeRequest):
+            self._send(envelope, self._tokenize(msg))
         else:
             raise NotImplementedError(f"no handler for {type(msg).__name__}")
 
@@ -619,11 +623,13 @@ class Server:
         self.by_client[(envelope[0], msg.request_id)] = held.engine_id
         self.last_sent.setdefault(inf.peer, now)
 
-    def _prompt(self, msg: GenerateRequest) -> str | list[int]:
+    def _prompt(self, msg: GenerateRequest | TokenizeRequest) -> str | list[int]:
         """Text or token ids; chat messages become ids here, so their text stays plain text."""
-        given = [x for x in (msg.prompt, msg.prompt_token_ids, msg.messages) if x is not None]
+        ids = msg.prompt_token_ids if isinstance(msg, GenerateRequest) else msg.token_ids
+        given = [x for x in (msg.prompt, ids, msg.messages) if x is not None]
         if len(given) != 1:
-            raise InvalidRequest("give exactly one of prompt, prompt_token_ids, messages")
+            what = "prompt_token_ids" if isinstance(msg, GenerateRequest) else "token_ids"
+            raise InvalidRequest(f"give exactly one of prompt, {what}, messages")
         if msg.messages is None:
             return given[0]
         if not msg.messages:
@@ -631,6 +637,19 @@ class Server:
         if any(set(m) != {"role", "content"} for m in msg.messages):
             raise InvalidRequest("every message needs exactly the keys 'role' and 'content'")
         return self.engine.tokenizer.encode_chat(msg.messages, msg.special_tokens_in_messages)
+
+    def _tokenize(self, msg: TokenizeRequest) -> TokenizeReply:
+        """A prompt's token ids as a generate request would read it, or token ids' text."""
+        tok, vocab = self.engine.tokenizer, self.engine.model_cfg.vocab_size
+        prompt = self._prompt(msg)
+        if isinstance(prompt, str):
+            ids, text = tok.encode(prompt), prompt
+        else:
+            bad = next((t for t in prompt if not (type(t) is int and 0 <= t < vocab)), None)
+            if bad is not None:
+                raise InvalidRequest(f"token id {bad!r} is outside the vocabulary [0, {vocab})")
+            ids, text = list(prompt), tok.decode(list(prompt))
+        return TokenizeReply(msg.request_id, ids, text, self.engine.max_model_len)
 
     def _abort(self, envelope: list[bytes], msg: AbortRequest) -> None:
         engine_id = self.by_client.get((envelope[0], msg.target_id))

@@ -61,6 +61,19 @@ class StatsRequest:
 
 
 @record
+class TokenizeRequest:
+    """The token ids the engine reads a prompt as (raw `prompt`, or chat `messages` in the chat
+    template with the assistant's turn begun, as a GenerateRequest reads them), or the text of
+    `token_ids` (detokenize).  Exactly one of the three is set."""
+
+    request_id: str
+    prompt: str | None = None
+    messages: list[dict[str, str]] | None = None
+    token_ids: list[int] | None = None
+    special_tokens_in_messages: bool = False
+
+
+@record
 class AttachRequest:
     """Receive the rest of a generate request that an earlier server was answering when it died,
     from a server resumed from its log (`serve --resume`); replies as to a GenerateRequest."""
@@ -72,7 +85,14 @@ class AttachRequest:
 
 API_REQUESTS: dict[str, type] = {
     cls.__name__: cls
-    for cls in (GenerateRequest, AbortRequest, HealthRequest, StatsRequest, AttachRequest)
+    for cls in (
+        GenerateRequest,
+        AbortRequest,
+        HealthRequest,
+        StatsRequest,
+        AttachRequest,
+        TokenizeRequest,
+    )
 }
 
 # --- server -> client ----------------------------------------------------------------------
@@ -184,6 +204,14 @@ class StatsReply:
 OVERLOADED = "overloaded"  # --max-waiting-requests others already wait for the running batch
 RECOVERING = "recovering"  # a new executor starts and --max-new-while-recovering new ones wait
 EXECUTOR_DEAD = "executor_dead"
+
+
+@record
+class TokenizeReply:
+    request_id: str
+    token_ids: list[int]  # the prompt's, or the token_ids given
+    text: str  # the token ids' text (the prompt as given, for a raw prompt)
+    max_model_len: int  # prompt + output tokens at most
 
 
 @record

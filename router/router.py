@@ -48,6 +48,8 @@ from memstep.events.wire import (
     GenerateRequest,
     HealthRequest,
     StatsRequest,
+    TokenizeReply,
+    TokenizeRequest,
     WireError,
     decode_request,
 )
@@ -97,6 +99,9 @@ class Router:
         self.seeds = random.Random(cfg.seed if cfg.seed is not None else os.urandom(16))
         self.routed: dict[tuple[bytes, str], Routed] = {}
         self.by_backend: dict[tuple[int, str], Routed] = {}
+        # tokenize requests a replica answers: (replica, its id) -> (client envelope, client id)
+        self.tokenizing: dict[tuple[int, str], tuple[list[bytes], str]] = {}
+        self.num_tokenize = 0
         self.seq = 0
         self.started = time.monotonic()
         self.stopping = False
@@ -178,6 +183,7 @@ class Router:
             HealthRequest: lambda env, m: self._send(env, health_of(m, self.backends, self)),
             StatsRequest: lambda env, m: self._send(env, stats_of(m, self.backends, self)),
             AttachRequest: self._no_attach,
+            TokenizeRequest: self._tokenize,
         }
         try:
             handlers[type(msg)](envelope, msg)
@@ -220,6 +226,17 @@ class Router:
         self._end(r, r.done("abort", time.monotonic()))
         self._send(envelope, AbortReply(msg.request_id, msg.target_id))
 
+    def _tokenize(self, envelope: list[bytes], msg: TokenizeRequest) -> None:
+        """Asked of the first live replica (all serve one model); its answer is relayed."""
+        live = [b for b in self.backends if b.live]
+        if not live:
+            self._error(envelope, msg.request_id, EXECUTOR_DEAD, "every replica is lost")
+            return
+        self.num_tokenize += 1
+        backend_id = f"t{self.num_tokenize}"
+        self.tokenizing[(live[0].index, backend_id)] = (envelope, msg.request_id)
+        live[0].send(attrs.evolve(msg, request_id=backend_id))
+
     def _no_attach(self, envelope: list[bytes], msg: AttachRequest) -> None:
         message = "a router carries requests across a replica's loss, not its own restart"
         self._error(envelope, msg.request_id, "unknown_request", message)
@@ -247,9 +264,13 @@ class Router:
                 return
             now = time.monotonic()
             b.heard(msg)
-            r = self.by_backend.get((b.index, getattr(msg, "request_id", "")))
+            key = (b.index, getattr(msg, "request_id", ""))
+            r = self.by_backend.get(key)
             if r is not None:
                 self._reply(b, r, msg, now)
+            elif key in self.tokenizing and isinstance(msg, (TokenizeReply, ErrorReply)):
+                envelope, request_id = self.tokenizing.pop(key)
+                self._send(envelope, attrs.evolve(msg, request_id=request_id))
 
     def _reply(self, b: Backend, r: Routed, msg: object, now: float) -> None:
         if isinstance(msg, GenerateDelta):
@@ -278,6 +299,9 @@ class Router:
         """Close a lost replica and move each of its unfinished requests to a live one."""
         b.close()
         self.policy.lose(b.index)
+        for key in [key for key in self.tokenizing if key[0] == b.index]:
+            envelope, request_id = self.tokenizing.pop(key)
+            self._error(envelope, request_id, EXECUTOR_DEAD, f"the replica was lost: {reason}")
         victims = sorted((r for r in self.routed.values() if r.replica == b.index),
                          key=lambda r: r.seq)  # fmt: skip
         self.seq += 1

@@ -321,3 +321,28 @@ def test_logit_bias_min_tokens_and_stop_token_ids_over_http(server, sdk):
     for bad, says in (({"x": 1}, "not a token id"), ({str(forced): 500}, "in [-100, 100]")):
         with pytest.raises(openai.BadRequestError, match=re.escape(says)):
             sdk.completions.create(model="smollm2", prompt=PROMPT, max_tokens=2, logit_bias=bad)
+
+
+def test_tokenize_and_detokenize_as_vllm_s(server):
+    """/tokenize reads a prompt or chat messages as the completions do (its count is their
+    usage's prompt_tokens); /detokenize gives the ids' text back; bad input is a 400."""
+    url = server.http_url
+    raw = httpx.post(url + "/tokenize", json={"model": "smollm2", "prompt": PROMPT}).json()
+    assert raw["count"] == len(raw["tokens"]) > 0 and raw["max_model_len"] >= 2048
+    back = httpx.post(url + "/detokenize", json={"model": "smollm2", "tokens": raw["tokens"]})
+    assert back.status_code == 200 and back.json() == {"prompt": PROMPT}
+    chat = httpx.post(url + "/tokenize", json={"messages": QUESTION}).json()
+    done = httpx.post(
+        url + "/v1/chat/completions", json={"messages": QUESTION, "max_tokens": 1}
+    ).json()
+    assert chat["count"] == done["usage"]["prompt_tokens"]
+    with Client(server.address, timeout=30) as zmq_client:
+        assert zmq_client.tokenize(messages=QUESTION).token_ids == chat["tokens"]
+    for path, body, status, says in (
+        ("/detokenize", {"tokens": [10**9]}, 400, "outside the vocabulary"),
+        ("/detokenize", {"tokens": "abc"}, 400, "list of token ids"),
+        ("/tokenize", {"prompt": "a", "messages": QUESTION}, 400, "exactly one"),
+        ("/tokenize", {"model": "other", "prompt": "a"}, 404, "does not exist"),
+    ):
+        bad = httpx.post(url + path, json=body)
+        assert bad.status_code == status and says in bad.json()["error"]["message"], bad.text

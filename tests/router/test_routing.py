@@ -140,6 +140,26 @@ def test_a_bad_request_is_refused_by_its_replica_and_the_router_goes_on(replicas
         assert len(client.generate("a good one", max_tokens=2, seed=1).token_ids) == 2
 
 
+def test_tokenize_is_answered_by_a_replica_through_the_router(replicas, tmp_path: Path):
+    from memstep.api.client import ServerError
+
+    endpoints = [p.address for p in replicas]
+    with running(endpoints, tmp_path / "tok.memlog") as router, Client(router.endpoint) as client:
+        with Client(endpoints[0]) as direct:
+            expected = direct.tokenize("hello there").token_ids
+        got = client.tokenize("hello there")
+        assert got.token_ids == expected and got.max_model_len > 0
+        assert client.detokenize(expected) == direct_text(endpoints[0], expected)
+        with pytest.raises(ServerError) as refused:
+            client.detokenize([10**9])
+        assert refused.value.code == "invalid_request"
+
+
+def direct_text(endpoint: str, ids: list[int]) -> str:
+    with Client(endpoint) as direct:
+        return direct.detokenize(ids)
+
+
 def test_replicas_of_different_weights_are_refused(replicas, tmp_path: Path):
     """Migration continues a stream exactly only on the same weights: a replica with another
     weights seed makes the check fire, the same ones pass it."""
