@@ -1,13 +1,17 @@
 """Speculative decoding on SmolLM2: acceptance and tokens/s, with and without each proposer.
 
 Runs in one process, an engine per method (none, ngram, draft, eagle): for a copy-inviting
-workload (quote a passage back) and free generation, greedy, 64 new tokens, at concurrency 1 and
-8, each method in turn, `--rounds` times; prints the median tok/s, the median of each round's
-ratio to no speculation (run a moment before, so that a shared machine's load moves both), and
-the acceptance rate and mean accepted drafts per step.
+workload (quote a passage back), an edit workload (give a passage back changed) and free
+generation, greedy, 64 new tokens, at concurrency 1 and 8, each method in turn, `--rounds`
+times; prints the median tok/s, the median of each round's ratio to no speculation (run a moment
+before, so that a shared machine's load moves both), the acceptance rate, the mean accepted
+drafts per spec step, and how many of its requests gave the very tokens of no speculation.
 
     python benchmarks/bench_spec.py [--tokens 64] [--draft-layers 8] [--k 3] [--methods none,eagle]
-        [--rounds 3] [--draft-model HEAD.npz] [--tree 3,2]
+        [--rounds 3] [--draft-model HEAD.npz] [--tree 3,2] [--workloads copy,edit,free]
+    python benchmarks/bench_spec.py --device cuda --model SmolLM2-135M-Instruct.Q4_1.gguf \
+        --tokens 128 --concurrency 1 --methods none,ngram,eagle,eagle-tree --k 3
+        (issue 43's one stream on a GPU: the GGUF's weights, bfloat16)
 
 `eagle-tree` in `--methods` is `eagle` drafting a tree of `--tree`'s widths (speculative_tree).
 
@@ -41,6 +45,12 @@ COPY = [
     f"Quote this passage back to me word for word:\n\n{PASSAGE}",
     f"Repeat the following text exactly, then stop:\n\n{PASSAGE}",
 ]
+TYPOS = PASSAGE.replace("stood", "stod").replace("slowly", "slowy").replace("glass", "glas")
+EDIT = [
+    f"Rewrite this passage with 'tower' in place of 'lighthouse', changing nothing else:\n\n"
+    f"{PASSAGE}",
+    f"Correct the spelling mistakes in this passage and give it back in full:\n\n{TYPOS}",
+]
 FREE = [
     "Write a short story about a dragon who learns to bake bread.",
     "Explain how vaccines train the immune system.",
@@ -49,7 +59,7 @@ FREE = [
 
 def run(
     engine: Engine, prompts: list[str], concurrency: int, tokens: int
-) -> tuple[float, int, int, int]:
+) -> tuple[float, int, int, int, list[list[int]]]:
     tok = engine.tokenizer
     ids = [tok.encode_chat([{"role": "user", "content": p}]) for p in prompts]
     work = [ids[i % len(ids)] for i in range(max(concurrency, 2))]
@@ -58,15 +68,16 @@ def run(
     engine.sinks.append(lambda r: isinstance(r, StepFinished) and sink(r))
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     start = time.perf_counter()
+    outputs = []
     for i in range(0, len(work), concurrency):
-        engine.generate(work[i : i + concurrency], params)
+        outputs += [c.token_ids for c in engine.generate(work[i : i + concurrency], params)]
     elapsed = time.perf_counter() - start
     engine.sinks.pop()
     out = len(work) * tokens
     proposed = sum(s.num_proposed for s in steps)
     accepted = sum(s.num_accepted for s in steps)
     spec_seq_steps = sum(len(s.sampled) for s in steps if s.kind == "spec")
-    return out / elapsed, proposed, accepted, spec_seq_steps
+    return out / elapsed, proposed, accepted, spec_seq_steps, outputs
 
 
 def main() -> None:
@@ -81,7 +92,13 @@ def main() -> None:
     ap.add_argument("--draft-model", default=None, help="an EAGLE head .npz (default: committed)")
     ap.add_argument("--rounds", type=int, default=3, help="each a run of every method in turn")
     ap.add_argument("--tree", default="3,2", help="eagle-tree: the draft tree's widths")
-    ap.add_argument("--workloads", default="copy,free", help="comma-separated: copy, free")
+    ap.add_argument("--workloads", default="copy,free", help="comma-separated: copy, edit, free")
+    ap.add_argument("--model", default="smollm2", help="the target (a GGUF path on a GPU host)")
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.15, help="each engine's (CUDA)"
+    )
     ap.add_argument("--concurrency", default="1,8", help="comma-separated stream counts")
     ap.add_argument(
         "--prefix-caching", action="store_true", help="keep prefix caching on (later rounds hit)"
@@ -92,6 +109,10 @@ def main() -> None:
     for method in methods:
         tree = tuple(int(w) for w in args.tree.split(",")) if method == "eagle-tree" else ()
         cfg = EngineConfig(
+            model=args.model,
+            device=args.device,
+            dtype=args.dtype,
+            gpu_memory_utilization=args.gpu_memory_utilization,
             num_threads=args.threads,
             max_num_seqs=8,
             speculative_method="eagle" if tree else method,
@@ -107,22 +128,25 @@ def main() -> None:
         engines[method].generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4))  # warm
     # per (method, workload, concurrency): each round's tok/s, its ratio to that round's first
     # method (run a moment before), and the drafts' counts
-    runs: dict[tuple, list[tuple[float, float, int, int, int]]] = {}
+    runs: dict[tuple, list[tuple[float, float, int, int, int, int, int]]] = {}
     for _ in range(args.rounds):
         for name in args.workloads.split(","):
-            prompts = {"copy": COPY, "free": FREE}[name]
+            prompts = {"copy": COPY, "edit": EDIT, "free": FREE}[name]
             for conc in (int(c) for c in args.concurrency.split(",")):
-                first = None
+                first, plain = None, None
                 for method, engine in engines.items():
-                    tps, proposed, accepted, seq_steps = run(engine, prompts, conc, args.tokens)
-                    first = first or tps
-                    entry = (tps, tps / first, proposed, accepted, seq_steps)
+                    tps, proposed, accepted, seq_steps, outs = run(
+                        engine, prompts, conc, args.tokens
+                    )
+                    first, plain = first or tps, plain or outs
+                    same = sum(a == b for a, b in zip(outs, plain, strict=True))
+                    entry = (tps, tps / first, proposed, accepted, seq_steps, same, len(outs))
                     runs.setdefault((method, name, conc), []).append(entry)
     for engine in engines.values():
         engine.shutdown()
     print(
         f"{'method':<10} {'workload':<5} {'conc':>4} {'tok/s':>8} {'vs none':>8} "
-        f"{'accept':>7} {'mean acc len':>12}   (medians of {args.rounds} rounds)"
+        f"{'accept':>7} {'mean acc len':>12} {'as none':>8}   (medians of {args.rounds} rounds)"
     )
     for (method, name, conc), entries in runs.items():
         proposed = sum(e[2] for e in entries)
@@ -132,9 +156,10 @@ def main() -> None:
         mean_len = accepted / seq_steps if seq_steps else 0.0
         tps = statistics.median(e[0] for e in entries)
         ratio = statistics.median(e[1] for e in entries)
+        same = f"{sum(e[5] for e in entries)}/{sum(e[6] for e in entries)}"
         print(
             f"{method or 'none':<10} {name:<5} {conc:>4} {tps:>8.1f} {ratio:>7.2f}x "
-            f"{rate:>7.2f} {mean_len:>12.2f}"
+            f"{rate:>7.2f} {mean_len:>12.2f} {same:>8}"
         )
 
 
