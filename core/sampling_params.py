@@ -162,16 +162,19 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @cached_property
-    def adjusts_logits(self) -> bool:
-        """Penalties, biases or bans move this request's logits before it samples (so a greedy
-        row is not simply the model's argmax)."""
+    def has_penalties(self) -> bool:
+        """Repetition, presence or frequency penalties: they read the request's history."""
         return (
             self.repetition_penalty != 1.0
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
-            or bool(self.logit_bias)
-            or self.min_tokens > 0
         )
+
+    @cached_property
+    def adjusts_logits(self) -> bool:
+        """Penalties, biases or bans move this request's logits before it samples (so a greedy
+        row is not simply the model's argmax)."""
+        return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0
 
     def with_seed(self, seed: int) -> SamplingParams:
         return attrs.evolve(self, seed=seed)

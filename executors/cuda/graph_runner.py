@@ -334,13 +334,20 @@ def warm_sampler(
     `dummy_hidden` (seeded noise), into the sampler's persistent buffers: every filter on (and a
     greedy row with penalties, and logprobs) at the sizes that meet the filters' allocations
     (`Sampler.warm_sizes`, and the largest), a constrained step's bitmask (allowing all) and the
-    all-greedy shortcut at every size. Penalties allocate per row, not per batch: one such row
-    is enough."""
+    all-greedy shortcut at every size. Penalties allocate per row, not per batch, and biases
+    and bans one indexed write a batch: one such row is enough."""
     noise = torch.Generator(device=dummy_hidden.device).manual_seed(0)
     torch.randn(dummy_hidden.shape, generator=noise, out=dummy_hidden)
     params = [
         SamplingParams(temperature=0.7, top_p=0.9, top_k=50, min_p=0.01, logprobs=2, seed=0),
-        SamplingParams(temperature=0.0, repetition_penalty=1.1, frequency_penalty=0.1, seed=0),
+        SamplingParams(
+            temperature=0.0,
+            repetition_penalty=1.1,
+            frequency_penalty=0.1,
+            logit_bias={5: 1.0},
+            min_tokens=4,
+            seed=0,
+        ),
     ]
     most = min(sampler.max_rows, dummy_hidden.shape[0])
     filtered = {min(n, most) for n in [*sampler.warm_sizes(), max(sizes)]}
@@ -350,7 +357,8 @@ def warm_sampler(
         raw = sampler.keep_raw(logits)
         tokens = None
         if n in filtered:  # the filters' allocations depend on the rows of a pass only
-            rows = [Row(params[int(i == 1)], 3, [1, 2, 3], 1) for i in range(n)]  # one penalised
+            # one penalised, biased and short of its min_tokens (its stop id banned)
+            rows = [Row(params[int(i == 1)], 3, [1, 2, 3], 1, stops=(2,)) for i in range(n)]
             tokens = sampler.sample(sampler.distribution(logits, rows), rows)
             logits = model.logits(dummy_hidden[:n], sampler.logits_out(n))  # filtered in place
         sampler.warm_mask(logits)

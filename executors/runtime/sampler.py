@@ -294,8 +294,9 @@ class Sampler:
         r = len(rows)
         assert r <= self.max_rows, f"{r} rows > sampler capacity {self.max_rows}"
         for i, row in enumerate(rows):
-            if row.params.adjusts_logits:
+            if row.params.has_penalties:
                 apply_penalties(logits[i], row)
+        apply_biases(logits, rows)
         probs = self.probs[:r]
         temps = to_device([row.params.temperature or 1.0 for row in rows], logits.device)
         torch.div(logits, temps[:, None], out=probs)
@@ -523,8 +524,7 @@ def _one_hot_argmax(logits: torch.Tensor, probs: torch.Tensor, greedy: list[int]
 
 
 def apply_penalties(logits: torch.Tensor, row: Row) -> None:
-    """Repetition (prompt + output), presence and frequency (output only), then the logit bias,
-    and the ban on ending before `min_tokens` output tokens, in place."""
+    """Repetition (prompt + output), presence and frequency (output only), in place."""
     p = row.params
     if p.repetition_penalty != 1.0 and row.history:
         seen = torch.tensor(sorted(set(row.history)), device=logits.device)
@@ -538,12 +538,31 @@ def apply_penalties(logits: torch.Tensor, row: Row) -> None:
         ids = torch.tensor(list(counts), device=logits.device)
         freq = torch.tensor(list(counts.values()), dtype=logits.dtype, device=logits.device)
         logits[ids] -= p.frequency_penalty * freq + p.presence_penalty
-    if p.logit_bias:
-        ids = torch.tensor([t for t, _ in p.logit_bias], device=logits.device)
-        bias = torch.tensor([b for _, b in p.logit_bias], dtype=logits.dtype, device=logits.device)
-        logits[ids] += bias
-    if row.stops and len(output) < p.min_tokens:
-        logits[torch.tensor(row.stops, device=logits.device)] = float("-inf")
+
+
+def apply_biases(logits: torch.Tensor, rows: list[Row]) -> None:
+    """After the penalties: each row's logit_bias added, then the ids that end a row still short
+    of its min_tokens made -inf; each one indexed write over the batch, in place."""
+    at: list[int] = []
+    ids: list[int] = []
+    bias: list[float] = []
+    banned: tuple[list[int], list[int]] = ([], [])
+    for i, row in enumerate(rows):
+        p = row.params
+        for token, value in p.logit_bias:
+            at.append(i)
+            ids.append(token)
+            bias.append(value)
+        if row.stops and len(row.history) - row.prompt_len < p.min_tokens:
+            banned[0].extend([i] * len(row.stops))
+            banned[1].extend(row.stops)
+    device, index = logits.device, torch.int64
+    if at:
+        where = (to_device(at, device, index), to_device(ids, device, index))
+        logits.index_put_(where, to_device(bias, device, logits.dtype), accumulate=True)
+    if banned[0]:
+        where = (to_device(banned[0], device, index), to_device(banned[1], device, index))
+        logits.index_put_(where, torch.tensor(float("-inf"), device=device))
 
 
 def top_logprobs(
