@@ -10,11 +10,12 @@ recomputed that far.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import attrs
 import structlog
 
+from memstep.core.detokenizer import ByteText
 from memstep.core.engine import Engine, UnknownRequest
 from memstep.core.outputs import RequestOutput
 from memstep.core.sampling_params import InvalidRequest, SamplingParams
@@ -40,9 +41,14 @@ class Detached:
         assert self.waiting is not None
         return self.finish_reason is not None or len(self.token_ids) >= self.waiting[1].from_index
 
-    def tail(self, start: int, decode: Callable[[list[int]], str]) -> tuple[list[int], str]:
+    def tail(
+        self,
+        start: int,
+        decode: Callable[[list[int]], str],
+        token_bytes: Sequence[bytes] | None = None,
+    ) -> tuple[list[int], str]:
         """Tokens from `start` on, and the text they add to what the first `start` give."""
-        shown = released_text(decode, self.token_ids[:start])
+        shown = released_text(decode, self.token_ids[:start], token_bytes)
         text = self.text[len(shown) :] if self.text.startswith(shown) else self.text
         return self.token_ids[start:], text
 
@@ -122,9 +128,14 @@ class Reattach:
         return held
 
 
-def released_text(decode: Callable[[list[int]], str], ids: list[int]) -> str:
-    """The text a stream of `ids` has shown: up to the last token that does not end inside a
-    character (the detokenizer holds such a token's text back until the character is whole)."""
+def released_text(
+    decode: Callable[[list[int]], str], ids: list[int], token_bytes: Sequence[bytes] | None = None
+) -> str:
+    """The text a stream of `ids` has shown, by the engine's own rule (core/detokenizer.py):
+    with fixed bytes an id (`token_bytes`), all but the start of a character that a later byte
+    may complete; else up to the last token that does not end inside a character."""
+    if token_bytes is not None:
+        return ByteText(token_bytes).extend(ids)
     num = len(ids)
     while num and decode(ids[:num]).endswith("\ufffd"):
         num -= 1

@@ -613,7 +613,7 @@ class Server:
         now = time.monotonic()
         inf = Inflight(envelope, msg.request_id, msg.stream, now, held.prompt_tokens)
         inf.token_ids, inf.texts = list(held.token_ids), [held.text]
-        ids, text = held.tail(msg.from_index, self.engine.tokenizer.decode)
+        ids, text = held.tail(msg.from_index, self.engine.tokenizer.decode, self.engine.token_bytes)
         if msg.stream and (ids or text):
             self._send(envelope, GenerateDelta(msg.request_id, ids, text))
         if held.finish_reason is not None:

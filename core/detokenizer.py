@@ -24,6 +24,13 @@ from collections.abc import Callable, Sequence
 WINDOW = 6  # tokens before the new ones that are decoded with them, for merge context (at least)
 
 
+def output_text(
+    decode: Callable[[list[int]], str], token_bytes: Sequence[bytes] | None
+) -> IncrementalText | ByteText:
+    """A request's output text, empty: `ByteText` where every id stands for fixed bytes."""
+    return IncrementalText(decode) if token_bytes is None else ByteText(token_bytes)
+
+
 class IncrementalText:
     def __init__(self, decode: Callable[[list[int]], str]):
         self._decode = decode

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Sequence
 
-from memstep.core.detokenizer import ByteText, IncrementalText
+from memstep.core.detokenizer import output_text
 from memstep.core.sampling_params import SamplingParams
 
 
@@ -47,7 +47,7 @@ class Request:
         self.draft_length: int | None = None
         self.num_missed_steps = 0
         # the output text, grown step by step
-        self.detok = IncrementalText(decode) if token_bytes is None else ByteText(token_bytes)
+        self.detok = output_text(decode, token_bytes)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -32,6 +32,18 @@ def test_a_tail_continues_the_text_the_client_was_shown():
     assert held.tail(4, decode) == ([], "")
 
 
+def test_with_fixed_bytes_a_tail_follows_the_byte_detokenizer_s_rule():
+    """A byte no later byte can complete (0xff) was shown by the stream as U+FFFD: the tail
+    does not give it again (the decoder's rule, holding back any text ending in U+FFFD, did)."""
+    table = [bytes([i]) for i in range(256)]
+    ids = [104, 255, 33]
+    held = Detached("req-1", 3, ids, "h\ufffd!", "stop")
+    assert released_text(decode, ids[:2], table) == "h\ufffd"
+    assert held.tail(2, decode, table) == ([33], "!")
+    assert released_text(decode, WORD[:2], table) == "h", "half a character is held back"
+    assert held.tail(2, decode) == ([33], "\ufffd!"), "the decoder's rule, for a decoder"
+
+
 def test_attach_refuses_what_it_cannot_serve():
     with pytest.raises(UnknownRequest):
         _held(None).take(AttachRequest("c2"))
