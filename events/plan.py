@@ -14,8 +14,9 @@ from memstep.events.types import (
 )
 
 # the executor link's version (ExecutorHello.protocol): 4 since a plan carries only the block
-# table's entries the executor does not hold yet (SeqPlan.table_from)
-EXECUTOR_PROTOCOL_VERSION = 4
+# table's entries the executor does not hold yet (SeqPlan.table_from); 5 since a plan's sampling
+# params may hold min_tokens, logit_bias and include_stop_str_in_output
+EXECUTOR_PROTOCOL_VERSION = 5
 
 
 @row_record
