@@ -156,10 +156,10 @@ def main() -> None:
         mean_len = accepted / seq_steps if seq_steps else 0.0
         tps = statistics.median(e[0] for e in entries)
         ratio = statistics.median(e[1] for e in entries)
-        same = f"{sum(e[5] for e in entries)}/{sum(e[6] for e in entries)}"
+        as_none = f"{sum(e[5] for e in entries)}/{sum(e[6] for e in entries)}"
         print(
             f"{method or 'none':<10} {name:<5} {conc:>4} {tps:>8.1f} {ratio:>7.2f}x "
-            f"{rate:>7.2f} {mean_len:>12.2f} {same:>8}"
+            f"{rate:>7.2f} {mean_len:>12.2f} {as_none:>8}"
         )
 
 
