@@ -125,7 +125,10 @@ def main() -> None:
             enable_prefix_caching=args.prefix_caching,
         )
         engines[method] = local_engine(cfg)
-        engines[method].generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4))  # warm
+    # warmed once all are loaded: each engine's host-memory baseline (its first step's resident
+    # set, this whole process's) then holds every engine, and no later load reads as growth
+    for engine in engines.values():
+        engine.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4))
     # per (method, workload, concurrency): each round's tok/s, its ratio to that round's first
     # method (run a moment before), and the drafts' counts
     runs: dict[tuple, list[tuple[float, float, int, int, int, int, int]]] = {}
