@@ -37,6 +37,14 @@ SAMPLING_FIELDS = {
     "include_stop_str_in_output": "include_stop_str_in_output",
 }
 COMMON_FIELDS = {"model", "n", "stream", "stream_options", "stop", "max_tokens", "user"}
+# OpenAI's fields about its own storage and billing: taken, and nothing to do here
+IGNORED_FIELDS = {"store", "metadata", "service_tier"}
+# OpenAI's and vLLM's fields the engine does not serve: refused by name
+UNSUPPORTED_FIELDS = {
+    "suffix", "functions", "function_call", "modalities", "audio", "prediction",
+    "reasoning_effort", "web_search_options", "prompt_logprobs", "skip_special_tokens",
+}  # fmt: skip
+COMMON_FIELDS |= IGNORED_FIELDS
 # structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_* fields
 GUIDED_FIELDS = {
     "guided_json": "guided_json",
@@ -292,7 +300,10 @@ def _object(body: Any, allowed: set[str]) -> dict[str, Any]:
         raise bad("the request body must be a JSON object")
     unknown = sorted(set(body) - allowed)
     if unknown:
-        raise bad(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0])
+        name = unknown[0]
+        if name in UNSUPPORTED_FIELDS:
+            raise bad(f"{name} is not supported", name)
+        raise bad(f"Unrecognized request argument supplied: {name}", name)
     return body
 
 
