@@ -9,7 +9,9 @@ its requests' lifetimes have filled the running batch measures a burst, not a ra
 never forms (docs/benchmarks.md has a pair that shows it).  Each run is `bench serve`'s load
 (`--ignore-eos`, vLLM's ShareGPT sample by default) with vLLM's goodput counted; its CPU
 seconds by process (core, executor, HTTP front, this client) are kept, so the front's cost is
-measured whatever the machine does.
+measured whatever the machine does. The server's running batch and queue are read from its
+stats every 0.25 s (`BatchWatch`): their peaks say whether `--max-num-seqs` or the device
+bound a miss.
 
 Beside it, an ideal engine's capacity for the same workload, from the device's measured matmul
 rate R and read bandwidth BW: every prompt's FLOPs at R; decode steps of the whole running batch
@@ -35,13 +37,17 @@ import argparse
 import asyncio
 import json
 import math
+import statistics
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from common import cpu_seconds, server_pids
 
+from memstep.api.client import Client, ServerError
 from memstep.cli.bench_serve import _samples, arrival_gaps, benchmark, compute_metrics
 from memstep.cli.datasets import Sample, token_totals
 from memstep.cli.serve import ServerProcess
@@ -125,13 +131,15 @@ def one_run(
     load = argparse.Namespace(backend=backend, timeout=600.0, disable_tqdm=True)
     gaps = arrival_gaps(len(samples), rate, 1.0, 0)
     before = cpu_seconds(ctx["pids"])
-    results, duration = asyncio.run(benchmark(url, samples, gaps, True, load))
+    with Client(ctx["address"], timeout=30) as client, BatchWatch(client.stats) as batch:
+        results, duration = asyncio.run(benchmark(url, samples, gaps, True, load))
     cpu = {k: round(v - before[k], 2) for k, v in cpu_seconds(ctx["pids"]).items()}
     m = compute_metrics(results, duration, ctx["slo"])
     ctx["last"] = (results, samples)
     keep: tuple[str, ...] = ("completed", "failed", "request_throughput", "output_throughput")
     keep += ("mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "good_requests")
     run = {"rate": rate, "prompts": len(samples), **{k: m[k] for k in keep}, "cpu_s": cpu}
+    run |= batch.figures()
     run["meets"] = meets(m, ctx["args"])
     out_tokens = max(1, sum(r.output_len for r in results if r.ok))
     run["front_cpu_us_a_token"] = round(cpu.get("http", 0.0) * 1e6 / out_tokens, 1)
@@ -141,13 +149,53 @@ def one_run(
     return run
 
 
+class BatchWatch:
+    """The server's running batch and queue during a run, read every `interval` s from its
+    stats (a thread of its own): which of the two binds when a rate misses."""
+
+    def __init__(self, stats: Callable[[], Any], interval: float = 0.25):
+        self.stats, self.interval = stats, interval
+        self.running: list[int] = []
+        self.waiting: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def __enter__(self) -> BatchWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _poll(self) -> None:
+        while True:
+            try:
+                reply = self.stats()
+            except (ServerError, TimeoutError, ConnectionError):
+                return  # the server is gone: the run itself says so
+            self.running.append(reply.num_running)
+            self.waiting.append(reply.num_waiting)
+            if self._stop.wait(self.interval):
+                return
+
+    def figures(self) -> dict[str, float]:
+        busy = [n for n in self.running if n] or [0]
+        return {
+            "running_peak": max(self.running, default=0),
+            "running_mean": round(statistics.mean(busy), 1),  # over the reads with any running
+            "waiting_peak": max(self.waiting, default=0),
+        }
+
+
 def describe(run: dict) -> str:
     return (
         f"rate {run['rate']:7.2f} ({run['prompts']} prompts): "
         f"{'meets' if run['meets'] else 'MISSES'} the SLO; "
         f"served {run['request_throughput']:.2f} req/s, {run['output_throughput']:.0f} tok/s, "
         f"TTFT p99 {run['p99_ttft_ms']:.0f} ms, TPOT mean {run['mean_tpot_ms']:.1f} ms, "
-        f"failed {run['failed']}, CPU s {run['cpu_s']}"
+        f"failed {run['failed']}, rows peak {run['running_peak']} (mean "
+        f"{run['running_mean']:.0f}), waiting peak {run['waiting_peak']}, CPU s {run['cpu_s']}"
         + (f"; first error: {run['first_error'][:200]}" if run["first_error"] else "")
     )
 
@@ -295,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     report["workload"] = workload(samples) | {"num_prompts": len(samples), "dataset": args.dataset}
     with ServerProcess([*flags, "--no-record"], http=True) as server:
         server.wait_ready(timeout=1800)
-        ctx = {"args": args, "slo": slo}
+        ctx = {"args": args, "slo": slo, "address": server.address}
         ctx["pids"] = server_pids(server.info)
         urls = {"zmq": server.address, "openai": server.http_url, "openai-chat": server.http_url}
         one_run(server.address, "zmq", args.rate_start, samples[:4], ctx, "warm-up")

@@ -8,6 +8,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -100,6 +101,22 @@ def test_each_rate_runs_for_the_seconds_asked_repeating_the_sample(cap):
     assert [s.prompt for s in got] == ["p0", "p1", "p2", "p0", "p1", "p2", "p0", "p1"]
 
 
+def test_the_batch_watch_reads_the_running_batch_and_the_queue_until_the_run_ends(cap):
+    replies = iter([(0, 0), (3, 0), (5, 2), (4, 7), (0, 0)])
+    seen = []
+
+    def stats():
+        running, waiting = next(replies, (0, 0))
+        seen.append(running)
+        return argparse.Namespace(num_running=running, num_waiting=waiting)
+
+    with cap.BatchWatch(stats, interval=0.01) as watch:
+        while len(seen) < 5:
+            time.sleep(0.01)
+    assert watch.figures() == {"running_peak": 5, "running_mean": 4.0, "waiting_peak": 7}
+    assert cap.BatchWatch(stats).figures()["running_peak"] == 0  # never read: no figures
+
+
 def test_overload_counts_typed_refusals_and_admitted_requests_cut_short(cap, monkeypatch):
     from memstep.cli.bench_serve import RequestResult
 
@@ -142,6 +159,7 @@ def test_quick_runs_on_the_cpu_over_zmq_and_http_then_at_twice_capacity(tmp_path
     for backend in ("zmq", "openai"):
         got, over = report[backend], report[backend]["overload"]
         assert got["capacity_req_s"] > 0 and got["at_capacity"]["meets"]
+        assert 0 <= got["at_capacity"]["running_peak"] <= 2  # --max-num-seqs 2, read by stats
         assert over["rate"] == 2 * got["capacity_req_s"]
         assert over["completed"] + over["refused"] == 12 and over["completed"] > 0
         assert over["untyped_refusals"] == [] and over["admitted_lost"] == 0
