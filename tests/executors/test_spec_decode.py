@@ -101,13 +101,15 @@ def test_greedy_spec_equals_greedy_with_an_fp8_kv_cache(chat_prompts):
     assert "sn" in kinds and "ns" in kinds, kinds
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize(
+    "method, tree", [("ngram", ()), ("draft", ()), ("eagle", ()), ("eagle", (3, 2))]
+)
 def test_logit_bias_and_min_tokens_are_lossless_under_speculation(
-    method, smol_engine, chat_prompts
+    method, tree, smol_engine, chat_prompts
 ):
     """Verify rows (and the draft model's own sampling) see a request's logit_bias and its ban
-    on ending before min_tokens at each row's own position: greedy equals plain greedy, in a
-    batch beside a request without them."""
+    on ending before min_tokens at each row's own position, a draft tree's nodes too: greedy
+    equals plain greedy, in a batch beside a request without them."""
     (free,) = smol_engine.generate([chat_prompts[0]], SamplingParams(temperature=0.0))
     params = [
         SamplingParams(
@@ -127,6 +129,7 @@ def test_logit_bias_and_min_tokens_are_lossless_under_speculation(
         dtype="float32",
         quantization="none",
         speculative_method=method,
+        speculative_tree=tree,
         num_speculative_tokens=3,
         draft_layers=30,
         speculative_auto_disable=False,
