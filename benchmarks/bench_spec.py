@@ -5,7 +5,9 @@ workload (quote a passage back), an edit workload (give a passage back changed) 
 generation, greedy, 64 new tokens, at concurrency 1 and 8, each method in turn, `--rounds`
 times; prints the median tok/s, the median of each round's ratio to no speculation (run a moment
 before, so that a shared machine's load moves both), the acceptance rate, the mean accepted
-drafts per spec step, and how many of its requests gave the very tokens of no speculation.
+drafts per spec step, how many of its requests gave the very tokens of no speculation, and the
+median time a step. `--forced` makes every step a spec step (no automatic threshold, no
+adaptive K): what a spec step costs against a plain one.
 
     python benchmarks/bench_spec.py [--tokens 64] [--draft-layers 8] [--k 3] [--methods none,eagle]
         [--rounds 3] [--draft-model HEAD.npz] [--tree 3,2] [--workloads copy,edit,free]
@@ -59,7 +61,7 @@ FREE = [
 
 def run(
     engine: Engine, prompts: list[str], concurrency: int, tokens: int
-) -> tuple[float, int, int, int, list[list[int]]]:
+) -> tuple[float, int, int, int, list[list[int]], float]:
     tok = engine.tokenizer
     ids = [tok.encode_chat([{"role": "user", "content": p}]) for p in prompts]
     work = [ids[i % len(ids)] for i in range(max(concurrency, 2))]
@@ -77,7 +79,8 @@ def run(
     proposed = sum(s.num_proposed for s in steps)
     accepted = sum(s.num_accepted for s in steps)
     spec_seq_steps = sum(len(s.sampled) for s in steps if s.kind == "spec")
-    return out / elapsed, proposed, accepted, spec_seq_steps, outputs
+    ms_a_step = 1000 * elapsed / max(1, len(steps))
+    return out / elapsed, proposed, accepted, spec_seq_steps, outputs, ms_a_step
 
 
 def main() -> None:
@@ -103,6 +106,11 @@ def main() -> None:
     ap.add_argument(
         "--prefix-caching", action="store_true", help="keep prefix caching on (later rounds hit)"
     )
+    ap.add_argument(
+        "--forced",
+        action="store_true",
+        help="every step a spec step: no automatic threshold, no adaptive K (what a step costs)",
+    )
     args = ap.parse_args()
     methods = [None if m == "none" else m for m in args.methods.split(",")]
     engines = {}
@@ -123,6 +131,8 @@ def main() -> None:
             # every round reads its prompts whole, as the first does: the EAGLE head's context
             # gets the pairs of the prompt's computed positions only, none of a cached prefix
             enable_prefix_caching=args.prefix_caching,
+            speculative_auto_disable=not args.forced,
+            speculative_adaptive_k=not args.forced,
         )
         engines[method] = local_engine(cfg)
     # warmed once all are loaded: each engine's host-memory baseline (its first step's resident
@@ -131,25 +141,26 @@ def main() -> None:
         engine.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4))
     # per (method, workload, concurrency): each round's tok/s, its ratio to that round's first
     # method (run a moment before), and the drafts' counts
-    runs: dict[tuple, list[tuple[float, float, int, int, int, int, int]]] = {}
+    runs: dict[tuple, list[tuple[float, float, int, int, int, int, int, float]]] = {}
     for _ in range(args.rounds):
         for name in args.workloads.split(","):
             prompts = {"copy": COPY, "edit": EDIT, "free": FREE}[name]
             for conc in (int(c) for c in args.concurrency.split(",")):
                 first, plain = None, None
                 for method, engine in engines.items():
-                    tps, proposed, accepted, seq_steps, outs = run(
+                    tps, proposed, accepted, seq_steps, outs, ms = run(
                         engine, prompts, conc, args.tokens
                     )
                     first, plain = first or tps, plain or outs
                     same = sum(a == b for a, b in zip(outs, plain, strict=True))
-                    entry = (tps, tps / first, proposed, accepted, seq_steps, same, len(outs))
+                    entry = (tps, tps / first, proposed, accepted, seq_steps, same, len(outs), ms)
                     runs.setdefault((method, name, conc), []).append(entry)
     for engine in engines.values():
         engine.shutdown()
     print(
         f"{'method':<10} {'workload':<5} {'conc':>4} {'tok/s':>8} {'vs none':>8} "
-        f"{'accept':>7} {'mean acc len':>12} {'as none':>8}   (medians of {args.rounds} rounds)"
+        f"{'accept':>7} {'mean acc len':>12} {'as none':>8} {'ms/step':>8}"
+        f"   (medians of {args.rounds} rounds)"
     )
     for (method, name, conc), entries in runs.items():
         proposed = sum(e[2] for e in entries)
@@ -162,7 +173,8 @@ def main() -> None:
         as_none = f"{sum(e[5] for e in entries)}/{sum(e[6] for e in entries)}"
         print(
             f"{method or 'none':<10} {name:<5} {conc:>4} {tps:>8.1f} {ratio:>7.2f}x "
-            f"{rate:>7.2f} {mean_len:>12.2f} {as_none:>8}"
+            f"{rate:>7.2f} {mean_len:>12.2f} {as_none:>8} "
+            f"{statistics.median(e[7] for e in entries):>8.2f}"
         )
 
 
