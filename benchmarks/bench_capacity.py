@@ -4,14 +4,12 @@ One `memstep serve` (with its HTTP front, prefix caching off so every run costs 
 the same sample at rising rates, over each backend in turn (`zmq`, `openai`): the rate doubles
 from `--rate-start` until a run misses the SLO (the last doubling stops at `--rate-max`, which is
 tried), then `--bisect` halvings between the last rate that met it and the first that did not.
-Each rate's arrivals last `--seconds` (the sample repeated as needed): a load that ends before
-its requests' lifetimes have filled the running batch measures a burst, not a rate, as its queue
-never forms (docs/benchmarks.md has a pair that shows it).  Each run is `bench serve`'s load
-(`--ignore-eos`, vLLM's ShareGPT sample by default) with vLLM's goodput counted; its CPU
-seconds by process (core, executor, HTTP front, this client) are kept, so the front's cost is
-measured whatever the machine does. The server's running batch and queue are read from its
-stats every 0.25 s (`BatchWatch`): their peaks say whether `--max-num-seqs` or the device
-bound a miss.
+Each rate's arrivals last `--seconds` (the sample repeated): a shorter load is a burst, whose
+queue never forms (docs/benchmarks.md).  Each run is `bench serve`'s load (`--ignore-eos`,
+vLLM's ShareGPT sample by default) with vLLM's goodput counted; its CPU seconds by process
+(core, executor, HTTP front, this client) are kept, so the front's cost is measured whatever
+the machine does; the server's running batch and queue, read from its stats every 0.25 s
+(`BatchWatch`), say whether `--max-num-seqs` or the device bound a miss.
 
 Beside it, an ideal engine's capacity for the same workload, from the device's measured matmul
 rate R and read bandwidth BW: every prompt's FLOPs at R; decode steps of the whole running batch
