@@ -16,7 +16,7 @@ import attrs
 import structlog
 
 from memstep.core.detokenizer import ByteText
-from memstep.core.engine import Engine, UnknownRequest
+from memstep.core.engine import Engine, UnknownRequest, stop_end
 from memstep.core.outputs import RequestOutput
 from memstep.core.sampling_params import InvalidRequest, SamplingParams
 from memstep.events.wire import AttachRequest
@@ -143,7 +143,14 @@ def released_text(
 
 
 def _finished_text(decode: Callable[[list[int]], str], req: Carried) -> str:
-    """A finished request's text: its tokens read, cut before a stop string as the engine cut it."""
-    text = decode(req.output_token_ids)
-    hits = [i for s in req.params.get("stop") or () if (i := text.find(s)) >= 0]
-    return text[: min(hits)] if hits and req.finish_reason == "stop" else text
+    """A finished request's text: its tokens read, cut at a stop string as the engine cut it
+    (`stop_end`: none is matched before `min_tokens` tokens, the first check's text being
+    the tokens' before it)."""
+    ids = req.output_token_ids
+    text = decode(ids)
+    params = SamplingParams.from_dict(req.params)
+    if not params.stop or req.finish_reason != "stop":
+        return text
+    start = len(decode(ids[: params.min_tokens - 1])) if params.min_tokens > 1 else 0
+    end = stop_end(text, params, start)
+    return text if end is None else text[:end]

@@ -549,9 +549,8 @@ class Engine:
             req.output_logprobs.extend(logprobs)
         text = req.detok.extend(out_ids, final=reason is not None)
         if p.stop and reason in (None, "length") and len(out_ids) >= p.min_tokens:
-            cut = _find_stop(req.detok.text, p.stop, old_len)
-            if cut is not None:
-                end = cut[1] if p.include_stop_str_in_output else cut[0]
+            end = stop_end(req.detok.text, p, old_len)
+            if end is not None:
                 text, reason = req.detok.text[old_len:end], "stop"
         out = RequestOutput(req.request_id, tokens, text, logprobs=logprobs)
         if reason:
@@ -727,6 +726,15 @@ def _find_stop(text: str, stops: tuple[str, ...], start: int) -> tuple[int, int]
         return None
     at, minus = min(hits)
     return at, at - minus
+
+
+def stop_end(text: str, params: SamplingParams, start: int) -> int | None:
+    """Where the output `text` ends at the first of `params.stop` that ends past `start`: before
+    it, or after it with `include_stop_str_in_output`; None where none does."""
+    cut = _find_stop(text, params.stop, start)
+    if cut is None:
+        return None
+    return cut[1] if params.include_stop_str_in_output else cut[0]
 
 
 def check_prompt(ids: list[int], params: SamplingParams, vocab: int, max_len: int) -> None:

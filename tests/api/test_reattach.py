@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
-from memstep.api.reattach import Detached, Reattach, released_text
+from memstep.api.reattach import Detached, Reattach, _finished_text, released_text
 from memstep.core.engine import UnknownRequest
-from memstep.core.sampling_params import InvalidRequest
+from memstep.core.sampling_params import InvalidRequest, SamplingParams
 from memstep.events.wire import AttachRequest
+from memstep.replay.resume import Carried
 
 WORD = list("hé!".encode())  # [104, 195, 169, 33]: "é" is two tokens
 
@@ -42,6 +44,21 @@ def test_with_fixed_bytes_a_tail_follows_the_byte_detokenizer_s_rule():
     assert held.tail(2, decode, table) == ([33], "!")
     assert released_text(decode, WORD[:2], table) == "h", "half a character is held back"
     assert held.tail(2, decode) == ([33], "\ufffd!"), "the decoder's rule, for a decoder"
+
+
+def test_a_finished_carried_request_s_text_is_cut_where_the_engine_cut_it():
+    """As the engine: before the first stop string, after it with include_stop_str_in_output,
+    and none matched before min_tokens tokens (the first check reads past their first 3)."""
+    ids = list(b"ab. cd. ef")
+
+    def carried(**params) -> Carried:
+        sp = SamplingParams(stop=(".",), max_tokens=16, seed=1, **params)
+        return Carried("req-1", [1], sp.to_dict(), ids, 0.0, "c1", "stop")
+
+    assert _finished_text(decode, carried()) == "ab"
+    assert _finished_text(decode, carried(include_stop_str_in_output=True)) == "ab."
+    assert _finished_text(decode, carried(min_tokens=4)) == "ab. cd"
+    assert _finished_text(decode, attrs.evolve(carried(), finish_reason="length")) == "ab. cd. ef"
 
 
 def test_attach_refuses_what_it_cannot_serve():
