@@ -41,7 +41,7 @@ from zmq.utils import z85
 from memstep.api.reattach import Detached, Reattach
 from memstep.api.tally import Tally, host_rss_bytes
 from memstep.core.config import ConfigError
-from memstep.core.engine import Engine, UnknownRequest
+from memstep.core.engine import Engine, UnknownRequest, outside_vocabulary
 from memstep.core.outputs import RequestOutput
 from memstep.core.recovery import EngineDead
 from memstep.core.sampling_params import InvalidRequest, SamplingParams
@@ -645,7 +645,7 @@ class Server:
         if isinstance(prompt, str):
             ids, text = tok.encode(prompt), prompt
         else:
-            bad = next((t for t in prompt if not (type(t) is int and 0 <= t < vocab)), None)
+            bad = outside_vocabulary(prompt, vocab)
             if bad is not None:
                 raise InvalidRequest(f"token id {bad!r} is outside the vocabulary [0, {vocab})")
             ids, text = list(prompt), tok.decode(list(prompt))

@@ -743,14 +743,13 @@ def check_prompt(ids: list[int], params: SamplingParams, vocab: int, max_len: in
     The CLI calls it before the model loads."""
     if not ids:
         raise InvalidRequest("prompt is empty")
-    in_vocab = set(map(type, ids)) <= {int} and min(ids) >= 0 and max(ids) < vocab  # C speed
-    bad = None if in_vocab else next((t for t in ids if not _is_token(t, vocab)), None)
+    bad = outside_vocabulary(ids, vocab)
     if bad is not None:
         raise InvalidRequest(f"token id {bad!r} is outside the vocabulary [0, {vocab})")
     if len(ids) >= max_len:
         raise InvalidRequest(f"prompt has {len(ids)} tokens; this model's context is {max_len}")
     named = [*(t for t, _ in params.logit_bias), *params.stop_token_ids]
-    outside = next((t for t in named if not 0 <= t < vocab), None)
+    outside = outside_vocabulary(named, vocab)
     if outside is not None:
         raise InvalidRequest(
             f"token id {outside} of logit_bias or stop_token_ids is outside the vocabulary "
@@ -761,6 +760,13 @@ def check_prompt(ids: list[int], params: SamplingParams, vocab: int, max_len: in
             f"prompt ({len(ids)}) + max_tokens ({params.max_tokens}) exceeds the context "
             f"of {max_len} tokens"
         )
+
+
+def outside_vocabulary(ids: list, vocab: int) -> object | None:
+    """The first of `ids` that is not a token id of a vocabulary of `vocab`, or None."""
+    if not ids or set(map(type, ids)) <= {int} and min(ids) >= 0 and max(ids) < vocab:
+        return None  # at C speed, the common case
+    return next((t for t in ids if not _is_token(t, vocab)), None)
 
 
 def _is_token(t: object, vocab: int) -> bool:
