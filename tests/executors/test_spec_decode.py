@@ -29,6 +29,13 @@ def reference(smol_engine, chat_prompts):
     return [c.token_ids for c in smol_engine.generate(chat_prompts, params)]
 
 
+def spec_engine(method: str, **options) -> Engine:
+    """SmolLM2 in float32, unquantized (as `smol_engine`, the reference), speculating."""
+    return local_engine(
+        EngineConfig(dtype="float32", quantization="none", speculative_method=method, **options)
+    )
+
+
 def run_crossing(engine: Engine, prompts) -> tuple[dict[str, list[int]], str, dict]:
     """3 requests (spec), then 5 more join (no_spec), then they drain (spec again)."""
     kinds: list[str] = []
@@ -56,15 +63,9 @@ def run_crossing(engine: Engine, prompts) -> tuple[dict[str, list[int]], str, di
     + [("eagle", 1), ("eagle", 4)],
 )
 def test_greedy_spec_equals_greedy_across_threshold_crossings(method, k, reference, chat_prompts):
-    cfg = EngineConfig(
-        dtype="float32",
-        quantization="none",
-        speculative_method=method,
-        num_speculative_tokens=k,
-        speculative_disable_by_batch_size=4,
-        draft_layers=8,
+    engine = spec_engine(
+        method, num_speculative_tokens=k, speculative_disable_by_batch_size=4, draft_layers=8
     )
-    engine = local_engine(cfg)
     tokens, kinds, spans = run_crossing(engine, chat_prompts)
     for i in range(8):
         assert tokens[f"p{i}"] == reference[i], f"prompt {i} differs under {method} k={k}"
@@ -125,16 +126,13 @@ def test_logit_bias_and_min_tokens_are_lossless_under_speculation(
     reference = [c.token_ids for c in smol_engine.generate(prompts, params)]
     assert reference[0] != free.token_ids[: len(reference[0])], "the bias changed the output"
     assert len(reference[2]) >= 25 and 2 not in reference[2][:25]
-    cfg = EngineConfig(
-        dtype="float32",
-        quantization="none",
-        speculative_method=method,
+    engine = spec_engine(
+        method,
         speculative_tree=tree,
         num_speculative_tokens=3,
         draft_layers=30,
         speculative_auto_disable=False,
     )
-    engine = local_engine(cfg)
     steps = []
     engine.sinks.append(lambda r: type(r).__name__ == "StepFinished" and steps.append(r))
     got = [c.token_ids for c in engine.generate(prompts, params)]
@@ -143,11 +141,7 @@ def test_logit_bias_and_min_tokens_are_lossless_under_speculation(
 
 
 def test_acceptance_is_counted(chat_prompts):
-    engine = local_engine(
-        EngineConfig(
-            dtype="float32", quantization="none", speculative_method="draft", draft_layers=30
-        )
-    )
+    engine = spec_engine("draft", draft_layers=30)
     finished = []
     engine.sinks.append(lambda r: type(r).__name__ == "StepFinished" and finished.append(r))
     engine.generate(
