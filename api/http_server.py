@@ -6,9 +6,8 @@
 `POST /v1/chat/completions` (SSE with `stream: true`), `GET /v1/models`, `POST /tokenize` and
 `POST /detokenize` (vLLM's), `GET /health` (200 only while the core says "ok"), `GET /metrics`.
 Every request goes through `AsyncClient`: one codec, one path into the engine, and no torch in
-this process.  A client that disconnects aborts its
-requests in the core.  With an API key, `/v1/*` and the token endpoints need `Authorization:
-Bearer KEY`.
+this process.  A client that disconnects aborts its requests in the core.  With an API key,
+`/v1/*` and the token endpoints need `Authorization: Bearer KEY`.
 
 No request shares fate with another: its size, its connection and its time are bounded
 (`api/http_limits.py`, docs/limits.md); a request the core cannot take (over its frame limit, not
