@@ -176,6 +176,11 @@ class SamplingParams:
         row is not simply the model's argmax)."""
         return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0
 
+    @cached_property
+    def takes_argmax(self) -> bool:
+        """Greedy with nothing moving the logits: the model's argmax is the token."""
+        return self.is_greedy and not self.adjusts_logits
+
     def with_seed(self, seed: int) -> SamplingParams:
         return attrs.evolve(self, seed=seed)
 

@@ -374,7 +374,7 @@ class Sampler:
         is the token that path picks (a one-hot distribution's inverse CDF lands on its one token
         for every uniform in [0, 1)). Constrained rows are masked first (`constrain`)."""
         self.constrain(logits, rows)
-        if all(row.params.is_greedy and not row.params.adjusts_logits for row in rows):
+        if all(row.params.takes_argmax for row in rows):
             return PendingTokens(logits.argmax(dim=-1), None)
         return self._sample(self.distribution(logits, rows), rows, SAMPLE)
 

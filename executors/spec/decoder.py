@@ -175,7 +175,7 @@ class SpecDecoder:
         raw = self.sampler.keep_raw(logits) if any(r.params.logprobs for r in sample_rows) else None
         self.sampler.constrain(logits, sample_rows)  # each draft row masked after its drafts
         # greedy rows whose logits nothing adjusts: a one-hot target at each argmax (accept_greedy)
-        if all(r.params.is_greedy and not r.params.adjusts_logits for r in sample_rows):
+        if all(r.params.takes_argmax for r in sample_rows):
             probs, choices = None, logits.argmax(dim=-1).tolist()
         else:
             probs, choices = self.sampler.distribution(logits, sample_rows), []

@@ -107,7 +107,7 @@ class TreeStep:
         logits = self.target.logits(h, sampler.logits_out(len(sample_rows)))
         raw = sampler.keep_raw(logits) if any(r.params.logprobs for r in sample_rows) else None
         sampler.constrain(logits, sample_rows)
-        greedy = all(r.params.is_greedy and not r.params.adjusts_logits for r in sample_rows)
+        greedy = all(r.params.takes_argmax for r in sample_rows)
         probs = None if greedy else sampler.distribution(logits, sample_rows)
         choices = logits.argmax(dim=-1).tolist() if greedy else []
         results, kept = [], []

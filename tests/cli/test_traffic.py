@@ -15,7 +15,7 @@ def test_random_params_cover_every_sampling_feature():
     params = [random_params(rng) for _ in range(200)]
     assert any(p.is_greedy for p in params) and any(not p.is_greedy for p in params)
     assert {p.top_k for p in params} == {0, 20, 200}
-    assert any(p.logprobs for p in params) and any(p.adjusts_logits for p in params)
+    assert any(p.logprobs for p in params) and any(p.has_penalties for p in params)
     assert len({p.seed for p in params}) == 200
 
 

@@ -86,6 +86,8 @@ def test_logit_bias_moves_logits_and_min_tokens_bans_the_stops_until_then():
         and SamplingParams(logit_bias={1: 1}).adjusts_logits
     )
     assert not SamplingParams(temperature=0.0).adjusts_logits
+    assert SamplingParams(temperature=0.0).takes_argmax
+    assert not SamplingParams(temperature=0.0, min_tokens=1).takes_argmax
 
 
 def test_logit_bias_travels_as_sorted_pairs():

@@ -28,7 +28,7 @@ def test_the_recorded_run_has_what_it_claims(smol_log):
     params = [SamplingParams.from_dict(r.params) for r in added]
     assert any(p.is_greedy for p in params)
     assert any(p.top_p < 1 for p in params) and any(p.top_k for p in params)
-    assert any(p.min_p for p in params) and any(p.adjusts_logits for p in params)
+    assert any(p.min_p for p in params) and any(p.has_penalties for p in params)
     assert any(p.stop for p in params) and len({p.seed for p in params}) > 100
     assert any(p.logit_bias and p.min_tokens for p in params)
     aborted = [r.request_id for r in rec.records if isinstance(r, RequestAborted)]
