@@ -18,8 +18,9 @@ doing its FLOPs at R, whichever is longer.  With p and o a request's mean prompt
 F the FLOPs of a token and K the KV bytes of a reply token's mean context, a rate is served when
 rate * p * F / R + max(S * W / BW + rate * o * K / BW, rate * o * F / R) <= 1 second a second
 (attention FLOPs and the TTFT bound, a prompt's FLOPs at R, are left out: they do not bind).
-Also printed: the pace batch, the most requests one decode step can hold within TPOT (a
-max_num_seqs that keeps the device at its per-token pace; docs/serving-overload.md); with
+The kernel floor is that engine with R the rate this device's GEMMs reach on the model's own
+weight shapes (the best of 256-4,096 rows): what any engine built from them could serve.
+Also printed: the pace batch (the most requests a decode step holds within TPOT); with
 `--overload-prompts N`, N prompts at twice each capacity: served tok/s and TPOT against the run
 at capacity, refusals that were not typed (`overloaded`; HTTP 503 + Retry-After), admitted lost.
 
@@ -361,7 +362,9 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 def ideal_of(args: argparse.Namespace, cfg: EngineConfig, load: dict) -> dict:
-    """The ideal engine on the device the server ran on (measured now the server is gone)."""
+    """The ideal engine on the device the server ran on (measured now the server is gone), and
+    the kernel floor: the same engine with every matmul at the rate the device's own GEMMs reach
+    on the model's weight shapes (`model_matmul_rate`), what any engine built from them could."""
     import torch
 
     mc = model_config(resolve(cfg.model, cfg.random_weights_seed, cfg.tokenizer))
@@ -370,12 +373,54 @@ def ideal_of(args: argparse.Namespace, cfg: EngineConfig, load: dict) -> dict:
     )
     rates = device_rates(device)
     dtype_bytes = DTYPE_BYTES.get(args.dtype, 2 if device == "cuda" else 4)  # auto: bf16 / fp32
-    ideal = ideal_capacity(mc, dtype_bytes, rates, load, args.slo_tpot_mean / 1e3)
+    tpot_s = args.slo_tpot_mean / 1e3
+    ideal = ideal_capacity(mc, dtype_bytes, rates, load, tpot_s)
+    shaped = model_matmul_rate(mc, device, dtype_bytes)
+    floor = ideal_capacity(mc, dtype_bytes, rates | {"matmul_flops": shaped}, load, tpot_s)
     return ideal | {
         "device": device,
         "matmul_tflops": round(rates["matmul_flops"] / 1e12, 3),
         "read_tb_s": round(rates["read_bytes_s"] / 1e12, 3),
+        "floor": floor | {"matmul_flops": shaped, "matmul_tflops": round(shaped / 1e12, 3)},
     }
+
+
+FLOOR_TOKENS = (256, 1024, 4096)  # a step's rows: the floor takes the best rate of these
+
+
+def model_matmul_rate(mc: ModelConfig, device: str, dtype_bytes: int) -> float:
+    """FLOP/s of one layer's matmuls and the head (memstep's fused shapes: qkv, o, gate+up,
+    down, lm_head) on `device`, the best over FLOOR_TOKENS rows: every token's FLOPs at the
+    rate of the most efficient step size, so no engine using these GEMMs does better."""
+    import torch
+
+    dtype = {2: torch.bfloat16, 4: torch.float32}[dtype_bytes] if device == "cuda" else None
+    h, hd = mc.hidden_size, mc.head_dim
+    shapes = [
+        (h, hd * (mc.num_heads + 2 * mc.num_kv_heads)),
+        (mc.num_heads * hd, h),
+        (h, 2 * mc.intermediate_size),
+        (mc.intermediate_size, h),
+    ]
+    weights = [torch.randn(k, n, device=device, dtype=dtype) for k, n in shapes]
+    head = torch.randn(h, mc.vocab_size, device=device, dtype=dtype)
+    best = 0.0
+    for m in FLOOR_TOKENS:
+        products = [(torch.randn(m, w.shape[0], device=device, dtype=dtype), w) for w in weights]
+        layer = sum(kernel_seconds(lambda x=x, w=w: x @ w, device) for x, w in products)
+        last = torch.randn(m, h, device=device, dtype=dtype)
+        seconds = mc.num_layers * layer + kernel_seconds(lambda x=last: x @ head, device)
+        flops = 2 * m * (mc.num_layers * sum(k * n for k, n in shapes) + h * mc.vocab_size)
+        best = max(best, flops / seconds)
+    return best
+
+
+def kernel_seconds(fn: Callable[[], Any], device: str) -> float:
+    if device == "cuda":
+        from common import median_ms
+
+        return median_ms(fn, 20, warmup=3) / 1e3
+    return cpu_seconds_of(fn)
 
 
 def summary(report: dict, backends: list[str]) -> str:
@@ -392,12 +437,17 @@ def summary(report: dict, backends: list[str]) -> str:
         f"ideal engine on {ideal['device']} (matmul {ideal['matmul_tflops']} TFLOP/s, read "
         f"{ideal['read_tb_s']} TB/s): {ideal['capacity_req_s']} req/s ({ideal['bound']} bound), "
         f"pace batch {ideal['pace_batch']}",
+        f"kernel floor (the model's matmuls at {ideal['floor']['matmul_tflops']} TFLOP/s, this "
+        f"device's GEMMs on its weight shapes): {ideal['floor']['capacity_req_s']} req/s "
+        f"({ideal['floor']['bound']} bound)",
     ]
     for backend in backends:
         got, best = report[backend], report[backend]["at_capacity"] or {}
         share = got["capacity_req_s"] / ideal["capacity_req_s"] if ideal["capacity_req_s"] else 0
+        floor = ideal["floor"]["capacity_req_s"]
         lines.append(
-            f"{backend}: capacity {got['capacity_req_s']:.2f} req/s ({share:.2f} of the ideal; "
+            f"{backend}: capacity {got['capacity_req_s']:.2f} req/s ({share:.2f} of the ideal, "
+            f"{got['capacity_req_s'] / floor if floor else 0:.2f} of the kernel floor; "
             f"first miss {got['first_miss']}); there TTFT p99 {best.get('p99_ttft_ms', 0):.0f} ms, "
             f"TPOT mean {best.get('mean_tpot_ms', 0):.1f} ms, front CPU "
             f"{best.get('front_cpu_us_a_token', 0)} us a token"

@@ -57,6 +57,30 @@ def test_the_ideal_engine_worked_by_hand(cap):
     assert slow_matmuls["capacity_req_s"] == pytest.approx(0.33, abs=0.01)  # 1 / (2 + 1)
 
 
+def test_the_kernel_floor_times_the_models_own_shapes_below_the_peak(cap, monkeypatch):
+    """The floor's rate: every matmul of the model (each layer's four and the head) timed at
+    each row count; its FLOPs over the time, the best row count's. With every product made to
+    take a known time, the rate is the FLOPs of the tokens over those times."""
+    timed: list[tuple[int, ...]] = []
+
+    def fake_seconds(fn, device):
+        out = fn()
+        timed.append(tuple(out.shape))
+        return 1e-3 * out.shape[0]  # a millisecond a row, whatever the shape
+
+    monkeypatch.setattr(cap, "kernel_seconds", fake_seconds)
+    rate = cap.model_matmul_rate(MC, "cpu", 4)
+    rows = cap.FLOOR_TOKENS
+    # 5 products a row count: qkv (4 -> 2*(2+2)=8), o (4 -> 4), gate+up (4 -> 16), down (8 -> 4)
+    # and the head (4 -> 10); one layer, so 5 ms a row: 2 * 184 FLOPs / 5 ms at every count
+    assert sorted({s[1] for s in timed}) == [4, 8, 10, 16] and len(timed) == 5 * len(rows)
+    assert rate == pytest.approx(FLOPS / 5e-3)
+    peak = {"matmul_flops": 2 * rate, "read_bytes_s": 1e9}  # a peak twice what shapes reach
+    ideal = cap.ideal_capacity(MC, 2, peak, LOAD, 0.5)
+    floor = cap.ideal_capacity(MC, 2, peak | {"matmul_flops": rate}, LOAD, 0.5)
+    assert floor["bound"] == "matmuls" and floor["capacity_req_s"] < ideal["capacity_req_s"]
+
+
 def test_the_workload_means_count_each_reply_tokens_context(cap):
     w = cap.workload([Sample("a", 3, 2), Sample("b", 5, 4)])
     assert (w["prompt"], w["output"]) == (4.0, 3.0)
@@ -165,4 +189,7 @@ def test_quick_runs_on_the_cpu_over_zmq_and_http_then_at_twice_capacity(tmp_path
         assert over["untyped_refusals"] == [] and over["admitted_lost"] == 0
     assert sum(r["cpu_s"]["http"] for r in report["openai"]["runs"]) > 0  # the front worked
     assert report["ideal"]["capacity_req_s"] > 0 and report["ideal"]["device"] == "cpu"
+    floor = report["ideal"]["floor"]
+    assert floor["capacity_req_s"] > 0 and floor["matmul_flops"] > 0
+    assert "of the kernel floor" in done.stdout
     assert "ideal engine on cpu" in done.stdout and "openai at 2x" in done.stdout
