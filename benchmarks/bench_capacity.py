@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import math
 import statistics
@@ -406,10 +407,10 @@ def model_matmul_rate(mc: ModelConfig, device: str, dtype_bytes: int) -> float:
     head = torch.randn(h, mc.vocab_size, device=device, dtype=dtype)
     best = 0.0
     for m in FLOOR_TOKENS:
-        products = [(torch.randn(m, w.shape[0], device=device, dtype=dtype), w) for w in weights]
-        layer = sum(kernel_seconds(lambda x=x, w=w: x @ w, device) for x, w in products)
-        last = torch.randn(m, h, device=device, dtype=dtype)
-        seconds = mc.num_layers * layer + kernel_seconds(lambda x=last: x @ head, device)
+        pairs = [(torch.randn(m, w.shape[0], device=device, dtype=dtype), w) for w in weights]
+        pairs.append((torch.randn(m, h, device=device, dtype=dtype), head))
+        times = [kernel_seconds(functools.partial(torch.matmul, x, w), device) for x, w in pairs]
+        seconds = mc.num_layers * sum(times[:-1]) + times[-1]
         flops = 2 * m * (mc.num_layers * sum(k * n for k, n in shapes) + h * mc.vocab_size)
         best = max(best, flops / seconds)
     return best
