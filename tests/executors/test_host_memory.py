@@ -31,13 +31,13 @@ def test_own_resident_bytes_follow_growth_and_a_forked_child_reads_its_own():
     touched since, and a forked child (whose inherited descriptor names the parent) reads its
     own figure: its growth, which the parent's figure would not show."""
     before = rss_bytes()
-    block = bytearray(128 * MIB)  # zeroed: every page touched
+    block = b"\x01" * (128 * MIB)  # every page written (a calloc'd block may stay untouched)
     assert rss_bytes() - before > 100 * MIB
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: grows by 256 MiB, reports what it reads of itself
         start = rss_bytes()
-        more = bytearray(256 * MIB)
+        more = b"\x01" * (256 * MIB)
         grown, by_pid = rss_bytes() - start, rss_bytes(os.getpid())
         os.write(write, f"{grown} {by_pid - rss_bytes()} {len(more)}".encode())
         os._exit(0)
