@@ -104,6 +104,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--max-waiting-requests in --engine-flags): served rate, TPOT, refusals, losses",
     )
     p.add_argument("--out", type=Path, default=Path("bench_capacity_out"))
+    p.add_argument(
+        "--ideal-only",
+        action="store_true",
+        help="serve nothing: the workload, the ideal engine and the kernel floor on this device",
+    )
     args = p.parse_args(argv)
     if args.quick:
         given = {a.lstrip("-").split("=")[0].replace("-", "_") for a in (argv or sys.argv[1:])}
@@ -341,6 +346,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.slo_ttft_mean is not None:
         report["slo_ms"]["mean_ttft"] = args.slo_ttft_mean
     report["workload"] = workload(samples) | {"num_prompts": len(samples), "dataset": args.dataset}
+    if args.ideal_only:
+        report["ideal"] = ideal_of(args, cfg, report["workload"])
+        print(summary(report, []))
+        return 0
     with ServerProcess([*flags, "--no-record"], http=True) as server:
         server.wait_ready(timeout=1800)
         ctx = {"args": args, "slo": slo, "address": server.address}
