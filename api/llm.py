@@ -65,6 +65,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = True
+    # SamplingParams.prompt_logprobs: as vLLM's, None for the first token, then per prompt
+    # token [logprob, [[id, logprob], ...]] given the tokens before it; None when not asked
+    prompt_logprobs: list[list | None] | None = None
 
 
 class LLM:
@@ -123,6 +126,7 @@ class LLM:
                 prompt=text,
                 prompt_token_ids=self._prompt_ids(prompt),
                 outputs=[_choice(j, done[rid]) for j, rid in enumerate(row)],
+                prompt_logprobs=done[row[0]].get("prompt_logprobs"),
             )
             for row, prompt, text in zip(ids, prompts, texts, strict=True)
         ]
@@ -153,6 +157,8 @@ class LLM:
                 row["text"] += out.new_text
                 row["ids"] += out.new_token_ids
                 row["logprobs"] += out.logprobs
+                if out.prompt_logprobs:
+                    row["prompt_logprobs"] = [None, *out.prompt_logprobs]
                 if out.finished:
                     row["reason"] = out.finish_reason or "stop"
                     finished += 1

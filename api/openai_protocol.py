@@ -99,6 +99,7 @@ class Job:
     include_usage: bool
     top_logprobs: int | None  # None: no logprobs in the answer
     tools: Tools | None = None  # a chat's tools, when it may call them
+    echo: bool = False  # completions: each choice's text and logprobs begin with its prompt's
 
     @property
     def calls_tools(self) -> bool:
@@ -117,14 +118,24 @@ class Job:
 
 def parse_completion(body: Any, model: str) -> Job:
     body = _object(body, COMPLETION_FIELDS)
-    if body.get("echo"):
-        raise bad("echo is not supported", "echo")
     if body.get("best_of") not in (None, 1):
         raise bad("best_of other than 1 is not supported", "best_of")
     top = _int(body, "logprobs", 0, 5)
     prompts = [{"prompt": p} for p in _prompts(body.get("prompt"))]
     max_tokens = _int(body, "max_tokens", 1, None)
-    return _job(body, model, False, prompts, 16 if max_tokens is None else max_tokens, top)
+    job = _job(body, model, False, prompts, 16 if max_tokens is None else max_tokens, top)
+    if not _bool(body, "echo"):
+        return job
+    if job.stream:
+        raise bad("echo with stream: true is not supported", "echo")
+    # the prompt's tokens scored as the reply's are; a prompt of ids is scored for its texts
+    params = [
+        p | {"prompt_logprobs": top or 0}
+        if top is not None or not isinstance(job.prompt_of(i)["prompt"], str)
+        else p
+        for i, p in enumerate(job.params)
+    ]
+    return attrs.evolve(job, params=params, echo=True)
 
 
 def parse_chat(body: Any, model: str) -> Job:
@@ -411,12 +422,20 @@ def _choice(job: Job, index: int, done: GenerateDone) -> dict[str, Any]:
                 message = {"role": "assistant", "content": content or None, "tool_calls": calls}
                 reason = "tool_calls" if reason == "stop" else reason
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
-    return {
-        "index": index,
-        "text": done.text,
-        "logprobs": logprobs,
-        "finish_reason": done.finish_reason,
-    }
+    text = done.text
+    if job.echo:
+        text = echoed_prompt(job.prompt_of(index)["prompt"], done) + text
+        if job.top_logprobs is not None:
+            logprobs = format_logprobs(job, [*done.prompt_logprobs, *done.logprobs], 0)
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": done.finish_reason}
+
+
+def echoed_prompt(prompt: str | list[int], done: GenerateDone) -> str:
+    """The prompt as `echo` gives it back: its own text, or its ids' texts where it came as ids
+    (the scored prompt's, which hold every prompt token's)."""
+    if isinstance(prompt, str):
+        return prompt
+    return "".join(text for _, text, _, _ in done.prompt_logprobs)
 
 
 def chunk(
@@ -512,7 +531,9 @@ def format_logprobs(job: Job, tokens: list[list], offset: int) -> dict[str, Any]
     return {
         "tokens": [text for _, text, _, _ in tokens],
         "token_logprobs": [lp for _, _, lp, _ in tokens],
-        "top_logprobs": [{t: p for _, t, p in alts[:top]} for _, _, _, alts in tokens],
+        "top_logprobs": [
+            None if lp is None else {t: p for _, t, p in alts[:top]} for _, _, lp, alts in tokens
+        ],
         "text_offset": offsets,
     }
 

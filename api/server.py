@@ -168,6 +168,8 @@ class Inflight:
     queue_s: float | None = None  # arrival to the first step that scheduled it
     logprobs: list[list] = attrs.Factory(list)
     batch: bool = False  # its deltas go in the client's GenerateDeltas (batch_deltas)
+    prompt_ids: list[int] = attrs.Factory(list)  # kept where it asked for prompt logprobs
+    prompt_logprobs: list[list] = attrs.Factory(list)
 
     @property
     def peer(self) -> bytes:
@@ -179,8 +181,9 @@ class Inflight:
         timing = Timing(ttft, list(self.token_times), now - self.arrival, self.queue_s)
         text = "".join(self.texts)
         return GenerateDone(
-            self.request_id, text, list(self.token_ids), reason, usage, timing, self.logprobs
-        )
+            self.request_id, text, list(self.token_ids), reason, usage, timing, self.logprobs,
+            self.prompt_logprobs,
+        )  # fmt: skip
 
 
 class Outbox:
@@ -549,9 +552,13 @@ class Server:
             engine_id = self.engine.add_request(
                 prompt, params, arrival_time=time.time(), client_id=msg.request_id
             )
-        num_prompt = self.engine.requests[engine_id].num_prompt_tokens
-        inf = Inflight(envelope, msg.request_id, msg.stream, time.monotonic(), num_prompt)
+        req = self.engine.requests[engine_id]
+        inf = Inflight(
+            envelope, msg.request_id, msg.stream, time.monotonic(), req.num_prompt_tokens
+        )
         inf.batch = msg.batch_deltas
+        if params.prompt_logprobs is not None:
+            inf.prompt_ids = req.prompt_token_ids
         self.inflight[engine_id] = inf
         self.by_client[key] = engine_id
         self.last_sent.setdefault(inf.peer, inf.arrival)
@@ -750,11 +757,17 @@ class Server:
             inf.token_times.extend([now - inf.arrival] * len(out.new_token_ids))
         logprobs = self._named_logprobs(out.new_token_ids, out.logprobs) if out.logprobs else []
         inf.logprobs.extend(logprobs)
+        scored = []
+        if out.prompt_logprobs:  # the first token has nothing before it: no logprob
+            first = inf.prompt_ids[0]
+            scored = [[first, self.engine.tokenizer.decode([first]), None, []]]
+            scored += self._named_logprobs(inf.prompt_ids[1:], out.prompt_logprobs)
+            inf.prompt_logprobs = scored
         send = box.add if inf.batch else self._send
         if inf.stream:
             send(
                 inf.envelope,
-                GenerateDelta(inf.request_id, out.new_token_ids, out.new_text, logprobs),
+                GenerateDelta(inf.request_id, out.new_token_ids, out.new_text, logprobs, scored),
             )
         if out.finished:
             inf.cached_tokens = out.cached_tokens

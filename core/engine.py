@@ -452,6 +452,10 @@ class Engine:
                 bytes_claimed=sum(r.bytes_claimed for r in result.entered),
                 live_bytes=result.memory.live_bytes,
             )
+        for scored in result.prompt_logprobs:
+            req = self.requests.get(scored.request_id)
+            if req is not None:
+                req.add_prompt_logprobs(scored.start, scored.entries)
         outputs, sampled, filled = self._advance(batch, result.seqs)
         for req in filled:
             if not req.is_finished:  # a finished request cached its blocks in _finish
@@ -553,6 +557,8 @@ class Engine:
             if end is not None:
                 text, reason = req.detok.text[old_len:end], "stop"
         out = RequestOutput(req.request_id, tokens, text, logprobs=logprobs)
+        if p.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+            out.prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs, True
         if reason:
             self._finish(req, reason)
             out.finished, out.finish_reason = True, reason
@@ -681,9 +687,12 @@ class Engine:
         tokens: dict[str, list[int]] = {}
         texts: dict[str, str] = {}
         logprobs: dict[str, list] = {}
+        prompt_logprobs: dict[str, list] = {}
         done: dict[str, Completion] = {}
         while self.has_work():
             for out in self.step():
+                if out.prompt_logprobs:
+                    prompt_logprobs[out.request_id] = out.prompt_logprobs
                 tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
                 texts[out.request_id] = texts.get(out.request_id, "") + out.new_text
                 logprobs.setdefault(out.request_id, []).extend(out.logprobs)
@@ -699,6 +708,7 @@ class Engine:
                         out.num_proposed,
                         out.num_accepted,
                         out.cached_tokens,
+                        prompt_logprobs.pop(out.request_id, []),
                     )
         return done
 

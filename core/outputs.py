@@ -18,6 +18,9 @@ class RequestOutput:
     logprobs: list[list] = attrs.Factory(list)  # per new token: [logprob, [[id, logprob], ...]]
     num_proposed: int = 0  # speculative drafts proposed for this request so far
     num_accepted: int = 0
+    # SamplingParams.prompt_logprobs: prompt positions 1.. as [logprob, [[id, logprob], ...]],
+    # on the first output that carries a token
+    prompt_logprobs: list[list] = attrs.Factory(list)
 
 
 @attrs.define
@@ -33,6 +36,7 @@ class Completion:
     num_proposed: int = 0
     num_accepted: int = 0
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache
+    prompt_logprobs: list[list] = attrs.Factory(list)  # prompt positions 1.. (RequestOutput's)
 
     @property
     def acceptance_rate(self) -> float:

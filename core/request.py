@@ -30,6 +30,10 @@ class Request:
         self.params = params
         self.output_token_ids: list[int] = []
         self.output_logprobs: list[dict[int, float]] = []
+        # SamplingParams.prompt_logprobs: the scores of prompt positions 1.. as they come, and
+        # whether an output has carried them yet (the first output that has a token does)
+        self.prompt_logprobs: list[list] = []
+        self.prompt_logprobs_sent = False
         self.num_computed = 0  # tokens whose K/V are in the cache
         self.table_sent = 0  # entries of its block table the executor holds (SeqPlan.table_from)
         # where the latest admission started: its prefix hit (0 without one); the first plan of
@@ -64,6 +68,20 @@ class Request:
         if start >= len(prompt):  # decoding: no copy of the whole sequence
             return self.output_token_ids[start - len(prompt) : stop - len(prompt)]
         return (prompt + self.output_token_ids)[start:stop]
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Its prompt tokens are still to be scored: their states must be computed, none taken
+        from the prefix cache."""
+        wanted = self.params.prompt_logprobs is not None
+        return wanted and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+
+    def add_prompt_logprobs(self, start: int, entries: list[list]) -> None:
+        """Scores from position `start` on; those of positions already held (the prompt computed
+        again after a preemption) are dropped."""
+        have = 1 + len(self.prompt_logprobs)
+        if start <= have < start + len(entries):
+            self.prompt_logprobs.extend(entries[have - start :])
 
     @property
     def num_uncomputed(self) -> int:

@@ -85,6 +85,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # the text ends after the stop string, not before
     ignore_eos: bool = False
     logprobs: int = 0  # top-N logprobs per sampled token, 0 for none
+    # vLLM's: each prompt token's logprob given the tokens before it, and its top N; None: none
+    prompt_logprobs: int | None = None
     # structured outputs (vLLM's guided_* names), at most one: the text must match the constraint
     guided_json: str = attrs.field(default="", converter=_schema_text)  # a JSON schema
     guided_json_object: bool = False  # any JSON object
@@ -115,6 +117,10 @@ class SamplingParams:
         _require(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]")
         _require(self.seed is None or 0 <= self.seed < 2**63, "seed must be in [0, 2**63)")
         _require(0 <= self.logprobs <= 20, "logprobs must be in [0, 20]")
+        _require(
+            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+            "prompt_logprobs must be in [0, 20]",
+        )
         _require(
             isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
             "min_tokens must be in [0, max_tokens]",
@@ -207,7 +213,7 @@ class SamplingParams:
 
 
 def _check_type(key: str, value: Any, default: Any) -> None:
-    if default is None:  # an optional int (the seed)
+    if default is None:  # an optional int (the seed, prompt_logprobs)
         ok = value is None or isinstance(value, int) and not isinstance(value, bool)
     elif isinstance(default, bool):
         ok = isinstance(value, bool)

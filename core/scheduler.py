@@ -13,7 +13,7 @@ from collections import deque
 
 import attrs
 
-from memstep.core.block_manager import BlockManager
+from memstep.core.block_manager import BlockManager, Prefix
 from memstep.core.config import EngineConfig
 from memstep.core.request import Request, Status
 from memstep.core.spec_threshold import SpecThreshold
@@ -96,7 +96,11 @@ class Scheduler:
             decode = decode and uncomputed == 1  # n is 1: the budget is over 0
         while self.waiting and len(self.running) < self.cfg.max_num_seqs and budget > 0:
             req = self.waiting[0]
-            prefix = self.blocks.lookup(req.token_at(0, req.num_tokens))
+            prefix = (
+                Prefix()
+                if req.scores_prompt
+                else self.blocks.lookup(req.token_at(0, req.num_tokens))
+            )
             hit = len(prefix.pages) * self.blocks.block_size
             n = min(req.num_tokens - hit, budget)
             if not self.blocks.allocate(req.request_id, prefix, hit + n):

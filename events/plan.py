@@ -15,8 +15,9 @@ from memstep.events.types import (
 
 # the executor link's version (ExecutorHello.protocol): 4 since a plan carries only the block
 # table's entries the executor does not hold yet (SeqPlan.table_from); 5 since a plan's sampling
-# params may hold min_tokens, logit_bias and include_stop_str_in_output
-EXECUTOR_PROTOCOL_VERSION = 5
+# params may hold min_tokens, logit_bias and include_stop_str_in_output; 6 since a result
+# carries the prompt logprobs its prefill chunks scored (StepResult.prompt_logprobs)
+EXECUTOR_PROTOCOL_VERSION = 6
 
 
 @row_record
@@ -57,6 +58,17 @@ class SeqResult:
     num_accepted: int
 
 
+@row_record
+class PromptLogprobs:
+    """Prompt tokens a step's prefill chunk scored (SamplingParams.prompt_logprobs): entry i is
+    [logprob, [[token_id, logprob], ...top-N]] of the prompt token at position `start + i`,
+    given the tokens before it."""
+
+    request_id: str
+    start: int  # >= 1: the first prompt token has nothing before it
+    entries: list[list]
+
+
 @record
 class StepResult:
     step: int
@@ -68,6 +80,7 @@ class StepResult:
     leaks: list[LeakSuspected]
     # tensor parallelism: every rank's own report, rank 0's first (`memory` is rank 0's); else []
     rank_memory: list[MemoryReport] = attrs.Factory(list)
+    prompt_logprobs: list[PromptLogprobs] = attrs.Factory(list)
 
 
 @record

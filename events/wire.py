@@ -19,7 +19,8 @@ import msgpack
 from memstep.events import codec
 from memstep.events.types import MemoryReport, record, row_record
 
-PROTOCOL_VERSION = 1
+# 2 since GenerateDelta and GenerateDone carry prompt_logprobs (a delta's row is one wider)
+PROTOCOL_VERSION = 2
 MAX_REQUEST_ID_CHARS = 128
 
 # --- client -> server ----------------------------------------------------------------------
@@ -107,6 +108,9 @@ class GenerateDelta:
     text: str
     # per token when params.logprobs = N > 0: [id, text, logprob, [[id, text, logprob] x N]]
     logprobs: list[list] = attrs.Factory(list)
+    # params.prompt_logprobs = N: every prompt token as logprobs' entries (the first one's
+    # logprob None, with no alternatives: nothing comes before it), on the first delta
+    prompt_logprobs: list[list] = attrs.Factory(list)
 
 
 @record
@@ -147,6 +151,7 @@ class GenerateDone:
     usage: Usage
     timing: Timing
     logprobs: list[list] = attrs.Factory(list)  # per token, as in GenerateDelta
+    prompt_logprobs: list[list] = attrs.Factory(list)  # the prompt's, as GenerateDelta's
 
 
 @record

@@ -1,3 +1,3 @@
 """The worker and what one step needs: plan -> batch -> forward -> sample -> reply; the memory
-plan, meter and leak detector; per-request state.
+plan, meter and leak detector; per-request state; the prompt tokens' scores.
 """

@@ -33,6 +33,7 @@ from memstep.executors.runtime.guide import GrammarBook
 from memstep.executors.runtime.host_allocator import HostTrim, bound_onednn_caches
 from memstep.executors.runtime.leak_detector import LeakDetector
 from memstep.executors.runtime.memory_plan import plan_memory, with_blocks
+from memstep.executors.runtime.prompt_scorer import PromptScorer
 from memstep.executors.runtime.request_states import RequestStates
 from memstep.executors.runtime.runner import EagerRunner, Runner
 from memstep.executors.runtime.sampler import PendingLogprobs, Row, Sampler, to_device
@@ -158,6 +159,7 @@ class Worker:
         self.lifecycle = Lifecycle()
         eos = self.model_cfg.eos_token_ids
         self.requests = RequestStates(GrammarBook(self.source, self.model_cfg.vocab_size, eos), eos)
+        self.prompts = PromptScorer(self.model, self.requests)
         self.detector = LeakDetector(host_tolerance=cfg.host_leak_tolerance_mib << 20)
         self._holdings: dict | None = None  # the kinds' holdings at the last leak report
         self.memory_plan: MemoryPlan | None = None
@@ -192,6 +194,7 @@ class Worker:
             self.meter.freeze()  # start-up objects are done; measure only what serving creates
         elif phase == "shutdown":
             self.requests.clear()
+            self.prompts.clear()
         memory_plan = self.memory_plan if phase == "profile" else None
         return PhaseReply(phase, info, move.exited, move.entered, move.leaks, memory_plan)
 
@@ -266,6 +269,7 @@ class Worker:
         move = self.lifecycle.move(step_plan.kind, step_plan.step)
         for request_id in step_plan.finished:
             self.requests.forget(request_id)
+            self.prompts.forget(request_id)
             if self.spec is not None:
                 self.spec.forget(request_id)
         for seq in step_plan.seqs:
@@ -285,8 +289,9 @@ class Worker:
         mem = self._measure()
         leaks = move.leaks + self._named(self.detector.observe(step_plan.step, step_plan.kind, mem))
         return StepResult(
-            step_plan.step, step_plan.kind, results, mem, move.exited, move.entered, leaks
-        )
+            step_plan.step, step_plan.kind, results, mem, move.exited, move.entered, leaks,
+            prompt_logprobs=self.prompts.take(),
+        )  # fmt: skip
 
     def _masks_ahead(self, results: list[SeqResult]) -> None:
         """The next step's masks of the constrained requests that sampled, begun now: computed
@@ -312,8 +317,14 @@ class Worker:
     def forward(
         self, feeds: list[tuple[SeqPlan, list[int]]], ahead: bool = False
     ) -> tuple[torch.Tensor, list[int]]:
-        """Hidden states of the fed tokens and each feed's last row (`Runner.forward`)."""
-        return self.runner.forward(feeds, ahead)
+        """Hidden states of the fed tokens and each feed's last row (`Runner.forward`); the
+        prompt chunks of requests that asked for prompt logprobs are scored from them (their
+        every row needed: nothing replayed ahead is taken for such a step)."""
+        if not self.prompts.wanted(feeds):
+            return self.runner.forward(feeds, ahead)
+        hidden, last_rows = self.runner.forward(feeds, False)
+        self.prompts.score(feeds, hidden, last_rows)
+        return hidden, last_rows
 
     def sample_rows(self, seqs: list[SeqPlan]) -> list[Row]:
         rows = []

@@ -346,3 +346,36 @@ def test_tokenize_and_detokenize_as_vllm_s(server):
     ):
         bad = httpx.post(url + path, json=body)
         assert bad.status_code == status and says in bad.json()["error"]["message"], bad.text
+
+
+def test_completion_echo_scores_the_prompt_as_lm_eval_asks(sdk, server):
+    """lm-evaluation-harness's loglikelihood request (echo, logprobs 1, one new token): the text
+    and tokens begin with the prompt's, each prompt token scored given those before it (the
+    first with nothing), then the new token as without echo; over ZMQ, `prompt_logprobs`."""
+    body = dict(model="smollm2", temperature=0, max_tokens=1, logprobs=1)
+    done = sdk.completions.create(prompt=PROMPT, echo=True, **body)
+    choice, n = done.choices[0], done.usage.prompt_tokens
+    lp = choice.logprobs
+    assert choice.text.startswith(PROMPT) and "".join(lp.tokens) == choice.text
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x <= 0 for x in lp.token_logprobs[1:]) and lp.text_offset[-1] == len(PROMPT)
+    plain = sdk.completions.create(prompt=PROMPT, **body).choices[0]
+    assert lp.token_logprobs[-1] == pytest.approx(plain.logprobs.token_logprobs[0], abs=1e-5)
+    assert choice.text == PROMPT + plain.text
+    with Client(server.address) as client:
+        ids = client.tokenize(PROMPT).token_ids
+        zmq = client.generate(ids, temperature=0.0, max_tokens=1, prompt_logprobs=1)
+        # the last prompt token's score: the logprob of that token where a prompt one token
+        # shorter is answered
+        cut = client.generate(ids[:-1], temperature=0.0, max_tokens=1, logprobs=20)
+    assert [e[0] for e in zmq.prompt_logprobs] == ids and zmq.prompt_logprobs[0][2] is None
+    assert [e[2] for e in zmq.prompt_logprobs[1:]] == pytest.approx(lp.token_logprobs[1:n])
+    alternatives = {tid: logprob for tid, _, logprob in cut.logprobs[0][3]}
+    assert zmq.prompt_logprobs[-1][2] == pytest.approx(alternatives[ids[-1]], abs=1e-4)
+    as_ids = sdk.completions.create(prompt=ids, echo=True, **body).choices[0]
+    assert as_ids.text == choice.text  # a prompt of ids echoes its tokens' texts
+    unlogged = sdk.completions.create(prompt=PROMPT, echo=True, model="smollm2", max_tokens=2)
+    assert unlogged.choices[0].text.startswith(PROMPT) and unlogged.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError, match="echo with stream"):
+        sdk.completions.create(prompt=PROMPT, echo=True, stream=True, **body)

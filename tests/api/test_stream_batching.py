@@ -98,7 +98,7 @@ def test_a_batch_of_deltas_travels_as_rows_and_decodes_strictly():
     """Deltas in a GenerateDeltas are arrays (no keys); one of the wrong length is refused."""
     deltas = [GenerateDelta("a", [1], "x"), GenerateDelta("b", [2, 3], "yz", [[2, "y", -0.5, []]])]
     data = codec.encode(GenerateDeltas(deltas))
-    assert codec.unpack(data)["deltas"][0] == ["a", [1], "x", []]
+    assert codec.unpack(data)["deltas"][0] == ["a", [1], "x", [], []]
     assert codec.decode(data) == GenerateDeltas(deltas)
     bad = codec.unpack(data)
     bad["deltas"][0] = ["a", [1]]

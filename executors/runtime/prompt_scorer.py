@@ -1,0 +1,84 @@
+"""Logprobs of a request's prompt tokens (SamplingParams.prompt_logprobs), from the hidden states
+of its prefill chunks: the state after position p scores the prompt token at p + 1.
+
+A chunk's last state scores the next chunk's first token, which the executor learns only from
+that chunk's plan: its log-softmax row (one vocabulary of float32 on the device, per request
+between two of its chunks) is held until then, and dropped when the request is forgotten or
+admitted again. The prompt's last state scores the first output token, not a prompt token: the
+sampler's `logprobs` cover it. Rows go through the head `SLICE` at a time, so a long chunk never
+holds a whole chunk of logits at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from memstep.events.plan import PromptLogprobs, SeqPlan
+from memstep.executors.model.llama import LlamaModel
+from memstep.executors.runtime.request_states import RequestStates
+from memstep.executors.runtime.sampler import top_logprobs
+
+SLICE = 256  # states through the head at once
+
+
+class PromptScorer:
+    def __init__(self, model: LlamaModel, requests: RequestStates):
+        self.model, self.requests = model, requests
+        self._held: dict[str, tuple[int, torch.Tensor]] = {}  # id -> (position scored, row)
+        self._scored: list[PromptLogprobs] = []
+
+    def wanted(self, feeds: Sequence[tuple[SeqPlan, list[int]]]) -> bool:
+        """Whether any feed is a prompt chunk of a request that asked for prompt logprobs."""
+        return any(self._asks(seq) is not None for seq, _ in feeds)
+
+    def _asks(self, seq: SeqPlan) -> int | None:
+        if seq.start_pos >= seq.prompt_len:
+            return None
+        return self.requests[seq.request_id].params.prompt_logprobs
+
+    def score(
+        self,
+        feeds: Sequence[tuple[SeqPlan, list[int]]],
+        hidden: torch.Tensor,
+        last_rows: list[int],
+    ) -> None:
+        """Score the prompt tokens of this forward's chunks (`hidden`: every fed token's state)."""
+        for (seq, tokens), last in zip(feeds, last_rows, strict=True):
+            n = self._asks(seq)
+            if n is None:
+                continue
+            held = self._held.pop(seq.request_id, None)
+            fed = min(len(seq.token_ids), seq.prompt_len - seq.start_pos)
+            first = last - len(tokens) + 1
+            # state i of this chunk scores prompt token start_pos + i + 1; the prompt's last
+            # state scores the first output token, so it is left out
+            ends_prompt = seq.start_pos + fed == seq.prompt_len
+            entries: list[list] = []
+            start = seq.start_pos + 1
+            if held is not None and held[0] == seq.start_pos:
+                entries += top_logprobs(held[1][None], seq.token_ids[:1], n, in_place=True)
+                start = seq.start_pos
+            targets = seq.token_ids[1:fed]
+            for lo in range(0, len(targets), SLICE):
+                states = hidden[first + lo : first + min(lo + SLICE, len(targets))]
+                logits = self.model.logits(states)
+                entries += top_logprobs(logits, targets[lo : lo + SLICE], n, in_place=True)
+            if not ends_prompt:
+                state = hidden[first + fed - 1 : first + fed]
+                self._held[seq.request_id] = (seq.start_pos + fed, self.model.logits(state)[0])
+            if entries:
+                self._scored.append(PromptLogprobs(seq.request_id, start, entries))
+
+    def take(self) -> list[PromptLogprobs]:
+        """What this step scored, for its result."""
+        scored, self._scored = self._scored, []
+        return scored
+
+    def forget(self, request_id: str) -> None:
+        self._held.pop(request_id, None)
+
+    def clear(self) -> None:
+        self._held.clear()
+        self._scored.clear()
