@@ -27,7 +27,7 @@ at capacity, refusals that were not typed (`overloaded`; HTTP 503 + Retry-After)
     python benchmarks/bench_capacity.py --tokenizer tokenizer.json [--model random:llama-3.1-8b]
         [--num-prompts 1200] [--seconds 60] [--rate-start 16] [--bisect 3] [--backends zmq,openai]
         [--engine-flags "--max-waiting-requests 64"] [--overload-prompts 3600] [--out DIR]
-    python benchmarks/bench_capacity.py --quick    # the CPU: random:tiny, a small sample
+    python benchmarks/bench_capacity.py --quick [--ideal-only]  # the CPU; the ideal alone
 """
 
 from __future__ import annotations

@@ -193,3 +193,13 @@ def test_quick_runs_on_the_cpu_over_zmq_and_http_then_at_twice_capacity(tmp_path
     assert floor["capacity_req_s"] > 0 and floor["matmul_flops"] > 0
     assert "of the kernel floor" in done.stdout
     assert "ideal engine on cpu" in done.stdout and "openai at 2x" in done.stdout
+
+
+def test_ideal_only_serves_nothing_and_prints_the_floor_beside_the_ideal(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_capacity.py"), "--quick", "--ideal-only"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "ideal engine on cpu" in done.stdout and "kernel floor" in done.stdout
+    assert "zmq:" not in done.stdout and not (tmp_path / "bench_capacity_out").exists()
