@@ -30,8 +30,9 @@ class PromptScorer:
         self._scored: list[PromptLogprobs] = []
 
     def wanted(self, feeds: Sequence[tuple[SeqPlan, list[int]]]) -> bool:
-        """Whether any feed is a prompt chunk of a request that asked for prompt logprobs."""
-        return any(self._asks(seq) is not None for seq, _ in feeds)
+        """Whether any feed is a prompt chunk of a request that asked for prompt logprobs (at
+        once, where no running request asked)."""
+        return bool(self.requests.scoring) and any(self._asks(seq) is not None for seq, _ in feeds)
 
     def _asks(self, seq: SeqPlan) -> int | None:
         if seq.start_pos >= seq.prompt_len:

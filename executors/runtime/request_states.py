@@ -40,6 +40,7 @@ class RequestStates:
         self._states: dict[str, RequestState] = {}
         self.grammars = grammars
         self.eos = eos
+        self.scoring: set[str] = set()  # requests that asked for prompt logprobs
 
     def __len__(self) -> int:
         return len(self._states)
@@ -59,6 +60,8 @@ class RequestStates:
             state = RequestState(list(seq.prefix_ids), seq.prompt_len, params, self._guide(params))
             if params.min_tokens:
                 state.stops = (*(() if params.ignore_eos else self.eos), *params.stop_token_ids)
+            if params.prompt_logprobs is not None:
+                self.scoring.add(seq.request_id)
             self._states[seq.request_id] = state
         if state is None:
             raise RuntimeError(
@@ -102,6 +105,8 @@ class RequestStates:
 
     def clear(self) -> None:
         self._states.clear()
+        self.scoring.clear()
 
     def forget(self, request_id: str) -> None:
         self._states.pop(request_id, None)
+        self.scoring.discard(request_id)

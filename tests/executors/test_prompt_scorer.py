@@ -99,7 +99,7 @@ def test_a_request_dropped_mid_prompt_leaves_no_row_held():
         while engine.has_work():
             engine.step()
         engine.generate([[1, 2, 3]], SamplingParams(max_tokens=1))  # a step after the abort
-        assert scorer._held == {}
+        assert scorer._held == {} and scorer.requests.scoring == set()
         scorer.forget = lambda request_id: None  # broken on purpose: the row outlives its request
         rid = engine.add_request(prompt, SamplingParams(max_tokens=4, prompt_logprobs=1))
         engine.step()
