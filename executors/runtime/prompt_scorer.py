@@ -35,7 +35,7 @@ class PromptScorer:
         return bool(self.requests.scoring) and any(self._asks(seq) is not None for seq, _ in feeds)
 
     def _asks(self, seq: SeqPlan) -> int | None:
-        if seq.start_pos >= seq.prompt_len:
+        if seq.start_pos >= seq.prompt_len or seq.request_id not in self.requests.scoring:
             return None
         return self.requests[seq.request_id].params.prompt_logprobs
 
