@@ -758,8 +758,8 @@ class Server:
         logprobs = self._named_logprobs(out.new_token_ids, out.logprobs) if out.logprobs else []
         inf.logprobs.extend(logprobs)
         scored = []
-        if out.prompt_logprobs:  # the first token has nothing before it: no logprob
-            first = inf.prompt_ids[0]
+        if inf.prompt_ids and not inf.prompt_logprobs:  # its first output, which has the scores
+            first = inf.prompt_ids[0]  # nothing comes before it: no logprob
             scored = [[first, self.engine.tokenizer.decode([first]), None, []]]
             scored += self._named_logprobs(inf.prompt_ids[1:], out.prompt_logprobs)
             inf.prompt_logprobs = scored

@@ -375,6 +375,8 @@ def test_completion_echo_scores_the_prompt_as_lm_eval_asks(sdk, server):
     assert zmq.prompt_logprobs[-1][2] == pytest.approx(alternatives[ids[-1]], abs=1e-4)
     as_ids = sdk.completions.create(prompt=ids, echo=True, **body).choices[0]
     assert as_ids.text == choice.text  # a prompt of ids echoes its tokens' texts
+    one = sdk.completions.create(prompt=ids[:1], echo=True, **body).choices[0].logprobs
+    assert one.tokens[0] == lp.tokens[0] and one.token_logprobs[0] is None and len(one.tokens) == 2
     unlogged = sdk.completions.create(prompt=PROMPT, echo=True, model="smollm2", max_tokens=2)
     assert unlogged.choices[0].text.startswith(PROMPT) and unlogged.choices[0].logprobs is None
     with pytest.raises(openai.BadRequestError, match="echo with stream"):
