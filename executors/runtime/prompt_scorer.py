@@ -2,10 +2,11 @@
 of its prefill chunks: the state after position p scores the prompt token at p + 1.
 
 A chunk's last state scores the next chunk's first token, which the executor learns only from
-that chunk's plan: its log-softmax row (one vocabulary of float32 on the device, per request
+that chunk's plan: its row of logits (one vocabulary of float32 on the device, per request
 between two of its chunks) is held until then, and dropped when the request is forgotten or
-admitted again. The prompt's last state scores the first output token, not a prompt token: the
-sampler's `logprobs` cover it. Rows go through the head `SLICE` at a time, so a long chunk never
+admitted again (a chunk from position 0 finds it scoring another position and drops it). The
+prompt's last state scores the first output token, not a prompt token: the sampler's
+`logprobs` cover it. Rows go through the head `SLICE` at a time, so a long chunk never
 holds a whole chunk of logits at once.
 """
 
