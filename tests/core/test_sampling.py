@@ -6,9 +6,10 @@ import math
 import random
 from collections import Counter
 
+import pytest
 import torch
 
-from memstep.core.sampling_params import SamplingParams
+from memstep.core.sampling_params import InvalidRequest, SamplingParams
 from memstep.executors.runtime.random_stream import ACCEPT, DRAFT, SAMPLE, uniform, uniforms
 from memstep.executors.runtime.sampler import Row, Sampler, top_logprobs
 
@@ -319,3 +320,13 @@ def test_a_stop_string_is_found_where_it_ends_past_the_step_s_start():
     assert _find_stop(text, (",", ", three"), 5) == (7, 14)  # the longest at the first start
     assert _find_stop(text, ("two",), 7) is None  # it ended at 7: matched then, or never
     assert _find_stop(text, ("two",), 6) == (4, 7)  # straddling the start
+
+
+def test_prompt_logprobs_out_of_range_or_of_the_wrong_type_is_refused():
+    for bad in (-1, 21):
+        with pytest.raises(InvalidRequest, match="prompt_logprobs must be in"):
+            SamplingParams(prompt_logprobs=bad)
+    with pytest.raises(InvalidRequest, match="prompt_logprobs"):
+        SamplingParams.from_dict({"prompt_logprobs": "3"})
+    assert SamplingParams(prompt_logprobs=0).prompt_logprobs == 0
+    assert SamplingParams.from_dict({"prompt_logprobs": None}).prompt_logprobs is None
