@@ -66,7 +66,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = True
     # SamplingParams.prompt_logprobs: as vLLM's, None for the first token, then per prompt
-    # token [logprob, [[id, logprob], ...]] given the tokens before it; None when not asked
+    # token [logprob, [[id, logprob], ...], rank] given the tokens before it; None when not asked
     prompt_logprobs: list[list | None] | None = None
 
 

@@ -759,9 +759,11 @@ class Server:
         inf.logprobs.extend(logprobs)
         scored = []
         if inf.prompt_ids and not inf.prompt_logprobs:  # its first output, which has the scores
-            first = inf.prompt_ids[0]  # nothing comes before it: no logprob
-            scored = [[first, self.engine.tokenizer.decode([first]), None, []]]
-            scored += self._named_logprobs(inf.prompt_ids[1:], out.prompt_logprobs)
+            first = inf.prompt_ids[0]  # nothing comes before it: no logprob, no rank
+            scored = [[first, self.engine.tokenizer.decode([first]), None, [], None]]
+            ranks = [entry[2] for entry in out.prompt_logprobs]
+            named = self._named_logprobs(inf.prompt_ids[1:], out.prompt_logprobs)
+            scored += [[*entry, rank] for entry, rank in zip(named, ranks, strict=False)]
             inf.prompt_logprobs = scored
         send = box.add if inf.batch else self._send
         if inf.stream:
@@ -779,7 +781,7 @@ class Server:
         """The engine's [logprob, [[id, logprob]...]] per token, with ids and texts added."""
         decode = self.engine.tokenizer.decode
         named = []
-        for token, (chosen, top) in zip(tokens, logprobs, strict=False):
+        for token, (chosen, top, *_) in zip(tokens, logprobs, strict=False):
             alternatives = [[tid, decode([tid]), lp] for tid, lp in top]
             named.append([token, decode([token]), chosen, alternatives])
         return named

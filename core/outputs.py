@@ -18,8 +18,8 @@ class RequestOutput:
     logprobs: list[list] = attrs.Factory(list)  # per new token: [logprob, [[id, logprob], ...]]
     num_proposed: int = 0  # speculative drafts proposed for this request so far
     num_accepted: int = 0
-    # SamplingParams.prompt_logprobs: prompt positions 1.. as [logprob, [[id, logprob], ...]],
-    # on the first output that carries a token
+    # SamplingParams.prompt_logprobs: prompt positions 1.. as [logprob, [[id, logprob], ...],
+    # rank], on the first output that carries a token
     prompt_logprobs: list[list] = attrs.Factory(list)
 
 

@@ -16,8 +16,9 @@ from memstep.events.types import (
 # the executor link's version (ExecutorHello.protocol): 4 since a plan carries only the block
 # table's entries the executor does not hold yet (SeqPlan.table_from); 5 since a plan's sampling
 # params may hold min_tokens, logit_bias and include_stop_str_in_output; 6 since a result
-# carries the prompt logprobs its prefill chunks scored (StepResult.prompt_logprobs)
-EXECUTOR_PROTOCOL_VERSION = 6
+# carries the prompt logprobs its prefill chunks scored (StepResult.prompt_logprobs); 7 since
+# each of those scores carries its token's rank
+EXECUTOR_PROTOCOL_VERSION = 7
 
 
 @row_record
@@ -61,8 +62,8 @@ class SeqResult:
 @row_record
 class PromptLogprobs:
     """Prompt tokens a step's prefill chunk scored (SamplingParams.prompt_logprobs): entry i is
-    [logprob, [[token_id, logprob], ...top-N]] of the prompt token at position `start + i`,
-    given the tokens before it."""
+    [logprob, [[token_id, logprob], ...top-N], rank] of the prompt token at position `start + i`,
+    given the tokens before it (its rank: 1 + the tokens scored above it)."""
 
     request_id: str
     start: int  # >= 1: the first prompt token has nothing before it

@@ -19,8 +19,9 @@ import msgpack
 from memstep.events import codec
 from memstep.events.types import MemoryReport, record, row_record
 
-# 2 since GenerateDelta and GenerateDone carry prompt_logprobs (a delta's row is one wider)
-PROTOCOL_VERSION = 2
+# 2 since GenerateDelta and GenerateDone carry prompt_logprobs (a delta's row is one wider); 3
+# since each prompt token's entry there ends with its rank
+PROTOCOL_VERSION = 3
 MAX_REQUEST_ID_CHARS = 128
 
 # --- client -> server ----------------------------------------------------------------------
@@ -108,8 +109,10 @@ class GenerateDelta:
     text: str
     # per token when params.logprobs = N > 0: [id, text, logprob, [[id, text, logprob] x N]]
     logprobs: list[list] = attrs.Factory(list)
-    # params.prompt_logprobs = N: every prompt token as logprobs' entries (the first one's
-    # logprob None, with no alternatives: nothing comes before it), on the first delta
+    # params.prompt_logprobs = N: every prompt token as logprobs' entries and its rank (1 + the
+    # tokens scored above it), [id, text, logprob, [[id, text, logprob] x N], rank]; the first
+    # one's logprob and rank None, with no alternatives: nothing comes before it. On the first
+    # delta
     prompt_logprobs: list[list] = attrs.Factory(list)
 
 

@@ -7,7 +7,8 @@ between two of its chunks) is held until then, and dropped when the request is f
 admitted again (a chunk from position 0 finds it scoring another position and drops it). The
 prompt's last state scores the first output token, not a prompt token: the sampler's
 `logprobs` cover it. Rows go through the head `SLICE` at a time, so a long chunk never
-holds a whole chunk of logits at once.
+holds a whole chunk of logits at once. Each token's rank in its row (1 + the tokens the model
+gives a higher logprob; vLLM's `Logprob.rank`) comes with its score.
 """
 
 from __future__ import annotations
@@ -60,13 +61,12 @@ class PromptScorer:
             entries: list[list] = []
             start = seq.start_pos + 1
             if held is not None and held[0] == seq.start_pos:
-                entries += top_logprobs(held[1][None], seq.token_ids[:1], n, in_place=True)
+                entries += _ranked(held[1][None], seq.token_ids[:1], n)
                 start = seq.start_pos
             targets = seq.token_ids[1:fed]
             for lo in range(0, len(targets), SLICE):
                 states = hidden[first + lo : first + min(lo + SLICE, len(targets))]
-                logits = self.model.logits(states)
-                entries += top_logprobs(logits, targets[lo : lo + SLICE], n, in_place=True)
+                entries += _ranked(self.model.logits(states), targets[lo : lo + SLICE], n)
             if not ends_prompt:
                 state = hidden[first + fed - 1 : first + fed]
                 self._held[seq.request_id] = (seq.start_pos + fed, self.model.logits(state)[0])
@@ -84,3 +84,12 @@ class PromptScorer:
     def clear(self) -> None:
         self._held.clear()
         self._scored.clear()
+
+
+def _ranked(logits: torch.Tensor, tokens: list[int], n: int) -> list[list]:
+    """[logprob, [[id, logprob] x n], rank] of each row's token (`logits`, float32, become
+    their log-softmax): its rank is 1 + the number of tokens scored above it."""
+    entries = top_logprobs(logits, tokens, n, in_place=True)
+    index = torch.tensor(tokens, dtype=torch.long, device=logits.device)[:, None]
+    ranks = (logits > logits.gather(1, index)).sum(dim=1) + 1
+    return [[*entry, rank] for entry, rank in zip(entries, ranks.tolist(), strict=True)]

@@ -103,7 +103,7 @@ def test_health_and_stats_describe_the_server(client, server):
         server.info["core_pid"],
         server.info["executor_pid"],
     )
-    assert health.vocab_size == 512 and health.max_model_len == 512 and health.protocol == 2
+    assert health.vocab_size == 512 and health.max_model_len == 512 and health.protocol == 3
     stats = client.stats()
     assert stats.kv_pages_total > 0 and stats.kv_pages_used == 0
     assert stats.step > 0 and stats.step_kind == "no_spec"

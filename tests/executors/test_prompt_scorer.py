@@ -1,8 +1,8 @@
 """Prompt logprobs (SamplingParams.prompt_logprobs, executors/runtime/prompt_scorer.py) on the real
-SmolLM2 in float32: each prompt token's score is what the model gives it after the tokens before
-it, the same whether the prompt is computed in one chunk or several, with speculation or without,
-never read from the prefix cache, and the row a chunk holds for the next is dropped with its
-request."""
+SmolLM2 in float32: each prompt token's score (and rank) is what the model gives it after the
+tokens before it, the same whether the prompt is computed in one chunk or several, with
+speculation or without, never read from the prefix cache, and the row a chunk holds for the next
+is dropped with its request."""
 
 from __future__ import annotations
 
@@ -39,14 +39,19 @@ def test_each_prompt_token_scores_as_the_next_token_after_the_tokens_before_it(w
     prompt cut before that token), wherever the prompt's token is among that reply's top 20."""
     scores = scored(whole, prompt, n=3)
     assert len(scores) == len(prompt) - 1
-    for chosen, top in scores:
+    for (chosen, top, rank), token in zip(scores, prompt[1:], strict=True):
         values = [lp for _, lp in top]
         assert len(top) == 3 and values == sorted(values, reverse=True) and chosen <= values[0]
+        assert (rank == 1) == (top[0][0] == token) and rank >= 1
     checked = 0
     for k in range(4, len(prompt), 3):
         cut = SamplingParams(temperature=0.0, max_tokens=1, logprobs=20)
         first = whole.generate([prompt[:k]], cut)[0].logprobs[0]
         alternatives = dict(map(tuple, first[1]))
+        order = [tid for tid, _ in first[1]]
+        # its rank: its place among the top 20 of that other path, past them where not there
+        rank = scores[k - 1][2]
+        assert rank == order.index(prompt[k]) + 1 if prompt[k] in order else rank > 20
         if prompt[k] in alternatives:
             assert scores[k - 1][0] == pytest.approx(alternatives[prompt[k]], abs=1e-4)
             checked += 1
@@ -69,8 +74,8 @@ def test_chunks_and_speculation_score_the_prompt_as_one_forward_does(whole, prom
         spec.shutdown()
     for other in (got, spec_got):
         assert len(other) == len(reference)
-        for (a, top_a), (b, top_b) in zip(reference, other, strict=True):
-            assert a == pytest.approx(b, abs=1e-4)
+        for (a, top_a, rank_a), (b, top_b, rank_b) in zip(reference, other, strict=True):
+            assert a == pytest.approx(b, abs=1e-4) and rank_a == rank_b
             assert [t for t, _ in top_a] == [t for t, _ in top_b]
 
 
@@ -81,7 +86,7 @@ def test_a_scored_prompt_is_computed_whole_while_others_hit_the_cache(whole, pro
         [prompt], SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=0)
     )
     assert asked[0].cached_tokens == 0 and len(asked[0].prompt_logprobs) == len(prompt) - 1
-    assert all(top == [] for _, top in asked[0].prompt_logprobs)
+    assert all(top == [] for _, top, _ in asked[0].prompt_logprobs)
     assert whole.generate([prompt], params)[0].cached_tokens > 0
 
 
