@@ -386,7 +386,8 @@ class Front:
                 calls, waiting = out.calls[index], out.held_logprobs.pop(index, [])
                 held = self._tool_chunks(out, index, calls.finish(), waiting)
                 called, left = calls.num_calls > 0, out.held_logprobs.pop(index, [])
-            end = oai.chunk(job, rid, index, "", left, 0, **_end(item, called))
+            echo, left = self._echo(out, index, item, "", left)
+            end = oai.chunk(job, rid, index, echo, left, out.offsets[index], **_end(item, called))
             text = held + _event(end)
             if len(out.dones) == out.num_choices:
                 out.ended = True
@@ -398,16 +399,28 @@ class Front:
         if job.calls_tools:
             waiting = out.held_logprobs.pop(index, []) + list(item.logprobs)
             return self._tool_chunks(out, index, out.calls[index].feed(item.text), waiting)
-        text = item.text
-        if not (text or item.token_ids or item.logprobs):
+        if job.echo_only and index in out.started:  # the prompt went; no reply to show
+            return b""
+        text, logprobs = self._echo(out, index, item, item.text, item.logprobs)
+        if not (text or item.token_ids or logprobs):
             return b""
         role = index not in out.started
         out.started.add(index)
         offset = out.offsets[index]
         out.offsets[index] += len(text)
-        if not (role or item.logprobs) and (plain := out.text_chunks(index)) is not None:
+        if not (role or logprobs) and (plain := out.text_chunks(index)) is not None:
             return plain.event(text, out.created)
-        return _event(oai.chunk(job, rid, index, text, item.logprobs, offset, role=role))
+        return _event(oai.chunk(job, rid, index, text, logprobs, offset, role=role))
+
+    def _echo(
+        self, out: _SseState, index: int, item: Any, text: str, logprobs: list[list]
+    ) -> tuple[str, list[list]]:
+        """A choice's first chunk with `echo`: the prompt (and its logprobs) before the reply's;
+        a later one as it is."""
+        if not out.job.echo or index in out.echoed:
+            return text, logprobs
+        out.echoed.add(index)
+        return oai.echoed(out.job, index, item.prompt_logprobs, text, logprobs)
 
     def _tool_chunks(
         self, out: _SseState, index: int, deltas: list[dict[str, Any]], logprobs: list[list]
@@ -454,6 +467,7 @@ class _SseState:
     dones: dict[int, GenerateDone] = attrs.Factory(dict)
     offsets: collections.defaultdict[int, int] = attrs.Factory(lambda: collections.defaultdict(int))
     started: set[int] = attrs.Factory(set)  # choices whose first chunk (with the chat role) went
+    echoed: set[int] = attrs.Factory(set)  # choices whose prompt went (`echo`)
     ended: bool = False
     calls: collections.defaultdict[int, CallStream] = attrs.Factory(
         lambda: collections.defaultdict(CallStream)

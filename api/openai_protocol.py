@@ -42,7 +42,7 @@ IGNORED_FIELDS = {"store", "metadata", "service_tier"}
 # OpenAI's and vLLM's fields the engine does not serve: refused by name
 UNSUPPORTED_FIELDS = {
     "suffix", "functions", "function_call", "modalities", "audio", "prediction",
-    "reasoning_effort", "web_search_options", "prompt_logprobs", "skip_special_tokens",
+    "reasoning_effort", "web_search_options", "skip_special_tokens",
 }  # fmt: skip
 COMMON_FIELDS |= IGNORED_FIELDS
 # structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_* fields
@@ -60,7 +60,7 @@ STRUCTURED_KEYS = {
     "json_object": "guided_json_object",
 }
 COMMON_FIELDS |= set(SAMPLING_FIELDS) | set(GUIDED_FIELDS) | {"response_format"}
-COMMON_FIELDS |= {"structured_outputs"}
+COMMON_FIELDS |= {"structured_outputs", "prompt_logprobs"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
 CHAT_FIELDS |= {"tools", "tool_choice", "parallel_tool_calls"}
@@ -100,6 +100,8 @@ class Job:
     top_logprobs: int | None  # None: no logprobs in the answer
     tools: Tools | None = None  # a chat's tools, when it may call them
     echo: bool = False  # completions: each choice's text and logprobs begin with its prompt's
+    echo_only: bool = False  # echo with max_tokens 0: the prompt's alone (one token generated)
+    prompt_logprobs: int | None = None  # vLLM's field: each prompt token's score, rank, top N
 
     @property
     def calls_tools(self) -> bool:
@@ -122,20 +124,21 @@ def parse_completion(body: Any, model: str) -> Job:
         raise bad("best_of other than 1 is not supported", "best_of")
     top = _int(body, "logprobs", 0, 5)
     prompts = [{"prompt": p} for p in _prompts(body.get("prompt"))]
-    max_tokens = _int(body, "max_tokens", 1, None)
-    job = _job(body, model, False, prompts, 16 if max_tokens is None else max_tokens, top)
-    if not _bool(body, "echo"):
+    max_tokens, echo = _int(body, "max_tokens", 0, None), _bool(body, "echo")
+    if max_tokens == 0 and not echo:
+        raise bad("max_tokens 0 needs echo: true (the prompt alone)", "max_tokens")
+    # echo with max_tokens 0 (vLLM's): one token generated and left out of the answer
+    job = _job(body, model, False, prompts, 16 if max_tokens is None else max(max_tokens, 1), top)
+    if not echo:
         return job
-    if job.stream:
-        raise bad("echo with stream: true is not supported", "echo")
     # the prompt's tokens scored as the reply's are; a prompt of ids is scored for its texts
     params = [
-        p | {"prompt_logprobs": top or 0}
+        p | {"prompt_logprobs": max(top or 0, p.get("prompt_logprobs") or 0)}
         if top is not None or not isinstance(job.prompt_of(i)["prompt"], str)
         else p
         for i, p in enumerate(job.params)
     ]
-    return attrs.evolve(job, params=params, echo=True)
+    return attrs.evolve(job, params=params, echo=True, echo_only=max_tokens == 0)
 
 
 def parse_chat(body: Any, model: str) -> Job:
@@ -220,10 +223,15 @@ def _job(
         raise bad("stream_options takes only include_usage", "stream_options")
     if options and not stream:
         raise bad("stream_options is only allowed with stream: true", "stream_options")
+    scored = _int(body, "prompt_logprobs", 0, 20)
+    if scored is not None and stream:
+        raise bad("prompt_logprobs is not available with stream: true", "prompt_logprobs")
     base = _sampling(body, max_tokens, top) | _constraint(body, tools)
+    if scored is not None:
+        base["prompt_logprobs"] = scored
     params = [_choice_params(base, body.get("seed"), j) for _ in prompts for j in range(n)]
     usage = bool(options.get("include_usage"))
-    return Job(chat, model, prompts, params, n, stream, usage, top, tools)
+    return Job(chat, model, prompts, params, n, stream, usage, top, tools, prompt_logprobs=scored)
 
 
 def _constraint(body: dict, tools: Tools | None) -> dict[str, Any]:
@@ -391,7 +399,7 @@ def usage(job: Job, dones: list[GenerateDone]) -> dict[str, Any]:
     prompt tokens the prefix cache held as `prompt_tokens_details.cached_tokens`."""
     firsts = dones[:: job.n]
     prompt_tokens = sum(d.usage.prompt_tokens for d in firsts)
-    completion_tokens = sum(d.usage.completion_tokens for d in dones)
+    completion_tokens = 0 if job.echo_only else sum(d.usage.completion_tokens for d in dones)
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -404,11 +412,10 @@ def response(job: Job, rid: str, dones: list[GenerateDone]) -> dict[str, Any]:
     """The whole answer of a non-streaming request, its choices in index order."""
     choices = [_choice(job, i, d) for i, d in enumerate(dones)]
     kind = "chat.completion" if job.chat else "text_completion"
-    return {
-        **_head(job, rid, kind),
-        "choices": choices,
-        "usage": usage(job, dones),
-    }
+    answer = {**_head(job, rid, kind), "choices": choices, "usage": usage(job, dones)}
+    if job.chat and job.prompt_logprobs is not None:  # vLLM's: the one prompt's, beside them
+        answer["prompt_logprobs"] = vllm_prompt_logprobs(dones[0].prompt_logprobs, job)
+    return answer
 
 
 def _choice(job: Job, index: int, done: GenerateDone) -> dict[str, Any]:
@@ -424,18 +431,45 @@ def _choice(job: Job, index: int, done: GenerateDone) -> dict[str, Any]:
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
     text = done.text
     if job.echo:
-        text = echoed_prompt(job.prompt_of(index)["prompt"], done) + text
-        if job.top_logprobs is not None:
-            logprobs = format_logprobs(job, [*done.prompt_logprobs, *done.logprobs], 0)
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": done.finish_reason}
+        text, tokens = echoed(job, index, done.prompt_logprobs, text, done.logprobs)
+        logprobs = format_logprobs(job, tokens, 0)
+    choice = {"index": index, "text": text, "logprobs": logprobs}
+    choice["finish_reason"] = done.finish_reason
+    if job.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = vllm_prompt_logprobs(done.prompt_logprobs, job)
+    return choice
 
 
-def echoed_prompt(prompt: str | list[int], done: GenerateDone) -> str:
-    """The prompt as `echo` gives it back: its own text, or its ids' texts where it came as ids
-    (the scored prompt's, which hold every prompt token's)."""
-    if isinstance(prompt, str):
-        return prompt
-    return "".join(text for _, text, _, _ in done.prompt_logprobs)
+def echoed(
+    job: Job, index: int, scored: list[list], text: str, tokens: list[list]
+) -> tuple[str, list[list]]:
+    """Choice `index`'s text and logprob entries as `echo` gives them: the prompt's (`scored`,
+    its prompt logprobs) before the reply's `text` and `tokens`, the reply's left out where
+    max_tokens was 0. A prompt given as ids comes back as its tokens' texts."""
+    if job.echo_only:
+        text, tokens = "", []
+    prompt = job.prompt_of(index)["prompt"]
+    if not isinstance(prompt, str):
+        prompt = "".join(entry[1] for entry in scored)
+    if job.top_logprobs is None:
+        return prompt + text, []
+    return prompt + text, [entry[:4] for entry in scored] + list(tokens)
+
+
+def vllm_prompt_logprobs(scored: list[list], job: Job) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs` answer: None for the first token, then per prompt token a map
+    from token id to {logprob, rank, decoded_token}: the token's own, then the top N the
+    request asked for (ranked 1..N)."""
+    top = job.prompt_logprobs or 0
+    answer: list[dict[str, Any] | None] = [None]
+    for token, text, logprob, alternatives, rank in scored[1:]:
+        entry = {str(token): {"logprob": logprob, "rank": rank, "decoded_token": text}}
+        for i, (tid, alt_text, alt_logprob) in enumerate(alternatives[:top]):
+            entry.setdefault(
+                str(tid), {"logprob": alt_logprob, "rank": i + 1, "decoded_token": alt_text}
+            )
+        answer.append(entry)
+    return answer
 
 
 def chunk(

@@ -379,5 +379,63 @@ def test_completion_echo_scores_the_prompt_as_lm_eval_asks(sdk, server):
     assert one.tokens[0] == lp.tokens[0] and one.token_logprobs[0] is None and len(one.tokens) == 2
     unlogged = sdk.completions.create(prompt=PROMPT, echo=True, model="smollm2", max_tokens=2)
     assert unlogged.choices[0].text.startswith(PROMPT) and unlogged.choices[0].logprobs is None
-    with pytest.raises(openai.BadRequestError, match="echo with stream"):
-        sdk.completions.create(prompt=PROMPT, echo=True, stream=True, **body)
+    streamed = list(sdk.completions.create(prompt=PROMPT, echo=True, stream=True, **body))
+    assert "".join(c.choices[0].text for c in streamed) == choice.text
+    tokens = [t for c in streamed if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    first = streamed[0].choices[0].logprobs
+    assert tokens == lp.tokens and first.token_logprobs[0] is None
+    assert first.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1 : len(tokens)])
+
+
+def test_echo_with_max_tokens_0_gives_the_prompt_alone(sdk):
+    """vLLM's echo with max_tokens 0 (how eval harnesses score a prompt alone): the prompt's
+    text and scores, no reply token counted; streamed the same; without echo refused."""
+    body = dict(model="smollm2", temperature=0, logprobs=1, echo=True)
+    scored = sdk.completions.create(prompt=PROMPT, max_tokens=1, **body)
+    alone = sdk.completions.create(prompt=PROMPT, max_tokens=0, **body)
+    n = alone.usage.prompt_tokens
+    assert alone.choices[0].text == PROMPT and alone.usage.completion_tokens == 0
+    assert alone.choices[0].logprobs.tokens == scored.choices[0].logprobs.tokens[:n]
+    assert alone.choices[0].logprobs.token_logprobs[1:] == pytest.approx(
+        scored.choices[0].logprobs.token_logprobs[1:n]
+    )
+    streamed = list(sdk.completions.create(prompt=PROMPT, max_tokens=0, stream=True, **body))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == PROMPT
+    with pytest.raises(openai.BadRequestError, match="max_tokens 0 needs echo"):
+        sdk.completions.create(prompt=PROMPT, model="smollm2", max_tokens=0)
+
+
+def test_vllm_prompt_logprobs_field_scores_and_ranks_each_prompt_token(sdk, server):
+    """vLLM's `prompt_logprobs` (completions: on each choice; chat: beside the choices): None
+    for the first token, then each prompt token's id -> {logprob, rank, decoded_token} and the
+    top N ranked 1..N; the token's rank is 1 exactly where it is the top one, its place in the
+    top N where it is among them, and past N where not. Refused with stream."""
+    url = server.http_url + "/v1"
+    body = {"model": "smollm2", "prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": 3}
+    answer = httpx.post(url + "/completions", json=body, timeout=60).json()
+    scores = answer["choices"][0]["prompt_logprobs"]
+    with Client(server.address) as client:
+        ids = client.tokenize(PROMPT).token_ids
+    assert len(scores) == len(ids) == answer["usage"]["prompt_tokens"] and scores[0] is None
+    ranked_first = 0
+    for token, entry in zip(ids[1:], scores[1:], strict=True):
+        own = entry[str(token)]
+        by_rank = sorted(entry.values(), key=lambda v: v["rank"])
+        # the token among the top 3 is one of them (ids are keys); else a fourth, ranked after
+        assert [v["rank"] for v in by_rank] == [1, 2, 3] + (
+            [own["rank"]] if own["rank"] > 3 else []
+        )
+        values = [v["logprob"] for v in by_rank]
+        assert values == sorted(values, reverse=True) and values[0] <= 0
+        ranked_first += own["rank"] == 1
+    assert ranked_first >= 1  # a prompt of plain English: some tokens the model's first choice
+    chat = {"model": "smollm2", "messages": QUESTION, "max_tokens": 1, "prompt_logprobs": 0}
+    done = httpx.post(url + "/chat/completions", json=chat, timeout=60).json()
+    assert len(done["prompt_logprobs"]) == done["usage"]["prompt_tokens"]
+    assert all(len(e) == 1 for e in done["prompt_logprobs"][1:])  # the token's own only
+    for wrong, says in (
+        ({"stream": True}, "not available with stream"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs must be"),
+    ):
+        bad = httpx.post(url + "/completions", json=body | wrong, timeout=60)
+        assert bad.status_code == 400 and says in bad.json()["error"]["message"], bad.text
