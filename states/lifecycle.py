@@ -74,13 +74,8 @@ class Lifecycle:
         out = {}
         for kind in self.kinds.values():
             for attr, value in vars(kind).items():
-                if attr in ("held", "env"):
-                    continue
-                tensors = _tensors_in(value)
-                if tensors:
-                    nbytes = tensor_bytes(tensors)
-                    shapes = sorted({f"{list(t.shape)} {str(t.dtype)[6:]}" for t in tensors})
-                    out[f"{kind.name}.{attr}"] = (len(tensors), nbytes, ", ".join(shapes))
+                if attr not in ("held", "env"):
+                    out |= held_by(f"{kind.name}.{attr}", value)
         return out
 
     def _enter(self, target: str, step: int) -> list[StateEntered]:
@@ -88,6 +83,16 @@ class Lifecycle:
             return []
         claimed = self.kinds[target].enter(self.arena, step)
         return [StateEntered(step, target, claimed, self.arena.ledger())]
+
+
+def held_by(path: str, value: object) -> dict[str, tuple[int, int, str]]:
+    """`path`'s entry in `holdings()`: the count, bytes and shapes of the tensors `value` holds
+    (in lists, tuples or dicts too); nothing where it holds none."""
+    tensors = _tensors_in(value)
+    if not tensors:
+        return {}
+    shapes = sorted({f"{list(t.shape)} {str(t.dtype)[6:]}" for t in tensors})
+    return {path: (len(tensors), tensor_bytes(tensors), ", ".join(shapes))}
 
 
 def _tensors_in(value: object, depth: int = 3) -> list[torch.Tensor]:

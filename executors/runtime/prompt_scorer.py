@@ -21,6 +21,7 @@ from memstep.events.plan import PromptLogprobs, SeqPlan
 from memstep.executors.model.llama import LlamaModel
 from memstep.executors.runtime.request_states import RequestStates
 from memstep.executors.runtime.sampler import top_logprobs
+from memstep.states.lifecycle import held_by
 
 SLICE = 256  # states through the head at once
 
@@ -72,6 +73,11 @@ class PromptScorer:
                 self._held[seq.request_id] = (seq.start_pos + fed, self.model.logits(state)[0])
             if entries:
                 self._scored.append(PromptLogprobs(seq.request_id, start, entries))
+
+    def holdings(self) -> dict[str, tuple[int, int, str]]:
+        """The rows held between chunks, as the step kinds' holdings name what they keep (a
+        leak report's `grew:`)."""
+        return held_by("prompt_scorer.held", self._held)
 
     def take(self) -> list[PromptLogprobs]:
         """What this step scored, for its result."""

@@ -302,9 +302,10 @@ class Worker:
         self.sampler.mask_ahead([s.row(0, s.tokens) for s in states if s.guide is not None])
 
     def _named(self, leaks: list[LeakSuspected]) -> list[LeakSuspected]:
-        """Live-growth reports, with what the step kinds hold that grew since the last."""
+        """Live-growth reports, with what the step kinds (and the prompt scorer's rows) hold
+        that grew since the last."""
         if self._holdings is None or any(leak.what == "live_growth" for leak in leaks):
-            before, self._holdings = self._holdings or {}, self.lifecycle.holdings()
+            before, self._holdings = self._holdings or {}, self.holdings()
             grew = growth_of(before, self._holdings)
             leaks = [
                 attrs.evolve(leak, detail=f"{leak.detail}; grew: {grew}")
@@ -313,6 +314,10 @@ class Worker:
                 for leak in leaks
             ]
         return leaks
+
+    def holdings(self) -> dict[str, tuple[int, int, str]]:
+        """What the step kinds keep outside their arena buffers, and the prompt scorer's rows."""
+        return self.lifecycle.holdings() | self.prompts.holdings()
 
     def forward(
         self, feeds: list[tuple[SeqPlan, list[int]]], ahead: bool = False
