@@ -42,7 +42,7 @@ IGNORED_FIELDS = {"store", "metadata", "service_tier"}
 # OpenAI's and vLLM's fields the engine does not serve: refused by name
 UNSUPPORTED_FIELDS = {
     "suffix", "functions", "function_call", "modalities", "audio", "prediction",
-    "reasoning_effort", "web_search_options", "skip_special_tokens",
+    "reasoning_effort", "web_search_options",
 }  # fmt: skip
 COMMON_FIELDS |= IGNORED_FIELDS
 # structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_* fields
@@ -60,7 +60,7 @@ STRUCTURED_KEYS = {
     "json_object": "guided_json_object",
 }
 COMMON_FIELDS |= set(SAMPLING_FIELDS) | set(GUIDED_FIELDS) | {"response_format"}
-COMMON_FIELDS |= {"structured_outputs", "prompt_logprobs"}
+COMMON_FIELDS |= {"structured_outputs", "prompt_logprobs", "skip_special_tokens"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
 CHAT_FIELDS |= {"tools", "tool_choice", "parallel_tool_calls"}
@@ -223,6 +223,9 @@ def _job(
         raise bad("stream_options takes only include_usage", "stream_options")
     if options and not stream:
         raise bad("stream_options is only allowed with stream: true", "stream_options")
+    if body.get("skip_special_tokens") is not None and not _bool(body, "skip_special_tokens"):
+        # vLLM's default, true, is how every text here is made: special tokens give no text
+        raise bad("skip_special_tokens false is not supported", "skip_special_tokens")
     scored = _int(body, "prompt_logprobs", 0, 20)
     if scored is not None and stream:
         raise bad("prompt_logprobs is not available with stream: true", "prompt_logprobs")
