@@ -2,9 +2,10 @@
 of its prefill chunks: the state after position p scores the prompt token at p + 1.
 
 A chunk's last state scores the next chunk's first token, which the executor learns only from
-that chunk's plan: its row of logits (one vocabulary of float32 on the device, per request
-between two of its chunks) is held until then, and dropped when the request is forgotten or
-admitted again (a chunk from position 0 finds it scoring another position and drops it). The
+that chunk's plan: the state (one hidden row on the device, per request between two of its
+chunks: 1/85 of a vocabulary of float32 logits for SmolLM2, 1/63 for Llama 3 8B) is held until
+then, and dropped when the request is forgotten or admitted again (a chunk from position 0
+finds it scoring another position and drops it). The
 prompt's last state scores the first output token, not a prompt token: the sampler's
 `logprobs` cover it. Rows go through the head `SLICE` at a time, so a long chunk never
 holds a whole chunk of logits at once. Each token's rank in its row (1 + the tokens the model
@@ -29,7 +30,7 @@ SLICE = 256  # states through the head at once
 class PromptScorer:
     def __init__(self, model: LlamaModel, requests: RequestStates):
         self.model, self.requests = model, requests
-        self._held: dict[str, tuple[int, torch.Tensor]] = {}  # id -> (position scored, row)
+        self._held: dict[str, tuple[int, torch.Tensor]] = {}  # id -> (position scored, state)
         self._scored: list[PromptLogprobs] = []
 
     def wanted(self, feeds: Sequence[tuple[SeqPlan, list[int]]]) -> bool:
@@ -62,15 +63,15 @@ class PromptScorer:
             entries: list[list] = []
             start = seq.start_pos + 1
             if held is not None and held[0] == seq.start_pos:
-                entries += _ranked(held[1][None], seq.token_ids[:1], n)
+                entries += _ranked(self.model.logits(held[1]), seq.token_ids[:1], n)
                 start = seq.start_pos
             targets = seq.token_ids[1:fed]
             for lo in range(0, len(targets), SLICE):
                 states = hidden[first + lo : first + min(lo + SLICE, len(targets))]
                 entries += _ranked(self.model.logits(states), targets[lo : lo + SLICE], n)
             if not ends_prompt:
-                state = hidden[first + fed - 1 : first + fed]
-                self._held[seq.request_id] = (seq.start_pos + fed, self.model.logits(state)[0])
+                state = hidden[first + fed - 1 : first + fed].clone()  # the step's buffer moves on
+                self._held[seq.request_id] = (seq.start_pos + fed, state)
             if entries:
                 self._scored.append(PromptLogprobs(seq.request_id, start, entries))
 

@@ -111,10 +111,10 @@ def test_a_request_dropped_mid_prompt_leaves_no_row_held():
         engine.abort(rid)
         engine.generate([[1, 2, 3]], SamplingParams(max_tokens=1))
         assert rid in scorer._held
-        # a leak report would name it: one vocabulary of float32
-        vocab = engine.executor.worker.model.cfg.vocab_size
+        # a leak report would name it: one hidden state (not a vocabulary of logits)
+        width = engine.executor.worker.model.cfg.hidden_size
         held = engine.executor.worker.holdings()["prompt_scorer.held"]
-        assert held == (1, 4 * vocab, f"[{vocab}] float32"), held
+        assert held == (1, 4 * width, f"[1, {width}] float32"), held
     finally:
         engine.shutdown()
 
