@@ -388,14 +388,14 @@ class Front:
                 called, left = calls.num_calls > 0, out.held_logprobs.pop(index, [])
             echo, left = self._echo(out, index, item, "", left)
             end = oai.chunk(job, rid, index, echo, left, out.offsets[index], **_end(item, called))
-            text = held + _event(end)
+            data = held + _event(end)
             if len(out.dones) == out.num_choices:
                 out.ended = True
                 if job.include_usage:
                     ordered = [out.dones[i] for i in range(out.num_choices)]
-                    text += _event(oai.usage_chunk(job, rid, ordered))
-                text += DONE
-            return text
+                    data += _event(oai.usage_chunk(job, rid, ordered))
+                data += DONE
+            return data
         if job.calls_tools:
             waiting = out.held_logprobs.pop(index, []) + list(item.logprobs)
             return self._tool_chunks(out, index, out.calls[index].feed(item.text), waiting)

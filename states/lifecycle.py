@@ -71,7 +71,7 @@ class Lifecycle:
     def holdings(self) -> dict[str, tuple[int, int, str]]:
         """What each kind keeps outside its arena buffers: per attribute holding tensors (in
         lists, tuples or dicts too), their count, bytes and shapes ("[4, 576] float32")."""
-        out = {}
+        out: dict[str, tuple[int, int, str]] = {}
         for kind in self.kinds.values():
             for attr, value in vars(kind).items():
                 if attr not in ("held", "env"):
