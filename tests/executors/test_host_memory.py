@@ -5,6 +5,7 @@ executor's bound on oneDNN's per-shape caches (the soak's growth) against unboun
 
 from __future__ import annotations
 
+import mmap
 import os
 
 import attrs
@@ -29,12 +30,20 @@ def watch(series: list[int], tolerance: int = 64 * MIB) -> list[LeakSuspected]:
 
 def _anon() -> int:
     """This process's anonymous resident bytes (statm's resident less shared), read through the
-    descriptor rss_bytes() keeps open.  The whole resident figure may not grow with a new block
-    on a machine at its memory limit: the kernel makes room by dropping this process's own
-    file-backed pages (the mapped model, libraries), and a loaded CI worker once read the same
-    figure to the byte before and after 128 MiB; written anonymous pages stay resident."""
+    descriptor rss_bytes() keeps open: the whole resident figure may not grow with a new block
+    on a machine at its memory limit, where the kernel drops file-backed pages to make room."""
     fields = host_memory._own_statm().split()
     return (int(fields[1]) - int(fields[2])) * host_memory.PAGE_BYTES
+
+
+def _touched(nbytes: int) -> mmap.mmap:
+    """`nbytes` of new anonymous pages, each written. A mapping of its own, not malloc's: a
+    long-lived test worker's heap may hold that much freed yet resident memory to reuse (a CI
+    worker read the same figure to the byte before and after a 128 MiB bytes object)."""
+    block = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    for offset in range(0, nbytes, host_memory.PAGE_BYTES):
+        block[offset] = 1
+    return block
 
 
 def test_own_resident_bytes_follow_growth_and_a_forked_child_reads_its_own():
@@ -42,13 +51,15 @@ def test_own_resident_bytes_follow_growth_and_a_forked_child_reads_its_own():
     touched since, and a forked child (whose inherited descriptor names the parent) reads its
     own figure: its growth, which the parent's figure would not show."""
     before, rss = _anon(), rss_bytes()
-    block = b"\x01" * (128 * MIB)  # every page written (a calloc'd block may stay untouched)
-    assert _anon() - before > 100 * MIB, (before, _anon(), rss, rss_bytes())
+    block = _touched(128 * MIB)
+    fd = host_memory._statm[1] if host_memory._statm else None
+    where = (host_memory._statm, os.getpid(), os.readlink(f"/proc/self/fd/{fd}") if fd else None)
+    assert _anon() - before > 100 * MIB, (before, _anon(), rss, rss_bytes(), where)
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: grows by 256 MiB, reports what it reads of itself
         start = _anon()
-        more = b"\x01" * (256 * MIB)
+        more = _touched(256 * MIB)
         grown, by_pid = _anon() - start, rss_bytes(os.getpid())
         os.write(write, f"{grown} {by_pid - rss_bytes()} {len(more)}".encode())
         os._exit(0)
@@ -57,7 +68,7 @@ def test_own_resident_bytes_follow_growth_and_a_forked_child_reads_its_own():
     os.close(read), os.close(write)
     assert grown > 200 * MIB, grown  # the parent's figure would not have moved
     assert abs(apart) < 16 * MIB, apart  # as /proc/<its pid>/statm reads
-    del block
+    block.close()
 
 
 def test_growth_within_the_tolerance_is_silent():
