@@ -2,12 +2,12 @@
 of its prefill chunks: the state after position p scores the prompt token at p + 1.
 
 A chunk's last state scores the next chunk's first token, which the executor learns only from
-that chunk's plan: the state (one hidden row on the device, per request between two of its
-chunks: 1/85 of a vocabulary of float32 logits for SmolLM2, 1/63 for Llama 3 8B) is held until
-then, and dropped when the request is forgotten or admitted again (a chunk from position 0
-finds it scoring another position and drops it). The
-prompt's last state scores the first output token, not a prompt token: the sampler's
-`logprobs` cover it. Rows go through the head `SLICE` at a time, so a long chunk never
+that chunk's plan: the state (one hidden row in the model's dtype on the device, per request
+between two of its chunks: 576 values against a vocabulary of 49,152 float32 logits for
+SmolLM2, 4,096 against 128,256 for Llama 3 8B) is held until then, and dropped when the request
+is forgotten or admitted again (a chunk from position 0 finds it scoring another position and
+drops it). The prompt's last state scores the first output token, not a prompt token: the
+sampler's `logprobs` cover it. Rows go through the head `SLICE` at a time, so a long chunk never
 holds a whole chunk of logits at once. Each token's rank in its row (1 + the tokens the model
 gives a higher logprob; vLLM's `Logprob.rank`) comes with its score.
 """
