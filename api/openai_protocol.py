@@ -436,8 +436,8 @@ def _choice(job: Job, index: int, done: GenerateDone) -> dict[str, Any]:
     if job.echo:
         text, tokens = echoed(job, index, done.prompt_logprobs, text, done.logprobs)
         logprobs = format_logprobs(job, tokens, 0)
-    choice = {"index": index, "text": text, "logprobs": logprobs}
-    choice["finish_reason"] = done.finish_reason
+    reason = done.finish_reason
+    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
     if job.prompt_logprobs is not None:
         choice["prompt_logprobs"] = vllm_prompt_logprobs(done.prompt_logprobs, job)
     return choice

@@ -761,9 +761,7 @@ class Server:
         if inf.prompt_ids and not inf.prompt_logprobs:  # its first output, which has the scores
             first = inf.prompt_ids[0]  # nothing comes before it: no logprob, no rank
             scored = [[first, self.engine.tokenizer.decode([first]), None, [], None]]
-            ranks = [entry[2] for entry in out.prompt_logprobs]
-            named = self._named_logprobs(inf.prompt_ids[1:], out.prompt_logprobs)
-            scored += [[*entry, rank] for entry, rank in zip(named, ranks, strict=False)]
+            scored += self._named_logprobs(inf.prompt_ids[1:], out.prompt_logprobs)
             inf.prompt_logprobs = scored
         send = box.add if inf.batch else self._send
         if inf.stream:
@@ -778,12 +776,13 @@ class Server:
             send(inf.envelope, inf.done(reason, now))
 
     def _named_logprobs(self, tokens: list[int], logprobs: list[list]) -> list[list]:
-        """The engine's [logprob, [[id, logprob]...]] per token, with ids and texts added."""
+        """The engine's [logprob, [[id, logprob]...]] per token, with ids and texts added (a
+        prompt token's rank, after them, kept at the end)."""
         decode = self.engine.tokenizer.decode
         named = []
-        for token, (chosen, top, *_) in zip(tokens, logprobs, strict=False):
+        for token, (chosen, top, *rank) in zip(tokens, logprobs, strict=False):
             alternatives = [[tid, decode([tid]), lp] for tid, lp in top]
-            named.append([token, decode([token]), chosen, alternatives])
+            named.append([token, decode([token]), chosen, alternatives, *rank])
         return named
 
     def _send(self, envelope: list[bytes], msg: object) -> None:
