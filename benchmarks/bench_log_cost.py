@@ -73,7 +73,7 @@ def line_cost_s(samples: int = 20000) -> float:
     """Seconds to render and write one typical request line at info level."""
     setup_logging("json", "info")
     sink = io.StringIO()
-    structlog.configure(logger_factory=lambda *_: structlog.PrintLogger(sink))
+    structlog.configure(logger_factory=lambda *_: structlog.WriteLogger(sink))
     log = structlog.get_logger("bench")
     start = time.perf_counter()
     for i in range(samples):

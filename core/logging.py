@@ -29,7 +29,11 @@ def setup_logging(fmt: str = "console", level: str = "info") -> None:
     )
 
 
-def _stderr_logger(*_args: object) -> structlog.PrintLogger:
+def _stderr_logger(*_args: object) -> structlog.WriteLogger:
     """A logger to `sys.stderr` as it is now (loggers are not cached: one is made per line): a
-    stream swapped after set-up (a test's capture, closed when the test ends) is followed."""
-    return structlog.PrintLogger(sys.stderr)
+    stream swapped after set-up (a test's capture, closed when the test ends) is followed.
+
+    Each line goes out in one write, its newline with it: processes sharing one stderr (the core
+    and its HTTP front) then never join two lines into one (`print` writes the newline apart, and
+    another process's line could come between)."""
+    return structlog.WriteLogger(sys.stderr)

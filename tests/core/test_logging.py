@@ -1,4 +1,5 @@
-"""Structured logs follow the process's stderr as it is when a line is written."""
+"""Structured logs follow the process's stderr as it is when a line is written, and write each
+line whole."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import sys
 
 import structlog
 
+from memstep.core import logging as memstep_logging
 from memstep.core.logging import setup_logging
 
 
@@ -27,3 +29,39 @@ def test_logs_after_the_stream_of_set_up_time_is_closed_reach_the_current_stderr
         structlog.configure(**before)
     line = json.loads(second.getvalue())
     assert line["event"] == "after" and line["n"] == 1 and line["level"] == "info"
+
+
+class Writes(io.StringIO):
+    """A stream that keeps each write apart."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.writes.append(text)
+        return super().write(text)
+
+
+def _writes_of_one_line(monkeypatch) -> list[str]:
+    stream = Writes()
+    before = structlog.get_config()
+    try:
+        monkeypatch.setattr(sys, "stderr", stream)
+        setup_logging("json")
+        structlog.get_logger().info("request arrived", request_id="r-1")
+    finally:
+        structlog.configure(**before)
+    return stream.writes
+
+
+def test_a_line_and_its_newline_go_out_in_one_write(monkeypatch):
+    """The core and its HTTP front share one stderr; a line written in two parts (text, then
+    newline, as `print` does) let the other process's line in between, and a served run's JSON
+    log once read two objects on one line. With print's logger the same check fails."""
+    (write,) = _writes_of_one_line(monkeypatch)
+    assert write.endswith("\n") and json.loads(write)["request_id"] == "r-1"
+    monkeypatch.setattr(
+        memstep_logging, "_stderr_logger", lambda *_: structlog.PrintLogger(sys.stderr)
+    )
+    assert len(_writes_of_one_line(monkeypatch)) == 2  # the text, then its newline
