@@ -58,6 +58,7 @@ from memstep.executors.process.standby import StandbyExecutors
 from memstep.replay.recorder import add_record_arguments, open_recorder
 from memstep.replay.recording import load
 from memstep.replay.resume import resume_point
+from memstep.router.lifeline import follow_parent
 
 log = structlog.get_logger("memstep.serve")
 EXIT_ENGINE_DEAD = 3  # the executor was lost more often than the restart budget allows
@@ -521,6 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(p)
     args = p.parse_args(attach_dashed_keys(sys.argv[1:] if argv is None else argv))
     setup_logging(args.log_format, args.log_level)
+    follow_parent()  # a local replica ends with its router (router/lifeline.py)
     try:
         return run(args)
     except (ConfigError, ValueError, FileNotFoundError, zmq.ZMQError) as exc:

@@ -28,6 +28,7 @@ from memstep.api.server import is_loopback
 from memstep.core.config import ConfigError
 from memstep.core.device_limits import cuda_device_bytes
 from memstep.replay.recorder import DEFAULT_KEEP, DEFAULT_RECORD_DIR, prune
+from memstep.router.lifeline import replica_env
 from memstep.router.policy import POLICIES
 from memstep.router.router import Router, RouterConfig
 
@@ -153,7 +154,7 @@ def _start_replica(
 ) -> Any:
     argv = replica_argv(args, parts.parser)
     argv += ["--record", str(log)] if log is not None else ["--no-record"]
-    env = dict(os.environ)
+    env = replica_env(dict(os.environ))  # the replica ends when this process does
     if _on_cuda(args):
         gpus = _num_gpus()
         per_gpu = math.ceil(args.data_parallel_size / gpus)
@@ -218,6 +219,8 @@ def _router_config(args: argparse.Namespace, load_key: Callable[[str], bytes]) -
     if not is_loopback(args.host):
         raise ConfigError("the router's ZMQ endpoint has no CURVE yet: give a loopback --host")
     curve: tuple[bytes | None, bytes | None, bytes | None] = (None, None, None)
+    if not args.replica_server_key:
+        check_replicas_local(args.replica)
     if args.replica_server_key:
         if not args.replica_client_key:
             raise ConfigError("--replica-server-key needs --replica-client-key")
@@ -226,6 +229,19 @@ def _router_config(args: argparse.Namespace, load_key: Callable[[str], bytes]) -
     return RouterConfig(host=args.host, port=args.port, policy=args.routing_policy,
                         replica_timeout_s=args.replica_timeout, seed=getattr(args, "seed", None),
                         replica_curve=curve)  # fmt: skip
+
+
+def check_replicas_local(endpoints: list[str]) -> None:
+    """A ConfigError for a `--replica` off this machine without CURVE: prompts and tokens would
+    cross the network in clear, to whoever answers at that address."""
+    for endpoint in endpoints:
+        scheme, _, rest = endpoint.partition("://")
+        host = rest.rpartition(":")[0].strip("[]")
+        if scheme == "tcp" and not is_loopback(host):
+            raise ConfigError(
+                f"--replica {endpoint} is not on this machine and would be reached in clear: "
+                "give --replica-server-key and --replica-client-key (CURVE)"
+            )
 
 
 def _announce(

@@ -42,6 +42,15 @@ class ReplicaLost:
 
 
 @record
+class ReplicaReturned:
+    """A lost replica answered `ok` again (it was paused, or cut off a while): it serves again."""
+
+    seq: int
+    replica: int
+    endpoint: str
+
+
+@record
 class RequestMigrated:
     """A request of a lost replica resent to a live one with the tokens its client has."""
 

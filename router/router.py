@@ -32,6 +32,7 @@ from memstep.events.log import LogWriter
 from memstep.events.routing import (
     ROUTER_LOG_KIND,
     ReplicaLost,
+    ReplicaReturned,
     RequestMigrated,
     RequestRouted,
     RouteEnded,
@@ -124,12 +125,12 @@ class Router:
         """Read every socket, answer, check the replicas, flush the log."""
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
-        open_backends = [b for b in self.backends if not b.lost]
-        for b in open_backends:
-            poller.register(b.sock, zmq.POLLIN)
+        socks = {b.index: b.sock for b in self.backends}
+        for sock in socks.values():
+            poller.register(sock, zmq.POLLIN)
         ready = dict(poller.poll(int(timeout * 1000)))
-        for b in open_backends:
-            if b.sock in ready:
+        for b in self.backends:
+            if socks[b.index] in ready and b.sock is socks[b.index]:
                 self._read_backend(b)
         if self.sock in ready:
             self._read_clients()
@@ -153,8 +154,7 @@ class Router:
 
     def close(self) -> None:
         for b in self.backends:
-            if not b.lost:
-                b.close()
+            b.close()
         self.sock.close(0)
         self.ctx.term()
         if self.writer is not None:
@@ -255,15 +255,18 @@ class Router:
     # --- replicas ----------------------------------------------------------------------------
 
     def _read_backend(self, b: Backend) -> None:
+        sock = b.sock
         for _ in range(1024):
-            if b.lost:
+            if b.sock is not sock:  # lost while reading: nothing more from the old socket
                 return
             try:
-                msg = codec.decode(b.sock.recv(zmq.NOBLOCK))
+                msg = codec.decode(sock.recv(zmq.NOBLOCK))
             except zmq.Again:
                 return
             now = time.monotonic()
             b.heard(msg)
+            if b.returned():
+                self._return(b)
             key = (b.index, getattr(msg, "request_id", ""))
             r = self.by_backend.get(key)
             if r is not None:
@@ -288,16 +291,14 @@ class Router:
     def _check_backends(self) -> None:
         now = time.monotonic()
         for b in self.backends:
-            if b.lost:
-                continue
-            if b.disconnected() and b.joined:
+            if b.disconnected() and b.joined and not b.lost:
                 self._lose(b, "its connection closed (or carried nothing for the timeout)")
             elif now - b.last_polled >= self.cfg.poll_interval_s:
                 b.poll(now)
 
     def _lose(self, b: Backend, reason: str) -> None:
         """Close a lost replica and move each of its unfinished requests to a live one."""
-        b.close()
+        b.lose()
         self.policy.lose(b.index)
         for key in [key for key in self.tokenizing if key[0] == b.index]:
             envelope, request_id = self.tokenizing.pop(key)
@@ -309,6 +310,12 @@ class Router:
         log.warning("replica lost", replica=b.index, reason=reason, requests=len(victims))
         for r in victims:
             self._migrate(r, b.index)
+
+    def _return(self, b: Backend) -> None:
+        """A lost replica answers `ok` again (it was paused, or its network was): it serves."""
+        self.seq += 1
+        self._record(ReplicaReturned(self.seq, b.index, b.endpoint))
+        log.warning("replica back", replica=b.index)
 
     def _migrate(self, r: Routed, lost: int) -> None:
         now = time.monotonic()
