@@ -35,13 +35,21 @@ import attrs
 import msgpack
 
 from memstep.events import codec, plan, wire  # noqa: F401  (plan, wire: their records, registered)
+from memstep.events.input_marks import (
+    INPUT_MARKS_SINCE,
+    InputChecker,
+    InputCounter,
+    InputOrderError,
+)
+from memstep.events.types import is_input
 from memstep.events.version import VERSION
 
 MAGIC = b"MEMSTEP\x00"
 # Raised when a log may hold a record an older reader cannot decode, or lacks one a newer
 # writer always writes: an older memstep refuses the newer log; a newer one reads every older
-# format (a record type's SINCE_FORMAT says which formats hold it).  2: RequestPreempted.
-FORMAT_VERSION = 2
+# format (a record type's SINCE_FORMAT says which formats hold it).  2: RequestPreempted.  3: an
+# InputMark before each input (`events/input_marks.py`).
+FORMAT_VERSION = 3
 _VERSION = struct.Struct("<H")
 _FRAME = struct.Struct("<II")  # payload length, crc32 of payload
 _TYPE_KEY = b"\xa1t"  # msgpack fixstr "t": the first key of every record map (codec.to_obj)
@@ -137,6 +145,7 @@ class LogWriter(ClosedOnExit):
         self._size = 0  # bytes in the current part
         self._num_records = 0  # records in the current part
         self._buffer = bytearray()  # frames not yet handed to the OS
+        self._inputs = InputCounter() if FORMAT_VERSION >= INPUT_MARKS_SINCE else None
         self._file = self._open_next_part()
 
     @property
@@ -147,7 +156,10 @@ class LogWriter(ClosedOnExit):
     def append(self, rec: object) -> None:
         """Encode `rec` and append it as one frame (rotating first flushes the current part,
         which may raise OSError: then `rec` was not appended)."""
-        frame = _frame(codec.encode(rec))
+        payload = codec.encode(rec)
+        frame = _frame(payload)
+        if self._inputs is not None and is_input(rec):  # its mark first, in the same flush
+            frame = _frame(codec.encode(self._inputs.mark(payload))) + frame
         if self._should_rotate(len(frame)):
             self.flush()
             self._file.close()
@@ -171,6 +183,8 @@ class LogWriter(ClosedOnExit):
         finally:
             view.release()
         self._buffer.clear()
+        if self._inputs is not None:
+            self._inputs.num_flushed = self._inputs.num_inputs
         if fsync:
             os.fsync(fd)
 
@@ -179,6 +193,8 @@ class LogWriter(ClosedOnExit):
         lost = len(self._buffer)
         self._size -= lost
         self._buffer.clear()
+        if self._inputs is not None:  # the marks dropped leave no gap
+            self._inputs.num_inputs = self._inputs.num_flushed
         if os.fstat(self._file.fileno()).st_size == 0:  # a new part keeps its header
             self._buffer += self._preamble
             self._size += len(self._preamble)
@@ -219,9 +235,13 @@ class LogReader(ClosedOnExit):
     open file; use as a context manager or call `close`.
     """
 
-    def __init__(self, path: PathLike):
+    def __init__(self, path: PathLike, first_input: int | None = 0):
+        """`first_input`: the place of the part's first input among the log's (None: any)."""
         self.path = Path(path)
         self.problems: list[LogProblem] = []
+        self.first_input = first_input
+        self.inputs = InputChecker(first_input)
+        self.format_version = 0
         self._file = open(self.path, "rb")  # noqa: SIM115 - owned
         try:
             self.header = self._read_header()
@@ -232,6 +252,7 @@ class LogReader(ClosedOnExit):
 
     def __iter__(self) -> Iterator[object]:
         self.problems = []
+        self.inputs = InputChecker(self.first_input)
         size = os.fstat(self._file.fileno()).st_size
         offset, num_read = self._records_start, 0
         self._file.seek(offset)
@@ -242,17 +263,29 @@ class LogReader(ClosedOnExit):
             except _BadFrame as bad:
                 end = bad.end if bad.end is not None else self._resync(offset, size)
                 self._skip(offset, end, size, bad, num_read)
+                self.inputs.lost()
                 offset = end
                 self._file.seek(offset)
                 continue
-            yield rec
-            num_read += 1
+            if self._checked(rec, payload, offset):
+                yield rec
+                num_read += 1
             offset += _FRAME.size + len(payload)
         for problem in self.problems:
             _warn(problem, size)
 
     def close(self) -> None:
         self._file.close()
+
+    def _checked(self, rec: object, payload: bytes, offset: int) -> bool:
+        """Whether `rec` is for the caller (an InputMark is the log's own); a LogFormatError
+        when the log's inputs are not as recorded."""
+        if self.format_version < INPUT_MARKS_SINCE:
+            return True
+        try:
+            return self.inputs.take(rec, payload, offset)
+        except InputOrderError as exc:
+            raise LogFormatError(f"{self.path}: {exc}; it cannot be replayed as recorded") from exc
 
     def _read_header(self) -> dict[str, Any]:
         magic = self._file.read(len(MAGIC))
@@ -269,6 +302,7 @@ class LogReader(ClosedOnExit):
             )
         if version < 1:
             raise LogFormatError(f"{self.path}: log format version {version} does not exist")
+        self.format_version = version
         try:
             num_left = os.fstat(self._file.fileno()).st_size - self._file.tell()
             header = msgpack.unpackb(_read_frame(self._file, num_left), raw=False)
@@ -391,8 +425,9 @@ def read_log(path: PathLike) -> tuple[dict[str, Any], list[object], list[LogProb
     header: dict[str, Any] | None = None
     records: list[object] = []
     problems: list[LogProblem] = []
+    first_input: int | None = 0
     for part in log_parts(path):
-        with LogReader(part) as reader:
+        with LogReader(part, first_input) as reader:
             if header is None:
                 header = reader.header
             elif reader.header != header:
@@ -400,5 +435,6 @@ def read_log(path: PathLike) -> tuple[dict[str, Any], list[object], list[LogProb
             num_before = len(records)
             records.extend(reader)
             problems += [attrs.evolve(p, index=p.index + num_before) for p in reader.problems]
+            first_input = reader.inputs.next_seq
     assert header is not None  # log_parts always yields `path` first
     return header, records, problems

@@ -288,6 +288,18 @@ class RecordsLost:
     OBSERVED: ClassVar[bool] = True
 
 
+@record
+class InputMark:
+    """Written by the log before each input record: the input's place among the log's inputs
+    and the CRC of its bytes, so that an input duplicated, reordered or taken out is refused when
+    the log is read (`events/input_marks.py`).  The reader takes the marks out."""
+
+    seq: int
+    crc: int
+    OBSERVED: ClassVar[bool] = True  # the log's own, never fed back nor reproduced
+    SINCE_FORMAT: ClassVar[int] = 3
+
+
 def is_input(rec: object) -> bool:
     return bool(getattr(type(rec), "INPUT", False))
 

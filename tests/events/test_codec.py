@@ -18,6 +18,7 @@ from memstep.events.types import (
     DraftLengthChanged,
     EngineStarted,
     ExecutorLost,
+    InputMark,
     LeakSuspected,
     LedgerEntry,
     MemoryReport,
@@ -83,6 +84,7 @@ SAMPLES: list[object] = [
         step=70, request_id="req-0007", reason="length", prompt_tokens=7, completion_tokens=64
     ),
     LeakSuspected(step=50, kind="spec", what="held_after_exit", nbytes=3 << 20, detail="logits"),
+    InputMark(seq=7, crc=0x9E3779B9),
     RecordsLost(
         step=90, num_records=12, first_step=80, last_step=88, reason="[Errno 27] File too large"
     ),

@@ -28,10 +28,12 @@ from memstep.events.log import (
 )
 from memstep.events.types import (
     EngineStarted,
+    InputMark,
     MemoryReport,
     RequestAdded,
     StepFinished,
     StepPlanned,
+    is_input,
 )
 
 HEADER = {"config": {"max_batch": 4, "page_size": 16}, "model_identity": "random:tiny:seed=0"}
@@ -119,15 +121,19 @@ def test_file_layout_is_magic_version_header_then_crc_frames(tmp_path):
     write_log(path, RECORDS[:1])
     data = path.read_bytes()
     assert data[:8] == MAGIC == b"MEMSTEP\x00"
-    assert struct.unpack_from("<H", data, 8) == (2,)
+    assert struct.unpack_from("<H", data, 8) == (3,)
     header_len, header_crc = struct.unpack_from("<II", data, 10)
     header_payload = data[18 : 18 + header_len]
     assert zlib.crc32(header_payload) == header_crc
     assert msgpack.unpackb(header_payload)["model_identity"] == HEADER["model_identity"]
-    rec_len, rec_crc = struct.unpack_from("<II", data, 18 + header_len)
-    payload = data[26 + header_len :]
-    assert len(payload) == rec_len and zlib.crc32(payload) == rec_crc
-    assert payload == codec.encode(RECORDS[0])
+    offset, payloads = 18 + header_len, []
+    while offset < len(data):  # an input's mark, then the input
+        rec_len, rec_crc = struct.unpack_from("<II", data, offset)
+        payloads.append(data[offset + 8 : offset + 8 + rec_len])
+        assert len(payloads[-1]) == rec_len and zlib.crc32(payloads[-1]) == rec_crc
+        offset += 8 + rec_len
+    assert is_input(RECORDS[0]) and payloads[1] == codec.encode(RECORDS[0])
+    assert payloads[0] == codec.encode(InputMark(0, zlib.crc32(payloads[1])))
 
 
 def test_reader_can_iterate_twice(tmp_path):
@@ -337,7 +343,7 @@ def test_wrong_magic_is_a_format_error(tmp_path):
 @pytest.mark.parametrize(
     ("version", "match"),
     [
-        (3, r"^log format version 3 is newer than this memstep supports \(2\); upgrade memstep$"),
+        (4, r"^log format version 4 is newer than this memstep supports \(3\); upgrade memstep$"),
         (0, "version 0 does not exist"),
     ],
 )
