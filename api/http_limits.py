@@ -5,9 +5,11 @@ a body over `max_request_bytes` is refused with 413 before it reaches the core (
 link would drop a frame past its hard limit, and with it every request in flight); a
 connection past `max_connections` is closed as it opens; a connection that has not sent a whole
 request head within `header_timeout_s` (an idle or a slowloris connection) is closed; a body not
-read within `body_timeout_s` is a 408; every request ends by `request_timeout_s`; and the
-front's warnings are rate-limited, so a flood cannot fill a disk with log lines.
-docs/limits.md lists them with their flags.
+read within `body_timeout_s` is a 408; every request ends by `request_timeout_s`; a request
+head (request line and headers) past `MAX_HEAD_BYTES` is a 431, read no further; and the
+front's warnings are rate-limited, so a flood cannot fill a disk with log lines.  A request
+refused before it is read whole is closed gracefully (`api/lingering.py`), so its client reads
+the refusal instead of a reset.  docs/limits.md lists them with their flags.
 """
 
 from __future__ import annotations
@@ -21,10 +23,13 @@ import attrs
 from starlette.requests import ClientDisconnect, Request
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from memstep.api.lingering import LingeringTransport
 from memstep.api.openai_protocol import OpenAIError
 from memstep.core.config import ConfigError
 
 log = logging.getLogger("uvicorn.error")
+# a request line and its headers: past this, 431 (read no further than one more network read)
+MAX_HEAD_BYTES = 64 << 10
 
 
 @attrs.frozen(kw_only=True)
@@ -65,6 +70,10 @@ class GuardedHttptools(HttpToolsProtocol):
     refused = 0  # connections closed at once, past max_connections
     timed_out = 0  # connections closed for sending no whole request head in time
     head_timer: asyncio.TimerHandle | None = None
+    lingering: LingeringTransport
+    mid_request = False  # a request's head or body is still coming
+    in_head = False  # a request's head is still coming
+    head_bytes = 0  # bytes read while in its head
 
     def _admit(self, transport: asyncio.Transport) -> None:
         """After uvicorn's connection_made: close a connection past the cap, else start the
@@ -89,13 +98,17 @@ class GuardedHttptools(HttpToolsProtocol):
         self.head_timer = None
         if not self.transport.is_closing():  # armed until a whole head comes: none did
             GuardedHttptools.timed_out += 1
-            self.transport.close()
+            self.lingering.close_now()
 
     def send_400_response(self, msg: str) -> None:
         """OpenAI's JSON error object for a request the parser refused, then close."""
-        body = json.dumps(OpenAIError(400, msg, code="invalid_http").body()).encode()
+        self._refuse(b"400 Bad Request", OpenAIError(400, msg, code="invalid_http"))
+
+    def _refuse(self, status: bytes, error: OpenAIError) -> None:
+        """Answer `error` and close, gracefully: the client may still be sending."""
+        body = json.dumps(error.body()).encode()
         head = (
-            b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
+            b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\n"
             b"connection: close\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n"
         )
         self.transport.write(head + body)
@@ -103,14 +116,38 @@ class GuardedHttptools(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self.lingering = LingeringTransport(transport, lambda: self.mid_request)
+        self.transport = self.lingering  # type: ignore[assignment]
         self._admit(transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()
+        self.lingering.stop_timer()
         super().connection_lost(exc)
+
+    def eof_received(self) -> None:
+        if self.lingering.lingering:  # the client sent all it had: the refusal is read or not
+            self.lingering.close_now()
+
+    def data_received(self, data: bytes) -> None:
+        if self.lingering.lingering:
+            self.lingering.drop(len(data))
+            return
+        super().data_received(data)
+        if self.in_head and not self.transport.is_closing():
+            self.head_bytes += len(data)
+            if self.head_bytes > MAX_HEAD_BYTES:
+                message = f"the request line and headers are over {MAX_HEAD_BYTES} bytes"
+                error = OpenAIError(431, message, code="request_header_too_large")
+                self._refuse(b"431 Request Header Fields Too Large", error)
+
+    def on_message_begin(self) -> None:
+        self.mid_request, self.in_head, self.head_bytes = True, True, 0
+        super().on_message_begin()
 
     def on_headers_complete(self) -> None:
         self._cancel_head_timer()  # a whole request head came
+        self.in_head = False
         if self.parser.get_http_version() == "1.1" and not any(
             name == b"host" for name, _ in self.headers
         ):
@@ -129,6 +166,7 @@ class GuardedHttptools(HttpToolsProtocol):
             super().on_body(body)
 
     def on_message_complete(self) -> None:
+        self.mid_request = False
         if not self.transport.is_closing():
             super().on_message_complete()
 

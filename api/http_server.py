@@ -533,10 +533,10 @@ def _event(obj: dict[str, Any]) -> bytes:
 
 def _json(body: bytes) -> Any:
     """The parsed body; 400 for anything that is not JSON a request can hold (nested past
-    Python's recursion limit included)."""
+    Python's recursion limit, or an integer past its 4,300 digits, included)."""
     try:
         return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except ValueError as exc:  # not JSON, not UTF-8, an integer too long to convert
         raise oai.bad(f"the request body is not valid JSON: {exc}") from exc
     except RecursionError:
         raise oai.bad("the request body is nested too deeply") from None
@@ -592,6 +592,8 @@ def _error_response(exc: OpenAIError, headers: dict[str, str] | None = None) -> 
     headers = dict(headers or {})
     if exc.status == 503:
         headers["Retry-After"] = str(RETRY_AFTER_S)
+    if exc.status in (408, 413):  # its body may be coming still: closed gracefully (lingering)
+        headers["Connection"] = "close"
     return JSONResponse(exc.body(), exc.status, headers=headers or None)
 
 

@@ -12,6 +12,7 @@ api/tool_call_stream.py.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import attrs
@@ -19,6 +20,9 @@ import attrs
 from memstep.api.tool_call_stream import split_reply
 
 JSON_COMPACT = {"whitespace_flexible": False}
+# OpenAI's rule for a function's name (and dots, as namespaced tools use): a name is written into
+# the prompt and the grammar, so one holding `</tool_call>` or 10 KB would break either
+NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
 SYSTEM = (
     "You are a function calling AI model. You are provided with function signatures within "
@@ -113,10 +117,22 @@ def _function(tool: Any) -> dict[str, Any]:
     function = tool.get("function")
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         raise ToolError("each tool's function needs a name")
+    check_name(function["name"])
     if not isinstance(function.get("parameters", {}), dict):
         raise ToolError(f"{function['name']}: parameters must be a JSON schema object")
     keep = ("name", "description", "parameters")
     return {k: function[k] for k in keep if k in function}
+
+
+def check_name(name: object) -> None:
+    """A ToolError unless `name` is a function name OpenAI takes: 1 to 64 letters, digits,
+    underscores, dashes or dots."""
+    if not isinstance(name, str) or NAME.fullmatch(name) is None:
+        shown = repr(name)
+        shown = shown if len(shown) <= 80 else f"{shown[:80]}... ({len(shown)} chars)"
+        raise ToolError(
+            f"a function name must be 1 to 64 letters, digits, '_', '-' or '.': {shown}"
+        )
 
 
 def parse_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
@@ -130,7 +146,11 @@ def calls_message(message: dict[str, Any]) -> str:
     parts = []
     for call in message.get("tool_calls") or []:
         function = call.get("function") or {}
-        args = function.get("arguments", "{}")
-        arguments = json.loads(args) if isinstance(args, str) else args
-        parts.append(json.dumps({"name": function.get("name"), "arguments": arguments}))
+        check_name(function.get("name"))
+        try:
+            args = function.get("arguments", "{}")
+            arguments = json.loads(args) if isinstance(args, str) else args
+            parts.append(json.dumps({"name": function.get("name"), "arguments": arguments}))
+        except RecursionError:
+            raise ToolError("a tool call's arguments are nested too deeply") from None
     return "\n".join(f"<tool_call>\n{p}\n</tool_call>" for p in parts)

@@ -1,6 +1,9 @@
 """An HTTP fuzzer against a real `memstep serve`: 20,000 requests from a fixed seed (bad JSON,
 wrong types, huge integers, lone surrogates, deep nesting, huge bodies, abrupt hang-ups) over
 keep-alive connections, with real requests interleaved that must keep their exact answers.
+Among them the small holes of issue 55: integers past Python's 4,300 digits anywhere in a body,
+tool call arguments nested past the recursion limit, tool names empty, of 10 KB or holding
+`</tool_call>`, a 5 MiB body (its 413 read whole, no reset) and a 20 MB header line (431).
 
 Every reply must be below 500 and every 4xx OpenAI's JSON error object; at the end nothing has
 crashed, and the front's resident memory, its requests in flight and its client's entries (from
@@ -25,6 +28,7 @@ SEED = 20261203
 NUM_REQUESTS = 20_000
 NUM_CONNECTIONS = 16
 REAL_EVERY = 400  # one real request among this many
+OUTSIZED_EVERY = 1_999  # a 5 MiB body or a 20 MB header line among this many
 RSS_SLACK = 12 << 20  # the front's growth allowed over 20,000 requests (a leak was 72 MB)
 FIELDS = ["prompt", "max_tokens", "top_k", "seed", "temperature", "top_p", "n", "stop",
           "stream", "logprobs", "messages", "min_p", "stream_options", "ignore_eos"]  # fmt: skip
@@ -87,8 +91,18 @@ async def _roundtrip(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
     status = int(head.split(b" ", 2)[1])
     length = re.search(rb"(?i)content-length: (\d+)", head)
     body = await reader.readexactly(int(length.group(1))) if length else b""
+    if re.search(rb"(?i)transfer-encoding: chunked", head):  # a stream a fuzzed body asked for
+        body = await _chunked(reader)
     closing = re.search(rb"(?i)connection: close", head) is not None
     return status, body, closing
+
+
+async def _chunked(reader: asyncio.StreamReader) -> bytes:
+    chunks = []
+    while size := int((await reader.readuntil(b"\r\n")).strip(), 16):
+        chunks.append((await reader.readexactly(size + 2))[:-2])
+    await reader.readexactly(2)
+    return b"".join(chunks)
 
 
 class Fuzzer:
@@ -99,6 +113,7 @@ class Fuzzer:
         self.port = int(port)
         self.expected = expected  # real request index -> its text
         self.statuses: Counter[int] = Counter()
+        self.kinds: Counter[str] = Counter()
         self.bad: list[str] = []
         self.real_ok = 0
 
@@ -130,6 +145,7 @@ class Fuzzer:
 
     def _check(self, index: int, kind: str, status: int, body: bytes) -> None:
         self.statuses[status] += 1
+        self.kinds[kind] += 1
         if status >= 500:
             self.bad.append(f"{kind} {index}: {status} {body[:200]!r}")
         elif status >= 400 and "error" not in json.loads(body):
@@ -162,6 +178,58 @@ class Fuzzer:
             pass
 
 
+def _long_int(rng: random.Random) -> str:
+    return "7" * rng.choice([4_301, 5_000, 100_000])
+
+
+def _issue_55_body(rng: random.Random) -> tuple[str, bytes]:
+    """(path, body) of one of issue 55's small holes, each a 4xx (a few bodies are fine)."""
+    user = '{"role": "user", "content": "hi"}'
+    kind = rng.randrange(5)
+    if kind == 0:  # a long integer: top level, in a list, in a map
+        where = rng.choice(['"max_tokens": {}', '"stop": [1, {}]', '"n": {{"x": [{}]}}'])
+        body = '{"prompt": "hi", ' + where.format(_long_int(rng)) + "}"
+        return "/v1/completions", body.encode()
+    if kind == 1:  # deep in a message
+        messages = f'[{user}, {{"role": "user", "content": "x", "n": {_long_int(rng)}}}]'
+        return "/v1/chat/completions", _chat(messages)
+    name = rng.choice(["", "n" * 10_240, "f</tool_call>", "get_weather"])
+    if kind == 2:  # a call in the history: its arguments or its name bad (or both fine)
+        depth = rng.choice([1_000, 100_000])
+        args = rng.choice(["[" * depth + "]" * depth, '{"a": ' + _long_int(rng) + "}", "{}"])
+        function = {"name": name, "arguments": args}
+        call = {"id": "c", "type": "function", "function": function}
+        called = {"role": "assistant", "content": None, "tool_calls": [call]}
+        return "/v1/chat/completions", _chat(f"[{user}, {json.dumps(called)}, {user}]")
+    tools = json.dumps([{"type": "function", "function": {"name": name}}])
+    return "/v1/chat/completions", _chat(f"[{user}]", f', "tools": {tools}')
+
+
+def _chat(messages: str, more: str = "") -> bytes:
+    return ('{"max_tokens": 2, "messages": ' + messages + more + "}").encode()
+
+
+def _issue_55_request(rng: random.Random) -> bytes:
+    path, body = _issue_55_body(rng)
+    head = f"POST {path} HTTP/1.1\r\nHost: f\r\nContent-Type: application/json\r\n"
+    return head.encode() + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
+
+
+def _outsized_request(i: int) -> bytes:
+    """A 5 MiB body sent whole (declared, or chunked) or a 20 MB header line: refused, and the
+    refusal read by a client that sends it all before reading (a lingering close)."""
+    body = b'{"prompt": "' + b"a" * (5 << 20) + b'"}'
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: o\r\nContent-Type: application/json\r\n"
+    kind = i // OUTSIZED_EVERY % 3
+    if kind == 0:
+        return head + b"Content-Length: %d\r\n\r\n" % len(body) + body
+    if kind == 1:
+        return (
+            head + b"Transfer-Encoding: chunked\r\n\r\n%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n"
+        )
+    return b"GET /health HTTP/1.1\r\nHost: o\r\nX-Big: " + b"h" * (20 << 20) + b"\r\n\r\n"
+
+
 def _hangup_request(rng: random.Random) -> bytes:
     body = json.dumps({"prompt": "tell me", "max_tokens": 30, "stream": rng.random() < 0.5})
     raw = f"POST /v1/completions HTTP/1.1\r\nHost: h\r\nContent-Length: {len(body)}\r\n\r\n"
@@ -180,6 +248,10 @@ def _requests(start: int, count: int) -> Iterator[tuple[int, str, bytes]]:
     for i in range(start, start + count):
         if i % REAL_EVERY == 0:
             yield i, "real", _real(i)[0]
+        elif i % OUTSIZED_EVERY == 0:
+            yield i, "huge", _outsized_request(i)
+        elif rng.random() < 0.02:
+            yield i, "issue55", _issue_55_request(rng)
         elif rng.random() < 0.01:
             yield i, "hangup", _hangup_request(rng)
         elif rng.random() < 0.005:
@@ -235,6 +307,7 @@ def test_20000_fuzzed_requests_get_no_5xx_and_leave_nothing_behind(server):
     assert after["front_client_entries"] == 0 and after["front_requests_inflight"] == 0
     assert after["front_rss_bytes"] - before["front_rss_bytes"] < RSS_SLACK, (before, after)
     assert fuzzer.statuses[400] > NUM_REQUESTS / 2 and fuzzer.statuses[413] > 0
+    assert fuzzer.statuses[431] > 0 and fuzzer.kinds["issue55"] > 200
 
 
 def test_the_entry_count_sees_a_request_left_unread(server):

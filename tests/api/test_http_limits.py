@@ -170,3 +170,51 @@ def test_a_request_without_host_is_a_400_json_error(server):
     head, _, body = reply.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 400") and b"application/json" in head
     assert json.loads(body)["error"]["code"] == "invalid_http"
+
+
+def _sent_whole_then_read(server, raw: bytes) -> tuple[bytes, dict]:
+    """Send all of `raw` (as most clients do before reading), then read to the close: a reset
+    on either side fails the test; (the reply's head, its JSON body)."""
+    with socket.create_connection(("127.0.0.1", int(server.http_url.rsplit(":", 1)[1]))) as s:
+        s.sendall(raw)
+        s.settimeout(10)
+        reply = b""
+        while chunk := s.recv(65536):
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    return head, json.loads(body)
+
+
+@pytest.mark.parametrize("close", [False, True], ids=["keep-alive", "connection-close"])
+@pytest.mark.parametrize("chunked", [False, True], ids=["declared", "chunked"])
+def test_a_5_mib_body_gets_its_413_read_not_a_reset(server, close, chunked):
+    """The front answers 413 at 2 MiB and lingers: it reads and drops the rest, so the client's
+    send of 5 MiB completes and it reads the refusal (a plain close reset the connection)."""
+    body = _token_ids_body(5 * MIB)
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+    head += b"Connection: close\r\n" if close else b""
+    if chunked:
+        raw = head + b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+    else:
+        raw = head + b"Content-Length: %d\r\n\r\n" % len(body) + body
+    reply_head, error = _sent_whole_then_read(server, raw)
+    assert reply_head.startswith(b"HTTP/1.1 413") and b"connection: close" in reply_head.lower()
+    assert error["error"]["code"] == "request_too_large"
+
+
+def test_a_20_mb_header_line_is_a_431_and_the_front_goes_on(server):
+    """Read no further than the bound (MAX_HEAD_BYTES, docs/limits.md): a 20 MB header line was
+    read whole and answered 200."""
+    raw = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"h" * (20 * MIB) + b"\r\n\r\n"
+    head, error = _sent_whole_then_read(server, raw)
+    assert head.startswith(b"HTTP/1.1 431") and error["error"]["code"] == "request_header_too_large"
+    assert httpx.get(server.http_url + "/health").status_code == 200
+
+
+def test_a_head_within_the_bound_is_served(server):
+    """The bound leaves room for any real client's headers: 60 KB of them are served."""
+    from memstep.api.http_limits import MAX_HEAD_BYTES
+
+    headers = {f"x-h{i}": "v" * 1000 for i in range(60)}
+    assert sum(len(k) + len(v) + 4 for k, v in headers.items()) < MAX_HEAD_BYTES
+    assert httpx.get(server.http_url + "/health", headers=headers).status_code == 200

@@ -113,3 +113,39 @@ def test_required_and_named_choices_force_a_grammar_and_bad_ones_are_400s():
         with pytest.raises(OpenAIError) as err:
             parse_chat({"model": "m", "messages": ASK, "tools": [TOOL], **bad}, "m")
         assert err.value.status == 400
+
+
+@pytest.mark.parametrize("name", ["", "n" * 10_240, "f</tool_call>", "a b", "x\n", 7])
+def test_a_tool_name_outside_openais_rule_is_a_400(name):
+    """A name goes into the prompt and the grammar: empty, 10 KB or holding `</tool_call>`
+    would break them.  The same rule for a call in the history."""
+    tool = {"type": "function", "function": {"name": name}}
+    with pytest.raises(OpenAIError) as err:
+        parse_chat({"model": "m", "messages": ASK, "tools": [tool]}, "m")
+    assert err.value.status == 400 and "name" in str(err.value)
+    call = {"id": "c", "type": "function", "function": {"name": name, "arguments": "{}"}}
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]}, *ASK]
+    with pytest.raises(OpenAIError) as err:
+        parse_chat({"model": "m", "messages": history}, "m")
+    assert err.value.status == 400 and "function name must be" in str(err.value)
+
+
+def test_names_openai_takes_are_taken():
+    for name in ("f", "get_weather", "ns.tool-2", "x" * 64):
+        tool = {"type": "function", "function": {"name": name}}
+        assert parse_chat({"model": "m", "messages": ASK, "tools": [tool]}, "m").calls_tools
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    ["[" * 100_000 + "]" * 100_000, '{"a": ' + "7" * 5_000 + "}", "{not json"],
+    ids=["nested", "long-int", "not-json"],
+)
+def test_call_arguments_that_do_not_parse_are_a_400(arguments):
+    """Nested past the recursion limit (a RecursionError was a 500), an integer past Python's
+    4,300 digits, or not JSON at all."""
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]}, *ASK]
+    with pytest.raises(OpenAIError) as err:
+        parse_chat({"model": "m", "messages": history}, "m")
+    assert err.value.status == 400 and "tool_calls" in str(err.value)
