@@ -551,3 +551,53 @@ def test_storm_of_malformed_frames_beside_real_requests(fresh_server):
 @pytest.mark.slow
 def test_storm_of_100_000_malformed_frames(fresh_server):
     check_storm(fresh_server, run_storm(fresh_server, STORM_ALL), STORM_ALL)
+
+
+# --- issue 55's small holes, as the API socket sees them -------------------------------------
+# msgpack carries no integer past 64 bits and the socket takes no tools, so what reaches it of
+# them: digit strings past Python's 4,300 digits where numbers go, roles empty or of 10 KB,
+# `</tool_call>` in a message, and params nested past the codec's depth.
+
+LONG_DIGITS = "7" * 5_000
+
+
+def _issue_55_frames() -> list[tuple[str, bytes, bool]]:
+    """(what, frame, whether it may be served) for each."""
+    base = dict(VALID["GenerateRequest"])
+    chat = {k: v for k, v in base.items() if k != "prompt"}
+    cases = [
+        ("max_tokens digits", {**base, "params": {"max_tokens": LONG_DIGITS}}, False),
+        ("seed digits", {**base, "params": {"max_tokens": 2, "seed": LONG_DIGITS}}, False),
+        ("stop digits", {**base, "params": {"max_tokens": 2, "stop": [LONG_DIGITS]}}, True),
+        ("empty role", {**chat, "messages": [{"role": "", "content": "x"}]}, True),
+        ("10 KB role", {**chat, "messages": [{"role": "r" * 10_240, "content": "x"}]}, True),
+        (
+            "tool_call",
+            {**chat, "messages": [{"role": "user", "content": "</tool_call>" * 99}]},
+            True,
+        ),
+    ]
+    frames = [(what, msgpack.packb(obj), ok) for what, obj, ok in cases]
+    deep = b"\x91" * 10_000 + b"\x01"  # [[[...[1]...]]]: msgpack.packb stops at 512 levels
+    placed = msgpack.packb({**base, "params": {"max_tokens": 2, "stop": "DEEP"}})
+    deep_params = placed.replace(msgpack.packb("DEEP"), deep)
+    return [*frames, ("params nested 10,000 deep", deep_params, False)]
+
+
+@pytest.mark.parametrize("case", range(7))
+def test_issue_55_inputs_over_zmq_get_one_typed_reply_each(server, case):
+    what, frame, may_serve = _issue_55_frames()[case]
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.address)
+    try:
+        reply = answer(sock, frame)
+    finally:
+        sock.close(0)
+    if isinstance(reply, ErrorReply):
+        assert reply.code in ERROR_CODES - {"internal_error"}, (what, reply)
+    else:
+        assert may_serve and isinstance(reply, GenerateDone), (what, reply)
+    assert server.proc.poll() is None
+    with Client(server.address, timeout=10) as client:
+        assert client.health().status == "ok"
