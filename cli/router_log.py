@@ -37,6 +37,8 @@ def inspect(args: argparse.Namespace) -> int:
     for lost in s["lost"]:
         print(f"replica {lost['replica']} lost at decision {lost['seq']}: {lost['reason']} "
               f"({lost['num_unfinished']} unfinished)")  # fmt: skip
+    for back in s["returned"]:
+        print(f"replica {back['replica']} back at decision {back['seq']}")
     rows = [[m["seq"], m["request_id"], m["from_replica"], m["replica"], m["tokens_carried"]]
             for m in s["migrations"]]  # fmt: skip
     head = ["decision", "request", "from", "to", "tokens carried"]

@@ -19,6 +19,7 @@ from memstep.events.log import LogReader, read_log
 from memstep.events.routing import (
     ROUTER_LOG_KIND,
     ReplicaLost,
+    ReplicaReturned,
     RequestMigrated,
     RequestRouted,
     RouteEnded,
@@ -106,7 +107,7 @@ def _check(rec: RequestRouted | RequestMigrated, choice: Choice) -> Divergence |
 
 
 def summarize(log: RouterLog) -> dict[str, Any]:
-    """Routings by replica and reason, losses, migrations, and how the requests ended."""
+    """Routings by replica and reason, losses and returns, migrations, how the requests ended."""
     routed = collections.Counter(
         f"{r.replica}:{r.reason}" for r in log.records if isinstance(r, RequestRouted)
     )
@@ -117,6 +118,7 @@ def summarize(log: RouterLog) -> dict[str, Any]:
         "replicas": log.replicas,
         "routed": dict(sorted(routed.items())),
         "lost": [attrs.asdict(r) for r in log.records if isinstance(r, ReplicaLost)],
+        "returned": [attrs.asdict(r) for r in log.records if isinstance(r, ReplicaReturned)],
         "migrations": [
             {k: v for k, v in attrs.asdict(r).items() if k not in ("loads", "live")}
             for r in log.records

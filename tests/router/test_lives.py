@@ -19,7 +19,7 @@ from memstep.cli.serve import ServerProcess
 from memstep.cli.serve_replicas import check_replicas_local
 from memstep.core.config import ConfigError
 from memstep.events.routing import ReplicaLost, ReplicaReturned, RequestRouted
-from memstep.router.replay import load_router_log, replay_router
+from memstep.router.replay import load_router_log, replay_router, summarize
 
 
 def _gone(pid: int) -> bool:
@@ -99,6 +99,7 @@ def test_a_paused_replica_serves_again_after_sigcont(replicas, tmp_path: Path):
     after = records[kinds.index(ReplicaReturned) :]
     assert {r.replica for r in after if isinstance(r, RequestRouted)} == {0, 1}
     assert replay_router(load_router_log(log)) == (4, None)
+    assert [r["replica"] for r in summarize(load_router_log(log))["returned"]] == [1]
 
 
 def test_a_plaintext_replica_off_this_machine_exits_2():
