@@ -65,6 +65,9 @@ class ReplayRun:
     skipped: list[str]  # "step N: <input>: <why>"
     inputs_shifted: int  # inputs applied before their recorded step (engine idle earlier)
     stopped_at_step: int | None  # damaged or unfinished log: replay stopped after this step
+    # inputs the engine refused: the recorded one took every input it recorded, so in a plain
+    # replay each is an input the log holds that no engine took (a duplicated RequestAdded)
+    inputs_refused: int = 0
 
     @property
     def derived(self) -> list[object]:
@@ -101,7 +104,9 @@ def replay(
         engine.shutdown()
     started = records[0]
     assert isinstance(started, EngineStarted)
-    return ReplayRun(cfg, started.model_identity, records, feeder.skipped, feeder.shifted, stop)
+    return ReplayRun(
+        cfg, started.model_identity, records, feeder.skipped, feeder.shifted, stop, feeder.refused
+    )
 
 
 def _run(engine: Engine, feeder: _Feeder, stop: int | None) -> None:
@@ -132,6 +137,7 @@ class _Feeder:
         self.pending: deque[object] = deque(inputs)
         self.skipped: list[str] = []
         self.shifted = 0
+        self.refused = 0  # request inputs the engine refused (`skipped` says why)
 
     def apply_due(self, engine: Engine) -> None:
         """Apply every input recorded at (or, after a divergence, before) this step, up to a
@@ -182,6 +188,7 @@ class _Feeder:
         except (InvalidRequest, UnknownRequest) as exc:
             name = f"{type(rec).__name__} {getattr(rec, 'request_id', '?')}"
             self.skipped.append(f"step {engine.step_no}: {name}: {exc}")
+            self.refused += 1
 
 
 class _ScriptedLosses:

@@ -39,20 +39,28 @@ class ReplayReport:
     skipped: list[str]
     inputs_shifted: int
     what_if: WhatIf | None  # only for runs with overrides
+    inputs_refused: int = 0  # in a plain replay, each a log input no engine took: not identical
 
     @property
     def exit_code(self) -> int:
         """1 on a divergence (a what-if run reports instead of failing), else 3 for a corrupt
         log (what was checked matched, but not all of it could be), else 0."""
-        if self.what_if is None and not self.comparison.is_identical:
+        if self.what_if is None and not self.is_identical:
             return EXIT_DIVERGED
         return EXIT_CORRUPT if self.is_corrupt else 0
 
     def to_dict(self) -> dict[str, Any]:
         data = attrs.asdict(self)
-        data["identical"] = self.comparison.is_identical
+        data["identical"] = self.is_identical
         data["exit_code"] = self.exit_code
         return data
+
+    @property
+    def is_identical(self) -> bool:
+        """Every derived record reproduced, from the inputs as recorded (a plain replay whose
+        engine refused a recorded input replayed other inputs than the recorded run took)."""
+        plain_refused = self.what_if is None and self.inputs_refused > 0
+        return self.comparison.is_identical and not plain_refused
 
     def to_text(self) -> str:
         lines = [f"replay of {self.log}: {self.num_records} records, {self.num_inputs} inputs"]
@@ -75,6 +83,12 @@ class ReplayReport:
 
     def _verdict(self) -> str:
         c = self.comparison
+        if c.first is None and not self.is_identical:
+            return (
+                f"NOT AS RECORDED: the replayed engine refused {self.inputs_refused} of the log's "
+                "inputs (skipped above), which the recorded engine took: the log's inputs were "
+                "duplicated or edited"
+            )
         if c.first is None and c.num_compared == 0:
             return "nothing to compare: the log holds no derived records"
         if c.first is None:
@@ -134,6 +148,7 @@ def build_report(
         num_beyond_end=beyond,
         skipped=run.skipped,
         inputs_shifted=run.inputs_shifted,
+        inputs_refused=run.inputs_refused,
         what_if=what_if(recorded, replayed) if overrides else None,
     )
 

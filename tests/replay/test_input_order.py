@@ -13,7 +13,7 @@ from replay_helpers import memstep, record
 
 from memstep.core.config import EngineConfig
 from memstep.events import codec
-from memstep.events.log import FORMAT_VERSION, MAGIC, LogFormatError, read_log
+from memstep.events.log import FORMAT_VERSION, MAGIC, LogFormatError, LogWriter, read_log
 from memstep.events.types import InputMark, RequestAdded, is_input
 from memstep.replay.recording import load
 
@@ -125,3 +125,18 @@ def test_a_format_2_log_replays_identically():
     assert len(load(FORMAT_2_LOG).inputs) == 6
     code, out, err = memstep("replay", str(FORMAT_2_LOG))
     assert code == 0 and "identical" in out, (out, err)
+
+
+def test_an_input_duplicated_by_a_rewriting_tool_is_not_identical(tiny: Path, tmp_path: Path):
+    """A tool that rewrites a log through LogWriter marks each input anew; a RequestAdded it
+    duplicates while its request is in flight is refused by the replayed engine, which the
+    recorded engine never did: exit 1, not "identical"."""
+    header, records, _ = read_log(tiny)
+    i = next(k for k, r in enumerate(records) if isinstance(r, RequestAdded))
+    path = tmp_path / "rewritten.memlog"
+    own = ("format_version", "memstep_version", "created")
+    with LogWriter(path, {k: v for k, v in header.items() if k not in own}) as writer:
+        for rec in records[: i + 1] + [records[i]] + records[i + 1 :]:
+            writer.append(rec)
+    code, out, err = memstep("replay", str(path))
+    assert code == 1 and "NOT AS RECORDED" in out and "already in use" in out, (out, err)
