@@ -30,6 +30,7 @@ from memstep.core.executor import (
     Submits,
     require_executor,
 )
+from memstep.core.grammar import grammar_error
 from memstep.core.host_memory import HostWatch, rss_bytes
 from memstep.core.model_source import model_config, resolve
 from memstep.core.outputs import Completion, RequestOutput
@@ -257,6 +258,7 @@ class Engine:
 
     def validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
         check_prompt(ids, params, self.model_cfg.vocab_size, self.max_model_len)
+        check_constraint(params)
 
     def abort(self, request_id: str) -> None:
         """Finish a request now, or, while recovering, when the recovery is done: a replay
@@ -770,6 +772,18 @@ def check_prompt(ids: list[int], params: SamplingParams, vocab: int, max_len: in
             f"prompt ({len(ids)}) + max_tokens ({params.max_tokens}) exceeds the context "
             f"of {max_len} tokens"
         )
+
+
+def check_constraint(params: SamplingParams) -> None:
+    """InvalidRequest for a constraint the grammar engine cannot run: it does not compile, or
+    its compile crashed or outran its budget in a check worker (core/grammar_check.py).  The
+    server starts the check ahead (`Server._generate`), so that it waits here for nothing."""
+    if params.constraint is None:
+        return
+    error = grammar_error(*params.constraint)
+    if error:
+        name = "guided_" + params.constraint[0]
+        raise InvalidRequest(f"{name} does not compile: {error}")
 
 
 def outside_vocabulary(ids: list, vocab: int) -> object | None:
