@@ -84,6 +84,8 @@ MAX_MESSAGES_PER_TURN = 256
 # while the executor runs a step, the frames that come are read (and their prompts tokenized)
 # this often: not between that step's result and the next plan, where the device would wait
 AHEAD_POLL_S = 0.001
+# the error a request ends with where the grammar engine cannot enforce its constraint
+CONSTRAINT_UNENFORCEABLE = "constraint_unenforceable"
 # while a constraint's check runs in a grammar worker, an idle loop looks for its answer this often
 CHECK_POLL_S = 0.005
 
@@ -838,7 +840,10 @@ class Server:
                 inf.envelope,
                 GenerateDelta(inf.request_id, out.new_token_ids, out.new_text, logprobs, scored),
             )
-        if out.finished:
+        if out.finish_reason == "error":  # the executor could not go on with it
+            self._forget(out.request_id, CONSTRAINT_UNENFORCEABLE, now)
+            send(inf.envelope, ErrorReply(inf.request_id, CONSTRAINT_UNENFORCEABLE, out.error))
+        elif out.finished:
             inf.cached_tokens = out.cached_tokens
             reason = out.finish_reason or "stop"
             self._forget(out.request_id, reason, now)

@@ -121,6 +121,7 @@ class Engine:
         self.recovery: Recovery | None = None
         self.death: str | None = None  # why the engine gave up on executors
         self.num_losses = 0
+        self.num_failed = 0  # requests the executor could not go on with (`_fail`)
         self._aborted_in_recovery: list[str] = []
         self._launched: tuple[StepBatch, StepPlan, bool] | None = None  # launch() .. finish()
         self._launched_at = 0.0  # perf_counter when the launched step was handed over
@@ -238,6 +239,10 @@ class Engine:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         if params.seed is None or len(output_ids) >= params.max_tokens:
             raise InvalidRequest(f"request {request_id!r} has no seed or is already complete")
+        bad = outside_vocabulary(list(output_ids), self.model_cfg.vocab_size)
+        if bad is not None:
+            vocab = self.model_cfg.vocab_size
+            raise InvalidRequest(f"output token id {bad!r} is outside the vocabulary [0, {vocab})")
         out = list(output_ids)
         ids = list(prompt_ids)
         self.emit(
@@ -459,6 +464,8 @@ class Engine:
             if req is not None:
                 req.add_prompt_logprobs(scored.start, scored.entries)
         outputs, sampled, filled = self._advance(batch, result.seqs)
+        failed = [rid for rid in result.failed if rid in self.requests]
+        outputs += [self._fail(rid, result.failed[rid]) for rid in failed]
         for req in filled:
             if not req.is_finished:  # a finished request cached its blocks in _finish
                 self._cache_blocks(req)
@@ -569,6 +576,24 @@ class Engine:
             out.completion_tokens = len(req.output_token_ids)
             out.num_proposed, out.num_accepted = req.num_proposed, req.num_accepted
         return out
+
+    def _fail(self, request_id: str, why: str) -> RequestOutput:
+        """End a request the executor cannot go on with (StepResult.failed: a grammar the engine
+        cannot enforce), with finish reason "error": never text outside its constraint."""
+        req = self.requests[request_id]
+        log.warning("request failed", step=self.step_no, request_id=request_id, reason=why)
+        self.num_failed += 1
+        self._finish(req, "error")
+        return RequestOutput(
+            request_id,
+            [],
+            "",
+            finished=True,
+            finish_reason="error",
+            error=why,
+            prompt_tokens=req.num_prompt_tokens,
+            completion_tokens=len(req.output_token_ids),
+        )
 
     def _cache_blocks(self, req: Request) -> None:
         """Offer the request's full blocks of computed KV to the prefix cache."""

@@ -37,6 +37,9 @@ class Guide:
         self.eos = eos
         self.stand_in = stand_in  # the grammar's end where the model's is not in its vocabulary
         self.ahead: tuple[int, Any] | None = None  # (output length, its mask): `masks_ahead`
+        # why the grammar engine cannot enforce the constraint (its parser's error), or "":
+        # the request ends with an error (`RequestState.failure`), never with text outside it
+        self.failure = ""
 
     def sync(self, output: list[int]) -> bool:
         """Bring the matcher to `output`; False where a token of it breaks the grammar (a
@@ -49,7 +52,14 @@ class Guide:
         del fed[keep:]
         took = _feed(m, output[keep:])
         fed.extend(output[keep : keep + took])
+        self.note_failure()
         return keep + took == len(output)
+
+    def note_failure(self) -> None:
+        """Keep the matcher's error, if it has one: a refused draft leaves none, llguidance's
+        parser past its limits (a row of Earley items past 2,000) does."""
+        if not self.failure and self.matcher.is_error():
+            self.failure = _first_line(self.matcher.get_error())
 
     def mask_into(self, output: list[int], words: Any) -> None:
         """The mask of the token after `output` into `words` (int32 [mask_words] on the CPU).
@@ -60,6 +70,7 @@ class Guide:
             words.fill_(-1)  # a refused draft's later rows: any mask, the row is rejected
             return
         self.matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
+        self.note_failure()
         self.open_dead_end(words)
 
     def take_ahead(self, output: list[int]) -> Any | None:
@@ -104,6 +115,7 @@ def masks_into(
         pool = mask_pool(threads)
         pool.unsafe_compute_mask_ptr(pairs, words.data_ptr(), words.shape[1] * 4, len(words))
     for guide, i in ready:
+        guide.note_failure()
         guide.open_dead_end(words[i])
 
 
@@ -128,6 +140,10 @@ def mask_pool(threads: int | None = None) -> Any:
 def _bit(i: int) -> int:
     """Bit i of an int32 word, as a signed value."""
     return (1 << i) - (1 << 32 if i == 31 else 0)
+
+
+def _first_line(error: str) -> str:
+    return error.strip().splitlines()[0][:300] if error.strip() else "grammar engine error"
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

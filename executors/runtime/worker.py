@@ -278,6 +278,8 @@ class Worker:
             results, hidden = self.spec.run(step_plan)
         else:
             results, hidden = self._run_plain(step_plan.seqs)
+        failed = self.requests.failures([seq.request_id for seq in step_plan.seqs])
+        results = [res for res in results if res.request_id not in failed]
         for res in results:
             self.requests.append(res.request_id, res.token_ids)
         self._masks_ahead(results)
@@ -290,7 +292,7 @@ class Worker:
         leaks = move.leaks + self._named(self.detector.observe(step_plan.step, step_plan.kind, mem))
         return StepResult(
             step_plan.step, step_plan.kind, results, mem, move.exited, move.entered, leaks,
-            prompt_logprobs=self.prompts.take(),
+            prompt_logprobs=self.prompts.take(), failed=failed,
         )  # fmt: skip
 
     def _masks_ahead(self, results: list[SeqResult]) -> None:
