@@ -30,7 +30,7 @@ from memstep.core.executor import (
     Submits,
     require_executor,
 )
-from memstep.core.grammar import grammar_error
+from memstep.core.grammar import constraint_book, grammar_error
 from memstep.core.host_memory import HostWatch, rss_bytes
 from memstep.core.model_source import model_config, resolve
 from memstep.core.outputs import Completion, RequestOutput
@@ -471,7 +471,11 @@ class Engine:
                 self._cache_blocks(req)
         used, cached = self.blocks.num_used, self.blocks.num_cached
         memory = attrs.evolve(
-            result.memory, kv_pages_used=used, kv_pages_cached=cached, core_rss_bytes=rss_bytes()
+            result.memory,
+            kv_pages_used=used,
+            kv_pages_cached=cached,
+            core_rss_bytes=rss_bytes(),
+            constraint_cache_bytes=constraint_book().verdicts.num_bytes,
         )
         proposed = sum(map(_PROPOSED, result.seqs))
         accepted = sum(map(_ACCEPTED, result.seqs))

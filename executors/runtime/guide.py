@@ -18,7 +18,7 @@ from typing import Any
 import attrs
 import torch
 
-from memstep.core.grammar import grammar_of
+from memstep.core.grammar import TextCache, grammar_of
 from memstep.core.model_source import ModelSource
 from memstep.core.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
@@ -173,18 +173,44 @@ class CompileStats:
         return self.hits / total if total else 0.0
 
 
+MATCHER_CACHE_BYTES = 256 * 1024 * 1024  # the compiled matchers kept, estimated (`matcher_bytes`)
+# a compiled matcher's host bytes per byte of its grammar's text: SmolLM2's matchers measured
+# 43 to 73 times their grammar, rounded up
+MATCHER_BYTES_PER_GRAMMAR_BYTE = 96
+MATCHER_BASE_BYTES = 16 * 1024
+
+
+def matcher_bytes(grammar: str) -> int:
+    """A compiled matcher's host bytes, estimated from its grammar's text (llguidance does not
+    say): what the matcher cache's budget counts."""
+    return MATCHER_BASE_BYTES + MATCHER_BYTES_PER_GRAMMAR_BYTE * len(grammar)
+
+
 class GrammarBook:
     """The grammar engine's view of the model's tokenizer (built at the first constrained
     request: about a second for a 49k vocabulary) and a compiled matcher per distinct
-    constraint, copied for each request (`guide`)."""
+    constraint, copied for each request (`guide`); the matchers kept are the most recently
+    used within `budget_bytes` (`matcher_bytes` each), so that distinct schemas, one after
+    another, never grow the executor past it."""
 
-    def __init__(self, source: ModelSource, vocab_size: int, eos: tuple[int, ...]):
+    def __init__(
+        self,
+        source: ModelSource,
+        vocab_size: int,
+        eos: tuple[int, ...],
+        budget_bytes: int = MATCHER_CACHE_BYTES,
+    ):
         self.source = source
         self.vocab_size = vocab_size
         self.eos = eos
         self._tokenizer: Any = None
-        self._compiled: dict[tuple[str, str], Any] = {}
+        self._compiled: TextCache[Any] = TextCache(budget_bytes)
         self.stats = CompileStats()
+
+    @property
+    def num_bytes(self) -> int:
+        """The kept matchers' estimated bytes (within the budget)."""
+        return self._compiled.num_bytes
 
     def guide(self, constraint: tuple[str, str]) -> Guide:
         template = self._compiled.get(constraint)
@@ -201,12 +227,13 @@ class GrammarBook:
 
         tokenizer = self.tokenizer()  # built once, not counted as a grammar's compile time
         start = time.perf_counter()
-        matcher = LLMatcher(tokenizer, grammar_of(*constraint), log_level=0)
+        grammar = grammar_of(*constraint)
+        matcher = LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():  # the core checked it compiles: only a broken engine gets here
             raise RuntimeError(f"grammar does not compile: {matcher.get_error()}")
         self.stats.compiled += 1
         self.stats.compile_seconds += time.perf_counter() - start
-        self._compiled[constraint] = matcher
+        self._compiled.put(constraint, matcher, matcher_bytes(grammar))
         return matcher
 
     def tokenizer(self) -> Any:

@@ -158,7 +158,8 @@ class Worker:
             self.meter.adopt(self.eagle.tensors())
         self.lifecycle = Lifecycle()
         eos = self.model_cfg.eos_token_ids
-        self.requests = RequestStates(GrammarBook(self.source, self.model_cfg.vocab_size, eos), eos)
+        self.grammars = GrammarBook(self.source, self.model_cfg.vocab_size, eos)
+        self.requests = RequestStates(self.grammars, eos)
         self.prompts = PromptScorer(self.model, self.requests)
         self.detector = LeakDetector(host_tolerance=cfg.host_leak_tolerance_mib << 20)
         self._holdings: dict | None = None  # the kinds' holdings at the last leak report
@@ -385,4 +386,5 @@ class Worker:
             arena_claimed_bytes=self.lifecycle.claimed_bytes,
             kv_pages_used=used,
             executor_rss_bytes=self.host_trim.measure(),
+            grammar_cache_bytes=self.grammars.num_bytes,
         )
