@@ -22,6 +22,7 @@ MAX_GRAMMAR_RULES = 2000  # rule definitions of a GBNF or Lark grammar
 MAX_REGEX_BYTES = 16 * 1024
 
 _RULE = re.compile(r"(?m)^\s*[A-Za-z_][\w.-]*\s*(::=|:)")
+_EMBEDDED = re.compile(r"%json\s*")
 
 
 class ConstraintTooLarge(ValueError):
@@ -42,6 +43,8 @@ def check_limits(kind: str, text: str) -> None:
         _bound(len(text.encode()), MAX_REGEX_BYTES, "bytes of regex")
     elif kind == "grammar":
         _bound(len(_RULE.findall(text)), MAX_GRAMMAR_RULES, "grammar rules")
+        for schema in _embedded_schemas(text):
+            _check_schema_value(schema)
 
 
 def check_schema(text: str) -> None:
@@ -52,8 +55,26 @@ def check_schema(text: str) -> None:
         raise ConstraintTooLarge(f"schema nested deeper than {MAX_SCHEMA_DEPTH}") from None
     except ValueError:
         return  # not JSON: grammar_of says so with the parser's message
+    _check_schema_value(schema)
+
+
+def _check_schema_value(schema: Any) -> None:
     _bound(_num_properties(schema), MAX_SCHEMA_PROPERTIES, "schema properties")
     _Depth(schema).check(schema)
+
+
+def _embedded_schemas(text: str) -> list[Any]:
+    """The JSON schemas a Lark grammar embeds (`%json {...}`: a forced tool call's
+    parameters are one)."""
+    decoder, found = json.JSONDecoder(), []
+    for match in _EMBEDDED.finditer(text):
+        try:
+            found.append(decoder.raw_decode(text, match.end())[0])
+        except RecursionError:
+            raise ConstraintTooLarge(f"schema nested deeper than {MAX_SCHEMA_DEPTH}") from None
+        except ValueError:
+            continue  # not JSON: the grammar's compile says so
+    return found
 
 
 def _bound(value: int, limit: int, what: str) -> None:
@@ -86,6 +107,7 @@ class _Depth:
         self.root = root
         self.memo: dict[int, int] = {}
         self.path: set[int] = set()
+        self.nodes: list[Any] = []  # the containers on the path, outermost first
 
     def check(self, node: Any) -> None:
         self.depth(node, 0)
@@ -105,25 +127,36 @@ class _Depth:
         if key in self.path:
             return 0
         self.path.add(key)
+        self.nodes.append(node)
         children = list(node.values()) if isinstance(node, dict) else list(node)
         if isinstance(node, dict) and isinstance(node.get("$ref"), str):
             children.append(self.target(node["$ref"]))
         deepest = max((self.depth(child, level + 1) for child in children), default=0)
+        self.nodes.pop()
         self.path.discard(key)
         self.memo[key] = deepest + 1
         return deepest + 1
 
     def target(self, ref: str) -> Any:
-        """The node a local JSON pointer names; None for a remote or broken one."""
+        """The node a local JSON pointer names, from the root or else from the nearest
+        container on the path that holds it (a schema embedded in another, as a tool's
+        parameters are: counted either way); None for a remote or broken one."""
         if not ref.startswith("#"):
             return None
-        node = self.root
-        for part in filter(None, ref[1:].split("/")):
-            part = part.replace("~1", "/").replace("~0", "~")
-            if isinstance(node, dict):
-                node = node.get(part)
-            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-                node = node[int(part)]
-            else:
-                return None
-        return node
+        for base in [self.root, *reversed(self.nodes)]:
+            found = _pointer(base, ref)
+            if found is not None:
+                return found
+        return None
+
+
+def _pointer(node: Any, ref: str) -> Any:
+    for part in filter(None, ref[1:].split("/")):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict):
+            node = node.get(part)
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
