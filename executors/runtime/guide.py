@@ -12,6 +12,7 @@ model's tokenizer, and hands each request a copy.
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from typing import Any
 
@@ -204,6 +205,8 @@ class GrammarBook:
         self.vocab_size = vocab_size
         self.eos = eos
         self._tokenizer: Any = None
+        self._building: threading.Thread | None = None  # `prepare`
+        self._lock = threading.Lock()
         self._compiled: TextCache[Any] = TextCache(budget_bytes)
         self.stats = CompileStats()
 
@@ -236,9 +239,21 @@ class GrammarBook:
         self._compiled.put(constraint, matcher, matcher_bytes(grammar))
         return matcher
 
+    def prepare(self) -> None:
+        """Build the grammar engine's tokenizer on a thread of its own, while the executor
+        loads and warms up: made at the first constrained request instead, it held the step
+        thread about a second (SmolLM2's), every stream with it."""
+        self._building = threading.Thread(target=self.tokenizer, name="grammar-tokenizer")
+        self._building.start()
+
     def tokenizer(self) -> Any:
-        if self._tokenizer is None:
-            self._tokenizer = ll_tokenizer(self.source, self.vocab_size, self.eos)
+        building = self._building
+        if building is not None and building is not threading.current_thread():
+            building.join()
+            self._building = None
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = ll_tokenizer(self.source, self.vocab_size, self.eos)
         return self._tokenizer
 
 

@@ -159,6 +159,7 @@ class Worker:
         self.lifecycle = Lifecycle()
         eos = self.model_cfg.eos_token_ids
         self.grammars = GrammarBook(self.source, self.model_cfg.vocab_size, eos)
+        self.grammars.prepare()
         self.requests = RequestStates(self.grammars, eos)
         self.prompts = PromptScorer(self.model, self.requests)
         self.detector = LeakDetector(host_tolerance=cfg.host_leak_tolerance_mib << 20)
@@ -192,6 +193,7 @@ class Worker:
                 self.runner = self.graphs
                 info |= peak_figures(self.device, self.memory_plan)
                 log.info("memory after capture", **peak_figures(self.device, self.memory_plan))
+            self.grammars.tokenizer()  # (`GrammarBook.prepare`): built before serving's first step
             self.meter.freeze()  # start-up objects are done; measure only what serving creates
         elif phase == "shutdown":
             self.requests.clear()
