@@ -18,7 +18,7 @@ import json
 from collections import OrderedDict
 from typing import Generic, TypeVar
 
-from memstep.core.grammar_check import Check, GrammarChecker
+from memstep.core.grammar_check import Check, GrammarChecker, check_worker
 from memstep.core.grammar_limits import check_limits
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -174,3 +174,9 @@ def constraint_book() -> ConstraintBook:
 def grammar_error(kind: str, text: str) -> str:
     """Why the constraint cannot run, or "" when it can (this process's book)."""
     return constraint_book().error(kind, text)
+
+
+if __name__ == "__main__":  # a check worker (core/grammar_check.py)
+    import sys
+
+    check_worker(sys.stdin.buffer, sys.stdout.buffer, compile_error)

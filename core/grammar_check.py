@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import IO
 
 import attrs
@@ -42,7 +43,7 @@ class Check:
 
 
 class _Worker:
-    """A check process (`python -m memstep.core.grammar_check`) and the check it runs."""
+    """A check process (`python -m memstep.core.grammar`) and the check it runs."""
 
     def __init__(self) -> None:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -51,7 +52,7 @@ class _Worker:
             filter(None, [os.path.dirname(root), env.get("PYTHONPATH")])
         )
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "memstep.core.grammar_check"],
+            [sys.executable, "-m", "memstep.core.grammar"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,
@@ -175,14 +176,9 @@ def _read(pipe: IO[bytes]) -> bytes | None:
     return data if len(data) == int.from_bytes(head, "little") else None
 
 
-def check_worker(stdin: IO[bytes], stdout: IO[bytes]) -> None:
-    """A check process: answer each (kind, text) with its compile error, until stdin closes."""
-    from memstep.core.grammar import compile_error
-
+def check_worker(stdin: IO[bytes], stdout: IO[bytes], check: Callable[[str, str], str]) -> None:
+    """A check process's loop (`python -m memstep.core.grammar`): answer each (kind, text)
+    with `check`'s verdict, until stdin closes."""
     while (data := _read(stdin)) is not None:
         kind, text = json.loads(data)
-        _write(stdout, compile_error(kind, text).encode())
-
-
-if __name__ == "__main__":
-    check_worker(sys.stdin.buffer, sys.stdout.buffer)
+        _write(stdout, check(kind, text).encode())
