@@ -86,6 +86,8 @@ MAX_MESSAGES_PER_TURN = 256
 AHEAD_POLL_S = 0.001
 # the error a request ends with where the grammar engine cannot enforce its constraint
 CONSTRAINT_UNENFORCEABLE = "constraint_unenforceable"
+# requests whose constraints wait for a check worker at once; past it: overloaded
+MAX_CHECKING = 64
 # while a constraint's check runs in a grammar worker, an idle loop looks for its answer this often
 CHECK_POLL_S = 0.005
 
@@ -574,6 +576,7 @@ class Server:
         if params.constraint is not None:
             check = self.grammars.start(*params.constraint)
             if not check.is_done:  # compiled in a worker while the engine steps the others
+                self._check_checking()
                 self.checking.append(Checking(key, envelope, msg, prompt, params, check))
                 return
             self.grammars.keep(check)
@@ -629,6 +632,15 @@ class Server:
             log.exception("request failed", request_id=c.msg.request_id)
             reply = ErrorReply(c.msg.request_id, "internal_error", _message(exc))
             self._send(c.envelope, reply)
+
+    def _check_checking(self) -> None:
+        """Refuse a request whose constraint would wait behind MAX_CHECKING others' checks."""
+        if len(self.checking) >= MAX_CHECKING:
+            raise RequestRefused(
+                OVERLOADED,
+                f"{len(self.checking)} constraints wait for their checks (limit {MAX_CHECKING}); "
+                "retry in a second",
+            )
 
     def _check_alive(self) -> None:
         if self.executor_death is not None:
