@@ -67,6 +67,7 @@ log = structlog.get_logger("memstep.http")
 HEALTH_TIMEOUT_S = 2.0
 CORE_TIMEOUT_S = 600.0  # a request's silence before it fails: one step may be long on a busy CPU
 CLIENT_ERRORS = {"invalid_request", "invalid_field", "missing_field", "unknown_field"}
+CLIENT_ERRORS |= {"constraint_unenforceable"}  # a schema the grammar engine cannot enforce
 UNAVAILABLE = {"executor_dead", "executor_error", "recovering", "overloaded", "log_unwritable"}
 UNAVAILABLE |= {ROUTE_LOST}
 RETRY_AFTER_S = 1  # a refused request's Retry-After: a queue drains in about a TTFT budget

@@ -178,6 +178,10 @@ def _memory(s: StatsReply) -> Iterator[Metric]:
         yield _gauge("memory_reserved_bytes", "bytes the allocator reserves", m.reserved_bytes)
         yield _gauge("allocator_segments", "allocator segments (CPU: storages)", m.num_segments)
         yield _gauge("arena_claimed_bytes", "bytes step kinds claim", m.arena_claimed_bytes)
+        doc = "bytes of the executor's compiled grammar matchers (estimated)"
+        yield _gauge("grammar_cache_bytes", doc, m.grammar_cache_bytes)
+        doc = "bytes of the core's constraint verdicts"
+        yield _gauge("constraint_cache_bytes", doc, m.constraint_cache_bytes)
     rss = GaugeMetricFamily(
         "memstep:host_rss_bytes", "resident host memory by process", labels=["process"]
     )

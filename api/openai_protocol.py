@@ -253,6 +253,8 @@ def _constraint(body: dict, tools: Tools | None) -> dict[str, Any]:
         given["guided_grammar"] = grammar
     if len(given) > 1:
         raise bad(f"at most one structured-output constraint, got {sorted(given)}")
+    if given.get("guided_choice") == []:
+        raise bad("guided_choice is empty: give at least one string", "guided_choice")
     if isinstance(given.get("guided_json"), dict):
         given["guided_json"] = json.dumps(given["guided_json"])
     return given

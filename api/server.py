@@ -42,6 +42,8 @@ from memstep.api.reattach import Detached, Reattach
 from memstep.api.tally import Tally, host_rss_bytes
 from memstep.core.config import ConfigError
 from memstep.core.engine import Engine, UnknownRequest, outside_vocabulary
+from memstep.core.grammar import constraint_book
+from memstep.core.grammar_check import Check
 from memstep.core.outputs import RequestOutput
 from memstep.core.recovery import EngineDead
 from memstep.core.sampling_params import InvalidRequest, SamplingParams
@@ -82,6 +84,12 @@ MAX_MESSAGES_PER_TURN = 256
 # while the executor runs a step, the frames that come are read (and their prompts tokenized)
 # this often: not between that step's result and the next plan, where the device would wait
 AHEAD_POLL_S = 0.001
+# the error a request ends with where the grammar engine cannot enforce its constraint
+CONSTRAINT_UNENFORCEABLE = "constraint_unenforceable"
+# requests whose constraints wait for a check worker at once; past it: overloaded
+MAX_CHECKING = 64
+# while a constraint's check runs in a grammar worker, an idle loop looks for its answer this often
+CHECK_POLL_S = 0.005
 
 # a generate request read while the executor ran a step, and its prompt's ids made then
 Ahead = tuple[GenerateRequest, list[int]]
@@ -150,6 +158,18 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+@attrs.frozen
+class Checking:
+    """A generate request that waits for its constraint's check, with what admits it after."""
+
+    key: tuple[bytes, str]  # (peer, the client's id)
+    envelope: list[bytes]
+    msg: GenerateRequest
+    prompt: str | list[int]
+    params: SamplingParams
+    check: Check
 
 
 @attrs.define
@@ -245,6 +265,10 @@ class Server:
         # before any later frame
         self.early: collections.deque[tuple[list[bytes], Ahead | None]] = collections.deque()
         self.dead_since: float | None = None
+        # requests whose constraint a grammar worker checks (core/grammar_check.py): admitted
+        # by `_admit_checked` once it answers, never waited for on this thread
+        self.grammars = constraint_book()
+        self.checking: list[Checking] = []
         self.tally = Tally()
         self.detached = Reattach()  # requests carried over from a dead server's log
         self.num_migrated_in = 0  # requests a router moved here (GenerateRequest.output_token_ids)
@@ -299,7 +323,9 @@ class Server:
         """Read, check the executor, step (sending the last step's outputs while the executor
         runs this one), keep quiet clients alive."""
         busy = self._can_step() or bool(self.unsent) or bool(self.early)
-        self._receive(0 if busy else self.cfg.idle_poll_s)
+        idle_s = CHECK_POLL_S if self.checking else self.cfg.idle_poll_s
+        self._receive(0 if busy else idle_s)
+        self._admit_checked()
         self._check_executor()
         self._drop_gone_peers()
         self._step()
@@ -529,8 +555,7 @@ class Server:
     def _generate(
         self, envelope: list[bytes], msg: GenerateRequest, ids: list[int] | None = None
     ) -> None:
-        if self.executor_death is not None:
-            raise RequestRefused("executor_dead", f"the executor is dead: {self.executor_death}")
+        self._check_alive()
         if not self._log_writable():
             assert self.recorder is not None
             raise RequestRefused(
@@ -546,6 +571,25 @@ class Server:
         prompt = self._prompt(msg) if ids is None else ids
         params = _sampling_params(msg.params)
         log.info("request arrived", step=self.engine.step_no, request_id=msg.request_id)
+        if any(c.key == key for c in self.checking):
+            raise RequestRefused("duplicate_request", f"request {msg.request_id!r} is in flight")
+        if params.constraint is not None:
+            check = self.grammars.start(*params.constraint)
+            if not check.is_done:  # compiled in a worker while the engine steps the others
+                self._check_checking()
+                self.checking.append(Checking(key, envelope, msg, prompt, params, check))
+                return
+            self.grammars.keep(check)
+        self._admit(envelope, msg, prompt, params)
+
+    def _admit(
+        self,
+        envelope: list[bytes],
+        msg: GenerateRequest,
+        prompt: str | list[int],
+        params: SamplingParams,
+    ) -> None:
+        key = (envelope[0], msg.request_id)
         if msg.output_token_ids:
             engine_id = self._migrated(prompt, params, msg)
         else:
@@ -562,6 +606,45 @@ class Server:
         self.inflight[engine_id] = inf
         self.by_client[key] = engine_id
         self.last_sent.setdefault(inf.peer, inf.arrival)
+
+    def _admit_checked(self) -> None:
+        """Admit (or refuse with its reason) each request whose constraint's check settled."""
+        if not self.checking:
+            return
+        self.grammars.poll()
+        waiting = []
+        for c in self.checking:
+            if not c.check.is_done:
+                waiting.append(c)
+                continue
+            self.grammars.keep(c.check)
+            self._admit_safely(c)
+        self.checking = waiting
+
+    def _admit_safely(self, c: Checking) -> None:
+        """`_admit` a checked request; a refusal or a failure answers it, as `_handle` does."""
+        try:
+            self._check_alive()
+            self._admit(c.envelope, c.msg, c.prompt, c.params)
+        except (RequestRefused, InvalidRequest) as exc:
+            self._reject(c.envelope, c.msg.request_id, exc.code, _message(exc))
+        except Exception as exc:
+            log.exception("request failed", request_id=c.msg.request_id)
+            reply = ErrorReply(c.msg.request_id, "internal_error", _message(exc))
+            self._send(c.envelope, reply)
+
+    def _check_checking(self) -> None:
+        """Refuse a request whose constraint would wait behind MAX_CHECKING others' checks."""
+        if len(self.checking) >= MAX_CHECKING:
+            raise RequestRefused(
+                OVERLOADED,
+                f"{len(self.checking)} constraints wait for their checks (limit {MAX_CHECKING}); "
+                "retry in a second",
+            )
+
+    def _check_alive(self) -> None:
+        if self.executor_death is not None:
+            raise RequestRefused("executor_dead", f"the executor is dead: {self.executor_death}")
 
     def _migrated(
         self, prompt: str | list[int], params: SamplingParams, msg: GenerateRequest
@@ -769,7 +852,10 @@ class Server:
                 inf.envelope,
                 GenerateDelta(inf.request_id, out.new_token_ids, out.new_text, logprobs, scored),
             )
-        if out.finished:
+        if out.finish_reason == "error":  # the executor could not go on with it
+            self._forget(out.request_id, CONSTRAINT_UNENFORCEABLE, now)
+            send(inf.envelope, ErrorReply(inf.request_id, CONSTRAINT_UNENFORCEABLE, out.error))
+        elif out.finished:
             inf.cached_tokens = out.cached_tokens
             reason = out.finish_reason or "stop"
             self._forget(out.request_id, reason, now)

@@ -30,6 +30,7 @@ from memstep.core.executor import (
     Submits,
     require_executor,
 )
+from memstep.core.grammar import constraint_book, grammar_error
 from memstep.core.host_memory import HostWatch, rss_bytes
 from memstep.core.model_source import model_config, resolve
 from memstep.core.outputs import Completion, RequestOutput
@@ -120,6 +121,7 @@ class Engine:
         self.recovery: Recovery | None = None
         self.death: str | None = None  # why the engine gave up on executors
         self.num_losses = 0
+        self.num_failed = 0  # requests the executor could not go on with (`_fail`)
         self._aborted_in_recovery: list[str] = []
         self._launched: tuple[StepBatch, StepPlan, bool] | None = None  # launch() .. finish()
         self._launched_at = 0.0  # perf_counter when the launched step was handed over
@@ -237,6 +239,10 @@ class Engine:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         if params.seed is None or len(output_ids) >= params.max_tokens:
             raise InvalidRequest(f"request {request_id!r} has no seed or is already complete")
+        bad = outside_vocabulary(list(output_ids), self.model_cfg.vocab_size)
+        if bad is not None:
+            vocab = self.model_cfg.vocab_size
+            raise InvalidRequest(f"output token id {bad!r} is outside the vocabulary [0, {vocab})")
         out = list(output_ids)
         ids = list(prompt_ids)
         self.emit(
@@ -257,6 +263,7 @@ class Engine:
 
     def validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
         check_prompt(ids, params, self.model_cfg.vocab_size, self.max_model_len)
+        check_constraint(params)
 
     def abort(self, request_id: str) -> None:
         """Finish a request now, or, while recovering, when the recovery is done: a replay
@@ -457,12 +464,18 @@ class Engine:
             if req is not None:
                 req.add_prompt_logprobs(scored.start, scored.entries)
         outputs, sampled, filled = self._advance(batch, result.seqs)
+        failed = [rid for rid in result.failed if rid in self.requests]
+        outputs += [self._fail(rid, result.failed[rid]) for rid in failed]
         for req in filled:
             if not req.is_finished:  # a finished request cached its blocks in _finish
                 self._cache_blocks(req)
         used, cached = self.blocks.num_used, self.blocks.num_cached
         memory = attrs.evolve(
-            result.memory, kv_pages_used=used, kv_pages_cached=cached, core_rss_bytes=rss_bytes()
+            result.memory,
+            kv_pages_used=used,
+            kv_pages_cached=cached,
+            core_rss_bytes=rss_bytes(),
+            constraint_cache_bytes=constraint_book().verdicts.num_bytes,
         )
         proposed = sum(map(_PROPOSED, result.seqs))
         accepted = sum(map(_ACCEPTED, result.seqs))
@@ -567,6 +580,24 @@ class Engine:
             out.completion_tokens = len(req.output_token_ids)
             out.num_proposed, out.num_accepted = req.num_proposed, req.num_accepted
         return out
+
+    def _fail(self, request_id: str, why: str) -> RequestOutput:
+        """End a request the executor cannot go on with (StepResult.failed: a grammar the engine
+        cannot enforce), with finish reason "error": never text outside its constraint."""
+        req = self.requests[request_id]
+        log.warning("request failed", step=self.step_no, request_id=request_id, reason=why)
+        self.num_failed += 1
+        self._finish(req, "error")
+        return RequestOutput(
+            request_id,
+            [],
+            "",
+            finished=True,
+            finish_reason="error",
+            error=why,
+            prompt_tokens=req.num_prompt_tokens,
+            completion_tokens=len(req.output_token_ids),
+        )
 
     def _cache_blocks(self, req: Request) -> None:
         """Offer the request's full blocks of computed KV to the prefix cache."""
@@ -770,6 +801,18 @@ def check_prompt(ids: list[int], params: SamplingParams, vocab: int, max_len: in
             f"prompt ({len(ids)}) + max_tokens ({params.max_tokens}) exceeds the context "
             f"of {max_len} tokens"
         )
+
+
+def check_constraint(params: SamplingParams) -> None:
+    """InvalidRequest for a constraint the grammar engine cannot run: it does not compile, or
+    its compile crashed or outran its budget in a check worker (core/grammar_check.py).  The
+    server starts the check ahead (`Server._generate`), so that it waits here for nothing."""
+    if params.constraint is None:
+        return
+    error = grammar_error(*params.constraint)
+    if error:
+        name = "guided_" + params.constraint[0]
+        raise InvalidRequest(f"{name} does not compile: {error}")
 
 
 def outside_vocabulary(ids: list, vocab: int) -> object | None:

@@ -21,6 +21,7 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: prompt positions 1.. as [logprob, [[id, logprob], ...],
     # rank], on the first output that carries a token
     prompt_logprobs: list[list] = attrs.Factory(list)
+    error: str = ""  # finish_reason "error": why the request could not go on
 
 
 @attrs.define

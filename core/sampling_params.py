@@ -14,7 +14,7 @@ from typing import Any
 
 import attrs
 
-from memstep.core.grammar import grammar_error
+from memstep.core.grammar import limits_error
 
 DEFAULT_TEMPERATURE = 1.0  # vLLM's and OpenAI's
 
@@ -134,8 +134,9 @@ class SamplingParams:
         self._check_constraint()
 
     def _check_constraint(self) -> None:
-        """At most one constraint, and one whose grammar compiles (checked once per distinct
-        constraint): a request the grammar engine cannot run is refused before admission."""
+        """At most one constraint, and one within the grammar engine's bounds
+        (core/grammar_limits.py); whether it compiles is the engine's check at admission
+        (`Engine.validate_prompt`), in a worker process."""
         given = [name for name in GUIDES if getattr(self, name)]
         _require(len(given) <= 1, f"at most one structured-output constraint, got {given}")
         _require(
@@ -145,8 +146,8 @@ class SamplingParams:
         )
         _require(all(isinstance(c, str) for c in self.guided_choice), "guided_choice: strings")
         if self.constraint is not None:
-            error = grammar_error(*self.constraint)
-            _require(not error, f"{given[0]} does not compile: {error}")
+            error = limits_error(*self.constraint)
+            _require(not error, f"{given[0]}: {error}")
 
     @cached_property
     def constraint(self) -> tuple[str, str] | None:

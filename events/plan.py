@@ -17,8 +17,9 @@ from memstep.events.types import (
 # table's entries the executor does not hold yet (SeqPlan.table_from); 5 since a plan's sampling
 # params may hold min_tokens, logit_bias and include_stop_str_in_output; 6 since a result
 # carries the prompt logprobs its prefill chunks scored (StepResult.prompt_logprobs); 7 since
-# each of those scores carries its token's rank
-EXECUTOR_PROTOCOL_VERSION = 7
+# each of those scores carries its token's rank; 8 since a result names the requests that
+# cannot go on (StepResult.failed)
+EXECUTOR_PROTOCOL_VERSION = 8
 
 
 @row_record
@@ -82,6 +83,9 @@ class StepResult:
     # tensor parallelism: every rank's own report, rank 0's first (`memory` is rank 0's); else []
     rank_memory: list[MemoryReport] = attrs.Factory(list)
     prompt_logprobs: list[PromptLogprobs] = attrs.Factory(list)
+    # requests that cannot go on, and why (a grammar the engine cannot enforce): the core ends
+    # each with an error; their tokens of this step are not in `seqs`
+    failed: dict[str, str] = attrs.Factory(dict)
 
 
 @record

@@ -53,8 +53,18 @@ class MemoryReport:
     kv_pages_cached: int = 0  # held by none, caching a prefix block: reclaimable KV, not a leak
     executor_rss_bytes: int = 0  # host: the executor process's resident bytes (0: not measured)
     core_rss_bytes: int = 0  # host: the engine core's (the same process for an in-process one)
-    # the OS's figures, moved by everything else on the host: no replay can reproduce them
-    HOST_MEASURED: ClassVar[tuple[str, ...]] = ("executor_rss_bytes", "core_rss_bytes")
+    # host: the executor's compiled grammar matchers (estimated) and the core's constraint
+    # verdicts, each within its cache's budget (docs/limits.md)
+    grammar_cache_bytes: int = 0
+    constraint_cache_bytes: int = 0
+    # the OS's figures, moved by everything else on the host, and caches that a recovered or
+    # replaying process holds afresh: no replay can reproduce them
+    HOST_MEASURED: ClassVar[tuple[str, ...]] = (
+        "executor_rss_bytes",
+        "core_rss_bytes",
+        "grammar_cache_bytes",
+        "constraint_cache_bytes",
+    )
 
 
 @record

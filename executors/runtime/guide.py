@@ -12,13 +12,14 @@ model's tokenizer, and hands each request a copy.
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from typing import Any
 
 import attrs
 import torch
 
-from memstep.core.grammar import grammar_of
+from memstep.core.grammar import TextCache, grammar_of
 from memstep.core.model_source import ModelSource
 from memstep.core.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
@@ -37,6 +38,9 @@ class Guide:
         self.eos = eos
         self.stand_in = stand_in  # the grammar's end where the model's is not in its vocabulary
         self.ahead: tuple[int, Any] | None = None  # (output length, its mask): `masks_ahead`
+        # why the grammar engine cannot enforce the constraint (its parser's error), or "":
+        # the request ends with an error (`RequestState.failure`), never with text outside it
+        self.failure = ""
 
     def sync(self, output: list[int]) -> bool:
         """Bring the matcher to `output`; False where a token of it breaks the grammar (a
@@ -49,7 +53,14 @@ class Guide:
         del fed[keep:]
         took = _feed(m, output[keep:])
         fed.extend(output[keep : keep + took])
+        self.note_failure()
         return keep + took == len(output)
+
+    def note_failure(self) -> None:
+        """Keep the matcher's error, if it has one: a refused draft leaves none, llguidance's
+        parser past its limits (a row of Earley items past 2,000) does."""
+        if not self.failure and self.matcher.is_error():
+            self.failure = _first_line(self.matcher.get_error())
 
     def mask_into(self, output: list[int], words: Any) -> None:
         """The mask of the token after `output` into `words` (int32 [mask_words] on the CPU).
@@ -60,6 +71,7 @@ class Guide:
             words.fill_(-1)  # a refused draft's later rows: any mask, the row is rejected
             return
         self.matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
+        self.note_failure()
         self.open_dead_end(words)
 
     def take_ahead(self, output: list[int]) -> Any | None:
@@ -104,6 +116,7 @@ def masks_into(
         pool = mask_pool(threads)
         pool.unsafe_compute_mask_ptr(pairs, words.data_ptr(), words.shape[1] * 4, len(words))
     for guide, i in ready:
+        guide.note_failure()
         guide.open_dead_end(words[i])
 
 
@@ -128,6 +141,10 @@ def mask_pool(threads: int | None = None) -> Any:
 def _bit(i: int) -> int:
     """Bit i of an int32 word, as a signed value."""
     return (1 << i) - (1 << 32 if i == 31 else 0)
+
+
+def _first_line(error: str) -> str:
+    return error.strip().splitlines()[0][:300] if error.strip() else "grammar engine error"
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -157,18 +174,46 @@ class CompileStats:
         return self.hits / total if total else 0.0
 
 
+MATCHER_CACHE_BYTES = 256 * 1024 * 1024  # the compiled matchers kept, estimated (`matcher_bytes`)
+# a compiled matcher's host bytes per byte of its grammar's text: SmolLM2's matchers measured
+# 43 to 73 times their grammar, rounded up
+MATCHER_BYTES_PER_GRAMMAR_BYTE = 96
+MATCHER_BASE_BYTES = 16 * 1024
+
+
+def matcher_bytes(grammar: str) -> int:
+    """A compiled matcher's host bytes, estimated from its grammar's text (llguidance does not
+    say): what the matcher cache's budget counts."""
+    return MATCHER_BASE_BYTES + MATCHER_BYTES_PER_GRAMMAR_BYTE * len(grammar)
+
+
 class GrammarBook:
     """The grammar engine's view of the model's tokenizer (built at the first constrained
     request: about a second for a 49k vocabulary) and a compiled matcher per distinct
-    constraint, copied for each request (`guide`)."""
+    constraint, copied for each request (`guide`); the matchers kept are the most recently
+    used within `budget_bytes` (`matcher_bytes` each), so that distinct schemas, one after
+    another, never grow the executor past it."""
 
-    def __init__(self, source: ModelSource, vocab_size: int, eos: tuple[int, ...]):
+    def __init__(
+        self,
+        source: ModelSource,
+        vocab_size: int,
+        eos: tuple[int, ...],
+        budget_bytes: int = MATCHER_CACHE_BYTES,
+    ):
         self.source = source
         self.vocab_size = vocab_size
         self.eos = eos
         self._tokenizer: Any = None
-        self._compiled: dict[tuple[str, str], Any] = {}
+        self._building: threading.Thread | None = None  # `prepare`
+        self._lock = threading.Lock()
+        self._compiled: TextCache[Any] = TextCache(budget_bytes)
         self.stats = CompileStats()
+
+    @property
+    def num_bytes(self) -> int:
+        """The kept matchers' estimated bytes (within the budget)."""
+        return self._compiled.num_bytes
 
     def guide(self, constraint: tuple[str, str]) -> Guide:
         template = self._compiled.get(constraint)
@@ -185,17 +230,30 @@ class GrammarBook:
 
         tokenizer = self.tokenizer()  # built once, not counted as a grammar's compile time
         start = time.perf_counter()
-        matcher = LLMatcher(tokenizer, grammar_of(*constraint), log_level=0)
+        grammar = grammar_of(*constraint)
+        matcher = LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():  # the core checked it compiles: only a broken engine gets here
             raise RuntimeError(f"grammar does not compile: {matcher.get_error()}")
         self.stats.compiled += 1
         self.stats.compile_seconds += time.perf_counter() - start
-        self._compiled[constraint] = matcher
+        self._compiled.put(constraint, matcher, matcher_bytes(grammar))
         return matcher
 
+    def prepare(self) -> None:
+        """Build the grammar engine's tokenizer on a thread of its own, while the executor
+        loads and warms up: made at the first constrained request instead, it held the step
+        thread about a second (SmolLM2's), every stream with it."""
+        self._building = threading.Thread(target=self.tokenizer, name="grammar-tokenizer")
+        self._building.start()
+
     def tokenizer(self) -> Any:
-        if self._tokenizer is None:
-            self._tokenizer = ll_tokenizer(self.source, self.vocab_size, self.eos)
+        building = self._building
+        if building is not None and building is not threading.current_thread():
+            building.join()
+            self._building = None
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = ll_tokenizer(self.source, self.vocab_size, self.eos)
         return self._tokenizer
 
 

@@ -25,6 +25,13 @@ class RequestState:
     guide: Guide | None = None  # its grammar matcher, brought to `tokens` at each mask
     table: list[int] = attrs.Factory(list)  # its block table as of the latest plan
     stops: tuple[int, ...] = ()  # the ids that end it, which `min_tokens` bans until then
+    error: str = ""  # why its grammar could not be made (`RequestStates._guide`)
+
+    @property
+    def failure(self) -> str:
+        """Why this request cannot go on (its grammar could not be made, or the grammar engine
+        cannot enforce it), or "": the worker ends it (`StepResult.failed`), its tokens unsent."""
+        return self.error or (self.guide.failure if self.guide is not None else "")
 
     def row(self, position: int, history: list[int]) -> Row:
         """The sampler's row for the token at `position`, penalised by `history`."""
@@ -57,7 +64,8 @@ class RequestStates:
                     f"{len(seq.prefix_ids)} cached prefix tokens"
                 )
             params = SamplingParams.from_dict(seq.params)
-            state = RequestState(list(seq.prefix_ids), seq.prompt_len, params, self._guide(params))
+            state = RequestState(list(seq.prefix_ids), seq.prompt_len, params)
+            state.guide, state.error = self._guide(params)
             if params.min_tokens:
                 state.stops = (*(() if params.ignore_eos else self.eos), *params.stop_token_ids)
             if params.prompt_logprobs is not None:
@@ -91,13 +99,24 @@ class RequestStates:
             seq.block_table[:0] = state.table[: seq.table_from]
         state.table = seq.block_table
 
-    def _guide(self, params: SamplingParams) -> Guide | None:
-        """A fresh matcher at the grammar's start: its state comes from the tokens alone."""
+    def _guide(self, params: SamplingParams) -> tuple[Guide | None, str]:
+        """A fresh matcher at the grammar's start (its state comes from the tokens alone), or
+        why none could be made: a compile that fails or panics here is this request's error,
+        never the executor's loss."""
         if params.constraint is None:
-            return None
+            return None, ""
         if self.grammars is None:
             raise RuntimeError("a constrained request reached a worker without grammars")
-        return self.grammars.guide(params.constraint)
+        try:
+            return self.grammars.guide(params.constraint), ""
+        except (Exception, BaseException) as exc:  # pyo3's PanicException is a BaseException
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            return None, f"the grammar engine failed on this constraint: {str(exc)[:300]}"
+
+    def failures(self, request_ids: list[str]) -> dict[str, str]:
+        """Of `request_ids`, those that cannot go on, and why (`RequestState.failure`)."""
+        return {i: why for i in request_ids if (why := self._states[i].failure)}
 
     def append(self, request_id: str, tokens: list[int]) -> None:
         """Tokens sampled this step; the next plan feeds the last of them again."""

@@ -158,7 +158,9 @@ class Worker:
             self.meter.adopt(self.eagle.tensors())
         self.lifecycle = Lifecycle()
         eos = self.model_cfg.eos_token_ids
-        self.requests = RequestStates(GrammarBook(self.source, self.model_cfg.vocab_size, eos), eos)
+        self.grammars = GrammarBook(self.source, self.model_cfg.vocab_size, eos)
+        self.grammars.prepare()
+        self.requests = RequestStates(self.grammars, eos)
         self.prompts = PromptScorer(self.model, self.requests)
         self.detector = LeakDetector(host_tolerance=cfg.host_leak_tolerance_mib << 20)
         self._holdings: dict | None = None  # the kinds' holdings at the last leak report
@@ -191,6 +193,7 @@ class Worker:
                 self.runner = self.graphs
                 info |= peak_figures(self.device, self.memory_plan)
                 log.info("memory after capture", **peak_figures(self.device, self.memory_plan))
+            self.grammars.tokenizer()  # (`GrammarBook.prepare`): built before serving's first step
             self.meter.freeze()  # start-up objects are done; measure only what serving creates
         elif phase == "shutdown":
             self.requests.clear()
@@ -278,6 +281,8 @@ class Worker:
             results, hidden = self.spec.run(step_plan)
         else:
             results, hidden = self._run_plain(step_plan.seqs)
+        failed = self.requests.failures([seq.request_id for seq in step_plan.seqs])
+        results = [res for res in results if res.request_id not in failed]
         for res in results:
             self.requests.append(res.request_id, res.token_ids)
         self._masks_ahead(results)
@@ -290,7 +295,7 @@ class Worker:
         leaks = move.leaks + self._named(self.detector.observe(step_plan.step, step_plan.kind, mem))
         return StepResult(
             step_plan.step, step_plan.kind, results, mem, move.exited, move.entered, leaks,
-            prompt_logprobs=self.prompts.take(),
+            prompt_logprobs=self.prompts.take(), failed=failed,
         )  # fmt: skip
 
     def _masks_ahead(self, results: list[SeqResult]) -> None:
@@ -383,4 +388,5 @@ class Worker:
             arena_claimed_bytes=self.lifecycle.claimed_bytes,
             kv_pages_used=used,
             executor_rss_bytes=self.host_trim.measure(),
+            grammar_cache_bytes=self.grammars.num_bytes,
         )

@@ -1,0 +1,86 @@
+"""Compile checks in worker processes (core/grammar_check.py) and the core's verdicts
+(core/grammar.py's ConstraintBook): a worker that dies or stalls costs its check a clear
+verdict and the next check a fresh worker, and the verdicts stay within their byte budget."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+
+from memstep.core.grammar import ConstraintBook, TextCache
+from memstep.core.grammar_check import GrammarChecker
+
+GOOD = ("regex", "[a-z]+")
+
+
+@pytest.fixture
+def checker():
+    checker = GrammarChecker(num_workers=1, budget_s=20.0)
+    yield checker
+    checker.close()
+
+
+def _stopped_worker(checker: GrammarChecker) -> int:
+    """The one worker, warm, then stopped (SIGSTOP): it reads nothing and answers nothing."""
+    assert checker.wait(checker.submit(*GOOD)) == ""
+    (pid,) = checker.pids()
+    os.kill(pid, signal.SIGSTOP)
+    return pid
+
+
+def test_a_check_answers_why_a_constraint_does_not_compile(checker):
+    assert checker.wait(checker.submit(*GOOD)) == ""
+    assert "unclosed" in checker.wait(checker.submit("regex", "(unclosed"))
+    assert "Expected" in checker.wait(checker.submit("grammar", "root ::= ( \n"))
+
+
+def test_a_worker_that_dies_mid_check_is_that_checks_refusal_and_is_replaced(checker):
+    pid = _stopped_worker(checker)
+    check = checker.submit("json", json.dumps({"type": "string"}))
+    os.kill(pid, signal.SIGKILL)  # as a segfault or a stack overflow ends it
+    assert "crashed the grammar engine" in checker.wait(check)
+    assert checker.num_crashed == 1
+    assert checker.wait(checker.submit(*GOOD)) == "" and checker.pids() != [pid]
+
+
+def test_a_check_past_the_compile_budget_is_refused_and_its_worker_killed(checker):
+    checker.budget_s = 0.5
+    pid = _stopped_worker(checker)
+    assert "compile budget" in checker.wait(checker.submit("regex", "b+"))
+    assert checker.num_timed_out == 1
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    checker.budget_s = 20.0
+    assert checker.wait(checker.submit(*GOOD)) == ""
+
+
+def test_checks_queue_past_the_workers_and_each_is_answered(checker):
+    checks = [checker.submit("regex", f"x{{{i}}}") for i in range(1, 6)]
+    assert [checker.wait(c) for c in checks] == [""] * 5 and len(checker.pids()) == 1
+
+
+def test_the_book_keeps_verdicts_and_refuses_bounds_without_a_worker():
+    book = ConstraintBook()
+    try:
+        assert "choices" in book.error("choice", json.dumps(["a"] * 5000))
+        assert book._checker is None  # the bound refused it in this process
+        assert book.error(*GOOD) == "" and book.known(*GOOD) == ""
+        book.checker.close()  # no worker left: a known verdict needs none
+        assert book.error(*GOOD) == "" and book.checker.pids() == []
+    finally:
+        book.close()
+
+
+def test_a_text_cache_keeps_the_recent_within_its_bytes():
+    cache: TextCache[str] = TextCache(budget_bytes=10_000)
+    for i in range(1000):
+        cache.put(("json", f'{{"n": {i:04d}}}' + " " * 80), "", 0)
+        assert cache.num_bytes <= 10_000
+    assert 90 <= len(cache) < 120
+    assert cache.get(("json", '{"n": 0999}' + " " * 80)) == ""
+    assert cache.get(("json", '{"n": 0000}' + " " * 80)) is None
+    cache.put(("json", "x" * 20_000), "", 0)  # one past the whole budget: not kept
+    assert cache.num_bytes <= 10_000
