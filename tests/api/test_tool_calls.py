@@ -10,7 +10,7 @@ import json
 import pytest
 
 from memstep.api.openai_protocol import OpenAIError, parse_chat
-from memstep.api.tool_call_stream import CallStream
+from memstep.api.tool_call_stream import CallStream, split_reply
 from memstep.api.tool_calls import parse_calls
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
@@ -113,3 +113,14 @@ def test_required_and_named_choices_force_a_grammar_and_bad_ones_are_400s():
         with pytest.raises(OpenAIError) as err:
             parse_chat({"model": "m", "messages": ASK, "tools": [TOOL], **bad}, "m")
         assert err.value.status == 400
+
+
+def test_a_forced_call_cut_short_drops_held_markup_and_keeps_a_named_call():
+    """`cut` (a forced call that max_tokens ended) gives no content: a marker or header held at
+    the cut is dropped, a call whose name was complete keeps its arguments as written; without
+    `cut` the same text is content (what a reply that is not forced shows)."""
+    assert split_reply("<tool_", cut=True) == ("", [])
+    assert split_reply('<tool_call>\n{"name": "f', cut=True) == ("", [])
+    assert split_reply('<tool_call>\n{"name": "f', cut=False)[0].startswith("<tool_call>")
+    _, calls = split_reply('<tool_call>\n{"name": "f", "arguments": {"x": ', cut=True)
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [("f", '{"x": ')]
