@@ -174,7 +174,13 @@ def parse_chat(body: Any, model: str) -> Job:
     elif top is None:
         top = 0
     max_tokens = _max_tokens(body, 1)
-    return _job(body, model, True, [{"messages": messages}], max_tokens, top, tools)
+    source: dict[str, Any] = {"messages": messages}
+    extra = body.get("chat_template_kwargs")
+    if extra is not None:  # vLLM's: more variables for the template, e.g. enable_thinking
+        if not isinstance(extra, dict):
+            raise bad("chat_template_kwargs must be an object", "chat_template_kwargs")
+        source["chat_template_kwargs"] = extra
+    return _job(body, model, True, [source], max_tokens, top, tools)
 
 
 def _max_tokens(body: dict, low: int) -> int | None:

@@ -637,13 +637,19 @@ class Server:
         if len(given) != 1:
             what = "prompt_token_ids" if isinstance(msg, GenerateRequest) else "token_ids"
             raise InvalidRequest(f"give exactly one of prompt, {what}, messages")
+        extra = msg.chat_template_kwargs
+        if any(not isinstance(key, str) for key in extra):
+            raise InvalidRequest("chat_template_kwargs must map names (strings) to values")
         if msg.messages is None:
+            if extra:
+                raise InvalidRequest("chat_template_kwargs goes with messages only")
             return given[0]
         if not msg.messages:
             raise InvalidRequest("messages is empty")
         if any(set(m) != {"role", "content"} for m in msg.messages):
             raise InvalidRequest("every message needs exactly the keys 'role' and 'content'")
-        return self.engine.tokenizer.encode_chat(msg.messages, msg.special_tokens_in_messages)
+        special, extra = msg.special_tokens_in_messages, msg.chat_template_kwargs
+        return self.engine.tokenizer.encode_chat(msg.messages, special, extra)
 
     def _tokenize(self, msg: TokenizeRequest) -> TokenizeReply:
         """A prompt's token ids as a generate request would read it, or token ids' text."""

@@ -26,7 +26,10 @@ class Tokenizer(Protocol):
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str: ...
 
     def encode_chat(
-        self, messages: list[dict[str, str]], special_tokens_in_messages: bool = False
+        self,
+        messages: list[dict[str, str]],
+        special_tokens_in_messages: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]: ...
 
     def token_bytes(self) -> list[bytes] | None: ...
@@ -78,10 +81,14 @@ class HFTokenizer:
         return "".join(text for text, _ in self._parts(messages))
 
     def encode_chat(
-        self, messages: list[dict[str, str]], special_tokens_in_messages: bool = False
+        self,
+        messages: list[dict[str, str]],
+        special_tokens_in_messages: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        """The chat's prompt ids; special-token text in a message is plain text unless allowed."""
-        parts = self._parts(messages)
+        """The chat's prompt ids; special-token text in a message is plain text unless allowed;
+        `template_kwargs` are more variables for the chat template."""
+        parts = self._parts(messages, template_kwargs)
         text = "".join(piece for piece, _ in parts)
         if special_tokens_in_messages:
             return self.encode(text)
@@ -95,10 +102,12 @@ class HFTokenizer:
         tok = self._plain if is_content else self._tok
         return list(tok.encode(piece, add_special_tokens=False).ids)
 
-    def _parts(self, messages: list[dict[str, str]]) -> list[tuple[str, bool]]:
+    def _parts(
+        self, messages: list[dict[str, str]], extra: dict[str, Any] | None = None
+    ) -> list[tuple[str, bool]]:
         if self._template is None:
             return [(m["content"], True) for m in messages]
-        return self._template.parts(messages)
+        return self._template.parts(messages, extra)
 
     def _special_in(self, enc: Any, spans: list[tuple[int, int]]) -> bool:
         """Whether a special token of `enc` covers any character of the `spans`."""
@@ -202,9 +211,13 @@ class ByteTokenizer:
         return "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
 
     def encode_chat(
-        self, messages: list[dict[str, str]], special_tokens_in_messages: bool = False
+        self,
+        messages: list[dict[str, str]],
+        special_tokens_in_messages: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        """Bytes have no special tokens to forge: the option changes nothing."""
+        """Bytes have no special tokens to forge, and no template to take variables: the
+        options change nothing."""
         return self.encode(self.apply_chat_template(messages))
 
 

@@ -44,6 +44,8 @@ class GenerateRequest:
     # a streaming request's GenerateDelta may come inside a GenerateDeltas: one frame a step for
     # all such requests of the client, instead of one per request (the HTTP front asks for it)
     batch_deltas: bool = False
+    # variables for the chat template beside `messages` (vLLM's, e.g. {"enable_thinking": false})
+    chat_template_kwargs: dict = attrs.Factory(dict)
 
 
 @record
@@ -73,6 +75,7 @@ class TokenizeRequest:
     messages: list[dict[str, str]] | None = None
     token_ids: list[int] | None = None
     special_tokens_in_messages: bool = False
+    chat_template_kwargs: dict = attrs.Factory(dict)  # as the GenerateRequest's
 
 
 @record

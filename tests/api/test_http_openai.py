@@ -477,3 +477,19 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(server, chat
     }
     counts = [u["completion_tokens"] for u in usages]
     assert counts == sorted(counts) and counts[0] == (0 if chat else 1)
+
+
+def test_chat_template_kwargs_reach_the_core_template(sdk):
+    """vLLM's chat_template_kwargs travel to the core's template: a variable SmolLM2's template
+    does not read changes nothing; one the engine sets itself is refused there, by name."""
+    kw = dict(model="smollm2", messages=QUESTION, temperature=0, max_tokens=6)
+    plain = sdk.chat.completions.create(**kw)
+    thinking = sdk.chat.completions.create(
+        **kw, extra_body={"chat_template_kwargs": {"enable_thinking": False}}
+    )
+    assert thinking.choices[0].message.content == plain.choices[0].message.content
+    assert thinking.usage.prompt_tokens == plain.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError, match="may not set add_generation_prompt"):
+        sdk.chat.completions.create(
+            **kw, extra_body={"chat_template_kwargs": {"add_generation_prompt": False}}
+        )
