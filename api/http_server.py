@@ -148,13 +148,22 @@ class Front:
     async def detokenize(self, request: Request) -> Response:
         return await self._tokens(request, oai.parse_detokenize, oai.detokenized)
 
+    async def tokenizer_info(self, request: Request) -> Response:
+        """vLLM's `/tokenizer_info`: the tokenizer's config (its class, special tokens, chat
+        template, model_max_length), from which a client such as lm-eval (its `remote`
+        tokenizer) reads the end-of-text token and the template."""
+        return await self._tokens(request, None, oai.tokenizer_info)
+
     async def _tokens(self, request: Request, parse: Any, answer: Any) -> Response:
         """vLLM's /tokenize and /detokenize: one TokenizeRequest to the core, within the
         request's deadline."""
         deadline = asyncio.get_running_loop().time() + self.limits.request_timeout_s
         try:
             self._check_key(request)
-            msg = parse(_json(await read_body(request, self.limits)), self.model)
+            if parse is None:
+                msg = TokenizeRequest("", tokenizer_info=True)
+            else:
+                msg = parse(_json(await read_body(request, self.limits)), self.model)
             try:
                 reply = await self._within(deadline, self.core.tokenize(msg))
             except (ServerError, TimeoutError, ConnectionError) as exc:
@@ -627,6 +636,7 @@ def build_app(front: Front) -> Starlette:
         Route("/v1/models/{name:path}", front.model_card, methods=["GET"]),
         Route("/tokenize", front.tokenize, methods=["POST"]),
         Route("/detokenize", front.detokenize, methods=["POST"]),
+        Route("/tokenizer_info", front.tokenizer_info, methods=["GET"]),
         Route("/health", front.health, methods=["GET"]),
         Route("/metrics", front.metrics, methods=["GET"]),
     ]

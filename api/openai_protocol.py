@@ -70,6 +70,9 @@ CHAT_FIELDS = COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "chat_tem
 CHAT_FIELDS |= {"tools", "tool_choice", "parallel_tool_calls"} | set(vllm_fields.CHAT_FIELDS)
 MAX_N = 16
 MAX_STOP = 256  # stop strings a request may give (vLLM sets no limit; OpenAI's is 4)
+TOKENS_ADDED = (
+    "add_special_tokens true is not supported: no BOS or other token is added to a prompt"
+)
 
 
 class OpenAIError(Exception):
@@ -192,14 +195,20 @@ def _max_tokens(body: dict, low: int) -> int | None:
 def parse_tokenize(body: Any, model: str) -> TokenizeRequest:
     """vLLM's /tokenize: a raw `prompt`, or chat `messages` read as a chat completion would
     (`add_generation_prompt` true: the only form the engine reads them in)."""
-    body = _object(body, {"model", "prompt", "messages", "add_generation_prompt"})
+    fields = {"model", "prompt", "messages", "add_generation_prompt", "add_special_tokens"}
+    body = _object(body, fields | {"chat_template_kwargs"})
     _model(body, model)
     if body.get("add_generation_prompt") is False:
         raise bad("add_generation_prompt false is not supported", "add_generation_prompt")
+    if body.get("add_special_tokens") not in (None, False):  # lm-eval sends false
+        raise bad(TOKENS_ADDED, "add_special_tokens")
+    extra = body.get("chat_template_kwargs") or {}
+    if not isinstance(extra, dict) or (extra and "messages" not in body):
+        raise bad("chat_template_kwargs must be an object, with messages", "chat_template_kwargs")
     if ("prompt" in body) == ("messages" in body):
         raise bad("give exactly one of prompt, messages")
     if "messages" in body:
-        return TokenizeRequest("", messages=_messages(body["messages"]))
+        return TokenizeRequest("", messages=_messages(body["messages"]), chat_template_kwargs=extra)
     if not isinstance(body["prompt"], str):
         raise bad("prompt must be a string", "prompt")
     return TokenizeRequest("", prompt=body["prompt"])
@@ -222,6 +231,10 @@ def tokenized(reply: TokenizeReply) -> dict[str, Any]:
 
 def detokenized(reply: TokenizeReply) -> dict[str, Any]:
     return {"prompt": reply.text}
+
+
+def tokenizer_info(reply: TokenizeReply) -> dict[str, Any]:
+    return dict(reply.config)
 
 
 def _with_tools(messages: list[dict[str, str]], tools: Tools) -> list[dict[str, str]]:

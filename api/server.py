@@ -654,6 +654,9 @@ class Server:
     def _tokenize(self, msg: TokenizeRequest) -> TokenizeReply:
         """A prompt's token ids as a generate request would read it, or token ids' text."""
         tok, vocab = self.engine.tokenizer, self.engine.model_cfg.vocab_size
+        if msg.tokenizer_info:
+            config = tok.hf_config() | {"model_max_length": self.engine.max_model_len}
+            return TokenizeReply(msg.request_id, [], "", self.engine.max_model_len, config)
         prompt = self._prompt(msg)
         if isinstance(prompt, str):
             ids, text = tok.encode(prompt), prompt

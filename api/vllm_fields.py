@@ -35,7 +35,7 @@ BOTH: dict[str, tuple[tuple[Any, ...], str]] = {
     "request_id": ((), "give the request's id in the X-Request-Id header"),
 }
 COMPLETION_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
-    "add_special_tokens": ((True,), "a prompt's text is read with its special tokens"),
+    "add_special_tokens": ((False,), "no BOS or other token is added to a prompt's text"),
     "prompt_embeds": ((), "prompt embeddings are not supported"),
 }
 CHAT_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {

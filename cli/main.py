@@ -57,7 +57,7 @@ COMMANDS = {  # name -> (module, one-line help); a module is imported only when 
     "inspect": ("memstep.cli.inspect", "summarise an event log"),
     "plot": ("memstep.cli.plot", "plot memory over steps from an event log"),
     "trace": ("memstep.cli.trace", "write an event log as a Chrome trace (Perfetto)"),
-    "export-tokenizer": ("memstep.cli.export_tokenizer", "write a GGUF's tokenizer.json"),
+    "export-tokenizer": ("memstep.cli.export_tokenizer", "write a GGUF's tokenizer folder"),
     "train-draft": ("memstep.cli.train_draft", "train the EAGLE-style draft head for a model"),
     "executor": ("memstep.cli.executor", "run tensor-parallel ranks for a core on another machine"),
 }

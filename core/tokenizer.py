@@ -34,6 +34,8 @@ class Tokenizer(Protocol):
 
     def token_bytes(self) -> list[bytes] | None: ...
 
+    def hf_config(self) -> dict[str, Any]: ...
+
 
 class HFTokenizer:
     """A `tokenizers.Tokenizer` plus the model's chat template, compiled and checked at load.
@@ -43,8 +45,11 @@ class HFTokenizer:
     cannot forge a turn, unless the caller asks for `special_tokens_in_messages`.
     """
 
-    def __init__(self, tok: Any, chat_template: str | None, eos: tuple[int, ...], bos: str):
+    def __init__(
+        self, tok: Any, chat_template: str | None, eos: tuple[int, ...], bos: str, pad: str = ""
+    ):
         self._tok = tok
+        self._chat_template, self._bos, self._pad = chat_template, bos, pad
         self._plain = _without_special_tokens(tok)
         self._special_ids = frozenset(
             i for i, added in tok.get_added_tokens_decoder().items() if added.special
@@ -55,6 +60,20 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def hf_config(self) -> dict[str, Any]:
+        """The tokenizer_config.json that goes beside tokenizer.json for transformers to load
+        the tokenizer whole: its special tokens (pad: the model's own, else end-of-sequence, as
+        SmolLM2's card sets it) and chat template; also vLLM's /tokenizer_info."""
+        eos = self._tok.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else None
+        return {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": self._bos or None,
+            "eos_token": eos,
+            "pad_token": self._pad or eos,
+            "chat_template": self._chat_template,
+            "clean_up_tokenization_spaces": False,
+        }
 
     def token_id(self, text: str) -> int | None:
         """The id of a token of the vocabulary by its text, None where it has none."""
@@ -220,6 +239,10 @@ class ByteTokenizer:
         options change nothing."""
         return self.encode(self.apply_chat_template(messages))
 
+    def hf_config(self) -> dict[str, Any]:
+        """Bytes have no Hugging Face form: no special tokens or template to name."""
+        return {"tokenizer_class": None, "bos_token": None, "eos_token": None, "pad_token": None}
+
 
 def _gguf_tokenizer(path: Path) -> HFTokenizer:
     from tokenizers import AddedToken, decoders, models, pre_tokenizers
@@ -252,14 +275,20 @@ def _hf_tokenizer(folder: Path, eos: tuple[int, ...]) -> HFTokenizer:
     if not file.is_file():
         raise ModelError(f"{folder} has no tokenizer.json")
     tok = RawTokenizer.from_file(str(file))
-    template, bos = None, ""
+    template, bos, pad = None, "", ""
     cfg_file = folder / "tokenizer_config.json"
     if cfg_file.is_file():
         cfg = json.loads(cfg_file.read_text())
         template = cfg.get("chat_template")
-        bos_tok = cfg.get("bos_token")
-        bos = bos_tok if isinstance(bos_tok, str) else ""
-    return HFTokenizer(tok, template, eos, bos)
+        bos, pad = _token_text(cfg.get("bos_token")), _token_text(cfg.get("pad_token"))
+    return HFTokenizer(tok, template, eos, bos, pad)
+
+
+def _token_text(given: Any) -> str:
+    """A special token of tokenizer_config.json: its text, or an AddedToken map's content."""
+    if isinstance(given, dict):
+        given = given.get("content")
+    return given if isinstance(given, str) else ""
 
 
 def load_tokenizer(source: ModelSource, vocab_size: int, eos: tuple[int, ...]) -> Tokenizer:
@@ -275,7 +304,7 @@ def load_tokenizer(source: ModelSource, vocab_size: int, eos: tuple[int, ...]) -
 
 
 def load_tokenizer_file(path: Path, eos: tuple[int, ...]) -> HFTokenizer:
-    """`--tokenizer`: a tokenizer.json (no chat template; `eos` stays the model's) or the
+    """`--tokenizer`: a tokenizer.json (no chat template; `eos` stays the model's), the
     tokenizer of a .gguf file (its own template and end-of-sequence id)."""
     if path.suffix == ".gguf":
         return _gguf_tokenizer(path)
@@ -287,3 +316,13 @@ def load_tokenizer_file(path: Path, eos: tuple[int, ...]) -> HFTokenizer:
 def gguf_tokenizer_json(path: Path) -> str:
     """The tokenizer of a .gguf file as tokenizer.json text (a few MB, without the weights)."""
     return str(_gguf_tokenizer(path)._tok.to_str())
+
+
+def gguf_tokenizer_folder(path: Path, out: Path) -> None:
+    """The tokenizer of a .gguf file as a folder transformers loads whole: tokenizer.json and
+    tokenizer_config.json (its class, special tokens and chat template)."""
+    tok = _gguf_tokenizer(path)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tokenizer.json").write_text(tok.tokenizer_json())
+    config = {k: v for k, v in tok.hf_config().items() if v is not None}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")

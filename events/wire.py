@@ -68,7 +68,7 @@ class StatsRequest:
 class TokenizeRequest:
     """The token ids the engine reads a prompt as (raw `prompt`, or chat `messages` in the chat
     template with the assistant's turn begun, as a GenerateRequest reads them), or the text of
-    `token_ids` (detokenize).  Exactly one of the three is set."""
+    `token_ids` (detokenize).  Exactly one of the three is set, or none with `tokenizer_info`."""
 
     request_id: str
     prompt: str | None = None
@@ -76,6 +76,7 @@ class TokenizeRequest:
     token_ids: list[int] | None = None
     special_tokens_in_messages: bool = False
     chat_template_kwargs: dict = attrs.Factory(dict)  # as the GenerateRequest's
+    tokenizer_info: bool = False  # instead: the tokenizer's config (TokenizeReply.config)
 
 
 @record
@@ -223,6 +224,8 @@ class TokenizeReply:
     token_ids: list[int]  # the prompt's, or the token_ids given
     text: str  # the token ids' text (the prompt as given, for a raw prompt)
     max_model_len: int  # prompt + output tokens at most
+    # with `tokenizer_info`: tokenizer_config.json's special tokens and chat template (vLLM's)
+    config: dict = attrs.Factory(dict)
 
 
 @record

@@ -493,3 +493,17 @@ def test_chat_template_kwargs_reach_the_core_template(sdk):
         sdk.chat.completions.create(
             **kw, extra_body={"chat_template_kwargs": {"add_generation_prompt": False}}
         )
+
+
+def test_tokenizer_info_and_tokenize_as_lm_eval_reads_them(server):
+    """vLLM's /tokenizer_info, and /tokenize as lm-eval's remote tokenizer calls it
+    (`add_special_tokens: false`): the end-of-text token's text tokenizes to the id the engine
+    stops on, and the chat template is the one the engine renders."""
+    info = httpx.get(server.http_url + "/tokenizer_info").json()
+    assert (info["bos_token"], info["eos_token"]) == ("<|im_start|>", "<|im_end|>")
+    assert info["model_max_length"] > 0 and "im_start" in info["chat_template"]
+    tokenize = server.http_url + "/tokenize"
+    eos = httpx.post(tokenize, json={"prompt": info["eos_token"], "add_special_tokens": False})
+    assert eos.json()["tokens"] == [2]  # SmolLM2's <|im_end|>
+    refused = httpx.post(tokenize, json={"prompt": "x", "add_special_tokens": True})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "add_special_tokens"

@@ -43,7 +43,7 @@ def test_fields_not_served_are_refused_by_name(parse, body, says):
     "parse, body",
     [
         (parse_completion, {"prompt": "x", "use_beam_search": False, "length_penalty": 1.0}),
-        (parse_completion, {"prompt": "x", "add_special_tokens": True, "priority": 0}),
+        (parse_completion, {"prompt": "x", "add_special_tokens": False, "priority": 0}),
         (parse_chat, {"messages": ASK, "add_generation_prompt": True, "bad_words": []}),
         (parse_chat, {"messages": ASK, "continue_final_message": False, "cache_salt": None}),
     ],
@@ -58,7 +58,7 @@ def test_vllm_fields_at_values_that_change_nothing_are_taken(parse, body):
     [
         (parse_completion, {"prompt": "x", "use_beam_search": True}, "beam search"),
         (parse_completion, {"prompt": "x", "priority": 1}, "priority 1 is not supported"),
-        (parse_completion, {"prompt": "x", "add_special_tokens": False}, "add_special_tokens"),
+        (parse_completion, {"prompt": "x", "add_special_tokens": True}, "no BOS"),
         (parse_chat, {"messages": ASK, "add_generation_prompt": False}, "generation prompt"),
         (parse_chat, {"messages": ASK, "chat_template": "{{ x }}"}, "--chat-template"),
         (parse_chat, {"messages": ASK, "cache_salt": "a"}, "prefix cache is shared"),
