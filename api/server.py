@@ -42,9 +42,10 @@ from memstep.api.reattach import Detached, Reattach
 from memstep.api.tally import Tally, host_rss_bytes
 from memstep.core.config import ConfigError
 from memstep.core.engine import Engine, UnknownRequest, outside_vocabulary
+from memstep.core.generation_config import sampling_defaults
 from memstep.core.outputs import RequestOutput
 from memstep.core.recovery import EngineDead
-from memstep.core.sampling_params import InvalidRequest, SamplingParams
+from memstep.core.sampling_params import DEFAULT_TEMPERATURE, InvalidRequest, SamplingParams
 from memstep.events import codec
 from memstep.events.types import RequestTimed, StepPlanned
 from memstep.events.version import VERSION
@@ -253,7 +254,14 @@ class Server:
         self.last_keepalive = 0.0
         self.last_stats = (self.started, 0)  # (time, generation tokens) of the last stats line
         self.stopping = False
+        # what a request's params leave out: the model's own defaults (--generation-config)
+        self.sampling_defaults = sampling_defaults(engine.source, engine.cfg.generation_config)
         log.info("listening", endpoint=self.endpoint, curve=cfg.uses_curve)
+        log.info(
+            "sampling defaults",
+            generation_config=engine.cfg.generation_config,
+            **(self.sampling_defaults or {"temperature": DEFAULT_TEMPERATURE}),
+        )
 
     def _bind(self) -> zmq.Socket:
         sock = self.ctx.socket(zmq.ROUTER)
@@ -544,7 +552,7 @@ class Server:
         self._check_queue()
         self._check_waiting()
         prompt = self._prompt(msg) if ids is None else ids
-        params = _sampling_params(msg.params)
+        params = _sampling_params(msg.params, self.sampling_defaults)
         log.info("request arrived", step=self.engine.step_no, request_id=msg.request_id)
         if msg.output_token_ids:
             engine_id = self._migrated(prompt, params, msg)
@@ -862,11 +870,13 @@ class Server:
                 self.engine.abort(engine_id)
 
 
-def _sampling_params(data: dict) -> SamplingParams:
+def _sampling_params(data: dict, defaults: dict[str, Any]) -> SamplingParams:
+    """A request's params; what it leaves out (or sends as nil) takes the model's default."""
     for key in data:
         if type(key) is not str:
             raise InvalidRequest("sampling param names must be strings")
-    return SamplingParams.from_dict(data)
+    given = {k: v for k, v in data.items() if v is not None or k not in defaults}
+    return SamplingParams.from_dict({**defaults, **given})
 
 
 def _rounded(seconds: float | None) -> float | None:

@@ -303,6 +303,13 @@ def load_tokenizer(source: ModelSource, vocab_size: int, eos: tuple[int, ...]) -
     return ByteTokenizer(vocab_size, eos)
 
 
+def with_chat_template(tok: Tokenizer, template: str) -> Tokenizer:
+    """`tok` with `template` (Jinja text) as its chat template, checked as a model's is."""
+    if not isinstance(tok, HFTokenizer):
+        raise ModelError("this model's tokenizer (bytes) takes no chat template")
+    return HFTokenizer(tok._tok, template, tok.eos_token_ids, tok._bos, tok._pad)
+
+
 def load_tokenizer_file(path: Path, eos: tuple[int, ...]) -> HFTokenizer:
     """`--tokenizer`: a tokenizer.json (no chat template; `eos` stays the model's), the
     tokenizer of a .gguf file (its own template and end-of-sequence id)."""

@@ -507,3 +507,16 @@ def test_tokenizer_info_and_tokenize_as_lm_eval_reads_them(server):
     assert eos.json()["tokens"] == [2]  # SmolLM2's <|im_end|>
     refused = httpx.post(tokenize, json={"prompt": "x", "add_special_tokens": True})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "add_special_tokens"
+
+
+def test_a_request_without_sampling_values_takes_the_models_defaults(sdk):
+    """`--generation-config auto` (the default): SmolLM2's card, temperature 0.2 and top-p 0.9,
+    fill what a request leaves out; its own values win (a bare 1.0 samples otherwise)."""
+
+    def text(**given) -> str:
+        kw = dict(model="smollm2", prompt="Once upon a time", max_tokens=24, seed=11)
+        return sdk.completions.create(**kw, **given).choices[0].text
+
+    bare = text()
+    assert bare == text(temperature=0.2, top_p=0.9)
+    assert bare != text(temperature=1.0, top_p=1.0)
