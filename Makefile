@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 run: install
-	$(BIN)/memstep generate --prompt "What is the capital of France?"
+	$(BIN)/memstep generate --prompt "What is the capital of France?" --greedy
 
 lint: install
 	$(BIN)/ruff check .

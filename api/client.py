@@ -131,12 +131,21 @@ def generate_request(
     params: dict[str, Any],
     special_tokens_in_messages: bool = False,
     batch_deltas: bool = False,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> GenerateRequest:
     """A GenerateRequest from the arguments of `generate`; a list prompt is token ids."""
     text, ids = (None, prompt) if isinstance(prompt, list) else (prompt, None)
-    special = special_tokens_in_messages
+    special, extra = special_tokens_in_messages, chat_template_kwargs or {}
     return GenerateRequest(
-        request_id, text, ids, messages, params, stream, special, batch_deltas=batch_deltas
+        request_id,
+        text,
+        ids,
+        messages,
+        params,
+        stream,
+        special,
+        batch_deltas=batch_deltas,
+        chat_template_kwargs=extra,
     )
 
 
@@ -224,15 +233,18 @@ class Client:
         stream: bool = False,
         request_id: str | None = None,
         special_tokens_in_messages: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
         **params: Any,
     ) -> GenerateDone | Stream:
         """Text prompt, token ids or chat `messages`; `params` are SamplingParams fields.
 
-        `special_tokens_in_messages` reads "<|im_start|>" in a message as the control token.
+        `special_tokens_in_messages` reads "<|im_start|>" in a message as the control token;
+        `chat_template_kwargs` are more variables for the chat template.
         """
         rid = request_id or self._new_id()
         special = special_tokens_in_messages
-        self._send(generate_request(rid, prompt, messages, stream, params, special))
+        extra = chat_template_kwargs
+        self._send(generate_request(rid, prompt, messages, stream, params, special, False, extra))
         if stream:
             return Stream(self, rid)
         while not isinstance(msg := self._next(rid), GenerateDone):
@@ -421,13 +433,15 @@ class AsyncClient:
         stream: bool = False,
         request_id: str | None = None,
         special_tokens_in_messages: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
         **params: Any,
     ) -> GenerateDone | AsyncStream:
         """As `Client.generate`; with `stream=True` an async iterator of GenerateDelta (taken
         from the server in one GenerateDeltas a step with this client's other streams)."""
         rid = request_id or self._new_id()
-        special = special_tokens_in_messages
-        await self._send(generate_request(rid, prompt, messages, stream, params, special, stream))
+        special, extra = special_tokens_in_messages, chat_template_kwargs
+        msg = generate_request(rid, prompt, messages, stream, params, special, stream, extra)
+        await self._send(msg)
         if stream:
             return AsyncStream(self, rid)
         try:

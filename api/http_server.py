@@ -60,7 +60,7 @@ from memstep.api.tally import host_rss_bytes
 from memstep.api.tool_call_stream import CallStream
 from memstep.core import collector
 from memstep.core.logging import setup_logging
-from memstep.events.wire import ErrorReply, GenerateDone, HealthReply
+from memstep.events.wire import ErrorReply, GenerateDone, HealthReply, TokenizeRequest
 
 log = structlog.get_logger("memstep.http")
 
@@ -149,13 +149,22 @@ class Front:
     async def detokenize(self, request: Request) -> Response:
         return await self._tokens(request, oai.parse_detokenize, oai.detokenized)
 
+    async def tokenizer_info(self, request: Request) -> Response:
+        """vLLM's `/tokenizer_info`: the tokenizer's config (its class, special tokens, chat
+        template, model_max_length), from which a client such as lm-eval (its `remote`
+        tokenizer) reads the end-of-text token and the template."""
+        return await self._tokens(request, None, oai.tokenizer_info)
+
     async def _tokens(self, request: Request, parse: Any, answer: Any) -> Response:
         """vLLM's /tokenize and /detokenize: one TokenizeRequest to the core, within the
         request's deadline."""
         deadline = asyncio.get_running_loop().time() + self.limits.request_timeout_s
         try:
             self._check_key(request)
-            msg = parse(_json(await read_body(request, self.limits)), self.model)
+            if parse is None:
+                msg = TokenizeRequest("", tokenizer_info=True)
+            else:
+                msg = parse(_json(await read_body(request, self.limits)), self.model)
             try:
                 reply = await self._within(deadline, self.core.tokenize(msg))
             except (ServerError, TimeoutError, ConnectionError) as exc:
@@ -166,14 +175,25 @@ class Front:
 
     async def models(self, request: Request) -> Response:
         self._check_key(request)
-        card = {
+        return JSONResponse({"object": "list", "data": [self._card()]})
+
+    async def model_card(self, request: Request) -> Response:
+        """`GET /v1/models/{id}`: the served model's card; any other id is OpenAI's 404."""
+        self._check_key(request)
+        name = request.path_params["name"]
+        if name != self.model:
+            message = f"The model `{name}` does not exist."
+            return _error_response(OpenAIError(404, message, param="model", code="model_not_found"))
+        return JSONResponse(self._card())
+
+    def _card(self) -> dict[str, Any]:
+        return {
             "id": self.model,
             "object": "model",
             "created": self.created,
             "owned_by": "memstep",
             "root": self.model,
         }
-        return JSONResponse({"object": "list", "data": [card]})
 
     async def health(self, request: Request) -> Response:
         try:
@@ -223,9 +243,11 @@ class Front:
             for i in range(job.num_choices):
                 log.info("request arrived", request_id=f"{cid}-{i}", http_id=rid, x_request_id=xid)
             if job.stream:
+                counted = await self._within(deadline, self._prompt_tokens(job))
                 streams, firsts = await self._within(deadline, self._start(job, cid))
                 self.streaming.add(cid)
-                events = self._sse(job, (rid, cid), streams, firsts, deadline)
+                out = _SseState(job, rid, len(streams), prompt_tokens=counted)
+                events = self._sse(out, cid, streams, firsts, deadline)
                 # the background task ends the streams also when the body never started
                 end = BackgroundTask(self._end_streams, cid, streams)
                 return StreamingResponse(
@@ -239,6 +261,23 @@ class Front:
             return _error_response(exc, header)
         finally:
             self.num_inflight -= 1
+
+    async def _prompt_tokens(self, job: Job) -> list[int]:
+        """Each prompt's length in tokens, where every chunk carries usage (vLLM's
+        continuous_usage_stats): the core tokenizes it as the request will be."""
+        if not job.continuous_usage:
+            return []
+        counts = []
+        for source in job.prompts:
+            if isinstance(source.get("prompt"), list):
+                counts.append(len(source["prompt"]))
+                continue
+            try:
+                reply = await self.core.tokenize(TokenizeRequest("", **source))
+            except (ServerError, TimeoutError, ConnectionError) as exc:
+                raise _error_of(_as_server_error(exc)) from None
+            counts.append(len(reply.token_ids))
+        return counts
 
     async def _end_streams(self, cid: str, streams: list[AsyncStream]) -> None:
         self._end_streams_now(cid, streams)
@@ -325,8 +364,8 @@ class Front:
 
     async def _sse(
         self,
-        job: Job,
-        ids: tuple[str, str],  # the response's id, the core's
+        out: _SseState,
+        cid: str,  # the core's id
         streams: list[AsyncStream],
         firsts: list[Any],
         deadline: float,
@@ -341,8 +380,9 @@ class Front:
             queue.put_nowait((i, first))
             self.core.share(stream.request_id, queue, i)
         alarm = asyncio.create_task(_alarm(deadline, queue, self.core))
-        out = _SseState(job, ids[0], len(streams))
         try:
+            if out.job.chat:  # each choice's role first, before any token
+                yield b"".join(self._role_events(out))
             while not out.ended:
                 items = [await self.core.take(queue)]
                 while not queue.empty():  # all that came meanwhile, in one write
@@ -355,7 +395,14 @@ class Front:
                     yield data
         finally:
             alarm.cancel()
-            self._end_streams_now(ids[1], streams)
+            self._end_streams_now(cid, streams)
+
+    def _role_events(self, out: _SseState) -> list[bytes]:
+        out.started.update(range(out.num_choices))
+        return [
+            _event(oai.role_chunk(out.job, out.rid, i, out.usage_of(i, 0)))
+            for i in range(out.num_choices)
+        ]
 
     def _ended(self, stream: AsyncStream, reply: Any) -> Any:
         """A reply, its request forgotten once it ends the request; an ErrorReply as the error
@@ -385,10 +432,14 @@ class Front:
             held, called, left = b"", False, []
             if job.calls_tools:
                 calls, waiting = out.calls[index], out.held_logprobs.pop(index, [])
-                held = self._tool_chunks(out, index, calls.finish(), waiting)
+                cut = job.cut_call(item.finish_reason)
+                held = self._tool_chunks(out, index, calls.finish(cut), waiting)
                 called, left = calls.num_calls > 0, out.held_logprobs.pop(index, [])
             echo, left = self._echo(out, index, item, "", left)
-            end = oai.chunk(job, rid, index, echo, left, out.offsets[index], **_end(item, called))
+            used = out.usage_of(index, item.usage.completion_tokens)
+            end = oai.chunk(
+                job, rid, index, echo, left, out.offsets[index], usage=used, **_end(item, called)
+            )
             data = held + _event(end)
             if len(out.dones) == out.num_choices:
                 out.ended = True
@@ -397,6 +448,7 @@ class Front:
                     data += _event(oai.usage_chunk(job, rid, ordered))
                 data += DONE
             return data
+        out.num_tokens[index] += len(item.token_ids)
         if job.calls_tools:
             waiting = out.held_logprobs.pop(index, []) + list(item.logprobs)
             return self._tool_chunks(out, index, out.calls[index].feed(item.text), waiting)
@@ -409,9 +461,10 @@ class Front:
         out.started.add(index)
         offset = out.offsets[index]
         out.offsets[index] += len(text)
-        if not (role or logprobs) and (plain := out.text_chunks(index)) is not None:
+        used = out.usage_of(index, out.num_tokens[index])
+        if not (role or logprobs or used) and (plain := out.text_chunks(index)) is not None:
             return plain.event(text, out.created)
-        return _event(oai.chunk(job, rid, index, text, logprobs, offset, role=role))
+        return _event(oai.chunk(job, rid, index, text, logprobs, offset, role=role, usage=used))
 
     def _echo(
         self, out: _SseState, index: int, item: Any, text: str, logprobs: list[list]
@@ -434,13 +487,12 @@ class Front:
                 out.held_logprobs[index] = logprobs
             return b""
         chunks, job, rid = [], out.job, out.rid
+        used = out.usage_of(index, out.num_tokens[index])
         for delta in deltas:
-            role = index not in out.started
-            out.started.add(index)
             if "content" in delta:
-                chunk = oai.chunk(job, rid, index, delta["content"], logprobs, 0, role=role)
+                chunk = oai.chunk(job, rid, index, delta["content"], logprobs, 0, usage=used)
             else:
-                chunk = oai.calls_chunk(job, rid, index, delta["tool_calls"], role, logprobs)
+                chunk = oai.calls_chunk(job, rid, index, delta["tool_calls"], logprobs, used)
             chunks.append(_event(chunk))
             logprobs = []
         return b"".join(chunks)
@@ -476,6 +528,15 @@ class _SseState:
     held_logprobs: dict[int, list[list]] = attrs.Factory(dict)  # of tokens held back
     created: int = 0  # the `created` of the chunks of this write (seconds)
     plain: dict[int, oai.TextChunks | None] = attrs.Factory(dict)  # each choice's, once made
+    prompt_tokens: list[int] = attrs.Factory(list)  # each prompt's, with continuous usage
+    num_tokens: collections.Counter[int] = attrs.Factory(collections.Counter)  # each choice's
+
+    def usage_of(self, index: int, completion_tokens: int) -> dict[str, int] | None:
+        """Choice `index`'s usage so far, for its chunk; None unless every chunk carries it."""
+        if not self.job.continuous_usage:
+            return None
+        prompt_tokens = self.prompt_tokens[index // self.job.n]
+        return oai.running_usage(prompt_tokens, completion_tokens)
 
     def text_chunks(self, index: int) -> oai.TextChunks | None:
         """Choice `index`'s plain text chunks, made on its first."""
@@ -573,8 +634,10 @@ def build_app(front: Front) -> Starlette:
         Route("/v1/completions", front.completions, methods=["POST"]),
         Route("/v1/chat/completions", front.chat_completions, methods=["POST"]),
         Route("/v1/models", front.models, methods=["GET"]),
+        Route("/v1/models/{name:path}", front.model_card, methods=["GET"]),
         Route("/tokenize", front.tokenize, methods=["POST"]),
         Route("/detokenize", front.detokenize, methods=["POST"]),
+        Route("/tokenizer_info", front.tokenizer_info, methods=["GET"]),
         Route("/health", front.health, methods=["GET"]),
         Route("/metrics", front.metrics, methods=["GET"]),
     ]

@@ -17,11 +17,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import attrs
+import structlog
 from tqdm import tqdm
 
 from memstep.core import sampling_params as core_params
 from memstep.core.config import EngineConfig, with_vllm_names
 from memstep.core.engine import Engine
+from memstep.core.logging import setup_logging
 from memstep.core.sampling_params import InvalidRequest
 from memstep.executors.process.inprocess import local_engine
 
@@ -78,6 +80,8 @@ class LLM:
     """
 
     def __init__(self, model: str = "smollm2", **config: Any):
+        if not structlog.is_configured():  # structlog's default: every debug line on stdout
+            setup_logging("console", "warning")  # stderr, as a library should
         cfg = EngineConfig(model=model, **with_vllm_names(config))
         self.engine: Engine = local_engine(cfg)
 

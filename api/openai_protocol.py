@@ -17,6 +17,8 @@ from typing import Any
 import attrs
 import orjson
 
+from memstep.api import vllm_fields
+from memstep.api.tool_call_stream import split_reply
 from memstep.api.tool_calls import ToolError, Tools, calls_message, parse_calls, parse_tools
 from memstep.events.wire import GenerateDone, TokenizeReply, TokenizeRequest
 
@@ -61,10 +63,16 @@ STRUCTURED_KEYS = {
 }
 COMMON_FIELDS |= set(SAMPLING_FIELDS) | set(GUIDED_FIELDS) | {"response_format"}
 COMMON_FIELDS |= {"structured_outputs", "prompt_logprobs", "skip_special_tokens"}
+COMMON_FIELDS |= {"max_completion_tokens"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of"}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
-CHAT_FIELDS |= {"tools", "tool_choice", "parallel_tool_calls"}
+COMPLETION_FIELDS |= set(vllm_fields.COMPLETION_FIELDS)
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "chat_template_kwargs"}
+CHAT_FIELDS |= {"tools", "tool_choice", "parallel_tool_calls"} | set(vllm_fields.CHAT_FIELDS)
 MAX_N = 16
+MAX_STOP = 256  # stop strings a request may give (vLLM sets no limit; OpenAI's is 4)
+TOKENS_ADDED = (
+    "add_special_tokens true is not supported: no BOS or other token is added to a prompt"
+)
 
 
 class OpenAIError(Exception):
@@ -102,10 +110,21 @@ class Job:
     echo: bool = False  # completions: each choice's text and logprobs begin with its prompt's
     echo_only: bool = False  # echo with max_tokens 0: the prompt's alone (one token generated)
     prompt_logprobs: int | None = None  # vLLM's field: each prompt token's score, rank, top N
+    continuous_usage: bool = False  # vLLM's continuous_usage_stats: usage on every chunk
 
     @property
     def calls_tools(self) -> bool:
         return self.tools is not None and self.tools.is_on
+
+    @property
+    def forces_call(self) -> bool:
+        """Whether a grammar forces a tool call (tool_choice required or a named function)."""
+        return self.tools is not None and self.tools.is_on and self.tools.grammar() is not None
+
+    def cut_call(self, finish_reason: str) -> bool:
+        """Whether a reply is a forced call that max_tokens cut short: its shape is then the
+        calls whose name was complete (arguments as far as written), content null."""
+        return finish_reason == "length" and self.forces_call
 
     @property
     def num_choices(self) -> int:
@@ -119,12 +138,12 @@ class Job:
 
 
 def parse_completion(body: Any, model: str) -> Job:
-    body = _object(body, COMPLETION_FIELDS)
+    body = _object(body, COMPLETION_FIELDS, vllm_fields.COMPLETION_FIELDS)
     if body.get("best_of") not in (None, 1):
         raise bad("best_of other than 1 is not supported", "best_of")
     top = _int(body, "logprobs", 0, 5)
     prompts = [{"prompt": p} for p in _prompts(body.get("prompt"))]
-    max_tokens, echo = _int(body, "max_tokens", 0, None), _bool(body, "echo")
+    max_tokens, echo = _max_tokens(body, 0), _bool(body, "echo")
     if max_tokens == 0 and not echo:
         raise bad("max_tokens 0 needs echo: true (the prompt alone)", "max_tokens")
     # echo with max_tokens 0 (vLLM's): one token generated and left out of the answer
@@ -142,7 +161,7 @@ def parse_completion(body: Any, model: str) -> Job:
 
 
 def parse_chat(body: Any, model: str) -> Job:
-    body = _object(body, CHAT_FIELDS)
+    body = _object(body, CHAT_FIELDS, vllm_fields.CHAT_FIELDS)
     messages = _messages(body.get("messages"))
     try:
         tools = parse_tools(body)
@@ -157,22 +176,39 @@ def parse_chat(body: Any, model: str) -> Job:
         top = None
     elif top is None:
         top = 0
-    given = _int(body, "max_completion_tokens", 1, None)
-    max_tokens = given if given is not None else _int(body, "max_tokens", 1, None)
-    return _job(body, model, True, [{"messages": messages}], max_tokens, top, tools)
+    max_tokens = _max_tokens(body, 1)
+    source: dict[str, Any] = {"messages": messages}
+    extra = body.get("chat_template_kwargs")
+    if extra is not None:  # vLLM's: more variables for the template, e.g. enable_thinking
+        if not isinstance(extra, dict):
+            raise bad("chat_template_kwargs must be an object", "chat_template_kwargs")
+        source["chat_template_kwargs"] = extra
+    return _job(body, model, True, [source], max_tokens, top, tools)
+
+
+def _max_tokens(body: dict, low: int) -> int | None:
+    """OpenAI's max_completion_tokens, or its older name max_tokens (both endpoints, as vLLM)."""
+    given = _int(body, "max_completion_tokens", low, None)
+    return given if given is not None else _int(body, "max_tokens", low, None)
 
 
 def parse_tokenize(body: Any, model: str) -> TokenizeRequest:
     """vLLM's /tokenize: a raw `prompt`, or chat `messages` read as a chat completion would
     (`add_generation_prompt` true: the only form the engine reads them in)."""
-    body = _object(body, {"model", "prompt", "messages", "add_generation_prompt"})
+    fields = {"model", "prompt", "messages", "add_generation_prompt", "add_special_tokens"}
+    body = _object(body, fields | {"chat_template_kwargs"})
     _model(body, model)
     if body.get("add_generation_prompt") is False:
         raise bad("add_generation_prompt false is not supported", "add_generation_prompt")
+    if body.get("add_special_tokens") not in (None, False):  # lm-eval sends false
+        raise bad(TOKENS_ADDED, "add_special_tokens")
+    extra = body.get("chat_template_kwargs") or {}
+    if not isinstance(extra, dict) or (extra and "messages" not in body):
+        raise bad("chat_template_kwargs must be an object, with messages", "chat_template_kwargs")
     if ("prompt" in body) == ("messages" in body):
         raise bad("give exactly one of prompt, messages")
     if "messages" in body:
-        return TokenizeRequest("", messages=_messages(body["messages"]))
+        return TokenizeRequest("", messages=_messages(body["messages"]), chat_template_kwargs=extra)
     if not isinstance(body["prompt"], str):
         raise bad("prompt must be a string", "prompt")
     return TokenizeRequest("", prompt=body["prompt"])
@@ -197,6 +233,10 @@ def detokenized(reply: TokenizeReply) -> dict[str, Any]:
     return {"prompt": reply.text}
 
 
+def tokenizer_info(reply: TokenizeReply) -> dict[str, Any]:
+    return dict(reply.config)
+
+
 def _with_tools(messages: list[dict[str, str]], tools: Tools) -> list[dict[str, str]]:
     """The tools' system prompt, before (or joined to) the conversation's own system turn."""
     prompt = tools.system_prompt()
@@ -218,11 +258,7 @@ def _job(
     _model(body, model)
     n = _int(body, "n", 1, MAX_N) or 1
     stream = _bool(body, "stream")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict) or set(options) - {"include_usage"}:
-        raise bad("stream_options takes only include_usage", "stream_options")
-    if options and not stream:
-        raise bad("stream_options is only allowed with stream: true", "stream_options")
+    options = _stream_options(body.get("stream_options"), stream)
     if body.get("skip_special_tokens") is not None and not _bool(body, "skip_special_tokens"):
         # vLLM's default, true, is how every text here is made: special tokens give no text
         raise bad("skip_special_tokens false is not supported", "skip_special_tokens")
@@ -234,7 +270,36 @@ def _job(
         base["prompt_logprobs"] = scored
     params = [_choice_params(base, body.get("seed"), j) for _ in prompts for j in range(n)]
     usage = bool(options.get("include_usage"))
-    return Job(chat, model, prompts, params, n, stream, usage, top, tools, prompt_logprobs=scored)
+    every = usage and bool(options.get("continuous_usage_stats"))  # as vLLM: with include_usage
+    return Job(
+        chat,
+        model,
+        prompts,
+        params,
+        n,
+        stream,
+        usage,
+        top,
+        tools,
+        prompt_logprobs=scored,
+        continuous_usage=every,
+    )
+
+
+def _stream_options(options: Any, stream: bool) -> dict[str, Any]:
+    """OpenAI's include_usage (a usage chunk at the end) and vLLM's continuous_usage_stats
+    (usage on every chunk as well), each a boolean."""
+    if options is None:
+        return {}
+    keys = {"include_usage", "continuous_usage_stats"}
+    if not isinstance(options, dict) or set(options) - keys:
+        raise bad("stream_options takes only include_usage and continuous_usage_stats")
+    if options and not stream:
+        raise bad("stream_options is only allowed with stream: true", "stream_options")
+    for key, value in options.items():
+        if not isinstance(value, bool | None):
+            raise bad(f"stream_options.{key} must be a boolean", "stream_options")
+    return options
 
 
 def _constraint(body: dict, tools: Tools | None) -> dict[str, Any]:
@@ -299,8 +364,10 @@ def _sampling(body: dict, max_tokens: int | None, top: int | None) -> dict[str, 
     stop = body.get("stop")
     if stop is not None:
         stops = [stop] if isinstance(stop, str) else stop
-        if not (isinstance(stops, list) and len(stops) <= 4):
-            raise bad("stop must be a string or a list of at most 4 strings", "stop")
+        if not (isinstance(stops, list) and all(isinstance(x, str) for x in stops)):
+            raise bad("stop must be a string or a list of strings", "stop")
+        if len(stops) > MAX_STOP:
+            raise bad(f"stop takes at most {MAX_STOP} strings, got {len(stops)}", "stop")
         params["stop"] = stops
     return params
 
@@ -319,7 +386,8 @@ def _choice_params(base: dict[str, Any], seed: Any, j: int) -> dict[str, Any]:
     return base
 
 
-def _object(body: Any, allowed: set[str]) -> dict[str, Any]:
+def _object(body: Any, allowed: set[str], vllm: dict | None = None) -> dict[str, Any]:
+    """The body as a map of known fields; vLLM's that ask for what is not done, refused."""
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     unknown = sorted(set(body) - allowed)
@@ -328,6 +396,9 @@ def _object(body: Any, allowed: set[str]) -> dict[str, Any]:
         if name in UNSUPPORTED_FIELDS:
             raise bad(f"{name} is not supported", name)
         raise bad(f"Unrecognized request argument supplied: {name}", name)
+    refused = vllm_fields.refusal(body, vllm or {})
+    if refused is not None:
+        raise bad(refused[1], refused[0])
     return body
 
 
@@ -428,7 +499,10 @@ def _choice(job: Job, index: int, done: GenerateDone) -> dict[str, Any]:
     if job.chat:
         message: dict[str, Any] = {"role": "assistant", "content": done.text}
         reason = done.finish_reason
-        if job.calls_tools:
+        if job.cut_call(reason):
+            content, calls = split_reply(done.text, cut=True)
+            message = {"role": "assistant", "content": content or None, "tool_calls": calls}
+        elif job.calls_tools:
             content, calls = parse_calls(done.text)
             if calls:
                 message = {"role": "assistant", "content": content or None, "tool_calls": calls}
@@ -480,11 +554,12 @@ def vllm_prompt_logprobs(scored: list[list], job: Job) -> list[dict[str, Any] | 
 def chunk(
     job: Job, rid: str, index: int, text: str, logprobs: list[list], offset: int, **extra: Any
 ) -> dict[str, Any]:
-    """One streamed chunk of choice `index`; `extra` may set finish_reason or the chat role."""
+    """One streamed chunk of choice `index`; `extra` may set finish_reason, the chat role, and
+    the `usage` of a continuous_usage_stats stream."""
     lp = format_logprobs(job, logprobs, offset)
     reason = extra.get("finish_reason")
     if job.chat:
-        delta = {"role": "assistant"} if extra.get("role") else {}
+        delta: dict[str, Any] = {"role": "assistant"} if extra.get("role") else {}
         delta["content"] = text
         choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}
         out = {**_head(job, rid, "chat.completion.chunk"), "choices": [choice]}
@@ -492,8 +567,24 @@ def chunk(
         choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": reason}
         out = {**_head(job, rid, "text_completion"), "choices": [choice]}
     if job.include_usage:
-        out["usage"] = None
+        out["usage"] = extra.get("usage")
     return out
+
+
+def role_chunk(job: Job, rid: str, index: int, usage: dict[str, int] | None) -> dict[str, Any]:
+    """A chat stream's first chunk of choice `index`: the role alone (content ""), before any
+    token, as OpenAI and vLLM send it."""
+    return chunk(job, rid, index, "", [], 0, role=True, usage=usage)
+
+
+def running_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """A choice's usage so far, as vLLM's continuous_usage_stats puts it on each chunk."""
+    total = prompt_tokens + completion_tokens
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": total,
+    }
 
 
 class TextChunks:
@@ -524,17 +615,21 @@ class TextChunks:
 
 
 def calls_chunk(
-    job: Job, rid: str, index: int, deltas: list[dict[str, Any]], role: bool, logprobs: list[list]
+    job: Job,
+    rid: str,
+    index: int,
+    deltas: list[dict[str, Any]],
+    logprobs: list[list],
+    usage: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """A streamed chat chunk with tool-call deltas, as OpenAI sends them: a call's first with
     its index, id, type, name and empty arguments, then fragments of its arguments."""
-    delta: dict[str, Any] = {"role": "assistant"} if role else {}
-    delta |= {"content": None, "tool_calls": deltas}
+    delta: dict[str, Any] = {"content": None, "tool_calls": deltas}
     lp = format_logprobs(job, logprobs, 0)
     choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": None}
     out = {**_head(job, rid, "chat.completion.chunk"), "choices": [choice]}
     if job.include_usage:
-        out["usage"] = None
+        out["usage"] = usage
     return out
 
 
@@ -571,10 +666,18 @@ def format_logprobs(job: Job, tokens: list[list], offset: int) -> dict[str, Any]
         "tokens": [text for _, text, _, _ in tokens],
         "token_logprobs": [lp for _, _, lp, _ in tokens],
         "top_logprobs": [
-            None if lp is None else {t: p for _, t, p in alts[:top]} for _, _, lp, alts in tokens
+            None if lp is None else _top(text, lp, alts[:top]) for _, text, lp, alts in tokens
         ],
         "text_offset": offsets,
     }
+
+
+def _top(text: str, logprob: float, alternatives: list[list]) -> dict[str, float]:
+    """A legacy completion token's top_logprobs: the top N and the chosen token (N + 1 entries
+    where it is not among them), as OpenAI and vLLM give them."""
+    top = {t: p for _, t, p in alternatives}
+    top.setdefault(text, logprob)
+    return top
 
 
 def _token(text: str, logprob: float) -> dict[str, Any]:

@@ -42,11 +42,12 @@ from memstep.api.reattach import Detached, Reattach
 from memstep.api.tally import Tally, host_rss_bytes
 from memstep.core.config import ConfigError
 from memstep.core.engine import Engine, UnknownRequest, outside_vocabulary
+from memstep.core.generation_config import sampling_defaults
 from memstep.core.grammar import constraint_book
 from memstep.core.grammar_check import Check
 from memstep.core.outputs import RequestOutput
 from memstep.core.recovery import EngineDead
-from memstep.core.sampling_params import InvalidRequest, SamplingParams
+from memstep.core.sampling_params import DEFAULT_TEMPERATURE, InvalidRequest, SamplingParams
 from memstep.events import codec
 from memstep.events.types import RequestTimed, StepPlanned
 from memstep.events.version import VERSION
@@ -277,7 +278,14 @@ class Server:
         self.last_keepalive = 0.0
         self.last_stats = (self.started, 0)  # (time, generation tokens) of the last stats line
         self.stopping = False
+        # what a request's params leave out: the model's own defaults (--generation-config)
+        self.sampling_defaults = sampling_defaults(engine.source, engine.cfg.generation_config)
         log.info("listening", endpoint=self.endpoint, curve=cfg.uses_curve)
+        log.info(
+            "sampling defaults",
+            generation_config=engine.cfg.generation_config,
+            **(self.sampling_defaults or {"temperature": DEFAULT_TEMPERATURE}),
+        )
 
     def _bind(self) -> zmq.Socket:
         sock = self.ctx.socket(zmq.ROUTER)
@@ -569,7 +577,7 @@ class Server:
         self._check_queue()
         self._check_waiting()
         prompt = self._prompt(msg) if ids is None else ids
-        params = _sampling_params(msg.params)
+        params = _sampling_params(msg.params, self.sampling_defaults)
         log.info("request arrived", step=self.engine.step_no, request_id=msg.request_id)
         if any(c.key == key for c in self.checking):
             raise RequestRefused("duplicate_request", f"request {msg.request_id!r} is in flight")
@@ -720,17 +728,26 @@ class Server:
         if len(given) != 1:
             what = "prompt_token_ids" if isinstance(msg, GenerateRequest) else "token_ids"
             raise InvalidRequest(f"give exactly one of prompt, {what}, messages")
+        extra = msg.chat_template_kwargs
+        if any(not isinstance(key, str) for key in extra):
+            raise InvalidRequest("chat_template_kwargs must map names (strings) to values")
         if msg.messages is None:
+            if extra:
+                raise InvalidRequest("chat_template_kwargs goes with messages only")
             return given[0]
         if not msg.messages:
             raise InvalidRequest("messages is empty")
         if any(set(m) != {"role", "content"} for m in msg.messages):
             raise InvalidRequest("every message needs exactly the keys 'role' and 'content'")
-        return self.engine.tokenizer.encode_chat(msg.messages, msg.special_tokens_in_messages)
+        special, extra = msg.special_tokens_in_messages, msg.chat_template_kwargs
+        return self.engine.tokenizer.encode_chat(msg.messages, special, extra)
 
     def _tokenize(self, msg: TokenizeRequest) -> TokenizeReply:
         """A prompt's token ids as a generate request would read it, or token ids' text."""
         tok, vocab = self.engine.tokenizer, self.engine.model_cfg.vocab_size
+        if msg.tokenizer_info:
+            config = tok.hf_config() | {"model_max_length": self.engine.max_model_len}
+            return TokenizeReply(msg.request_id, [], "", self.engine.max_model_len, config)
         prompt = self._prompt(msg)
         if isinstance(prompt, str):
             ids, text = tok.encode(prompt), prompt
@@ -939,11 +956,13 @@ class Server:
                 self.engine.abort(engine_id)
 
 
-def _sampling_params(data: dict) -> SamplingParams:
+def _sampling_params(data: dict, defaults: dict[str, Any]) -> SamplingParams:
+    """A request's params; what it leaves out (or sends as nil) takes the model's default."""
     for key in data:
         if type(key) is not str:
             raise InvalidRequest("sampling param names must be strings")
-    return SamplingParams.from_dict(data)
+    given = {k: v for k, v in data.items() if v is not None or k not in defaults}
+    return SamplingParams.from_dict({**defaults, **given})
 
 
 def _rounded(seconds: float | None) -> float | None:

@@ -47,11 +47,15 @@ class CallStream:
         out, self.out = self.out, []
         return _merged(out)
 
-    def finish(self) -> list[Delta]:
+    def finish(self, cut: bool = False) -> list[Delta]:
         """What is left: held text as content (whitespace only where no call was made), a
-        call held whole, or the end of a call's arguments cut short (`max_tokens`)."""
+        call held whole, or the end of a call's arguments cut short (`max_tokens`).  With `cut`
+        (a forced call that `max_tokens` cut short) what was held is dropped instead: such a
+        reply is the calls whose name was complete, never the call's markup as content."""
         out = self.feed("")
         rest, self.buf = self.buf, ""
+        if cut:
+            return _merged(out)
         if self.mode == "header" and rest:
             out += self._whole_call_or_text(rest, closed=False)
         elif self.mode in ("start", "text") and rest and (rest.strip() or not self.num_calls):
@@ -203,11 +207,12 @@ class CallStream:
         return True
 
 
-def split_reply(text: str) -> tuple[str, list[dict[str, Any]]]:
-    """A whole reply's content and OpenAI tool_calls, as a stream of it would accumulate."""
+def split_reply(text: str, cut: bool = False) -> tuple[str, list[dict[str, Any]]]:
+    """A whole reply's content and OpenAI tool_calls, as a stream of it would accumulate
+    (`cut`: a forced call cut short, see `CallStream.finish`)."""
     stream = CallStream()
     content, calls = [], []
-    for delta in [*stream.feed(text), *stream.finish()]:
+    for delta in [*stream.feed(text), *stream.finish(cut)]:
         if "content" in delta:
             content.append(delta["content"])
             continue

@@ -49,7 +49,7 @@ def memstep(*args: str) -> list[str]:
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, dict[str, Any], Path]:
     ready, log = args.out / "ready.json", args.out / "soak.memlog"
     ready.unlink(missing_ok=True)
-    flags = ["--model", args.model, "--port", "0", "--http-port", "0", "--ready-file", str(ready)]
+    flags = ["--model", args.model, "--zmq-port", "0", "--port", "0", "--ready-file", str(ready)]
     flags += ["--record", str(log), "--max-num-seqs", str(args.max_num_seqs)]
     flags += ["--num-threads", str(args.num_threads), "--log-format", "json"]
     with (args.out / "serve.log").open("w") as out:

@@ -1,7 +1,8 @@
 """Chat with the model in the terminal: each answer streams as it is generated.
 
 The conversation is kept (every turn is sent again, so the prefix cache reuses its KV pages);
-`/reset` forgets it (the --system message stays), `/exit` or Ctrl-D ends.  The model runs in
+`/reset` forgets it (the --system message stays), `/exit` or Ctrl-D ends; Ctrl-C stops the
+answer being written (what it wrote stays in the conversation), not the chat.  The model runs in
 this process, as with `generate`; `--record PATH` keeps the session's event log.
 """
 
@@ -12,11 +13,12 @@ import sys
 from typing import TextIO
 
 from memstep.cli.generate import (
+    Answer,
     add_sampling_arguments,
     in_process_engine,
+    model_defaults,
     preflight_tokenizer,
     sampling_params,
-    stream,
 )
 from memstep.cli.help_format import groups
 from memstep.cli.main import add_engine_arguments, config_from_args
@@ -29,7 +31,7 @@ EXAMPLES = """examples:
   memstep chat --system "Answer in one sentence." --greedy
 """
 PROMPT = "> "
-HELP = "/reset forgets the conversation, /exit (or Ctrl-D) ends"
+HELP = "/reset forgets the conversation, Ctrl-C stops an answer, /exit (or Ctrl-D) ends"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,8 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    params = sampling_params(args)
     cfg = config_from_args(args, max_num_seqs=1)
+    params = sampling_params(args, model_defaults(cfg))
     preflight_tokenizer(cfg)  # a bad model or context fails before the weights load
     recorder = open_recorder(args)
     engine = in_process_engine(cfg, recorder)
@@ -81,11 +83,14 @@ class Session:
         the context is refused with a line that says so, and forgotten."""
         messages = [*self.messages, {"role": "user", "content": text}]
         ids = self.engine.tokenizer.encode_chat(messages)
+        answer = Answer(self.engine, stoppable=True)
         try:
-            reply, _ = stream(self.engine, ids, self.params, out)
+            reply, _ = answer.run(ids, self.params, out)
         except InvalidRequest as exc:
             out.write(f"(not sent: {exc}; /reset starts over)\n")
             return
+        if answer.stopped:
+            out.write("(stopped)\n")
         self.messages = [*messages, {"role": "assistant", "content": reply}]
 
 

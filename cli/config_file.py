@@ -23,7 +23,7 @@ NOT_FROM_FILE = ("help", "help_all", "version", "config")
 def add_config_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--config", metavar="FILE.yaml",
-        help="flags from a YAML file (keys: flag names); the command line wins (default: none)",
+        help="flags from a YAML file; the command line wins (default: none)",
     )  # fmt: skip
 
 

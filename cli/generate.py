@@ -1,23 +1,27 @@
 """Generate a completion for one prompt and print it (streamed with --stream).
 
-Sampling defaults are vLLM's, as everywhere in memstep (temperature 1.0); `--greedy` is
-temperature 0.  Everything that needs no model (the sampling values, the prompt's length against
-the model's context, the log path) is checked before the model loads.
+Sampling defaults are the model's, as `serve` takes them (`--generation-config auto`: SmolLM2's
+card says temperature 0.2, top-p 0.9); a flag given wins, and `--greedy` is temperature 0.  Only
+the answer goes to stdout; logs go to stderr from warning up unless `--log-level info`.
+Everything that needs no weights (the sampling values, the prompt's length against the model's
+context, the log path) is checked before the weights load.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
-from typing import TextIO
+from typing import Any, TextIO
 
 from memstep.cli.help_format import groups
 from memstep.cli.main import add_engine_arguments, config_from_args
 from memstep.core.config import EngineConfig
 from memstep.core.engine import Engine, check_prompt
+from memstep.core.generation_config import sampling_defaults
 from memstep.core.model_source import model_config, resolve
-from memstep.core.sampling_params import DEFAULT_TEMPERATURE, SamplingParams
+from memstep.core.sampling_params import SamplingParams
 from memstep.core.shapes import max_model_len
 from memstep.core.tokenizer import Tokenizer, load_tokenizer
 from memstep.replay.recorder import add_record_arguments, open_recorder
@@ -40,29 +44,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_sampling_arguments(g, max_tokens: int) -> None:
-    """The sampling flags of `generate` and `chat`; defaults are SamplingParams' (vLLM's)."""
+    """The sampling flags of `generate` and `chat`; those not given take the model's defaults
+    (--generation-config), then SamplingParams' (vLLM's)."""
     g.add_argument("--max-tokens", type=int, default=max_tokens, metavar="N", help="at most")
     g.add_argument(
-        "--temperature", type=float, default=DEFAULT_TEMPERATURE, metavar="T", help="0: greedy"
+        "--temperature", type=float, metavar="T", help="0: greedy (default: the model's)"
     )
     g.add_argument("--greedy", action="store_true", help="temperature 0: the likeliest tokens")
-    g.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass")
-    g.add_argument("--top-k", type=int, default=0, metavar="K", help="0 disables")
+    g.add_argument("--top-p", type=float, metavar="P", help="nucleus mass (default: the model's)")
+    g.add_argument("--top-k", type=int, metavar="K", help="0 disables (default: the model's)")
     g.add_argument(
         "--sampling-seed", "--request-seed", dest="request_seed", type=int, metavar="N",
         help="this request's seed (default: drawn from the engine-wide --seed)",
     )  # fmt: skip
 
 
-def sampling_params(args: argparse.Namespace) -> SamplingParams:
-    """The flags' params; an InvalidRequest (one line, exit 2) for a bad value."""
-    return SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=0.0 if args.greedy else args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.request_seed,
-    )
+def sampling_params(args: argparse.Namespace, defaults: dict[str, Any]) -> SamplingParams:
+    """The flags' params over the model's `defaults`; an InvalidRequest (one line, exit 2) for
+    a bad value."""
+    given = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+    if args.greedy:
+        given["temperature"] = 0.0
+    given |= {"max_tokens": args.max_tokens, "seed": args.request_seed}
+    return SamplingParams(**{**defaults, **{k: v for k, v in given.items() if v is not None}})
+
+
+def model_defaults(cfg: EngineConfig) -> dict[str, Any]:
+    """The model's sampling defaults under `--generation-config`, read without its weights."""
+    source = resolve(cfg.model, cfg.random_weights_seed, cfg.tokenizer)
+    return sampling_defaults(source, cfg.generation_config)
 
 
 def preflight_tokenizer(cfg: EngineConfig) -> tuple[Tokenizer, int, int]:
@@ -74,8 +84,8 @@ def preflight_tokenizer(cfg: EngineConfig) -> tuple[Tokenizer, int, int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    params = sampling_params(args)
     cfg = config_from_args(args, max_num_seqs=1)
+    params = sampling_params(args, model_defaults(cfg))
     tokenizer, vocab, max_len = preflight_tokenizer(cfg)
     messages = [{"role": "user", "content": args.prompt}]
     prompt = tokenizer.encode(args.prompt) if args.raw else tokenizer.encode_chat(messages)
@@ -109,10 +119,52 @@ def stream(
     engine: Engine, prompt: list[int], params: SamplingParams, out: TextIO | None
 ) -> tuple[str, list[int]]:
     """Run one request to its end, writing its text to `out` as it comes; (text, token ids)."""
-    rid = engine.add_request(prompt, params)
-    text, ids = "", []
-    while engine.has_work():
-        for step_out in engine.step():
+    return Answer(engine).run(prompt, params, out)
+
+
+class Answer:
+    """One request run to its end in the engine; with `stoppable`, Ctrl-C (SIGINT) ends the
+    answer between two steps, never inside one, instead of the program."""
+
+    def __init__(self, engine: Engine, stoppable: bool = False):
+        self.engine = engine
+        self.stoppable = stoppable
+        self.stopped = False
+
+    def run(
+        self, prompt: list[int], params: SamplingParams, out: TextIO | None
+    ) -> tuple[str, list[int]]:
+        if not self.stoppable:
+            return self._run(prompt, params, out)
+        before = signal.signal(signal.SIGINT, self._stop)
+        try:
+            return self._run(prompt, params, out)
+        finally:
+            signal.signal(signal.SIGINT, before)
+
+    def _stop(self, signum: int, frame: object) -> None:
+        self.stopped = True
+
+    def _run(
+        self, prompt: list[int], params: SamplingParams, out: TextIO | None
+    ) -> tuple[str, list[int]]:
+        engine = self.engine
+        rid = engine.add_request(prompt, params)
+        text, ids, aborted = "", list[int](), False
+        while engine.has_work():
+            if self.stopped and not aborted:
+                engine.abort(rid)
+                aborted = True
+                continue
+            text_now, ids_now = self._step(rid, out)
+            text, ids = text + text_now, ids + ids_now
+        if out is not None:
+            out.write("\n")
+        return text, ids
+
+    def _step(self, rid: str, out: TextIO | None) -> tuple[str, list[int]]:
+        text, ids = "", []
+        for step_out in self.engine.step():
             if step_out.request_id != rid:
                 continue
             text += step_out.new_text
@@ -120,6 +172,4 @@ def stream(
             if out is not None:
                 out.write(step_out.new_text)
                 out.flush()
-    if out is not None:
-        out.write("\n")
-    return text, ids
+        return text, ids

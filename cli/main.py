@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import os
 import sys
 import warnings
@@ -57,7 +58,7 @@ COMMANDS = {  # name -> (module, one-line help); a module is imported only when 
     "inspect": ("memstep.cli.inspect", "summarise an event log"),
     "plot": ("memstep.cli.plot", "plot memory over steps from an event log"),
     "trace": ("memstep.cli.trace", "write an event log as a Chrome trace (Perfetto)"),
-    "export-tokenizer": ("memstep.cli.export_tokenizer", "write a GGUF's tokenizer.json"),
+    "export-tokenizer": ("memstep.cli.export_tokenizer", "write a GGUF's tokenizer folder"),
     "train-draft": ("memstep.cli.train_draft", "train the EAGLE-style draft head for a model"),
     "executor": ("memstep.cli.executor", "run tensor-parallel ranks for a core on another machine"),
 }
@@ -68,6 +69,8 @@ USER_ERRORS = (
 # a path that cannot be used (also any OSError that names its file): the user's to fix
 PATH_ERRORS = (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError)
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+# one-shot commands print their answer: their logs show from warning up unless --log-level says
+QUIET_COMMANDS = {"generate", "chat", "export-tokenizer"}
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -80,6 +83,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     )
     common.add_argument(
         "--tokenizer", metavar="PATH", help="a tokenizer.json or .gguf (default: the model's)"
+    )
+    common.add_argument(
+        "--generation-config",
+        default=d.generation_config,
+        metavar="MODE",
+        help="sampling defaults: auto (model's), vllm, a folder (default: auto)",
     )
     dtypes = ["auto", "float32", "bfloat16", "float16"]
     common.add_argument("--dtype", default=d.dtype, choices=dtypes, help="weights, activations")
@@ -275,6 +284,7 @@ def config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
     names = {f.name for f in attrs.fields(EngineConfig)}
     values = {k: v for k, v in vars(args).items() if k in names}
     values.update(overrides)
+    check_device(values.get("device", "auto"))
     if values.get("max_num_seqs") is None or values.get("max_num_batched_tokens") is None:
         chosen = _device_limits(values)
         if values.get("max_num_batched_tokens") is None:
@@ -282,6 +292,24 @@ def config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
         if values.get("max_num_seqs") is None:  # a step never has more rows than tokens
             values["max_num_seqs"] = min(chosen.max_num_seqs, values["max_num_batched_tokens"])
     return EngineConfig(**values)
+
+
+def check_device(device: str) -> None:
+    """`--device cuda` where CUDA cannot run: a ConfigError (one line) now, instead of a
+    traceback from the executor once it imports torch."""
+    if device != "cuda":
+        return
+    try:
+        build = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        raise ConfigError("--device cuda: torch is not installed") from None
+    if build.endswith("+cpu"):
+        raise ConfigError(
+            f"--device cuda: this torch ({build}) is a CPU-only build; install a CUDA build "
+            "(make test TORCH_SPEC=torch) or use --device cpu"
+        )
+    if cuda_device_bytes(device) is None:
+        raise ConfigError("--device cuda: no GPU found here (nvidia-smi sees none)")
 
 
 def _device_limits(values: dict) -> Limits:
@@ -311,8 +339,8 @@ def add_global_arguments(p: argparse.ArgumentParser, defaults: bool) -> None:
     )
     p.add_argument(
         "--log-level",
-        default="info" if defaults else argparse.SUPPRESS,
-        help="debug, info, warning or error (default: info)",
+        default=None if defaults else argparse.SUPPRESS,
+        help="debug, info, warning, error (default: info; generate/chat: warning)",
     )
 
 
@@ -346,7 +374,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = attach_dashed_keys(argv)
     try:
         args = parse_with_config(parser, command, argv)
-        setup_logging(args.log_format, log_level(args.log_level))
+        default = "warning" if command in QUIET_COMMANDS else "info"
+        args.log_level = log_level(args.log_level or default)
+        setup_logging(args.log_format, args.log_level)
         return int(args.run(args) or 0)
     except BrokenPipeError:  # piped into a reader that stopped early (`| head`): not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # quiet exit-time flush

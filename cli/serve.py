@@ -39,7 +39,7 @@ from memstep.api.http_front import (
 )
 from memstep.api.http_limits import HttpLimits
 from memstep.api.server import Server, ServerConfig
-from memstep.cli import serve_replicas
+from memstep.cli import serve_replicas, vllm_flags
 from memstep.cli.curve_keys import attach_dashed_keys, is_z85_key
 from memstep.cli.help_format import groups
 from memstep.cli.main import add_engine_arguments, config_from_args
@@ -68,7 +68,7 @@ STANDBY_ROOM = 4  # auto keeps a standby when available memory is this many time
 
 EXAMPLES = """examples:
   memstep serve                                   SmolLM2 on the CPU: HTTP :8000/v1, ZMQ :5557
-  memstep serve --model ./Llama-3.1-8B --device cuda --served-model-name llama
+  memstep serve ./Llama-3.1-8B --device cuda --served-model-name llama --port 8000
   memstep serve --config serve.yaml --port 6000   flags from a file; the command line wins
   memstep serve --resume memstep-logs/LOG.memlog  pick up where a dead server stopped
 """
@@ -78,16 +78,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d, hd = ServerConfig(), HttpConfig()
     g = groups(p)
     common = g["common"]
-    common.add_argument("--host", default=d.host, help="ZMQ address; non-loopback needs CURVE")
-    common.add_argument("--port", type=int, default=d.port, help="ZMQ port; 0 picks a free one")
     common.add_argument(
-        "--http-host", default=hd.host, help="HTTP address; non-loopback needs --api-key"
+        "model_tag", nargs="?", metavar="MODEL", help="the model, as vLLM's (default: --model)"
     )
-    common.add_argument("--http-port", type=int, default=hd.port, help="0 picks a free port")
+    common.add_argument(
+        "--host",
+        dest="http_host",
+        default=hd.host,
+        metavar="HOST",
+        help="HTTP address; non-loopback needs --api-key",
+    )
+    common.add_argument(
+        "--port",
+        dest="http_port",
+        type=int,
+        default=hd.port,
+        metavar="PORT",
+        help="HTTP port; 0: a free one",
+    )
+    common.add_argument(
+        "--zmq-host", dest="host", default=d.host, help="ZMQ address; non-loopback needs CURVE"
+    )
+    common.add_argument(
+        "--zmq-port", dest="port", type=int, default=d.port, help="ZMQ port; 0: a free one"
+    )
     common.add_argument("--no-http", dest="http", action="store_false", help="serve ZMQ only")
     common.add_argument(
         "--api-key", default=os.environ.get("MEMSTEP_API_KEY"), metavar="KEY",
-        help="required as 'Bearer KEY' (default: $MEMSTEP_API_KEY; inline, ps shows it)",
+        help="required as 'Bearer KEY' (default: $MEMSTEP_API_KEY)",
     )  # fmt: skip
     common.add_argument("--api-key-file", type=Path, metavar="FILE", help="the API key's file")
     common.add_argument(
@@ -116,6 +134,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     serve_replicas.add_replica_arguments(g["distributed"], g["debugging"])
     _add_debugging_arguments(g["debugging"], d)
     add_limit_arguments(g["debugging"])
+    vllm_flags.add_arguments(g["debugging"])
 
 
 def _add_curve_arguments(g: Any) -> None:
@@ -208,6 +227,7 @@ def front_count(given: int | str, device: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    vllm_flags.apply(args)
     args.api_server_count = front_count(args.api_server_count, args.device)
     if serve_replicas.wants_replicas(args):
         return _serve_replicas(args)
@@ -307,7 +327,7 @@ def _start_front(
         count=args.api_server_count,
         api_key=args.api_key,
         curve=curve,
-        log_level=getattr(args, "log_level", "warning"),
+        log_level=vllm_flags.front_log_level(args),
         log_format=getattr(args, "log_format", "console"),
         limits=_http_limits(args),
         core_max_frame_bytes=server.cfg.max_frame_bytes,
@@ -461,8 +481,8 @@ class ServerProcess:
         self.log_path = self.dir / "server.log"
         self.info: dict[str, Any] = {}
         cmd = [sys.executable, "-m", "memstep.cli.serve", "--log-level", log_level]
-        cmd += ["--port", "0", "--ready-file", str(self.ready_file), *args]
-        cmd += ["--http-port", "0"] if http else ["--no-http"]
+        cmd += ["--zmq-port", "0", "--ready-file", str(self.ready_file), *args]
+        cmd += ["--port", "0"] if http else ["--no-http"]
         if "--record" not in args and "--no-record" not in args:
             cmd += ["--record", str(self.dir / "events.memlog")]  # recorded, as by default
         if "--standby-executor" not in args:  # a second loading executor would skew benchmarks

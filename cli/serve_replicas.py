@@ -5,7 +5,7 @@ Local replicas are `memstep serve --no-http` children, each with its own executo
 replicas sharing a GPU split `--gpu-memory-utilization` between them.  Remote replicas are
 `memstep serve` engines started elsewhere, reached over the ZMQ API (with CURVE:
 `--replica-server-key` and `--replica-client-key`).  The router (`router/router.py`) answers on
-`--port`, records its own log at `--record`, and the HTTP front is its client, as of one core.
+`--zmq-port`, records its own log at `--record`, and the HTTP front is its client, as of one core.
 """
 
 from __future__ import annotations
@@ -217,7 +217,7 @@ def _visible(index: int) -> str:
 
 def _router_config(args: argparse.Namespace, load_key: Callable[[str], bytes]) -> RouterConfig:
     if not is_loopback(args.host):
-        raise ConfigError("the router's ZMQ endpoint has no CURVE yet: give a loopback --host")
+        raise ConfigError("the router's ZMQ endpoint has no CURVE yet: give a loopback --zmq-host")
     curve: tuple[bytes | None, bytes | None, bytes | None] = (None, None, None)
     if not args.replica_server_key:
         check_replicas_local(args.replica)

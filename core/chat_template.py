@@ -105,27 +105,33 @@ class ChatTemplate:
         except InvalidRequest as exc:
             raise ModelError(f"the model's chat template is not usable: {exc}") from None
 
-    def _render(self, messages: Messages) -> str:
-        return self._template.render(
-            messages=messages, add_generation_prompt=True, bos_token=self._bos
-        )
+    def _render(self, messages: Messages, extra: dict[str, Any] | None = None) -> str:
+        fixed = {"messages": messages, "add_generation_prompt": True, "bos_token": self._bos}
+        return self._template.render({**(extra or {}), **fixed})
 
-    def render(self, messages: Messages) -> str:
-        """The prompt text, with the generation prompt; a template error is the request's fault."""
+    def render(self, messages: Messages, extra: dict[str, Any] | None = None) -> str:
+        """The prompt text, with the generation prompt; `extra` are more of the template's
+        variables (vLLM's chat_template_kwargs, e.g. `enable_thinking`), never the three the
+        engine sets. A template error is the request's fault."""
+        taken = sorted(set(extra or {}) & {"messages", "add_generation_prompt", "bos_token"})
+        if taken:
+            raise InvalidRequest(f"chat_template_kwargs may not set {taken[0]}")
         try:
-            return self._render(messages)
+            return self._render(messages, extra)
         except SecurityError as exc:
             raise InvalidRequest(f"the chat template did something unsafe: {exc}") from None
         except Exception as exc:  # the template is foreign code: whatever it raises, refuse
             raise InvalidRequest(f"the chat template refused these messages: {exc}") from None
 
-    def parts(self, messages: Messages) -> list[tuple[str, bool]]:
-        """(text, is_content) pieces whose joined text is `render(messages)`."""
+    def parts(
+        self, messages: Messages, extra: dict[str, Any] | None = None
+    ) -> list[tuple[str, bool]]:
+        """(text, is_content) pieces whose joined text is `render(messages, extra)`."""
         nonce = secrets.token_hex(8)
         stand_ins = [{**m, "content": f"memstep_{nonce}_{i}_"} for i, m in enumerate(messages)]
         # [template text, message index, template text, ..., template text]
-        pieces = re.split(f"memstep_{nonce}_([0-9]+)_", self.render(stand_ins))
-        want = self.render(messages)
+        pieces = re.split(f"memstep_{nonce}_([0-9]+)_", self.render(stand_ins, extra))
+        want = self.render(messages, extra)
         for shape in (str, str.strip):  # a template may trim the content (Llama 3 does)
             parts = [
                 (shape(messages[int(p)]["content"]), True) if k % 2 else (p, False)

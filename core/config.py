@@ -52,6 +52,10 @@ class EngineConfig:
 
     model: str = "smollm2"
     tokenizer: str | None = None  # a tokenizer.json or .gguf instead of the model's own
+    # requests' sampling defaults: "auto", the model's (core/generation_config.py); "vllm",
+    # SamplingParams' bare ones; or a folder holding a generation_config.json
+    generation_config: str = "auto"
+    chat_template: str | None = None  # a Jinja chat template's text instead of the model's
     dtype: str = "auto"
     # KV cache element type: "auto" is the model's dtype; "fp8" stores float8 e4m3 (half the
     # bytes of bf16, no scale, saturating at +-448), converted back for attention

@@ -48,7 +48,7 @@ from memstep.core.scheduler import Scheduled, Scheduler, StepBatch
 from memstep.core.seeding import RequestSeeds, engine_seed
 from memstep.core.shapes import check_tensor_parallel, max_model_len
 from memstep.core.spec_threshold import SpecThreshold
-from memstep.core.tokenizer import load_tokenizer
+from memstep.core.tokenizer import load_tokenizer, with_chat_template
 from memstep.events.plan import MemoryPlanned, SeqPlan, SeqResult, StepPlan, StepResult
 from memstep.events.types import (
     DraftLengthChanged,
@@ -106,6 +106,8 @@ class Engine:
         check_tensor_parallel(self.model_cfg, cfg.tensor_parallel_size)
         mc = self.model_cfg
         self.tokenizer = load_tokenizer(self.source, mc.vocab_size, mc.eos_token_ids)
+        if cfg.chat_template is not None:  # vLLM's --chat-template
+            self.tokenizer = with_chat_template(self.tokenizer, cfg.chat_template)
         # None: text by decoding (core/detokenizer.py); ids past the tokenizer's vocabulary (a
         # random model with another model's tokenizer) decode to nothing, as `decode` has them
         table = self.tokenizer.token_bytes()

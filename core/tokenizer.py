@@ -26,10 +26,15 @@ class Tokenizer(Protocol):
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str: ...
 
     def encode_chat(
-        self, messages: list[dict[str, str]], special_tokens_in_messages: bool = False
+        self,
+        messages: list[dict[str, str]],
+        special_tokens_in_messages: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]: ...
 
     def token_bytes(self) -> list[bytes] | None: ...
+
+    def hf_config(self) -> dict[str, Any]: ...
 
 
 class HFTokenizer:
@@ -40,8 +45,11 @@ class HFTokenizer:
     cannot forge a turn, unless the caller asks for `special_tokens_in_messages`.
     """
 
-    def __init__(self, tok: Any, chat_template: str | None, eos: tuple[int, ...], bos: str):
+    def __init__(
+        self, tok: Any, chat_template: str | None, eos: tuple[int, ...], bos: str, pad: str = ""
+    ):
         self._tok = tok
+        self._chat_template, self._bos, self._pad = chat_template, bos, pad
         self._plain = _without_special_tokens(tok)
         self._special_ids = frozenset(
             i for i, added in tok.get_added_tokens_decoder().items() if added.special
@@ -52,6 +60,20 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def hf_config(self) -> dict[str, Any]:
+        """The tokenizer_config.json that goes beside tokenizer.json for transformers to load
+        the tokenizer whole: its special tokens (pad: the model's own, else end-of-sequence, as
+        SmolLM2's card sets it) and chat template; also vLLM's /tokenizer_info."""
+        eos = self._tok.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else None
+        return {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": self._bos or None,
+            "eos_token": eos,
+            "pad_token": self._pad or eos,
+            "chat_template": self._chat_template,
+            "clean_up_tokenization_spaces": False,
+        }
 
     def token_id(self, text: str) -> int | None:
         """The id of a token of the vocabulary by its text, None where it has none."""
@@ -78,10 +100,14 @@ class HFTokenizer:
         return "".join(text for text, _ in self._parts(messages))
 
     def encode_chat(
-        self, messages: list[dict[str, str]], special_tokens_in_messages: bool = False
+        self,
+        messages: list[dict[str, str]],
+        special_tokens_in_messages: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        """The chat's prompt ids; special-token text in a message is plain text unless allowed."""
-        parts = self._parts(messages)
+        """The chat's prompt ids; special-token text in a message is plain text unless allowed;
+        `template_kwargs` are more variables for the chat template."""
+        parts = self._parts(messages, template_kwargs)
         text = "".join(piece for piece, _ in parts)
         if special_tokens_in_messages:
             return self.encode(text)
@@ -95,10 +121,12 @@ class HFTokenizer:
         tok = self._plain if is_content else self._tok
         return list(tok.encode(piece, add_special_tokens=False).ids)
 
-    def _parts(self, messages: list[dict[str, str]]) -> list[tuple[str, bool]]:
+    def _parts(
+        self, messages: list[dict[str, str]], extra: dict[str, Any] | None = None
+    ) -> list[tuple[str, bool]]:
         if self._template is None:
             return [(m["content"], True) for m in messages]
-        return self._template.parts(messages)
+        return self._template.parts(messages, extra)
 
     def _special_in(self, enc: Any, spans: list[tuple[int, int]]) -> bool:
         """Whether a special token of `enc` covers any character of the `spans`."""
@@ -202,10 +230,18 @@ class ByteTokenizer:
         return "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
 
     def encode_chat(
-        self, messages: list[dict[str, str]], special_tokens_in_messages: bool = False
+        self,
+        messages: list[dict[str, str]],
+        special_tokens_in_messages: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        """Bytes have no special tokens to forge: the option changes nothing."""
+        """Bytes have no special tokens to forge, and no template to take variables: the
+        options change nothing."""
         return self.encode(self.apply_chat_template(messages))
+
+    def hf_config(self) -> dict[str, Any]:
+        """Bytes have no Hugging Face form: no special tokens or template to name."""
+        return {"tokenizer_class": None, "bos_token": None, "eos_token": None, "pad_token": None}
 
 
 def _gguf_tokenizer(path: Path) -> HFTokenizer:
@@ -239,14 +275,20 @@ def _hf_tokenizer(folder: Path, eos: tuple[int, ...]) -> HFTokenizer:
     if not file.is_file():
         raise ModelError(f"{folder} has no tokenizer.json")
     tok = RawTokenizer.from_file(str(file))
-    template, bos = None, ""
+    template, bos, pad = None, "", ""
     cfg_file = folder / "tokenizer_config.json"
     if cfg_file.is_file():
         cfg = json.loads(cfg_file.read_text())
         template = cfg.get("chat_template")
-        bos_tok = cfg.get("bos_token")
-        bos = bos_tok if isinstance(bos_tok, str) else ""
-    return HFTokenizer(tok, template, eos, bos)
+        bos, pad = _token_text(cfg.get("bos_token")), _token_text(cfg.get("pad_token"))
+    return HFTokenizer(tok, template, eos, bos, pad)
+
+
+def _token_text(given: Any) -> str:
+    """A special token of tokenizer_config.json: its text, or an AddedToken map's content."""
+    if isinstance(given, dict):
+        given = given.get("content")
+    return given if isinstance(given, str) else ""
 
 
 def load_tokenizer(source: ModelSource, vocab_size: int, eos: tuple[int, ...]) -> Tokenizer:
@@ -261,8 +303,15 @@ def load_tokenizer(source: ModelSource, vocab_size: int, eos: tuple[int, ...]) -
     return ByteTokenizer(vocab_size, eos)
 
 
+def with_chat_template(tok: Tokenizer, template: str) -> Tokenizer:
+    """`tok` with `template` (Jinja text) as its chat template, checked as a model's is."""
+    if not isinstance(tok, HFTokenizer):
+        raise ModelError("this model's tokenizer (bytes) takes no chat template")
+    return HFTokenizer(tok._tok, template, tok.eos_token_ids, tok._bos, tok._pad)
+
+
 def load_tokenizer_file(path: Path, eos: tuple[int, ...]) -> HFTokenizer:
-    """`--tokenizer`: a tokenizer.json (no chat template; `eos` stays the model's) or the
+    """`--tokenizer`: a tokenizer.json (no chat template; `eos` stays the model's), the
     tokenizer of a .gguf file (its own template and end-of-sequence id)."""
     if path.suffix == ".gguf":
         return _gguf_tokenizer(path)
@@ -274,3 +323,13 @@ def load_tokenizer_file(path: Path, eos: tuple[int, ...]) -> HFTokenizer:
 def gguf_tokenizer_json(path: Path) -> str:
     """The tokenizer of a .gguf file as tokenizer.json text (a few MB, without the weights)."""
     return str(_gguf_tokenizer(path)._tok.to_str())
+
+
+def gguf_tokenizer_folder(path: Path, out: Path) -> None:
+    """The tokenizer of a .gguf file as a folder transformers loads whole: tokenizer.json and
+    tokenizer_config.json (its class, special tokens and chat template)."""
+    tok = _gguf_tokenizer(path)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tokenizer.json").write_text(tok.tokenizer_json())
+    config = {k: v for k, v in tok.hf_config().items() if v is not None}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -44,6 +44,8 @@ class GenerateRequest:
     # a streaming request's GenerateDelta may come inside a GenerateDeltas: one frame a step for
     # all such requests of the client, instead of one per request (the HTTP front asks for it)
     batch_deltas: bool = False
+    # variables for the chat template beside `messages` (vLLM's, e.g. {"enable_thinking": false})
+    chat_template_kwargs: dict = attrs.Factory(dict)
 
 
 @record
@@ -66,13 +68,15 @@ class StatsRequest:
 class TokenizeRequest:
     """The token ids the engine reads a prompt as (raw `prompt`, or chat `messages` in the chat
     template with the assistant's turn begun, as a GenerateRequest reads them), or the text of
-    `token_ids` (detokenize).  Exactly one of the three is set."""
+    `token_ids` (detokenize).  Exactly one of the three is set, or none with `tokenizer_info`."""
 
     request_id: str
     prompt: str | None = None
     messages: list[dict[str, str]] | None = None
     token_ids: list[int] | None = None
     special_tokens_in_messages: bool = False
+    chat_template_kwargs: dict = attrs.Factory(dict)  # as the GenerateRequest's
+    tokenizer_info: bool = False  # instead: the tokenizer's config (TokenizeReply.config)
 
 
 @record
@@ -220,6 +224,8 @@ class TokenizeReply:
     token_ids: list[int]  # the prompt's, or the token_ids given
     text: str  # the token ids' text (the prompt as given, for a raw prompt)
     max_model_len: int  # prompt + output tokens at most
+    # with `tokenizer_info`: tokenizer_config.json's special tokens and chat template (vLLM's)
+    config: dict = attrs.Factory(dict)
 
 
 @record

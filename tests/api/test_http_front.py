@@ -23,7 +23,7 @@ STRANGER_PUBLIC, STRANGER_SECRET = zmq.curve_keypair()
 
 def test_the_front_reaches_a_curve_core_that_still_refuses_strangers(tmp_path):
     (tmp_path / "server.secret").write_bytes(SERVER_SECRET)
-    args = ["--model", "random:tiny", "--num-threads", "1", "--host", "0.0.0.0"]
+    args = ["--model", "random:tiny", "--num-threads", "1", "--zmq-host", "0.0.0.0"]
     args += ["--curve-secret-key", str(tmp_path / "server.secret")]
     # one argument: a z85 key may begin with "-", which argparse would take for a flag
     args += [f"--curve-client-keys={CLIENT_PUBLIC.decode()}"]
@@ -45,7 +45,7 @@ def _serve(*flags: str) -> subprocess.CompletedProcess:
 
 
 def test_a_public_http_host_needs_an_api_key():
-    res = _serve("--port", "0", "--http-host", "0.0.0.0")
+    res = _serve("--zmq-port", "0", "--host", "0.0.0.0")
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert "refusing to serve HTTP on '0.0.0.0' without an API key" in res.stderr
 
@@ -54,7 +54,7 @@ def test_an_http_port_in_use_is_a_one_line_error():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        res = _serve("--port", "0", "--http-port", str(taken.getsockname()[1]))
+        res = _serve("--zmq-port", "0", "--port", str(taken.getsockname()[1]))
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert "cannot listen for HTTP on 127.0.0.1" in res.stderr.strip().splitlines()[-1]
 

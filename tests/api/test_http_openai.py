@@ -120,7 +120,9 @@ def test_completion_logprobs_and_stop(sdk):
     )
     lp = plain.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 8
-    assert all(len(top) <= 2 for top in lp.top_logprobs) and lp.text_offset[0] == 0
+    assert all(len(top) <= 3 for top in lp.top_logprobs) and lp.text_offset[0] == 0
+    # each holds the chosen token, as OpenAI's and vLLM's do (3 entries where it is not top 2)
+    assert all(lp.tokens[i] in top for i, top in enumerate(lp.top_logprobs))
     text = plain.choices[0].text
     word = text.split()[1]
     cut = sdk.completions.create(
@@ -271,6 +273,8 @@ def test_every_token_gets_its_chunk_also_one_without_text(tiny, chat):
     with httpx.stream("POST", tiny.http_url + path, json=body, headers=auth, timeout=60) as reply:
         events = [json.loads(line[6:]) for line in reply.iter_lines() if line[:7] == "data: {"]
     tokens = [c for e in events for c in e["choices"] if c["finish_reason"] is None]
+    if chat:  # the role-only first chunk comes before any token
+        assert tokens.pop(0)["delta"] == {"role": "assistant", "content": ""}
     texts = [c["delta"]["content"] if chat else c["text"] for c in tokens]
     assert len(tokens) == events[-1]["usage"]["completion_tokens"] == 24
     assert "" in texts and any(texts), texts  # tokens without text, and with
@@ -439,3 +443,80 @@ def test_vllm_prompt_logprobs_field_scores_and_ranks_each_prompt_token(sdk, serv
     ):
         bad = httpx.post(url + "/completions", json=body | wrong, timeout=60)
         assert bad.status_code == 400 and says in bad.json()["error"]["message"], bad.text
+
+
+def test_sdk_retrieves_the_model_and_an_unknown_one_is_openais_404(sdk):
+    card = sdk.models.retrieve("smollm2")
+    assert card.id == "smollm2" and card.object == "model"
+    with pytest.raises(openai.NotFoundError) as err:
+        sdk.models.retrieve("gpt-4")
+    assert err.value.body["code"] == "model_not_found" and "gpt-4" in err.value.body["message"]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(server, chat):
+    """guidellm's and aiperf's stream_options: every chunk carries the usage so far (vLLM's
+    continuous_usage_stats); its last equals the closing usage chunk's, and the prompt count
+    equals a plain request's."""
+    body = {"model": "smollm2", "max_tokens": 6, "temperature": 0, "stream": True}
+    body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    body |= {"messages": QUESTION} if chat else {"prompt": PROMPT}
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    with httpx.stream("POST", server.http_url + path, json=body, timeout=60) as reply:
+        events = [json.loads(line[6:]) for line in reply.iter_lines() if line[:7] == "data: {"]
+    usages = [e["usage"] for e in events]
+    assert all(u is not None for u in usages)
+    done = usages.pop()  # the closing chunk: no choices, the whole usage
+    assert events[-1]["choices"] == [] and done["completion_tokens"] == 6
+    plain = httpx.post(
+        server.http_url + path, json=body | {"stream": False, "stream_options": None}
+    )
+    assert done == plain.json()["usage"]
+    assert usages[-1] == {
+        k: done[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")
+    }
+    counts = [u["completion_tokens"] for u in usages]
+    assert counts == sorted(counts) and counts[0] == (0 if chat else 1)
+
+
+def test_chat_template_kwargs_reach_the_core_template(sdk):
+    """vLLM's chat_template_kwargs travel to the core's template: a variable SmolLM2's template
+    does not read changes nothing; one the engine sets itself is refused there, by name."""
+    kw = dict(model="smollm2", messages=QUESTION, temperature=0, max_tokens=6)
+    plain = sdk.chat.completions.create(**kw)
+    thinking = sdk.chat.completions.create(
+        **kw, extra_body={"chat_template_kwargs": {"enable_thinking": False}}
+    )
+    assert thinking.choices[0].message.content == plain.choices[0].message.content
+    assert thinking.usage.prompt_tokens == plain.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError, match="may not set add_generation_prompt"):
+        sdk.chat.completions.create(
+            **kw, extra_body={"chat_template_kwargs": {"add_generation_prompt": False}}
+        )
+
+
+def test_tokenizer_info_and_tokenize_as_lm_eval_reads_them(server):
+    """vLLM's /tokenizer_info, and /tokenize as lm-eval's remote tokenizer calls it
+    (`add_special_tokens: false`): the end-of-text token's text tokenizes to the id the engine
+    stops on, and the chat template is the one the engine renders."""
+    info = httpx.get(server.http_url + "/tokenizer_info").json()
+    assert (info["bos_token"], info["eos_token"]) == ("<|im_start|>", "<|im_end|>")
+    assert info["model_max_length"] > 0 and "im_start" in info["chat_template"]
+    tokenize = server.http_url + "/tokenize"
+    eos = httpx.post(tokenize, json={"prompt": info["eos_token"], "add_special_tokens": False})
+    assert eos.json()["tokens"] == [2]  # SmolLM2's <|im_end|>
+    refused = httpx.post(tokenize, json={"prompt": "x", "add_special_tokens": True})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "add_special_tokens"
+
+
+def test_a_request_without_sampling_values_takes_the_models_defaults(sdk):
+    """`--generation-config auto` (the default): SmolLM2's card, temperature 0.2 and top-p 0.9,
+    fill what a request leaves out; its own values win (a bare 1.0 samples otherwise)."""
+
+    def text(**given) -> str:
+        kw = dict(model="smollm2", prompt="Once upon a time", max_tokens=24, seed=11)
+        return sdk.completions.create(**kw, **given).choices[0].text
+
+    bare = text()
+    assert bare == text(temperature=0.2, top_p=0.9)
+    assert bare != text(temperature=1.0, top_p=1.0)

@@ -57,7 +57,7 @@ def _alive(pid: int) -> bool:
 def test_the_executor_of_a_killed_core_exits_with_its_stderr_pipe_closed(tmp_path):
     ready = tmp_path / "ready.json"
     cmd = [sys.executable, "-m", "memstep.cli.serve", "--model", "random:tiny"]
-    cmd += ["--num-threads", "1", "--no-record", "--no-http", "--port", "0"]
+    cmd += ["--num-threads", "1", "--no-record", "--no-http", "--zmq-port", "0"]
     cmd += ["--standby-executor", "on", "--ready-file", str(ready), "--log-level", "info"]
     core = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     kids: list[int] = []

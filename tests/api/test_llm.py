@@ -97,3 +97,20 @@ def test_vllm_names_are_taken_and_the_old_name_warns():
     assert old.engine.cfg.gpu_memory_utilization == 0.4
     new.engine.shutdown()
     old.engine.shutdown()
+
+
+def test_llm_writes_nothing_but_the_callers_own_output_to_stdout():
+    """The README's example in a fresh process: stdout holds what it prints and nothing else
+    (structlog, unconfigured, wrote every debug line there), and nothing is logged below
+    warning on stderr."""
+    code = (
+        "from memstep import LLM, SamplingParams\n"
+        "llm = LLM(model='smollm2', num_threads=1)\n"
+        "out = llm.generate(['The capital of France is'], SamplingParams(max_tokens=3, "
+        "temperature=0), use_tqdm=False)\n"
+        "print(repr(out[0].outputs[0].text))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.count("\n") == 1 and "Paris" in run.stdout, run.stdout
+    assert run.stderr == ""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from memstep.api.openai_protocol import OpenAIError, parse_chat, parse_completion
+from memstep.api.openai_protocol import OpenAIError, format_logprobs, parse_chat, parse_completion
 
 ASK = [{"role": "user", "content": "hi"}]
 
@@ -37,3 +37,69 @@ def test_fields_not_served_are_refused_by_name(parse, body, says):
     with pytest.raises(OpenAIError, match=says) as refused:
         parse({"model": "m", **body}, "m")
     assert refused.value.status == 400
+
+
+@pytest.mark.parametrize(
+    "parse, body",
+    [
+        (parse_completion, {"prompt": "x", "use_beam_search": False, "length_penalty": 1.0}),
+        (parse_completion, {"prompt": "x", "add_special_tokens": False, "priority": 0}),
+        (parse_chat, {"messages": ASK, "add_generation_prompt": True, "bad_words": []}),
+        (parse_chat, {"messages": ASK, "continue_final_message": False, "cache_salt": None}),
+    ],
+)
+def test_vllm_fields_at_values_that_change_nothing_are_taken(parse, body):
+    plain = {"prompt": "x"} if "prompt" in body else {"messages": ASK}
+    assert parse({"model": "m", **body}, "m").params == parse({"model": "m", **plain}, "m").params
+
+
+@pytest.mark.parametrize(
+    "parse, body, says",
+    [
+        (parse_completion, {"prompt": "x", "use_beam_search": True}, "beam search"),
+        (parse_completion, {"prompt": "x", "priority": 1}, "priority 1 is not supported"),
+        (parse_completion, {"prompt": "x", "add_special_tokens": True}, "no BOS"),
+        (parse_chat, {"messages": ASK, "add_generation_prompt": False}, "generation prompt"),
+        (parse_chat, {"messages": ASK, "chat_template": "{{ x }}"}, "--chat-template"),
+        (parse_chat, {"messages": ASK, "cache_salt": "a"}, "prefix cache is shared"),
+        (parse_chat, {"messages": ASK, "request_id": "a"}, "X-Request-Id"),
+        (parse_chat, {"messages": ASK, "priority": True}, "priority True"),
+    ],
+)
+def test_vllm_fields_asking_for_what_is_not_done_are_refused_with_the_reason(parse, body, says):
+    name = next(k for k in body if k not in ("prompt", "messages"))
+    with pytest.raises(OpenAIError, match=says) as refused:
+        parse({"model": "m", **body}, "m")
+    assert refused.value.status == 400 and refused.value.param == name
+
+
+def test_more_than_four_stop_strings_and_max_completion_tokens_on_completions():
+    stops = [f"s{i}" for i in range(9)]  # lm-eval's tasks may give more than OpenAI's 4
+    job = parse_completion({"prompt": "x", "stop": stops, "max_completion_tokens": 7}, "m")
+    assert job.params[0]["stop"] == stops and job.params[0]["max_tokens"] == 7
+    with pytest.raises(OpenAIError, match="list of strings"):
+        parse_completion({"prompt": "x", "stop": ["a", 3]}, "m")
+    with pytest.raises(OpenAIError, match="at most 256"):
+        parse_completion({"prompt": "x", "stop": ["a"] * 257}, "m")
+
+
+def test_continuous_usage_stats_is_taken_with_include_usage_as_vllm():
+    def job(options):
+        body = {"prompt": "x", "stream": True, "stream_options": options}
+        return parse_completion(body, "m")
+
+    assert job({"include_usage": True, "continuous_usage_stats": True}).continuous_usage
+    assert not job({"include_usage": False, "continuous_usage_stats": True}).continuous_usage
+    assert not job({"include_usage": True}).continuous_usage
+    with pytest.raises(OpenAIError, match="must be a boolean"):
+        job({"include_usage": True, "continuous_usage_stats": "yes"})
+    with pytest.raises(OpenAIError, match="takes only include_usage and continuous"):
+        job({"include_usage": True, "every_chunk": True})
+
+
+def test_legacy_top_logprobs_hold_the_chosen_token():
+    job = parse_completion({"prompt": "x", "logprobs": 2}, "m")
+    tokens = [[5, "a", -0.5, [[5, "a", -0.5], [6, "b", -1.0]]]]
+    tokens.append([7, "c", -3.0, [[5, "a", -0.4], [6, "b", -0.9]]])  # sampled outside the top 2
+    top = format_logprobs(job, tokens, 0)["top_logprobs"]
+    assert top == [{"a": -0.5, "b": -1.0}, {"a": -0.4, "b": -0.9, "c": -3.0}]

@@ -24,7 +24,7 @@ def address(tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys")
     (keys / "server.secret").write_bytes(SERVER_SECRET + b"\n")
     (keys / "clients.txt").write_bytes(CLIENT_PUBLIC + b"\n")
-    args = ["--model", "random:tiny", "--num-threads", "1", "--host", "0.0.0.0"]
+    args = ["--model", "random:tiny", "--num-threads", "1", "--zmq-host", "0.0.0.0"]
     args += ["--curve-secret-key", str(keys / "server.secret")]
     args += ["--curve-client-keys", str(keys / "clients.txt")]
     with ServerProcess(args) as server:
@@ -86,7 +86,7 @@ def test_curve_needs_both_halves():
     [(["memstep.cli.main", "serve"], "memstep"), (["memstep.cli.serve"], "memstep serve")],
 )
 def test_serve_refuses_a_public_bind_without_keys_before_loading_anything(entry, prefix):
-    cmd = [sys.executable, "-m", *entry, "--host", "0.0.0.0"]
+    cmd = [sys.executable, "-m", *entry, "--zmq-host", "0.0.0.0"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert res.returncode == 2
     assert f"{prefix}: error: refusing to listen on '0.0.0.0' without CURVE" in res.stderr

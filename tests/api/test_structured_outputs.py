@@ -186,3 +186,30 @@ def test_uncompilable_constraint_is_a_400_and_serving_goes_on(sdk, extra, reason
     assert err.value.status_code == 400 and reason in str(err.value)
     ok = sdk.completions.create(model="smollm2", prompt="Hello", max_tokens=2, temperature=0)
     assert ok.choices[0].text
+
+
+@pytest.mark.parametrize("max_tokens", [2, 9, 20])  # in the marker, the name, the arguments
+def test_a_forced_call_cut_by_length_is_the_calls_begun_and_no_markup(sdk, max_tokens):
+    """A forced call that max_tokens cuts (in its marker, its name, its arguments) has one
+    shape, whole or streamed: finish_reason length, content null, and the calls whose name
+    was complete, their arguments as far as written; the check fires where the markup held
+    back at the cut comes out as content (as it did before)."""
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    kw = dict(model="smollm2", messages=ask, tools=[WEATHER], tool_choice="required")
+    whole = sdk.chat.completions.create(**kw, max_tokens=max_tokens, temperature=0).choices[0]
+    assert whole.finish_reason == "length" and whole.message.content is None
+    calls = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    assert all(name == "get_weather" for name, _ in calls)
+    stream = sdk.chat.completions.create(**kw, max_tokens=max_tokens, temperature=0, stream=True)
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ""
+    assert chunks[-1].choices[0].finish_reason == "length"
+    got: dict[int, list[str]] = {}  # the SDK's own accumulator refuses a reply cut by length
+    for delta in [d for c in chunks for d in c.choices[0].delta.tool_calls or []]:
+        name, arguments = got.setdefault(delta.index, ["", ""])
+        got[delta.index] = [
+            name + (delta.function.name or ""),
+            arguments + delta.function.arguments,
+        ]
+    assert [tuple(got[i]) for i in sorted(got)] == calls
+    assert bool(calls) == (max_tokens == 20)  # greedy: the name is complete by token 20

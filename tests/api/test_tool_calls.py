@@ -10,7 +10,7 @@ import json
 import pytest
 
 from memstep.api.openai_protocol import OpenAIError, parse_chat
-from memstep.api.tool_call_stream import CallStream
+from memstep.api.tool_call_stream import CallStream, split_reply
 from memstep.api.tool_calls import parse_calls
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
@@ -149,3 +149,14 @@ def test_call_arguments_that_do_not_parse_are_a_400(arguments):
     with pytest.raises(OpenAIError) as err:
         parse_chat({"model": "m", "messages": history}, "m")
     assert err.value.status == 400 and "tool_calls" in str(err.value)
+
+
+def test_a_forced_call_cut_short_drops_held_markup_and_keeps_a_named_call():
+    """`cut` (a forced call that max_tokens ended) gives no content: a marker or header held at
+    the cut is dropped, a call whose name was complete keeps its arguments as written; without
+    `cut` the same text is content (what a reply that is not forced shows)."""
+    assert split_reply("<tool_", cut=True) == ("", [])
+    assert split_reply('<tool_call>\n{"name": "f', cut=True) == ("", [])
+    assert split_reply('<tool_call>\n{"name": "f', cut=False)[0].startswith("<tool_call>")
+    _, calls = split_reply('<tool_call>\n{"name": "f", "arguments": {"x": ', cut=True)
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [("f", '{"x": ')]

@@ -6,6 +6,7 @@ import io
 import os
 import pty
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -109,3 +110,33 @@ def test_chat_in_a_terminal():
             proc.kill()
             proc.wait()
         os.close(main)
+
+
+class CtrlC(Writes):
+    """A terminal whose user presses Ctrl-C (a real SIGINT to this process) once the first
+    answer's third token is written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_tokens = 0
+
+    def write(self, text: str) -> int:
+        if text not in ("> ", "\n") and not text.startswith("("):
+            self.num_tokens += 1
+            if self.num_tokens == 3:
+                os.kill(os.getpid(), signal.SIGINT)
+        return super().write(text)
+
+
+def test_ctrl_c_stops_the_answer_and_the_chat_goes_on(engine):
+    """Ctrl-C ends the answer between two steps (the request aborted in the engine) and the
+    next line is answered; without the handler the SIGINT would be a KeyboardInterrupt that
+    ends the program, and this test with it."""
+    out = CtrlC()
+    long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    session = Session(engine, long, None)
+    session.run(io.StringIO("hello\nagain\n"), out)
+    assert out.getvalue().count("(stopped)\n") == 1
+    assert out.num_tokens == 3 + 40  # the stopped answer's 3, then the next answer whole
+    assert [m["role"] for m in session.messages] == ["user", "assistant"] * 2
+    assert not engine.has_work() and signal.getsignal(signal.SIGINT) is signal.default_int_handler

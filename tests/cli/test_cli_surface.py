@@ -57,7 +57,7 @@ def test_a_usage_mistake_is_one_line_and_a_pointer_to_help(args):
 def test_a_busy_zmq_port_fails_before_smollm2_loads():
     with socket.create_server(("127.0.0.1", 0)) as busy:
         port = busy.getsockname()[1]
-        out, took = _run("--log-level", "info", "serve", "--port", str(port), "--http-port", "0")
+        out, took = _run("--log-level", "info", "serve", "--zmq-port", str(port), "--port", "0")
     assert out.returncode == 2 and "Address already in use" in out.stderr
     assert "memory plan" not in out.stderr  # no executor started loading the model
     assert took < 2.0

@@ -67,3 +67,25 @@ def test_a_bad_tokenizer_path_is_a_clear_error(tmp_path, bad):
     broken.write_text(json.dumps({"not": "a tokenizer"}))
     with pytest.raises(ModelError, match="cannot read tokenizer"):
         model_config(resolve("random:tiny", tokenizer=str(broken)))
+
+
+def test_the_exported_folder_is_the_tokenizer_whole_for_transformers(tmp_path):
+    """transformers loads the folder with its special tokens and chat template: the same ids,
+    the same chat text as memstep's, and the bos/eos/pad of SmolLM2's card (before, a bare
+    tokenizer.json loaded without them, and lm-eval's rolling task sent [null, ...])."""
+    transformers = pytest.importorskip("transformers")
+    from memstep.core.tokenizer import load_tokenizer
+
+    assert cli_main(["export-tokenizer", "--out", str(tmp_path / "tok")]) == 0
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
+    assert (hf.bos_token, hf.eos_token, hf.pad_token) == (
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|im_end|>",
+    )
+    ours = load_tokenizer(resolve("smollm2"), 49152, (2,))
+    assert hf.encode(TEXT, add_special_tokens=False) == ours.encode(TEXT)
+    chat = [{"role": "user", "content": TEXT}]
+    text = hf.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert text == ours.apply_chat_template(chat)
+    assert hf.eos_token_id == ours.encode("<|im_end|>")[0]
