@@ -71,8 +71,8 @@ def test_a_replica_whose_router_died_before_the_tie_exits():
     """The race the watch closes: a parent gone before prctl is seen at start (getppid)."""
     code = "from memstep.router.lifeline import follow_parent; follow_parent(); print('alive')"
     env = {**os.environ, "MEMSTEP_ROUTER_PID": "1"}  # not its parent: as if it had died
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                          text=True, timeout=30)  # fmt: skip
+    command = [sys.executable, "-c", code]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=30)
     assert done.returncode == -signal.SIGTERM and "alive" not in done.stdout
     assert "the router was gone at start" in done.stderr
 
@@ -104,8 +104,8 @@ def test_a_paused_replica_serves_again_after_sigcont(replicas, tmp_path: Path):
 
 def test_a_plaintext_replica_off_this_machine_exits_2():
     argv = ["serve", "--model", "random:tiny", "--no-http", "--replica", "tcp://192.0.2.7:5555"]
-    done = subprocess.run([sys.executable, "-m", "memstep.cli.main", *argv],
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    command = [sys.executable, "-m", "memstep.cli.main", *argv]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2, done.stderr
     assert "tcp://192.0.2.7:5555 is not on this machine" in done.stderr
     assert "--replica-server-key" in done.stderr
