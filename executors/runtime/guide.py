@@ -44,7 +44,22 @@ class Guide:
 
     def sync(self, output: list[int]) -> bool:
         """Bring the matcher to `output`; False where a token of it breaks the grammar (a
-        draft the grammar refuses: rows past it sample nothing that is kept)."""
+        draft the grammar refuses: rows past it sample nothing that is kept), or where the
+        grammar engine failed on it (`failure`)."""
+        try:
+            return self._sync(output)
+        except BaseException as exc:  # pyo3's PanicException is a BaseException
+            self.fail(exc)
+            return False
+
+    def fail(self, exc: BaseException) -> None:
+        """Keep a failure of the grammar engine on this request as its `failure`; what is not
+        the engine's (an interrupt, an exit) goes on up."""
+        if isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+            raise exc
+        self.failure = self.failure or f"the grammar engine failed: {_first_line(str(exc))}"
+
+    def _sync(self, output: list[int]) -> bool:
         fed, m = self.fed, self.matcher
         keep = _common_prefix(fed, output)
         if keep < len(fed) and not m.rollback(len(fed) - keep):
@@ -70,7 +85,10 @@ class Guide:
         if not self.sync(output):
             words.fill_(-1)  # a refused draft's later rows: any mask, the row is rejected
             return
-        self.matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
+        try:
+            self.matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
+        except BaseException as exc:
+            self.fail(exc)
         self.note_failure()
         self.open_dead_end(words)
 
@@ -112,9 +130,16 @@ def masks_into(
         else:
             words[i].fill_(-1)  # a refused draft's later rows: any mask, the row is rejected
     pairs = [(guide.matcher, i) for guide, i in ready]
-    if pairs:  # (llguidance refuses an empty batch)
-        pool = mask_pool(threads)
-        pool.unsafe_compute_mask_ptr(pairs, words.data_ptr(), words.shape[1] * 4, len(words))
+    try:
+        if pairs:  # (llguidance refuses an empty batch)
+            pool = mask_pool(threads)
+            pool.unsafe_compute_mask_ptr(pairs, words.data_ptr(), words.shape[1] * 4, len(words))
+    except BaseException as exc:  # which matcher failed is not said: each finds out alone
+        if isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+            raise
+        for guide, i in ready:
+            guide.mask_into(guide.fed, words[i])
+        return
     for guide, i in ready:
         guide.note_failure()
         guide.open_dead_end(words[i])
