@@ -240,6 +240,10 @@ class GrammarBook:
         """The kept matchers' estimated bytes (within the budget)."""
         return self._compiled.num_bytes
 
+    @property
+    def budget_bytes(self) -> int:
+        return self._compiled.budget_bytes
+
     def guide(self, constraint: tuple[str, str]) -> Guide:
         template = self._compiled.get(constraint)
         if template is None:
