@@ -759,7 +759,15 @@ class Server:
         return TokenizeReply(msg.request_id, ids, text, self.engine.max_model_len)
 
     def _abort(self, envelope: list[bytes], msg: AbortRequest) -> None:
-        engine_id = self.by_client.get((envelope[0], msg.target_id))
+        key = (envelope[0], msg.target_id)
+        parked = [c for c in self.checking if c.key == key]
+        if parked:  # still waiting for its constraint's check: it ends before it began
+            self.checking.remove(parked[0])
+            done = Inflight(envelope, msg.target_id, False, time.monotonic(), 0)
+            self._send(parked[0].envelope, done.done("abort", time.monotonic()))
+            self._send(envelope, AbortReply(msg.request_id, msg.target_id))
+            return
+        engine_id = self.by_client.get(key)
         if engine_id is None:
             raise UnknownRequest(f"unknown request id {msg.target_id!r}")
         self._send_unsent(engine_id)  # its outputs of the last step first: they may finish it
@@ -933,6 +941,7 @@ class Server:
         """Abort every request of a client whose connection closed; its pages are freed."""
         while self.gone:
             peer = self.gone.pop()
+            self.checking = [c for c in self.checking if c.key[0] != peer]
             for engine_id, inf in list(self.inflight.items()):
                 if inf.peer == peer:
                     self._forget(engine_id, "disconnect")

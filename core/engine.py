@@ -30,7 +30,7 @@ from memstep.core.executor import (
     Submits,
     require_executor,
 )
-from memstep.core.grammar import constraint_book, grammar_error
+from memstep.core.grammar import TokenizerSpec, constraint_book, grammar_error
 from memstep.core.host_memory import HostWatch, rss_bytes
 from memstep.core.model_source import model_config, resolve
 from memstep.core.outputs import Completion, RequestOutput
@@ -108,6 +108,8 @@ class Engine:
         self.tokenizer = load_tokenizer(self.source, mc.vocab_size, mc.eos_token_ids)
         if cfg.chat_template is not None:  # vLLM's --chat-template
             self.tokenizer = with_chat_template(self.tokenizer, cfg.chat_template)
+        spec = (cfg.model, cfg.random_weights_seed, cfg.tokenizer, mc.vocab_size, mc.eos_token_ids)
+        constraint_book().use_model(TokenizerSpec(*spec))  # checks compile as the executor will
         # None: text by decoding (core/detokenizer.py); ids past the tokenizer's vocabulary (a
         # random model with another model's tokenizer) decode to nothing, as `decode` has them
         table = self.tokenizer.token_bytes()

@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import functools
 import json
+import time
 from collections import OrderedDict
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
+
+import attrs
 
 from memstep.core.grammar_check import Check, GrammarChecker, check_worker
 from memstep.core.grammar_limits import check_limits
@@ -26,6 +29,9 @@ ANY_OBJECT = '{"type": "object"}'
 # compact JSON (no free whitespace): fewer tokens, and a model cannot pad forever with spaces
 JSON_OPTIONS = {"whitespace_flexible": False}
 VERDICT_CACHE_BYTES = 16 * 1024 * 1024  # the core's verdicts, keyed by the constraint's text
+# a compile against the model's tokenizer past this is refused: the executor's step would wait
+# as long for it, every stream with it
+COMPILE_BUDGET_S = 1.0
 
 V = TypeVar("V")
 
@@ -88,9 +94,32 @@ def grammar_of(kind: str, text: str) -> str:
     raise ValueError(f"unknown constraint kind {kind!r}")
 
 
-def compile_error(kind: str, text: str) -> str:
+@attrs.frozen
+class TokenizerSpec:
+    """The model whose tokenizer a check worker compiles against (as the executor will), as
+    JSON for the worker's command line."""
+
+    model: str
+    weights_seed: int
+    tokenizer: str | None
+    vocab_size: int
+    eos: tuple[int, ...] = attrs.field(converter=tuple)
+
+    def to_json(self) -> str:
+        return json.dumps(attrs.asdict(self))
+
+    def build(self) -> Any:
+        from memstep.core.grammar_tokenizer import ll_tokenizer
+        from memstep.core.model_source import resolve
+
+        source = resolve(self.model, self.weights_seed, self.tokenizer)
+        return ll_tokenizer(source, self.vocab_size, self.eos)
+
+
+def compile_error(kind: str, text: str, tokenizer: Any = None) -> str:
     """Why the constraint cannot compile, or "" when it can (in this process: what the check
-    workers run)."""
+    workers run).  With the model's `tokenizer`, the grammar is compiled as the executor will
+    compile it, within COMPILE_BUDGET_S (the executor's step waits for its compile)."""
     from llguidance import LLMatcher
 
     try:
@@ -98,7 +127,16 @@ def compile_error(kind: str, text: str) -> str:
     except (ValueError, TypeError, RecursionError) as exc:
         return str(exc)[:500] or type(exc).__name__
     is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
-    return messages[0][:500] if is_error else ""
+    if is_error or tokenizer is None:
+        return messages[0][:500] if is_error else ""
+    start = time.perf_counter()
+    matcher = LLMatcher(tokenizer, grammar, log_level=0)
+    seconds = time.perf_counter() - start
+    if matcher.is_error():
+        return matcher.get_error().strip().splitlines()[0][:500]
+    if seconds > COMPILE_BUDGET_S:
+        return f"took {seconds:.1f} s to compile, more than the {COMPILE_BUDGET_S:g} s budget"
+    return ""
 
 
 def limits_error(kind: str, text: str) -> str:
@@ -119,12 +157,23 @@ class ConstraintBook:
         self.verdicts: TextCache[str] = TextCache(budget_bytes)
         self._checker: GrammarChecker | None = None
         self.num_refused = 0
+        self.model: TokenizerSpec | None = None  # None: checked without a tokenizer
 
     @property
     def checker(self) -> GrammarChecker:
         if self._checker is None:
-            self._checker = GrammarChecker()
+            args = [] if self.model is None else [self.model.to_json()]
+            self._checker = GrammarChecker(args=args)
         return self._checker
+
+    def use_model(self, model: TokenizerSpec) -> None:
+        """Check against `model`'s tokenizer from now on (the engine's): verdicts reached
+        against another are dropped, and so are the workers that hold it."""
+        if model == self.model:
+            return
+        self.close()
+        self.model = model
+        self.verdicts = TextCache(self.verdicts.budget_bytes)
 
     def known(self, kind: str, text: str) -> str | None:
         """The verdict already reached ("" compiles), or None."""
@@ -176,7 +225,21 @@ def grammar_error(kind: str, text: str) -> str:
     return constraint_book().error(kind, text)
 
 
+def _worker_check(argv: list[str]) -> Any:
+    """The check a worker runs: against the model's tokenizer where its argv names one
+    (built at the first check)."""
+    if not argv:
+        return compile_error
+    spec = TokenizerSpec(**json.loads(argv[0]))
+
+    @functools.cache
+    def tokenizer() -> Any:
+        return spec.build()
+
+    return lambda kind, text: compile_error(kind, text, tokenizer())
+
+
 if __name__ == "__main__":  # a check worker (core/grammar_check.py)
     import sys
 
-    check_worker(sys.stdin.buffer, sys.stdout.buffer, compile_error)
+    check_worker(sys.stdin.buffer, sys.stdout.buffer, _worker_check(sys.argv[1:]))

@@ -45,14 +45,14 @@ class Check:
 class _Worker:
     """A check process (`python -m memstep.core.grammar`) and the check it runs."""
 
-    def __init__(self) -> None:
+    def __init__(self, args: list[str]) -> None:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(
             filter(None, [os.path.dirname(root), env.get("PYTHONPATH")])
         )
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "memstep.core.grammar"],
+            [sys.executable, "-m", "memstep.core.grammar", *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,
@@ -84,9 +84,15 @@ class GrammarChecker:
     """A bounded pool of check processes, driven by its owner's loop (`poll`) or waited on
     (`wait`); no thread of its own."""
 
-    def __init__(self, num_workers: int = DEFAULT_WORKERS, budget_s: float = DEFAULT_BUDGET_S):
+    def __init__(
+        self,
+        num_workers: int = DEFAULT_WORKERS,
+        budget_s: float = DEFAULT_BUDGET_S,
+        args: list[str] | None = None,
+    ):
         self.num_workers = num_workers
         self.budget_s = budget_s
+        self.args = args or []  # the workers' command line (the model's tokenizer)
         self.idle: list[_Worker] = []
         self.busy: list[_Worker] = []
         self.queued: deque[Check] = deque()
@@ -131,7 +137,7 @@ class GrammarChecker:
 
     def _start_queued(self) -> None:
         while self.queued and (self.idle or len(self.busy) < self.num_workers):
-            worker = self.idle.pop() if self.idle else _Worker()
+            worker = self.idle.pop() if self.idle else _Worker(self.args)
             check = self.queued.popleft()
             try:
                 worker.send(check.kind, check.text)

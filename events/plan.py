@@ -105,6 +105,7 @@ class MemoryPlan:
     graph_bytes: int = 0  # CUDA: the graphs' static buffers and pool (estimated)
     allocator_conf: str = ""  # CUDA: PYTORCH_CUDA_ALLOC_CONF as the executor set it
     device_total_bytes: int = 0  # CUDA: the device's memory; 0 on the CPU
+    grammar_cache_bytes: int = 0  # host: the budget of the compiled grammar matchers it keeps
 
 
 @record

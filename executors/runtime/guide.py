@@ -20,8 +20,8 @@ import attrs
 import torch
 
 from memstep.core.grammar import TextCache, grammar_of
+from memstep.core.grammar_tokenizer import ll_tokenizer
 from memstep.core.model_source import ModelSource
-from memstep.core.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 
 def mask_words(vocab_size: int) -> int:
@@ -44,7 +44,22 @@ class Guide:
 
     def sync(self, output: list[int]) -> bool:
         """Bring the matcher to `output`; False where a token of it breaks the grammar (a
-        draft the grammar refuses: rows past it sample nothing that is kept)."""
+        draft the grammar refuses: rows past it sample nothing that is kept), or where the
+        grammar engine failed on it (`failure`)."""
+        try:
+            return self._sync(output)
+        except BaseException as exc:  # pyo3's PanicException is a BaseException
+            self.fail(exc)
+            return False
+
+    def fail(self, exc: BaseException) -> None:
+        """Keep a failure of the grammar engine on this request as its `failure`; what is not
+        the engine's (an interrupt, an exit) goes on up."""
+        if isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+            raise exc
+        self.failure = self.failure or f"the grammar engine failed: {_first_line(str(exc))}"
+
+    def _sync(self, output: list[int]) -> bool:
         fed, m = self.fed, self.matcher
         keep = _common_prefix(fed, output)
         if keep < len(fed) and not m.rollback(len(fed) - keep):
@@ -70,7 +85,10 @@ class Guide:
         if not self.sync(output):
             words.fill_(-1)  # a refused draft's later rows: any mask, the row is rejected
             return
-        self.matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
+        try:
+            self.matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
+        except BaseException as exc:
+            self.fail(exc)
         self.note_failure()
         self.open_dead_end(words)
 
@@ -112,9 +130,16 @@ def masks_into(
         else:
             words[i].fill_(-1)  # a refused draft's later rows: any mask, the row is rejected
     pairs = [(guide.matcher, i) for guide, i in ready]
-    if pairs:  # (llguidance refuses an empty batch)
-        pool = mask_pool(threads)
-        pool.unsafe_compute_mask_ptr(pairs, words.data_ptr(), words.shape[1] * 4, len(words))
+    try:
+        if pairs:  # (llguidance refuses an empty batch)
+            pool = mask_pool(threads)
+            pool.unsafe_compute_mask_ptr(pairs, words.data_ptr(), words.shape[1] * 4, len(words))
+    except BaseException as exc:  # which matcher failed is not said: each finds out alone
+        if isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+            raise
+        for guide, i in ready:
+            guide.mask_into(guide.fed, words[i])
+        return
     for guide, i in ready:
         guide.note_failure()
         guide.open_dead_end(words[i])
@@ -215,6 +240,10 @@ class GrammarBook:
         """The kept matchers' estimated bytes (within the budget)."""
         return self._compiled.num_bytes
 
+    @property
+    def budget_bytes(self) -> int:
+        return self._compiled.budget_bytes
+
     def guide(self, constraint: tuple[str, str]) -> Guide:
         template = self._compiled.get(constraint)
         if template is None:
@@ -255,46 +284,3 @@ class GrammarBook:
             if self._tokenizer is None:
                 self._tokenizer = ll_tokenizer(self.source, self.vocab_size, self.eos)
         return self._tokenizer
-
-
-def ll_tokenizer(source: ModelSource, vocab_size: int, eos: tuple[int, ...]) -> Any:
-    """llguidance's tokenizer for the model: from the tokenizer.json of a Hugging Face tokenizer
-    (the GGUF's own included), or from the byte table of a random model's byte tokenizer."""
-    from llguidance import LLTokenizer, TokenizerWrapper
-
-    tok = load_tokenizer(source, vocab_size, eos)
-    eos_ids = list(eos or tok.eos_token_ids)
-    if isinstance(tok, HFTokenizer):
-        ends = grammar_ends(tok, eos_ids)
-        return LLTokenizer(tok.tokenizer_json(), n_vocab=vocab_size, eos_token=ends)
-    assert isinstance(tok, ByteTokenizer)
-    return LLTokenizer(TokenizerWrapper(_ByteView(tok, eos_ids[0])), n_vocab=vocab_size)
-
-
-END_TEXTS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<|im_end|>", "<eos>")
-
-
-def grammar_ends(tok: HFTokenizer, eos_ids: list[int]) -> list[int]:
-    """The end tokens llguidance is given: the model's that the tokenizer holds.  A random
-    model with another model's tokenizer (`random:llama-3.1-8b --tokenizer` SmolLM2's) has none
-    there: it gets the tokenizer's own end of text, which each mask swaps for the model's
-    (`Guide.open_dead_end`), so a finished grammar stops the request."""
-    held = [i for i in eos_ids if i < tok.vocab_size]
-    if held:
-        return held
-    own = [tok.token_id(text) for text in END_TEXTS]
-    return [next((i for i in own if i is not None), 0)]
-
-
-class _ByteView:
-    """A byte tokenizer as llguidance's TokenizerWrapper reads one."""
-
-    def __init__(self, tok: ByteTokenizer, eos: int):
-        self.tok = tok
-        self.eos_token_id = eos
-        self.bos_token_id = None
-        self.tokens = tok.token_bytes()
-        self.special_token_ids = [eos]
-
-    def __call__(self, text: bytes) -> list[int]:
-        return self.tok.encode(text.decode("utf-8", errors="replace"))

@@ -238,7 +238,10 @@ class Worker:
         if self.device.type == "cuda":
             total = torch.cuda.get_device_properties(self.device).total_memory
         memory_plan = attrs.evolve(
-            memory_plan, allocator_conf=self.alloc_conf, device_total_bytes=total
+            memory_plan,
+            allocator_conf=self.alloc_conf,
+            device_total_bytes=total,
+            grammar_cache_bytes=self.grammars.budget_bytes,
         )
         log.info("memory plan", **attrs.asdict(memory_plan))
         return memory_plan

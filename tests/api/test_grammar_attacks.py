@@ -7,6 +7,7 @@ their bounds before any compile (core/grammar_limits.py) or by a check in a work
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -39,16 +40,22 @@ def gbnf_chain(rules: int) -> str:
 
 ASK = [{"role": "user", "content": "Answer."}]
 ATTACKS = {
-    "ref chain in response_format": {"response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": ref_chain(1000)}}},
-    "ref chain in a forced tool call": {"tool_choice": "required", "tools": [{
-        "type": "function", "function": {"name": "f", "parameters": ref_chain(1000)}}]},
+    "ref chain in response_format": {
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "x", "schema": ref_chain(1000)},
+        }
+    },
+    "ref chain in a forced tool call": {
+        "tool_choice": "required",
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": ref_chain(1000)}}],
+    },
     "10k-rule GBNF chain": {"guided_grammar": gbnf_chain(10_000)},
     "100k-string choice": {"guided_choice": [f"option {i}" for i in range(100_000)]},
     "empty choice": {"guided_choice": []},
-    "GBNF syntax error": {"guided_grammar": "root ::= ( \"a\" \n"},
+    "GBNF syntax error": {"guided_grammar": 'root ::= ( "a" \n'},
     "a choice the parser cannot enforce": {"guided_choice": [f"c {i}" for i in range(3500)]},
-}  # fmt: skip
+}
 
 
 @pytest.fixture(scope="module")
@@ -74,10 +81,15 @@ async def beside_streams(address: str, attack) -> tuple[object, list[float]]:
     client = AsyncClient(address, timeout=120)
     try:
         streams = [
-            await client.generate(f"Count to forty, step {i}:", stream=True, max_tokens=40,
-                                  ignore_eos=True, temperature=0.0)
+            await client.generate(
+                f"Count to forty, step {i}:",
+                stream=True,
+                max_tokens=40,
+                ignore_eos=True,
+                temperature=0.0,
+            )
             for i in range(NUM_STREAMS)
-        ]  # fmt: skip
+        ]
         readers = [asyncio.create_task(_stream_gaps(s)) for s in streams]
         await asyncio.sleep(0.5)  # every stream under way
         result = await attack()
@@ -104,8 +116,11 @@ def test_each_attack_is_a_4xx_and_no_stream_beside_it_pauses(server, name):
     assert max(gaps) < MAX_GAP_S, gaps
     assert httpx.get(f"{server.http_url}/health", timeout=5).status_code == 200
     assert time.monotonic() - start < 60
-    ok = httpx.post(f"{server.http_url}/v1/completions", timeout=60,
-                    json={"model": "smollm2", "prompt": "Hi", "max_tokens": 2}).json()  # fmt: skip
+    ok = httpx.post(
+        f"{server.http_url}/v1/completions",
+        timeout=60,
+        json={"model": "smollm2", "prompt": "Hi", "max_tokens": 2},
+    ).json()
     assert ok["choices"][0]["text"]
 
 
@@ -122,8 +137,9 @@ async def _zmq_generate(address: str, request: GenerateRequest) -> object:
 
 @pytest.mark.parametrize("ids", [[-5], [10**6], [1, 2, 49152]])
 def test_output_token_ids_outside_the_vocabulary_are_invalid_requests(server, ids):
-    request = GenerateRequest("m1", prompt="Hi", params={"seed": 1, "max_tokens": 8},
-                              output_token_ids=ids)  # fmt: skip
+    request = GenerateRequest(
+        "m1", prompt="Hi", params={"seed": 1, "max_tokens": 8}, output_token_ids=ids
+    )
     reply, gaps = asyncio.run(
         beside_streams(server.address, lambda: _zmq_generate(server.address, request))
     )
@@ -137,3 +153,27 @@ def test_the_unenforceable_and_the_refused_are_counted_in_metrics(server):
     text = httpx.get(f"{server.http_url}/metrics", timeout=10).text
     assert 'memstep:request_success_total{finished_reason="constraint_unenforceable"}' in text
     assert "memstep:constraint_cache_bytes" in text and "memstep:grammar_cache_bytes" in text
+
+
+def test_a_stream_whose_constraint_cannot_be_enforced_ends_with_an_error_event(server):
+    body = {
+        "model": "smollm2",
+        "messages": ASK,
+        "max_tokens": 8,
+        "stream": True,
+        **ATTACKS["a choice the parser cannot enforce"],
+    }
+    reply = httpx.post(f"{server.http_url}/v1/chat/completions", json=body, timeout=60)
+    events = [line[6:] for line in reply.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]", reply.text[-500:]
+    errors = [json.loads(e)["error"] for e in events[:-1] if '"error"' in e]
+    assert errors and errors[0]["code"] == "constraint_unenforceable", reply.text[-500:]
+    texts = "".join(
+        choice["delta"].get("content") or ""
+        for e in events[:-1]
+        if '"error"' not in e
+        for choice in json.loads(e)["choices"]
+    )
+    assert any(
+        c.startswith(texts) for c in ATTACKS["a choice the parser cannot enforce"]["guided_choice"]
+    )

@@ -17,7 +17,7 @@ from memstep.core.config import EngineConfig
 from memstep.core.grammar import ConstraintBook
 from memstep.core.grammar_check import GrammarChecker
 from memstep.events import codec
-from memstep.events.wire import ErrorReply, GenerateDone, GenerateRequest
+from memstep.events.wire import AbortRequest, ErrorReply, GenerateDone, GenerateRequest
 from memstep.executors.process.inprocess import local_engine
 
 PARAMS = {"max_tokens": 3, "ignore_eos": True, "seed": 1, "temperature": 0.0}
@@ -88,3 +88,16 @@ def test_a_constraint_that_does_not_compile_is_refused_after_its_check(served):
     reply = _replies(server, s, {"u"})["u"]
     assert isinstance(reply, ErrorReply) and reply.code == "invalid_request"
     assert "unclosed" in reply.message and server.grammars.num_refused == 1
+
+
+def test_a_request_aborted_while_its_check_runs_ends_with_abort(served):
+    server, s = served
+    _stop_the_worker(server)
+    s.send(codec.encode(GenerateRequest("c", prompt="Hi", params={**PARAMS, "guided_regex": "z+"})))
+    for _ in range(20):
+        server.run_once()
+    assert [c.msg.request_id for c in server.checking] == ["c"]
+    s.send(codec.encode(AbortRequest("a", "c")))
+    final = _replies(server, s, {"c"})
+    assert isinstance(final["c"], GenerateDone) and final["c"].finish_reason == "abort"
+    assert server.checking == [] and server.engine.requests == {}

@@ -10,8 +10,10 @@ import signal
 
 import pytest
 
-from memstep.core.grammar import ConstraintBook, TextCache
+from memstep.core import grammar
+from memstep.core.grammar import ConstraintBook, TextCache, TokenizerSpec, compile_error
 from memstep.core.grammar_check import GrammarChecker
+from memstep.core.model_source import model_config, resolve
 
 GOOD = ("regex", "[a-z]+")
 
@@ -84,3 +86,30 @@ def test_a_text_cache_keeps_the_recent_within_its_bytes():
     assert cache.get(("json", '{"n": 0000}' + " " * 80)) is None
     cache.put(("json", "x" * 20_000), "", 0)  # one past the whole budget: not kept
     assert cache.num_bytes <= 10_000
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer():
+    mc = model_config(resolve("random:tiny"))
+    return TokenizerSpec("random:tiny", 0, None, mc.vocab_size, mc.eos_token_ids).build()
+
+
+def test_a_compile_against_the_tokenizer_past_its_budget_is_refused(tiny_tokenizer, monkeypatch):
+    assert compile_error(*GOOD, tiny_tokenizer) == ""
+    monkeypatch.setattr(grammar, "COMPILE_BUDGET_S", 0.0)  # planted: every compile too slow
+    assert "compile, more than the 0 s budget" in compile_error(*GOOD, tiny_tokenizer)
+
+
+def test_the_books_workers_check_against_its_models_tokenizer():
+    mc = model_config(resolve("random:tiny"))
+    book = ConstraintBook()
+    try:
+        assert book.error("regex", "before") == ""  # a worker without a tokenizer
+        book.use_model(TokenizerSpec("random:tiny", 0, None, mc.vocab_size, mc.eos_token_ids))
+        assert book.known("regex", "before") is None  # verdicts of another tokenizer: dropped
+        assert book.error(*GOOD) == "" and "unclosed" in book.error("regex", "(unclosed")
+        (pid,) = book.checker.pids()
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            assert b'"model": "random:tiny"' in f.read()
+    finally:
+        book.close()

@@ -80,7 +80,7 @@ def test_each_attack_is_refused_by_its_bound_before_any_compile(kind, text, boun
                     "$ref": "#/$defs/n",
                 }
             ),
-        ),  # fmt: skip
+        ),
         (
             "json",
             json.dumps(
@@ -97,7 +97,7 @@ def test_each_attack_is_refused_by_its_bound_before_any_compile(kind, text, boun
                     "$ref": "#/$defs/d0",
                 }
             ),
-        ),  # fmt: skip
+        ),
         ("json", json.dumps({"properties": {f"p{i}": {} for i in range(1000)}})),
         ("choice", json.dumps([f"c{i}" for i in range(4096)])),
         ("grammar", gbnf_chain(1_500)),
