@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -126,3 +130,38 @@ def test_lm_eval_local_completions_matches_transformers(server, tmp_path):
     assert prefix is not None
     want = _hf_logprob(model, [prefix], tok.encode(ROLLING["text"]))
     assert math.isclose(served, want, abs_tol=1e-4)
+
+
+def test_guidellm_default_streamed_benchmark_has_no_errors_and_memsteps_counts(server, tmp_path):
+    """guidellm's default request (chat, streamed, vLLM's continuous_usage_stats, ignore_eos,
+    max_completion_tokens) on a synthetic 256-in / 64-out profile at concurrencies 1 and 2:
+    no request fails (each failed with 400 on continuous_usage_stats before), and the token
+    counts it reports are memstep's: the prompt as /tokenize counts its messages, 64 out."""
+    import httpx
+
+    from memstep.cli.main import main as cli_main
+
+    assert cli_main(["export-tokenizer", "--out", str(tmp_path / "tok")]) == 0
+    out = tmp_path / "guidellm.json"
+    guidellm = shutil.which("guidellm", path=str(Path(sys.executable).parent))
+    assert guidellm is not None, "guidellm is in the dev extra"
+    backend = f"kind=openai_http,target={server.http_url},model=smollm2"
+    cmd = [guidellm, "run", "--backend", backend, "--profile", "kind=concurrent,streams=1"]
+    cmd += ["--override", "profile.streams", "1,2", "--constraint", "kind=max_requests,count=2"]
+    cmd += ["--tokenizer", f"kind=hf_auto,model={tmp_path / 'tok'}"]
+    cmd += ["--data", "kind=synthetic_text,prompt_tokens=256,output_tokens=64"]
+    cmd += ["--output", f"kind=json,path={out}", "--disable-console"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 0, run.stdout + run.stderr
+    benchmarks = json.loads(out.read_text())["benchmarks"]
+    assert [b["config"]["strategy"]["streams"] for b in benchmarks] == [1, 2]
+    for bench in benchmarks:
+        requests = bench["requests"]
+        assert len(requests["successful"]) == 2 and requests["errored"] == []
+        for done in requests["successful"]:
+            body = json.loads(done["request_args"])["body"]
+            assert body["stream_options"]["continuous_usage_stats"] is True
+            counted = httpx.post(server.http_url + "/tokenize", json={"messages": body["messages"]})
+            assert done["input_metrics"]["text_tokens"] == counted.json()["count"]
+            assert done["output_metrics"]["text_tokens"] == 64
