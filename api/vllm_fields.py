@@ -46,6 +46,8 @@ CHAT_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     "documents": ((), "documents are not passed to the chat template"),
     "chat_template": ((), "the server's chat template is used (memstep serve --chat-template)"),
     "mm_processor_kwargs": ((), "only text is served"),
+    "media_io_kwargs": ((), "only text is served"),
+    "echo": ((False,), "a chat reply is not prefixed with the last message"),
 }
 COMPLETION_FIELDS = BOTH | COMPLETION_ONLY
 CHAT_FIELDS = BOTH | CHAT_ONLY

@@ -2,7 +2,9 @@
 
 Names and defaults are vLLM's (temperature 1.0: sampled unless asked for greedy with 0), so the
 same request means the same thing through `LLM`, the ZMQ client, the HTTP API and the CLI; the
-one exception is `max_tokens` (64 here, 16 in vLLM; HTTP completions keep OpenAI's 16).
+one exception is `max_tokens` (64 here, 16 in vLLM; HTTP completions keep OpenAI's 16).  As in
+vLLM, a served request (ZMQ, HTTP, `generate`, `chat`) first takes the model's own defaults
+where it leaves a field out (`--generation-config`, core/generation_config.py).
 """
 
 from __future__ import annotations

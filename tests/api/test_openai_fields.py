@@ -64,6 +64,7 @@ def test_vllm_fields_at_values_that_change_nothing_are_taken(parse, body):
         (parse_chat, {"messages": ASK, "cache_salt": "a"}, "prefix cache is shared"),
         (parse_chat, {"messages": ASK, "request_id": "a"}, "X-Request-Id"),
         (parse_chat, {"messages": ASK, "priority": True}, "priority True"),
+        (parse_chat, {"messages": ASK, "echo": True}, "not prefixed with the last message"),
     ],
 )
 def test_vllm_fields_asking_for_what_is_not_done_are_refused_with_the_reason(parse, body, says):
