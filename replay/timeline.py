@@ -27,7 +27,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from memstep.core.model_source import ALIASES, DEFAULT_GGUF
-from memstep.events.types import ExecutorLost, LeakSuspected, RecoveryDone, StepFinished
+from memstep.events.types import ExecutorLost, LeakSuspected, RecoveryDone, StepFinished, is_leak
 from memstep.replay.recording import Recording
 from memstep.replay.summary import summarize
 from memstep.replay.text_table import fmt_bytes
@@ -65,7 +65,7 @@ def memory_figure(recording: Recording) -> Figure:
     mem = [s.memory for s in steps]
     top_handles = _top(top, x, mem)
     kinds, changes = _shade(fig, (top, bottom), steps)
-    leaks = [r for r in recording.records if isinstance(r, LeakSuspected)]
+    leaks = [r for r in recording.records if is_leak(r)]
     _leaks(top, leaks, dict(zip(x, mem, strict=True)))
     bottom_handles = _bottom(bottom, x, mem) + _startup(recording.records)
     bottom.set_xlabel("step")
