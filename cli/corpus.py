@@ -17,9 +17,17 @@ import attrs
 from memstep.cli.corpus_cases import BASE, CASES, GUIDES, Case, Traffic
 from memstep.core.config import ConfigError, EngineConfig
 from memstep.core.engine import Engine
+from memstep.core.growth import StepWork
 from memstep.core.sampling_params import SamplingParams
-from memstep.events.types import LeakSuspected, StepFinished, is_leak
+from memstep.events.types import (
+    ExecutorLost,
+    LeakSuspected,
+    StepFinished,
+    StepPlanned,
+    is_leak,
+)
 from memstep.executors.process.inprocess import local_engine
+from memstep.executors.runtime.leak_detector import LeakDetector
 
 WORDS = [
     "the",
@@ -139,6 +147,27 @@ def run_corpus(
         done(outcome)
         out.append(outcome)
     return out
+
+
+def rejudge(outcome: Outcome) -> Outcome:
+    """`outcome` judged again from its recorded figures by a fresh detector (the executor's
+    rule for device figures and its own host memory), as a replay would: the rule the corpus
+    ran must give the same verdicts, and another rule (a test's plant) its own."""
+    if outcome.refused:
+        return outcome
+    detector, seen = LeakDetector(), set()
+    records: list[object] = []
+    work = StepWork(0, 0, 0)
+    for rec in outcome.records:
+        if isinstance(rec, ExecutorLost):
+            detector = LeakDetector()  # a new executor judges afresh
+        elif isinstance(rec, StepPlanned):
+            new = {row[0] for row in rec.batch} - seen
+            seen |= new
+            work = StepWork(len(rec.batch), rec.num_tokens, len(new))
+        elif isinstance(rec, StepFinished) and rec.kind in ("spec", "no_spec"):
+            records += [rec, *detector.observe(rec.step, rec.kind, rec.memory, work)]
+    return Outcome(outcome.case, records, [0.0] * len(records))
 
 
 def confusion(outcomes: list[Outcome]) -> dict[str, int]:

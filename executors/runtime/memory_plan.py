@@ -130,9 +130,11 @@ def plan_memory(
         blocks = cfg.num_kv_blocks
     elif device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
-        fixed = held_bytes + weights + activation + sampler + graphs
+        fixed = weights + activation + sampler + graphs
         fixed += _kind_bytes(cfg, model_cfg, dtype, 1, device.type, exclude_draft_kv=True)
-        blocks = int((total * cfg.gpu_memory_utilization - fixed) // (page + draft_page))
+        # what the process already holds (another engine) is not this one's to plan with
+        budget = min(total * cfg.gpu_memory_utilization, total - held_bytes)
+        blocks = int((budget - fixed) // (page + draft_page))
     else:
         blocks = min(cfg.cpu_kv_cache_bytes // (page + draft_page), wanted)
     if blocks < 1:
