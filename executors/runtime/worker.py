@@ -396,8 +396,10 @@ class Worker:
 
 
 def held_on(device: torch.device) -> int:
-    """What this process already holds on CUDA `device` (reserved by its allocator); 0 on CPU."""
-    return torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
+    """What this process's tensors already hold on CUDA `device` (another engine's); 0 on the
+    CPU.  Allocated, not reserved: blocks an engine freed but the allocator still caches are
+    this one's to reuse, and a replay after a recording in one process plans as it did."""
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
 
 
 def device_bytes(device: torch.device) -> int:

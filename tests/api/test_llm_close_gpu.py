@@ -42,11 +42,11 @@ def test_a_second_open_engine_plans_around_the_first():
     args = {**ARGS, "gpu_memory_utilization": 0.6}
     with LLM("smollm2", **args) as first:
         run(first)
-        held = torch.cuda.memory_reserved()
+        held = torch.cuda.memory_allocated()
         with LLM("smollm2", **args) as second:
             run(second)
             plan, alone = second.engine.memory_plan, first.engine.memory_plan
-            assert plan.held_bytes == held
+            assert plan.held_bytes == held > 0
             assert plan.predicted_peak_bytes >= held + plan.weights_bytes
             assert plan.num_kv_blocks < alone.num_kv_blocks  # the first's memory is not its own
             assert torch.cuda.max_memory_reserved() <= plan.predicted_peak_bytes * 1.05
