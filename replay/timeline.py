@@ -119,7 +119,7 @@ def _growth(ax: Axes, x: list[int], mem: list, leaks: list[LeakSuspected]) -> li
     label = "reserved growth"
     ax.plot(x, [v / scale for v in reserved], color="C1", lw=1.0, ls="--", ds=STEPS, label=label)
     ax.set_ylabel(f"growth since step {x[0]} ({unit})")
-    ax.ticklabel_format(axis="y", useOffset=False)
+    _span(ax)
     _marks(ax, leaks, dict(zip(x, live, strict=True)), scale)
     handles = list(ax.get_legend_handles_labels()[0])
     rss = _since_first([m.executor_rss_bytes for m in mem])
@@ -130,8 +130,18 @@ def _growth(ax: Axes, x: list[int], mem: list, leaks: list[LeakSuspected]) -> li
         values = [v / host_scale for v in rss]
         right.plot(x, values, color="C5", lw=1.0, ls="-.", ds=STEPS, label=label)
         right.set_ylabel(f"host growth ({host_unit})")
+        _span(right)
         handles += right.get_legend_handles_labels()[0]
     return handles
+
+
+def _span(ax: Axes) -> None:
+    """From zero (or the least growth, where a figure fell) to the most, with a margin; a series
+    flat at zero gets 0..1."""
+    values = [float(v) for line in ax.get_lines() for v in line.get_ydata()]
+    low, high = min(values, default=0.0), max(values, default=0.0)
+    ax.set_ylim(min(low, 0.0) * 1.08, high * 1.08 if high > 0 else 1)
+    ax.ticklabel_format(axis="y", useOffset=False)
 
 
 def _since_first(values: list[int]) -> list[int]:
