@@ -155,7 +155,7 @@ def rejudge(outcome: Outcome) -> Outcome:
     ran must give the same verdicts, and another rule (a test's plant) its own."""
     if outcome.refused:
         return outcome
-    detector, seen = LeakDetector(), set()
+    detector, seen = LeakDetector(), set[str]()
     records: list[object] = []
     work = StepWork(0, 0, 0)
     for rec in outcome.records:

@@ -9,7 +9,7 @@ import argparse
 from memstep.cli.main import SPECULATION_FIELDS, add_speculation_arguments
 from memstep.cli.progress import Progress, add_progress_argument
 from memstep.cli.scenarios import SCENARIOS, format_table, num_driven_steps, run_scenario
-from memstep.events.types import StepFinished, is_leak
+from memstep.events.types import LeakSuspected, StepFinished
 from memstep.replay.recorder import add_record_arguments, open_recorder
 from memstep.states.planted import PLANTS
 
@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
         )
     if recorder is not None:
         recorder.close()
-    leaks = [r for r in records if is_leak(r)]
+    leaks = [r for r in records if isinstance(r, LeakSuspected) and r.is_leak]
     settings = "".join(f", {k}={v}" for k, v in given.items())
     print(f"scenario {args.name}, model {args.model}, sustained steps {args.steps}{settings}")
     print(format_table(rows, leaks))

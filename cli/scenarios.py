@@ -22,7 +22,7 @@ from memstep.core.config import EngineConfig
 from memstep.core.engine import Engine
 from memstep.core.sampling_params import SamplingParams
 from memstep.events.stretches import stretches
-from memstep.events.types import LeakSuspected, is_leak
+from memstep.events.types import LeakSuspected
 from memstep.executors.process.inprocess import local_engine
 
 PROMPTS = [
@@ -48,7 +48,7 @@ class KindVerdict:
 
 def verdicts(records: list[object]) -> list[KindVerdict]:
     parts = stretches(records)
-    leaks = [r for r in records if is_leak(r)]
+    leaks = [r for r in records if isinstance(r, LeakSuspected) and r.is_leak]
     out = []
     for kind in sorted({s.kind for s in parts}):
         mine = [s for s in parts if s.kind == kind]

@@ -138,8 +138,9 @@ def _growth(ax: Axes, x: list[int], mem: list, leaks: list[LeakSuspected]) -> li
 def _span(ax: Axes) -> None:
     """From zero (or the least growth, where a figure fell) to the most, with a margin; a series
     flat at zero gets 0..1."""
-    values = [float(v) for line in ax.get_lines() for v in line.get_ydata()]
-    low, high = min(values, default=0.0), max(values, default=0.0)
+    data = [np.asarray(line.get_ydata(), dtype=float) for line in ax.get_lines()]
+    low = min((float(np.min(d, initial=0)) for d in data), default=0.0)
+    high = max((float(np.max(d, initial=0)) for d in data), default=0.0)
     ax.set_ylim(min(low, 0.0) * 1.08, high * 1.08 if high > 0 else 1)
     ax.ticklabel_format(axis="y", useOffset=False)
 
@@ -205,7 +206,7 @@ def _floor(ax: Axes) -> None:
     ax.ticklabel_format(axis="y", useOffset=False)
 
 
-def _shade(fig: Figure, axes: tuple[Axes, Axes], steps: list[StepFinished]) -> tuple[list, list]:
+def _shade(fig: Figure, axes: tuple[Axes, ...], steps: list[StepFinished]) -> tuple[list, list]:
     """Shade the steps of every kind but the most common one, and mark each transition."""
     counts: dict[str, int] = {}
     for s in steps:
