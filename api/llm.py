@@ -13,6 +13,8 @@ a given seed still reproduces the whole result.
 
 from __future__ import annotations
 
+import gc
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,7 +27,7 @@ from memstep.core.config import EngineConfig, with_vllm_names
 from memstep.core.engine import Engine
 from memstep.core.logging import setup_logging
 from memstep.core.sampling_params import InvalidRequest
-from memstep.executors.process.inprocess import local_engine
+from memstep.executors.process.inprocess import local_engine, release_device_cache
 
 Prompt = str | list[int]
 Messages = list[dict[str, str]]
@@ -77,6 +79,13 @@ class LLM:
 
     `config` takes EngineConfig's fields by vLLM's names (`gpu_memory_utilization`); a former
     memstep name still works, with a DeprecationWarning.
+
+    `close()` (or leaving `with LLM(...) as llm:`, or deleting the last reference) shuts the
+    engine down and gives its memory back: its KV pages, arena, buffers and (on CUDA) weights,
+    and the allocator's cached blocks, so that a second `LLM` in the process (a notebook, a
+    benchmark comparing two configs) finds the memory the first had.  What stays is the
+    process's read-only cache of a GGUF's dequantized weights, which the next CPU engine of
+    the same model shares instead of loading again.
     """
 
     def __init__(self, model: str = "smollm2", **config: Any):
@@ -84,6 +93,22 @@ class LLM:
             setup_logging("console", "warning")  # stderr, as a library should
         cfg = EngineConfig(model=model, **with_vllm_names(config))
         self.engine: Engine = local_engine(cfg)
+        self._finalizer = weakref.finalize(self, _release, self.engine)
+
+    def close(self) -> None:
+        """Shut the engine down and give its memory back (see the class's docstring); further
+        calls do nothing."""
+        self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def generate(
         self,
@@ -172,6 +197,16 @@ class LLM:
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         return self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+
+def _release(engine: Engine) -> None:
+    """Shut `engine` down and return its memory: the executor drops its worker (every tensor
+    with it), a collection frees what cycles held, and the CUDA allocator hands its cached
+    blocks back, so that reserved memory returns to where it was before the engine."""
+    engine.shutdown()
+    gc.unfreeze()  # the worker froze its start-up objects (LiveTensorMeter.freeze): cycles too
+    gc.collect()
+    release_device_cache()
 
 
 def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

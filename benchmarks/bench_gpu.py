@@ -318,7 +318,7 @@ def main() -> None:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     from memstep.core.config import EngineConfig
     from memstep.core.model_source import model_config, resolve
-    from memstep.events.types import LeakSuspected
+    from memstep.events.types import is_leak
     from memstep.executors.cuda.graph_runner import peak_figures
     from memstep.executors.model.weights import load_weights
     from memstep.executors.process.inprocess import local_engine
@@ -350,7 +350,7 @@ def main() -> None:
     torch.cuda.empty_cache()
 
     leaks: list = []
-    sink = lambda rec: leaks.append(rec) if isinstance(rec, LeakSuspected) else None  # noqa: E731
+    sink = lambda rec: leaks.append(rec) if is_leak(rec) else None  # noqa: E731
     cfg = EngineConfig(
         model=MODEL,
         dtype="bfloat16",

@@ -1,14 +1,15 @@
 """Soak: many clients sending ShareGPT chat prompts to `memstep serve` for a fixed time, then
-whether each process's host memory stayed inside the leak detector's tolerance.
+whether each process's host memory stayed inside the soak's bound, with no leak report.
 
 `memstep serve` runs in its own process (its executor in another, the HTTP front in a third) and
 records its event log; `memstep bench serve --backend openai-chat` rounds of requests from
 `--clients` concurrent chat clients (ShareGPT's first turns, vLLM's sample; replies capped at
 `--max-output-len`) run one after another until the time is up (the last round is finished).
 From the log's per-step memory reports: the core's and the executor's resident bytes after the
-first served step, at their peak and at the end, their growth against `host_leak_tolerance_mib`,
-live tensor bytes for contrast, and the leak reports.  It passes with every process's growth
-inside the tolerance and no report.
+first served step, at their peak and at the end, their growth against `SOAK_BOUND_MIB` (the
+soak's own bound: the detector judges a slope, not a size), live tensor bytes for contrast, and
+the leak reports (high-water marks left out: information).  It passes with every process's
+growth inside the bound and no report.
 
     python benchmarks/bench_soak.py --minutes 5 [--clients 64] [--model smollm2]
         [--max-num-seqs 16] [--max-output-len 32] [--num-threads 2] [--out DIR]
@@ -87,8 +88,11 @@ def load_rounds(args: argparse.Namespace, url: str) -> list[dict[str, Any]]:
     return rounds
 
 
+SOAK_BOUND_MIB = 64  # host growth a soak may show past its first served step
+
+
 def verdict(log: Path, tolerance_mib: int) -> dict[str, Any]:
-    from memstep.events.types import LeakSuspected, StepFinished
+    from memstep.events.types import StepFinished, is_leak
     from memstep.replay.recording import load
 
     records = load(log).records
@@ -104,7 +108,7 @@ def verdict(log: Path, tolerance_mib: int) -> dict[str, Any]:
             "peak_growth_mib": round((max(rss) - rss[0]) / MIB, 1),
         }
     out["live_growth_bytes"] = mems[-1].live_bytes - mems[0].live_bytes
-    leaks = [r for r in records if isinstance(r, LeakSuspected)]
+    leaks = [r for r in records if is_leak(r)]
     out["leak_reports"] = [f"step {x.step} {x.kind} {x.what}: {x.detail}" for x in leaks]
     inside = all(out[p]["peak_growth_mib"] <= tolerance_mib for p in ("executor", "core"))
     out["passed"] = inside and not leaks
@@ -121,9 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         os.kill(proc.pid, signal.SIGINT)
         proc.wait(timeout=120)
-    from memstep.core.config import EngineConfig
-
-    report = verdict(log, EngineConfig().host_leak_tolerance_mib)
+    report = verdict(log, SOAK_BOUND_MIB)
     report |= {"minutes": round((time.monotonic() - started) / 60, 2), "rounds": rounds}
     report["requests"] = sum(r["completed"] or 0 for r in rounds)
     (args.out / "soak.json").write_text(json.dumps(report, indent=2))

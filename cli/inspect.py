@@ -245,12 +245,13 @@ def _more(shown: int, more: int) -> str:
 
 
 def _leaks(s: LogSummary) -> str:
-    if not s.leaks:
-        return "leak reports: none"
-    lines = [f"leak reports: {len(s.leaks)}"]
+    lines = [f"leak reports: {len(s.leaks) or 'none'}"]
     lines += [
         f"  step {x.step} {x.kind} {x.what} {fmt_bytes(x.nbytes)}: {x.detail}" for x in s.leaks
     ]
+    if s.high_water:  # information: a figure rose once (a new shape of work) and stayed
+        lines.append(f"high-water marks (not leaks): {len(s.high_water)}")
+        lines += [f"  step {x.step} {x.what}: {x.detail}" for x in s.high_water]
     return "\n".join(lines)
 
 

@@ -48,7 +48,7 @@ class KindVerdict:
 
 def verdicts(records: list[object]) -> list[KindVerdict]:
     parts = stretches(records)
-    leaks = [r for r in records if isinstance(r, LeakSuspected)]
+    leaks = [r for r in records if isinstance(r, LeakSuspected) and r.is_leak]
     out = []
     for kind in sorted({s.kind for s in parts}):
         mine = [s for s in parts if s.kind == kind]

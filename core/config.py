@@ -30,6 +30,9 @@ PLANTED_LEAKS = (
     "sampler_scratch",
     "fragmenting_scratch",
     "executor_host_bytes",
+    "executor_host_bytes_slow",
+    "executor_python_objects",
+    "tensor_every_100_steps",
 )
 
 
@@ -113,8 +116,9 @@ class EngineConfig:
     # ranks the core starts on this machine (0..n-1); the rest run `memstep executor --rank R`
     num_local_ranks: int | None = None
     debug_plant_leak: str | None = None  # test-only: a deliberate leak from states/planted.py
-    # resident host memory may grow this much over its level after the first step, per process
-    host_leak_tolerance_mib: int = 64
+    # resident host memory's noise: a window's floor must rise more than this to count as a rise
+    # of core/growth.py's rule (a leak is told by its shape over the work, not by a tolerance)
+    host_leak_tolerance_mib: int = 2
     # executor crash recovery: past this many restarts within the window the engine gives up
     max_executor_restarts: int = 3
     executor_restart_window_s: float = 600.0

@@ -31,6 +31,7 @@ from memstep.core.executor import (
     require_executor,
 )
 from memstep.core.grammar import TokenizerSpec, constraint_book, grammar_error
+from memstep.core.growth import StepWork
 from memstep.core.host_memory import HostWatch, rss_bytes
 from memstep.core.model_source import model_config, resolve
 from memstep.core.outputs import Completion, RequestOutput
@@ -449,6 +450,7 @@ class Engine:
         )
 
     def _record(self, batch: StepBatch, result: StepResult) -> list[RequestOutput]:
+        work = _work(batch)  # before _advance moves the requests on
         for rec in [*result.exited, *result.entered]:
             self.emit(rec)
         if result.entered:
@@ -487,17 +489,17 @@ class Engine:
         lifecycle.step_done(self.step_no, batch, memory)
         if proposed:
             log.debug("spec step", step=self.step_no, proposed=proposed, accepted=accepted)
-        for leak in [*result.leaks, *self._watch_core(batch.kind, memory.core_rss_bytes)]:
+        for leak in [*result.leaks, *self._watch_core(batch.kind, memory.core_rss_bytes, work)]:
             log.warning("leak suspected", **attrs.asdict(leak))
             self.emit(leak)
         self.last_memory = memory
         return outputs
 
-    def _watch_core(self, kind: str, rss: int) -> list:
+    def _watch_core(self, kind: str, rss: int, work: StepWork) -> list:
         """Host growth of this process; an executor in this process reports it already."""
         if not isinstance(self.executor, OwnProcess):
             return []
-        return self.host_watch.observe(self.step_no, kind, rss)
+        return self.host_watch.observe(self.step_no, kind, rss, work)
 
     def _advance(
         self, batch: StepBatch, results: list[SeqResult]
@@ -828,3 +830,9 @@ def outside_vocabulary(ids: list, vocab: int) -> object | None:
 
 def _is_token(t: object, vocab: int) -> bool:
     return isinstance(t, int) and 0 <= t < vocab
+
+
+def _work(batch: StepBatch) -> StepWork:
+    """A step's rows and tokens, and the requests it starts (none of their tokens computed)."""
+    admitted = sum(1 for s in batch.seqs if s.request.num_computed == 0)
+    return StepWork(len(batch.seqs), batch.num_tokens, admitted)

@@ -3,17 +3,20 @@
 Device memory is owned by the arena and measured tensor by tensor; host memory (Python objects,
 native buffers of libraries, the allocator's arenas) is not, and grows in ways no tensor figure
 shows: the leaks most often reported against LLM servers are of this kind.  Each process reads
-its own resident set from /proc after every step.  Resident memory moves by some megabytes as
-libraries warm new shapes and the allocator keeps freed pages, so a report needs growth past a
-tolerance over the level after the first serving step; after a report the new level is the
-baseline, so a steady leak is reported once per tolerance it grows.
+its own resident set from /proc after every step.  Resident memory steps up by some megabytes as
+libraries warm new shapes and the allocator keeps freed pages, then stays: a high-water mark, not
+a leak.  What grows with the work done is told from it by core/growth.py's rule.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
+import attrs
+
+from memstep.core.growth import FloorWatch, GrowthRule, Plateau, Slope, StepWork
 from memstep.events.types import LeakSuspected
 
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
@@ -41,29 +44,76 @@ def _own_statm() -> bytes:
     return os.pread(_statm[1], 256, 0)
 
 
+# a process's first requests warm what no figure of the device shows (imports done on first use,
+# the allocator's arenas, libraries' first calls): its baseline is taken after more steps
+HOST_RULE = GrowthRule(warmup_windows=3)
+
+
+def machine_bytes() -> int:
+    """The machine's physical memory (MemTotal), what a host slope is projected to; 0 if unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, IndexError, ValueError):
+        pass
+    return 0
+
+
+def duration(seconds: float) -> str:
+    """`seconds` as people say it: 3 h 10 min, 12 min, 40 s."""
+    minutes = int(seconds // 60)
+    if minutes >= 60:
+        return f"{minutes // 60} h {minutes % 60} min"
+    return f"{minutes} min" if minutes else f"{seconds:.0f} s"
+
+
 class HostWatch:
-    """Reports `process`'s resident bytes growing more than `tolerance` over its baseline, as
-    `host_growth`, at the step where it passed the tolerance."""
+    """Reports `process`'s resident bytes growing with the work done (core/growth.py's rule):
+    a slope as `host_growth`, with its rate and when it would fill the machine at this run's
+    pace; a plateau once as `host_high_water`.  A window's floor must rise more than `noise`
+    bytes to count: resident memory moves by pages as the allocator keeps and returns them."""
 
-    def __init__(self, process: str, tolerance: int):
+    def __init__(self, process: str, noise: int, rule: GrowthRule = HOST_RULE):
         self.process = process
-        self.tolerance = tolerance
-        self.baseline: int | None = None
-        self.baseline_step = 0
+        self.watch = FloorWatch(attrs.evolve(rule, noise=noise))
+        self.capacity = machine_bytes()
+        self._started: tuple[int, float] | None = None  # (step, monotonic seconds)
 
-    def observe(self, step: int, kind: str, rss: int) -> list[LeakSuspected]:
+    def observe(self, step: int, kind: str, rss: int, work: StepWork) -> list[LeakSuspected]:
         if rss <= 0:
             return []  # not measured on this host
-        if self.baseline is None:
-            self.baseline, self.baseline_step = rss, step
-            return []
-        grew = rss - self.baseline
-        if grew <= self.tolerance:
-            return []
+        if self._started is None:
+            self._started = (step, time.monotonic())
+        seen = self.watch.observe(step, rss, work)
+        if isinstance(seen, Plateau):
+            detail = (
+                f"high-water mark, not a leak: {self.process} RSS rose "
+                f"{(seen.level - seen.base) / MIB:+.1f} MiB to {seen.level / MIB:.1f} MiB and has "
+                f"stayed there {seen.flat_steps} steps"
+            )
+            return [
+                LeakSuspected(seen.step, kind, "host_high_water", seen.level - seen.base, detail)
+            ]
+        if isinstance(seen, Slope):
+            return [
+                LeakSuspected(
+                    seen.begin_step, kind, "host_growth", seen.growth, self._detail(step, seen)
+                )
+            ]
+        return []
+
+    def _detail(self, step: int, slope: Slope) -> str:
         detail = (
-            f"host memory: {self.process} RSS {self.baseline / MIB:.1f} MiB at step "
-            f"{self.baseline_step} -> {rss / MIB:.1f} MiB ({grew / MIB:+.1f} MiB), past the "
-            f"tolerance of {self.tolerance / MIB:.0f} MiB; no tensor holds it"
+            f"host memory: {self.process} RSS {slope.base.floor / MIB:.1f} -> "
+            f"{slope.last.floor / MIB:.1f} MiB ({slope.growth / MIB:+.1f} MiB) since step "
+            f"{slope.base.step}, growing with the work ({slope.rate()}); no tensor holds it"
         )
-        self.baseline, self.baseline_step = rss, step
-        return [LeakSuspected(step, kind, "host_growth", grew, detail)]
+        left = slope.steps_to(self.capacity)
+        if left is None or self._started is None:
+            return detail
+        pace = (time.monotonic() - self._started[1]) / max(step - self._started[0], 1)
+        return (
+            f"{detail}; at this rate the {self.process} reaches the machine's memory "
+            f"({self.capacity / (1 << 30):.1f} GiB) in {duration(left * pace)} ({left:,} steps)"
+        )

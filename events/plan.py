@@ -106,6 +106,9 @@ class MemoryPlan:
     allocator_conf: str = ""  # CUDA: PYTORCH_CUDA_ALLOC_CONF as the executor set it
     device_total_bytes: int = 0  # CUDA: the device's memory; 0 on the CPU
     grammar_cache_bytes: int = 0  # host: the budget of the compiled grammar matchers it keeps
+    # CUDA: what this process held on the device before this executor (another engine, say):
+    # counted in the predicted peak and left out of the KV cache's share
+    held_bytes: int = 0
 
 
 @record

@@ -242,9 +242,18 @@ class RequestPreempted:
 class LeakSuspected:
     step: int  # step where the growth began
     kind: str
-    what: str  # "live_growth" | "fragmentation" | "held_after_exit" | "host_growth"
+    # a leak: "live_growth" | "fragmentation" | "held_after_exit" | "host_growth"; information,
+    # not a leak (a figure rose once and stays: a high-water mark): "high_water" | "host_high_water"
+    what: str
     nbytes: int
     detail: str
+
+    @property
+    def is_leak(self) -> bool:
+        return self.what not in HIGH_WATER
+
+
+HIGH_WATER = ("high_water", "host_high_water")
 
 
 @record
@@ -333,4 +342,9 @@ def unreplayable_fields(cls: type) -> tuple[str, ...]:
 def is_host_measured(rec: object) -> bool:
     """A record made from host memory figures alone (a host-growth report): replay compares
     none, since the OS's figures differ from run to run."""
-    return isinstance(rec, LeakSuspected) and rec.what == "host_growth"
+    return isinstance(rec, LeakSuspected) and rec.what in ("host_growth", "host_high_water")
+
+
+def is_leak(rec: object) -> bool:
+    """A leak report (a high-water mark is a LeakSuspected record too, but information only)."""
+    return isinstance(rec, LeakSuspected) and rec.is_leak

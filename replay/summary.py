@@ -32,6 +32,7 @@ from memstep.events.types import (
     StateExited,
     StepFinished,
     StepPlanned,
+    is_leak,
 )
 
 
@@ -104,6 +105,7 @@ class LogSummary:
     ledger: dict[str, KindLedger]  # kind -> its claims and releases, start-up kinds included
     stretches: list[Stretch]
     leaks: list[LeakSuspected]
+    high_water: list[LeakSuspected]  # figures that rose once and stayed: information
     phases: list[list]  # [step, old, new]
     losses: list[ExecutorLost]  # executors lost (died, silent, or erring), in order
     recoveries: list[RecoveryDone]  # recoveries completed, in order
@@ -147,7 +149,8 @@ def summarize(records: list[object]) -> LogSummary:
         transitions=_transitions(records),
         ledger=_ledger(records),
         stretches=stretches,
-        leaks=[r for r in records if isinstance(r, LeakSuspected)],
+        leaks=[r for r in records if is_leak(r)],
+        high_water=[r for r in records if isinstance(r, LeakSuspected) and not r.is_leak],
         phases=[[r.step, r.old, r.new] for r in records if isinstance(r, PhaseChanged)],
         losses=[r for r in records if isinstance(r, ExecutorLost)],
         recoveries=[r for r in records if isinstance(r, RecoveryDone)],

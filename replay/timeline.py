@@ -2,15 +2,17 @@
 step left alive, with the step kinds behind.
 
 Top panel: live and reserved bytes after each step, and each process's resident host memory,
-leak reports marked.  Bottom panel: KV pages in use and pages cached for prefix reuse, and the
-bytes the arena ledger says are claimed by step kinds (right axis; left out when it is zero
-throughout, and said so in the legend), with what the start-up kinds (warmup, capture) claimed
-and released before the first step.  Steps of the run's most common kind are the background;
-the steps of any other kind are shaded, with a dotted line at every transition between kinds; a
-lost executor is a solid dark red line, labelled with its recovery time.  Legends stand outside
-the panels, so no line is hidden under one.  The title names the model as the run was given it
-and carries the prefix-cache hit rate.  Rendered with matplotlib's Figure (no display, no global
-backend switch).
+leak reports marked.  Middle panel: what each figure grew by since the first step, on an axis
+scaled to the growth (a leak of a few MiB is flat on the top panel's hundreds), each leak report
+labelled with its kind and size.  Bottom panel: KV pages in use and pages cached for prefix
+reuse, and the bytes the arena ledger says are claimed by step kinds (right axis; left out when
+it is zero throughout, and said so in the legend), with what the start-up kinds (warmup,
+capture) claimed and released before the first step.  Steps of the run's most common kind are
+the background; the steps of any other kind are shaded, with a dotted line at every transition
+between kinds; a lost executor is a solid dark red line, labelled with its recovery time.
+Legends stand outside the panels, so no line is hidden under one.  The title names the model as
+the run was given it and carries the prefix-cache hit rate.  Rendered with matplotlib's Figure
+(no display, no global backend switch).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from memstep.core.model_source import ALIASES, DEFAULT_GGUF
-from memstep.events.types import ExecutorLost, LeakSuspected, RecoveryDone, StepFinished
+from memstep.events.types import ExecutorLost, LeakSuspected, RecoveryDone, StepFinished, is_leak
 from memstep.replay.recording import Recording
 from memstep.replay.summary import summarize
 from memstep.replay.text_table import fmt_bytes
@@ -59,14 +61,17 @@ def memory_figure(recording: Recording) -> Figure:
     steps = [r for r in recording.records if isinstance(r, StepFinished)]
     if not steps:
         raise ValueError(f"{recording.path}: no steps recorded, nothing to plot")
-    fig = Figure(figsize=(12, 7), dpi=100, layout="constrained")
-    top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=[3, 2])
+    fig = Figure(figsize=(12, 9), dpi=100, layout="constrained")
+    top, middle, bottom = fig.subplots(3, 1, sharex=True, height_ratios=[3, 2, 2])
     x = [s.step for s in steps]
     mem = [s.memory for s in steps]
     top_handles = _top(top, x, mem)
-    kinds, changes = _shade(fig, (top, bottom), steps)
-    leaks = [r for r in recording.records if isinstance(r, LeakSuspected)]
-    _leaks(top, leaks, dict(zip(x, mem, strict=True)))
+    kinds, changes = _shade(fig, (top, middle, bottom), steps)
+    leaks = [r for r in recording.records if is_leak(r)]
+    for leak in leaks:
+        top.axvline(leak.step, color="red", lw=1.2, alpha=0.8)
+    middle_handles = _growth(middle, x, mem, leaks)
+    middle.legend(handles=middle_handles, **OUTSIDE)
     bottom_handles = _bottom(bottom, x, mem) + _startup(recording.records)
     bottom.set_xlabel("step")
     losses = _losses(top, recording.records)
@@ -101,6 +106,78 @@ def _top(ax: Axes, x: list[int], mem: list) -> list:
     return handles
 
 
+def _growth(ax: Axes, x: list[int], mem: list, leaks: list[LeakSuspected]) -> list:
+    """What each figure grew by since the first step, on an axis of its own scale: a leak of a
+    few MiB is flat on the top panel's hundreds.  Device figures on the left, host memory on
+    the right; each leak report marked with its kind and size, labels stepped apart."""
+    live, reserved = (
+        _since_first([m.live_bytes for m in mem]),
+        _since_first([m.reserved_bytes for m in mem]),
+    )
+    unit, scale = _unit(max(map(abs, live + reserved), default=0))
+    ax.plot(x, [v / scale for v in live], color="C0", lw=1.6, ds=STEPS, label="live growth")
+    label = "reserved growth"
+    ax.plot(x, [v / scale for v in reserved], color="C1", lw=1.0, ls="--", ds=STEPS, label=label)
+    ax.set_ylabel(f"growth since step {x[0]} ({unit})")
+    _span(ax)
+    _marks(ax, leaks, dict(zip(x, live, strict=True)), scale)
+    handles = list(ax.get_legend_handles_labels()[0])
+    rss = _since_first([m.executor_rss_bytes for m in mem])
+    if any(m.executor_rss_bytes for m in mem):
+        right = ax.twinx()
+        host_unit, host_scale = _unit(max(map(abs, rss), default=0))
+        label = "executor RSS growth (right axis)"
+        values = [v / host_scale for v in rss]
+        right.plot(x, values, color="C5", lw=1.0, ls="-.", ds=STEPS, label=label)
+        right.set_ylabel(f"host growth ({host_unit})")
+        _span(right)
+        handles += right.get_legend_handles_labels()[0]
+    return handles
+
+
+def _span(ax: Axes) -> None:
+    """From zero (or the least growth, where a figure fell) to the most, with a margin; a series
+    flat at zero gets 0..1."""
+    data = [np.asarray(line.get_ydata(), dtype=float) for line in ax.get_lines()]
+    low = min((float(np.min(d, initial=0)) for d in data), default=0.0)
+    high = max((float(np.max(d, initial=0)) for d in data), default=0.0)
+    ax.set_ylim(min(low, 0.0) * 1.08, high * 1.08 if high > 0 else 1)
+    ax.ticklabel_format(axis="y", useOffset=False)
+
+
+def _since_first(values: list[int]) -> list[int]:
+    return [v - values[0] for v in values]
+
+
+def _unit(peak: int) -> tuple[str, int]:
+    """The unit a growth of `peak` bytes reads best in."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", MIB), ("KiB", 1 << 10)):
+        if peak >= 2 * scale:
+            return unit, scale
+    return "B", 1
+
+
+def _marks(ax: Axes, leaks: list[LeakSuspected], grew_at: dict, scale: int) -> None:
+    """A marker and a label at each leak report: its kind and size, the labels stepped up and
+    down in turn so that reports close together do not write over each other."""
+    for i, leak in enumerate(leaks):
+        ax.axvline(leak.step, color="red", lw=1.2, alpha=0.8)
+        y = grew_at.get(leak.step, 0) / scale
+        ax.plot([leak.step], [y], marker="v", color="red", ms=9, label="_leak")
+        text = f"{leak.what} {fmt_bytes(leak.nbytes)}"
+        box = {"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.8}
+        offset = (6, 8 + 14 * (i % 4))
+        ax.annotate(
+            text,
+            (leak.step, y),
+            xytext=offset,
+            textcoords="offset points",
+            color="red",
+            fontsize=8,
+            bbox=box,
+        )
+
+
 def _bottom(ax: Axes, x: list[int], mem: list) -> list:
     """KV pages on the left axis, arena claimed on the right one unless flat at zero."""
     used = [m.kv_pages_used for m in mem]
@@ -129,7 +206,7 @@ def _floor(ax: Axes) -> None:
     ax.ticklabel_format(axis="y", useOffset=False)
 
 
-def _shade(fig: Figure, axes: tuple[Axes, Axes], steps: list[StepFinished]) -> tuple[list, list]:
+def _shade(fig: Figure, axes: tuple[Axes, ...], steps: list[StepFinished]) -> tuple[list, list]:
     """Shade the steps of every kind but the most common one, and mark each transition."""
     counts: dict[str, int] = {}
     for s in steps:
@@ -160,18 +237,6 @@ def _bands(ax: Axes, steps: list[StepFinished], colors: dict[str, str]) -> None:
         ax.fill_between(
             edges, 0, 1, where=where, transform=ax.get_xaxis_transform(),
             color=color, lw=0, zorder=0,
-        )  # fmt: skip
-
-
-def _leaks(ax: Axes, leaks: list[LeakSuspected], mem_at: dict) -> None:
-    for leak in leaks:
-        ax.axvline(leak.step, color="red", lw=1.2, alpha=0.8, label="leak suspected")
-        m = mem_at.get(leak.step)
-        y = m.live_bytes / MIB if m is not None else ax.get_ylim()[1]
-        ax.plot([leak.step], [y], marker="v", color="red", ms=9, label="leak suspected")
-        ax.annotate(
-            f"leak: {leak.kind} {leak.what}", (leak.step, y), xytext=(6, 6),
-            textcoords="offset points", color="red", fontsize=8,
         )  # fmt: skip
 
 

@@ -71,6 +71,47 @@ class ExecutorKeepsRequestBytes(NoSpec):
             self.kept.append(bytes([len(self.kept) % 251 + 1]) * self.NBYTES)  # touched pages
 
 
+class ExecutorKeepsRequestBytesSlowly(ExecutorKeepsRequestBytes):
+    """The slow host leak of long-running servers: 256 KiB kept per request, which stays under
+    any fixed tolerance for hours of traffic."""
+
+    NBYTES = 256 << 10
+
+
+class ExecutorKeepsRequestObjects(NoSpec):
+    """Python objects kept per request (a request's bookkeeping in a dict never cleaned): 4,096
+    small dicts, about 1 MiB of the Python heap a request, in no tensor."""
+
+    NUM_OBJECTS = 4096
+
+    def __init__(self, env):
+        super().__init__(env)
+        self.kept: list[list[dict]] = []
+
+    def after_step(self, outputs: StepOutputs) -> None:
+        for _ in range(outputs.num_admitted):
+            n = len(self.kept)
+            objects = [{"request": n, "token": i, "text": f"t{i}"} for i in range(self.NUM_OBJECTS)]
+            self.kept.append(objects)
+
+
+class NoSpecKeepsATensorEvery100Steps(NoSpec):
+    """A slow device leak: one step's hidden states kept every 100th step, so that the figure
+    rises in rare steps, each like a high-water mark, and is a slope only over many."""
+
+    EVERY = 100
+
+    def __init__(self, env):
+        super().__init__(env)
+        self.num_steps = 0
+        self.kept: list[torch.Tensor] = []
+
+    def after_step(self, outputs: StepOutputs) -> None:
+        self.num_steps += 1
+        if self.num_steps % self.EVERY == 0:
+            self.kept.append(outputs.hidden.clone())
+
+
 class NoSpecFeedsSpecHolder(NoSpec):
     """The seed incident in its own shape: with EAGLE the `spec` kind holds the requests' hidden
     states, and the path where speculation is disabled by batch size still appends each step's
@@ -97,4 +138,22 @@ PLANTS: dict[str, tuple[str, Callable[[KindEnv, dict[str, StepKind]], StepKind]]
     "sampler_scratch": ("no_spec", _alone(SamplerScratchPerStep)),
     "fragmenting_scratch": ("no_spec", _alone(ScratchOfChangingSizes)),
     "executor_host_bytes": ("no_spec", _alone(ExecutorKeepsRequestBytes)),
+    "executor_host_bytes_slow": ("no_spec", _alone(ExecutorKeepsRequestBytesSlowly)),
+    "executor_python_objects": ("no_spec", _alone(ExecutorKeepsRequestObjects)),
+    "tensor_every_100_steps": ("no_spec", _alone(NoSpecKeepsATensorEvery100Steps)),
 }
+
+# plants a device cannot show, and why (the engine refuses to start with them there)
+REFUSED = {
+    ("fragmenting_scratch", "cpu"): (
+        "fragmenting_scratch needs CUDA's caching allocator: on the CPU a freed tensor goes back "
+        "to malloc and no allocator cache keeps memory reserved beyond the live tensors "
+        "(reserved bytes equal live bytes), so scratch of changing sizes cannot fragment it; "
+        "run it with --device cuda"
+    ),
+}
+
+
+def refusal(plant: str | None, device_type: str) -> str | None:
+    """Why `plant` cannot be planted on `device_type`, or None where it can."""
+    return REFUSED.get((plant or "", device_type))

@@ -52,3 +52,13 @@ def local_engine(cfg: EngineConfig, sinks: Iterable[Callable[[object], None]] = 
     if cfg.tensor_parallel_size > 1:
         factory = ProcessExecutor
     return Engine(cfg, factory, sinks)
+
+
+def release_device_cache() -> None:
+    """Give the CUDA allocator's cached blocks back to the device (nothing where CUDA was never
+    used): after an engine is closed, what it freed is still reserved by the allocator until
+    then."""
+    import torch
+
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()

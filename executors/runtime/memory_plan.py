@@ -16,6 +16,7 @@ from memstep.events.plan import MemoryPlan, SeqPlan
 from memstep.executors.model import kv_cache
 from memstep.executors.model.attention import SHORT_QUERY
 from memstep.executors.runtime.batch_builder import build_batch
+from memstep.executors.runtime.prompt_scorer import rows_nbytes
 from memstep.executors.runtime.sampler import filter_scratch_bytes, sampler_nbytes
 from memstep.executors.spec.eagle import draft_context
 from memstep.states.arena import nbytes_of, tensor_bytes
@@ -104,11 +105,14 @@ def plan_memory(
     kv_dtype: torch.dtype,
     device: torch.device,
     head_bytes: int = 0,
+    held_bytes: int = 0,
 ) -> MemoryPlan:
-    """`head_bytes`: an EAGLE head's, held beside the weights."""
+    """`head_bytes`: an EAGLE head's, held beside the weights; `held_bytes`: what the process
+    held on the device before this executor (another engine's), which is not the plan's to use."""
     weights = tensor_bytes(model.w.values()) + head_bytes
     rows = cfg.max_num_seqs * (cfg.num_lookahead_slots + 1)
     sampler = sampler_nbytes(rows, model_cfg.vocab_size, in_place_logits=device.type == "cuda")
+    sampler += rows_nbytes(cfg.max_num_seqs, model_cfg.hidden_size, dtype)  # the prompt scorer's
     activation = _activation_peak(cfg, model_cfg, max_len, model, dtype, kv_dtype, device)
     if device.type == "cuda":
         activation += _eager_logits_bytes(cfg, model_cfg)
@@ -128,7 +132,9 @@ def plan_memory(
         total = torch.cuda.get_device_properties(device).total_memory
         fixed = weights + activation + sampler + graphs
         fixed += _kind_bytes(cfg, model_cfg, dtype, 1, device.type, exclude_draft_kv=True)
-        blocks = int((total * cfg.gpu_memory_utilization - fixed) // (page + draft_page))
+        # what the process already holds (another engine) is not this one's to plan with
+        budget = min(total * cfg.gpu_memory_utilization, total - held_bytes)
+        blocks = int((budget - fixed) // (page + draft_page))
     else:
         blocks = min(cfg.cpu_kv_cache_bytes // (page + draft_page), wanted)
     if blocks < 1:
@@ -136,8 +142,9 @@ def plan_memory(
     kinds = _kind_table(KindEnv(cfg, model_cfg, dtype, blocks, device.type, draft_context(cfg)))
     arena = max(kinds.values(), default=0) + 256 * max(1, len(kinds))
     kv = blocks * page
-    predicted = weights + activation + sampler + arena + kv + graphs
-    return MemoryPlan(weights, activation, sampler, kinds, arena, page, blocks, predicted, graphs)
+    predicted = held_bytes + weights + activation + sampler + arena + kv + graphs
+    parts = (weights, activation, sampler, kinds, arena, page, blocks, predicted, graphs)
+    return MemoryPlan(*parts, held_bytes=held_bytes)
 
 
 def _eager_logits_bytes(cfg: EngineConfig, model_cfg: ModelConfig) -> int:

@@ -6,7 +6,13 @@ that chunk's plan: the state (one hidden row in the model's dtype on the device,
 between two of its chunks: 576 values against a vocabulary of 49,152 float32 logits for
 SmolLM2, 4,096 against 128,256 for Llama 3 8B) is held until then, and dropped when the request
 is forgotten or admitted again (a chunk from position 0 finds it scoring another position and
-drops it). The prompt's last state scores the first output token, not a prompt token: the
+drops it).  The rows are planned like the sampler's buffers (`rows_nbytes`, in the memory plan):
+one persistent row per running request, made with the scorer, so that holding one allocates
+nothing while serving (a lazily made row read as live growth to the leak detector).  A row
+outliving its request (a broken `forget`) takes a slot for good; with none left a held state is
+a tensor of its own, which the leak detector then sees grow.
+
+The prompt's last state scores the first output token, not a prompt token: the
 sampler's `logprobs` cover it. Rows go through the head `SLICE` at a time, so a long chunk never
 holds a whole chunk of logits at once. Each token's rank in its row (1 + the tokens the model
 gives a higher logprob; vLLM's `Logprob.rank`) comes with its score.
@@ -28,8 +34,14 @@ SLICE = 256  # states through the head at once
 
 
 class PromptScorer:
-    def __init__(self, model: LlamaModel, requests: RequestStates):
+    def __init__(
+        self, model: LlamaModel, requests: RequestStates, max_rows: int, dtype: torch.dtype
+    ):
         self.model, self.requests = model, requests
+        width, device = model.cfg.hidden_size, model.w["embed"].device
+        self._rows = torch.zeros(max_rows, width, dtype=dtype, device=device)  # [rows, hidden]
+        self._free = list(range(max_rows - 1, -1, -1))
+        self._slots: dict[str, int] = {}  # id -> its row of `_rows`
         self._held: dict[str, tuple[int, torch.Tensor]] = {}  # id -> (position scored, state)
         self._scored: list[PromptLogprobs] = []
 
@@ -54,7 +66,7 @@ class PromptScorer:
             n = self._asks(seq)
             if n is None:
                 continue
-            held = self._held.pop(seq.request_id, None)
+            held = self._held.get(seq.request_id)
             fed = min(len(seq.token_ids), seq.prompt_len - seq.start_pos)
             first = last - len(tokens) + 1
             # state i of this chunk scores prompt token start_pos + i + 1; the prompt's last
@@ -69,8 +81,9 @@ class PromptScorer:
             for lo in range(0, len(targets), SLICE):
                 states = hidden[first + lo : first + min(lo + SLICE, len(targets))]
                 entries += _ranked(self.model.logits(states), targets[lo : lo + SLICE], n)
-            if not ends_prompt:
-                state = hidden[first + fed - 1 : first + fed].clone()  # the step's buffer moves on
+            self.forget(seq.request_id)  # its row is scored: free for the state kept next
+            if not ends_prompt:  # the step's buffer moves on: the state is copied to a row
+                state = self._row(seq.request_id).copy_(hidden[first + fed - 1 : first + fed])
                 self._held[seq.request_id] = (seq.start_pos + fed, state)
             if entries:
                 self._scored.append(PromptLogprobs(seq.request_id, start, entries))
@@ -85,12 +98,28 @@ class PromptScorer:
         scored, self._scored = self._scored, []
         return scored
 
+    def _row(self, request_id: str) -> torch.Tensor:
+        """A planned row for `request_id`'s state ([1, hidden]); a new tensor if none is free."""
+        if not self._free:
+            return torch.empty_like(self._rows[:1])
+        self._slots[request_id] = slot = self._free.pop()
+        return self._rows[slot : slot + 1]
+
     def forget(self, request_id: str) -> None:
         self._held.pop(request_id, None)
+        slot = self._slots.pop(request_id, None)
+        if slot is not None:
+            self._free.append(slot)
 
     def clear(self) -> None:
-        self._held.clear()
+        for request_id in list(self._held):
+            self.forget(request_id)
         self._scored.clear()
+
+
+def rows_nbytes(max_rows: int, hidden_size: int, dtype: torch.dtype) -> int:
+    """The bytes of a `PromptScorer`'s rows, for the memory plan."""
+    return max_rows * hidden_size * dtype.itemsize
 
 
 def _ranked(logits: torch.Tensor, tokens: list[int], n: int) -> list[list]:

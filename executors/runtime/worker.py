@@ -14,6 +14,8 @@ import structlog
 import torch
 
 from memstep.core.config import ConfigError, EngineConfig
+from memstep.core.growth import StepWork
+from memstep.core.host_memory import machine_bytes
 from memstep.core.model_source import ModelSource, model_config, resolve
 from memstep.core.sampling_params import SamplingParams
 from memstep.core.shapes import rank_model_config
@@ -42,6 +44,7 @@ from memstep.states.arena import Arena
 from memstep.states.catalog import make_kinds
 from memstep.states.kinds import KindEnv, Spec, StepOutputs
 from memstep.states.lifecycle import Lifecycle, growth_of
+from memstep.states.planted import refusal
 from memstep.states.startup import Capture, Warmup
 
 if TYPE_CHECKING:
@@ -107,8 +110,11 @@ class Worker:
         self.ranks = ranks
         self.max_model_len = max_model_len
         self.device = pick_device(cfg)
+        if why := refusal(cfg.debug_plant_leak, self.device.type):
+            raise ConfigError(why)
         # before the first CUDA allocation: serving's changing sizes must not take new segments
         self.alloc_conf = configure_cuda_allocator() if self.device.type == "cuda" else ""
+        self.held_before = held_on(self.device)  # another engine's, before this one's weights
         if ranks is not None:
             self.device = ranks.device(self.device.type)  # cuda:<rank's GPU>, its NCCL group
         self.dtype = pick_dtype(cfg, self.device)
@@ -161,8 +167,8 @@ class Worker:
         self.grammars = GrammarBook(self.source, self.model_cfg.vocab_size, eos)
         self.grammars.prepare()
         self.requests = RequestStates(self.grammars, eos)
-        self.prompts = PromptScorer(self.model, self.requests)
-        self.detector = LeakDetector(host_tolerance=cfg.host_leak_tolerance_mib << 20)
+        self.prompts = PromptScorer(self.model, self.requests, cfg.max_num_seqs, self.dtype)
+        self.detector = LeakDetector(device_bytes(self.device), cfg.host_leak_tolerance_mib << 20)
         self._holdings: dict | None = None  # the kinds' holdings at the last leak report
         self.memory_plan: MemoryPlan | None = None
         self.spec = None
@@ -206,7 +212,7 @@ class Worker:
         head_bytes = 0 if self.eagle is None else self.eagle.nbytes
         memory_plan = plan_memory(
             cfg, mc, self.max_model_len, self.model, self.dtype, self.kv_dtype, self.device,
-            head_bytes,
+            head_bytes, self.held_before,
         )  # fmt: skip
         if self.ranks is not None:  # every rank holds the same pages: those that fit on each
             fitting = self.ranks.min_int(memory_plan.num_kv_blocks)
@@ -295,7 +301,10 @@ class Worker:
         )
         del hidden
         mem = self._measure()
-        leaks = move.leaks + self._named(self.detector.observe(step_plan.step, step_plan.kind, mem))
+        fed = sum(len(seq.token_ids) for seq in step_plan.seqs)
+        work = StepWork(len(step_plan.seqs), fed, admitted)
+        found = self.detector.observe(step_plan.step, step_plan.kind, mem, work)
+        leaks = move.leaks + self._named(found)
         return StepResult(
             step_plan.step, step_plan.kind, results, mem, move.exited, move.entered, leaks,
             prompt_logprobs=self.prompts.take(), failed=failed,
@@ -393,3 +402,17 @@ class Worker:
             executor_rss_bytes=self.host_trim.measure(),
             grammar_cache_bytes=self.grammars.num_bytes,
         )
+
+
+def held_on(device: torch.device) -> int:
+    """What this process's tensors already hold on CUDA `device` (another engine's); 0 on the
+    CPU.  Allocated, not reserved: blocks an engine freed but the allocator still caches are
+    this one's to reuse, and a replay after a recording in one process plans as it did."""
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
+def device_bytes(device: torch.device) -> int:
+    """The memory a slope on `device` is projected to: the card's, or the machine's for the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return machine_bytes()

@@ -29,7 +29,7 @@ def test_clean_scenario_prints_the_table_and_exits_0():
 
 def test_planted_leak_prints_leak_and_exits_1():
     res = scenario(
-        "sampler-rise", "--steps", "24", "--model", "random:tiny", "--plant-leak", "sampler_scratch"
+        "sampler-rise", "--steps", "48", "--model", "random:tiny", "--plant-leak", "sampler_scratch"
     )
     assert res.returncode == 1, res.stdout + res.stderr
     assert _rows(res.stdout)["no_spec"][-1] == "LEAK"

@@ -36,12 +36,13 @@ def smol_log(tmp_path_factory) -> RecordedLog:
 @pytest.fixture(scope="session")
 def leak_log(tmp_path_factory) -> RecordedLog:
     """SmolLM2 with the speculative worker's incident planted: hidden states kept on the
-    no-spec path (taken when the batch reaches 4) and never given back."""
+    no-spec path (taken when the batch reaches 4) and never given back, for 40 steps and more:
+    long enough for the detector to tell the slope from a step."""
     cfg = EngineConfig(
         model="smollm2", num_threads=1, debug_plant_leak="no_spec_hidden_states", **SPEC
     )
     path = tmp_path_factory.mktemp("leak") / "run.memlog"
-    return RecordedLog(path, cfg, record(path, cfg, [8, 2], max_tokens=(6, 8), abort_every=100))
+    return RecordedLog(path, cfg, record(path, cfg, [8, 2], max_tokens=(40, 48), abort_every=100))
 
 
 @pytest.fixture(scope="session")

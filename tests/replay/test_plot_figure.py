@@ -88,11 +88,17 @@ def test_every_series_is_labelled_in_a_legend(served_fig):
 
 def test_every_axis_is_labelled_with_rss_on_the_top_panel(served_fig):
     labels = [ax.get_ylabel() for ax in served_fig.axes]
-    assert labels == ["live / reserved (MiB)", "KV pages", "host RSS (MiB)"]
+    assert labels[0] == "live / reserved (MiB)" and labels[2:4] == ["KV pages", "host RSS (MiB)"]
+    assert labels[1].startswith("growth since step ") and labels[4].startswith("host growth (")
 
 
 def test_a_flat_zero_series_is_dropped_and_no_axis_goes_below_zero(served_fig):
-    assert axes_below_zero(served_fig) == []
+    # a growth axis goes below zero only as far as a figure fell below its first value
+    assert [label for label in axes_below_zero(served_fig) if "growth" not in label] == []
+    for ax in served_fig.axes:
+        lows = [min(line.get_ydata(), default=0) for line in ax.get_lines()]
+        if "growth" in ax.get_ylabel():
+            assert ax.get_ylim()[0] >= min([0.0, *lows]) * 1.08 - 1e-9
     named = {
         t.get_text() for ax in served_fig.axes if ax.get_legend() for t in ax.get_legend().texts
     }
