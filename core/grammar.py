@@ -22,7 +22,7 @@ from typing import Any, Generic, TypeVar
 import attrs
 
 from memstep.core.grammar_check import Check, GrammarChecker, check_worker
-from memstep.core.grammar_limits import check_limits
+from memstep.core.grammar_limits import check_limits, limits_error
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 ANY_OBJECT = '{"type": "object"}'
@@ -136,15 +136,6 @@ def compile_error(kind: str, text: str, tokenizer: Any = None) -> str:
         return matcher.get_error().strip().splitlines()[0][:500]
     if seconds > COMPILE_BUDGET_S:
         return f"took {seconds:.1f} s to compile, more than the {COMPILE_BUDGET_S:g} s budget"
-    return ""
-
-
-def limits_error(kind: str, text: str) -> str:
-    """Why the constraint is past a bound (or malformed JSON), or "": no compile, no worker."""
-    try:
-        check_limits(kind, text)
-    except (ValueError, TypeError) as exc:
-        return str(exc)
     return ""
 
 

@@ -160,3 +160,12 @@ def _pointer(node: Any, ref: str) -> Any:
         else:
             return None
     return node
+
+
+def limits_error(kind: str, text: str) -> str:
+    """Why the constraint is past a bound (or malformed JSON), or "": no compile, no worker."""
+    try:
+        check_limits(kind, text)
+    except (ValueError, TypeError) as exc:
+        return str(exc)
+    return ""

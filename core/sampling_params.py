@@ -16,7 +16,7 @@ from typing import Any
 
 import attrs
 
-from memstep.core.grammar import limits_error
+from memstep.core.grammar_limits import limits_error
 
 DEFAULT_TEMPERATURE = 1.0  # vLLM's and OpenAI's
 
