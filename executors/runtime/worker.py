@@ -123,9 +123,20 @@ class Worker:
         self.source = resolve(cfg.model, cfg.random_weights_seed, cfg.tokenizer)
         whole = model_config(self.source)
         size = 1 if ranks is None else ranks.size
+        if size > 1 and whole.unlike_llama:
+            raise ConfigError(
+                f"{whole.architecture} runs on one rank: its {', '.join(whole.unlike_llama)} "
+                "have no tensor-parallel shards yet (--tensor-parallel-size 1)"
+            )
         self.model_cfg = rank_model_config(whole, size)  # this rank's heads and MLP slice
         shard = Shard(whole, 0 if ranks is None else ranks.rank, size)
         self.quantization = pick_quantization(cfg, self.source, self.device)
+        if self.quantization != "none" and whole.unlike_llama:
+            if cfg.quantization != "auto":
+                raise ConfigError(
+                    f"{cfg.quantization} runs Llama's layers, not {whole.architecture}'s"
+                )
+            self.quantization = "none"  # the file's blocks dequantized at load (logged there)
         if self.quantization != "none" and ranks is not None:
             raise ConfigError("quantized weights run on one rank: --tensor-parallel-size 1")
         self.matmul_precision = pick_matmul_precision(cfg, self.quantization)
@@ -179,7 +190,9 @@ class Worker:
             assert isinstance(warmup, Warmup)
             info = self._warmup(warmup.dummy_hidden)
         elif phase == "capture":
-            if self.device.type == "cuda":  # imports Triton: never on CPU
+            # a family with torch layers on CUDA runs eagerly (`executors/cuda/backend.py`)
+            fused = not self.model_cfg.unlike_llama
+            if self.device.type == "cuda" and fused:  # imports Triton: never on CPU
                 from memstep.executors.cuda.graph_runner import capture_phase, peak_figures
 
                 capture = self.lifecycle.kinds["capture"]
