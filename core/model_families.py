@@ -167,8 +167,16 @@ FAMILIES: dict[str, Family] = {
             "qwen2",
             {"qkv_bias": True},
             read_hf=lambda c: {"layer_windows": _qwen_windows(c)},
+            read_gguf=_none,
         ),
-        Family("qwen3", ("Qwen3ForCausalLM",), "qwen3", {"qk_norm": True}, read_hf=_qwen3),
+        Family(
+            "qwen3",
+            ("Qwen3ForCausalLM",),
+            "qwen3",
+            {"qk_norm": True},
+            read_hf=_qwen3,
+            read_gguf=_none,
+        ),
         Family(
             "gemma3",
             ("Gemma3ForCausalLM",),
@@ -193,6 +201,7 @@ FAMILIES: dict[str, Family] = {
                 | _experts(c, "moe_intermediate_size")
                 | {"norm_topk_prob": bool(c.get("norm_topk_prob", False))}
             ),
+            read_gguf=_gguf_experts,
         ),
         Family(
             "mixtral",
