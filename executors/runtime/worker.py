@@ -14,6 +14,7 @@ import structlog
 import torch
 
 from memstep.core.config import ConfigError, EngineConfig
+from memstep.core.model_config import ModelConfig
 from memstep.core.model_source import ModelSource, model_config, resolve
 from memstep.core.sampling_params import SamplingParams
 from memstep.core.shapes import rank_model_config
@@ -82,6 +83,22 @@ def pick_quantization(cfg: EngineConfig, source: ModelSource, device: torch.devi
     return cfg.quantization
 
 
+def family_quantization(cfg: EngineConfig, model: ModelConfig, picked: str, ranks: int) -> str:
+    """`picked` for Llama's layers; for a family whose layers differ (`unlike_llama`), which
+    quantization and tensor parallelism do not cover yet: "none" where it was "auto" (a GGUF's
+    blocks are then dequantized at load), a ConfigError where the user asked for either."""
+    if not model.unlike_llama:
+        return picked
+    if ranks > 1:
+        raise ConfigError(
+            f"{model.architecture} runs on one rank: its {', '.join(model.unlike_llama)} "
+            "have no tensor-parallel shards yet (--tensor-parallel-size 1)"
+        )
+    if picked != "none" and cfg.quantization != "auto":
+        raise ConfigError(f"{cfg.quantization} runs Llama's layers, not {model.architecture}'s")
+    return "none"
+
+
 def pick_matmul_precision(cfg: EngineConfig, quantization: str) -> str:
     """q4's products: "bfloat16" where asked, or with "auto" where the kernels run them on the
     CPU's own bf16 dot products (AVX512-BF16) over a float32 KV cache (an fp8 cache already
@@ -123,20 +140,11 @@ class Worker:
         self.source = resolve(cfg.model, cfg.random_weights_seed, cfg.tokenizer)
         whole = model_config(self.source)
         size = 1 if ranks is None else ranks.size
-        if size > 1 and whole.unlike_llama:
-            raise ConfigError(
-                f"{whole.architecture} runs on one rank: its {', '.join(whole.unlike_llama)} "
-                "have no tensor-parallel shards yet (--tensor-parallel-size 1)"
-            )
         self.model_cfg = rank_model_config(whole, size)  # this rank's heads and MLP slice
         shard = Shard(whole, 0 if ranks is None else ranks.rank, size)
-        self.quantization = pick_quantization(cfg, self.source, self.device)
-        if self.quantization != "none" and whole.unlike_llama:
-            if cfg.quantization != "auto":
-                raise ConfigError(
-                    f"{cfg.quantization} runs Llama's layers, not {whole.architecture}'s"
-                )
-            self.quantization = "none"  # the file's blocks dequantized at load (logged there)
+        self.quantization = family_quantization(
+            cfg, whole, pick_quantization(cfg, self.source, self.device), size
+        )
         if self.quantization != "none" and ranks is not None:
             raise ConfigError("quantized weights run on one rank: --tensor-parallel-size 1")
         self.matmul_precision = pick_matmul_precision(cfg, self.quantization)
