@@ -215,6 +215,22 @@ FAMILIES: dict[str, Family] = {
 _MODEL_TYPES = {"gemma3_text": "gemma3"}
 
 
+# multimodal checkpoints whose text model memstep serves: their name -> the text model's
+WRAPPERS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+
+
+def text_part(cfg: Json) -> Json:
+    """A multimodal config's text model (`text_config`, as its own config.json would read);
+    any other config as it is. The vision tower is not loaded: prompts are text."""
+    archs = cfg.get("architectures") or ()
+    wrapped = [WRAPPERS[a] for a in archs if a in WRAPPERS]
+    if not wrapped or "text_config" not in cfg:
+        return cfg
+    inherited = {k: cfg[k] for k in ("tie_word_embeddings", "bos_token_id", "eos_token_id")
+                 if k in cfg}  # fmt: skip
+    return inherited | cfg["text_config"] | {"architectures": wrapped}
+
+
 def by_hf_architecture(cfg: Json) -> Family:
     """The family of a config.json: its `architectures`, else its `model_type`."""
     for arch in cfg.get("architectures") or ():

@@ -27,6 +27,7 @@ from memstep.core.model_families import (
     by_gguf_architecture,
     by_hf_architecture,
     rope_parameters,
+    text_part,
 )
 
 ROPE_TYPES = ("llama3", "linear", "longrope")
@@ -226,6 +227,7 @@ def hf_model_config(folder: Path) -> ModelConfig:
         cfg = json.loads((folder / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ModelError(f"cannot read {folder / 'config.json'}: {exc}") from exc
+    cfg = text_part(cfg)
     try:
         family = by_hf_architecture(cfg)
         facts = family.fixed | family.read_hf(cfg)

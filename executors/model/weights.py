@@ -178,7 +178,7 @@ def _load_hf(folder: Path, cfg: ModelConfig) -> Weights:
     """A Hugging Face folder's tensors (one file or the shards its index names; any float
     dtype, widened to float32 here and placed in the engine's dtype later) in memstep's
     layout, through the family's table (`formats/hf_names.py`)."""
-    raw = {k.removeprefix("model."): v.float() for k, v in _read_safetensors(folder).items()}
+    raw = {_text_name(k): v.float() for k, v in _read_safetensors(folder).items()}
     try:
         weights = _fuse_table(raw, cfg, layer_table(cfg))
     except KeyError as exc:
@@ -196,6 +196,18 @@ def with_norm_offset(weights: Weights, cfg: ModelConfig) -> Weights:
         return weights
     is_norm = lambda name: name == "norm" or name.endswith("_norm")  # noqa: E731
     return {k: v + cfg.norm_offset if is_norm(k) else v for k, v in weights.items()}
+
+
+_TEXT_PREFIXES = ("language_model.model.", "model.language_model.", "language_model.", "model.")
+
+
+def _text_name(name: str) -> str:
+    """A tensor's name in a text model: without `model.`, or a multimodal checkpoint's text
+    model prefix (its vision tower's tensors keep theirs and are left unread)."""
+    for prefix in _TEXT_PREFIXES:
+        if name.startswith(prefix):
+            return name.removeprefix(prefix)
+    return name
 
 
 def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:

@@ -81,3 +81,25 @@ def test_a_sharded_bfloat16_folder_loads_the_shards_its_index_names(tmp_path):
     save_file(stale, str(tmp_path / "consolidated.safetensors"))
     hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     assert worst_error(tmp_path, hf) < TOLERANCE
+
+
+def test_a_multimodal_gemma3_checkpoint_serves_its_text_model(tmp_path):
+    """Gemma 3's released checkpoints (4B and up) wrap the text model with a vision tower:
+    memstep reads `text_config` and the `language_model.` tensors, and its logits are the
+    wrapper's on text."""
+    import torch
+    from tiny_families import DIMS, FAMILIES
+    from transformers import AutoConfig, Gemma3ForConditionalGeneration
+
+    text = {k: v for k, v in DIMS.items() if not k.endswith("token_id")}
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14)  # fmt: skip
+    cfg = AutoConfig.for_model(
+        "gemma3", text_config=text | FAMILIES["gemma3_text"], vision_config=vision,
+        mm_tokens_per_image=4, image_token_index=255, boi_token_index=253, eoi_token_index=254,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = Gemma3ForConditionalGeneration(cfg).eval()
+    hf.save_pretrained(tmp_path)
+    assert hf_model_config(tmp_path).architecture == "gemma3"
+    assert worst_error(tmp_path, hf) < TOLERANCE
