@@ -1,4 +1,5 @@
-"""Where a model comes from: the shipped GGUF, a .gguf path, a Hugging Face folder, or random:.
+"""Where a model comes from: the shipped GGUF, a .gguf path, a Hugging Face folder or hub id,
+or random:.
 
 Reads metadata only (shapes, tokenizer, chat template); tensors are loaded by the executor.
 A separate tokenizer (`--tokenizer`: a tokenizer.json or a .gguf) replaces the model's own, so
@@ -13,6 +14,7 @@ import functools
 import hashlib
 import importlib.util
 import json
+import os
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -20,7 +22,15 @@ from typing import Any
 import attrs
 
 from memstep.core.model_config import PRESETS, ModelConfig
+from memstep.core.model_families import (
+    UnsupportedArchitecture,
+    by_gguf_architecture,
+    by_hf_architecture,
+    rope_parameters,
+    text_part,
+)
 
+ROPE_TYPES = ("llama3", "linear", "longrope")
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ALIASES = ("smollm2", "default")
 
@@ -104,6 +114,8 @@ def _resolve_model(spec: str, weights_seed: int) -> ModelSource:
             raise ModelError(f"unknown random preset {preset!r}; choose from {sorted(PRESETS)}")
         return ModelSource("random", None, preset, weights_seed)
     path = Path(spec)
+    if not path.exists() and is_hub_id(spec):
+        return ModelSource("hf", hub_snapshot(spec))
     if not path.exists():
         raise ModelError(f"model not found: {spec} (give a .gguf file, a model folder or random:)")
     if path.is_file():
@@ -113,6 +125,33 @@ def _resolve_model(spec: str, weights_seed: int) -> ModelSource:
     if not (path / "config.json").is_file():
         raise ModelError(f"{spec} is a folder without config.json; not a Hugging Face model")
     return ModelSource("hf", path)
+
+
+def is_hub_id(spec: str) -> bool:
+    """`owner/name` as vLLM users type a Hugging Face model (not a path on this machine)."""
+    parts = spec.split("/")
+    return len(parts) == 2 and all(parts) and not spec.startswith((".", "~"))
+
+
+def hub_snapshot(repo_id: str, revision: str | None = None) -> Path:
+    """The hub model's folder in the Hugging Face cache (`HF_HUB_CACHE`, else
+    `HF_HOME/hub`, else ~/.cache/huggingface/hub): downloaded when online, the cached snapshot
+    when `HF_HUB_OFFLINE` is set; one clear error when it is neither cached nor reachable."""
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError as exc:
+        raise ModelError(f"{repo_id} looks like a hub id: pip install huggingface_hub") from exc
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.jinja"]
+    try:
+        folder = snapshot_download(
+            repo_id, revision=revision, cache_dir=os.environ.get("HF_HUB_CACHE"),
+            local_files_only=offline, allow_patterns=patterns,
+        )  # fmt: skip
+    except Exception as exc:  # the hub raises many kinds: missing, gated, offline, network
+        where = "not in the local cache (HF_HUB_OFFLINE is set)" if offline else "not reachable"
+        raise ModelError(f"model {repo_id}: {where}: {type(exc).__name__}: {exc}") from exc
+    return Path(folder)
 
 
 @functools.lru_cache(maxsize=2)
@@ -132,9 +171,16 @@ def gguf_field(reader: Any, key: str, default: Any = None) -> Any:
 
 def gguf_model_config(reader: Any) -> ModelConfig:
     arch = gguf_field(reader, "general.architecture")
-    if arch != "llama":
-        raise ModelError(f"unsupported architecture {arch!r}: memstep runs Llama-family models")
+    try:
+        family = by_gguf_architecture(arch)
+    except UnsupportedArchitecture as exc:
+        raise ModelError(str(exc)) from exc
+    if family.read_gguf is None:
+        raise ModelError(f"GGUF files of {arch!r} are not read yet: give its Hugging Face folder")
     p = f"{arch}."
+    facts = family.fixed | family.read_gguf(
+        lambda key, default: gguf_field(reader, p + key, default)
+    )
     hidden = int(gguf_field(reader, p + "embedding_length"))
     heads = int(gguf_field(reader, p + "attention.head_count"))
     names = {t.name for t in reader.tensors}
@@ -146,14 +192,34 @@ def gguf_model_config(reader: Any) -> ModelConfig:
         num_heads=heads,
         num_kv_heads=int(gguf_field(reader, p + "attention.head_count_kv", heads)),
         vocab_size=int(vocab),
-        head_dim=int(gguf_field(reader, p + "rope.dimension_count", hidden // heads)),
+        head_dim=int(
+            gguf_field(reader, p + "attention.key_length", None)
+            or gguf_field(reader, p + "rope.dimension_count", hidden // heads)
+        ),
         rope_theta=float(gguf_field(reader, p + "rope.freq_base", 10000.0)),
         rms_eps=float(gguf_field(reader, p + "attention.layer_norm_rms_epsilon", 1e-5)),
         max_context=int(gguf_field(reader, p + "context_length", 2048)),
         tie_embeddings="output.weight" not in names,
         bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=(int(gguf_field(reader, "tokenizer.ggml.eos_token_id", 2)),),
+        rope_scaling=_gguf_rope_scaling(reader, p),
+        architecture=family.name,
+        **facts,
     )
+
+
+def _prefixed(reader: Any, prefix: str, key: str, default: Any) -> Any:
+    return gguf_field(reader, prefix + key, default)
+
+
+def _gguf_rope_scaling(reader: Any, p: str) -> dict[str, Any] | None:
+    """llama.cpp's linear rotary scaling (`{arch}.rope.scaling.type`); none else."""
+    kind = gguf_field(reader, p + "rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    if kind != "linear":
+        raise ModelError(f"GGUF rotary scaling {kind!r}: memstep reads 'linear' from GGUF keys")
+    return {"rope_type": "linear", "factor": float(gguf_field(reader, p + "rope.scaling.factor"))}
 
 
 def hf_model_config(folder: Path) -> ModelConfig:
@@ -161,16 +227,21 @@ def hf_model_config(folder: Path) -> ModelConfig:
         cfg = json.loads((folder / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ModelError(f"cannot read {folder / 'config.json'}: {exc}") from exc
-    archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
-    if cfg.get("model_type") != "llama" and "LlamaForCausalLM" not in archs:
-        raise ModelError(f"unsupported architecture {archs}: memstep runs Llama-family models")
+    cfg = text_part(cfg)
+    try:
+        family = by_hf_architecture(cfg)
+        facts = family.fixed | family.read_hf(cfg)
+    except (UnsupportedArchitecture, KeyError) as exc:
+        raise ModelError(f"{folder / 'config.json'}: {exc}") from exc
     heads = cfg["num_attention_heads"]
     eos = cfg.get("eos_token_id", 2)
-    # transformers 5 keeps rope settings in `rope_parameters`; older configs at the top level
-    rope = cfg.get("rope_parameters") or {}
-    theta = cfg.get("rope_theta") or rope.get("rope_theta", 10000.0)
-    scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type") == "llama3" else None)
-    return ModelConfig(
+    rope = rope_parameters(cfg)
+    scaling = rope if rope.get("rope_type", "default") != "default" else None
+    if scaling and scaling["rope_type"] not in ROPE_TYPES:
+        raise ModelError(f"rotary scaling {scaling['rope_type']!r}: memstep runs {ROPE_TYPES}")
+    if scaling and scaling["rope_type"] == "longrope":
+        scaling = {**scaling, "max_position_embeddings": cfg["max_position_embeddings"]}
+    mc = ModelConfig(
         num_layers=cfg["num_hidden_layers"],
         hidden_size=cfg["hidden_size"],
         intermediate_size=cfg["intermediate_size"],
@@ -178,14 +249,26 @@ def hf_model_config(folder: Path) -> ModelConfig:
         num_kv_heads=cfg.get("num_key_value_heads", heads),
         vocab_size=cfg["vocab_size"],
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        rope_theta=float(theta),
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
         rms_eps=float(cfg.get("rms_norm_eps", 1e-5)),
         max_context=int(cfg.get("max_position_embeddings", 2048)),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=tuple(eos) if isinstance(eos, list) else (eos,),
+        eos_token_ids=_eos_ids(eos),
         rope_scaling=scaling,
+        architecture=family.name,
+        **facts,
     )
+    factors = len((scaling or {}).get("short_factor") or ())
+    if factors and factors != mc.rope_dim // 2:
+        raise ModelError(f"LongRoPE has {factors} factors for a rotary of {mc.rope_dim} dims")
+    return mc
+
+
+def _eos_ids(eos: int | list[int] | None) -> tuple[int, ...]:
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (eos,)
 
 
 def model_config(source: ModelSource) -> ModelConfig:

@@ -4,6 +4,8 @@ What it replaces is decided once, when it is made (`CpuBackend.choose`):
 * with a float32 model on one rank and a float32 KV cache: rotary + KV write in C;
 * with a C decode-attention kernel (a float32 cache): decode rows, and short queries, attended
   in C reading the pages in place;
+* for a family whose layers differ from Llama's (`ModelConfig.unlike_llama`), none of the
+  above but decode attention of its global layers: torch runs its layers, logged once;
 * for a model whose every layer matrix is Q4_1 / Q8_0 blocks (`DecodeStep.of`): the norms and
   silu * up in C for every batch, every query attended as a decode row of its own, and batches
   of decode rows run as one C call (`DecodeStep`), so that a row's bits do not depend on the
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import structlog
 import torch
 
 from memstep.core.model_config import ModelConfig
@@ -24,6 +27,8 @@ from memstep.executors.model.attention import ForwardBatch, attention
 from memstep.executors.model.kv_cache import KvCaches
 from memstep.executors.model.quant_linear import Linear
 from memstep.executors.model.torch_backend import TorchBackend
+
+log = structlog.get_logger("memstep.executor.cpu")
 
 if TYPE_CHECKING:
     from memstep.executors.model.llama import LlamaModel
@@ -62,7 +67,7 @@ class CpuBackend(TorchBackend):
         built = cpu_kernels.available()
         attends = built and kv_dtype == torch.float32 and cpu_kernels.attends(cfg.head_dim)
         kernel = cpu_kernels.decode_attention if attends and decode_attention else None
-        compiled = built and one_rank and dtype == torch.float32
+        compiled = built and one_rank and dtype == torch.float32 and not _torch_pieces(cfg)
         step = DecodeStep.of(cfg, weights, bf16_products) if compiled else None
         c_rotary = compiled and kv_dtype == torch.float32
         return cls(kernel, c_rotary, step, dtype, bf16_products)
@@ -88,19 +93,37 @@ class CpuBackend(TorchBackend):
     def rotary(self, model: LlamaModel, batch: ForwardBatch):
         return None if self.c_rotary else super().rotary(model, batch)
 
-    def rotate_and_write(self, model, qkv, batch, rotary, k_cache, v_cache) -> torch.Tensor:
+    def rotate_and_write(
+        self, model, qkv, batch, rotary, k_cache, v_cache, block=None
+    ) -> torch.Tensor:
         if not self.c_rotary:
-            return super().rotate_and_write(model, qkv, batch, rotary, k_cache, v_cache)
+            return super().rotate_and_write(model, qkv, batch, rotary, k_cache, v_cache, block)
         return cpu_kernels.rope_and_write_kv(
             qkv, model.cos, model.sin, batch.positions, batch.slot_mapping,
             k_cache, v_cache, model.cfg.num_heads,
         )  # fmt: skip
 
-    def attend(self, model, q, k_cache, v_cache, batch) -> torch.Tensor:
+    def attend(self, model, q, k_cache, v_cache, batch, window: int = 0) -> torch.Tensor:
         queries_alone = self.step is not None
         return attention(
-            q, k_cache, v_cache, batch, model.scale, self.decode_kernel, queries_alone=queries_alone
-        )
+            q, k_cache, v_cache, batch, model.scale, self.decode_kernel,
+            queries_alone=queries_alone, window=window,
+        )  # fmt: skip
 
-    def act(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return cpu_kernels.silu_mul(gate_up) if self.step is not None else super().act(gate_up)
+    def act(self, gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+        if self.step is not None and activation == "silu":
+            return cpu_kernels.silu_mul(gate_up)
+        return super().act(gate_up, activation)
+
+
+def _torch_pieces(cfg: ModelConfig) -> bool:
+    """Whether the model has layer pieces the C kernels lack (they run Llama's layers): then
+    torch runs its layers, said once at load, never silently."""
+    lacks = cfg.unlike_llama
+    if lacks:
+        log.warning(
+            f"backend cpu lacks {', '.join(lacks)} for family {cfg.architecture}; torch runs its "
+            "layers (C decode attention kept for global layers)",
+            family=cfg.architecture,
+        )
+    return bool(lacks)

@@ -1,15 +1,22 @@
 """The CUDA backend: the decoder's layers as Triton kernels (RMSNorm fused with the residual add,
 rotary + KV write, silu * up) around cuBLAS matmuls, for the eager path, the piecewise graphs
-and the decode graphs alike (`decode.py`, `piecewise.py` call its layer halves)."""
+and the decode graphs alike (`decode.py`, `piecewise.py` call its layer halves).
+
+Those kernels are Llama's layers. A family with other pieces (`ModelConfig.unlike_llama`: QKV
+bias, q/k norms, windows, experts, ...) runs the torch reference layers eagerly, cuBLAS for the
+matmuls and the paged decode kernel for its global layers' decode rows (windowed layers attend
+in torch), without CUDA graphs: logged once at load by `log_torch_pieces`."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import structlog
 import torch
 import torch.nn.functional as F
 
+from memstep.core.model_config import ModelConfig
 from memstep.executors.cuda import kernels
 from memstep.executors.model.attention import ForwardBatch, attention
 from memstep.executors.model.kv_cache import KvCaches
@@ -17,6 +24,8 @@ from memstep.executors.model.torch_backend import TorchBackend
 
 if TYPE_CHECKING:
     from memstep.executors.model.llama import LlamaModel
+
+log = structlog.get_logger("memstep.executor.cuda")
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -37,14 +46,20 @@ class CudaBackend(TorchBackend):
         v_cache: torch.Tensor,
         batch: ForwardBatch,
         out: torch.Tensor | None = None,
+        window: int = 0,
     ) -> torch.Tensor:
-        return attention(q, k_cache, v_cache, batch, model.scale, self.decode_kernel, out)
+        return attention(
+            q, k_cache, v_cache, batch, model.scale, self.decode_kernel, out, window=window
+        )
 
     def decoder(
         self, model: LlamaModel, h: torch.Tensor, batch: ForwardBatch, kv_caches: KvCaches
     ) -> torch.Tensor:
         """`fused_layers` with this batch's attention (a prefill of thousands of tokens is
-        otherwise a third more elementwise traffic)."""
+        otherwise a third more elementwise traffic); a family whose layers differ from Llama's
+        runs the torch layers (`TorchBackend.decoder`), said at load (`cuda_backend_for`)."""
+        if model.cfg.unlike_llama:
+            return super().decoder(model, h, batch, kv_caches)
 
         def attend(q, k_cache, v_cache):
             return self.attend(model, q, k_cache, v_cache, batch)
@@ -119,6 +134,18 @@ class CudaBackend(TorchBackend):
         if hidden.dtype != torch.float32:
             return torch.mm(hidden, model.lm_head.t(), out_dtype=torch.float32)
         return model.head(hidden).float()
+
+
+def log_torch_pieces(cfg: ModelConfig) -> bool:
+    """Whether the model needs the torch layers on CUDA (then no CUDA graphs), said once."""
+    lacks = cfg.unlike_llama
+    if lacks:
+        log.warning(
+            f"backend cuda lacks {', '.join(lacks)} for family {cfg.architecture}; torch runs "
+            "its layers eagerly (CUDA graphs off; windowed layers attend in torch)",
+            family=cfg.architecture,
+        )
+    return bool(lacks)
 
 
 def cuda_backend(model: LlamaModel) -> CudaBackend:

@@ -199,21 +199,28 @@ def has_varlen_flash() -> bool:
 
 
 def packed_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: PackedGroup, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    group: PackedGroup,
+    scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """q: [T, H, D] for the whole batch; returns [Nq, H, D] for the group's queries, in order.
 
     In half precision on CUDA: flash attention over the packed queries and keys, one call
     (grouped-query heads read in place; causal with fewer queries than keys is aligned to the
     end, as each chunk's queries are). Elsewhere (float32 on CUDA, the CPU): each sequence
-    alone, with its mask, the same arithmetic as the masked group path."""
+    alone, with its mask, the same arithmetic as the masked group path; so is a windowed
+    layer's (`window`: each query sees itself and the window - 1 keys before it)."""
     if group.first_row >= 0:
         qs = q[group.first_row : group.first_row + len(group.rows)]
     else:
         qs = q[group.rows]
     k = gather_slots(k_cache, group.kv_slots, q.dtype)  # [Nk, KVH, D]
     v = gather_slots(v_cache, group.kv_slots, q.dtype)
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and has_varlen_flash():
+    half = q.dtype in (torch.float16, torch.bfloat16)
+    if q.is_cuda and half and has_varlen_flash() and not window:
         return torch.ops.aten._flash_attention_forward(
             qs, k, v, group.cu_q, group.cu_k, max(group.q_lens), max(group.k_lens),
             0.0, True, False, scale=scale,
@@ -222,6 +229,8 @@ def packed_attention(
     q_at = k_at = 0
     for n, ctx in zip(group.q_lens, group.k_lens, strict=True):
         mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(ctx - n)
+        if window:
+            mask = mask.triu(ctx - n - window + 1)
         out[q_at : q_at + n] = F.scaled_dot_product_attention(
             qs[q_at : q_at + n].transpose(0, 1),
             k[k_at : k_at + ctx].transpose(0, 1),
@@ -234,27 +243,35 @@ def packed_attention(
     return out
 
 
-def group_mask(group: AttnGroup, num_keys: int) -> torch.Tensor:
+def group_mask(group: AttnGroup, num_keys: int, window: int = 0) -> torch.Tensor:
     """[B, 1, Q, num_keys] True where a query may attend a key (made where the torch path
-    needs it, on the group's device: a decode kernel never reads it). Padded query rows attend
-    key 0 so that softmax stays finite; their output is dropped."""
+    needs it, on the group's device: a decode kernel never reads it); with `window`, only the
+    window's last keys up to the query. Padded query rows attend key 0 so that softmax stays
+    finite; their output is dropped."""
     if group.tree_mask is not None:
         return group.tree_mask[..., :num_keys]
     q_pos = group.q_pos[:, :, None]
     k_pos = torch.arange(num_keys, device=q_pos.device)
     mask = (k_pos[None, None, :] <= q_pos) & (q_pos >= 0)
+    if window:
+        mask &= k_pos[None, None, :] > q_pos - window
     mask[:, :, 0] |= group.q_pos < 0
     return mask[:, None]
 
 
 def torch_group_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: AttnGroup, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    group: AttnGroup,
+    scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """q: [T, H, D] for the whole batch; returns [B, Q, H, D] for this group's queries."""
     k = gather_kv(k_cache, group.block_tables, q.dtype)
     v = gather_kv(v_cache, group.block_tables, q.dtype)
     qg = q[group.token_index].transpose(1, 2)  # [B, H, Q, D]
-    mask = group_mask(group, k.shape[2])
+    mask = group_mask(group, k.shape[2], window)
     if q.is_cuda:
         # torch's first choice on Hopper, cuDNN, builds an execution plan for every new shape
         # (found costing a second in the middle of serving); memory-efficient attention builds
@@ -295,17 +312,21 @@ def attention(
     decode_kernel=None,
     out: torch.Tensor | None = None,
     queries_alone: bool = False,
+    window: int = 0,
 ) -> torch.Tensor:
     """Attention for every token of the batch; q: [T, H, D] -> [T, H, D], into `out` if given
     (a static buffer of the piecewise graphs). On the CPU with a decode kernel, short queries
     (speculative verify) are attended as decode rows, one row a query; with `queries_alone`
     prefill chunks too, so that a token's attention is the same computation whether it was
     read in a prompt or decoded (a model whose every other operation is also row by row: q4's
-    kernels)."""
+    kernels). A windowed layer (`window` > 0) is attended in torch, masked to its window: the
+    decode kernels have no window."""
     out = torch.empty_like(q) if out is None else out
+    if window:
+        decode_kernel = None
     for group in batch.groups:
         if isinstance(group, PackedGroup):
-            res = packed_attention(q, k_cache, v_cache, group, scale)
+            res = packed_attention(q, k_cache, v_cache, group, scale, window)
             if group.first_row >= 0:
                 out[group.first_row : group.first_row + res.shape[0]] = res
             else:
@@ -331,7 +352,7 @@ def attention(
                 q[index], k_cache, v_cache, group.query_tables, group.query_lens, scale, **tree
             )
             continue
-        res = torch_group_attention(q, k_cache, v_cache, group, scale).flatten(0, 1)
+        res = torch_group_attention(q, k_cache, v_cache, group, scale, window).flatten(0, 1)
         if group.first_row >= 0:
             out[group.first_row : group.first_row + res.shape[0]] = res
         else:

@@ -1,7 +1,9 @@
-"""A Llama-family decoder over flattened token batches and a paged KV cache.
+"""The decoder over flattened token batches and a paged KV cache, for every family.
 
-RMSNorm, rotary embeddings (with Llama-3 frequency scaling), grouped-query attention, SwiGLU,
-tied or separate output head.  A draft model is the same class running only the first N layers.
+RMSNorm, rotary embeddings (with Llama-3, linear or LongRoPE scaling), grouped-query attention,
+a gated MLP or routed experts, tied or separate output head; what a family adds (QKV bias, q/k
+norms, windows, Gemma's norms and scales) is in its layers' records (`layers/block.py`), made
+from its config's facts. A draft model is the same class running only the first N layers.
 The model holds the weights, the rotary tables and the layer structure; its `Backend` does the
 arithmetic: the torch reference (`torch_backend.py`), the CPU's C kernels (`executors/cpu/`) or
 CUDA's Triton kernels and cuBLAS (`executors/cuda/`), chosen once where the model is built
@@ -10,7 +12,6 @@ CUDA's Triton kernels and cuBLAS (`executors/cuda/`), chosen once where the mode
 
 from __future__ import annotations
 
-import math
 from typing import Protocol
 
 import torch
@@ -19,26 +20,11 @@ import torch.nn.functional as F
 from memstep.core.model_config import ModelConfig
 from memstep.executors.model.attention import ForwardBatch
 from memstep.executors.model.kv_cache import KvCaches
+from memstep.executors.model.layers import rotary
+from memstep.executors.model.layers.block import Block, build_block
 from memstep.executors.model.quant_linear import Linear
 from memstep.executors.model.rank_group import RankGroup
 from memstep.executors.model.weights import Weights
-
-
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    dim = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    scaling = cfg.rope_scaling or {}
-    if scaling.get("rope_type", scaling.get("type")) == "llama3":
-        factor = scaling["factor"]
-        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-        old_len = scaling["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv
-        smooth = (old_len / wavelen - low) / (high - low)
-        scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
-        mid = (1 - smooth) * inv / factor + smooth * inv
-        is_mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
-        inv = torch.where(is_mid, mid, scaled)
-    return inv.float()
 
 
 class Backend(Protocol):
@@ -96,25 +82,24 @@ class LlamaModel:
         self.ranks = ranks
         self.w = weights
         self.num_layers = cfg.num_layers
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attn_scale
         device = weights["embed"].device
-        pos = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(pos, rope_inv_freq(cfg)).to(device)
-        self.cos, self.sin = freqs.cos(), freqs.sin()  # [P, D/2], as the fused kernels take them
-        self.rope_cos = torch.cat([self.cos, self.cos], dim=-1)  # [P, D], as apply_rope takes them
-        self.rope_sin = torch.cat([-self.sin, self.sin], dim=-1)
+        freqs = rotary.angles(cfg, max_positions).to(device)
+        factor = rotary.attention_factor(cfg)
+        # [P, rope_dim / 2], as the fused kernels take them
+        self.cos, self.sin = freqs.cos() * factor, freqs.sin() * factor
+        self.rope_cos, self.rope_sin = rotary.halves(self.cos, self.sin)  # as apply_rope takes
+        # each layer's rotary table (`Block.rope`): the global one, and windowed layers' own
+        self.rope_tables = [(self.rope_cos, self.rope_sin)]
+        if cfg.local_rope_theta is not None:
+            local = rotary.angles(cfg, max_positions, local=True).to(device)
+            self.rope_tables.append(rotary.halves(local.cos(), local.sin()))
         self.lm_head = weights.get("lm_head", weights["embed"])
-        self.layers = [self._layer(i) for i in range(self.num_layers)]
+        self.layers: list[Block] = [
+            build_block(cfg, weights, i, lambda name, wide: backend.linear(weights, name, wide))
+            for i in range(self.num_layers)
+        ]
         self.head = backend.linear({"lm_head": self.lm_head, **weights}, "lm_head", True)
-
-    def _layer(self, i: int) -> tuple[torch.Tensor, Linear, Linear, torch.Tensor, Linear, Linear]:
-        """Layer i's norms and matmuls, looked up once: (attn_norm, qkv, wo, mlp_norm,
-        gate_up, down), each matmul a `Linear` over its float or quantized weight."""
-        p = f"layers.{i}."
-        wide = {"wqkv": True, "wo": False, "w_gate_up": True, "w_down": False}
-        mm = {key: self.backend.linear(self.w, p + key, is_wide) for key, is_wide in wide.items()}
-        norms = self.w[p + "attn_norm"], self.w[p + "mlp_norm"]
-        return norms[0], mm["wqkv"], mm["wo"], norms[1], mm["w_gate_up"], mm["w_down"]
 
     def forward(self, batch: ForwardBatch, kv_caches: KvCaches) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden]; writes this batch's K/V."""
@@ -125,7 +110,10 @@ class LlamaModel:
         slice (others give zero rows) and the ranks sum: one all-reduce of [T, hidden]."""
         table = self.w["embed"]
         if self.ranks is None:
-            return F.embedding(ids, table)
+            h = F.embedding(ids, table)
+            if self.cfg.embed_scale != 1.0:  # in the table's dtype, as transformers scales
+                h = h * torch.tensor(self.cfg.embed_scale, dtype=h.dtype)
+            return h
         local = ids - self.ranks.rank * table.shape[0]
         mine = (local >= 0) & (local < table.shape[0])
         h = F.embedding(torch.where(mine, local, 0), table) * mine.unsqueeze(-1).to(table.dtype)

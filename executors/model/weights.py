@@ -7,17 +7,23 @@ Names: `embed`, `norm`, `lm_head` (absent when tied), and per layer `layers.{i}.
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 
+import attrs
 import numpy as np
+import structlog
 import torch
 
 from memstep.core.model_config import ModelConfig
 from memstep.core.model_source import ModelError, ModelSource, read_gguf
 from memstep.executors.model import quant_linear as ql
+from memstep.executors.model.formats import gguf_names
+from memstep.executors.model.formats.hf_names import Table, layer_table
 from memstep.executors.model.sharding import Shard
 
 Weights = dict[str, torch.Tensor]
+log = structlog.get_logger("memstep.executor.weights")
 
 _GGUF_LAYER = {
     "attn_norm": "attn_norm.weight",
@@ -84,9 +90,25 @@ def _fuse_layers(
 
 @functools.lru_cache(maxsize=1)
 def _load_gguf(path: Path, cfg: ModelConfig) -> Weights:
-    """Dequantized float32 tensors, cached: engines of one process share them read-only."""
-    raw = {t.name: _dequantize(t, path) for t in read_gguf(path).tensors}
-    return _assemble_gguf(raw, cfg, path)
+    """Dequantized float32 tensors, cached: engines of one process share them read-only.
+    Llama's q and k rows come back from llama.cpp's rotary order; other families' files keep
+    transformers' order and are read through their table (`formats/gguf_names.py`)."""
+    tensors = read_gguf(path).tensors
+    raw = {t.name: _dequantize(t, path) for t in tensors}
+    if cfg.architecture == "llama":
+        return _assemble_gguf(raw, cfg, path)
+    types = sorted({t.tensor_type.name for t in tensors} - {"F32"})
+    if types:
+        log.info(
+            f"GGUF {', '.join(types)} dequantized to float32 at load (4 bytes a weight; the C "
+            f"kernels keep blocks for Llama's layers only)", family=cfg.architecture,
+        )  # fmt: skip
+    try:
+        weights = _fuse_table(raw, cfg, gguf_names.layer_table(cfg), "blk.{i}.")
+    except KeyError as exc:
+        raise ModelError(f"missing tensor {exc} in {path.name} ({cfg.architecture})") from exc
+    what = f"{path.name} (a {cfg.architecture} GGUF)"
+    return weights | _assemble(raw, cfg, ("", {}), gguf_names.GLOBAL_NAMES, what, fuse=False)
 
 
 @functools.lru_cache(maxsize=4)
@@ -153,9 +175,50 @@ def _assemble_gguf(
 
 
 def _load_hf(folder: Path, cfg: ModelConfig) -> Weights:
+    """A Hugging Face folder's tensors (one file or the shards its index names; any float
+    dtype, widened to float32 here and placed in the engine's dtype later) in memstep's
+    layout, through the family's table (`formats/hf_names.py`)."""
+    raw = {_text_name(k): v.float() for k, v in _read_safetensors(folder).items()}
+    try:
+        weights = _fuse_table(raw, cfg, layer_table(cfg))
+    except KeyError as exc:
+        what = f"{folder} (a {cfg.architecture} checkpoint)"
+        raise ModelError(f"missing tensor {exc} in {what}") from exc
+    names = ("embed_tokens.weight", "norm.weight", "lm_head.weight")
+    weights |= _assemble(raw, cfg, ("", {}), names, f"{folder} (a checkpoint)", fuse=False)
+    return with_norm_offset(weights, cfg)
+
+
+def with_norm_offset(weights: Weights, cfg: ModelConfig) -> Weights:
+    """Gemma's (offset + w) norms made plain RMSNorm weights once, at load, in float32 (as
+    transformers adds them), so that every backend's RMSNorm runs them unchanged."""
+    if not cfg.norm_offset:
+        return weights
+    is_norm = lambda name: name == "norm" or name.endswith("_norm")  # noqa: E731
+    return {k: v + cfg.norm_offset if is_norm(k) else v for k, v in weights.items()}
+
+
+_TEXT_PREFIXES = ("language_model.model.", "model.language_model.", "language_model.", "model.")
+
+
+def _text_name(name: str) -> str:
+    """A tensor's name in a text model: without `model.`, or a multimodal checkpoint's text
+    model prefix (its vision tower's tensors keep theirs and are left unread)."""
+    for prefix in _TEXT_PREFIXES:
+        if name.startswith(prefix):
+            return name.removeprefix(prefix)
+    return name
+
+
+def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    files = sorted(folder.glob("*.safetensors"))
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [folder / name for name in shards]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelError(f"{folder} has no *.safetensors files")
     raw: dict[str, torch.Tensor] = {}
@@ -164,10 +227,30 @@ def _load_hf(folder: Path, cfg: ModelConfig) -> Weights:
             raw.update(load_file(str(file)))
         except Exception as exc:
             raise ModelError(f"cannot read {file.name}: {exc}") from exc
-    raw = {k.removeprefix("model."): v.float() for k, v in raw.items()}
-    names = ("embed_tokens.weight", "norm.weight", "lm_head.weight")
-    layers = ("layers.{i}.", HF_LAYER_NAMES)
-    return _assemble(raw, cfg, layers, names, f"{folder} (a Llama checkpoint)")
+    return raw
+
+
+def _fuse_table(
+    raw: dict[str, torch.Tensor], cfg: ModelConfig, table: Table, prefix: str = "layers.{i}."
+) -> Weights:
+    """Each layer's tensors named in `table` (under `prefix`), concatenated in the table's
+    order (stacked experts' [E, rows, columns] by rows); an expert's (`{e}` in the name) made
+    for each expert and stacked, [E, ...]."""
+    weights: Weights = {}
+    for i in range(cfg.num_layers):
+        p, key_p = prefix.format(i=i), f"layers.{i}."
+        for key, names in table.items():
+            if any("{e}" in name for name in names):
+                per_expert = [
+                    torch.cat([raw.pop(p + name.format(e=e)) for name in names])
+                    for e in range(cfg.num_experts)
+                ]
+                weights[key_p + key] = torch.stack(per_expert)
+                continue
+            parts = [raw.pop(p + name) for name in names]
+            rows = 1 if parts[0].dim() == 3 else 0
+            weights[key_p + key] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=rows)
+    return weights
 
 
 def _assemble(
@@ -177,11 +260,12 @@ def _assemble(
     names: tuple[str, str, str],
     what: str,
     partial: bool = False,
+    fuse: bool = True,
 ) -> Weights:
     """The engine's weights from a checkpoint's tensors: fused layers (`layers`: the prefix and
     names of `_fuse_layers`), then the embedding, the final norm and (untied) the head, named
     in `names`; a missing tensor is a ModelError, or with `partial` left out."""
-    weights = _fuse_layers(raw, cfg, *layers, partial=partial)
+    weights = _fuse_layers(raw, cfg, *layers, partial=partial) if fuse else {}
     own = {"embed": names[0], "norm": names[1]}
     if not cfg.tie_embeddings:
         own["lm_head"] = names[2]
@@ -207,8 +291,8 @@ def _random(
         t = torch.empty(*shape, dtype=dtype, device=device)
         weights[name] = shard(name, t.normal_(0.0, std, generator=gen))
 
-    def ones(name: str) -> None:
-        weights[name] = torch.ones(h, dtype=dtype, device=device)
+    def ones(name: str, size: int = h) -> None:
+        weights[name] = torch.ones(size, dtype=dtype, device=device)
 
     normal("embed", cfg.vocab_size, h)
     ones("norm")
@@ -219,8 +303,22 @@ def _random(
         p = f"layers.{i}."
         ones(p + "attn_norm")
         normal(p + "wqkv", qkv_out, h)
+        if cfg.qkv_bias:
+            normal(p + "bqkv", qkv_out)
+        if cfg.qk_norm:
+            ones(p + "q_norm", d)
+            ones(p + "k_norm", d)
         normal(p + "wo", h, cfg.num_heads * d)
         ones(p + "mlp_norm")
+        if cfg.sandwich_norms:
+            ones(p + "post_attn_norm")
+            ones(p + "post_mlp_norm")
+        if cfg.is_moe:
+            width, experts = cfg.moe_intermediate_size, cfg.num_experts
+            normal(p + "router", experts, h)
+            normal(p + "experts_gate_up", experts, 2 * width, h)
+            normal(p + "experts_down", experts, h, width)
+            continue
         normal(p + "w_gate_up", 2 * cfg.intermediate_size, h)
         normal(p + "w_down", h, cfg.intermediate_size)
     return weights
@@ -247,8 +345,8 @@ def load_weights(
             loaded = _load_hf(source.path, cfg)
         elif quantization == "q4":
             loaded = _load_gguf_q4(source.path, cfg)
-        else:
-            loaded = _load_gguf(source.path, cfg)
+        else:  # rotary scaling is no weight's business (and a dict is no cache key)
+            loaded = _load_gguf(source.path, attrs.evolve(cfg, rope_scaling=None))
         weights = {k: _placed(k, v, device, dtype, shard) for k, v in loaded.items()}
     if quantization == "none":
         return weights

@@ -16,6 +16,7 @@ import torch
 from memstep.core.config import ConfigError, EngineConfig
 from memstep.core.growth import StepWork
 from memstep.core.host_memory import machine_bytes
+from memstep.core.model_config import ModelConfig
 from memstep.core.model_source import ModelSource, model_config, resolve
 from memstep.core.sampling_params import SamplingParams
 from memstep.core.shapes import rank_model_config
@@ -85,6 +86,22 @@ def pick_quantization(cfg: EngineConfig, source: ModelSource, device: torch.devi
     return cfg.quantization
 
 
+def family_quantization(cfg: EngineConfig, model: ModelConfig, picked: str, ranks: int) -> str:
+    """`picked` for Llama's layers; for a family whose layers differ (`unlike_llama`), which
+    quantization and tensor parallelism do not cover yet: "none" where it was "auto" (a GGUF's
+    blocks are then dequantized at load), a ConfigError where the user asked for either."""
+    if not model.unlike_llama:
+        return picked
+    if ranks > 1:
+        raise ConfigError(
+            f"{model.architecture} runs on one rank: its {', '.join(model.unlike_llama)} "
+            "have no tensor-parallel shards yet (--tensor-parallel-size 1)"
+        )
+    if picked != "none" and cfg.quantization != "auto":
+        raise ConfigError(f"{cfg.quantization} runs Llama's layers, not {model.architecture}'s")
+    return "none"
+
+
 def pick_matmul_precision(cfg: EngineConfig, quantization: str) -> str:
     """q4's products: "bfloat16" where asked, or with "auto" where the kernels run them on the
     CPU's own bf16 dot products (AVX512-BF16) over a float32 KV cache (an fp8 cache already
@@ -131,7 +148,9 @@ class Worker:
         size = 1 if ranks is None else ranks.size
         self.model_cfg = rank_model_config(whole, size)  # this rank's heads and MLP slice
         shard = Shard(whole, 0 if ranks is None else ranks.rank, size)
-        self.quantization = pick_quantization(cfg, self.source, self.device)
+        self.quantization = family_quantization(
+            cfg, whole, pick_quantization(cfg, self.source, self.device), size
+        )
         if self.quantization != "none" and ranks is not None:
             raise ConfigError("quantized weights run on one rank: --tensor-parallel-size 1")
         self.matmul_precision = pick_matmul_precision(cfg, self.quantization)
@@ -187,7 +206,9 @@ class Worker:
             assert isinstance(warmup, Warmup)
             info = self._warmup(warmup.dummy_hidden)
         elif phase == "capture":
-            if self.device.type == "cuda":  # imports Triton: never on CPU
+            # a family with torch layers on CUDA runs eagerly (`executors/cuda/backend.py`)
+            fused = not self.model_cfg.unlike_llama
+            if self.device.type == "cuda" and fused:  # imports Triton: never on CPU
                 from memstep.executors.cuda.graph_runner import capture_phase, peak_figures
 
                 capture = self.lifecycle.kinds["capture"]

@@ -80,7 +80,7 @@ def test_llama3_rope_scaling_matches_transformers():
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     from memstep.core.model_config import PRESETS
-    from memstep.executors.model.llama import rope_inv_freq
+    from memstep.executors.model.layers.rotary import rope_inv_freq
 
     cfg = PRESETS["llama-3.2-1b"]
     hf_cfg = LlamaConfig(

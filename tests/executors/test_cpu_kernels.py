@@ -156,7 +156,7 @@ def test_a_kernel_on_the_calling_thread_alone_gives_the_pool_s_bits(gguf_tensors
 def test_rope_and_kv_write_are_apply_rope_s_bit_for_bit():
     from memstep.core.model_config import PRESETS
     from memstep.executors.model.kv_cache import write_kv
-    from memstep.executors.model.llama import rope_inv_freq
+    from memstep.executors.model.layers.rotary import rope_inv_freq
     from memstep.executors.model.torch_backend import apply_rope
 
     cfg = PRESETS["tiny"]

@@ -1,0 +1,1 @@
+"""Each checkpoint format's tensor names for each family, and how they become memstep's."""

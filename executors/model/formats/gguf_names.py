@@ -1,0 +1,45 @@
+"""GGUF tensor names as llama.cpp writes them: one table a family, in `hf_names`' form (names
+under `blk.{i}.`). llama.cpp stacks each layer's experts in one tensor, [E, rows, columns];
+Gemma's norms are stored with their 1 already added."""
+
+from __future__ import annotations
+
+from memstep.core.model_config import ModelConfig
+from memstep.executors.model.formats.hf_names import Table
+
+LLAMA: Table = {
+    "attn_norm": ("attn_norm.weight",),
+    "wqkv": ("attn_q.weight", "attn_k.weight", "attn_v.weight"),
+    "wo": ("attn_output.weight",),
+    "mlp_norm": ("ffn_norm.weight",),
+    "w_gate_up": ("ffn_gate.weight", "ffn_up.weight"),
+    "w_down": ("ffn_down.weight",),
+}
+QKV_BIAS: Table = {"bqkv": ("attn_q.bias", "attn_k.bias", "attn_v.bias")}
+QK_NORM: Table = {"q_norm": ("attn_q_norm.weight",), "k_norm": ("attn_k_norm.weight",)}
+SANDWICH: Table = {"post_attn_norm": ("post_attention_norm.weight",), "post_mlp_norm": (
+    "post_ffw_norm.weight",)}  # fmt: skip
+EXPERTS: Table = {
+    "router": ("ffn_gate_inp.weight",),
+    "experts_gate_up": ("ffn_gate_exps.weight", "ffn_up_exps.weight"),
+    "experts_down": ("ffn_down_exps.weight",),
+}
+_DENSE = {key: names for key, names in LLAMA.items() if key not in ("w_gate_up", "w_down")}
+FAMILY_TABLES: dict[str, Table] = {
+    "llama": LLAMA,
+    "qwen2": LLAMA,
+    "qwen3": LLAMA,
+    "gemma3": LLAMA | SANDWICH,
+    "qwen3_moe": _DENSE | EXPERTS,
+}
+GLOBAL_NAMES = ("token_embd.weight", "output_norm.weight", "output.weight")
+
+
+def layer_table(cfg: ModelConfig) -> Table:
+    """The family's table with the config's optional pieces (bias, q/k norms) added."""
+    table = dict(FAMILY_TABLES[cfg.architecture])
+    if cfg.qkv_bias:
+        table |= QKV_BIAS
+    if cfg.qk_norm:
+        table |= QK_NORM
+    return table

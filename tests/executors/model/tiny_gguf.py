@@ -1,0 +1,131 @@
+"""A tiny transformers checkpoint written as a GGUF file with llama.cpp's names and keys, in one
+quant type, and the checkpoint with the weights that file holds (for the reference logits)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+GGUF_ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3", "qwen3_moe": "qwen3moe"}
+_LAYER = {  # transformers' name under model.layers.{i}. -> llama.cpp's under blk.{i}.
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+}
+_GEMMA = {
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
+_GLOBAL = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+
+
+def llama_cpp_names(state: dict[str, torch.Tensor], model_type: str, tied: bool) -> dict:
+    """transformers' saved tensor name -> llama.cpp's (experts: their stacked tensor's name and
+    index)."""
+    layer = _LAYER | (_GEMMA if model_type == "gemma3_text" else {})
+    names: dict[str, str | tuple[str, int]] = {}
+    for name in state:
+        if name in _GLOBAL:
+            if not (name == "lm_head.weight" and tied):
+                names[name] = _GLOBAL[name]
+            continue
+        i, rest = name.removeprefix("model.layers.").split(".", 1)
+        if match := _EXPERT.fullmatch(rest):
+            names[name] = (f"blk.{i}.ffn_{match[2]}_exps.weight", int(match[1]))
+        else:
+            names[name] = f"blk.{i}.{layer[rest]}"
+    return names
+
+
+def write_gguf(folder: Path, model_type: str, path: Path, qtype: str, out: Path) -> None:
+    """The checkpoint in `folder` as a GGUF at `path` with llama.cpp's names and keys, its
+    matrices in `qtype` (norms and biases F32, as llama.cpp keeps them; Gemma's norms with
+    their 1 added, as its converter writes them); and in `out` the same checkpoint with the
+    weights the GGUF holds (each matrix quantized and back), the reference's."""
+    import gguf
+    from gguf import GGMLQuantizationType, quants
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+
+    kind = GGMLQuantizationType[qtype]
+    cfg = AutoConfig.from_pretrained(folder)
+    state = load_file(str(folder / "model.safetensors"))
+    names = llama_cpp_names(state, model_type, cfg.tie_word_embeddings)
+    tensors: dict[str, np.ndarray] = {}
+    experts: dict[str, dict[int, np.ndarray]] = {}
+    for name, cpp in names.items():
+        array = state[name].float().numpy()
+        if model_type == "gemma3_text" and name.endswith("norm.weight"):
+            array = array + 1
+        if isinstance(cpp, tuple):
+            experts.setdefault(cpp[0], {})[cpp[1]] = array
+        else:
+            tensors[cpp] = array
+    tensors |= {key: np.stack([per[e] for e in sorted(per)]) for key, per in experts.items()}
+    writer = gguf.GGUFWriter(str(path), GGUF_ARCH[model_type])
+    _write_keys(writer, GGUF_ARCH[model_type], cfg, model_type)
+    held: dict[str, np.ndarray] = {}
+    for cpp, array in tensors.items():
+        if array.ndim == 1 or kind == GGMLQuantizationType.F32:
+            writer.add_tensor(cpp, array)
+            held[cpp] = array
+            continue
+        blocks = quants.quantize(array, kind)
+        writer.add_tensor(cpp, blocks, raw_dtype=kind)
+        held[cpp] = quants.dequantize(blocks, kind).reshape(array.shape)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    for name, cpp in names.items():
+        if state[name].dim() == 1:
+            continue
+        array = held[cpp[0]][cpp[1]] if isinstance(cpp, tuple) else held[cpp]
+        state[name] = torch.from_numpy(np.array(array, dtype=np.float32))
+    out.mkdir(exist_ok=True)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text((folder / "config.json").read_text())
+
+
+def _write_keys(writer, arch: str, cfg, model_type: str) -> None:
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    for key, value in {
+        "block_count": cfg.num_hidden_layers, "context_length": cfg.max_position_embeddings,
+        "embedding_length": cfg.hidden_size, "feed_forward_length": cfg.intermediate_size,
+        "attention.head_count": cfg.num_attention_heads,
+        "attention.head_count_kv": cfg.num_key_value_heads, "attention.key_length": head_dim,
+        "attention.value_length": head_dim, "vocab_size": cfg.vocab_size,
+    }.items():  # fmt: skip
+        writer.add_uint32(f"{arch}.{key}", value)
+    rope = cfg.rope_parameters
+    writer.add_float32(f"{arch}.rope.freq_base", (rope.get("full_attention") or rope)["rope_theta"])
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    if model_type == "gemma3_text":
+        writer.add_uint32(f"{arch}.attention.sliding_window", cfg.sliding_window)
+        windowed = [t == "sliding_attention" for t in cfg.layer_types]
+        writer.add_sliding_window_pattern(windowed)
+    if model_type == "qwen3_moe":
+        writer.add_uint32(f"{arch}.expert_count", cfg.num_experts)
+        writer.add_uint32(f"{arch}.expert_used_count", cfg.num_experts_per_tok)
+        writer.add_uint32(f"{arch}.expert_feed_forward_length", cfg.moe_intermediate_size)
