@@ -11,6 +11,7 @@ model's tokenizer, and hands each request a copy.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import time
@@ -212,6 +213,11 @@ def matcher_bytes(grammar: str) -> int:
     return MATCHER_BASE_BYTES + MATCHER_BYTES_PER_GRAMMAR_BYTE * len(grammar)
 
 
+class GrammarUnavailable(RuntimeError):
+    """The grammar engine cannot run for this model (its tokenizer); a constrained request
+    ends with the reason."""
+
+
 class GrammarBook:
     """The grammar engine's view of the model's tokenizer (built at the first constrained
     request: about a second for a 49k vocabulary) and a compiled matcher per distinct
@@ -231,6 +237,7 @@ class GrammarBook:
         self.eos = eos
         self._tokenizer: Any = None
         self._building: threading.Thread | None = None  # `prepare`
+        self._unusable: str | None = None  # why the tokenizer could not be built
         self._lock = threading.Lock()
         self._compiled: TextCache[Any] = TextCache(budget_bytes)
         self.stats = CompileStats()
@@ -272,8 +279,14 @@ class GrammarBook:
         """Build the grammar engine's tokenizer on a thread of its own, while the executor
         loads and warms up: made at the first constrained request instead, it held the step
         thread about a second (SmolLM2's), every stream with it."""
-        self._building = threading.Thread(target=self.tokenizer, name="grammar-tokenizer")
+        self._building = threading.Thread(target=self.wait, name="grammar-tokenizer")
         self._building.start()
+
+    def wait(self) -> None:
+        """The tokenizer built (or found unusable: a model whose tokenizer llguidance cannot
+        read still serves, and only its constrained requests fail, each with the reason)."""
+        with contextlib.suppress(GrammarUnavailable):
+            self.tokenizer()
 
     def tokenizer(self) -> Any:
         building = self._building
@@ -281,6 +294,11 @@ class GrammarBook:
             building.join()
             self._building = None
         with self._lock:
-            if self._tokenizer is None:
-                self._tokenizer = ll_tokenizer(self.source, self.vocab_size, self.eos)
+            if self._tokenizer is None and self._unusable is None:
+                try:
+                    self._tokenizer = ll_tokenizer(self.source, self.vocab_size, self.eos)
+                except ValueError as exc:  # llguidance's word on a tokenizer it cannot read
+                    self._unusable = f"the model's tokenizer cannot drive constraints: {exc}"
+            if self._unusable is not None:
+                raise GrammarUnavailable(self._unusable)
         return self._tokenizer

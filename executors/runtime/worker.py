@@ -220,7 +220,7 @@ class Worker:
                 self.runner = self.graphs
                 info |= peak_figures(self.device, self.memory_plan)
                 log.info("memory after capture", **peak_figures(self.device, self.memory_plan))
-            self.grammars.tokenizer()  # (`GrammarBook.prepare`): built before serving's first step
+            self.grammars.wait()  # (`GrammarBook.prepare`): built before serving's first step
             self.meter.freeze()  # start-up objects are done; measure only what serving creates
         elif phase == "shutdown":
             self.requests.clear()
