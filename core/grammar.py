@@ -21,7 +21,7 @@ from typing import Any, Generic, TypeVar
 
 import attrs
 
-from memstep.core.grammar_check import Check, GrammarChecker, check_worker
+from memstep.core.grammar_check import Check, GrammarChecker
 from memstep.core.grammar_limits import check_limits
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -108,13 +108,6 @@ class TokenizerSpec:
     def to_json(self) -> str:
         return json.dumps(attrs.asdict(self))
 
-    def build(self) -> Any:
-        from memstep.core.grammar_tokenizer import ll_tokenizer
-        from memstep.core.model_source import resolve
-
-        source = resolve(self.model, self.weights_seed, self.tokenizer)
-        return ll_tokenizer(source, self.vocab_size, self.eos)
-
 
 def compile_error(kind: str, text: str, tokenizer: Any = None) -> str:
     """Why the constraint cannot compile, or "" when it can (in this process: what the check
@@ -158,6 +151,7 @@ class ConstraintBook:
         self._checker: GrammarChecker | None = None
         self.num_refused = 0
         self.model: TokenizerSpec | None = None  # None: checked without a tokenizer
+        self.running: dict[tuple[str, str], Check] = {}  # one check per constraint at a time
 
     @property
     def checker(self) -> GrammarChecker:
@@ -172,6 +166,7 @@ class ConstraintBook:
         if model == self.model:
             return
         self.close()
+        self.running = {}
         self.model = model
         self.verdicts = TextCache(self.verdicts.budget_bytes)
 
@@ -187,7 +182,10 @@ class ConstraintBook:
             verdict = limits_error(kind, text) or None
         if verdict is not None:
             return Check(kind, text, verdict)
-        return self.checker.submit(kind, text)
+        running = self.running.get((kind, text))
+        if running is None or running.is_done:
+            running = self.running[(kind, text)] = self.checker.submit(kind, text)
+        return running
 
     def poll(self, timeout: float = 0.0) -> None:
         if self._checker is not None:
@@ -196,6 +194,7 @@ class ConstraintBook:
     def keep(self, check: Check) -> str:
         """Keep a settled check's verdict; the verdict."""
         assert check.error is not None
+        self.running.pop((check.kind, check.text), None)
         self.verdicts.put((check.kind, check.text), check.error, len(check.error))
         if check.error:
             self.num_refused += 1
@@ -223,23 +222,3 @@ def constraint_book() -> ConstraintBook:
 def grammar_error(kind: str, text: str) -> str:
     """Why the constraint cannot run, or "" when it can (this process's book)."""
     return constraint_book().error(kind, text)
-
-
-def _worker_check(argv: list[str]) -> Any:
-    """The check a worker runs: against the model's tokenizer where its argv names one
-    (built at the first check)."""
-    if not argv:
-        return compile_error
-    spec = TokenizerSpec(**json.loads(argv[0]))
-
-    @functools.cache
-    def tokenizer() -> Any:
-        return spec.build()
-
-    return lambda kind, text: compile_error(kind, text, tokenizer())
-
-
-if __name__ == "__main__":  # a check worker (core/grammar_check.py)
-    import sys
-
-    check_worker(sys.stdin.buffer, sys.stdout.buffer, _worker_check(sys.argv[1:]))

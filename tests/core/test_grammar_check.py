@@ -13,6 +13,7 @@ import pytest
 from memstep.core import grammar
 from memstep.core.grammar import ConstraintBook, TextCache, TokenizerSpec, compile_error
 from memstep.core.grammar_check import GrammarChecker
+from memstep.core.grammar_worker import build_tokenizer
 from memstep.core.model_source import model_config, resolve
 
 GOOD = ("regex", "[a-z]+")
@@ -91,7 +92,7 @@ def test_a_text_cache_keeps_the_recent_within_its_bytes():
 @pytest.fixture(scope="module")
 def tiny_tokenizer():
     mc = model_config(resolve("random:tiny"))
-    return TokenizerSpec("random:tiny", 0, None, mc.vocab_size, mc.eos_token_ids).build()
+    return build_tokenizer(TokenizerSpec("random:tiny", 0, None, mc.vocab_size, mc.eos_token_ids))
 
 
 def test_a_compile_against_the_tokenizer_past_its_budget_is_refused(tiny_tokenizer, monkeypatch):
@@ -111,5 +112,15 @@ def test_the_books_workers_check_against_its_models_tokenizer():
         (pid,) = book.checker.pids()
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             assert b'"model": "random:tiny"' in f.read()
+    finally:
+        book.close()
+
+
+def test_the_same_constraint_at_once_is_checked_once():
+    book = ConstraintBook()
+    try:
+        first, second = book.start("regex", "q{3}"), book.start("regex", "q{3}")
+        assert first is second and book.error("regex", "q{3}") == ""
+        assert book.start("regex", "q{3}").error == ""  # known now: no check at all
     finally:
         book.close()
