@@ -37,6 +37,7 @@ class Check:
     text: str
     error: str | None = None
     started: float = 0.0
+    lasting: bool = True  # False: its verdict depends on the machine's load (a timeout)
 
     @property
     def is_done(self) -> bool:
@@ -122,6 +123,8 @@ class GrammarChecker:
                 limit = self.budget_s if worker.ready else START_BUDGET_S
                 if now - worker.check.started > limit:
                     self.num_timed_out += 1
+                    assert worker.check is not None
+                    worker.check.lasting = False
                     self._drop(worker, f"took longer than the {self.budget_s:g} s compile budget")
         self._start_queued()
 
