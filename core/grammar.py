@@ -21,7 +21,7 @@ from typing import Any, Generic, TypeVar
 
 import attrs
 
-from memstep.core.grammar_check import Check, GrammarChecker, check_worker
+from memstep.core.grammar_check import Check, GrammarChecker
 from memstep.core.grammar_limits import check_limits, limits_error
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -32,6 +32,7 @@ VERDICT_CACHE_BYTES = 16 * 1024 * 1024  # the core's verdicts, keyed by the cons
 # a compile against the model's tokenizer past this is refused: the executor's step would wait
 # as long for it, every stream with it
 COMPILE_BUDGET_S = 1.0
+OVER_BUDGET = "compile, more than the budget"  # such a verdict depends on the load: not kept
 
 V = TypeVar("V")
 
@@ -108,13 +109,6 @@ class TokenizerSpec:
     def to_json(self) -> str:
         return json.dumps(attrs.asdict(self))
 
-    def build(self) -> Any:
-        from memstep.core.grammar_tokenizer import ll_tokenizer
-        from memstep.core.model_source import resolve
-
-        source = resolve(self.model, self.weights_seed, self.tokenizer)
-        return ll_tokenizer(source, self.vocab_size, self.eos)
-
 
 def compile_error(kind: str, text: str, tokenizer: Any = None) -> str:
     """Why the constraint cannot compile, or "" when it can (in this process: what the check
@@ -135,7 +129,7 @@ def compile_error(kind: str, text: str, tokenizer: Any = None) -> str:
     if matcher.is_error():
         return matcher.get_error().strip().splitlines()[0][:500]
     if seconds > COMPILE_BUDGET_S:
-        return f"took {seconds:.1f} s to compile, more than the {COMPILE_BUDGET_S:g} s budget"
+        return f"took {seconds:.1f} s to {OVER_BUDGET} of {COMPILE_BUDGET_S:g} s"
     return ""
 
 
@@ -149,6 +143,7 @@ class ConstraintBook:
         self._checker: GrammarChecker | None = None
         self.num_refused = 0
         self.model: TokenizerSpec | None = None  # None: checked without a tokenizer
+        self.running: dict[tuple[str, str], Check] = {}  # one check per constraint at a time
 
     @property
     def checker(self) -> GrammarChecker:
@@ -163,6 +158,7 @@ class ConstraintBook:
         if model == self.model:
             return
         self.close()
+        self.running = {}
         self.model = model
         self.verdicts = TextCache(self.verdicts.budget_bytes)
 
@@ -178,7 +174,10 @@ class ConstraintBook:
             verdict = limits_error(kind, text) or None
         if verdict is not None:
             return Check(kind, text, verdict)
-        return self.checker.submit(kind, text)
+        running = self.running.get((kind, text))
+        if running is None or running.is_done:
+            running = self.running[(kind, text)] = self.checker.submit(kind, text)
+        return running
 
     def poll(self, timeout: float = 0.0) -> None:
         if self._checker is not None:
@@ -187,7 +186,9 @@ class ConstraintBook:
     def keep(self, check: Check) -> str:
         """Keep a settled check's verdict; the verdict."""
         assert check.error is not None
-        self.verdicts.put((check.kind, check.text), check.error, len(check.error))
+        self.running.pop((check.kind, check.text), None)
+        if check.lasting and OVER_BUDGET not in check.error:  # a slow moment is not remembered
+            self.verdicts.put((check.kind, check.text), check.error, len(check.error))
         if check.error:
             self.num_refused += 1
         return check.error
@@ -214,23 +215,3 @@ def constraint_book() -> ConstraintBook:
 def grammar_error(kind: str, text: str) -> str:
     """Why the constraint cannot run, or "" when it can (this process's book)."""
     return constraint_book().error(kind, text)
-
-
-def _worker_check(argv: list[str]) -> Any:
-    """The check a worker runs: against the model's tokenizer where its argv names one
-    (built at the first check)."""
-    if not argv:
-        return compile_error
-    spec = TokenizerSpec(**json.loads(argv[0]))
-
-    @functools.cache
-    def tokenizer() -> Any:
-        return spec.build()
-
-    return lambda kind, text: compile_error(kind, text, tokenizer())
-
-
-if __name__ == "__main__":  # a check worker (core/grammar_check.py)
-    import sys
-
-    check_worker(sys.stdin.buffer, sys.stdout.buffer, _worker_check(sys.argv[1:]))

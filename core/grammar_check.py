@@ -24,7 +24,8 @@ from typing import IO
 import attrs
 
 DEFAULT_WORKERS = 2
-DEFAULT_BUDGET_S = 10.0  # a compile past this is refused: the executor would stall as long
+DEFAULT_BUDGET_S = 10.0  # a check past this is refused, its worker killed
+START_BUDGET_S = 120.0  # a worker's start (its tokenizer built) past this: killed
 
 
 @attrs.define(eq=False)
@@ -36,6 +37,7 @@ class Check:
     text: str
     error: str | None = None
     started: float = 0.0
+    lasting: bool = True  # False: its verdict depends on the machine's load (a timeout)
 
     @property
     def is_done(self) -> bool:
@@ -43,7 +45,7 @@ class Check:
 
 
 class _Worker:
-    """A check process (`python -m memstep.core.grammar`) and the check it runs."""
+    """A check process (core/grammar_worker.py) and the check it runs."""
 
     def __init__(self, args: list[str]) -> None:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,12 +54,14 @@ class _Worker:
             filter(None, [os.path.dirname(root), env.get("PYTHONPATH")])
         )
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "memstep.core.grammar", *args],
+            [sys.executable, "-m", "memstep.core.grammar_worker", *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            bufsize=0,  # unbuffered: a frame read leaves the next in the pipe, where select sees it
             env=env,
         )
         self.check: Check | None = None
+        self.ready = False  # its first frame says it is (its tokenizer built)
         assert self.proc.stdout is not None
         self.fd = self.proc.stdout.fileno()
 
@@ -116,8 +120,11 @@ class GrammarChecker:
             now = time.monotonic()
             for worker in list(self.busy):
                 assert worker.check is not None
-                if now - worker.check.started > self.budget_s:
+                limit = self.budget_s if worker.ready else START_BUDGET_S
+                if now - worker.check.started > limit:
                     self.num_timed_out += 1
+                    assert worker.check is not None
+                    worker.check.lasting = False
                     self._drop(worker, f"took longer than the {self.budget_s:g} s compile budget")
         self._start_queued()
 
@@ -151,6 +158,10 @@ class GrammarChecker:
 
     def _settle(self, worker: _Worker) -> None:
         answer = worker.answer()
+        if answer is not None and not worker.ready:  # its tokenizer built: the check begins
+            assert worker.check is not None
+            worker.ready, worker.check.started = True, time.monotonic()
+            return
         if answer is not None:
             assert worker.check is not None
             worker.check.error, worker.check = answer, None
@@ -175,16 +186,28 @@ def _write(pipe: IO[bytes], data: bytes) -> None:
 
 
 def _read(pipe: IO[bytes]) -> bytes | None:
-    head = pipe.read(4)
-    if len(head) < 4:
+    """One frame, or None at the end of the pipe (reads may come short: the parent's side is
+    unbuffered)."""
+    head = _read_exactly(pipe, 4)
+    if head is None:
         return None
-    data = pipe.read(int.from_bytes(head, "little"))
-    return data if len(data) == int.from_bytes(head, "little") else None
+    return _read_exactly(pipe, int.from_bytes(head, "little"))
+
+
+def _read_exactly(pipe: IO[bytes], size: int) -> bytes | None:
+    data = bytearray()
+    while len(data) < size:
+        chunk = pipe.read(size - len(data))
+        if not chunk:
+            return None
+        data += chunk
+    return bytes(data)
 
 
 def check_worker(stdin: IO[bytes], stdout: IO[bytes], check: Callable[[str, str], str]) -> None:
-    """A check process's loop (`python -m memstep.core.grammar`): answer each (kind, text)
-    with `check`'s verdict, until stdin closes."""
+    """A check process's loop (core/grammar_worker.py): say it is ready (an empty frame), then
+    answer each (kind, text) with `check`'s verdict, until stdin closes."""
+    _write(stdout, b"")
     while (data := _read(stdin)) is not None:
         kind, text = json.loads(data)
         _write(stdout, check(kind, text).encode())

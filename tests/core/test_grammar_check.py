@@ -12,7 +12,8 @@ import pytest
 
 from memstep.core import grammar
 from memstep.core.grammar import ConstraintBook, TextCache, TokenizerSpec, compile_error
-from memstep.core.grammar_check import GrammarChecker
+from memstep.core.grammar_check import Check, GrammarChecker
+from memstep.core.grammar_worker import build_tokenizer
 from memstep.core.model_source import model_config, resolve
 
 GOOD = ("regex", "[a-z]+")
@@ -51,7 +52,8 @@ def test_a_worker_that_dies_mid_check_is_that_checks_refusal_and_is_replaced(che
 def test_a_check_past_the_compile_budget_is_refused_and_its_worker_killed(checker):
     checker.budget_s = 0.5
     pid = _stopped_worker(checker)
-    assert "compile budget" in checker.wait(checker.submit("regex", "b+"))
+    slow = checker.submit("regex", "b+")
+    assert "compile budget" in checker.wait(slow) and not slow.lasting  # (not kept)
     assert checker.num_timed_out == 1
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
@@ -91,13 +93,13 @@ def test_a_text_cache_keeps_the_recent_within_its_bytes():
 @pytest.fixture(scope="module")
 def tiny_tokenizer():
     mc = model_config(resolve("random:tiny"))
-    return TokenizerSpec("random:tiny", 0, None, mc.vocab_size, mc.eos_token_ids).build()
+    return build_tokenizer(TokenizerSpec("random:tiny", 0, None, mc.vocab_size, mc.eos_token_ids))
 
 
 def test_a_compile_against_the_tokenizer_past_its_budget_is_refused(tiny_tokenizer, monkeypatch):
     assert compile_error(*GOOD, tiny_tokenizer) == ""
     monkeypatch.setattr(grammar, "COMPILE_BUDGET_S", 0.0)  # planted: every compile too slow
-    assert "compile, more than the 0 s budget" in compile_error(*GOOD, tiny_tokenizer)
+    assert "compile, more than the budget of 0 s" in compile_error(*GOOD, tiny_tokenizer)
 
 
 def test_the_books_workers_check_against_its_models_tokenizer():
@@ -113,3 +115,22 @@ def test_the_books_workers_check_against_its_models_tokenizer():
             assert b'"model": "random:tiny"' in f.read()
     finally:
         book.close()
+
+
+def test_the_same_constraint_at_once_is_checked_once():
+    book = ConstraintBook()
+    try:
+        first, second = book.start("regex", "q{3}"), book.start("regex", "q{3}")
+        assert first is second and book.error("regex", "q{3}") == ""
+        assert book.start("regex", "q{3}").error == ""  # known now: no check at all
+    finally:
+        book.close()
+
+
+def test_a_verdict_of_a_slow_moment_is_not_kept():
+    book = ConstraintBook()
+    book.keep(Check("regex", "a", f"took 1.2 s to {grammar.OVER_BUDGET} of 1 s"))
+    book.keep(Check("regex", "b", "took longer than the 10 s compile budget", lasting=False))
+    book.keep(Check("regex", "c", "unclosed"))
+    assert book.known("regex", "a") is None and book.known("regex", "b") is None
+    assert book.known("regex", "c") == "unclosed"
