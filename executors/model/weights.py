@@ -194,8 +194,11 @@ def with_norm_offset(weights: Weights, cfg: ModelConfig) -> Weights:
     transformers adds them), so that every backend's RMSNorm runs them unchanged."""
     if not cfg.norm_offset:
         return weights
-    is_norm = lambda name: name == "norm" or name.endswith("_norm")  # noqa: E731
-    return {k: v + cfg.norm_offset if is_norm(k) else v for k, v in weights.items()}
+    return {k: v + cfg.norm_offset if _is_norm(k) else v for k, v in weights.items()}
+
+
+def _is_norm(name: str) -> bool:
+    return name == "norm" or name.endswith("_norm")
 
 
 _TEXT_PREFIXES = ("language_model.model.", "model.language_model.", "language_model.", "model.")

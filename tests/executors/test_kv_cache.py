@@ -135,8 +135,9 @@ def test_the_batch_check_fires_when_attention_depends_on_the_group(chat_prompts,
 
     plain = attention.torch_group_attention
 
-    def by_group_size(q, k_cache, v_cache, group, scale):
-        return plain(q, k_cache, v_cache, group, scale) * (1 + 0.2 * group.token_index.shape[0])
+    def by_group_size(q, k_cache, v_cache, group, scale, window=0):
+        out = plain(q, k_cache, v_cache, group, scale, window)
+        return out * (1 + 0.2 * group.token_index.shape[0])
 
     monkeypatch.setattr(attention, "torch_group_attention", by_group_size)
     batch, arrived = _batch_and_arrivals(chat_prompts)
