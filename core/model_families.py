@@ -142,7 +142,9 @@ def _gguf_experts(field: Field) -> Json:
     return {
         "num_experts": int(field("expert_count", 0)),
         "experts_per_token": int(field("expert_used_count", 0)),
-        "moe_intermediate_size": int(field("expert_feed_forward_length", 0)),
+        "moe_intermediate_size": int(
+            field("expert_feed_forward_length", 0) or field("feed_forward_length", 0)
+        ),
         "norm_topk_prob": bool(field("expert_weights_norm", True)),
     }
 
@@ -209,6 +211,7 @@ FAMILIES: dict[str, Family] = {
             "mixtral",
             {"norm_topk_prob": True},
             read_hf=lambda c: _experts(c, "intermediate_size") | {"layer_windows": windows(c)},
+            read_gguf=_gguf_experts,  # llama.cpp writes Mixtral as `llama` with experts
         ),
     )
 }

@@ -23,6 +23,7 @@ import attrs
 
 from memstep.core.model_config import PRESETS, ModelConfig
 from memstep.core.model_families import (
+    FAMILIES,
     UnsupportedArchitecture,
     by_gguf_architecture,
     by_hf_architecture,
@@ -178,9 +179,11 @@ def gguf_model_config(reader: Any) -> ModelConfig:
     if family.read_gguf is None:
         raise ModelError(f"GGUF files of {arch!r} are not read yet: give its Hugging Face folder")
     p = f"{arch}."
-    facts = family.fixed | family.read_gguf(
-        lambda key, default: gguf_field(reader, p + key, default)
-    )
+    field = functools.partial(_prefixed, reader, p)
+    if family.name == "llama" and field("expert_count", 0):
+        family = FAMILIES["mixtral"]  # llama.cpp's Mixtral: the llama keys, and experts
+    assert family.read_gguf is not None
+    facts = family.fixed | family.read_gguf(field)
     hidden = int(gguf_field(reader, p + "embedding_length"))
     heads = int(gguf_field(reader, p + "attention.head_count"))
     names = {t.name for t in reader.tensors}

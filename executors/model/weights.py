@@ -103,6 +103,8 @@ def _load_gguf(path: Path, cfg: ModelConfig) -> Weights:
             f"GGUF {', '.join(types)} dequantized to float32 at load (4 bytes a weight; the C "
             f"kernels keep blocks for Llama's layers only)", family=cfg.architecture,
         )  # fmt: skip
+    if cfg.architecture in gguf_names.ROTARY_PERMUTED:
+        _unpermute_qk(raw, cfg)
     try:
         weights = _fuse_table(raw, cfg, gguf_names.layer_table(cfg), "blk.{i}.")
     except KeyError as exc:
@@ -159,16 +161,21 @@ def _dequantize(t, path: Path) -> torch.Tensor:
     return torch.from_numpy(np.array(array, dtype=np.float32))  # owned, writable
 
 
-def _assemble_gguf(
-    raw: dict[str, torch.Tensor], cfg: ModelConfig, path: Path, partial: bool = False
-) -> Weights:
-    """memstep's weights from a GGUF's tensors by name: q and k rows back from llama.cpp's
-    rotary order, then `_assemble`'s fusing."""
+def _unpermute_qk(raw: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
+    """q and k rows of a llama.cpp `llama` file back from its interleaved rotary order."""
     for i in range(cfg.num_layers):
         for key, heads in (("attn_q", cfg.num_heads), ("attn_k", cfg.num_kv_heads)):
             name = f"blk.{i}.{key}.weight"
             if name in raw:
                 raw[name] = unpermute_rotary(raw[name], heads)
+
+
+def _assemble_gguf(
+    raw: dict[str, torch.Tensor], cfg: ModelConfig, path: Path, partial: bool = False
+) -> Weights:
+    """memstep's weights from a GGUF's tensors by name: q and k rows back from llama.cpp's
+    rotary order, then `_assemble`'s fusing."""
+    _unpermute_qk(raw, cfg)
     names = ("token_embd.weight", "output_norm.weight", "output.weight")
     layers = ("blk.{i}.", _GGUF_LAYER)
     return _assemble(raw, cfg, layers, names, f"{path.name} (a Llama GGUF)", partial)

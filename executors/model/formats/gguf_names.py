@@ -31,7 +31,9 @@ FAMILY_TABLES: dict[str, Table] = {
     "qwen3": LLAMA,
     "gemma3": LLAMA | SANDWICH,
     "qwen3_moe": _DENSE | EXPERTS,
+    "mixtral": _DENSE | EXPERTS,
 }
+ROTARY_PERMUTED = ("llama", "mixtral")  # written as llama.cpp's `llama`: q, k rows interleaved
 GLOBAL_NAMES = ("token_embd.weight", "output_norm.weight", "output.weight")
 
 

@@ -9,7 +9,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-GGUF_ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3", "qwen3_moe": "qwen3moe"}
+GGUF_ARCH = {
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma3_text": "gemma3",
+    "qwen3_moe": "qwen3moe",
+    "mixtral": "llama",  # llama.cpp writes Mixtral as llama with experts
+}
 _LAYER = {  # transformers' name under model.layers.{i}. -> llama.cpp's under blk.{i}.
     "input_layernorm.weight": "attn_norm.weight",
     "self_attn.q_proj.weight": "attn_q.weight",
@@ -26,6 +32,7 @@ _LAYER = {  # transformers' name under model.layers.{i}. -> llama.cpp's under bl
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
     "mlp.gate.weight": "ffn_gate_inp.weight",
+    "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
 }
 _GEMMA = {
     "post_attention_layernorm.weight": "post_attention_norm.weight",
@@ -37,7 +44,11 @@ _GLOBAL = {
     "model.norm.weight": "output_norm.weight",
     "lm_head.weight": "output.weight",
 }
-_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+_EXPERT = re.compile(
+    r"(?:mlp\.experts\.(\d+)\.(gate|up|down)_proj|block_sparse_moe\.experts\.(\d+)\.(w1|w3|w2))"
+    r"\.weight"
+)
+_MIXTRAL = {"w1": "gate", "w3": "up", "w2": "down"}
 
 
 def llama_cpp_names(state: dict[str, torch.Tensor], model_type: str, tied: bool) -> dict:
@@ -52,7 +63,8 @@ def llama_cpp_names(state: dict[str, torch.Tensor], model_type: str, tied: bool)
             continue
         i, rest = name.removeprefix("model.layers.").split(".", 1)
         if match := _EXPERT.fullmatch(rest):
-            names[name] = (f"blk.{i}.ffn_{match[2]}_exps.weight", int(match[1]))
+            expert, kind = match[1] or match[3], match[2] or _MIXTRAL[match[4]]
+            names[name] = (f"blk.{i}.ffn_{kind}_exps.weight", int(expert))
         else:
             names[name] = f"blk.{i}.{layer[rest]}"
     return names
@@ -78,6 +90,9 @@ def write_gguf(folder: Path, model_type: str, path: Path, qtype: str, out: Path)
         array = state[name].float().numpy()
         if model_type == "gemma3_text" and name.endswith("norm.weight"):
             array = array + 1
+        if GGUF_ARCH[model_type] == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
+            array = _permute(array, heads)
         if isinstance(cpp, tuple):
             experts.setdefault(cpp[0], {})[cpp[1]] = array
         else:
@@ -102,10 +117,21 @@ def write_gguf(folder: Path, model_type: str, path: Path, qtype: str, out: Path)
         if state[name].dim() == 1:
             continue
         array = held[cpp[0]][cpp[1]] if isinstance(cpp, tuple) else held[cpp]
+        if GGUF_ARCH[model_type] == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
+            array = _permute(array, heads, back=True)  # rows quantize alone: order commutes
         state[name] = torch.from_numpy(np.array(array, dtype=np.float32))
     out.mkdir(exist_ok=True)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text((folder / "config.json").read_text())
+
+
+def _permute(w: np.ndarray, heads: int, back: bool = False) -> np.ndarray:
+    """llama.cpp's rotary order of q or k rows in a `llama` file (its converter's permute), or
+    with `back` transformers' order again."""
+    half = w.shape[0] // heads // 2
+    split = (heads, half, 2) if back else (heads, 2, half)
+    return w.reshape(*split, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def _write_keys(writer, arch: str, cfg, model_type: str) -> None:
@@ -125,7 +151,9 @@ def _write_keys(writer, arch: str, cfg, model_type: str) -> None:
         writer.add_uint32(f"{arch}.attention.sliding_window", cfg.sliding_window)
         windowed = [t == "sliding_attention" for t in cfg.layer_types]
         writer.add_sliding_window_pattern(windowed)
-    if model_type == "qwen3_moe":
-        writer.add_uint32(f"{arch}.expert_count", cfg.num_experts)
+    if model_type in ("qwen3_moe", "mixtral"):
+        experts = getattr(cfg, "num_experts", None) or cfg.num_local_experts
+        writer.add_uint32(f"{arch}.expert_count", experts)
         writer.add_uint32(f"{arch}.expert_used_count", cfg.num_experts_per_tok)
+    if model_type == "qwen3_moe":
         writer.add_uint32(f"{arch}.expert_feed_forward_length", cfg.moe_intermediate_size)
