@@ -66,8 +66,9 @@ class LeakDetector:
         }
         if slopes:  # reserved memory or segments grew while live bytes did not (by half as much)
             name, s = next(iter(slopes.items()))
-            what = "fragmentation"
-            return [LeakSuspected(s.begin_step, kind, what, s.growth, self._slope(s, name))]
+            segments = f"; allocator segments {self.figures['num_segments'].level}"
+            detail = self._slope(s, name) + segments
+            return [LeakSuspected(s.begin_step, kind, "fragmentation", s.growth, detail)]
         plateau = seen["live_bytes"] or seen["reserved_bytes"]
         if isinstance(plateau, Plateau):
             grew = plateau.level - plateau.base

@@ -7,6 +7,7 @@ high-water mark, not a leak)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 
@@ -21,7 +22,7 @@ LONG = " ".join(f"line {i}: the keeper counted the waves on the old stones." for
 
 def bodies() -> list[list[dict]]:
     """Three bursts of 16 short prompts, two long prompts, and echo with logprobs."""
-    short = [{"prompt": f"Story {i}: once upon a time", "max_tokens": 8} for i in range(48)]
+    short = [{"prompt": f"Story {i}: once upon a time", "max_tokens": 24} for i in range(48)]
     long = [{"prompt": LONG + f" ({i})", "max_tokens": 4} for i in range(2)]
     echo = [
         {"prompt": f"The capital of France {i} is", "max_tokens": 4, "echo": True, "logprobs": 2}
@@ -59,12 +60,16 @@ def session():
         log = next(proc.dir.glob("events*.memlog"))
         cmd = [sys.executable, "-m", "memstep.cli.main", "inspect", str(log)]
         inspected = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        yield sent, reports, inspected
+        summary = subprocess.run([*cmd, "--json"], capture_output=True, text=True, timeout=300)
+        yield sent, reports, inspected, json.loads(summary.stdout)
 
 
 def test_a_clean_served_session_reports_no_leak(session):
-    sent, reports, inspected = session
+    sent, reports, inspected, summary = session
     assert sent >= 50
+    # long enough to be judged: the host watch's 3 warm-up windows and 3 more of 8 steps
+    assert summary["num_steps"] >= 48, summary["num_steps"]
+    assert summary["leaks"] == []
     assert reports == 0
     assert inspected.returncode == 0, inspected.stderr
     assert "leak reports: none" in inspected.stdout, inspected.stdout

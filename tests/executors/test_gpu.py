@@ -18,7 +18,7 @@ from memstep.core.config import EngineConfig
 from memstep.core.engine import Engine
 from memstep.core.sampling_params import SamplingParams
 from memstep.events.plan import SeqPlan
-from memstep.events.types import LeakSuspected, StepFinished
+from memstep.events.types import LeakSuspected, StepFinished, is_leak
 from memstep.executors.cuda.decode import DecodeInputs
 from memstep.executors.cuda.decode_ahead import Ahead
 from memstep.executors.process.inprocess import local_engine
@@ -510,14 +510,14 @@ def _serve_half_schemas(engine: Engine, records: list, predicted: int) -> None:
     assert len(steps) > 20
     shape = {(m.reserved_bytes, m.num_segments) for m in steps}
     assert shape == {(steps[0].reserved_bytes, steps[0].num_segments)}, shape
-    assert [r for r in records if isinstance(r, LeakSuspected)] == []
+    assert [r for r in records if is_leak(r)] == []
     assert steps[0].reserved_bytes <= predicted, (steps[0].reserved_bytes, predicted)
 
 
 @pytest.mark.parametrize("piecewise", [False, True])
 def test_no_new_allocator_segments_after_warmup_and_capture(piecewise):
     leaks: list[LeakSuspected] = []
-    sink = lambda rec: leaks.append(rec) if isinstance(rec, LeakSuspected) else None  # noqa: E731
+    sink = lambda rec: leaks.append(rec) if is_leak(rec) else None  # noqa: E731
     engine = make_engine("bfloat16", sinks=[sink], max_num_seqs=32, piecewise_graphs=piecewise)
     try:
         segments, reserved = allocator_figures()
@@ -537,7 +537,7 @@ def test_no_new_allocator_segments_after_warmup_and_capture(piecewise):
 @pytest.mark.parametrize("plant", ["no_spec_hidden_states", "sampler_scratch"])
 def test_planted_leaks_are_flagged_on_the_gpu(plant):
     leaks: list[LeakSuspected] = []
-    sink = lambda rec: leaks.append(rec) if isinstance(rec, LeakSuspected) else None  # noqa: E731
+    sink = lambda rec: leaks.append(rec) if is_leak(rec) else None  # noqa: E731
     engine = make_engine("bfloat16", sinks=[sink], debug_plant_leak=plant)
     try:
         prompts = random_prompts([12] * 4, engine.model_cfg.vocab_size, 9)
@@ -558,7 +558,7 @@ def test_planted_leaks_are_flagged_on_the_gpu(plant):
 @pytest.mark.parametrize("plant", ["fragmenting_scratch", None])
 def test_planted_fragmentation_is_flagged_as_fragmentation_and_a_clean_run_is_silent(plant):
     leaks: list[LeakSuspected] = []
-    sink = lambda rec: leaks.append(rec) if isinstance(rec, LeakSuspected) else None  # noqa: E731
+    sink = lambda rec: leaks.append(rec) if is_leak(rec) else None  # noqa: E731
     engine = make_engine("bfloat16", sinks=[sink], debug_plant_leak=plant)
     try:
         prompts = random_prompts([12, 40, 100, 7], engine.model_cfg.vocab_size, 12)
