@@ -20,6 +20,15 @@ time, which no replay can measure again: the engine records each change
 deciding (`decide`). A new threshold is held `HOLD_STEPS` decode steps before the rates are
 judged again, unless a bucket's verdict is decisive (`DECISIVE`): spec losing by 20% where it
 is on (or winning by 25% where it is off) is no noise, and waiting costs every step.
+
+On a shared machine a kind's window of rates is made at other times than the other's (the
+probed kind's samples lie far apart), so load that comes and goes reads as one kind's loss: at
+one stream on 2 busy cores, a tie (9.68 against 9.72 tok/s) turned EAGLE off for two thirds of
+a run that it speeds up by 1.2x. So the ratio is the median of paired ratios (once there are
+`MIN_SAMPLES`: one probe's single step is no verdict): the first
+`PAIRED` steps of each run of a kind (a probe, the return after it) against the last `PAIRED`
+of the run before it, moments apart; and spec goes off only below `DISABLE_RATIO`, a margin as
+on the way back.
 """
 
 from __future__ import annotations
@@ -39,6 +48,8 @@ HOLD_STEPS = 16  # decode steps a new threshold is kept before the rates are jud
 # speculation switched off in a bucket comes back on only above this ratio to `no_spec`: a
 # margin against switching on and off on noise
 REENABLE_RATIO = 1.03
+DISABLE_RATIO = 0.97  # and goes off only below this: a tie is noise
+PAIRED = 3  # the other kind's latest steps that a step after a switch is compared with
 DECISIVE = 0.8  # a bucket's spec/no_spec ratio below this (above its inverse, spec off) is judged
 
 
@@ -72,6 +83,25 @@ class Rate:
         return statistics.median(rates) if rates else 0.0
 
 
+@attrs.define
+class Run:
+    """Measured steps of one kind in a row in a bucket: the rates of its first and its last
+    PAIRED, and the last PAIRED of the run before it."""
+
+    kind: str
+    before: list[float]
+    first: list[float] = attrs.Factory(list)
+    last: deque[float] = attrs.Factory(lambda: deque(maxlen=PAIRED))
+
+    def add(self, rate: float) -> bool:
+        """Keep a step's rate; whether it is one of the run's first PAIRED."""
+        self.last.append(rate)
+        if len(self.first) < PAIRED:
+            self.first.append(rate)
+            return True
+        return False
+
+
 class SpecThreshold:
     """The step kind of each batch (`kind_for`), and, in auto mode, what the engine's steps
     cost by kind and bucket. Owns the automatic threshold; the engine records its changes."""
@@ -90,6 +120,9 @@ class SpecThreshold:
         self.rates: dict[tuple[str, int], Rate] = {}
         # bucket -> (its counted steps at the next periodic probe, the gap after that probe)
         self.probes: dict[int, tuple[int, int]] = {}
+        self.runs: dict[int, Run] = {}  # bucket -> its latest run of measured steps of a kind
+        # bucket -> spec/no_spec ratios of a run's first steps to the run before it (`_pair`)
+        self.pairs: dict[int, deque[float]] = {}
 
     def kind_for(self, batch_size: int, is_decode: bool) -> str:
         """`spec` or `no_spec` for a batch; a pure decode batch (`is_decode`) may be a probe."""
@@ -133,7 +166,26 @@ class SpecThreshold:
         self._next_probe(bucket)
         self.steps_since_change += 1
         if seconds is not None:
+            if seconds > 0:
+                self._pair(kind, bucket, tokens / seconds)
             self.rates.setdefault(key, Rate()).add(tokens, seconds)
+
+    def _pair(self, kind: str, bucket: int, rate: float) -> None:
+        """Pair the first PAIRED steps of a run of `kind` with the last PAIRED of the other
+        kind's run just before it (spec over no_spec, medians): a ratio of steps moments apart,
+        which load changing over time moves little."""
+        run = self.runs.get(bucket)
+        if run is None or run.kind != kind:
+            run = self.runs[bucket] = Run(kind, before=list(run.last) if run else [])
+        is_first = run.add(rate)
+        before = statistics.median(run.before) if run.before else 0.0
+        if not is_first or before <= 0:
+            return
+        ratio = statistics.median(run.first) / before
+        pairs = self.pairs.setdefault(bucket, deque(maxlen=WINDOW))
+        if len(run.first) > 1:
+            pairs.pop()  # the run's pair so far, made again of more of its steps
+        pairs.append(ratio if kind == "spec" else 1 / ratio)
 
     @property
     def may_change(self) -> bool:
@@ -156,15 +208,20 @@ class SpecThreshold:
             ratio = self.ratio(bucket)
             if ratio is None:
                 continue
-            if ratio < (1.0 if self._spec_on(bucket) else REENABLE_RATIO):
+            if ratio < (DISABLE_RATIO if self._spec_on(bucket) else REENABLE_RATIO):
                 return bucket
         return None
 
     def ratio(self, bucket: int) -> float | None:
-        """spec tok/s over no_spec tok/s in `bucket`; None until each kind has MIN_SAMPLES."""
+        """spec tok/s over no_spec tok/s in `bucket`: the median of its paired ratios (`_pair`)
+        once it has MIN_SAMPLES, else the windows' medians; None until each kind has
+        MIN_SAMPLES steps."""
         spec, plain = self.rates.get(("spec", bucket)), self.rates.get(("no_spec", bucket))
         if spec is None or plain is None or min(len(spec.tokens), len(plain.tokens)) < MIN_SAMPLES:
             return None
+        pairs = self.pairs.get(bucket, ())
+        if len(pairs) >= MIN_SAMPLES:
+            return statistics.median(pairs)
         return spec.per_second / plain.per_second if plain.per_second > 0 else None
 
     def figures(self) -> list[list]:
