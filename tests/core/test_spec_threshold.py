@@ -223,15 +223,18 @@ def test_a_decisive_verdict_is_acted_on_without_waiting():
     later; held, the same bucket at 0.9x waits (broken on purpose: DECISIVE at 0 never acts)."""
     kinds = SpecThreshold(SPEC)
     feed(kinds, 8, (10, 0.025), (8, 0.01))  # 0.5x
+    assert not kinds.may_change, "one pair: the windows' verdict waits"
+    feed(kinds, 8, (10, 0.025), (8, 0.01))  # three pairs
     assert kinds.steps_since_change < HOLD_STEPS and kinds.may_change
     assert kinds.decide() == 8
     kinds.set(8)
     assert not kinds.may_change, "0.5x agrees with spec off at 8: nothing decisive against it"
-    for _ in range(2):  # now 1.54x where spec is off (the window: most of it new): decisive
+    for _ in range(3):  # now 1.54x where spec is off (5 of the 9 pairs): decisive
         feed(kinds, 8, (10, 0.0065), (8, 0.01))
     assert kinds.may_change and kinds.decide() is None
     mild = SpecThreshold(SPEC)
-    feed(mild, 8, (10, 0.0139), (8, 0.01))  # 0.9x
+    for _ in range(2):
+        feed(mild, 8, (10, 0.0139), (8, 0.01))  # 0.9x
     assert mild.decide() == 8 and not mild.may_change
 
 
@@ -240,5 +243,6 @@ def test_without_the_decisive_rule_a_clear_loss_waits(monkeypatch):
 
     monkeypatch.setattr(spec_threshold, "DECISIVE", 0.0)
     kinds = SpecThreshold(SPEC)
-    feed(kinds, 8, (10, 0.025), (8, 0.01))
+    for _ in range(2):
+        feed(kinds, 8, (10, 0.025), (8, 0.01))
     assert not kinds.may_change
