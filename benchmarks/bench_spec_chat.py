@@ -36,7 +36,12 @@ def timed(llm: LLM, streams: int, tokens: int, steps: list[StepFinished]) -> flo
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     chats = [[{"role": "user", "content": CHATS[i % len(CHATS)]}] for i in range(max(2, streams))]
     sink = llm.engine.sinks
-    sink.append(lambda r: isinstance(r, StepFinished) and steps.append(r))
+
+    def keep(record: object) -> None:
+        if isinstance(record, StepFinished):
+            steps.append(record)
+
+    sink.append(keep)
     start = time.perf_counter()
     for i in range(0, len(chats), streams):
         llm.chat(chats[i : i + streams], params, use_tqdm=False)

@@ -45,6 +45,10 @@ class Drafted:
         self.calls: list[tuple[torch.Tensor, list[int], list[int]]] = []
         self.steps: list[StepFinished] = []
 
+    def keep(self, record: object) -> None:
+        if isinstance(record, StepFinished):
+            self.steps.append(record)
+
     @property
     def acceptance(self) -> float:
         spec = [s for s in self.steps if s.kind == "spec"]
@@ -76,9 +80,7 @@ def eagle_run(monkeypatch, device: str, dtype: str, auto: bool = False, **paths)
         gpu_memory_utilization=0.2,
         **paths,
     )
-    engine = local_engine(
-        cfg, sinks=[lambda r: isinstance(r, StepFinished) and seen.steps.append(r)]
-    )
+    engine = local_engine(cfg, sinks=[seen.keep])
     try:
         tok = engine.tokenizer
         params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
