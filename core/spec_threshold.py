@@ -9,9 +9,11 @@ bucket where `spec` makes fewer tokens per second than `no_spec` (each kind's me
 Both kinds stay measured at every bucket by probes: a decode step runs the kind the threshold
 does not pick while that kind has fewer than `MIN_SAMPLES` steps in the bucket, then once after
 `PROBE_PERIOD` decode steps of the bucket, the gap doubling after each probe up to
-`MAX_PROBE_PERIOD` and back to `PROBE_PERIOD` whenever the threshold changes (`spec` twice in a
-row: a `spec` step right after a `no_spec` one re-enters the kind, where an EAGLE head has no
-fresh state to draft from and a draft model catches up, so it is neither counted nor measured).
+`MAX_PROBE_PERIOD` and back to `PROBE_PERIOD` whenever the threshold changes (a `spec` step
+right after a `no_spec` one re-enters the kind, where an EAGLE head has no fresh state to draft
+from and a draft model catches up, so it is neither counted nor measured; a spec probe then runs
+`PAIRED` counted steps, since the first of them drafts from a context of one pair: a probe of a
+single such step read EAGLE's acceptance low, and spec switched off stayed off).
 A probe of the losing kind costs its loss: at 8 streams on the CPU a `spec` step costs ~1.6x a
 plain one, and a pair every 32 steps left a few percent. Probes depend only on counts of steps
 and on the threshold's changes, so a replay makes the same ones. The threshold depends on wall
@@ -120,6 +122,7 @@ class SpecThreshold:
         self.rates: dict[tuple[str, int], Rate] = {}
         # bucket -> (its counted steps at the next periodic probe, the gap after that probe)
         self.probes: dict[int, tuple[int, int]] = {}
+        self.run_of: dict[int, tuple[str, int]] = {}  # bucket -> its counted steps' kind, in a row
         self.runs: dict[int, Run] = {}  # bucket -> its latest run of measured steps of a kind
         # bucket -> spec/no_spec ratios of a run's first steps to the run before it (`_pair`)
         self.pairs: dict[int, deque[float]] = {}
@@ -137,6 +140,9 @@ class SpecThreshold:
         other = "no_spec" if wanted else "spec"
         if self.num_steps.get((other, bucket), 0) < MIN_SAMPLES:
             return True
+        kind, length = self.run_of.get(bucket, ("", 0))
+        if other == "spec" and kind == "spec" and length < PAIRED:
+            return True  # a spec probe goes on: its first drafts came from a context of one pair
         # a spec probe's first step re-enters the kind, is not counted, and so is probed again
         return self._done(bucket) == self.probes.get(bucket, _probe_after(0))[0]
 
@@ -163,6 +169,8 @@ class SpecThreshold:
         bucket = bucket_of(batch_size)
         key = (kind, bucket)
         self.num_steps[key] = self.num_steps.get(key, 0) + 1
+        kind_before, length = self.run_of.get(bucket, (kind, 0))
+        self.run_of[bucket] = (kind, length + 1 if kind_before == kind else 1)
         self._next_probe(bucket)
         self.steps_since_change += 1
         if seconds is not None:

@@ -135,7 +135,7 @@ def test_probes_measure_the_kind_not_chosen_then_once_a_period():
     assert kinds.kind_for(8, is_decode=True) == "spec", "spec unmeasured at 8: probed"
 
 
-def test_a_spec_probe_is_two_steps_where_spec_is_off_and_probes_grow_apart():
+def test_a_spec_probe_is_a_reentry_and_paired_steps_where_spec_is_off_and_probes_grow_apart():
     """After a threshold change the other kind is probed PROBE_PERIOD counted steps on, then
     twice as far each time, up to MAX_PROBE_PERIOD; a change starts the gaps again."""
     kinds = SpecThreshold(SPEC)
@@ -148,13 +148,15 @@ def test_a_spec_probe_is_two_steps_where_spec_is_off_and_probes_grow_apart():
         chosen.append(kind)
         kinds.observe(kind, 8, True, 8, 0.01)
     runs = "".join("s" if k == "spec" else "n" for k in chosen)
-    assert runs.count("ss") == runs.count("s") // 2, runs  # each probe a pair
-    pairs = [i for i in range(len(runs)) if runs.startswith("ss", i)]
+    probe = "s" * (1 + PAIRED)  # a re-entry, then PAIRED counted steps
+    pairs = [i for i in range(len(runs)) if runs.startswith("n" + probe + "n", i - 1)]
+    assert runs.count("s") == len(pairs) * len(probe), runs
     gaps = [b - a - 1 for a, b in zip(pairs, pairs[1:], strict=False)]  # counted steps apart
     assert pairs[0] == PROBE_PERIOD - 1, pairs  # counted steps after the change
     assert gaps[:3] == [2 * PROBE_PERIOD, 4 * PROBE_PERIOD, 8 * PROBE_PERIOD], gaps
     assert len(gaps) > 3 and set(gaps[3:]) == {MAX_PROBE_PERIOD}, gaps
-    assert len(kinds.rates[("spec", 8)].tokens) == MIN_SAMPLES + len(pairs)  # each pair's second
+    spec_rates = min(WINDOW, MIN_SAMPLES + PAIRED * len(pairs))
+    assert len(kinds.rates[("spec", 8)].tokens) == spec_rates  # each probe's counted steps
     assert start == 2 * MIN_SAMPLES
     kinds.set(None)  # a change: the other kind (no_spec now) probed PROBE_PERIOD steps on again
     assert kinds.kind_for(8, True) == "spec"
