@@ -27,10 +27,8 @@ On a shared machine a kind's window of rates is made at other times than the oth
 probed kind's samples lie far apart), so load that comes and goes reads as one kind's loss: at
 one stream on 2 busy cores, a tie (9.68 against 9.72 tok/s) turned EAGLE off for two thirds of
 a run that it speeds up by 1.2x. So the ratio is the median of paired ratios (once there are
-`MIN_SAMPLES`: one probe's single step is no verdict): the first
-`PAIRED` steps of each run of a kind (a probe, the return after it) against the last `PAIRED`
-of the run before it, moments apart; and spec goes off only below `DISABLE_RATIO`, a margin as
-on the way back.
+`MIN_SAMPLES`): each probe's steps against the last `PAIRED` steps before it, moments apart;
+and spec goes off only below `DISABLE_RATIO`, a margin as on the way back.
 """
 
 from __future__ import annotations
@@ -179,16 +177,19 @@ class SpecThreshold:
             self.rates.setdefault(key, Rate()).add(tokens, seconds)
 
     def _pair(self, kind: str, bucket: int, rate: float) -> None:
-        """Pair the first PAIRED steps of a run of `kind` with the last PAIRED of the other
-        kind's run just before it (spec over no_spec, medians): a ratio of steps moments apart,
-        which load changing over time moves little."""
+        """Pair a probe (a run of the kind the threshold does not pick, its first PAIRED
+        steps) with the last PAIRED steps of the run just before it (spec over no_spec,
+        medians): a ratio of steps moments apart, which load changing over time moves little.
+        The run back after a probe is not paired: its first spec steps draft from a context
+        restarted at the re-entry, and read spec at a loss where it wins 1.5x."""
         run = self.runs.get(bucket)
         if run is None or run.kind != kind:
             run = self.runs[bucket] = Run(kind, before=list(run.last) if run else [])
         is_first = run.add(rate)
         before = statistics.median(run.before) if run.before else 0.0
-        if not is_first or before <= 0:
-            return
+        is_probe = (kind == "spec") != self._spec_on(bucket)
+        if not is_first or before <= 0 or not is_probe:
+            return  # a run back to the chosen kind: a spec one drafts from a fresh context
         ratio = statistics.median(run.first) / before
         pairs = self.pairs.setdefault(bucket, deque(maxlen=WINDOW))
         if len(run.first) > 1:

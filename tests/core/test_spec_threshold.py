@@ -107,11 +107,11 @@ def test_load_that_comes_while_spec_runs_does_not_read_as_speculations_loss():
                 kinds.set(kinds.decide())
 
     feed(kinds, 1, (3, 0.024), (2, 0.02))
-    steps(PROBE_PERIOD + 4, 1.0)  # past the first periodic probe: no_spec's window made
+    steps(7 * PROBE_PERIOD + 4, 1.0)  # past three periodic probes (gaps 32, 64, 128)
     steps(WINDOW, 4.0)
     windows = kinds.rates[("spec", 1)].per_second / kinds.rates[("no_spec", 1)].per_second
     assert windows < 0.8, "the windows alone turn spec off"
-    assert len(kinds.pairs[1]) == 3, "the first spec run, the probe and the return after it"
+    assert len(kinds.pairs[1]) == 3, "a pair a probe"
     assert kinds.ratio(1) == pytest.approx(1.25) and kinds.threshold is None
 
 
@@ -225,18 +225,23 @@ def test_a_decisive_verdict_is_acted_on_without_waiting():
     later; held, the same bucket at 0.9x waits (broken on purpose: DECISIVE at 0 never acts)."""
     kinds = SpecThreshold(SPEC)
     feed(kinds, 8, (10, 0.025), (8, 0.01))  # 0.5x
-    assert not kinds.may_change, "one pair: the windows' verdict waits"
-    feed(kinds, 8, (10, 0.025), (8, 0.01))  # three pairs
+    assert not kinds.may_change, "no pair: the windows' verdict waits"
+    for _ in range(2):  # no_spec probes, each paired with the spec steps before it
+        feed(kinds, 8, (10, 0.025), (8, 0.01))
+    kinds.set(None)  # the hold starts again: only a decisive verdict acts before its end
+    feed(kinds, 8, (10, 0.025), (8, 0.01))  # the third pair
     assert kinds.steps_since_change < HOLD_STEPS and kinds.may_change
     assert kinds.decide() == 8
     kinds.set(8)
     assert not kinds.may_change, "0.5x agrees with spec off at 8: nothing decisive against it"
-    for _ in range(3):  # now 1.54x where spec is off (5 of the 9 pairs): decisive
+    for _ in range(4):  # now 1.54x where spec is off: each spec run a probe, paired
         feed(kinds, 8, (10, 0.0065), (8, 0.01))
     assert kinds.may_change and kinds.decide() is None
     mild = SpecThreshold(SPEC)
-    for _ in range(2):
+    for _ in range(3):
         feed(mild, 8, (10, 0.0139), (8, 0.01))  # 0.9x
+    mild.set(None)
+    feed(mild, 8, (10, 0.0139), (8, 0.01))
     assert mild.decide() == 8 and not mild.may_change
 
 
@@ -245,6 +250,8 @@ def test_without_the_decisive_rule_a_clear_loss_waits(monkeypatch):
 
     monkeypatch.setattr(spec_threshold, "DECISIVE", 0.0)
     kinds = SpecThreshold(SPEC)
-    for _ in range(2):
+    for _ in range(3):
         feed(kinds, 8, (10, 0.025), (8, 0.01))
-    assert not kinds.may_change
+    kinds.set(None)
+    feed(kinds, 8, (10, 0.025), (8, 0.01))
+    assert len(kinds.pairs[8]) == 3 and not kinds.may_change
