@@ -220,9 +220,19 @@ class SpecThreshold:
             ratio = self.ratio(bucket)
             if ratio is None:
                 continue
-            if ratio < (DISABLE_RATIO if self._spec_on(bucket) else REENABLE_RATIO):
+            if ratio < self._floor(bucket):
                 return bucket
         return None
+
+    def _floor(self, bucket: int) -> float:
+        """The ratio below which spec is (or stays) off in `bucket`. At one stream, on only
+        below DECISIVE: a spec step there costs little more than a plain one, so spec loses
+        only where nothing is accepted, and an EAGLE probe after spec was off drafts from a
+        restarted context (none of 5 drafts accepted at one stream): off on a mild loss, it
+        stayed off."""
+        if not self._spec_on(bucket):
+            return REENABLE_RATIO
+        return DECISIVE if bucket == 1 else DISABLE_RATIO
 
     def ratio(self, bucket: int) -> float | None:
         """spec tok/s over no_spec tok/s in `bucket`: the median of its paired ratios (`_pair`)

@@ -9,6 +9,7 @@ import pytest
 
 from memstep.core.config import EngineConfig
 from memstep.core.spec_threshold import (
+    DECISIVE,
     DISABLE_RATIO,
     HOLD_STEPS,
     MAX_PROBE_PERIOD,
@@ -255,3 +256,14 @@ def test_without_the_decisive_rule_a_clear_loss_waits(monkeypatch):
     kinds.set(None)
     feed(kinds, 8, (10, 0.025), (8, 0.01))
     assert len(kinds.pairs[8]) == 3 and not kinds.may_change
+
+
+def test_at_one_stream_spec_goes_off_only_on_a_decisive_loss():
+    kinds = SpecThreshold(SPEC)
+    feed(kinds, 1, (10, 0.0115), (8, 0.008))  # 0.87x: off at 8 streams, not at one
+    assert kinds.decide() is None
+    feed(kinds, 8, (10, 0.0115), (8, 0.008))
+    assert kinds.decide() == 8
+    kinds = SpecThreshold(SPEC)
+    feed(kinds, 1, (10, 0.0160), (8, 0.008))  # 0.62x: nothing accepted, say
+    assert kinds.ratio(1) < DECISIVE and kinds.decide() == 1
