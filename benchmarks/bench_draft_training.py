@@ -8,6 +8,8 @@ a greedy target, drafting k = 1, 2, 3 tokens from every position of the answers.
 
     python benchmarks/bench_draft_training.py [--rounds 4] [--answers 32] [--held-out 16]
         [--max-tokens 64] [--init HEAD.npz] [--out-dir DIR] [-- TRAIN-DRAFT FLAGS...]
+    python benchmarks/bench_draft_training.py --heads SHIPPED.npz,NEW.npz [--held-out 64]
+        [--prompts QUESTIONS.jsonl]    (no training: each head's acceptance on the held-out set)
 
 Without `--init` the first round trains a head from scratch: its draft vocabulary is the tokens
 the target chose in that round's answers, and later rounds keep it (train-draft --init keeps a
@@ -35,8 +37,10 @@ def held_out(options: argparse.Namespace) -> tuple[Exchanges, Engine]:
     """The held-out exchanges as the target reads them, and the target's engine."""
     parser = argparse.ArgumentParser()
     train_draft.add_arguments(parser)
+    prompts = ["--prompts", str(options.prompts)] if options.prompts else []
     args = parser.parse_args(
         ["--conversations", str(options.held_out), "--max-tokens", str(options.max_tokens)]
+        + prompts
     )
     engine = target_engine(args.model, options.device)
     exchanges = target_replies(
@@ -74,11 +78,19 @@ def main() -> None:
     ap.add_argument("--init", type=Path, default=None, help="the head the first round continues")
     ap.add_argument("--out-dir", type=Path, default=None, help="keep each round's head here")
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--prompts", type=Path, default=None, help="train-draft --prompts' JSONL")
+    ap.add_argument("--heads", default=None, help="comma-separated .npz: measure these, train none")
     options = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     out_dir = options.out_dir or Path(tempfile.mkdtemp(prefix="draft-rounds-"))
     data, engine = held_out(options)
     print(f"held out: {len(data[1])} exchanges; each round: {options.answers} new questions")
     print(f"{'round':>5} {'answers':>8} {'k=1':>6} {'k=2':>6} {'k=3':>6}  (accepted per step)")
+    for path in options.heads.split(",") if options.heads else []:
+        answers, lengths = acceptance(Path(path), data, engine, 3)
+        print(f"{Path(path).name} {answers:>8} " + " ".join(f"{x:6.3f}" for x in lengths))
+    if options.heads:
+        engine.shutdown()
+        return
     head = options.init
     if head is not None:
         answers, lengths = acceptance(head, data, engine, 3)

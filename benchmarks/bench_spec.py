@@ -6,8 +6,10 @@ generation, greedy, 64 new tokens, at concurrency 1 and 8, each method in turn, 
 times; prints the median tok/s, the median of each round's ratio to no speculation (run a moment
 before, so that a shared machine's load moves both), the acceptance rate, the mean accepted
 drafts per spec step, how many of its requests gave the very tokens of no speculation, and the
-median time a step. `--forced` makes every step a spec step (no automatic threshold, no
-adaptive K): what a spec step costs against a plain one.
+median time a step, and what the automatic threshold and adaptive K cost the core a step (the
+time in `Engine._observe_cost` and `Engine._adapt_k`, in microseconds). `--forced` makes every
+step a spec step (no automatic threshold, no adaptive K): what a spec step costs against a
+plain one.
 
     python benchmarks/bench_spec.py [--tokens 64] [--draft-layers 8] [--k 3] [--methods none,eagle]
         [--rounds 3] [--draft-model HEAD.npz] [--tree 3,2] [--workloads copy,edit,free]
@@ -59,9 +61,27 @@ FREE = [
 ]
 
 
+class Overhead:
+    """Seconds the engine spends in its speculation choices (`_observe_cost`: the automatic
+    threshold; `_adapt_k`: adaptive K), wrapped around the engine's own methods."""
+
+    def __init__(self, engine: Engine):
+        self.seconds = 0.0
+        for name in ("_observe_cost", "_adapt_k"):
+            setattr(engine, name, self.timed(getattr(engine, name)))
+
+    def timed(self, method):
+        def wrapper(*args):
+            start = time.perf_counter()
+            method(*args)
+            self.seconds += time.perf_counter() - start
+
+        return wrapper
+
+
 def run(
     engine: Engine, prompts: list[str], concurrency: int, tokens: int
-) -> tuple[float, int, int, int, list[list[int]], float]:
+) -> tuple[float, int, int, int, list[list[int]], float, float]:
     tok = engine.tokenizer
     ids = [tok.encode_chat([{"role": "user", "content": p}]) for p in prompts]
     work = [ids[i % len(ids)] for i in range(max(concurrency, 2))]
@@ -69,6 +89,9 @@ def run(
     sink = steps.append
     engine.sinks.append(lambda r: isinstance(r, StepFinished) and sink(r))
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    overhead = getattr(engine, "overhead", None) or Overhead(engine)
+    engine.overhead = overhead  # type: ignore[attr-defined]
+    spent = overhead.seconds
     start = time.perf_counter()
     outputs = []
     for i in range(0, len(work), concurrency):
@@ -80,7 +103,8 @@ def run(
     accepted = sum(s.num_accepted for s in steps)
     spec_seq_steps = sum(len(s.sampled) for s in steps if s.kind == "spec")
     ms_a_step = 1000 * elapsed / max(1, len(steps))
-    return out / elapsed, proposed, accepted, spec_seq_steps, outputs, ms_a_step
+    us_choices = 1e6 * (overhead.seconds - spent) / max(1, len(steps))
+    return out / elapsed, proposed, accepted, spec_seq_steps, outputs, ms_a_step, us_choices
 
 
 def main() -> None:
@@ -141,25 +165,35 @@ def main() -> None:
         engine.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4))
     # per (method, workload, concurrency): each round's tok/s, its ratio to that round's first
     # method (run a moment before), and the drafts' counts
-    runs: dict[tuple, list[tuple[float, float, int, int, int, int, int, float]]] = {}
+    runs: dict[tuple, list[tuple[float, float, int, int, int, int, int, float, float]]] = {}
     for _ in range(args.rounds):
         for name in args.workloads.split(","):
             prompts = {"copy": COPY, "edit": EDIT, "free": FREE}[name]
             for conc in (int(c) for c in args.concurrency.split(",")):
                 first, plain = None, None
                 for method, engine in engines.items():
-                    tps, proposed, accepted, seq_steps, outs, ms = run(
+                    tps, proposed, accepted, seq_steps, outs, ms, us = run(
                         engine, prompts, conc, args.tokens
                     )
                     first, plain = first or tps, plain or outs
                     same = sum(a == b for a, b in zip(outs, plain, strict=True))
-                    entry = (tps, tps / first, proposed, accepted, seq_steps, same, len(outs), ms)
+                    entry = (
+                        tps,
+                        tps / first,
+                        proposed,
+                        accepted,
+                        seq_steps,
+                        same,
+                        len(outs),
+                        ms,
+                        us,
+                    )
                     runs.setdefault((method, name, conc), []).append(entry)
     for engine in engines.values():
         engine.shutdown()
     print(
         f"{'method':<10} {'workload':<5} {'conc':>4} {'tok/s':>8} {'vs none':>8} "
-        f"{'accept':>7} {'mean acc len':>12} {'as none':>8} {'ms/step':>8}"
+        f"{'accept':>7} {'mean acc len':>12} {'as none':>8} {'ms/step':>8} {'choice us':>9}"
         f"   (medians of {args.rounds} rounds)"
     )
     for (method, name, conc), entries in runs.items():
@@ -174,7 +208,8 @@ def main() -> None:
         print(
             f"{method or 'none':<10} {name:<5} {conc:>4} {tps:>8.1f} {ratio:>7.2f}x "
             f"{rate:>7.2f} {mean_len:>12.2f} {as_none:>8} "
-            f"{statistics.median(e[7] for e in entries):>8.2f}"
+            f"{statistics.median(e[7] for e in entries):>8.2f} "
+            f"{statistics.median(e[8] for e in entries):>9.1f}"
         )
 
 

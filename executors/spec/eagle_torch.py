@@ -72,10 +72,21 @@ class TorchHead:
         device = hidden.device
         # the whole buffer, masked, whatever the rows have read: attention of a new key length
         # was planned anew on CUDA (62 ms a draft step, and host memory growing)
+        kv, valid, read = self.context_rows(context, rows, counts, device)
+        return self.draft(hidden, tokens, k, (kv, valid, read - 1))
+
+    def context_rows(
+        self, context: torch.Tensor, rows: list[int], counts: list[int], device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`rows` of the context [B, 2, L, kv heads, d], which slots hold a pair read [B, L],
+        and the pairs read [B]. A slot that holds none is zeroed: it holds whatever the memory
+        held before (a NaN key or value, masked, still made the attention NaN and every draft
+        the draft vocabulary's first token)."""
+        assert self.attn is not None
         kv = context[torch.tensor(rows, device=device)]
         read = torch.tensor(counts, device=device)
         valid = torch.arange(kv.shape[2], device=device) < read.clamp(max=self.attn.window)[:, None]
-        return self.draft(hidden, tokens, k, (kv, valid, read - 1))
+        return kv.masked_fill(~valid[:, None, :, None, None], 0.0), valid, read
 
     def draft_tree_rows(
         self,
@@ -89,10 +100,7 @@ class TorchHead:
         """`draft_rows` for a draft tree of `parents` (`core/spec_tree.py`): [B, nodes]."""
         if context is None or self.attn is None:
             return self.draft_tree(hidden, tokens, parents)
-        device = hidden.device
-        kv = context[torch.tensor(rows, device=device)]
-        read = torch.tensor(counts, device=device)
-        valid = torch.arange(kv.shape[2], device=device) < read.clamp(max=self.attn.window)[:, None]
+        kv, valid, read = self.context_rows(context, rows, counts, hidden.device)
         return self.draft_tree(hidden, tokens, parents, (kv, valid, read - 1))
 
     def draft_tree(

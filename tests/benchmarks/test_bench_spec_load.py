@@ -40,11 +40,16 @@ def test_prompts_repeat_a_run_of_ids_and_differ_by_seed():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_cuda_the_automatic_threshold_keeps_ngram_near_plain_decoding_at_64(capsys):
-    """The must-show run is the default command on an H200 (random:llama-3.1-8b, 1-256); this
-    is its small version: 64 streams are where speculation stops paying on a GPU."""
+    """The must-show run's 64 streams as the benchmark runs them: its default model
+    (random:llama-3.1-8b), 128 tokens, 3 rounds, medians. On random:smollm2-135m with 64
+    tokens and 2 rounds (this test before) a step is a few ms of host work, so the steps the
+    threshold spends learning (a warm-up batch of 64 steps, then a probe pair every 32-512
+    counted steps, each spec probe a re-entry step and a counted one) weigh several times what
+    they weigh where the GPU does the work; it read 0.70x where the benchmark in the same call
+    read 0.98x. The bound is the benchmark's: within 10% of plain decoding."""
     bench = load("bench_spec_load")
-    argv = ["--model", "random:smollm2-135m", "--concurrency", "1,64", "--tokens", "64"]
-    assert bench.main([*argv, "--rounds", "2", "--dtype", "bfloat16"]) == 0
+    argv = ["--model", "random:llama-3.1-8b", "--concurrency", "64", "--tokens", "128"]
+    assert bench.main([*argv, "--rounds", "3", "--dtype", "bfloat16"]) == 0
     out = capsys.readouterr().out
     ratio = re.search(r"^ngram\s+64\s+[\d.]+\s+([\d.]+)x", out, re.M)
     assert ratio is not None and float(ratio.group(1)) >= 0.9, out

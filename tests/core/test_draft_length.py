@@ -1,12 +1,13 @@
-"""Per-request adaptive K: dropped after drafts keep failing, raised after all are accepted,
-within [1, num_speculative_tokens]; greedy output stays the target's own."""
+"""Per-request adaptive K: the largest whose last draft is accepted often enough, from the
+request's decayed acceptance, within [1, num_speculative_tokens]; greedy output stays the
+target's own."""
 
 from __future__ import annotations
 
 import pytest
 
 from memstep.core.config import EngineConfig
-from memstep.core.draft_length import MISSES_TO_DROP, adapt
+from memstep.core.draft_length import MIN_LAST_DRAFT, adapt, best_k
 from memstep.core.request import Request
 from memstep.core.sampling_params import SamplingParams
 from memstep.events.types import DraftLengthChanged, StepPlanned
@@ -17,20 +18,31 @@ def request() -> Request:
     return Request("r", [1, 2, 3], SamplingParams(), lambda ids: "")
 
 
-def test_k_drops_after_misses_in_a_row_and_rises_when_all_are_accepted():
+def test_k_follows_the_acceptance_of_its_last_draft():
     req = request()
-    assert adapt(req, 3, 0, 3) is None and req.num_missed_steps == 1
-    assert adapt(req, 3, 0, 3) == 2, f"dropped after {MISSES_TO_DROP} misses"
-    assert adapt(req, 2, 0, 3) is None
-    assert adapt(req, 2, 1, 3) is None and req.num_missed_steps == 0, "a partial hit resets"
-    assert adapt(req, 2, 0, 3) is None
+    assert adapt(req, 0, 0, 3) is None and req.draft_trials == 0.0, "no drafts: no evidence"
+    assert adapt(req, 3, 0, 3) == 2, "one miss on a prior of one half: 1/3 a draft, K 2"
     assert adapt(req, 2, 0, 3) == 1
     for _ in range(4):
-        assert adapt(req, 1, 0, 3) in (None,), "never below 1"
-    assert req.draft_length == 1
-    assert adapt(req, 1, 1, 3) == 2 and adapt(req, 2, 2, 3) == 3
+        assert adapt(req, 1, 0, 3) is None, "never below 1"
+    for _ in range(6):
+        adapt(req, 1, 1, 3)
+    assert req.draft_length == 3, "every draft accepted: back up to K, one a step"
     assert adapt(req, 3, 3, 3) is None and req.draft_length == 3, "never above K"
-    assert adapt(req, 0, 0, 3) is None and req.num_missed_steps == 0, "no drafts: no evidence"
+
+
+def test_a_head_that_accepts_a_third_keeps_k_2_where_two_misses_in_a_row_dropped_it():
+    """Accepted 0, 1, 0, 0, 2, 0, 1, 0, 0, ... of 2 drafts: 4 of the 12 drafts judged, as a
+    head with alpha 1/3 does on average. The rule before dropped K after two misses in a row."""
+    req = request()
+    ks = []
+    for step in range(30):
+        adapt(req, req.draft_length or 2, [0, 1, 0, 0, 2, 0, 1, 0, 0][step % 9], 2)
+        ks.append(req.draft_length)
+    assert ks == [2] * 30
+    assert best_k(1 / 3, 2) == 2 and best_k(0.2, 3) == 1 and best_k(0.5, 3) == 3
+    assert best_k(0.25, 2) == 2 and best_k(0.24, 2) == 1, f"the floor: {MIN_LAST_DRAFT}"
+    assert best_k(0.0, 3) == 1 and best_k(1.0, 3) == 3
 
 
 def test_the_scheduler_gives_a_request_its_own_k():

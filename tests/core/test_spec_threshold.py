@@ -9,10 +9,14 @@ import pytest
 
 from memstep.core.config import EngineConfig
 from memstep.core.spec_threshold import (
+    DECISIVE,
+    DISABLE_RATIO,
     HOLD_STEPS,
     MAX_PROBE_PERIOD,
     MIN_SAMPLES,
+    PAIRED,
     PROBE_PERIOD,
+    WINDOW,
     SpecThreshold,
     bucket_of,
 )
@@ -67,20 +71,49 @@ def test_no_threshold_while_spec_wins_everywhere_or_a_kind_is_unmeasured():
     assert kinds.ratio(64) is None and kinds.decide() is None
 
 
-def test_a_bucket_switched_off_comes_back_only_past_the_margin():
+def test_a_bucket_goes_off_and_comes_back_only_past_the_margins():
     kinds = SpecThreshold(SPEC)
-    feed(kinds, 8, (10, 0.0101), (8, 0.008))  # 0.99x
-    assert kinds.decide() == 8
+    feed(kinds, 8, (10, 0.0101), (8, 0.008))  # 0.99x: a tie is noise
+    assert kinds.ratio(8) == pytest.approx(0.99, abs=0.001) and kinds.decide() is None
+    kinds = SpecThreshold(SPEC)
+    feed(kinds, 8, (10, 0.0104), (8, 0.008))  # 0.96x
+    assert kinds.ratio(8) < DISABLE_RATIO and kinds.decide() == 8
+    kinds = SpecThreshold(SPEC)
+    feed(kinds, 8, (10, 0.0098), (8, 0.008))  # 1.02x
     kinds.set(8)
-    assert kinds.decide() == 8, "0.99x: stays off"
-    feed(kinds, 8, (10, 0.0098), (8, 0.008))  # the window now 1.01x: inside the margin
-    assert 1.0 < kinds.ratio(8) < 1.03 and kinds.decide() == 8
+    assert 1.0 < kinds.ratio(8) < 1.03 and kinds.decide() == 8, "inside the margin: stays off"
     kinds.set(None)
-    assert kinds.decide() is None, "1.01x while on: stays on"
+    assert kinds.decide() is None, "1.02x while on: stays on"
     kinds.set(8)
-    for _ in range(16):
-        kinds.observe("spec", 8, True, 10, 0.009)  # 1.11x
-    assert kinds.decide() is None
+    for _ in range(2):  # two probes of spec, each a re-entry and then PAIRED steps counted
+        kinds.observe("no_spec", 8, True, 8, 0.008)
+        for _ in range(PAIRED + 1):
+            kinds.observe("spec", 8, True, 10, 0.009)  # 1.11x
+    assert kinds.ratio(8) == pytest.approx(1.11, abs=0.01) and kinds.decide() is None
+
+
+def test_load_that_comes_while_spec_runs_does_not_read_as_speculations_loss():
+    """Steps at 1.5 tok / 12 ms (spec) and 1 tok / 10 ms (no_spec) through the first periodic
+    probe, then the machine gets busy and every step takes four times as long: spec's window
+    against no_spec's, made before, reads 0.31x, but each probe against the steps around it
+    read 1.25x, and spec stays on."""
+    kinds = SpecThreshold(SPEC)
+
+    def steps(n: int, slower: float) -> None:
+        for _ in range(n):
+            kind = kinds.kind_for(1, is_decode=True)
+            tokens, seconds = (3, 0.024) if kind == "spec" else (2, 0.02)
+            kinds.observe(kind, 1, True, tokens, seconds * slower)
+            if kinds.may_change and kinds.decide() != kinds.threshold:
+                kinds.set(kinds.decide())
+
+    feed(kinds, 1, (3, 0.024), (2, 0.02))
+    steps(7 * PROBE_PERIOD + 4, 1.0)  # past three periodic probes (gaps 32, 64, 128)
+    steps(WINDOW, 4.0)
+    windows = kinds.rates[("spec", 1)].per_second / kinds.rates[("no_spec", 1)].per_second
+    assert windows < 0.8, "the windows alone turn spec off"
+    assert len(kinds.pairs[1]) == 3, "a pair a probe"
+    assert kinds.ratio(1) == pytest.approx(1.25) and kinds.threshold is None
 
 
 def test_probes_measure_the_kind_not_chosen_then_once_a_period():
@@ -103,7 +136,7 @@ def test_probes_measure_the_kind_not_chosen_then_once_a_period():
     assert kinds.kind_for(8, is_decode=True) == "spec", "spec unmeasured at 8: probed"
 
 
-def test_a_spec_probe_is_two_steps_where_spec_is_off_and_probes_grow_apart():
+def test_a_spec_probe_is_a_reentry_and_paired_steps_where_spec_is_off_and_probes_grow_apart():
     """After a threshold change the other kind is probed PROBE_PERIOD counted steps on, then
     twice as far each time, up to MAX_PROBE_PERIOD; a change starts the gaps again."""
     kinds = SpecThreshold(SPEC)
@@ -116,13 +149,15 @@ def test_a_spec_probe_is_two_steps_where_spec_is_off_and_probes_grow_apart():
         chosen.append(kind)
         kinds.observe(kind, 8, True, 8, 0.01)
     runs = "".join("s" if k == "spec" else "n" for k in chosen)
-    assert runs.count("ss") == runs.count("s") // 2, runs  # each probe a pair
-    pairs = [i for i in range(len(runs)) if runs.startswith("ss", i)]
+    probe = "s" * (1 + PAIRED)  # a re-entry, then PAIRED counted steps
+    pairs = [i for i in range(len(runs)) if runs.startswith("n" + probe + "n", i - 1)]
+    assert runs.count("s") == len(pairs) * len(probe), runs
     gaps = [b - a - 1 for a, b in zip(pairs, pairs[1:], strict=False)]  # counted steps apart
     assert pairs[0] == PROBE_PERIOD - 1, pairs  # counted steps after the change
     assert gaps[:3] == [2 * PROBE_PERIOD, 4 * PROBE_PERIOD, 8 * PROBE_PERIOD], gaps
     assert len(gaps) > 3 and set(gaps[3:]) == {MAX_PROBE_PERIOD}, gaps
-    assert len(kinds.rates[("spec", 8)].tokens) == MIN_SAMPLES + len(pairs)  # each pair's second
+    spec_rates = min(WINDOW, MIN_SAMPLES + PAIRED * len(pairs))
+    assert len(kinds.rates[("spec", 8)].tokens) == spec_rates  # each probe's counted steps
     assert start == 2 * MIN_SAMPLES
     kinds.set(None)  # a change: the other kind (no_spec now) probed PROBE_PERIOD steps on again
     assert kinds.kind_for(8, True) == "spec"
@@ -191,15 +226,23 @@ def test_a_decisive_verdict_is_acted_on_without_waiting():
     later; held, the same bucket at 0.9x waits (broken on purpose: DECISIVE at 0 never acts)."""
     kinds = SpecThreshold(SPEC)
     feed(kinds, 8, (10, 0.025), (8, 0.01))  # 0.5x
+    assert not kinds.may_change, "no pair: the windows' verdict waits"
+    for _ in range(2):  # no_spec probes, each paired with the spec steps before it
+        feed(kinds, 8, (10, 0.025), (8, 0.01))
+    kinds.set(None)  # the hold starts again: only a decisive verdict acts before its end
+    feed(kinds, 8, (10, 0.025), (8, 0.01))  # the third pair
     assert kinds.steps_since_change < HOLD_STEPS and kinds.may_change
     assert kinds.decide() == 8
     kinds.set(8)
     assert not kinds.may_change, "0.5x agrees with spec off at 8: nothing decisive against it"
-    for _ in range(2):  # now 1.54x where spec is off (the window: most of it new): decisive
+    for _ in range(4):  # now 1.54x where spec is off: each spec run a probe, paired
         feed(kinds, 8, (10, 0.0065), (8, 0.01))
     assert kinds.may_change and kinds.decide() is None
     mild = SpecThreshold(SPEC)
-    feed(mild, 8, (10, 0.0139), (8, 0.01))  # 0.9x
+    for _ in range(3):
+        feed(mild, 8, (10, 0.0139), (8, 0.01))  # 0.9x
+    mild.set(None)
+    feed(mild, 8, (10, 0.0139), (8, 0.01))
     assert mild.decide() == 8 and not mild.may_change
 
 
@@ -208,5 +251,19 @@ def test_without_the_decisive_rule_a_clear_loss_waits(monkeypatch):
 
     monkeypatch.setattr(spec_threshold, "DECISIVE", 0.0)
     kinds = SpecThreshold(SPEC)
+    for _ in range(3):
+        feed(kinds, 8, (10, 0.025), (8, 0.01))
+    kinds.set(None)
     feed(kinds, 8, (10, 0.025), (8, 0.01))
-    assert not kinds.may_change
+    assert len(kinds.pairs[8]) == 3 and not kinds.may_change
+
+
+def test_at_one_stream_spec_goes_off_only_on_a_decisive_loss():
+    kinds = SpecThreshold(SPEC)
+    feed(kinds, 1, (10, 0.0115), (8, 0.008))  # 0.87x: off at 8 streams, not at one
+    assert kinds.decide() is None
+    feed(kinds, 8, (10, 0.0115), (8, 0.008))
+    assert kinds.decide() == 8
+    kinds = SpecThreshold(SPEC)
+    feed(kinds, 1, (10, 0.0160), (8, 0.008))  # 0.62x: nothing accepted, say
+    assert kinds.ratio(1) < DECISIVE and kinds.decide() == 1

@@ -239,3 +239,27 @@ def test_the_c_kernels_draft_as_the_float_head(tmp_path):
         ring = min(read, 256)
         assert torch.equal(mine[1, :, :ring], before[1, :, :ring])
         assert not mine[[0, 2]].any()
+
+
+def test_slots_no_pair_was_written_to_move_no_draft(tmp_path):
+    """The float head (CUDA's) attends the whole buffer, masked: a slot that holds no pair
+    read is whatever the arena's memory held before (a row's earlier request, another kind's
+    buffer; NaN where float32 bytes read as bfloat16). A masked NaN key or value still made the
+    attention NaN (NaN times a zero weight), every draft the draft vocabulary's first token."""
+    head, _, _ = a_head(tmp_path)
+    gen = torch.Generator().manual_seed(7)
+    feats = torch.randn(20, HIDDEN, generator=gen)
+    tokens = torch.randint(0, VOCAB, (20,), generator=gen)
+    clean = holding(head, feats, tokens)
+    dirty = clean.clone()
+    dirty[1, :, 20:] = float("nan")  # past the 20 pairs read: the ring's rest, the draft slots
+    dirty[0] = float("nan")  # another request's row
+    last = slice(19, 20)
+    drafts = head.draft_rows(feats[last], tokens[last], 3, dirty, [1], [20])
+    expected = head.draft_rows(feats[last], tokens[last], 3, clean, [1], [20])
+    assert drafts.tolist() == expected.tolist()
+    tree = head.draft_tree(feats[last], tokens[last], (-1, 0, 0, 1, 2), dirty, [1], [20])
+    assert (
+        tree.tolist()
+        == head.draft_tree(feats[last], tokens[last], (-1, 0, 0, 1, 2), clean, [1], [20]).tolist()
+    )
