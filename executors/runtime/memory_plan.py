@@ -96,6 +96,11 @@ def _activation_peak(
     return peak
 
 
+# left free beside a plan bound by the device's free memory: the CUDA context's and cuBLAS's
+# growth past the start, which no tensor counts
+FREE_HEADROOM = 512 << 20
+
+
 def plan_memory(
     cfg: EngineConfig,
     model_cfg: ModelConfig,
@@ -106,9 +111,14 @@ def plan_memory(
     device: torch.device,
     head_bytes: int = 0,
     held_bytes: int = 0,
+    free_bytes: int | None = None,
 ) -> MemoryPlan:
     """`head_bytes`: an EAGLE head's, held beside the weights; `held_bytes`: what the process
-    held on the device before this executor (another engine's), which is not the plan's to use."""
+    held on the device before this executor (another engine's), which is not the plan's to use;
+    `free_bytes`: what the device had free then (CUDA). The plan takes the utilisation's share
+    of the device, or what was free less `FREE_HEADROOM` where that is less: a second engine
+    beside a first gets what the first left (free binds only then, so a lone engine's plan is the
+    same from run to run, as replay needs)."""
     weights = tensor_bytes(model.w.values()) + head_bytes
     rows = cfg.max_num_seqs * (cfg.num_lookahead_slots + 1)
     sampler = sampler_nbytes(rows, model_cfg.vocab_size, in_place_logits=device.type == "cuda")
@@ -134,6 +144,8 @@ def plan_memory(
         fixed += _kind_bytes(cfg, model_cfg, dtype, 1, device.type, exclude_draft_kv=True)
         # what the process already holds (another engine) is not this one's to plan with
         budget = min(total * cfg.gpu_memory_utilization, total - held_bytes)
+        if free_bytes is not None:
+            budget = min(budget, free_bytes - FREE_HEADROOM)
         blocks = int((budget - fixed) // (page + draft_page))
     else:
         blocks = min(cfg.cpu_kv_cache_bytes // (page + draft_page), wanted)

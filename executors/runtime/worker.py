@@ -233,7 +233,7 @@ class Worker:
         head_bytes = 0 if self.eagle is None else self.eagle.nbytes
         memory_plan = plan_memory(
             cfg, mc, self.max_model_len, self.model, self.dtype, self.kv_dtype, self.device,
-            head_bytes, self.held_before,
+            head_bytes, self.held_before, free_on(self.device, self.held_before),
         )  # fmt: skip
         if self.ranks is not None:  # every rank holds the same pages: those that fit on each
             fitting = self.ranks.min_int(memory_plan.num_kv_blocks)
@@ -430,6 +430,17 @@ def held_on(device: torch.device) -> int:
     CPU.  Allocated, not reserved: blocks an engine freed but the allocator still caches are
     this one's to reuse, and a replay after a recording in one process plans as it did."""
     return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
+def free_on(device: torch.device, held_before: int) -> int | None:
+    """What this engine may have of the device: its free memory (the caching allocator's unused
+    blocks given back first) and what this engine holds already (its weights), for a plan
+    beside another engine; None on the CPU."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.empty_cache()
+    own = torch.cuda.memory_allocated(device) - held_before
+    return torch.cuda.mem_get_info(device)[0] + own
 
 
 def device_bytes(device: torch.device) -> int:
