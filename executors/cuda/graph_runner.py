@@ -21,6 +21,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import attrs
 import structlog
 import torch
 
@@ -298,12 +299,21 @@ def warm_eager(
     shapes += [worst_case_prefill(cfg, max_len, n) for n in sizes if n > 1]
     shapes += [worst_case_prefill(cfg, max_len, budget, n) for n in (16, 128, 512) if n < largest]
     shapes += decodes_beside_prefill(cfg, max_len, shapes[0][0].block_table)
+    num_pages = kv[0][0].shape[0]
     for seqs in shapes:
-        batch, last_rows = build_batch(
-            [(seq, seq.token_ids) for seq in seqs], cfg.block_size, device
-        )
+        feeds = [(folded(seq, num_pages), seq.token_ids) for seq in seqs]
+        batch, last_rows = build_batch(feeds, cfg.block_size, device)
         logits = model.logits(model.forward(batch, kv)[last_rows])
         top_logprobs(logits.clone(), [0] * len(last_rows), 1)
+
+
+def folded(seq: SeqPlan, num_pages: int) -> SeqPlan:
+    """`seq` with its pages folded into a cache of `num_pages` (one smaller than a `max_len`
+    context: `num_kv_blocks` set low): warm-up's writes may land on any page, never past the
+    cache's end."""
+    if max(seq.block_table, default=0) < num_pages:
+        return seq
+    return attrs.evolve(seq, block_table=[page % num_pages for page in seq.block_table])
 
 
 def decodes_beside_prefill(

@@ -57,8 +57,12 @@ def local_engine(cfg: EngineConfig, sinks: Iterable[Callable[[object], None]] = 
 def release_device_cache() -> None:
     """Give the CUDA allocator's cached blocks back to the device (nothing where CUDA was never
     used): after an engine is closed, what it freed is still reserved by the allocator until
-    then."""
+    then. cuBLAS's workspaces too (32 MiB a stream on a Hopper card): torch keeps one for each
+    stream that ran a matmul, allocated and never freed, so each engine's streams left theirs
+    behind (an H100 held 32 MiB more after each closed `LLM`)."""
     import torch
 
     if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        torch._C._cuda_clearCublasWorkspaces()
         torch.cuda.empty_cache()

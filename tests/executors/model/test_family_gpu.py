@@ -29,6 +29,7 @@ from memstep.executors.process.inprocess import local_engine
 
 pytestmark = pytest.mark.gpu
 NEW_TOKENS = 32
+NEAR_TIE = 0.01  # of the largest logit's size
 
 
 @pytest.fixture(scope="module")
@@ -62,11 +63,24 @@ def test_greedy_bf16_through_the_engine(cuda, tmp_path, model_type):
         done = engine.generate(sixteen_prompts(), params)
     finally:
         engine.shutdown()
-    same = [
-        c.token_ids == hf_greedy(hf, p, NEW_TOKENS)
-        for p, c in zip(sixteen_prompts(), done, strict=True)
-    ]
-    assert sum(same) >= 15, f"{model_type}: {sum(same)} of 16 prompts' greedy tokens equal"
+    verdicts = [agrees(hf, p, c.token_ids) for p, c in zip(sixteen_prompts(), done, strict=True)]
+    print(f"{model_type}: {verdicts}")
+    same = [v != "differs" for v in verdicts]
+    assert sum(same) >= 15, f"{model_type}: {sum(same)} of 16 prompts' greedy tokens agree"
+
+
+def agrees(hf, prompt: list[int], ours: list[int]) -> str:
+    """ "same" where memstep's greedy tokens are the reference's; "tie" where they part at a
+    near tie, the two tokens' reference logits within NEAR_TIE of each other (bfloat16's rounding
+    decides those, as vLLM's check_logprobs_close allows a token the other run ranked close);
+    else "differs"."""
+    theirs = hf_greedy(hf, prompt, NEW_TOKENS)
+    if theirs == ours:
+        return "same"
+    at = next(i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b)
+    logits = hf_logits(hf, prompt + theirs[:at])[-1]
+    gap = (logits[theirs[at]] - logits[ours[at]]).item()
+    return "tie" if gap <= NEAR_TIE * logits.abs().max().item() else "differs"
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
