@@ -53,6 +53,9 @@ class _Spec:
     fast: tuple[tuple[str, type | None, Decoder], ...]
     encoders: tuple[tuple[str, Encoder], ...]
     names: frozenset[str]
+    # fields with a default: a record written before the field existed (an older log) lacks them
+    # and takes the default; any other missing field, or an unknown one, is refused
+    defaulted: frozenset[str]
 
 
 _SPECS: dict[type, _Spec] = {}
@@ -196,12 +199,17 @@ def _record_from_obj(obj: Any, where: str | None, expected: type | None) -> obje
     if expected is not None and cls is not expected:
         raise CodecError(f"{where}expected a {expected.__name__} record, got {type_name}")
     spec = _spec(cls)
+    absent: frozenset[str] | set[str] = frozenset()
     if len(obj) != len(spec.names) + 1:
-        _raise_key_mismatch(obj, cls, spec, where)
+        absent = spec.names - obj.keys()
+        if not absent <= spec.defaulted or len(obj) - 1 + len(absent) != len(spec.names):
+            _raise_key_mismatch(obj, cls, spec, where)
     kwargs = {}
     try:
         if where is None:  # the first pass: a bad value raises unlocated (see from_obj)
             for name, tp, decoder in spec.fast:
+                if name in absent:
+                    continue
                 value = obj[name]
                 if tp is None:
                     value = decoder(value, None)
@@ -210,7 +218,8 @@ def _record_from_obj(obj: Any, where: str | None, expected: type | None) -> obje
                 kwargs[name] = value
         else:
             for name, label, decoder in spec.decoders:
-                kwargs[name] = decoder(obj[name], where + label)
+                if name not in absent:
+                    kwargs[name] = decoder(obj[name], where + label)
     except KeyError:
         _raise_key_mismatch(obj, cls, spec, where)
     try:
@@ -521,6 +530,7 @@ def _build_spec(cls: type) -> _Spec:
         fast=tuple((n, tp, dec) for (n, _, dec), tp in zip(decoders, exact, strict=True)),
         encoders=tuple((n, _encoder(hints[n])) for n in names),
         names=frozenset(names),
+        defaulted=frozenset(f.name for f in attrs.fields(cls) if f.default is not attrs.NOTHING),
     )
 
 

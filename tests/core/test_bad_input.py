@@ -49,7 +49,7 @@ def test_unsupported_architecture_gguf(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ModelError, match="unsupported architecture 'gpt2'"):
+    with pytest.raises(ModelError, match="unsupported GGUF architecture 'gpt2'"):
         local_engine(EngineConfig(model=str(path)))
 
 

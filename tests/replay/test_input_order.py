@@ -4,6 +4,8 @@ what it hit; a log of format 2, written before the input marks, replays identica
 
 from __future__ import annotations
 
+import ast
+import json
 import struct
 import zlib
 from pathlib import Path
@@ -120,11 +122,32 @@ def test_the_check_fires_on_reading_not_only_in_replay(tiny: Path, tmp_path: Pat
         read_log(write(tmp_path / "x.memlog", head, frames[: i + 1] + frames[i:]))
 
 
-def test_a_format_2_log_replays_identically():
+# what the engine measures and plans of its memory, which later engines account otherwise (the
+# prompt scorer's rows planned at start-up, the grammar caches' budgets): a log of an older engine
+# replays with every token, transition and ledger entry the same, and differs in these only
+MEMORY_ACCOUNTING = {
+    "StepFinished.memory.live_bytes",
+    "StepFinished.memory.reserved_bytes",
+    "StepFinished.memory.num_segments",
+    "MemoryPlanned.plan.grammar_cache_bytes",
+    "MemoryPlanned.plan.sampler_bytes",
+    "MemoryPlanned.plan.predicted_peak_bytes",
+}
+
+
+def test_a_format_2_log_reads_whole_and_replays_the_same_tokens():
+    """Written by the engine before input marks (format 2) and before the records' newer fields:
+    every record decodes (the newer fields take their defaults), and the replay differs in
+    nothing but the memory accounting that engines since then do otherwise."""
     assert load(FORMAT_2_LOG).format_version == 2
     assert len(load(FORMAT_2_LOG).inputs) == 6
-    code, out, err = memstep("replay", str(FORMAT_2_LOG))
-    assert code == 0 and "identical" in out, (out, err)
+    code, out, err = memstep("replay", str(FORMAT_2_LOG), "--json")
+    report = json.loads(out)
+    assert not report["is_corrupt"] and report["problem"] is None, (out, err)
+    comparison = report["comparison"]  # the JSON report gives it as a Python literal
+    c = comparison if isinstance(comparison, dict) else ast.literal_eval(comparison)
+    assert set(c["fields"]) <= MEMORY_ACCOUNTING, c["fields"]
+    assert (c["num_missing"], c["num_extra"]) == (0, 0) and report["num_records"] > 28
 
 
 def test_an_input_duplicated_by_a_rewriting_tool_is_not_identical(tiny: Path, tmp_path: Path):
