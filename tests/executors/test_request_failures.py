@@ -57,7 +57,8 @@ def test_a_matcher_that_panics_mid_text_ends_its_request_and_the_others_go_on(mo
         return Guide(PanickingMatcher(guide.matcher), guide.eos, guide.stand_in)
 
     monkeypatch.setattr(GrammarBook, "guide", panicking)
-    engine = LLM(model="random:tiny").engine
+    llm = LLM(model="random:tiny")  # kept: a collected LLM shuts its engine down
+    engine = llm.engine
     constrained = CoreParams(max_tokens=12, seed=2, guided_regex="[a-z]{30}")
     plain = CoreParams(max_tokens=12, seed=2, ignore_eos=True)
     failed, served = engine.generate(["One", "Two"], [constrained, plain])  # one batch
