@@ -19,11 +19,12 @@ def test_an_edit_workload_has_drafts_accepted_and_the_tokens_of_plain_decoding()
     )
     assert done.returncode == 0, done.stderr[-3000:]
     rows = re.findall(
-        r"^(none|ngram)\s+edit\s+1\s+[\d.]+\s+([\d.]+)x\s+([\d.]+)\s+([\d.]+)\s+(\d+)/(\d+)\s+([\d.]+)$",
+        r"^(none|ngram)\s+edit\s+1\s+[\d.]+\s+([\d.]+)x\s+([\d.]+)\s+([\d.]+)\s+(\d+)/(\d+)\s+([\d.]+)\s+([\d.]+)$",
         done.stdout,
         re.M,
     )
     assert [r[0] for r in rows] == ["none", "ngram"], done.stdout
-    (_, base, *_), (_, _, rate, mean_len, same, total, ms) = rows
+    (_, base, *_), (_, _, rate, mean_len, same, total, ms, choice_us) = rows
     assert float(base) == 1.0 and float(rate) > 0 and float(mean_len) > 0 and float(ms) > 0
+    assert float(choice_us) > 0, "the threshold and adaptive K are timed at every ngram step"
     assert same == total == "2", "greedy drafts verified change no token"
