@@ -5,7 +5,7 @@ Gemma's norms are stored with their 1 already added."""
 from __future__ import annotations
 
 from memstep.core.model_config import ModelConfig
-from memstep.executors.model.formats.hf_names import Table
+from memstep.executors.model.formats.hf_names import Table, with_pieces
 
 LLAMA: Table = {
     "attn_norm": ("attn_norm.weight",),
@@ -17,8 +17,10 @@ LLAMA: Table = {
 }
 QKV_BIAS: Table = {"bqkv": ("attn_q.bias", "attn_k.bias", "attn_v.bias")}
 QK_NORM: Table = {"q_norm": ("attn_q_norm.weight",), "k_norm": ("attn_k_norm.weight",)}
-SANDWICH: Table = {"post_attn_norm": ("post_attention_norm.weight",), "post_mlp_norm": (
-    "post_ffw_norm.weight",)}  # fmt: skip
+SANDWICH: Table = {
+    "post_attn_norm": ("post_attention_norm.weight",),
+    "post_mlp_norm": ("post_ffw_norm.weight",),
+}
 EXPERTS: Table = {
     "router": ("ffn_gate_inp.weight",),
     "experts_gate_up": ("ffn_gate_exps.weight", "ffn_up_exps.weight"),
@@ -38,10 +40,5 @@ GLOBAL_NAMES = ("token_embd.weight", "output_norm.weight", "output.weight")
 
 
 def layer_table(cfg: ModelConfig) -> Table:
-    """The family's table with the config's optional pieces (bias, q/k norms) added."""
-    table = dict(FAMILY_TABLES[cfg.architecture])
-    if cfg.qkv_bias:
-        table |= QKV_BIAS
-    if cfg.qk_norm:
-        table |= QK_NORM
-    return table
+    """The family's llama.cpp names, its optional pieces (bias, q/k norms) added."""
+    return with_pieces(cfg, FAMILY_TABLES, QKV_BIAS, QK_NORM)

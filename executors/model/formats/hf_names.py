@@ -67,10 +67,16 @@ FAMILY_TABLES: dict[str, Table] = {
 
 
 def layer_table(cfg: ModelConfig) -> Table:
-    """The family's table with the config's optional pieces (bias, q/k norms) added."""
-    table = dict(FAMILY_TABLES[cfg.architecture])
+    """The family's checkpoint names, its optional pieces (bias, q/k norms) added."""
+    return with_pieces(cfg, FAMILY_TABLES, QKV_BIAS, QK_NORM)
+
+
+def with_pieces(cfg: ModelConfig, tables: dict[str, Table], bias: Table, norms: Table) -> Table:
+    """The family's table of `tables`, with the config's optional pieces (`bias` for a QKV
+    bias, `norms` for q/k norms) added: one rule for every format's names."""
+    table = dict(tables[cfg.architecture])
     if cfg.qkv_bias:
-        table |= QKV_BIAS
+        table |= bias
     if cfg.qk_norm:
-        table |= QK_NORM
+        table |= norms
     return table
