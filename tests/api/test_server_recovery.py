@@ -21,6 +21,7 @@ import pytest
 from memstep.api.client import AsyncClient, Client, ServerError
 from memstep.cli.serve import EXIT_ENGINE_DEAD, ServerProcess
 from memstep.core.config import EngineConfig
+from memstep.core.generation_config import sampling_defaults
 from memstep.core.outputs import Completion
 from memstep.core.sampling_params import SamplingParams
 from memstep.events.types import ExecutorLost, RecoveryDone, RequestFinished, RequestPreempted
@@ -41,16 +42,24 @@ def _requests(n_seeded: int, n_greedy: int, max_tokens: int, **extra) -> list:
 
 
 def _clean_run(model: str, requests: list) -> list[Completion]:
+    """The uninterrupted in-process run, each request with the params the server gives it: what
+    the wire sends over the model's own defaults (`--generation-config auto`: SmolLM2's top-p 0.9
+    where the wire sends none)."""
     engine = local_engine(EngineConfig(model=model, dtype="float32", quantization="none"))
-    return engine.generate([p for p, _ in requests], [sp for _, sp in requests])
+    defaults = sampling_defaults(engine.source, engine.cfg.generation_config)
+    served = [SamplingParams.from_dict({**defaults, **_wire(sp)}) for _, sp in requests]
+    return engine.generate([p for p, _ in requests], served)
+
+
+def _wire(sp: SamplingParams) -> dict:
+    return {"max_tokens": sp.max_tokens, "temperature": sp.temperature, "seed": sp.seed,
+            "ignore_eos": sp.ignore_eos}  # fmt: skip
 
 
 async def _stream_all(address: str, requests: list, started: asyncio.Event | None = None) -> list:
     async def one(client: AsyncClient, prompt: str, sp: SamplingParams) -> dict:
         got: dict = {"deltas": [], "done": None, "error": None}
-        wire = {"max_tokens": sp.max_tokens, "temperature": sp.temperature, "seed": sp.seed,
-                "ignore_eos": sp.ignore_eos}  # fmt: skip
-        stream = await client.generate(prompt, stream=True, **wire)
+        stream = await client.generate(prompt, stream=True, **_wire(sp))
         try:
             async for delta in stream:
                 got["deltas"].extend(delta.token_ids)

@@ -21,6 +21,7 @@ import pytest
 from memstep.api.client import AsyncClient, Client, ServerError
 from memstep.cli.serve import ServerProcess
 from memstep.core.config import EngineConfig
+from memstep.core.generation_config import sampling_defaults
 from memstep.core.outputs import Completion
 from memstep.core.sampling_params import SamplingParams
 from memstep.events.log import MAGIC
@@ -42,8 +43,13 @@ def _requests(n_seeded: int, n_greedy: int, max_tokens: int, **extra) -> list:
 
 
 def _clean_run(model: str, requests: list) -> list[Completion]:
+    """The uninterrupted in-process run, each request with the params the server gives it: what
+    the wire sends over the model's own defaults (`--generation-config auto`: SmolLM2's top-p 0.9
+    where the wire sends none)."""
     engine = local_engine(EngineConfig(model=model, dtype="float32"))
-    return engine.generate([p for p, _ in requests], [sp for _, sp in requests])
+    defaults = sampling_defaults(engine.source, engine.cfg.generation_config)
+    served = [SamplingParams.from_dict({**defaults, **_wire(sp)}) for _, sp in requests]
+    return engine.generate([p for p, _ in requests], served)
 
 
 def _wire(sp: SamplingParams) -> dict:
