@@ -14,21 +14,19 @@ right after a `no_spec` one re-enters the kind, where an EAGLE head has no fresh
 from and a draft model catches up, so it is neither counted nor measured; a spec probe then runs
 `PAIRED` counted steps, since the first of them drafts from a context of one pair: a probe of a
 single such step read EAGLE's acceptance low, and spec switched off stayed off).
-A probe of the losing kind costs its loss: at 8 streams on the CPU a `spec` step costs ~1.6x a
-plain one, and a pair every 32 steps left a few percent. Probes depend only on counts of steps
-and on the threshold's changes, so a replay makes the same ones. The threshold depends on wall
-time, which no replay can measure again: the engine records each change
+A probe of the losing kind costs its loss, hence the doubling gap. Probes depend only on
+counts of steps and on the threshold's changes, so a replay makes the same ones. The threshold
+depends on wall time, which no replay can measure again: the engine records each change
 (`SpecThresholdChanged`, an input) and a replay applies the recorded one (`set`) instead of
 deciding (`decide`). A new threshold is held `HOLD_STEPS` decode steps before the rates are
 judged again, unless a bucket's verdict is decisive (`DECISIVE`): spec losing by 20% where it
 is on (or winning by 25% where it is off) is no noise, and waiting costs every step.
 
 On a shared machine a kind's window of rates is made at other times than the other's (the
-probed kind's samples lie far apart), so load that comes and goes reads as one kind's loss: at
-one stream on 2 busy cores, a tie (9.68 against 9.72 tok/s) turned EAGLE off for two thirds of
-a run that it speeds up by 1.2x. So the ratio is the median of paired ratios (once there are
-`MIN_SAMPLES`): each probe's steps against the last `PAIRED` steps before it, moments apart;
-and spec goes off only below `DISABLE_RATIO`, a margin as on the way back.
+probed kind's samples lie far apart), so load that comes and goes reads as one kind's loss (a
+tie once turned EAGLE off for most of a run it speeds up). So the ratio is the median of paired
+ratios (once there are `MIN_SAMPLES`): each probe's steps against the last `PAIRED` steps before
+it, moments apart; and spec goes off only below `DISABLE_RATIO`, a margin as on the way back.
 """
 
 from __future__ import annotations
