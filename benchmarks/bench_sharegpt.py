@@ -287,6 +287,31 @@ def plan_figures(server_log: str) -> dict[str, Any]:
     return found
 
 
+def first_leak(records: list[Any], leaks: list[Any]) -> dict[str, Any] | None:
+    """The first leak report: the step its growth began, the last step finished before it was
+    written (when it was caught), its kind and what, and how many steps after the first step of
+    its kind it was caught (a leak planted in a kind starts at that kind's first step)."""
+    from memstep.events.types import StepFinished
+
+    if not leaks:
+        return None
+    first, caught_at = leaks[0], 0
+    for r in records:
+        if r is first:
+            break
+        if isinstance(r, StepFinished):
+            caught_at = r.step
+    start = next(r.step for r in records if isinstance(r, StepFinished) and r.kind == first.kind)
+    return {
+        "began": first.step,
+        "caught_at": caught_at,
+        "kind": first.kind,
+        "what": first.what,
+        "steps_after_kind_start": caught_at - start,
+        "detail": first.detail[:300],
+    }
+
+
 def memory_verdict(log: Path, server_log: str) -> dict[str, Any]:
     """Segments and reserved bytes from the first served request on, against the plan."""
     from memstep.events.types import LeakSuspected, RequestFinished, StepFinished
@@ -302,7 +327,9 @@ def memory_verdict(log: Path, server_log: str) -> dict[str, Any]:
     plan, captured = figures.get("memory plan", {}), figures.get("memory after capture", {})
     predicted = int(plan.get("predicted_peak_bytes", 0))
     peak_reserved = max(m.reserved_bytes for m in mems)
-    leaks = collections.Counter(r.what for r in records if isinstance(r, LeakSuspected))
+    reports = [r for r in records if isinstance(r, LeakSuspected)]
+    leaks = collections.Counter(r.what for r in reports if r.is_leak)
+    high_water = collections.Counter(r.what for r in reports if not r.is_leak)
     verdict = {
         "first_step": steps[0].step,
         "num_steps": len(steps),
@@ -318,6 +345,8 @@ def memory_verdict(log: Path, server_log: str) -> dict[str, Any]:
         "kv_pages_peak": max(m.kv_pages_used for m in mems),
         "num_kv_blocks": int(plan.get("num_kv_blocks", 0)),
         "leaks": dict(leaks),
+        "high_water_marks": dict(high_water),  # information, not leaks
+        "first_leak": first_leak(records, [r for r in reports if r.is_leak]),
     }
     verdict["within_plan"] = bool(predicted) and peak_reserved <= predicted
     verdict["flat"] = (
@@ -416,6 +445,10 @@ def table(results: list[dict[str, Any]]) -> str:
             + (f"; replay {'identical' if r['replay']['identical'] else 'DIVERGED'}"
                if "replay" in r else "")
         )  # fmt: skip
+        if m["first_leak"]:
+            lines.append(f"{r['config']}: first leak report {m['first_leak']}")
+        if m["high_water_marks"]:
+            lines.append(f"{r['config']}: high-water marks (information) {m['high_water_marks']}")
         rec = r.get("recoveries") or {}
         if rec.get("kills"):
             lines.append(

