@@ -118,10 +118,12 @@ def same_calls(a: Drafted, b: Drafted) -> list[tuple[torch.Tensor, torch.Tensor]
     return pairs
 
 
-def close_acceptance(cuda: Drafted, cpu: Drafted, what: str) -> None:
+def close_acceptance(cuda: Drafted, cpu: Drafted, what: str, at_least: bool = False) -> None:
+    """CUDA's share of drafts accepted within 10% of the CPU's (`at_least`: not under 90%)."""
     assert cpu.acceptance > 0.15, f"the CPU reference: {cpu.acceptance:.3f}"
     assert not any(torch.isnan(h).any() for h, _, _ in cuda.calls)
-    assert abs(cuda.acceptance - cpu.acceptance) <= 0.1 * cpu.acceptance, (
+    low = cuda.acceptance >= 0.9 * cpu.acceptance
+    assert low if at_least else abs(cuda.acceptance - cpu.acceptance) <= 0.1 * cpu.acceptance, (
         f"{what}: CUDA {cuda.acceptance:.3f}, CPU {cpu.acceptance:.3f}"
     )
 
@@ -142,7 +144,10 @@ def test_the_head_gets_the_cpus_hidden_states_and_accepts_as_much(path, dtype, o
 
 def test_with_probes_and_decode_ahead_the_head_accepts_as_on_the_cpu(on_cpu_auto, monkeypatch):
     """The automatic threshold on (its no_spec probes replay decode steps ahead, then spec is
-    re-entered with a fresh state): bfloat16 as shipped against the CPU's run with it on."""
+    re-entered with a fresh state): bfloat16 as shipped against the CPU's run with it on.  The
+    probes come where each device's measured costs put them, so the two runs draft over
+    different stretches of text: CUDA must accept no less than 90% of the CPU's share (an H100
+    accepted more), which is what the gap this guards was."""
     cuda = eagle_run(monkeypatch, "cuda", "bfloat16", auto=True, **PATHS["shipped"])
     assert any(s.kind == "no_spec" for s in cuda.steps), "probes ran"
-    close_acceptance(cuda, on_cpu_auto, "probes, bfloat16")
+    close_acceptance(cuda, on_cpu_auto, "probes, bfloat16", at_least=True)

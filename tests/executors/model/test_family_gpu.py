@@ -1,6 +1,8 @@
 """Every family on CUDA in bfloat16 against transformers on the same GPU and the same tiny random
 checkpoint (`-m gpu`): greedy tokens identical for the first 32 on at least 15 of 16 prompts,
-through the engine; each prompt's logits at cosine >= 0.999 (every position's >= 0.995).
+through the engine, where a prompt whose texts part at a token the reference ranked in its top 3
+counts as agreeing (vLLM's rule for half-precision runs); each prompt's logits at cosine >= 0.999
+(every position's >= 0.995).
 
 The reference is transformers' float32 forward of the checkpoint's bfloat16 weights, not its
 bfloat16 forward: a tiny random model amplifies rounding, and transformers' own bfloat16 run
@@ -29,7 +31,7 @@ from memstep.executors.process.inprocess import local_engine
 
 pytestmark = pytest.mark.gpu
 NEW_TOKENS = 32
-NEAR_TIE = 0.01  # of the largest logit's size
+TOP_K = 3  # of a vocabulary of 256: a token picked at random is in it 1.2% of the time
 
 
 @pytest.fixture(scope="module")
@@ -70,17 +72,16 @@ def test_greedy_bf16_through_the_engine(cuda, tmp_path, model_type):
 
 
 def agrees(hf, prompt: list[int], ours: list[int]) -> str:
-    """ "same" where memstep's greedy tokens are the reference's; "tie" where they part at a
-    near tie, the two tokens' reference logits within NEAR_TIE of each other (bfloat16's rounding
-    decides those, as vLLM's check_logprobs_close allows a token the other run ranked close);
+    """ "same" where memstep's greedy tokens are the reference's; "close" where they part at a
+    token the reference ranked in its top TOP_K there (vLLM's `check_logprobs_close` rule: a
+    bfloat16 run may pick a token the float32 run ranked close, and from there the texts part);
     else "differs"."""
     theirs = hf_greedy(hf, prompt, NEW_TOKENS)
     if theirs == ours:
         return "same"
     at = next(i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b)
     logits = hf_logits(hf, prompt + theirs[:at])[-1]
-    gap = (logits[theirs[at]] - logits[ours[at]]).item()
-    return "tie" if gap <= NEAR_TIE * logits.abs().max().item() else "differs"
+    return "close" if ours[at] in logits.topk(TOP_K).indices.tolist() else "differs"
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
