@@ -115,6 +115,41 @@ def test_paged_decode_matches_reference(group_size, block_size, split):
 
 @needs_triton
 @pytest.mark.parametrize("split", [False, True], ids=["unsplit", "split"])
+def test_paged_decode_window_matches_the_torch_attention(split):
+    """A sliding-window layer's decode rows: the kernel reads only each row's last `window`
+    keys, as the engine's torch attention masks them (`attention.torch_group_attention`); with
+    64-token partitions, the 150-token row's first partition lies wholly before its window.
+    The same call without the window (the planted mistake) does not match."""
+    from memstep.executors.model.attention import build_group, torch_group_attention
+
+    generator = torch.Generator().manual_seed(31)
+    block_size, window, seq_lens = 4, 24, [1, 24, 150, 30]
+    k_cache, v_cache, tables, lens = make_paged_kv(
+        seq_lens, block_size, 2, 32, torch.float32, DEVICE, generator
+    )
+    k_cache, v_cache = k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0)
+    q = torch.randn(len(seq_lens), 6, 32, generator=generator).to(DEVICE)
+    workspace = DecodeWorkspace.allocate(4, 6, 32, tables.shape[1] * block_size, DEVICE, 64)
+    rows = tables.tolist()
+    group = build_group(list(range(4)), [1] * 4, seq_lens, rows, block_size, q.device)
+
+    out = paged_decode_attention(
+        q, k_cache, v_cache, tables, lens, 0.2, workspace=workspace, split=split, window=window
+    )
+    unwindowed = paged_decode_attention(
+        q, k_cache, v_cache, tables, lens, 0.2, workspace=workspace, split=split
+    )
+
+    expected = torch_group_attention(q, k_cache, v_cache, group, 0.2, window)[:, 0]
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    reference = paged_attention_reference(q, k_cache, v_cache, tables, lens, 0.2, window=window)
+    torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
+    assert (unwindowed - expected)[2:].abs().max() > 1e-2  # rows past the window differ
+    torch.testing.assert_close(unwindowed[:2], expected[:2], atol=1e-5, rtol=1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("split", [False, True], ids=["unsplit", "split"])
 def test_paged_decode_pads_head_dim_and_large_groups(split):
     generator = torch.Generator().manual_seed(7)
     seq_lens = [19, 3]
