@@ -169,10 +169,9 @@ class DecodeForward:
         model, ins = self.model, self.inputs
         tables, seq_lens, out = ins.block_tables[:bs], ins.seq_lens[:bs], self.attn_out[:bs]
 
-        def attend(q, k_cache, v_cache):
-            return paged_decode_attention(
-                q, k_cache, v_cache, tables, seq_lens, model.scale, out, self.workspace
-            )
+        def attend(q, k_cache, v_cache, window):
+            rows = (tables, seq_lens, model.scale, out, self.workspace)
+            return paged_decode_attention(q, k_cache, v_cache, *rows, window=window)
 
         residual = model.embed(ins.ids[:bs])  # [bs, hidden]
         x = self.backend.fused_layers(

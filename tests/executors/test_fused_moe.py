@@ -30,10 +30,8 @@ def tiny_experts(num_experts=8, hidden=32, width=24, top_k=2, normalize=True) ->
     def noise(*shape):
         return (0.2 * torch.randn(*shape, generator=gen)).to(DEVICE)
 
-    return Experts(
-        noise(num_experts, hidden), noise(num_experts, 2 * width, hidden),
-        noise(num_experts, hidden, width), top_k, normalize,
-    )  # fmt: skip
+    router, gate_up = noise(num_experts, hidden), noise(num_experts, 2 * width, hidden)
+    return Experts(router, gate_up, noise(num_experts, hidden, width), top_k, normalize)
 
 
 def test_sort_pads_each_experts_run_and_skips_experts_no_token_chose():

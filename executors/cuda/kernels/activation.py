@@ -27,9 +27,8 @@ def _gated_kernel(
     gate = tl.load(gate_up_ptr + row * stride_in + offs, mask=mask, other=0.0)
     up = tl.load(gate_up_ptr + row * stride_in + width + offs, mask=mask, other=0.0)
     g = gate.to(tl.float32)
-    if GELU:  # tanh(u) as 2 / (1 + exp(-2u)) - 1: finite at both ends
-        inner = _SQRT_2_OVER_PI * (g + 0.044715 * g * g * g)
-        act = 0.5 * g * (2.0 / (1.0 + tl.exp(-2.0 * inner)))
+    if GELU:  # 0.5 g (1 + tanh(u)) = g sigmoid(2u)
+        act = g * tl.sigmoid(2.0 * _SQRT_2_OVER_PI * (g + 0.044715 * g * g * g))
     else:
         act = g / (1.0 + tl.exp(-g))
     out = (act.to(gate.dtype).to(tl.float32) * up.to(tl.float32)).to(out_ptr.dtype.element_ty)
