@@ -216,7 +216,7 @@ def run_serve(model: str, args: argparse.Namespace) -> dict[str, Any] | None:
     }
 
 
-def table(results: dict[str, dict[str, Any]], num_prompts: int) -> str:
+def table(results: dict[str, dict[str, Any]], num_prompts: int, rate: float) -> str:
     lines = ["decode step against its roof (graph + head, distinct rows, context 192)"]
     lines.append(f"{'model':<16} {'rows':>4} {'step ms':>8} {'roof ms':>8} {'of roof':>8}  notes")
     for name, r in results.items():
@@ -232,7 +232,7 @@ def table(results: dict[str, dict[str, Any]], num_prompts: int) -> str:
                 f"{name:<16} {batch:>4} {s['step_ms']:>8} {round(roof, 3):>8} "
                 f"{s['of_roof']:>8}  {note}"
             )
-    lines.append(f"\nseed experiment, {num_prompts} ShareGPT prompts at 60 req/s (not 7,200)")
+    lines.append(f"\nseed experiment, {num_prompts} ShareGPT prompts (not 7,200) at {rate:g} req/s")
     head = f"{'model':<16} {'TTFT mean/med/p99 ms':>22} {'TPOT mean ms':>13} {'out tok/s':>10}"
     lines.append(f"{head} {'KV pages (peak used)':>22} flat")
     for name, r in results.items():
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         run = run_roof(model, args.out) if part == "roof" else run_serve(model, args)
         results[label(model)][part] = run
         (args.out / "families.json").write_text(json.dumps(results, indent=2))
-    text = table(results, args.num_prompts)
+    text = table(results, args.num_prompts, args.request_rate)
     (args.out / "families.txt").write_text(text + "\n")
     print(text)
     return 0
