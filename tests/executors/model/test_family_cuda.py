@@ -1,8 +1,8 @@
 """Every family through CUDA's layers (`executors/cuda/backend.py`), its Triton kernels run by
-Triton's interpreter on the CPU (tests/conftest.py), against the torch reference backend over
-the same tiny checkpoint in float32: the piecewise graphs' pieces and the decode graphs'
-forward (`DecodeForward`), run eagerly, past the windows. With these the CUDA graphs stay on
-for every family (`-m gpu`: test_family_gpu.py)."""
+Triton's interpreter on the CPU (tests/conftest.py; compiled on a GPU), against the torch
+reference backend over the same tiny checkpoint in float32: the piecewise graphs' pieces and
+the decode graphs' forward (`DecodeForward`), run eagerly, past the windows. With these the
+CUDA graphs stay on for every family (`-m gpu`: test_family_gpu.py)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from memstep.executors.cuda.piecewise import PiecewiseRunner  # noqa: E402
 pytestmark = pytest.mark.skipif(
     not triton_available(), reason="needs CUDA, or TRITON_INTERPRET=1 (tests/conftest.py)"
 )
-CPU = torch.device("cpu")
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # kernels compiled there
 BLOCK = 4
 
 
@@ -40,14 +40,14 @@ def twins(request, tmp_path_factory) -> tuple[LlamaModel, LlamaModel]:
     folder = tmp_path_factory.mktemp(request.param)
     make_checkpoint(request.param, folder)
     cfg = model_config(resolve(str(folder)))
-    weights = load_weights(resolve(str(folder)), cfg, torch.float32, CPU)
+    weights = load_weights(resolve(str(folder)), cfg, torch.float32, DEVICE)
     reference = LlamaModel(cfg, weights, 512, TorchBackend())
     return reference, LlamaModel(cfg, weights, 512, CudaBackend(paged_decode_attention))
 
 
 def caches(model: LlamaModel) -> list[tuple[torch.Tensor, torch.Tensor]]:
     shape = (64, BLOCK, model.cfg.num_kv_heads, model.cfg.head_dim)
-    return kv_cache.allocate(model.cfg.num_layers, shape, torch.float32, CPU)
+    return kv_cache.allocate(model.cfg.num_layers, shape, torch.float32, DEVICE)
 
 
 def test_the_graphs_forwards_give_the_torch_layers_hidden_states(twins):
@@ -75,12 +75,12 @@ def check_graph_forwards(reference: LlamaModel, fused: LlamaModel) -> None:
     pieces = PiecewiseRunner(fused, ours, max_tokens=32)
     graphs = GraphRunner(fused, ours, 4, 128, 0, BLOCK)
     with torch.inference_mode():
-        batch, _ = build_batch(first, BLOCK, CPU, packed=True)
+        batch, _ = build_batch(first, BLOCK, DEVICE, packed=True)
         torch.testing.assert_close(
             pieces.run(batch), reference.forward(batch, theirs), atol=1e-4, rtol=1e-4
         )
         hidden, _ = graphs.run(decode)
-        batch, _ = build_batch(decode, BLOCK, CPU)
+        batch, _ = build_batch(decode, BLOCK, DEVICE)
         want = reference.forward(batch, theirs)
     torch.testing.assert_close(hidden, want, atol=1e-4, rtol=1e-4)
     for (k, v), (k_ref, v_ref) in zip(ours, theirs, strict=True):
