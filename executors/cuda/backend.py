@@ -108,18 +108,24 @@ class CudaBackend(TorchBackend):
         cfg, block = model.cfg, model.layers[i]
         k_cache, v_cache = kv_caches[i]
         qkv = F.linear(x, model.w[f"layers.{i}.wqkv"], block.bqkv)
+        qk_norm = None
         if block.q_norm is not None and block.k_norm is not None:
-            self.qk_norms(model, block, qkv)
+            qk_norm = (block.q_norm, block.k_norm, cfg.rms_eps)  # in the rotary kernel
         cos, sin = rotary_tables(model, block)
         if cfg.rope_dim != cfg.head_dim:  # partial rotary: torch rotates, the kernel writes
+            if qk_norm is not None:
+                self.qk_norms(model, block, qkv)
+                qk_norm = None
             self.partial_rotary(model, block, qkv, positions)
             cos, sin = unrotated(cos, cfg.head_dim)
         return kernels.rope_and_write_kv(
-            qkv, cos, sin, positions, slots, k_cache, v_cache, cfg.num_heads
+            qkv, cos, sin, positions, slots, k_cache, v_cache, cfg.num_heads, qk_norm
         )
 
     def qk_norms(self, model: LlamaModel, block: Block, qkv: torch.Tensor) -> None:
-        """Each head of q and of k of `qkv` ([T, (H + 2 KVH) * D]) RMS-normed in place."""
+        """Each head of q and of k of `qkv` ([T, (H + 2 KVH) * D]) RMS-normed in place (the
+        RMSNorm kernel), where torch rotates them after (partial rotary); else the rotary
+        kernel norms them itself."""
         cfg, t, d = model.cfg, qkv.shape[0], model.cfg.head_dim
         nq, nk = cfg.num_heads * d, cfg.num_kv_heads * d
         assert block.q_norm is not None and block.k_norm is not None

@@ -447,6 +447,37 @@ def test_rope_and_write_kv_matches_reference_and_skips_padding_slots(block_size,
 
 
 @needs_triton
+def test_rope_and_write_kv_norms_q_and_k_heads_first():
+    """Qwen3's and Gemma 3's q/k norms inside the rotary kernel: each q and k head RMS-normed
+    with its weight, then rotated; v heads as they were. Without the norm it differs."""
+    generator = torch.Generator().manual_seed(24)
+    heads, kv_heads, head_dim, block_size = 4, 2, 16, 4
+    qkv = torch.randn(3, (heads + 2 * kv_heads) * head_dim, generator=generator).to(DEVICE)
+    angles = torch.randn(8, head_dim // 2, generator=generator).to(DEVICE)
+    cos, sin = angles.cos(), angles.sin()
+    positions = torch.tensor([1, 5, 7], dtype=torch.int32, device=DEVICE)
+    slots = torch.tensor([0, 5, 9], dtype=torch.int32, device=DEVICE)
+    q_norm, k_norm = (1 + 0.3 * torch.randn(2, head_dim, generator=generator)).to(DEVICE)
+    caches = [torch.zeros(4, block_size, kv_heads, head_dim, device=DEVICE) for _ in range(4)]
+    normed = qkv.clone()
+    for lo, hi, weight in ((0, heads, q_norm), (heads, heads + kv_heads, k_norm)):
+        part = normed[:, lo * head_dim : hi * head_dim].view(3, -1, head_dim)
+        part.copy_(rmsnorm_reference(part, weight, 1e-6))
+    plain = qkv.clone()
+
+    q = rope_and_write_kv(
+        qkv, cos, sin, positions, slots, *caches[:2], heads, (q_norm, k_norm, 1e-6)
+    )
+
+    q_ref = rope_and_write_kv_reference(normed, cos, sin, positions, slots, *caches[2:], heads)
+    torch.testing.assert_close(q, q_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(caches[0], caches[2], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(caches[1], caches[3], atol=0, rtol=0)
+    unnormed = rope_and_write_kv(plain, cos, sin, positions, slots, *caches[:2], heads)
+    assert (unnormed - q_ref).abs().max() > 1e-2
+
+
+@needs_triton
 def test_rope_and_write_kv_into_an_fp8_cache_saturates_like_the_reference():
     """Values past fp8's range are stored as +-448; on the GPU every value equals the
     reference's (torch's rounding)."""
