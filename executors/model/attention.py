@@ -223,10 +223,9 @@ def packed_attention(
     if q.is_cuda and half and has_varlen_flash():
         # a windowed layer: each query sees itself and the window - 1 keys before it
         sides = {"window_size_left": window - 1, "window_size_right": 0} if window else {}
-        return torch.ops.aten._flash_attention_forward(
-            qs, k, v, group.cu_q, group.cu_k, max(group.q_lens), max(group.k_lens),
-            0.0, True, False, scale=scale, **sides,
-        )[0]  # fmt: skip
+        lens = (group.cu_q, group.cu_k, max(group.q_lens), max(group.k_lens))
+        flash = torch.ops.aten._flash_attention_forward
+        return flash(qs, k, v, *lens, 0.0, True, False, scale=scale, **sides)[0]
     out = torch.empty_like(qs)
     q_at = k_at = 0
     for n, ctx in zip(group.q_lens, group.k_lens, strict=True):

@@ -360,11 +360,8 @@ def paged_decode_attention(
     if not split:
         out_strides = (*out.stride()[:2], 0, 0, 0)
         grid = (num_seqs, num_kv_heads, 1)
-        _decode_kernel[grid](
-            *inputs, out, out, *tree, qk_scale, window, *input_strides, *out_strides,
-            IS_SPLIT=False,
-            **meta,
-        )  # fmt: skip
+        args = (*inputs, out, out, *tree, qk_scale, window, *input_strides, *out_strides)
+        _decode_kernel[grid](*args, IS_SPLIT=False, **meta)
         return out
     num_parts = num_partitions(max_context_len, partition_size)
     if workspace is None:
