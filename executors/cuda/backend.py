@@ -217,8 +217,8 @@ def log_family_pieces(cfg: ModelConfig) -> None:
     if not cfg.unlike_llama:
         return
     log.info(
-        f"backend cuda runs family {cfg.architecture} with CUDA graphs: its "
-        f"{', '.join(cfg.unlike_llama)} in the fused layers; torch ops inside the graphs: "
+        f"backend cuda runs family {cfg.architecture}'s {', '.join(cfg.unlike_llama)} in its "
+        "fused layers, so CUDA graphs stay on; torch ops inside them: "
         f"{', '.join(torch_pieces(cfg)) or 'none'}",
         family=cfg.architecture,
         graphs=True,

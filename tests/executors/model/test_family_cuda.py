@@ -105,6 +105,6 @@ def test_the_load_says_what_a_family_runs_on_cuda():
         log_family_pieces(phi)
         log_family_pieces(PRESETS["tiny"])
     assert [e["event"] for e in logs] == [
-        "backend cuda runs family phi3 with CUDA graphs: its partial rotary in the fused "
-        "layers; torch ops inside the graphs: partial rotary"
+        "backend cuda runs family phi3's partial rotary in its fused layers, so CUDA graphs "
+        "stay on; torch ops inside them: partial rotary"
     ]
