@@ -179,12 +179,17 @@ def roof_of(model: str) -> dict[str, Any]:
 
 
 def run_roof(model: str, out: Path) -> dict[str, Any] | None:
-    path = out / f"roof.{label(model)}.json"
+    path, log = out / f"roof.{label(model)}.json", out / f"roof.{label(model)}.log"
     cmd = [sys.executable, __file__, "--roof-of", model, "--out", str(out)]
-    done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    (out / f"roof.{label(model)}.log").write_text(done.stdout)
-    if done.returncode != 0 or not path.is_file():
-        print(f"[{label(model)}] roof failed ({done.returncode}):\n{done.stdout[-3000:]}")
+    with log.open("w") as sink:
+        try:
+            code = subprocess.run(
+                cmd, stdout=sink, stderr=subprocess.STDOUT, timeout=240
+            ).returncode
+        except subprocess.TimeoutExpired:
+            code = -1
+    if code != 0 or not path.is_file():
+        print(f"[{label(model)}] roof failed ({code}):\n{log.read_text()[-3000:]}")
         return None
     return json.loads(path.read_text())
 
@@ -263,17 +268,21 @@ def main(argv: list[str] | None = None) -> int:
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     results: dict[str, dict[str, Any]] = {label(m): {} for m in models}
     plan = [(p, m) for p in ("roof", "serve") if p in parts for m in models]
+    left: dict[str, list[str]] = {}
     for part, model in plan:
         elapsed = time.monotonic() - start
         need = ROOF_SECONDS if part == "roof" else SERVE_SECONDS
         if elapsed + need > args.budget:
             print(f"[{label(model)}] {part} left out: {elapsed:.0f} s of {args.budget:.0f} used")
+            left.setdefault(part, []).append(model)
             continue
         print(f"[{label(model)}] {part} at {elapsed:.0f} s", flush=True)
         run = run_roof(model, args.out) if part == "roof" else run_serve(model, args)
         results[label(model)][part] = run
         (args.out / "families.json").write_text(json.dumps(results, indent=2))
     text = table(results, args.num_prompts, args.request_rate)
+    for part, rest in left.items():  # what a next call should run
+        text += f"\nleft out by the budget: MODELS={','.join(rest)} PARTS={part}"
     (args.out / "families.txt").write_text(text + "\n")
     print(text)
     return 0

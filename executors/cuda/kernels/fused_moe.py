@@ -171,7 +171,7 @@ def fused_moe(x: torch.Tensor, experts: Experts, activation: str) -> torch.Tenso
     gate_up = grouped_matmul(x, experts.gate_up, entries, t * top_k, top_k)
     hidden = gated_product(gate_up, activation)  # [T k, expert width]
     down = grouped_matmul(hidden, experts.down, entries, t * top_k, 1, weights.flatten())
-    return down.view(t, top_k, -1).sum(dim=1)
+    return down.view(t, top_k, x.shape[1]).sum(dim=1)
 
 
 def experts_hit(x: torch.Tensor, experts: Experts) -> int:
