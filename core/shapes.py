@@ -37,13 +37,15 @@ def max_blocks_per_seq(max_len: int, lookahead: int, block_size: int) -> int:
 def layer_activation_elements(model: ModelConfig) -> int:
     """Elements of one token's activations inside a decoder layer on CUDA, each intermediate
     counted once: four hidden-sized (residual, norms, attention and MLP outputs), q, k and v,
-    and three of the MLP's width (gate and up, their product). The graphs' pools hold these."""
+    and three of the MLP's width (gate and up, their product); with experts, each of the
+    token's k entries' (gate and up, product, down row) and its router row in float32. The
+    graphs' pools hold these."""
     m = model
-    return (
-        4 * m.hidden_size
-        + (m.num_heads + 2 * m.num_kv_heads) * m.head_dim
-        + 3 * m.intermediate_size
-    )
+    mlp = 3 * m.intermediate_size
+    if m.is_moe:
+        entry = 3 * m.moe_intermediate_size + m.hidden_size
+        mlp = m.experts_per_token * entry + 2 * m.num_experts
+    return 4 * m.hidden_size + (m.num_heads + 2 * m.num_kv_heads) * m.head_dim + mlp
 
 
 def check_tensor_parallel(model: ModelConfig, size: int) -> None:

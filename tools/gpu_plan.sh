@@ -23,6 +23,13 @@
 #              carried), resumable: INIT=a head carried back from an earlier call's $OUT and
 #              SKIP=the questions it read; then the held-out acceptance of the new head against
 #              the shipped one (issue 60 item 3). CONVERSATIONS (default 3000) a call.
+#   families   bench_families: the decode step of random:llama-3.1-8b, qwen3-8b and qwen3-30b-a3b
+#              against its roof (the experts a step reads, for the MoE), then the seed
+#              experiment for each with 600 prompts (issue 56 item 4); MODELS=a,b and
+#              PARTS=roof|serve run a part left out by an earlier call's budget
+#   families-test  every family's CUDA tests with graphs on: the GPU parity test against
+#              transformers (needs transformers and tokenizers there), and the family, MoE and
+#              window kernel tests compiled (issue 56 items 1 and 4)
 set -euo pipefail
 out=${OUT:-out}
 
@@ -165,8 +172,25 @@ train-smol)
         --prompts .dev/seed/questions.jsonl --held-out "$held" --max-tokens 128 \
         --heads "$shipped,$out/smollm2-eagle.npz" | tee "$out/heldout.txt"
     ;;
+families)
+    setup
+    python3 benchmarks/bench_families.py --out "$out" --tokenizer .dev/seed/tokenizer.json \
+        --dataset .dev/seed/prompts.jsonl --budget 560 \
+        --models "${MODELS:-random:llama-3.1-8b,random:qwen3-8b,random:qwen3-30b-a3b}" \
+        --parts "${PARTS:-roof,serve}" 2>&1 | tee "$out/families_run.txt"
+    ;;
+families-test)
+    setup
+    (python3 -m pytest -q -p no:cacheprovider tests/executors/test_fused_moe.py \
+        tests/executors/model/test_family_cuda.py 2>&1 || true) | tail -15 \
+        | tee "$out/family_kernels.txt"
+    (python3 -m pytest -q -p no:cacheprovider tests/executors/test_kernels.py -k window 2>&1 \
+        || true) | tail -5 | tee -a "$out/family_kernels.txt"
+    (python3 -m pytest -q -p no:cacheprovider -m gpu tests/executors/model/test_family_gpu.py \
+        2>&1 || true) | tail -30 | tee "$out/family_gpu.txt"
+    ;;
 *)
-    sed -n '2,20p' "$0"
+    sed -n '2,27p' "$0"
     exit 2
     ;;
 esac

@@ -3,11 +3,12 @@ drafts at consecutive positions), read from static buffers, graph-capturable.
 
 `DecodeInputs` holds the per-step metadata (token ids, positions, KV slots, context lengths,
 block tables) in one int32 device buffer with a pinned host mirror, so a step costs one
-host-to-device copy. `DecodeForward` runs the Llama decoder over the first `bs` rows of those
-buffers with fused Triton kernels (RMSNorm + residual, rotary + KV write, paged attention,
-silu * up) and cuBLAS matmuls; it allocates only within the step and never syncs with the
-host, so `graph_runner` can capture it. Padding rows (slot -1, context 0) write no KV and
-attend to nothing.
+host-to-device copy. `DecodeForward` runs the decoder (any family's: `backend.py`) over the
+first `bs` rows of those buffers with fused Triton kernels (RMSNorm + residual, rotary + KV
+write, paged attention with the layer's window, the gated activation, the experts' grouped
+GEMMs) and cuBLAS matmuls; it allocates only within the step and never syncs with the host, so
+`graph_runner` can capture it. Padding rows (slot -1, context 0) write no KV and attend to
+nothing (their expert rows are computed and dropped).
 """
 
 from __future__ import annotations
@@ -169,10 +170,9 @@ class DecodeForward:
         model, ins = self.model, self.inputs
         tables, seq_lens, out = ins.block_tables[:bs], ins.seq_lens[:bs], self.attn_out[:bs]
 
-        def attend(q, k_cache, v_cache):
-            return paged_decode_attention(
-                q, k_cache, v_cache, tables, seq_lens, model.scale, out, self.workspace
-            )
+        def attend(q, k_cache, v_cache, window):
+            rows = (tables, seq_lens, model.scale, out, self.workspace)
+            return paged_decode_attention(q, k_cache, v_cache, *rows, window=window)
 
         residual = model.embed(ins.ids[:bs])  # [bs, hidden]
         x = self.backend.fused_layers(

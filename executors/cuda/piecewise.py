@@ -119,8 +119,8 @@ class PiecewiseRunner:
         for j in range(self.num_pieces):
             if j:  # layer j-1's attention, from the static q into the static output
                 k_cache, v_cache = self.kv[j - 1]
-                q, out = self.q[:t], self.attn_out[:t]
-                self.backend.attend(model, q, k_cache, v_cache, batch, out)
+                q, out, window = self.q[:t], self.attn_out[:t], model.layers[j - 1].window
+                self.backend.attend(model, q, k_cache, v_cache, batch, out, window)
             if graphs is None:
                 self.piece(j, n)
             else:

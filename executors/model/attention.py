@@ -220,11 +220,12 @@ def packed_attention(
     k = gather_slots(k_cache, group.kv_slots, q.dtype)  # [Nk, KVH, D]
     v = gather_slots(v_cache, group.kv_slots, q.dtype)
     half = q.dtype in (torch.float16, torch.bfloat16)
-    if q.is_cuda and half and has_varlen_flash() and not window:
-        return torch.ops.aten._flash_attention_forward(
-            qs, k, v, group.cu_q, group.cu_k, max(group.q_lens), max(group.k_lens),
-            0.0, True, False, scale=scale,
-        )[0]  # fmt: skip
+    if q.is_cuda and half and has_varlen_flash():
+        # a windowed layer: each query sees itself and the window - 1 keys before it
+        sides = {"window_size_left": window - 1, "window_size_right": 0} if window else {}
+        lens = (group.cu_q, group.cu_k, max(group.q_lens), max(group.k_lens))
+        flash = torch.ops.aten._flash_attention_forward
+        return flash(qs, k, v, *lens, 0.0, True, False, scale=scale, **sides)[0]
     out = torch.empty_like(qs)
     q_at = k_at = 0
     for n, ctx in zip(group.q_lens, group.k_lens, strict=True):
@@ -313,17 +314,19 @@ def attention(
     out: torch.Tensor | None = None,
     queries_alone: bool = False,
     window: int = 0,
+    kernel_windows: bool = False,
 ) -> torch.Tensor:
     """Attention for every token of the batch; q: [T, H, D] -> [T, H, D], into `out` if given
     (a static buffer of the piecewise graphs). On the CPU with a decode kernel, short queries
     (speculative verify) are attended as decode rows, one row a query; with `queries_alone`
     prefill chunks too, so that a token's attention is the same computation whether it was
     read in a prompt or decoded (a model whose every other operation is also row by row: q4's
-    kernels). A windowed layer (`window` > 0) is attended in torch, masked to its window: the
-    decode kernels have no window."""
+    kernels). A windowed layer (`window` > 0) is masked to its window: by the decode kernel
+    where it takes one (`kernel_windows`: CUDA's), else in torch."""
     out = torch.empty_like(q) if out is None else out
-    if window:
+    if window and not kernel_windows:
         decode_kernel = None
+    windowed = {"window": window} if window else {}
     for group in batch.groups:
         if isinstance(group, PackedGroup):
             res = packed_attention(q, k_cache, v_cache, group, scale, window)
@@ -336,18 +339,20 @@ def attention(
             tables, lens = group.block_tables, group.seq_lens
             if group.first_row >= 0:  # rows in order: the kernel reads and writes them in place
                 rows = slice(group.first_row, group.first_row + len(tables))
-                decode_kernel(q[rows], k_cache, v_cache, tables, lens, scale, out[rows])
+                decode_kernel(q[rows], k_cache, v_cache, tables, lens, scale, out[rows], **windowed)
             else:
                 index = group.token_index[:, 0]
-                out[index] = decode_kernel(q[index], k_cache, v_cache, tables, lens, scale)
+                out[index] = decode_kernel(
+                    q[index], k_cache, v_cache, tables, lens, scale, **windowed
+                )
             continue
         short = group.token_index.shape[1] <= SHORT_QUERY or group.tree_mask is not None
         if group.query_lens is not None and decode_kernel is not None and (short or queries_alone):
             # each query a decode row, as plain decode attends it (a tree's: through its path)
             index = group.valid_rows
-            tree: dict[str, torch.Tensor | None] = {}
+            tree: dict[str, torch.Tensor | int | None] = dict(windowed)
             if group.query_remap is not None:
-                tree = {"bases": group.query_bases, "remap": group.query_remap}
+                tree |= {"bases": group.query_bases, "remap": group.query_remap}
             out[index] = decode_kernel(
                 q[index], k_cache, v_cache, group.query_tables, group.query_lens, scale, **tree
             )

@@ -20,10 +20,10 @@ def pick_backend(
     """CUDA's Triton kernels on a GPU, the CPU's C kernels (where they apply) on the CPU.
     `decode_attention=False`: torch's attention for decode rows too (a draft model)."""
     if device.type == "cuda":  # imports Triton: never on a CPU-only path
-        from memstep.executors.cuda.backend import CudaBackend, log_torch_pieces
+        from memstep.executors.cuda.backend import CudaBackend, log_family_pieces
         from memstep.executors.cuda.kernels import paged_decode_attention
 
-        log_torch_pieces(cfg)
+        log_family_pieces(cfg)
         return CudaBackend(paged_decode_attention if decode_attention else None, one_rank)
     from memstep.executors.cpu.backend import CpuBackend
 

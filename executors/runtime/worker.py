@@ -206,9 +206,7 @@ class Worker:
             assert isinstance(warmup, Warmup)
             info = self._warmup(warmup.dummy_hidden)
         elif phase == "capture":
-            # a family with torch layers on CUDA runs eagerly (`executors/cuda/backend.py`)
-            fused = not self.model_cfg.unlike_llama
-            if self.device.type == "cuda" and fused:  # imports Triton: never on CPU
+            if self.device.type == "cuda":  # imports Triton: never on CPU
                 from memstep.executors.cuda.graph_runner import capture_phase, peak_figures
 
                 capture = self.lifecycle.kinds["capture"]

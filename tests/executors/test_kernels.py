@@ -115,6 +115,41 @@ def test_paged_decode_matches_reference(group_size, block_size, split):
 
 @needs_triton
 @pytest.mark.parametrize("split", [False, True], ids=["unsplit", "split"])
+def test_paged_decode_window_matches_the_torch_attention(split):
+    """A sliding-window layer's decode rows: the kernel reads only each row's last `window`
+    keys, as the engine's torch attention masks them (`attention.torch_group_attention`); with
+    64-token partitions, the 150-token row's first partition lies wholly before its window.
+    The same call without the window (the planted mistake) does not match."""
+    from memstep.executors.model.attention import build_group, torch_group_attention
+
+    generator = torch.Generator().manual_seed(31)
+    block_size, window, seq_lens = 4, 24, [1, 24, 150, 30]
+    k_cache, v_cache, tables, lens = make_paged_kv(
+        seq_lens, block_size, 2, 32, torch.float32, DEVICE, generator
+    )
+    k_cache, v_cache = k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0)
+    q = torch.randn(len(seq_lens), 6, 32, generator=generator).to(DEVICE)
+    workspace = DecodeWorkspace.allocate(4, 6, 32, tables.shape[1] * block_size, DEVICE, 64)
+    rows = tables.tolist()
+    group = build_group(list(range(4)), [1] * 4, seq_lens, rows, block_size, q.device)
+
+    out = paged_decode_attention(
+        q, k_cache, v_cache, tables, lens, 0.2, workspace=workspace, split=split, window=window
+    )
+    unwindowed = paged_decode_attention(
+        q, k_cache, v_cache, tables, lens, 0.2, workspace=workspace, split=split
+    )
+
+    expected = torch_group_attention(q, k_cache, v_cache, group, 0.2, window)[:, 0]
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    reference = paged_attention_reference(q, k_cache, v_cache, tables, lens, 0.2, window=window)
+    torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
+    assert (unwindowed - expected)[2:].abs().max() > 1e-2  # rows past the window differ
+    torch.testing.assert_close(unwindowed[:2], expected[:2], atol=1e-5, rtol=1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("split", [False, True], ids=["unsplit", "split"])
 def test_paged_decode_pads_head_dim_and_large_groups(split):
     generator = torch.Generator().manual_seed(7)
     seq_lens = [19, 3]
@@ -409,6 +444,37 @@ def test_rope_and_write_kv_matches_reference_and_skips_padding_slots(block_size,
     torch.testing.assert_close(qkv, expected[0], atol=1e-6, rtol=1e-6)  # k, v columns kept
     torch.testing.assert_close(k_cache, expected[1], atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(v_cache, expected[2], atol=0, rtol=0)
+
+
+@needs_triton
+def test_rope_and_write_kv_norms_q_and_k_heads_first():
+    """Qwen3's and Gemma 3's q/k norms inside the rotary kernel: each q and k head RMS-normed
+    with its weight, then rotated; v heads as they were. Without the norm it differs."""
+    generator = torch.Generator().manual_seed(24)
+    heads, kv_heads, head_dim, block_size = 4, 2, 16, 4
+    qkv = torch.randn(3, (heads + 2 * kv_heads) * head_dim, generator=generator).to(DEVICE)
+    angles = torch.randn(8, head_dim // 2, generator=generator).to(DEVICE)
+    cos, sin = angles.cos(), angles.sin()
+    positions = torch.tensor([1, 5, 7], dtype=torch.int32, device=DEVICE)
+    slots = torch.tensor([0, 5, 9], dtype=torch.int32, device=DEVICE)
+    q_norm, k_norm = (1 + 0.3 * torch.randn(2, head_dim, generator=generator)).to(DEVICE)
+    caches = [torch.zeros(4, block_size, kv_heads, head_dim, device=DEVICE) for _ in range(4)]
+    normed = qkv.clone()
+    for lo, hi, weight in ((0, heads, q_norm), (heads, heads + kv_heads, k_norm)):
+        part = normed[:, lo * head_dim : hi * head_dim].view(3, -1, head_dim)
+        part.copy_(rmsnorm_reference(part, weight, 1e-6))
+    plain = qkv.clone()
+
+    q = rope_and_write_kv(
+        qkv, cos, sin, positions, slots, *caches[:2], heads, (q_norm, k_norm, 1e-6)
+    )
+
+    q_ref = rope_and_write_kv_reference(normed, cos, sin, positions, slots, *caches[2:], heads)
+    torch.testing.assert_close(q, q_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(caches[0], caches[2], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(caches[1], caches[3], atol=0, rtol=0)
+    unnormed = rope_and_write_kv(plain, cos, sin, positions, slots, *caches[:2], heads)
+    assert (unnormed - q_ref).abs().max() > 1e-2
 
 
 @needs_triton

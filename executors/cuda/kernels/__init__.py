@@ -1,5 +1,5 @@
-"""Triton kernels for the decode path: paged GQA attention, (fused add +) RMSNorm, rotary +
-KV write, and SwiGLU's silu * up.
+"""Triton kernels for the decode path: paged GQA attention (with sliding windows), (fused add +)
+RMSNorm, rotary + KV write, the gated MLP's act(gate) * up, and the experts' grouped GEMMs.
 
 Each kernel has a plain-torch `*_reference` with the same signature, used by the tests.
 Without the triton extra installed only `triton_available()` is exported.
@@ -18,7 +18,12 @@ except ImportError:
     _HAS_TRITON = False
 else:
     _HAS_TRITON = True
-    from memstep.executors.cuda.kernels.activation import silu_mul, silu_mul_reference
+    from memstep.executors.cuda.kernels.activation import (
+        gated_product,
+        silu_mul,
+        silu_mul_reference,
+    )
+    from memstep.executors.cuda.kernels.fused_moe import fused_moe
     from memstep.executors.cuda.kernels.paged_attention import (
         DecodeWorkspace,
         paged_attention_reference,
@@ -40,6 +45,8 @@ __all__ = [
     "DecodeWorkspace",
     "fused_add_rmsnorm",
     "fused_add_rmsnorm_reference",
+    "fused_moe",
+    "gated_product",
     "paged_attention_reference",
     "paged_decode_attention",
     "rmsnorm",

@@ -1,7 +1,8 @@
-"""SwiGLU's elementwise half: silu(gate) * up over the fused gate_up projection, one launch.
+"""The gated MLP's elementwise half: act(gate) * up over the fused gate_up projection, one launch;
+act is SwiGLU's silu or GeGLU's tanh-approximated GELU (Gemma's).
 
-Rounding follows torch eager on `F.silu(gate) * up`: silu is rounded to the input dtype before
-the product, which is rounded again.
+Rounding follows torch eager on `F.silu(gate) * up` (and `F.gelu(gate, approximate="tanh") *
+up`): the activation is rounded to the input dtype before the product, which is rounded again.
 """
 
 from __future__ import annotations
@@ -11,10 +12,14 @@ import triton
 import triton.language as tl
 
 _BLOCK = 1024
+_ACTIVATIONS = ("silu", "gelu_tanh")
+_SQRT_2_OVER_PI = 0.7978845608028654
 
 
 @triton.jit
-def _silu_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, width, BLOCK: tl.constexpr):
+def _gated_kernel(
+    gate_up_ptr, out_ptr, stride_in, stride_out, width, BLOCK: tl.constexpr, GELU: tl.constexpr
+):
     """Grid (num_rows, cdiv(width, BLOCK)); gate is columns [0, width), up [width, 2 width)."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -22,14 +27,21 @@ def _silu_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, width, BLOCK: 
     gate = tl.load(gate_up_ptr + row * stride_in + offs, mask=mask, other=0.0)
     up = tl.load(gate_up_ptr + row * stride_in + width + offs, mask=mask, other=0.0)
     g = gate.to(tl.float32)
-    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
-    out = (silu * up.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    if GELU:  # 0.5 g (1 + tanh(u)) = g sigmoid(2u)
+        act = g * tl.sigmoid(2.0 * _SQRT_2_OVER_PI * (g + 0.044715 * g * g * g))
+    else:
+        act = g / (1.0 + tl.exp(-g))
+    out = (act.to(gate.dtype).to(tl.float32) * up.to(tl.float32)).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_out + offs, out, mask=mask)
 
 
-def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """gate_up: [N, 2 I] -> silu(gate_up[:, :I]) * gate_up[:, I:] as [N, I], written to out
-    (allocated when None)."""
+def gated_product(
+    gate_up: torch.Tensor, activation: str = "silu", out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """gate_up: [N, 2 I] -> act(gate_up[:, :I]) * gate_up[:, I:] as [N, I], written to out
+    (allocated when None); `activation` is "silu" or "gelu_tanh"."""
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"unknown MLP activation {activation!r}: the kernel has {_ACTIVATIONS}")
     num_rows, double = gate_up.shape
     width = double // 2
     if double % 2 or gate_up.stride(1) != 1:
@@ -41,8 +53,14 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
     if num_rows == 0:
         return out
     grid = (num_rows, triton.cdiv(width, _BLOCK))
-    _silu_mul_kernel[grid](gate_up, out, gate_up.stride(0), out.stride(0), width, BLOCK=_BLOCK)
+    gelu = activation == "gelu_tanh"
+    _gated_kernel[grid](gate_up, out, gate_up.stride(0), out.stride(0), width, _BLOCK, gelu)
     return out
+
+
+def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """SwiGLU's `gated_product`."""
+    return gated_product(gate_up, "silu", out)
 
 
 def silu_mul_reference(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

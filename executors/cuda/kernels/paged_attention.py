@@ -51,6 +51,7 @@ def _decode_kernel(
     bases_ptr,
     remap_ptr,
     qk_scale,
+    window,
     stride_q_seq,
     stride_q_head,
     stride_k_block,
@@ -81,7 +82,8 @@ def _decode_kernel(
     """Grid (num_seqs, num_kv_heads, num_partitions). Unsplit: writes out. Split: writes the
     partition's normalised output and its log2-sum-exp, for `_merge_partitions_kernel`. With
     HAS_TREE a row's positions from bases[seq] on are read at remap[seq, p - base] (a draft
-    tree node's ancestors, then itself)."""
+    tree node's ancestors, then itself). `window` > 0: only the last `window` positions are
+    read (a sliding-window layer); a partition wholly before them is live but empty."""
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
@@ -92,6 +94,9 @@ def _decode_kernel(
     else:
         start = 0
         end = seq_len
+    first = start
+    if window > 0:
+        first = tl.maximum(start, seq_len - window)
 
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -113,7 +118,7 @@ def _decode_kernel(
     block_table = block_tables_ptr + seq * stride_bt_seq
     k_head = k_cache_ptr + kv_head * stride_k_head
     v_head = v_cache_ptr + kv_head * stride_v_head
-    for tile_start in range(start, end, BLOCK_N):
+    for tile_start in range(first, end, BLOCK_N):
         offs_n = tile_start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
         pos = offs_n
@@ -310,8 +315,10 @@ def paged_decode_attention(
     split: bool | None = None,
     bases: torch.Tensor | None = None,
     remap: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Attention of one query token per sequence over its cached positions 0..seq_len-1.
+    """Attention of one query token per sequence over its cached positions 0..seq_len-1
+    (with `window` > 0 over the last `window` of them only: a sliding-window layer's).
 
     q: [num_seqs, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size,
     num_kv_heads, head_dim]; block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs]
@@ -348,13 +355,13 @@ def paged_decode_attention(
         0 if remap is None else remap.stride(0),
     )
     qk_scale = scale * _LOG2E
+    if window < 0:
+        raise ValueError(f"window {window} must be 0 (none) or a positive number of tokens")
     if not split:
         out_strides = (*out.stride()[:2], 0, 0, 0)
         grid = (num_seqs, num_kv_heads, 1)
-        _decode_kernel[grid](
-            *inputs, out, out, *tree, qk_scale, *input_strides, *out_strides, IS_SPLIT=False,
-            **meta,
-        )  # fmt: skip
+        args = (*inputs, out, out, *tree, qk_scale, window, *input_strides, *out_strides)
+        _decode_kernel[grid](*args, IS_SPLIT=False, **meta)
         return out
     num_parts = num_partitions(max_context_len, partition_size)
     if workspace is None:
@@ -371,6 +378,7 @@ def paged_decode_attention(
         partial_lse,
         *tree,
         qk_scale,
+        window,
         *input_strides,
         *partial_strides,
         IS_SPLIT=True,
@@ -424,6 +432,7 @@ def paged_attention_reference(
     seq_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Plain-torch definition of `paged_decode_attention`: gather pages, masked fp32 softmax."""
     num_seqs, num_heads, head_dim = q.shape
@@ -431,6 +440,8 @@ def paged_attention_reference(
     group_size = num_heads // num_kv_heads
     positions = torch.arange(block_tables.shape[1] * block_size, device=q.device)
     is_valid = positions[None, :] < seq_lens[:, None].long()  # [num_seqs, T]
+    if window:
+        is_valid &= positions[None, :] >= seq_lens[:, None].long() - window
     # unused table entries may hold anything: point them at page 0 before gathering
     pages = torch.where(is_valid, block_tables.long()[:, positions // block_size], 0)
     slots = positions % block_size

@@ -24,6 +24,24 @@ def _as_cached(x, cache_ptr, LIMIT: tl.constexpr):
 
 
 @triton.jit
+def _head_norm(x1, x2, is_q, is_k, q_norm_ptr, k_norm_ptr, offs, mask_d, half, eps):
+    """q and k heads' RMSNorm over both halves ([HEADS, HALF_PAD] each); v heads unchanged."""
+    f1 = x1.to(tl.float32)
+    f2 = x2.to(tl.float32)
+    rstd = tl.rsqrt((tl.sum(f1 * f1, 1) + tl.sum(f2 * f2, 1)) / (2 * half) + eps)[:, None]
+    wq1 = tl.load(q_norm_ptr + offs, mask=mask_d, other=0.0).to(tl.float32)[None, :]
+    wq2 = tl.load(q_norm_ptr + half + offs, mask=mask_d, other=0.0).to(tl.float32)[None, :]
+    wk1 = tl.load(k_norm_ptr + offs, mask=mask_d, other=0.0).to(tl.float32)[None, :]
+    wk2 = tl.load(k_norm_ptr + half + offs, mask=mask_d, other=0.0).to(tl.float32)[None, :]
+    w1 = tl.where(is_q[:, None], wq1, wk1)
+    w2 = tl.where(is_q[:, None], wq2, wk2)
+    n1 = ((f1 * rstd).to(x1.dtype).to(tl.float32) * w1).to(x1.dtype)
+    n2 = ((f2 * rstd).to(x2.dtype).to(tl.float32) * w2).to(x2.dtype)
+    is_qk = (is_q | is_k)[:, None]
+    return tl.where(is_qk, n1, x1), tl.where(is_qk, n2, x2)
+
+
+@triton.jit
 def _rope_kv_kernel(
     qkv_ptr,
     cos_ptr,
@@ -32,6 +50,9 @@ def _rope_kv_kernel(
     slots_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    q_norm_ptr,
+    k_norm_ptr,
+    eps,
     stride_qkv,
     stride_cos,
     stride_k_block,
@@ -47,10 +68,13 @@ def _rope_kv_kernel(
     BLOCK_SIZE: tl.constexpr,
     HEADS: tl.constexpr,
     KV_LIMIT: tl.constexpr,
+    QK_NORM: tl.constexpr,
 ):
     """Grid (num_tokens, cdiv(num_heads + 2 * num_kv_heads, HEADS)): HEADS consecutive heads of
     the q, k, v rows of one token per program. q heads are rotated in place in qkv; k heads are
-    rotated into the cache; v heads are copied there."""
+    rotated into the cache; v heads are copied there. With QK_NORM each q and k head is first
+    RMS-normed with its weight (q_norm, k_norm: [HEAD_DIM]), rounded as the RMSNorm kernel
+    rounds."""
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)  # [HEADS]
     half = HEAD_DIM // 2
@@ -63,6 +87,8 @@ def _rope_kv_kernel(
     live = (is_q | is_k | is_v)[:, None] & mask_d[None, :]
     x1 = tl.load(rows, mask=live, other=0.0)
     x2 = tl.load(rows + half, mask=live, other=0.0)
+    if QK_NORM:
+        x1, x2 = _head_norm(x1, x2, is_q, is_k, q_norm_ptr, k_norm_ptr, offs, mask_d, half, eps)
     pos = tl.load(positions_ptr + token).to(tl.int64)
     cos = tl.load(cos_ptr + pos * stride_cos + offs, mask=mask_d, other=0.0)[None, :]
     sin = tl.load(sin_ptr + pos * stride_cos + offs, mask=mask_d, other=0.0)[None, :]
@@ -104,9 +130,12 @@ def rope_and_write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     num_heads: int,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """qkv: [T, (H + 2 * KVH) * D] rows of q, k, v heads; cos, sin: [P, D/2] fp32 tables;
-    positions, slots: [T] integer; k_cache, v_cache: [num_blocks, block_size, KVH, D].
+    positions, slots: [T] integer; k_cache, v_cache: [num_blocks, block_size, KVH, D];
+    `qk_norm`: (q_norm, k_norm, eps), each q and k head RMS-normed first ([D] weights: Qwen3's,
+    Gemma 3's).
 
     Rotates q in place (returned as a [T, H, D] view of qkv) and writes rotated k and plain v
     to flat slot `slots[t]` of the caches (nothing where the slot is negative). Allocates
@@ -122,6 +151,9 @@ def rope_and_write_kv(
     q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
     if num_tokens == 0:
         return q
+    q_norm, k_norm, eps = qk_norm if qk_norm is not None else (cos, cos, 0.0)
+    if qk_norm is not None and (q_norm.shape != (head_dim,) or k_norm.shape != (head_dim,)):
+        raise ValueError(f"q/k norm weights must be [{head_dim}]")
     grid = (num_tokens, triton.cdiv(num_heads + 2 * num_kv_heads, _HEADS_PER_PROGRAM))
     _rope_kv_kernel[grid](
         qkv,
@@ -131,6 +163,9 @@ def rope_and_write_kv(
         slots,
         k_cache,
         v_cache,
+        q_norm,
+        k_norm,
+        eps,
         qkv.stride(0),
         cos.stride(0),
         *k_cache.stride()[:3],
@@ -142,6 +177,7 @@ def rope_and_write_kv(
         BLOCK_SIZE=block_size,
         HEADS=_HEADS_PER_PROGRAM,
         KV_LIMIT=KV_FP8_MAX if k_cache.dtype == KV_FP8 else 0.0,
+        QK_NORM=qk_norm is not None,
         num_warps=4,
     )
     return q
