@@ -14,7 +14,6 @@
 #              (issue 43 items 1 and 4)
 #   eagle-gpu  EAGLE on CUDA against the CPU (tests/executors/test_eagle_gpu.py) and bench_spec's
 #              eagle at one stream (issue 60 item 2)
-#   families   every model family on CUDA against transformers (issue 56 item 1)
 #   seed-leak  the seed experiment with the hidden-state leak planted (1,200 prompts), then clean
 #              (7,200): caught within 50 steps, and 0 reports (issue 57 item 4)
 #   gguf-gpu   (the third GGUF part carried) LLM.close, the leak corpus's CUDA half and EAGLE on
@@ -126,12 +125,6 @@ eagle-gpu)
     PYTHONPATH=$PYTHONPATH:/tmp/s2 python3 benchmarks/bench_spec.py --device cuda \
         --model smollm2 --tokens 128 --concurrency 1 --workloads free,copy \
         --methods none,eagle --k 2 --rounds 3 | tee "$out/spec_eagle.txt"
-    ;;
-families)
-    setup
-    keep_parts
-    python3 -m pytest -q -p no:cacheprovider -m gpu tests/executors/model/test_family_gpu.py \
-        2>&1 | tail -40 | tee "$out/families.txt"
     ;;
 seed-leak)
     setup
