@@ -13,7 +13,6 @@ import triton.language as tl
 
 _BLOCK = 1024
 _ACTIVATIONS = ("silu", "gelu_tanh")
-_SQRT_2_OVER_PI = 0.7978845608028654
 
 
 @triton.jit
@@ -27,8 +26,8 @@ def _gated_kernel(
     gate = tl.load(gate_up_ptr + row * stride_in + offs, mask=mask, other=0.0)
     up = tl.load(gate_up_ptr + row * stride_in + width + offs, mask=mask, other=0.0)
     g = gate.to(tl.float32)
-    if GELU:  # 0.5 g (1 + tanh(u)) = g sigmoid(2u)
-        act = g * tl.sigmoid(2.0 * _SQRT_2_OVER_PI * (g + 0.044715 * g * g * g))
+    if GELU:  # 0.5 g (1 + tanh(u)) = g sigmoid(2u), u = sqrt(2 / pi) (g + 0.044715 g^3)
+        act = g * tl.sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g))  # 2 sqrt(2 / pi)
     else:
         act = g / (1.0 + tl.exp(-g))
     out = (act.to(gate.dtype).to(tl.float32) * up.to(tl.float32)).to(out_ptr.dtype.element_ty)
