@@ -234,9 +234,10 @@ def test_aiperf_per_chunk_usage_profile_has_no_errors_and_memsteps_counts(server
         }
         for record, rid in zip(records, ids, strict=True):
             assert record["payload"]["stream_options"]["continuous_usage_stats"] is True
-            usages = _chunk_usages(record)
-            assert len(usages) > 64 and all(u is not None for u in usages)  # one a chunk
-            assert usages[-1]["completion_tokens"] == 64
             done, got = finished[rid], metrics[rid]
+            assert 1 <= done.completion_tokens <= 64  # aiperf sends no ignore_eos: EOS may end it
+            usages = _chunk_usages(record)
+            assert len(usages) > done.completion_tokens and None not in usages  # one a chunk
+            assert usages[-1]["completion_tokens"] == done.completion_tokens
             assert got["input_sequence_length"]["value"] == done.prompt_tokens
-            assert got["output_sequence_length"]["value"] == done.completion_tokens == 64
+            assert got["output_sequence_length"]["value"] == done.completion_tokens
