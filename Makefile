@@ -8,8 +8,13 @@ TORCH_SPEC ?= torch==2.13.0
 # test processes (pytest-xdist; each file's tests stay in one, its fixtures built once there)
 TEST_WORKERS ?= 2
 STAMP := $(VENV)/.installed-$(shell echo '$(TORCH_SPEC)' | tr -c 'a-zA-Z0-9.\n' '_')
+# aiperf, which tests/api/test_third_party_clients.py drives as a command, in a venv of its own:
+# it pins pyzmq and transformers below .venv's
+AIPERF_VENV := .venv-aiperf
+AIPERF_SPEC := aiperf==0.13.0
+AIPERF_STAMP := $(AIPERF_VENV)/.installed-$(subst =,_,$(AIPERF_SPEC))
 
-.PHONY: install run test test-gpu lint bench clean
+.PHONY: install install-aiperf run test test-gpu lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -21,6 +26,13 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+$(AIPERF_STAMP):
+	test -x $(AIPERF_VENV)/bin/python || $(PYTHON) -m venv $(AIPERF_VENV)
+	$(AIPERF_VENV)/bin/python -m pip install -q "$(AIPERF_SPEC)"
+	touch $@
+
+install-aiperf: $(AIPERF_STAMP)
+
 run: install
 	$(BIN)/memstep generate --prompt "What is the capital of France?" --greedy
 
@@ -29,11 +41,11 @@ lint: install
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy .
 
-test: install lint
+test: install install-aiperf lint
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=20
 
 test-gpu: install
 	$(BIN)/python -m pytest -q -m gpu
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(AIPERF_VENV) build *.egg-info

@@ -132,6 +132,7 @@ def generate_request(
     special_tokens_in_messages: bool = False,
     batch_deltas: bool = False,
     chat_template_kwargs: dict[str, Any] | None = None,
+    add_special_tokens: bool = False,
 ) -> GenerateRequest:
     """A GenerateRequest from the arguments of `generate`; a list prompt is token ids."""
     text, ids = (None, prompt) if isinstance(prompt, list) else (prompt, None)
@@ -146,6 +147,7 @@ def generate_request(
         special,
         batch_deltas=batch_deltas,
         chat_template_kwargs=extra,
+        add_special_tokens=add_special_tokens,
     )
 
 
@@ -234,17 +236,20 @@ class Client:
         request_id: str | None = None,
         special_tokens_in_messages: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        add_special_tokens: bool = False,
         **params: Any,
     ) -> GenerateDone | Stream:
         """Text prompt, token ids or chat `messages`; `params` are SamplingParams fields.
 
         `special_tokens_in_messages` reads "<|im_start|>" in a message as the control token;
-        `chat_template_kwargs` are more variables for the chat template.
+        `chat_template_kwargs` are more variables for the chat template; `add_special_tokens`
+        adds the tokenizer's own special tokens (a BOS, say) around a text's or a chat's ids.
         """
         rid = request_id or self._new_id()
         special = special_tokens_in_messages
-        extra = chat_template_kwargs
-        self._send(generate_request(rid, prompt, messages, stream, params, special, False, extra))
+        extra, added = chat_template_kwargs, add_special_tokens
+        msg = generate_request(rid, prompt, messages, stream, params, special, False, extra, added)
+        self._send(msg)
         if stream:
             return Stream(self, rid)
         while not isinstance(msg := self._next(rid), GenerateDone):
@@ -434,13 +439,15 @@ class AsyncClient:
         request_id: str | None = None,
         special_tokens_in_messages: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        add_special_tokens: bool = False,
         **params: Any,
     ) -> GenerateDone | AsyncStream:
         """As `Client.generate`; with `stream=True` an async iterator of GenerateDelta (taken
         from the server in one GenerateDeltas a step with this client's other streams)."""
         rid = request_id or self._new_id()
         special, extra = special_tokens_in_messages, chat_template_kwargs
-        msg = generate_request(rid, prompt, messages, stream, params, special, stream, extra)
+        added = add_special_tokens
+        msg = generate_request(rid, prompt, messages, stream, params, special, stream, extra, added)
         await self._send(msg)
         if stream:
             return AsyncStream(self, rid)

@@ -7,8 +7,10 @@
     print(llm.chat([{"role": "user", "content": "Hi!"}])[0].outputs[0].text)
 
 One call runs every prompt (times `n`) as one continuous batch, with a progress bar over the
-requests as they finish.  Choice j of a prompt samples with seed + j, so `n` choices differ while
-a given seed still reproduces the whole result.
+requests as they finish.  Without `sampling_params` it samples with the model's own defaults
+(`get_default_sampling_params()`: SmolLM2's temperature 0.2 and top-p 0.9), as vLLM's `LLM` does
+under `generation_config="auto"`; given params are taken as they are.  Choice j of a prompt
+samples with seed + j, so `n` choices differ while a given seed still reproduces the whole result.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from tqdm import tqdm
 from memstep.core import sampling_params as core_params
 from memstep.core.config import EngineConfig, with_vllm_names
 from memstep.core.engine import Engine
+from memstep.core.generation_config import sampling_defaults
 from memstep.core.logging import setup_logging
 from memstep.core.sampling_params import InvalidRequest
 from memstep.executors.process.inprocess import local_engine, release_device_cache
@@ -110,6 +113,14 @@ class LLM:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The params a call without any samples with: the model's defaults under
+        `generation_config` ("auto": its generation_config.json or, for the shipped SmolLM2, its
+        card's; "vllm": SamplingParams' bare ones), as vLLM's method of that name."""
+        return SamplingParams(
+            **sampling_defaults(self.engine.source, self.engine.cfg.generation_config)
+        )
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -140,7 +151,7 @@ class LLM:
         params: SamplingParams | core_params.SamplingParams | None,
         use_tqdm: bool,
     ) -> list[RequestOutput]:
-        params = params if params is not None else SamplingParams()
+        params = params if params is not None else self.get_default_sampling_params()
         n = getattr(params, "n", 1)
         choices = [
             params.for_choice(j) if isinstance(params, SamplingParams) else params for j in range(n)

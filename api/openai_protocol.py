@@ -63,16 +63,13 @@ STRUCTURED_KEYS = {
 }
 COMMON_FIELDS |= set(SAMPLING_FIELDS) | set(GUIDED_FIELDS) | {"response_format"}
 COMMON_FIELDS |= {"structured_outputs", "prompt_logprobs", "skip_special_tokens"}
-COMMON_FIELDS |= {"max_completion_tokens"}
+COMMON_FIELDS |= {"max_completion_tokens", "add_special_tokens"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of"}
 COMPLETION_FIELDS |= set(vllm_fields.COMPLETION_FIELDS)
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "chat_template_kwargs"}
 CHAT_FIELDS |= {"tools", "tool_choice", "parallel_tool_calls"} | set(vllm_fields.CHAT_FIELDS)
 MAX_N = 16
 MAX_STOP = 256  # stop strings a request may give (vLLM sets no limit; OpenAI's is 4)
-TOKENS_ADDED = (
-    "add_special_tokens true is not supported: no BOS or other token is added to a prompt"
-)
 
 
 class OpenAIError(Exception):
@@ -142,7 +139,7 @@ def parse_completion(body: Any, model: str) -> Job:
     if body.get("best_of") not in (None, 1):
         raise bad("best_of other than 1 is not supported", "best_of")
     top = _int(body, "logprobs", 0, 5)
-    prompts = [{"prompt": p} for p in _prompts(body.get("prompt"))]
+    prompts = [{"prompt": p} | _special_tokens(body) for p in _prompts(body.get("prompt"))]
     max_tokens, echo = _max_tokens(body, 0), _bool(body, "echo")
     if max_tokens == 0 and not echo:
         raise bad("max_tokens 0 needs echo: true (the prompt alone)", "max_tokens")
@@ -177,13 +174,22 @@ def parse_chat(body: Any, model: str) -> Job:
     elif top is None:
         top = 0
     max_tokens = _max_tokens(body, 1)
-    source: dict[str, Any] = {"messages": messages}
+    source: dict[str, Any] = {"messages": messages} | _special_tokens(body)
     extra = body.get("chat_template_kwargs")
     if extra is not None:  # vLLM's: more variables for the template, e.g. enable_thinking
         if not isinstance(extra, dict):
             raise bad("chat_template_kwargs must be an object", "chat_template_kwargs")
         source["chat_template_kwargs"] = extra
     return _job(body, model, True, [source], max_tokens, top, tools)
+
+
+def _special_tokens(body: dict) -> dict[str, bool]:
+    """vLLM's add_special_tokens: true adds the tokenizer's own special tokens (a BOS, say;
+    SmolLM2's adds none) around the prompt's ids, on top of a chat template's; false or absent,
+    none (vLLM's default for a chat; for a completion vLLM's is true)."""
+    if body.get("add_special_tokens") is None or not _bool(body, "add_special_tokens"):
+        return {}
+    return {"add_special_tokens": True}
 
 
 def _max_tokens(body: dict, low: int) -> int | None:
@@ -200,18 +206,20 @@ def parse_tokenize(body: Any, model: str) -> TokenizeRequest:
     _model(body, model)
     if body.get("add_generation_prompt") is False:
         raise bad("add_generation_prompt false is not supported", "add_generation_prompt")
-    if body.get("add_special_tokens") not in (None, False):  # lm-eval sends false
-        raise bad(TOKENS_ADDED, "add_special_tokens")
     extra = body.get("chat_template_kwargs") or {}
     if not isinstance(extra, dict) or (extra and "messages" not in body):
         raise bad("chat_template_kwargs must be an object, with messages", "chat_template_kwargs")
     if ("prompt" in body) == ("messages" in body):
         raise bad("give exactly one of prompt, messages")
+    added = bool(_special_tokens(body))
     if "messages" in body:
-        return TokenizeRequest("", messages=_messages(body["messages"]), chat_template_kwargs=extra)
+        messages = _messages(body["messages"])
+        return TokenizeRequest(
+            "", messages=messages, chat_template_kwargs=extra, add_special_tokens=added
+        )
     if not isinstance(body["prompt"], str):
         raise bad("prompt must be a string", "prompt")
-    return TokenizeRequest("", prompt=body["prompt"])
+    return TokenizeRequest("", prompt=body["prompt"], add_special_tokens=added)
 
 
 def parse_detokenize(body: Any, model: str) -> TokenizeRequest:

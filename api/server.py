@@ -722,7 +722,8 @@ class Server:
         self.last_sent.setdefault(inf.peer, now)
 
     def _prompt(self, msg: GenerateRequest | TokenizeRequest) -> str | list[int]:
-        """Text or token ids; chat messages become ids here, so their text stays plain text."""
+        """Text or token ids; chat messages become ids here, so their text stays plain text; a
+        text's or a chat's ids with the tokenizer's special tokens where `add_special_tokens`."""
         ids = msg.prompt_token_ids if isinstance(msg, GenerateRequest) else msg.token_ids
         given = [x for x in (msg.prompt, ids, msg.messages) if x is not None]
         if len(given) != 1:
@@ -731,16 +732,19 @@ class Server:
         extra = msg.chat_template_kwargs
         if any(not isinstance(key, str) for key in extra):
             raise InvalidRequest("chat_template_kwargs must map names (strings) to values")
+        tok = self.engine.tokenizer
         if msg.messages is None:
             if extra:
                 raise InvalidRequest("chat_template_kwargs goes with messages only")
+            if msg.add_special_tokens and isinstance(given[0], str):
+                return tok.with_special_tokens(tok.encode(given[0]))
             return given[0]
         if not msg.messages:
             raise InvalidRequest("messages is empty")
         if any(set(m) != {"role", "content"} for m in msg.messages):
             raise InvalidRequest("every message needs exactly the keys 'role' and 'content'")
-        special, extra = msg.special_tokens_in_messages, msg.chat_template_kwargs
-        return self.engine.tokenizer.encode_chat(msg.messages, special, extra)
+        ids = tok.encode_chat(msg.messages, msg.special_tokens_in_messages, extra)
+        return tok.with_special_tokens(ids) if msg.add_special_tokens else ids
 
     def _tokenize(self, msg: TokenizeRequest) -> TokenizeReply:
         """A prompt's token ids as a generate request would read it, or token ids' text."""

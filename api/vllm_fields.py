@@ -35,13 +35,11 @@ BOTH: dict[str, tuple[tuple[Any, ...], str]] = {
     "request_id": ((), "give the request's id in the X-Request-Id header"),
 }
 COMPLETION_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
-    "add_special_tokens": ((False,), "no BOS or other token is added to a prompt's text"),
     "prompt_embeds": ((), "prompt embeddings are not supported"),
 }
 CHAT_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     "add_generation_prompt": ((True,), "a chat is always read with the generation prompt"),
     "continue_final_message": ((False,), "a chat's final message is not continued"),
-    "add_special_tokens": ((False,), "the chat template writes a chat's special tokens"),
     "include_reasoning": ((True,), "no reasoning parser runs: reasoning stays in the content"),
     "documents": ((), "documents are not passed to the chat template"),
     "chat_template": ((), "the server's chat template is used (memstep serve --chat-template)"),

@@ -34,6 +34,8 @@ class Tokenizer(Protocol):
 
     def token_bytes(self) -> list[bytes] | None: ...
 
+    def with_special_tokens(self, ids: list[int]) -> list[int]: ...
+
     def hf_config(self) -> dict[str, Any]: ...
 
 
@@ -55,11 +57,18 @@ class HFTokenizer:
             i for i, added in tok.get_added_tokens_decoder().items() if added.special
         )
         self._template = ChatTemplate(chat_template, bos) if chat_template else None
+        self._added = _added_around(tok)
         self.eos_token_ids = eos
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def with_special_tokens(self, ids: list[int]) -> list[int]:
+        """`ids` with the special tokens this tokenizer's post-processor adds around a text (a
+        BOS, say; SmolLM2's adds none): Hugging Face's and vLLM's `add_special_tokens=True`."""
+        before, after = self._added
+        return [*before, *ids, *after]
 
     def hf_config(self) -> dict[str, Any]:
         """The tokenizer_config.json that goes beside tokenizer.json for transformers to load
@@ -141,6 +150,16 @@ class HFTokenizer:
         for m in messages:
             if self._special_ids.intersection(self.encode(m["role"])):
                 raise InvalidRequest(f"message role {m['role']!r} holds a special token")
+
+
+def _added_around(tok: Any) -> tuple[list[int], list[int]]:
+    """The ids `tok`'s post-processor puts before and after a text's (found around a probe)."""
+    plain = list(tok.encode("a", add_special_tokens=False).ids)
+    whole = list(tok.encode("a", add_special_tokens=True).ids)
+    for start in range(len(whole) - len(plain) + 1):
+        if whole[start : start + len(plain)] == plain:
+            return whole[:start], whole[start + len(plain) :]
+    raise ModelError("the tokenizer's post-processor changes a text's own tokens")
 
 
 def _without_special_tokens(tok: Any) -> Any:
@@ -238,6 +257,10 @@ class ByteTokenizer:
         """Bytes have no special tokens to forge, and no template to take variables: the
         options change nothing."""
         return self.encode(self.apply_chat_template(messages))
+
+    def with_special_tokens(self, ids: list[int]) -> list[int]:
+        """Bytes have no special tokens to add."""
+        return list(ids)
 
     def hf_config(self) -> dict[str, Any]:
         """Bytes have no Hugging Face form: no special tokens or template to name."""

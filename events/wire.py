@@ -46,6 +46,9 @@ class GenerateRequest:
     batch_deltas: bool = False
     # variables for the chat template beside `messages` (vLLM's, e.g. {"enable_thinking": false})
     chat_template_kwargs: dict = attrs.Factory(dict)
+    # the tokenizer's own special tokens (a BOS, say) added around a text prompt's or a chat's
+    # ids, as Hugging Face's and vLLM's add_special_tokens=True; token ids are taken as given
+    add_special_tokens: bool = False
 
 
 @record
@@ -77,6 +80,7 @@ class TokenizeRequest:
     special_tokens_in_messages: bool = False
     chat_template_kwargs: dict = attrs.Factory(dict)  # as the GenerateRequest's
     tokenizer_info: bool = False  # instead: the tokenizer's config (TokenizeReply.config)
+    add_special_tokens: bool = False  # as the GenerateRequest's
 
 
 @record

@@ -505,8 +505,17 @@ def test_tokenizer_info_and_tokenize_as_lm_eval_reads_them(server):
     tokenize = server.http_url + "/tokenize"
     eos = httpx.post(tokenize, json={"prompt": info["eos_token"], "add_special_tokens": False})
     assert eos.json()["tokens"] == [2]  # SmolLM2's <|im_end|>
-    refused = httpx.post(tokenize, json={"prompt": "x", "add_special_tokens": True})
-    assert refused.status_code == 400 and refused.json()["error"]["param"] == "add_special_tokens"
+    # vLLM's add_special_tokens true: SmolLM2's tokenizer adds none around a text
+    added = httpx.post(tokenize, json={"prompt": "x y", "add_special_tokens": True})
+    plain = httpx.post(tokenize, json={"prompt": "x y"})
+    assert added.status_code == 200 and added.json()["tokens"] == plain.json()["tokens"]
+    for route, ask in (
+        ("completions", {"prompt": "x y"}),
+        ("chat/completions", {"messages": QUESTION}),
+    ):
+        body = {"model": "smollm2", **ask, "max_tokens": 1, "add_special_tokens": True}
+        taken = httpx.post(f"{server.http_url}/v1/{route}", json=body)
+        assert taken.status_code == 200, taken.text
 
 
 def test_a_request_without_sampling_values_takes_the_models_defaults(sdk):

@@ -9,6 +9,7 @@ import pytest
 
 from memstep import LLM, SamplingParams
 from memstep.core.sampling_params import InvalidRequest
+from memstep.events.types import RequestAdded
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +44,21 @@ def test_generate_n_choices_distinct_and_seeded(llm):
     ]
     assert first[0].prompt == "The capital of France is" and first[1].prompt is None
     assert first[1].prompt_token_ids == [504, 3575, 282]
+
+
+def test_without_params_it_samples_with_the_models_defaults(llm):
+    """As vLLM's LLM under generation_config "auto": SmolLM2's card's temperature 0.2 and top-p
+    0.9 (the engine's RequestAdded record holds what it sampled with), not bare temperature 1.0;
+    params given are taken as they are."""
+    assert llm.get_default_sampling_params() == SamplingParams(temperature=0.2, top_p=0.9)
+    added: list[RequestAdded] = []
+    llm.engine.sinks.append(lambda rec: added.append(rec) if isinstance(rec, RequestAdded) else 0)
+    try:
+        llm.generate("The capital of France is", use_tqdm=False)
+        llm.generate("Hi", SamplingParams(max_tokens=2), use_tqdm=False)
+    finally:
+        llm.engine.sinks.pop()
+    assert [(a.params["temperature"], a.params["top_p"]) for a in added] == [(0.2, 0.9), (1.0, 1.0)]
 
 
 def test_a_progress_bar_counts_the_requests(llm, capsys):

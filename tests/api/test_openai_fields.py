@@ -58,7 +58,6 @@ def test_vllm_fields_at_values_that_change_nothing_are_taken(parse, body):
     [
         (parse_completion, {"prompt": "x", "use_beam_search": True}, "beam search"),
         (parse_completion, {"prompt": "x", "priority": 1}, "priority 1 is not supported"),
-        (parse_completion, {"prompt": "x", "add_special_tokens": True}, "no BOS"),
         (parse_chat, {"messages": ASK, "add_generation_prompt": False}, "generation prompt"),
         (parse_chat, {"messages": ASK, "chat_template": "{{ x }}"}, "--chat-template"),
         (parse_chat, {"messages": ASK, "cache_salt": "a"}, "prefix cache is shared"),
@@ -104,3 +103,16 @@ def test_legacy_top_logprobs_hold_the_chosen_token():
     tokens.append([7, "c", -3.0, [[5, "a", -0.4], [6, "b", -0.9]]])  # sampled outside the top 2
     top = format_logprobs(job, tokens, 0)["top_logprobs"]
     assert top == [{"a": -0.5, "b": -1.0}, {"a": -0.4, "b": -0.9, "c": -3.0}]
+
+
+def test_add_special_tokens_true_is_taken_on_both_routes_and_reaches_the_core():
+    """vLLM's meaning: the tokenizer's own special tokens around the prompt's ids (the core adds
+    them: api/server.py); false or null, nothing; anything else, a 400."""
+    for parse, plain in ((parse_completion, {"prompt": "x"}), (parse_chat, {"messages": ASK})):
+        asked = parse({"model": "m", **plain, "add_special_tokens": True}, "m").prompts
+        assert [p.get("add_special_tokens") for p in asked] == [True]
+        for value in (False, None):
+            body = {"model": "m", **plain, "add_special_tokens": value}
+            assert parse(body, "m") == parse({"model": "m", **plain}, "m")
+        with pytest.raises(OpenAIError, match="must be a boolean"):
+            parse({"model": "m", **plain, "add_special_tokens": "yes"}, "m")

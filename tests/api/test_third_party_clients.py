@@ -2,10 +2,10 @@
 float32, unquantized weights): LangChain's ChatOpenAI (chat, stream, a strict tool call),
 lm-eval's `local-completions` with `tokenizer_backend=auto` and no tokenizer set up (a local
 multiple-choice task and a rolling one; their log-likelihoods against transformers' on the same
-weights), and guidellm's default streamed request shape (its token counts against memstep's).
-The `openai` SDK's checks are in test_http_openai.py; aiperf cannot be installed beside this venv
-(it pins older pyzmq and transformers): its `--per-chunk-usage` request is vLLM's
-continuous_usage_stats, tested there."""
+weights), guidellm's default streamed request shape and aiperf's `--per-chunk-usage` profile
+(their token counts against memstep's). aiperf pins older pyzmq and transformers than this venv's,
+so it runs from a venv of its own that `make test` builds (`make install-aiperf`). The `openai`
+SDK's checks are in test_http_openai.py."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,9 @@ import torch
 
 from memstep.cli.serve import ServerProcess
 from memstep.core.model_source import shipped_gguf_path
+from memstep.events.log import read_log
+from memstep.events.types import RequestFinished
+from memstep.replay.request_view import find_engine_id
 
 QUESTION = "What is the capital of France?"
 WEATHER = {
@@ -42,6 +46,7 @@ MC = [
     },
     {"question": "Two plus two is", "choices": [" four", " five"], "answer": 0},
 ]
+AIPERF = Path(__file__).parents[2] / ".venv-aiperf" / "bin" / "aiperf"
 ROLLING = {"text": "The quick brown fox jumps over the lazy dog. It was a sunny day in May."}
 
 
@@ -165,3 +170,74 @@ def test_guidellm_default_streamed_benchmark_has_no_errors_and_memsteps_counts(s
             counted = httpx.post(server.http_url + "/tokenize", json={"messages": body["messages"]})
             assert done["input_metrics"]["text_tokens"] == counted.json()["count"]
             assert done["output_metrics"]["text_tokens"] == 64
+
+
+def _aiperf_records(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "profile_export_raw.jsonl").open()]
+
+
+def _chunk_usages(record: dict) -> list[dict]:
+    """The usage on each streamed chunk of one of aiperf's raw records, in order."""
+    bodies = [p["value"] for r in record["responses"] for p in r["packets"] if p["name"] == "data"]
+    return [json.loads(body)["usage"] for body in bodies if body != "[DONE]"]
+
+
+def _finished(log: Path, request_ids: list[str]) -> dict[str, RequestFinished]:
+    """Each request's RequestFinished in the server's event log, by the X-Request-ID aiperf sent
+    (flushed once a step: the last one may land just after its stream closed)."""
+    for _ in range(50):
+        _, records, _ = read_log(log)
+        done = {r.request_id: r for r in records if isinstance(r, RequestFinished)}
+        found = {rid: done.get(find_engine_id(records, rid)) for rid in request_ids}
+        if all(found.values()):
+            return {rid: rec for rid, rec in found.items() if rec is not None}
+        time.sleep(0.1)
+    raise AssertionError(f"requests not finished in {log}: {request_ids}")
+
+
+def test_aiperf_per_chunk_usage_profile_has_no_errors_and_memsteps_counts(server, tmp_path):
+    """aiperf's streamed chat profile with `--per-chunk-usage` (vLLM's continuous_usage_stats,
+    which memstep refused with a 400 before) on a synthetic 256-in / 64-out profile at
+    concurrencies 1 and 2: no request fails, every chunk carries the usage so far, and the prompt
+    and output token counts aiperf exports per request are those memstep's event log holds.
+    aiperf runs offline: its tokenizer is the folder `export-tokenizer` writes, and the hub's
+    address is a closed local port, so a hub lookup would fail at once."""
+    from memstep.cli.main import main as cli_main
+
+    assert AIPERF.exists(), f"no {AIPERF}: `make install-aiperf` makes it"
+    assert cli_main(["export-tokenizer", "--out", str(tmp_path / "tok")]) == 0
+    out = tmp_path / "aiperf"
+    cmd = [str(AIPERF), "profile", "--model", "smollm2", "--url", server.http_url]
+    cmd += ["--endpoint-type", "chat", "--streaming", "--use-server-token-count"]
+    cmd += ["--per-chunk-usage", "--tokenizer", str(tmp_path / "tok"), "--isl", "256"]
+    cmd += ["--osl", "64", "--concurrency", "1,2", "--request-count", "2", "--random-seed", "0"]
+    cmd += ["--ui", "none", "--no-server-metrics", "--no-gpu-telemetry", "--export-level", "raw"]
+    cmd += ["--artifact-dir", str(out)]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # aiperf's venv, not ours
+    # HF_HUB_OFFLINE is left unset: aiperf 0.13 then looks a local tokenizer folder up in the
+    # hub's cache, and fails
+    env |= {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_DISABLE_TELEMETRY": "1"}
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-5000:] + run.stderr[-5000:]
+    for concurrency in (1, 2):
+        summary = json.loads(
+            (out / f"concurrency_{concurrency}/profile_export_aiperf.json").read_text()
+        )
+        assert summary["error_summary"] == [] and summary["request_error_rate"]["avg"] == 0
+        records = _aiperf_records(out / f"concurrency_{concurrency}")
+        assert len(records) == 2 and all(r["status"] == 200 for r in records)
+        ids = [r["metadata"]["x_request_id"] for r in records]
+        finished = _finished(server.dir / "events.memlog", ids)
+        metrics = {
+            json.loads(line)["metadata"]["x_request_id"]: json.loads(line)["metrics"]
+            for line in (out / f"concurrency_{concurrency}/profile_export.jsonl").open()
+        }
+        for record, rid in zip(records, ids, strict=True):
+            assert record["payload"]["stream_options"]["continuous_usage_stats"] is True
+            done, got = finished[rid], metrics[rid]
+            assert 1 <= done.completion_tokens <= 64  # aiperf sends no ignore_eos: EOS may end it
+            usages = _chunk_usages(record)
+            assert len(usages) > done.completion_tokens and None not in usages  # one a chunk
+            assert usages[-1]["completion_tokens"] == done.completion_tokens
+            assert got["input_sequence_length"]["value"] == done.prompt_tokens
+            assert got["output_sequence_length"]["value"] == done.completion_tokens

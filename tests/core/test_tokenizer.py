@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from tokenizers import Tokenizer as RawTokenizer
+from tokenizers.processors import TemplateProcessing
 
 from memstep.core.model_source import ModelSource, shipped_gguf_path
 from memstep.core.sampling_params import InvalidRequest
@@ -91,3 +92,18 @@ def test_a_role_holding_a_special_token_is_refused(tok):
         tok.encode_chat(messages)
     # allowed: default system, the forged system, the user turn, the assistant prompt
     assert tok.encode_chat(messages, special_tokens_in_messages=True).count(IM_START) == 4
+
+
+def test_with_special_tokens_adds_what_the_post_processor_adds(tok):
+    """vLLM's add_special_tokens: Hugging Face's encode with the tokenizer's post-processor (a
+    BOS before, here an end token after too); SmolLM2's own adds none."""
+    raw = RawTokenizer.from_str(tok._tok.to_str())
+    marks = [("<|endoftext|>", 0), ("<|im_end|>", IM_END)]
+    raw.post_processor = TemplateProcessing(
+        single="<|endoftext|> $A <|im_end|>", special_tokens=marks
+    )
+    bos = HFTokenizer(raw, None, (IM_END,), "")
+    text = "The capital of France"
+    assert bos.with_special_tokens(bos.encode(text)) == raw.encode(text).ids
+    assert raw.encode(text).ids == [0, *tok.encode(text), IM_END]
+    assert tok.with_special_tokens(tok.encode(text)) == tok.encode(text)
