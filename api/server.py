@@ -27,6 +27,7 @@ tries again; once it writes, serving resumes where it stopped and the log has lo
 from __future__ import annotations
 
 import collections
+import contextlib
 import ipaddress
 import os
 import time
@@ -41,13 +42,14 @@ from zmq.utils import z85
 from memstep.api.reattach import Detached, Reattach
 from memstep.api.tally import Tally, host_rss_bytes
 from memstep.core.config import ConfigError
-from memstep.core.engine import Engine, UnknownRequest, outside_vocabulary
-from memstep.core.generation_config import sampling_defaults
+from memstep.core.engine import Engine, UnknownRequest
 from memstep.core.grammar import constraint_book
 from memstep.core.grammar_check import Check
 from memstep.core.outputs import RequestOutput
+from memstep.core.prompt_checks import outside_vocabulary
 from memstep.core.recovery import EngineDead
 from memstep.core.sampling_params import DEFAULT_TEMPERATURE, InvalidRequest, SamplingParams
+from memstep.core.snapshot import Admitted, EngineSnapshot
 from memstep.events import codec
 from memstep.events.types import RequestTimed, StepPlanned
 from memstep.events.version import VERSION
@@ -273,17 +275,19 @@ class Server:
         self.tally = Tally()
         self.detached = Reattach()  # requests carried over from a dead server's log
         self.num_migrated_in = 0  # requests a router moved here (GenerateRequest.output_token_ids)
-        engine.sinks.extend([self.tally, self._note_scheduled])
+        engine.listen(self.tally)
+        engine.listen(self._note_scheduled)
         self.started = time.monotonic()
         self.last_keepalive = 0.0
         self.last_stats = (self.started, 0)  # (time, generation tokens) of the last stats line
         self.stopping = False
         # what a request's params leave out: the model's own defaults (--generation-config)
-        self.sampling_defaults = sampling_defaults(engine.source, engine.cfg.generation_config)
+        self.facts = engine.snapshot().facts
+        self.sampling_defaults = self.facts.sampling_defaults
         log.info("listening", endpoint=self.endpoint, curve=cfg.uses_curve)
         log.info(
             "sampling defaults",
-            generation_config=engine.cfg.generation_config,
+            generation_config=self.facts.generation_config,
             **(self.sampling_defaults or {"temperature": DEFAULT_TEMPERATURE}),
         )
 
@@ -402,7 +406,8 @@ class Server:
             if not isinstance(msg, GenerateRequest) or msg.prompt_token_ids is not None:
                 return None
             prompt = self._prompt(msg)
-            return msg, self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+            tok = self.engine.tokenizer
+            return msg, tok.encode(prompt) if isinstance(prompt, str) else prompt
         except Exception:
             return None
 
@@ -418,18 +423,24 @@ class Server:
         """Launch a step; while the executor runs it, send the outputs of the last one and read
         ahead the frames that come until its result does; then take this one's outputs, which
         the next turn sends (at once if no step follows it)."""
-        if self.engine.is_recovering:  # launch() starts an executor: seconds, not a step
+        if self.engine.snapshot().is_recovering:  # launch() starts an executor: seconds
             self._send_unsent()
         launched = self._can_step() and self._engine_call(self.engine.launch)
         try:
             self._send_unsent()
             if launched:
                 self._read_ahead()
-                while not self.engine.step_ready(AHEAD_POLL_S):
-                    self._read_ahead()
         finally:
             if launched:
-                self.unsent = self._engine_call(self.engine.finish) or []
+                self.unsent = self._engine_call(self._outputs) or []
+
+    def _outputs(self) -> list[RequestOutput]:
+        """The launched step's outputs; the frames that come until they do are read ahead."""
+        outputs = self.engine.finish(AHEAD_POLL_S)
+        while outputs is None:
+            self._read_ahead()
+            outputs = self.engine.finish(AHEAD_POLL_S)
+        return outputs
 
     def _send_unsent(self, request_id: str | None = None) -> None:
         """Send the last step's outputs (only those of `request_id`, if given); none while the
@@ -494,16 +505,17 @@ class Server:
         self.last_stats = (now, tokens)
         if tokens == tokens_then and not self.inflight:
             return  # idle: nothing worth a line
-        mem = getattr(self.engine, "last_memory", None)
+        snap = self.engine.snapshot()
+        mem = snap.memory
         log.info(
             "stats",
-            running=len(self.engine.scheduler.running),
-            waiting=len(self.engine.scheduler.waiting),
-            kv_pages_used=self.engine.blocks.num_used,
-            kv_pages_total=self.engine.blocks.num_blocks,
+            running=snap.num_running,
+            waiting=snap.num_waiting,
+            kv_pages_used=snap.kv_pages_used,
+            kv_pages_total=snap.kv_pages_total,
             live_bytes=mem.live_bytes if mem else 0,
             reserved_bytes=mem.reserved_bytes if mem else 0,
-            host_rss_bytes=host_rss_bytes(self._pids()),
+            host_rss_bytes=host_rss_bytes(self._pids(snap)),
             tokens_per_s=round((tokens - tokens_then) / (now - then), 1),
         )
 
@@ -540,7 +552,7 @@ class Server:
 
     def _reject(self, envelope: list[bytes], request_id: str, code: str, reason: str) -> None:
         """Answer a request that will not be served, and say so in the log."""
-        step = self.engine.step_no
+        step = self.engine.snapshot().step
         log.info("request rejected", step=step, request_id=request_id, code=code, reason=reason)
         self._send(envelope, ErrorReply(request_id, code, reason))
 
@@ -578,7 +590,8 @@ class Server:
         self._check_waiting()
         prompt = self._prompt(msg) if ids is None else ids
         params = _sampling_params(msg.params, self.sampling_defaults)
-        log.info("request arrived", step=self.engine.step_no, request_id=msg.request_id)
+        step = self.engine.snapshot().step
+        log.info("request arrived", step=step, request_id=msg.request_id)
         if any(c.key == key for c in self.checking):
             raise RequestRefused("duplicate_request", f"request {msg.request_id!r} is in flight")
         if params.constraint is not None:
@@ -599,18 +612,17 @@ class Server:
     ) -> None:
         key = (envelope[0], msg.request_id)
         if msg.output_token_ids:
-            engine_id = self._migrated(prompt, params, msg)
+            added = self._migrated(prompt, params, msg)
         else:
-            engine_id = self.engine.add_request(
+            added = self.engine.add(
                 prompt, params, arrival_time=time.time(), client_id=msg.request_id
             )
-        req = self.engine.requests[engine_id]
-        inf = Inflight(
-            envelope, msg.request_id, msg.stream, time.monotonic(), req.num_prompt_tokens
-        )
+        engine_id = added.request_id
+        num_prompt = len(added.prompt_token_ids)
+        inf = Inflight(envelope, msg.request_id, msg.stream, time.monotonic(), num_prompt)
         inf.batch = msg.batch_deltas
         if params.prompt_logprobs is not None:
-            inf.prompt_ids = req.prompt_token_ids
+            inf.prompt_ids = added.prompt_token_ids
         self.inflight[engine_id] = inf
         self.by_client[key] = engine_id
         self.last_sent.setdefault(inf.peer, inf.arrival)
@@ -656,23 +668,27 @@ class Server:
 
     def _migrated(
         self, prompt: str | list[int], params: SamplingParams, msg: GenerateRequest
-    ) -> str:
+    ) -> Admitted:
         """Admit a request a router moved here off a dead engine, with the tokens its client
         has: sampled on from there, keyed by (seed, position), as on the engine it left."""
-        ids = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.num_migrated_in += 1
-        engine_id = f"migrated-{self.num_migrated_in}"
-        self.engine.resume_request(engine_id, ids, params, msg.output_token_ids, time.time())
-        self.engine.name(engine_id, msg.request_id)
-        return engine_id
+        return self.engine.add(
+            prompt,
+            params,
+            client_id=msg.request_id,
+            arrival_time=time.time(),
+            request_id=f"migrated-{self.num_migrated_in}",
+            output_token_ids=msg.output_token_ids,
+        )
 
     def _check_queue(self) -> None:
         """While a new executor starts, count the new requests of this recovery (the engine's
         loss number names it) and refuse those past the limit."""
-        if not self.engine.is_recovering:
+        snap = self.engine.snapshot()
+        if not snap.is_recovering:
             return
         loss, taken = self.new_while_recovering
-        taken = taken if loss == self.engine.num_losses else 0
+        taken = taken if loss == snap.num_losses else 0
         limit = self.cfg.max_new_while_recovering
         if taken >= limit:
             raise RequestRefused(
@@ -680,15 +696,16 @@ class Server:
                 f"a new executor is starting and {taken} new requests wait for it "
                 f"(limit {limit}); retry in a few seconds",
             )
-        self.new_while_recovering = (self.engine.num_losses, taken + 1)
+        self.new_while_recovering = (snap.num_losses, taken + 1)
 
     def _check_waiting(self) -> None:
         """Refuse a new request that would wait behind `max_waiting_requests` others (not while
         recovering: every re-admitted request waits then, and `_check_queue` bounds the new)."""
         limit = self.cfg.max_waiting_requests
-        if not limit or self.engine.is_recovering:
+        snap = self.engine.snapshot() if limit else None
+        if snap is None or snap.is_recovering:
             return
-        waiting = len(self.engine.scheduler.waiting)
+        waiting = snap.num_waiting
         if waiting >= limit:
             raise RequestRefused(
                 OVERLOADED,
@@ -711,7 +728,8 @@ class Server:
         now = time.monotonic()
         inf = Inflight(envelope, msg.request_id, msg.stream, now, held.prompt_tokens)
         inf.token_ids, inf.texts = list(held.token_ids), [held.text]
-        ids, text = held.tail(msg.from_index, self.engine.tokenizer.decode, self.engine.token_bytes)
+        decode, token_bytes = self.engine.tokenizer.decode, self.facts.token_bytes
+        ids, text = held.tail(msg.from_index, decode, token_bytes)
         if msg.stream and (ids or text):
             self._send(envelope, GenerateDelta(msg.request_id, ids, text))
         if held.finish_reason is not None:
@@ -744,10 +762,10 @@ class Server:
 
     def _tokenize(self, msg: TokenizeRequest) -> TokenizeReply:
         """A prompt's token ids as a generate request would read it, or token ids' text."""
-        tok, vocab = self.engine.tokenizer, self.engine.model_cfg.vocab_size
+        tok, vocab, max_len = self.engine.tokenizer, self.facts.vocab_size, self.facts.max_model_len
         if msg.tokenizer_info:
-            config = tok.hf_config() | {"model_max_length": self.engine.max_model_len}
-            return TokenizeReply(msg.request_id, [], "", self.engine.max_model_len, config)
+            config = tok.hf_config() | {"model_max_length": max_len}
+            return TokenizeReply(msg.request_id, [], "", max_len, config)
         prompt = self._prompt(msg)
         if isinstance(prompt, str):
             ids, text = tok.encode(prompt), prompt
@@ -756,7 +774,7 @@ class Server:
             if bad is not None:
                 raise InvalidRequest(f"token id {bad!r} is outside the vocabulary [0, {vocab})")
             ids, text = list(prompt), tok.decode(list(prompt))
-        return TokenizeReply(msg.request_id, ids, text, self.engine.max_model_len)
+        return TokenizeReply(msg.request_id, ids, text, max_len)
 
     def _abort(self, envelope: list[bytes], msg: AbortRequest) -> None:
         key = (envelope[0], msg.target_id)
@@ -779,8 +797,8 @@ class Server:
         self._send(envelope, AbortReply(msg.request_id, msg.target_id))
 
     def _health(self, msg: HealthRequest) -> HealthReply:
-        dead = self.executor_death
-        status = "dead" if dead else "recovering" if self.engine.is_recovering else "ok"
+        dead, snap = self.executor_death, self.engine.snapshot()
+        status = "dead" if dead else "recovering" if snap.is_recovering else "ok"
         log_failure = self.recorder.failure if self.recorder is not None else None
         if status == "ok" and self._log_blocks():
             status, dead = "log_unwritable", f"the event log cannot be written: {log_failure}"
@@ -789,12 +807,12 @@ class Server:
         return HealthReply(
             request_id=msg.request_id,
             status=status,
-            executor_alive=not (self.executor_death or self.engine.is_recovering),
-            executor_pid=getattr(self.engine.executor, "pid", 0),
+            executor_alive=not (self.executor_death or snap.is_recovering),
+            executor_pid=snap.executor_pid,
             core_pid=os.getpid(),
-            model=self.engine.source.label,
-            max_model_len=self.engine.max_model_len,
-            vocab_size=self.engine.model_cfg.vocab_size,
+            model=snap.facts.model,
+            max_model_len=snap.facts.max_model_len,
+            vocab_size=snap.facts.vocab_size,
             max_frame_bytes=self.cfg.max_frame_bytes,
             uptime_s=time.monotonic() - self.started,
             memstep_version=VERSION,
@@ -803,35 +821,33 @@ class Server:
         )
 
     def _stats(self, msg: StatsRequest) -> StatsReply:
-        sched, blocks = self.engine.scheduler, self.engine.blocks
+        snap = self.engine.snapshot()
         return StatsReply(
             request_id=msg.request_id,
-            num_running=len(sched.running),
-            num_waiting=len(sched.waiting),
+            num_running=snap.num_running,
+            num_waiting=snap.num_waiting,
             num_inflight=len(self.inflight),
             num_clients=len({inf.peer for inf in self.inflight.values()}),
-            step=self.engine.step_no,
-            step_kind=self.engine.state,
-            kv_pages_total=blocks.num_blocks,
-            kv_pages_used=blocks.num_used,
-            memory=getattr(self.engine, "last_memory", None),
+            step=snap.step,
+            step_kind=snap.kind,
+            kv_pages_total=snap.kv_pages_total,
+            kv_pages_used=snap.kv_pages_used,
+            memory=snap.memory,
             finished=dict(self.finished),
-            kv_pages_cached=blocks.num_cached,
+            kv_pages_cached=snap.kv_pages_cached,
             prompt_tokens=self.tally.prompt_tokens,
             generation_tokens=self.tally.generation_tokens,
-            num_preemptions=sched.num_preemptions,
-            num_requeues=sched.num_requeues,
+            num_preemptions=snap.num_preemptions,
+            num_requeues=snap.num_requeues,
             num_leak_reports=self.tally.num_leak_reports,
             steps=dict(self.tally.steps),
             transitions=dict(self.tally.transitions),
-            host_rss_bytes=host_rss_bytes(self._pids()),
+            host_rss_bytes=host_rss_bytes(self._pids(snap)),
             refused=dict(self.refused),
         )
 
-    def _pids(self) -> dict[str, int]:
-        executor = getattr(self.engine.executor, "pid", 0)
-        standby = getattr(self.engine.executor_factory, "standby_pid", 0)  # a loaded spare
-        pids = {"core": os.getpid(), "executor": executor, "standby": standby}
+    def _pids(self, snap: EngineSnapshot) -> dict[str, int]:
+        pids = {"core": os.getpid(), "executor": snap.executor_pid, "standby": snap.standby_pid}
         return {name: pid for name, pid in pids.items() if pid}
 
     def _answer_zap(self) -> None:
@@ -914,7 +930,7 @@ class Server:
         inf = self.inflight.pop(engine_id)
         ttft = inf.token_times[0] if inf.token_times else None
         e2e = (time.monotonic() if now is None else now) - inf.arrival
-        step = self.engine.step_no
+        step = self.engine.snapshot().step
         self.engine.emit(RequestTimed(step, engine_id, reason, ttft, e2e, inf.queue_s))
         num_tokens = len(inf.token_ids)
         tpot = (e2e - ttft) / (num_tokens - 1) if ttft is not None and num_tokens > 1 else None
@@ -945,8 +961,7 @@ class Server:
             for engine_id, inf in list(self.inflight.items()):
                 if inf.peer == peer:
                     self._forget(engine_id, "disconnect")
-                    if engine_id in self.engine.requests:
-                        self.engine.abort(engine_id)
+                    self._abort_running(engine_id)
                     log.info("client disconnected; request aborted", request_id=inf.request_id)
 
     def _executor_died(self, reason: str) -> None:
@@ -961,8 +976,12 @@ class Server:
         for engine_id, inf in list(self.inflight.items()):
             self._send(inf.envelope, ErrorReply(inf.request_id, code, message))
             self._forget(engine_id, code)
-            if engine_id in self.engine.requests:
-                self.engine.abort(engine_id)
+            self._abort_running(engine_id)
+
+    def _abort_running(self, engine_id: str) -> None:
+        """Abort a request the engine may have finished already (then nothing to do)."""
+        with contextlib.suppress(UnknownRequest):
+            self.engine.abort(engine_id)
 
 
 def _sampling_params(data: dict, defaults: dict[str, Any]) -> SamplingParams:
