@@ -23,9 +23,9 @@ import tempfile
 import attrs
 import zmq
 
+from memstep.api.core_config import is_loopback
 from memstep.api.http_limits import HttpLimits
 from memstep.api.metrics import MULTIPROC_ENV
-from memstep.api.server import is_loopback
 from memstep.core.config import ConfigError
 
 READY_TIMEOUT_S = 60.0

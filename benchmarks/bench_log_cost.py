@@ -33,7 +33,8 @@ from pathlib import Path
 import structlog
 
 from memstep.api.client import AsyncClient
-from memstep.api.server import Server, ServerConfig
+from memstep.api.core_config import ServerConfig
+from memstep.api.server import Server
 from memstep.cli.datasets import sample_sharegpt
 from memstep.core.config import EngineConfig
 from memstep.core.logging import setup_logging

@@ -19,9 +19,9 @@ from memstep.cli.help_format import groups
 from memstep.cli.main import add_engine_arguments, config_from_args
 from memstep.core.config import EngineConfig
 from memstep.core.engine import Engine
-from memstep.core.prompt_checks import check_prompt
 from memstep.core.generation_config import sampling_defaults
 from memstep.core.model_source import model_config, resolve
+from memstep.core.prompt_checks import check_prompt
 from memstep.core.sampling_params import SamplingParams
 from memstep.core.shapes import max_model_len
 from memstep.core.tokenizer import Tokenizer, load_tokenizer

@@ -29,6 +29,7 @@ import attrs
 import structlog
 import zmq
 
+from memstep.api.core_config import ServerConfig
 from memstep.api.http_front import (
     HttpConfig,
     HttpFront,
@@ -38,7 +39,7 @@ from memstep.api.http_front import (
     stop_process,
 )
 from memstep.api.http_limits import HttpLimits
-from memstep.api.server import Server, ServerConfig
+from memstep.api.server import Server
 from memstep.cli import serve_replicas, vllm_flags
 from memstep.cli.curve_keys import attach_dashed_keys, is_z85_key
 from memstep.cli.help_format import groups

@@ -22,9 +22,9 @@ from typing import Any
 import attrs
 import zmq
 
+from memstep.api.core_config import is_loopback
 from memstep.api.http_front import HttpConfig, HttpFront, bind
 from memstep.api.http_limits import HttpLimits
-from memstep.api.server import is_loopback
 from memstep.core.config import ConfigError
 from memstep.core.device_limits import cuda_device_bytes
 from memstep.replay.recorder import DEFAULT_KEEP, DEFAULT_RECORD_DIR, prune

@@ -8,7 +8,8 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from memstep.api.server import Server, ServerConfig
+from memstep.api.core_config import ServerConfig
+from memstep.api.server import Server
 from memstep.core.engine import Engine
 
 

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from memstep.api.client import AsyncClient, Overloaded, ServerError
-from memstep.api.server import ServerConfig
+from memstep.api.core_config import ServerConfig
 from memstep.cli.serve import ServerProcess
 from memstep.core.config import ConfigError
 

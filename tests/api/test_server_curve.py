@@ -10,7 +10,7 @@ import pytest
 import zmq
 
 from memstep.api.client import Client
-from memstep.api.server import ServerConfig
+from memstep.api.core_config import ServerConfig
 from memstep.cli.serve import ServerProcess, load_key, load_keys
 from memstep.core.config import ConfigError
 

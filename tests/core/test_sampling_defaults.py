@@ -9,8 +9,8 @@ import warnings
 import pytest
 
 from memstep import SamplingParams as LLMSamplingParams
+from memstep.api.core_admission import _sampling_params
 from memstep.api.openai_protocol import parse_chat, parse_completion
-from memstep.api.server import _sampling_params
 from memstep.cli.generate import model_defaults, sampling_params
 from memstep.cli.main import build_parser, config_from_args
 from memstep.core.config import ConfigError, EngineConfig, with_vllm_names
