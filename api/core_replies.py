@@ -82,9 +82,15 @@ class Inflight:
         timing = Timing(ttft, list(self.token_times), now - self.arrival, self.queue_s)
         text = "".join(self.texts)
         return GenerateDone(
-            self.request_id, text, list(self.token_ids), reason, usage, timing, self.logprobs,
-            self.prompt_logprobs,
-        )  # fmt: skip
+            request_id=self.request_id,
+            text=text,
+            token_ids=list(self.token_ids),
+            finish_reason=reason,
+            usage=usage,
+            timing=timing,
+            logprobs=self.logprobs,
+            prompt_logprobs=self.prompt_logprobs,
+        )
 
 
 class Outbox:

@@ -43,9 +43,15 @@ COMMON_FIELDS = {"model", "n", "stream", "stream_options", "stop", "max_tokens",
 IGNORED_FIELDS = {"store", "metadata", "service_tier"}
 # OpenAI's and vLLM's fields the engine does not serve: refused by name
 UNSUPPORTED_FIELDS = {
-    "suffix", "functions", "function_call", "modalities", "audio", "prediction",
-    "reasoning_effort", "web_search_options",
-}  # fmt: skip
+    "suffix",
+    "functions",
+    "function_call",
+    "modalities",
+    "audio",
+    "prediction",
+    "reasoning_effort",
+    "web_search_options",
+}
 COMMON_FIELDS |= IGNORED_FIELDS
 # structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_* fields
 GUIDED_FIELDS = {

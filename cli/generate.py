@@ -55,9 +55,13 @@ def add_sampling_arguments(g, max_tokens: int) -> None:
     g.add_argument("--top-p", type=float, metavar="P", help="nucleus mass (default: the model's)")
     g.add_argument("--top-k", type=int, metavar="K", help="0 disables (default: the model's)")
     g.add_argument(
-        "--sampling-seed", "--request-seed", dest="request_seed", type=int, metavar="N",
+        "--sampling-seed",
+        "--request-seed",
+        dest="request_seed",
+        type=int,
+        metavar="N",
         help="this request's seed (default: drawn from the engine-wide --seed)",
-    )  # fmt: skip
+    )
 
 
 def sampling_params(args: argparse.Namespace, defaults: dict[str, Any]) -> SamplingParams:

@@ -208,13 +208,34 @@ class Router:
             self._error(envelope, msg.request_id, RECOVERING, "no replica serves; retry soon")
             return
         self.seq += 1
-        r = Routed(envelope, msg, self.seq, choice.replica, f"r{self.seq}", time.monotonic(),
-                   hashes, _estimate(msg), _max_tokens(params))  # fmt: skip
+        r = Routed(
+            envelope,
+            msg,
+            self.seq,
+            choice.replica,
+            f"r{self.seq}",
+            time.monotonic(),
+            hashes,
+            _estimate(msg),
+            _max_tokens(params),
+        )
         self._track(r)
         seed = params["seed"] if type(params["seed"]) is int else -1  # not an int: refused there
-        self._record(RequestRouted(self.seq, msg.request_id, r.backend_id, seed, hashes,
-                                   loads, live, choice.replica, choice.reason,
-                                   choice.matched_blocks, time.time()))  # fmt: skip
+        self._record(
+            RequestRouted(
+                self.seq,
+                msg.request_id,
+                r.backend_id,
+                seed,
+                hashes,
+                loads,
+                live,
+                choice.replica,
+                choice.reason,
+                choice.matched_blocks,
+                time.time(),
+            )
+        )
         self._forward(r, [])
 
     def _abort(self, envelope: list[bytes], msg: AbortRequest) -> None:
@@ -303,8 +324,9 @@ class Router:
         for key in [key for key in self.tokenizing if key[0] == b.index]:
             envelope, request_id = self.tokenizing.pop(key)
             self._error(envelope, request_id, EXECUTOR_DEAD, f"the replica was lost: {reason}")
-        victims = sorted((r for r in self.routed.values() if r.replica == b.index),
-                         key=lambda r: r.seq)  # fmt: skip
+        victims = sorted(
+            (r for r in self.routed.values() if r.replica == b.index), key=lambda r: r.seq
+        )
         self.seq += 1
         self._record(ReplicaLost(self.seq, b.index, b.endpoint, reason, len(victims)))
         log.warning("replica lost", replica=b.index, reason=reason, requests=len(victims))
@@ -333,9 +355,20 @@ class Router:
         r.replica, r.backend_id, r.lost_at = choice.replica, f"r{self.seq}", now
         r.num_migrations += 1
         self.by_backend[(r.replica, r.backend_id)] = r
-        self._record(RequestMigrated(self.seq, r.msg.request_id, r.backend_id, lost, loads, live,
-                                     choice.replica, choice.reason, choice.matched_blocks,
-                                     len(r.token_ids)))  # fmt: skip
+        self._record(
+            RequestMigrated(
+                self.seq,
+                r.msg.request_id,
+                r.backend_id,
+                lost,
+                loads,
+                live,
+                choice.replica,
+                choice.reason,
+                choice.matched_blocks,
+                len(r.token_ids),
+            )
+        )
         self._forward(r, [] if self.cfg.debug_drop_sent_tokens else list(r.token_ids))
 
     def _forward(self, r: Routed, carried: list[int]) -> None:
@@ -357,8 +390,17 @@ class Router:
         self._forget(r)
         reason = last.finish_reason if isinstance(last, GenerateDone) else last.code
         self.seq += 1
-        self._record(RouteEnded(self.seq, r.msg.request_id, r.replica, reason, len(r.token_ids),
-                                r.num_migrations, round(r.pause_s, 6)))  # fmt: skip
+        self._record(
+            RouteEnded(
+                self.seq,
+                r.msg.request_id,
+                r.replica,
+                reason,
+                len(r.token_ids),
+                r.num_migrations,
+                round(r.pause_s, 6),
+            )
+        )
         self._send(r.envelope, last)
 
     def _loads(self) -> list[int]:

@@ -22,9 +22,20 @@ from memstep.events.wire import (
 )
 from memstep.router.backend import Backend
 
-SUMMED = ("num_running", "num_waiting", "num_inflight", "num_clients", "kv_pages_total",
-          "kv_pages_used", "kv_pages_cached", "prompt_tokens", "generation_tokens",
-          "num_preemptions", "num_requeues", "num_leak_reports")  # fmt: skip
+SUMMED = (
+    "num_running",
+    "num_waiting",
+    "num_inflight",
+    "num_clients",
+    "kv_pages_total",
+    "kv_pages_used",
+    "kv_pages_cached",
+    "prompt_tokens",
+    "generation_tokens",
+    "num_preemptions",
+    "num_requeues",
+    "num_leak_reports",
+)
 COUNTED = ("finished", "steps", "transitions", "refused")
 
 
@@ -65,8 +76,12 @@ def stats_of(msg: StatsRequest, backends: list[Backend], router: RouterView) -> 
         for s in replies:
             total.update(getattr(s, name))
         sums[name] = dict(total)
-    rss = {f"replica{b.index}:{k}": v for b in backends if b.stats and not b.lost
-           for k, v in b.stats.host_rss_bytes.items()}  # fmt: skip
+    rss = {
+        f"replica{b.index}:{k}": v
+        for b in backends
+        if b.stats and not b.lost
+        for k, v in b.stats.host_rss_bytes.items()
+    }
     return StatsReply(
         request_id=msg.request_id,
         step=max((s.step for s in replies), default=0),
