@@ -115,7 +115,7 @@ class Engine(ExecutorLife, StepRecords):
         self._launched: tuple[StepBatch, StepPlan, bool] | None = None  # launch() .. finish()
         self._launched_at = 0.0  # perf_counter when the launched step was handed over
         self.last_memory: MemoryReport | None = None  # the last step's
-        self.spec_kinds = SpecThreshold(cfg)
+        self.spec_threshold = SpecThreshold(cfg)
         self.decides_spec_threshold = decides_spec_threshold
         self.host_watch = HostWatch("core", cfg.host_leak_tolerance_mib << 20)
         eos = mc.eos_token_ids
@@ -124,7 +124,7 @@ class Engine(ExecutorLife, StepRecords):
         for stage in START_STAGES:
             self._start_stage(stage)
         self.scheduler = Scheduler(
-            cfg, self._pages(), self.max_model_len, self._lookahead(), self.spec_kinds
+            cfg, self._pages(), self.max_model_len, self._lookahead(), self.spec_threshold
         )
         log.info("engine ready", model=self.source.label, max_model_len=self.max_model_len)
 
@@ -402,14 +402,14 @@ class Engine(ExecutorLife, StepRecords):
     ) -> None:
         """Count a step and, unless replaying, keep a decode step's cost and record a new
         automatic speculation threshold where the costs call for one (core/spec_threshold.py)."""
-        kinds = self.spec_kinds
+        spec = self.spec_threshold
         tokens = sum(map(len, map(_TOKEN_IDS, result.seqs)))
         measured = seconds if self.decides_spec_threshold else None
-        kinds.observe(batch.kind, len(batch.seqs), decode, tokens, measured)
-        if decode and kinds.is_auto and self.decides_spec_threshold and kinds.may_change:
-            threshold = kinds.decide()
-            if threshold != kinds.threshold:
-                self.set_spec_threshold(threshold, kinds.figures())
+        spec.observe(batch.kind, len(batch.seqs), decode, tokens, measured)
+        if decode and spec.is_auto and self.decides_spec_threshold and spec.may_change:
+            threshold = spec.decide()
+            if threshold != spec.threshold:
+                self.set_spec_threshold(threshold, spec.figures())
 
     def set_spec_threshold(self, threshold: int | None, rates: list[list]) -> None:
         """Speculation from now on only below `threshold` requests (None: at every size), as
@@ -417,7 +417,7 @@ class Engine(ExecutorLife, StepRecords):
         self._between_steps()
         self.emit(SpecThresholdChanged(self.step_no, threshold, rates))
         log.info("speculation threshold", step=self.step_no, threshold=threshold, rates=rates)
-        self.spec_kinds.set(threshold)
+        self.spec_threshold.set(threshold)
 
     def _cache_blocks(self, req: Request) -> None:
         """Offer the request's full blocks of computed KV to the prefix cache."""

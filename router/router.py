@@ -54,7 +54,7 @@ from memstep.events.wire import (
     WireError,
     decode_request,
 )
-from memstep.router.backend import Backend
+from memstep.router.backend import Replica
 from memstep.router.policy import NoReplica, Policy
 from memstep.router.prefix import block_hashes, prompt_key
 from memstep.router.routed import Routed
@@ -82,7 +82,8 @@ class RouterConfig:
 
 
 class Router:
-    """Owns the client socket, a Backend per replica, the requests in flight and the log."""
+    """Owns the client socket, a `Replica` (socket) for each replica, the requests in flight
+    and the log."""
 
     def __init__(self, replicas: list[str], cfg: RouterConfig, log_path: Path | None = None):
         self.cfg = cfg
@@ -92,8 +93,8 @@ class Router:
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.bind(f"tcp://{cfg.host}:{cfg.port}")
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.backends = [
-            Backend(self.ctx, i, e, cfg.replica_curve, cfg.replica_timeout_s)
+        self.replicas = [
+            Replica(self.ctx, i, e, cfg.replica_curve, cfg.replica_timeout_s)
             for i, e in enumerate(replicas)
         ]
         self.policy = Policy(cfg.policy, len(replicas))
@@ -125,23 +126,23 @@ class Router:
         """Read every socket, answer, check the replicas, flush the log."""
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
-        socks = {b.index: b.sock for b in self.backends}
+        socks = {b.index: b.sock for b in self.replicas}
         for sock in socks.values():
             poller.register(sock, zmq.POLLIN)
         ready = dict(poller.poll(int(timeout * 1000)))
-        for b in self.backends:
+        for b in self.replicas:
             if socks[b.index] in ready and b.sock is socks[b.index]:
-                self._read_backend(b)
+                self._read_replica(b)
         if self.sock in ready:
             self._read_clients()
-        self._check_backends()
+        self._check_replicas()
         if self.writer is not None:
             self.writer.flush()
 
     def wait_live(self, timeout: float) -> bool:
         """Turn until every replica answers health `ok`; False after `timeout` seconds."""
         deadline = time.monotonic() + timeout
-        while not all(b.live for b in self.backends):
+        while not all(b.live for b in self.replicas):
             if time.monotonic() > deadline:
                 return False
             self.run_once(0.05)
@@ -150,10 +151,10 @@ class Router:
     def models(self) -> dict[int, str]:
         """The model each replica that answered health serves (its label, weights seed and all):
         a migration continues a stream exactly only on the same model."""
-        return {b.index: b.health.model for b in self.backends if b.health is not None}
+        return {b.index: b.health.model for b in self.replicas if b.health is not None}
 
     def close(self) -> None:
-        for b in self.backends:
+        for b in self.replicas:
             b.close()
         self.sock.close(0)
         self.ctx.term()
@@ -180,8 +181,8 @@ class Router:
         handlers: dict[type, Callable[[list[bytes], Any], None]] = {
             GenerateRequest: self._generate,
             AbortRequest: self._abort,
-            HealthRequest: lambda env, m: self._send(env, health_of(m, self.backends, self)),
-            StatsRequest: lambda env, m: self._send(env, stats_of(m, self.backends, self)),
+            HealthRequest: lambda env, m: self._send(env, health_of(m, self.replicas, self)),
+            StatsRequest: lambda env, m: self._send(env, stats_of(m, self.replicas, self)),
             AttachRequest: self._no_attach,
             TokenizeRequest: self._tokenize,
         }
@@ -243,13 +244,13 @@ class Router:
         if r is None:
             self._error(envelope, msg.request_id, "unknown_request", f"{msg.target_id!r}")
             return
-        self.backends[r.replica].send(AbortRequest(f"x{r.backend_id}", r.backend_id))
+        self.replicas[r.replica].send(AbortRequest(f"x{r.backend_id}", r.backend_id))
         self._end(r, r.done("abort", time.monotonic()))
         self._send(envelope, AbortReply(msg.request_id, msg.target_id))
 
     def _tokenize(self, envelope: list[bytes], msg: TokenizeRequest) -> None:
         """Asked of the first live replica (all serve one model); its answer is relayed."""
-        live = [b for b in self.backends if b.live]
+        live = [b for b in self.replicas if b.live]
         if not live:
             self._error(envelope, msg.request_id, EXECUTOR_DEAD, "every replica is lost")
             return
@@ -267,7 +268,7 @@ class Router:
             self.sock.send_multipart([*envelope, codec.encode(msg)], zmq.NOBLOCK)
         except zmq.ZMQError:  # the client is gone: its requests are aborted at their replicas
             for r in [r for r in self.routed.values() if r.envelope[0] == envelope[0]]:
-                self.backends[r.replica].send(AbortRequest(f"x{r.backend_id}", r.backend_id))
+                self.replicas[r.replica].send(AbortRequest(f"x{r.backend_id}", r.backend_id))
                 self._forget(r)
 
     def _error(self, envelope: list[bytes], request_id: str, code: str, message: str) -> None:
@@ -275,7 +276,7 @@ class Router:
 
     # --- replicas ----------------------------------------------------------------------------
 
-    def _read_backend(self, b: Backend) -> None:
+    def _read_replica(self, b: Replica) -> None:
         sock = b.sock
         for _ in range(1024):
             if b.sock is not sock:  # lost while reading: nothing more from the old socket
@@ -296,7 +297,7 @@ class Router:
                 envelope, request_id = self.tokenizing.pop(key)
                 self._send(envelope, attrs.evolve(msg, request_id=request_id))
 
-    def _reply(self, b: Backend, r: Routed, msg: object, now: float) -> None:
+    def _reply(self, b: Replica, r: Routed, msg: object, now: float) -> None:
         if isinstance(msg, GenerateDelta):
             r.take(msg.token_ids, msg.text, msg.logprobs, now)
             if r.msg.stream:
@@ -309,15 +310,15 @@ class Router:
         elif isinstance(msg, ErrorReply):
             self._end(r, ErrorReply(r.msg.request_id, msg.code, msg.message))
 
-    def _check_backends(self) -> None:
+    def _check_replicas(self) -> None:
         now = time.monotonic()
-        for b in self.backends:
+        for b in self.replicas:
             if b.disconnected() and b.joined and not b.lost:
                 self._lose(b, "its connection closed (or carried nothing for the timeout)")
             elif now - b.last_polled >= self.cfg.poll_interval_s:
                 b.poll(now)
 
-    def _lose(self, b: Backend, reason: str) -> None:
+    def _lose(self, b: Replica, reason: str) -> None:
         """Close a lost replica and move each of its unfinished requests to a live one."""
         b.lose()
         self.policy.lose(b.index)
@@ -333,7 +334,7 @@ class Router:
         for r in victims:
             self._migrate(r, b.index)
 
-    def _return(self, b: Backend) -> None:
+    def _return(self, b: Replica) -> None:
         """A lost replica answers `ok` again (it was paused, or its network was): it serves."""
         self.seq += 1
         self._record(ReplicaReturned(self.seq, b.index, b.endpoint))
@@ -373,8 +374,8 @@ class Router:
 
     def _forward(self, r: Routed, carried: list[int]) -> None:
         msg = attrs.evolve(r.msg, request_id=r.backend_id, stream=True, output_token_ids=carried)
-        if not self.backends[r.replica].send(msg):
-            self._lose(self.backends[r.replica], "it took no request")
+        if not self.replicas[r.replica].send(msg):
+            self._lose(self.replicas[r.replica], "it took no request")
 
     # --- bookkeeping -------------------------------------------------------------------------
 
@@ -404,13 +405,13 @@ class Router:
         self._send(r.envelope, last)
 
     def _loads(self) -> list[int]:
-        loads = [0] * len(self.backends)
+        loads = [0] * len(self.replicas)
         for r in self.routed.values():
             loads[r.replica] += r.load
         return loads
 
     def _live(self) -> list[bool]:
-        return [b.live for b in self.backends]
+        return [b.live for b in self.replicas]
 
     def _record(self, rec: object) -> None:
         if self.writer is not None:
