@@ -45,7 +45,7 @@ from memstep.core.grammar import constraint_book
 from memstep.core.outputs import RequestOutput
 from memstep.core.recovery import EngineDead
 from memstep.core.sampling_params import DEFAULT_TEMPERATURE
-from memstep.events.types import StepPlanned
+from memstep.events.types import PhaseChanged, RecoveryDone, StepPlanned
 from memstep.events.wire import (
     GenerateRequest,
     Keepalive,
@@ -109,7 +109,8 @@ class Server(Admission):
         self.detached = Reattach()  # requests carried over from a dead server's log
         self.num_migrated_in = 0  # requests a router moved here (GenerateRequest.output_token_ids)
         engine.listen(self.tally)
-        engine.listen(self._note_scheduled)
+        self.recovering = False  # from the engine's records (`_note`)
+        engine.listen(self._note)
         self.started = time.monotonic()
         self.last_keepalive = 0.0
         self.last_stats = (self.started, 0)  # (time, generation tokens) of the last stats line
@@ -227,7 +228,7 @@ class Server(Admission):
         """Launch a step; while the executor runs it, send the outputs of the last one and read
         ahead the frames that come until its result does; then take this one's outputs, which
         the next turn sends (at once if no step follows it)."""
-        if self.engine.snapshot().is_recovering:  # launch() starts an executor: seconds
+        if self.recovering:  # launch() starts an executor: seconds, not a step
             self._send_unsent()
         launched = self._can_step() and self._engine_call(self.engine.launch)
         try:
@@ -289,15 +290,20 @@ class Server(Admission):
         for peer, ids in quiet.items():
             self._send(envelopes[peer], Keepalive(ids))
 
-    def _note_scheduled(self, rec: object) -> None:
-        """Engine sink: a request's queue time ends with the first step planned to include it."""
-        if not isinstance(rec, StepPlanned):
-            return
-        now = time.monotonic()
-        for engine_id, _ in rec.batch:
-            inf = self.inflight.get(engine_id)
-            if inf is not None and inf.queue_s is None:
-                inf.queue_s = now - inf.arrival
+    def _note(self, rec: object) -> None:
+        """Engine sink: a request's queue time ends with the first step planned to include it;
+        a recovery runs from the phase `recover` to RecoveryDone (read here, not asked of the
+        engine each turn)."""
+        if isinstance(rec, StepPlanned):
+            now = time.monotonic()
+            for engine_id, _ in rec.batch:
+                inf = self.inflight.get(engine_id)
+                if inf is not None and inf.queue_s is None:
+                    inf.queue_s = now - inf.arrival
+        elif isinstance(rec, PhaseChanged) and rec.new == "recover":
+            self.recovering = True
+        elif isinstance(rec, RecoveryDone):
+            self.recovering = False
 
     def _log_stats(self) -> None:
         """The periodic "stats" line: load, KV pages, memory and tokens/s since the last one."""
