@@ -397,20 +397,6 @@ class Engine(ExecutorLife, StepRecords):
         self._observe_cost(batch, decode, result, seconds)
         return outputs
 
-    def _observe_cost(
-        self, batch: StepBatch, decode: bool, result: StepResult, seconds: float
-    ) -> None:
-        """Count a step and, unless replaying, keep a decode step's cost and record a new
-        automatic speculation threshold where the costs call for one (core/spec_threshold.py)."""
-        spec = self.spec_threshold
-        tokens = sum(map(len, map(_TOKEN_IDS, result.seqs)))
-        measured = seconds if self.decides_spec_threshold else None
-        spec.observe(batch.kind, len(batch.seqs), decode, tokens, measured)
-        if decode and spec.is_auto and self.decides_spec_threshold and spec.may_change:
-            threshold = spec.decide()
-            if threshold != spec.threshold:
-                self.set_spec_threshold(threshold, spec.figures())
-
     def set_spec_threshold(self, threshold: int | None, rates: list[list]) -> None:
         """Speculation from now on only below `threshold` requests (None: at every size), as
         the automatic threshold; recorded, so that a replay applies it here."""

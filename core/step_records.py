@@ -1,5 +1,6 @@
 """A step's two records: its plan (what the executor runs, recorded as StepPlanned) and its
-result (the outputs, recorded as StepFinished with its memory report, and the leak reports).
+result (the outputs, recorded as StepFinished with its memory report, and the leak reports),
+and its cost, which moves the automatic speculation threshold.
 
 `StepRecords` is a part of `Engine` (a base class), kept in its own file so that the engine reads
 as its step; the attributes it uses are the engine's, declared here.
@@ -23,12 +24,14 @@ from memstep.core.output_book import OutputBook
 from memstep.core.outputs import RequestOutput
 from memstep.core.request import Request
 from memstep.core.scheduler import Scheduled, StepBatch
+from memstep.core.spec_threshold import SpecThreshold
 from memstep.events.plan import SeqPlan, StepPlan, StepResult
 from memstep.events.types import MemoryReport, StepFinished, StepPlanned
 
 log = structlog.get_logger("memstep.engine")
 
 # a step's thousand SeqResults are added up at C speed
+_TOKEN_IDS = operator.attrgetter("token_ids")
 _PROPOSED = operator.attrgetter("num_proposed")
 _ACCEPTED = operator.attrgetter("num_accepted")
 
@@ -44,6 +47,8 @@ class StepRecords:
     book: OutputBook
     host_watch: HostWatch
     last_memory: MemoryReport | None
+    spec_threshold: SpecThreshold
+    decides_spec_threshold: bool
     _finished_ids: list[str]
 
     @property
@@ -54,6 +59,9 @@ class StepRecords:
         raise NotImplementedError  # the engine's
 
     def _cache_blocks(self, req: Request) -> None:
+        raise NotImplementedError  # the engine's
+
+    def set_spec_threshold(self, threshold: int | None, rates: list[list]) -> None:
         raise NotImplementedError  # the engine's
 
     def _plan(self, batch: StepBatch) -> StepPlan:
@@ -164,6 +172,20 @@ class StepRecords:
         if not isinstance(self.executor, OwnProcess):
             return []
         return self.host_watch.observe(self.step_no, kind, rss, work)
+
+    def _observe_cost(
+        self, batch: StepBatch, decode: bool, result: StepResult, seconds: float
+    ) -> None:
+        """Count a step and, unless replaying, keep a decode step's cost and record a new
+        automatic speculation threshold where the costs call for one (core/spec_threshold.py)."""
+        spec = self.spec_threshold
+        tokens = sum(map(len, map(_TOKEN_IDS, result.seqs)))
+        measured = seconds if self.decides_spec_threshold else None
+        spec.observe(batch.kind, len(batch.seqs), decode, tokens, measured)
+        if decode and spec.is_auto and self.decides_spec_threshold and spec.may_change:
+            threshold = spec.decide()
+            if threshold != spec.threshold:
+                self.set_spec_threshold(threshold, spec.figures())
 
 
 def _work(batch: StepBatch) -> StepWork:
