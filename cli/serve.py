@@ -3,9 +3,9 @@ executor process.
 
 `memstep serve` (or `python -m memstep.cli.serve`) loads the tokenizer in the core, spawns the
 executor process (which loads the model) and the HTTP front process (a ZMQ client of the core,
-`api/http_server.py`), then answers clients until SIGINT or SIGTERM.  A lost executor is replaced
-(`--max-executor-restarts` within `--executor-restart-window` seconds); past that budget serve
-exits with code 3, for a supervisor to restart it.  `ServerProcess` runs the same command as a
+`serving/http_front/http_server.py`), then answers clients until SIGINT or SIGTERM.  A lost executor
+is replaced (`--max-executor-restarts` within `--executor-restart-window` seconds); past that budget
+serve exits with code 3, for a supervisor to restart it.  `ServerProcess` runs the same command as a
 child process, for tests and `bench serve`.
 """
 
@@ -29,17 +29,6 @@ import attrs
 import structlog
 import zmq
 
-from memstep.api.core_config import ServerConfig
-from memstep.api.http_front import (
-    HttpConfig,
-    HttpFront,
-    bind,
-    curve_client_keys,
-    default_front_count,
-    stop_process,
-)
-from memstep.api.http_limits import HttpLimits
-from memstep.api.server import Server
 from memstep.cli import serve_replicas, vllm_flags
 from memstep.cli.curve_keys import attach_dashed_keys, is_z85_key
 from memstep.cli.help_format import groups
@@ -60,6 +49,17 @@ from memstep.replay.recorder import add_record_arguments, open_recorder
 from memstep.replay.recording import load
 from memstep.replay.resume import resume_point
 from memstep.router.lifeline import follow_parent
+from memstep.serving.core_config import ServerConfig
+from memstep.serving.core_process import Server
+from memstep.serving.http_front.http_front import (
+    HttpConfig,
+    HttpFront,
+    bind,
+    curve_client_keys,
+    default_front_count,
+    stop_process,
+)
+from memstep.serving.http_front.http_limits import HttpLimits
 
 log = structlog.get_logger("memstep.serve")
 EXIT_ENGINE_DEAD = 3  # the executor was lost more often than the restart budget allows
@@ -203,7 +203,7 @@ def _add_debugging_arguments(g: Any, d: ServerConfig) -> None:
 
 
 def add_limit_arguments(h: Any) -> None:
-    """The HTTP front's limits (api/http_limits.py, docs/limits.md)."""
+    """The HTTP front's limits (serving/http_front/http_limits.py, docs/limits.md)."""
     d = HttpLimits()
     helps = {
         "max_request_bytes": "larger request bodies get 413 request_too_large",

@@ -22,15 +22,15 @@ from typing import Any
 import attrs
 import zmq
 
-from memstep.api.core_config import is_loopback
-from memstep.api.http_front import HttpConfig, HttpFront, bind
-from memstep.api.http_limits import HttpLimits
 from memstep.core.config import ConfigError
 from memstep.core.device_limits import cuda_device_bytes
 from memstep.replay.recorder import DEFAULT_KEEP, DEFAULT_RECORD_DIR, prune
 from memstep.router.lifeline import replica_env
 from memstep.router.policy import POLICIES
 from memstep.router.router import Router, RouterConfig
+from memstep.serving.core_config import is_loopback
+from memstep.serving.http_front.http_front import HttpConfig, HttpFront, bind
+from memstep.serving.http_front.http_limits import HttpLimits
 
 READY_TIMEOUT_S = 600.0
 # flags of the router or of the front, never passed on to a local replica
@@ -310,7 +310,7 @@ def _announce(
     import json
 
     print(
-        f"memstep serve: router ready on {router.endpoint} ({len(router.backends)} replicas, "
+        f"memstep serve: router ready on {router.endpoint} ({len(router.replicas)} replicas, "
         f"policy {router.cfg.policy})",
         flush=True,
     )

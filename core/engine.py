@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 
 import structlog
 
-from memstep.core import lifecycle
+from memstep.core import request_log
 from memstep.core.block_manager import BlockManager
 from memstep.core.config import EngineConfig
 from memstep.core.executor import ExecutorFactory, Submits
@@ -240,7 +240,7 @@ class Engine(ExecutorLife, StepRecords):
         self.scheduler.add(req)
         if client_id is not None:
             self.name(request_id, client_id)
-        lifecycle.queued(self.step_no, req, len(self.scheduler.waiting))
+        request_log.queued(self.step_no, req, len(self.scheduler.waiting))
         return request_id
 
     def name(self, request_id: str, client_id: str) -> None:

@@ -14,7 +14,7 @@ import time
 import attrs
 import structlog
 
-from memstep.core import lifecycle
+from memstep.core import request_log
 from memstep.core.block_manager import BlockManager
 from memstep.core.config import EngineConfig
 from memstep.core.executor import Checked, Executor, ExecutorFactory, require_executor
@@ -145,7 +145,7 @@ class ExecutorLife:
         for req in reqs:
             rec = RequestPreempted(self.step_no, req.request_id, cause, req.num_tokens)
             self.emit(rec)
-            lifecycle.evicted(rec, req, why)
+            request_log.evicted(rec, req, why)
 
     def _recover_stage(self) -> None:
         assert self.recovery is not None

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import structlog
 
-from memstep.core import lifecycle
+from memstep.core import request_log
 from memstep.core.config import EngineConfig
 from memstep.core.draft_length import adapt
 from memstep.core.outputs import RequestOutput
@@ -112,7 +112,7 @@ class OutputBook:
             if reason:
                 break
         if len(out_ids) == num_new:
-            lifecycle.first_token(step, req)
+            request_log.first_token(step, req)
         if num_new < len(tokens):
             tokens, logprobs = tokens[:num_new], logprobs[:num_new]
         if logprobs:

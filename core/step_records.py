@@ -13,7 +13,7 @@ import operator
 import attrs
 import structlog
 
-from memstep.core import lifecycle
+from memstep.core import request_log
 from memstep.core.block_manager import BlockManager
 from memstep.core.config import EngineConfig
 from memstep.core.executor import Executor, OwnProcess
@@ -107,7 +107,7 @@ class StepRecords:
             params, prefix_ids = req.params.to_dict(), req.token_at(0, start)
             if start:
                 cached.append([req.request_id, start, table[: start // self.cfg.block_size]])
-        lifecycle.planned(self.step_no, kind, s)
+        request_log.planned(self.step_no, kind, s)
         return SeqPlan(
             request_id=req.request_id,
             start_pos=start,
@@ -158,7 +158,7 @@ class StepRecords:
         proposed = sum(map(_PROPOSED, result.seqs))
         accepted = sum(map(_ACCEPTED, result.seqs))
         self.emit(StepFinished(self.step_no, batch.kind, sampled, proposed, accepted, memory))
-        lifecycle.step_done(self.step_no, batch, memory)
+        request_log.step_done(self.step_no, batch, memory)
         if proposed:
             log.debug("spec step", step=self.step_no, proposed=proposed, accepted=accepted)
         for leak in [*result.leaks, *self._watch_core(batch.kind, memory.core_rss_bytes, work)]:

@@ -3,7 +3,7 @@
 Clients (the HTTP front among them) speak the client API to it as to one core (`docs/protocol.md`).
 Each generate request goes to one replica by the routing policy (`router/policy.py`), always
 streamed from the replica so the router holds every token its client was sent.  When a replica is
-lost (`router/backend.py`), each of its unfinished requests is resent to a live replica with its
+lost (`router/replica.py`), each of its unfinished requests is resent to a live replica with its
 prompt, params, seed and those tokens (`GenerateRequest.output_token_ids`); seeded sampling keys
 each draw by (seed, position), so the stream goes on with the tokens it would have had, and the
 client sees a pause.  Every routing and migration is a record of the router's own log
@@ -54,9 +54,9 @@ from memstep.events.wire import (
     WireError,
     decode_request,
 )
-from memstep.router.backend import Replica
 from memstep.router.policy import NoReplica, Policy
 from memstep.router.prefix import block_hashes, prompt_key
+from memstep.router.replica import Replica
 from memstep.router.routed import Routed
 from memstep.router.summary import health_of, stats_of
 

@@ -20,7 +20,7 @@ from memstep.events.wire import (
     StatsReply,
     StatsRequest,
 )
-from memstep.router.backend import Replica
+from memstep.router.replica import Replica
 
 SUMMED = (
     "num_running",

@@ -8,14 +8,14 @@ import msgpack
 import pytest
 import zmq
 
-from memstep.api import core_admission
 from memstep.api.client import Client, ServerError
-from memstep.api.server import Server
 from memstep.cli.serve import ServerProcess
 from memstep.core.config import EngineConfig
 from memstep.events import codec
 from memstep.events.wire import ErrorReply, HealthReply
 from memstep.executors.process.inprocess import local_engine
+from memstep.serving import core_admission
+from memstep.serving.core_process import Server
 
 TIMEOUT_MS = 10_000
 TINY_SERVER = ["--model", "random:tiny", "--num-threads", "1"]

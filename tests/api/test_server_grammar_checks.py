@@ -12,13 +12,13 @@ import time
 import pytest
 import zmq
 
-from memstep.api import core_admission
 from memstep.core.config import EngineConfig
 from memstep.core.grammar import ConstraintBook
 from memstep.core.grammar_check import GrammarChecker
 from memstep.events import codec
 from memstep.events.wire import AbortRequest, ErrorReply, GenerateDone, GenerateRequest
 from memstep.executors.process.inprocess import local_engine
+from memstep.serving import core_admission
 
 PARAMS = {"max_tokens": 3, "ignore_eos": True, "seed": 1, "temperature": 0.0}
 

@@ -11,9 +11,6 @@ from typing import Any
 
 import structlog
 
-from memstep.api.core_answers import Answers
-from memstep.api.core_replies import Checking, Inflight
-from memstep.api.reattach import Detached
 from memstep.core.engine import UnknownRequest
 from memstep.core.grammar import ConstraintBook
 from memstep.core.sampling_params import InvalidRequest, SamplingParams
@@ -33,6 +30,9 @@ from memstep.events.wire import (
     WireError,
     decode_request,
 )
+from memstep.serving.core_answers import Answers
+from memstep.serving.core_replies import Checking, Inflight
+from memstep.serving.reattach import Detached
 
 log = structlog.get_logger("memstep.server")
 

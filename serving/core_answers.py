@@ -8,9 +8,6 @@ import collections
 import os
 import time
 
-from memstep.api.core_config import ServerConfig
-from memstep.api.core_replies import Replies
-from memstep.api.tally import Tally, host_rss_bytes
 from memstep.core.prompt_checks import outside_vocabulary
 from memstep.core.sampling_params import InvalidRequest
 from memstep.core.snapshot import EngineSnapshot
@@ -26,6 +23,9 @@ from memstep.events.wire import (
     TokenizeRequest,
 )
 from memstep.replay.recorder import Recorder
+from memstep.serving.core_config import ServerConfig
+from memstep.serving.core_replies import Replies
+from memstep.serving.tally import Tally, host_rss_bytes
 
 
 class Answers(Replies):

@@ -17,10 +17,16 @@ from typing import Any
 import attrs
 import orjson
 
-from memstep.api import vllm_fields
-from memstep.api.tool_call_stream import split_reply
-from memstep.api.tool_calls import ToolError, Tools, calls_message, parse_calls, parse_tools
 from memstep.events.wire import GenerateDone, TokenizeReply, TokenizeRequest
+from memstep.serving.http_front import vllm_fields
+from memstep.serving.http_front.tool_call_stream import split_reply
+from memstep.serving.http_front.tool_calls import (
+    ToolError,
+    Tools,
+    calls_message,
+    parse_calls,
+    parse_tools,
+)
 
 # What each request field of OpenAI (and vLLM's extras) becomes in the engine's SamplingParams.
 SAMPLING_FIELDS = {

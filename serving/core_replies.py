@@ -17,7 +17,6 @@ import attrs
 import structlog
 import zmq
 
-from memstep.api.reattach import Detached, Reattach
 from memstep.core.engine import Engine, UnknownRequest
 from memstep.core.grammar_check import Check
 from memstep.core.outputs import RequestOutput
@@ -34,6 +33,7 @@ from memstep.events.wire import (
     Timing,
     Usage,
 )
+from memstep.serving.reattach import Detached, Reattach
 
 log = structlog.get_logger("memstep.server")
 

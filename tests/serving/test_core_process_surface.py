@@ -11,11 +11,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 # the modules of the core process's loop, its parts, and what it hands the engine to
 CORE_PROCESS = [
-    "api/server.py",
-    "api/core_admission.py",
-    "api/core_answers.py",
-    "api/core_replies.py",
-    "api/reattach.py",
+    "serving/core_process.py",
+    "serving/core_admission.py",
+    "serving/core_answers.py",
+    "serving/core_replies.py",
+    "serving/reattach.py",
 ]
 MAX_NAMES = 10
 # the engine's parts: a front that reaches one of these reads past the snapshot

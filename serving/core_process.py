@@ -34,12 +34,6 @@ from typing import TypeVar
 import structlog
 import zmq
 
-from memstep.api.core_admission import Admission, Ahead
-from memstep.api.core_config import ServerConfig
-from memstep.api.core_replies import Checking, Inflight, Outbox
-from memstep.api.core_socket import answer_zap, bind, zap_handler
-from memstep.api.reattach import Reattach
-from memstep.api.tally import Tally, host_rss_bytes
 from memstep.core.engine import Engine
 from memstep.core.grammar import constraint_book
 from memstep.core.outputs import RequestOutput
@@ -53,6 +47,12 @@ from memstep.events.wire import (
 )
 from memstep.replay.recorder import Recorder
 from memstep.replay.resume import ResumePoint
+from memstep.serving.core_admission import Admission, Ahead
+from memstep.serving.core_config import ServerConfig
+from memstep.serving.core_replies import Checking, Inflight, Outbox
+from memstep.serving.core_socket import answer_zap, bind, zap_handler
+from memstep.serving.reattach import Reattach
+from memstep.serving.tally import Tally, host_rss_bytes
 
 log = structlog.get_logger("memstep.server")
 

@@ -7,8 +7,8 @@ import structlog
 import zmq
 from zmq.utils import z85
 
-from memstep.api.core_config import ServerConfig
 from memstep.core.config import ConfigError
+from memstep.serving.core_config import ServerConfig
 
 log = structlog.get_logger("memstep.server")
 
