@@ -1,15 +1,15 @@
 """What info-level logs cost: lines and bytes per request, and throughput against warning level.
 
-One engine and its API server (`api/server.py`, turned by a thread of this process, as `memstep
-serve` turns it) serve the seed workload (vLLM's ShareGPT sampling, `cli/datasets.py`; replies
-cut at `--max-tokens`, EOS ignored, so every run makes the same tokens) at `--streams`
-concurrent ZMQ requests.  Runs alternate between `--log-level info` and `warning` (JSON lines
-into a file, as a deployment writes them), in both orders, `--repeats` times each, so that drift
-in the machine's load hits both alike; the same process and the same warm engine serve both.
-Reported: the info runs' lines and bytes per request, by event; the median output tokens/s of
-each level and their ratio.  Also the cost of one line, timed here (structlog's JSON renderer
-into a null stream): the lines of a request times that, against the engine's time per request,
-is the overhead without the machine's noise.
+One engine and its API server (`serving/core_process.py`, turned by a thread of this process, as
+`memstep serve` turns it) serve the seed workload (vLLM's ShareGPT sampling, `cli/datasets.py`;
+replies cut at `--max-tokens`, EOS ignored, so every run makes the same tokens) at `--streams`
+concurrent ZMQ requests.  Runs alternate between `--log-level info` and `warning` (JSON lines into a
+file, as a deployment writes them), in both orders, `--repeats` times each, so that drift in the
+machine's load hits both alike; the same process and the same warm engine serve both. Reported: the
+info runs' lines and bytes per request, by event; the median output tokens/s of each level and their
+ratio.  Also the cost of one line, timed here (structlog's JSON renderer into a null stream): the
+lines of a request times that, against the engine's time per request, is the overhead without the
+machine's noise.
 
     python benchmarks/bench_log_cost.py [--requests 32] [--streams 16] [--max-tokens 32]
         [--repeats 4] [--model smollm2] [--num-threads N]
@@ -33,11 +33,12 @@ from pathlib import Path
 import structlog
 
 from memstep.api.client import AsyncClient
-from memstep.api.server import Server, ServerConfig
 from memstep.cli.datasets import sample_sharegpt
 from memstep.core.config import EngineConfig
 from memstep.core.logging import setup_logging
 from memstep.executors.process.inprocess import local_engine
+from memstep.serving.core_config import ServerConfig
+from memstep.serving.core_process import Server
 
 
 async def drive(address: str, texts: list[str], streams: int, max_tokens: int) -> tuple:

@@ -22,9 +22,10 @@ NOT_FROM_FILE = ("help", "help_all", "version", "config")
 
 def add_config_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--config", metavar="FILE.yaml",
+        "--config",
+        metavar="FILE.yaml",
         help="flags from a YAML file; the command line wins (default: none)",
-    )  # fmt: skip
+    )
 
 
 def config_path(argv: list[str]) -> Path | None:

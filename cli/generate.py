@@ -18,9 +18,10 @@ from typing import Any, TextIO
 from memstep.cli.help_format import groups
 from memstep.cli.main import add_engine_arguments, config_from_args
 from memstep.core.config import EngineConfig
-from memstep.core.engine import Engine, check_prompt
+from memstep.core.engine import Engine
 from memstep.core.generation_config import sampling_defaults
 from memstep.core.model_source import model_config, resolve
+from memstep.core.prompt_checks import check_prompt
 from memstep.core.sampling_params import SamplingParams
 from memstep.core.shapes import max_model_len
 from memstep.core.tokenizer import Tokenizer, load_tokenizer
@@ -54,9 +55,13 @@ def add_sampling_arguments(g, max_tokens: int) -> None:
     g.add_argument("--top-p", type=float, metavar="P", help="nucleus mass (default: the model's)")
     g.add_argument("--top-k", type=int, metavar="K", help="0 disables (default: the model's)")
     g.add_argument(
-        "--sampling-seed", "--request-seed", dest="request_seed", type=int, metavar="N",
+        "--sampling-seed",
+        "--request-seed",
+        dest="request_seed",
+        type=int,
+        metavar="N",
         help="this request's seed (default: drawn from the engine-wide --seed)",
-    )  # fmt: skip
+    )
 
 
 def sampling_params(args: argparse.Namespace, defaults: dict[str, Any]) -> SamplingParams:

@@ -130,10 +130,17 @@ def _steps(s: LogSummary) -> str:
         f"drafts accepted ({rate})"
     )
     rows = [
-        [kind, k.num_steps, k.num_tokens, k.num_sampled, k.num_proposed, k.num_accepted,
-         k.num_accepted / k.num_proposed if k.num_proposed else None]
+        [
+            kind,
+            k.num_steps,
+            k.num_tokens,
+            k.num_sampled,
+            k.num_proposed,
+            k.num_accepted,
+            k.num_accepted / k.num_proposed if k.num_proposed else None,
+        ]
         for kind, k in s.kinds.items()
-    ]  # fmt: skip
+    ]
     headers = ["kind", "steps", "tokens fed", "tokens sampled", "proposed", "accepted", "rate"]
     return head + ("\n" + render(headers, rows) if rows else "")
 
@@ -181,10 +188,16 @@ def _ledger(s: LogSummary) -> str:
     if unbalanced:
         head = f"ledger: NOT BALANCED for {', '.join(unbalanced)}"
     rows = [
-        [kind, k.num_entries, k.num_exits, f"{k.claimed:,}", f"{k.released:,}",
-         f"{k.claimed - k.released:+,}" if k.num_exits >= k.num_entries else "not exited"]
+        [
+            kind,
+            k.num_entries,
+            k.num_exits,
+            f"{k.claimed:,}",
+            f"{k.released:,}",
+            f"{k.claimed - k.released:+,}" if k.num_exits >= k.num_entries else "not exited",
+        ]
         for kind, k in s.ledger.items()
-    ]  # fmt: skip
+    ]
     headers = ["kind", "entries", "exits", "claimed (B)", "released (B)", "claimed - released"]
     return head + ("\n" + render(headers, rows) if rows else "")
 
@@ -205,16 +218,28 @@ def _memory(s: LogSummary) -> str:
     if not s.stretches:
         return head
     kinds = [
-        [kind, k.num_stretches, k.num_steps, fmt_bytes(k.growth, signed=True),
-         fmt_bytes(k.max_growth, signed=True)]
+        [
+            kind,
+            k.num_stretches,
+            k.num_steps,
+            fmt_bytes(k.growth, signed=True),
+            fmt_bytes(k.max_growth, signed=True),
+        ]
         for kind, k in s.kinds.items()
-    ]  # fmt: skip
+    ]
     shown = s.stretches[:MAX_STRETCHES]
     stretches = [
-        [st.kind, st.first_step, st.last_step, st.num_steps, fmt_bytes(st.live_start),
-         fmt_bytes(st.live_end), fmt_bytes(st.growth, signed=True)]
+        [
+            st.kind,
+            st.first_step,
+            st.last_step,
+            st.num_steps,
+            fmt_bytes(st.live_start),
+            fmt_bytes(st.live_end),
+            fmt_bytes(st.growth, signed=True),
+        ]
         for st in shown
-    ]  # fmt: skip
+    ]
     more = len(s.stretches) - len(shown)
     return "\n".join(
         [

@@ -64,9 +64,14 @@ COMMANDS = {  # name -> (module, one-line help); a module is imported only when 
     "executor": ("memstep.cli.executor", "run tensor-parallel ranks for a core on another machine"),
 }
 USER_ERRORS = (
-    ModelError, ConfigError, InvalidRequest, UsageError, LogFormatError, MemoryError,
+    ModelError,
+    ConfigError,
+    InvalidRequest,
+    UsageError,
+    LogFormatError,
+    MemoryError,
     ConnectionError,
-)  # fmt: skip
+)
 # a path that cannot be used (also any OSError that names its file): the user's to fix
 PATH_ERRORS = (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError)
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -97,44 +102,62 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "--device", default=d.device, choices=["auto", "cpu", "cuda"], help="where it runs"
     )
     common.add_argument(
-        "--max-model-len", type=int, metavar="N", help="prompt + output tokens at most "
-        "(default: the model's context, capped at 2048)",
-    )  # fmt: skip
+        "--max-model-len",
+        type=int,
+        metavar="N",
+        help="prompt + output tokens at most (default: the model's context, capped at 2048)",
+    )
     common.add_argument(
-        "--seed", type=int, default=d.seed, metavar="N",
+        "--seed",
+        type=int,
+        default=d.seed,
+        metavar="N",
         help="seed of requests without one (default: drawn, logged)",
-    )  # fmt: skip
+    )
     perf.add_argument(
-        "--quantization", default=d.quantization, metavar="Q",
+        "--quantization",
+        default=d.quantization,
+        metavar="Q",
         help=f"CPU weight-only: {', '.join(QUANTIZATIONS)} (auto: q4 for a GGUF)",
-    )  # fmt: skip
+    )
     perf.add_argument(
-        "--matmul-precision", default=d.matmul_precision, choices=MATMUL_PRECISIONS,
+        "--matmul-precision",
+        default=d.matmul_precision,
+        choices=MATMUL_PRECISIONS,
         help="q4 products (auto: bfloat16 with AVX512-BF16)",
-    )  # fmt: skip
+    )
     perf.add_argument(
         "--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES, help="KV pages"
     )
     perf.add_argument(
-        "--max-num-seqs", type=int, metavar="N",
+        "--max-num-seqs",
+        type=int,
+        metavar="N",
         help="requests in a batch at most (default: by device; CPU 16)",
-    )  # fmt: skip
+    )
     perf.add_argument(
-        "--max-num-batched-tokens", type=int, metavar="N",
+        "--max-num-batched-tokens",
+        type=int,
+        metavar="N",
         help="tokens in one step at most (default: by device; CPU 512)",
-    )  # fmt: skip
+    )
     perf.add_argument(
         "--block-size", type=int, default=d.block_size, metavar="N", help="tokens per KV page"
     )
     perf.add_argument("--num-kv-blocks", type=int, metavar="N", help="KV pages (default: sized)")
     perf.add_argument(
-        "--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization, metavar="F",
+        "--gpu-memory-utilization",
+        type=float,
+        default=d.gpu_memory_utilization,
+        metavar="F",
         help="share of device memory the engine may plan for",
-    )  # fmt: skip
+    )
     perf.add_argument(
-        "--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+        "--no-enable-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
         help="do not reuse the KV pages of shared prompt prefixes",
-    )  # fmt: skip
+    )
     perf.add_argument("--num-threads", type=int, metavar="N", help="(default: torch's)")
     add_speculation_arguments(perf, d, g["debugging"])
     add_cuda_graph_arguments(perf)
@@ -147,42 +170,63 @@ def add_cuda_graph_arguments(g) -> None:
         "--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="run decode eagerly"
     )
     g.add_argument(
-        "--no-decode-ahead", dest="decode_ahead", action="store_false",
+        "--no-decode-ahead",
+        dest="decode_ahead",
+        action="store_false",
         help="CUDA: no decode graph replayed ahead while the core records a step",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--no-piecewise-graphs", dest="piecewise_graphs", action="store_false",
+        "--no-piecewise-graphs",
+        dest="piecewise_graphs",
+        action="store_false",
         help="CUDA: prefill and mixed steps eagerly, without piecewise graphs",
-    )  # fmt: skip
+    )
 
 
 def add_debugging_arguments(g, d: EngineConfig) -> None:
     """Flags for tests and post-mortems, shown by --help-all only."""
     g.add_argument(
-        "--memory-utilization", dest="gpu_memory_utilization", type=float, metavar="F",
-        action=DeprecatedName, help="deprecated: --gpu-memory-utilization",
-    )  # fmt: skip
+        "--memory-utilization",
+        dest="gpu_memory_utilization",
+        type=float,
+        metavar="F",
+        action=DeprecatedName,
+        help="deprecated: --gpu-memory-utilization",
+    )
     g.add_argument(
-        "--random-weights-seed", type=int, default=d.random_weights_seed, metavar="N",
+        "--random-weights-seed",
+        type=int,
+        default=d.random_weights_seed,
+        metavar="N",
         help="the weights of random: models",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--max-executor-restarts", type=int, default=d.max_executor_restarts, metavar="N",
+        "--max-executor-restarts",
+        type=int,
+        default=d.max_executor_restarts,
+        metavar="N",
         help="executor restarts within the window before the engine gives up",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--executor-restart-window", dest="executor_restart_window_s", type=float,
-        default=d.executor_restart_window_s, metavar="S",
+        "--executor-restart-window",
+        dest="executor_restart_window_s",
+        type=float,
+        default=d.executor_restart_window_s,
+        metavar="S",
         help="seconds over which executor restarts are counted",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--debug-kill-executor-at", type=_steps, default=d.debug_kill_executor_at,
-        metavar="STEPS", help="test-only: the executor SIGKILLs itself at these steps (5,12)",
-    )  # fmt: skip
+        "--debug-kill-executor-at",
+        type=_steps,
+        default=d.debug_kill_executor_at,
+        metavar="STEPS",
+        help="test-only: the executor SIGKILLs itself at these steps (5,12)",
+    )
     g.add_argument(
-        "--debug-kill-restarted-executor", action="store_true",
+        "--debug-kill-restarted-executor",
+        action="store_true",
         help="test-only: every restarted executor SIGKILLs itself in warmup",
-    )  # fmt: skip
+    )
     g.add_argument(
         "--debug-plant-leak",
         choices=PLANTED_LEAKS,
@@ -203,17 +247,25 @@ class DeprecatedName(argparse.Action):
 
 def add_tensor_parallel_arguments(g, d: EngineConfig) -> None:
     g.add_argument(
-        "--tensor-parallel-size", type=int, default=d.tensor_parallel_size, metavar="N",
+        "--tensor-parallel-size",
+        type=int,
+        default=d.tensor_parallel_size,
+        metavar="N",
         help="split the model over N ranks (a GPU each)",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--distributed-init-method", default=d.distributed_init_method, metavar="URL",
+        "--distributed-init-method",
+        default=d.distributed_init_method,
+        metavar="URL",
         help="tcp://HOST:PORT where the ranks meet (default: a free loopback port)",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--num-local-ranks", type=int, default=d.num_local_ranks, metavar="N",
+        "--num-local-ranks",
+        type=int,
+        default=d.num_local_ranks,
+        metavar="N",
         help="ranks started here (default: all); others run `memstep executor`",
-    )  # fmt: skip
+    )
 
 
 def _int_list(example: str) -> Callable[[str], tuple[int, ...]]:
@@ -257,32 +309,42 @@ def add_speculation_arguments(g, d: EngineConfig | None, more=None) -> None:
         "--num-speculative-tokens", type=int, default=tokens, metavar="N", help="drafts per step"
     )
     g.add_argument(
-        "--speculative-disable-by-batch-size", type=int, metavar="N",
+        "--speculative-disable-by-batch-size",
+        type=int,
+        metavar="N",
         help="no speculation at N requests or more (default: chosen from measured step costs)",
-    )  # fmt: skip
+    )
     auto, adaptive = (
         (None, None) if d is None else (d.speculative_auto_disable, d.speculative_adaptive_k)
     )
     more.add_argument(
-        "--speculative-auto-disable", action=argparse.BooleanOptionalAction, default=auto,
+        "--speculative-auto-disable",
+        action=argparse.BooleanOptionalAction,
+        default=auto,
         help="without --speculative-disable-by-batch-size: stop speculating at the batch sizes "
         "where it measures slower",
-    )  # fmt: skip
+    )
     more.add_argument(
-        "--speculative-adaptive-k", action=argparse.BooleanOptionalAction, default=adaptive,
+        "--speculative-adaptive-k",
+        action=argparse.BooleanOptionalAction,
+        default=adaptive,
         help="drop a request's drafts per step while they keep failing",
-    )  # fmt: skip
+    )
     more.add_argument(
         "--draft-layers", type=int, default=layers, metavar="N", help="layers of the draft model"
     )
     g.add_argument(
-        "--draft-model", metavar="PATH",
+        "--draft-model",
+        metavar="PATH",
         help="draft: a model (default: the target's first layers); eagle: a head's .npz",
-    )  # fmt: skip
+    )
     more.add_argument(
-        "--speculative-tree", type=_widths, default=None if d is None else d.speculative_tree,
-        metavar="W,W,...", help="eagle: a draft tree, the head's top W candidates at each depth",
-    )  # fmt: skip
+        "--speculative-tree",
+        type=_widths,
+        default=None if d is None else d.speculative_tree,
+        metavar="W,W,...",
+        help="eagle: a draft tree, the head's top W candidates at each depth",
+    )
 
 
 def config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
@@ -329,9 +391,11 @@ def _device_limits(values: dict) -> Limits:
     chosen = default_limits(device_bytes, model, dtype_bytes)
     say = structlog.get_logger("memstep.cli")
     (say.info if device_bytes is not None else say.debug)(  # CPU: the defaults, nothing to say
-        "batch limits", max_num_seqs=chosen.max_num_seqs,
-        max_num_batched_tokens=chosen.max_num_batched_tokens, why=chosen.why,
-    )  # fmt: skip
+        "batch limits",
+        max_num_seqs=chosen.max_num_seqs,
+        max_num_batched_tokens=chosen.max_num_batched_tokens,
+        why=chosen.why,
+    )
     return chosen
 
 

@@ -71,17 +71,28 @@ def _s(seconds: float | None) -> str:
 
 
 def _events(life: RequestLife) -> str:
-    lines = [f"  step {step:>6}  {what}{': ' if detail else ''}{detail}"
-             for step, what, detail in life.events]  # fmt: skip
+    lines = [
+        f"  step {step:>6}  {what}{': ' if detail else ''}{detail}"
+        for step, what, detail in life.events
+    ]
     return "life:\n" + "\n".join(lines)
 
 
 def _steps(life: RequestLife) -> str:
     rows = [
-        [r.step, r.kind, r.batch_size, r.step_tokens, r.fed, len(r.sampled),
-         fmt_bytes(r.live_bytes), r.kv_pages_used, r.note]
+        [
+            r.step,
+            r.kind,
+            r.batch_size,
+            r.step_tokens,
+            r.fed,
+            len(r.sampled),
+            fmt_bytes(r.live_bytes),
+            r.kv_pages_used,
+            r.note,
+        ]
         for r in life.rows
-    ]  # fmt: skip
+    ]
     headers = ["step", "kind", "batch", "step tokens", "fed", "sampled", "live", "KV pages", ""]
     return f"steps that ran it: {len(rows)}\n" + render(headers, rows, left=2)
 

@@ -3,9 +3,9 @@ executor process.
 
 `memstep serve` (or `python -m memstep.cli.serve`) loads the tokenizer in the core, spawns the
 executor process (which loads the model) and the HTTP front process (a ZMQ client of the core,
-`api/http_server.py`), then answers clients until SIGINT or SIGTERM.  A lost executor is replaced
-(`--max-executor-restarts` within `--executor-restart-window` seconds); past that budget serve
-exits with code 3, for a supervisor to restart it.  `ServerProcess` runs the same command as a
+`serving/http_front/http_server.py`), then answers clients until SIGINT or SIGTERM.  A lost executor
+is replaced (`--max-executor-restarts` within `--executor-restart-window` seconds); past that budget
+serve exits with code 3, for a supervisor to restart it.  `ServerProcess` runs the same command as a
 child process, for tests and `bench serve`.
 """
 
@@ -29,16 +29,6 @@ import attrs
 import structlog
 import zmq
 
-from memstep.api.http_front import (
-    HttpConfig,
-    HttpFront,
-    bind,
-    curve_client_keys,
-    default_front_count,
-    stop_process,
-)
-from memstep.api.http_limits import HttpLimits
-from memstep.api.server import Server, ServerConfig
 from memstep.cli import serve_replicas, vllm_flags
 from memstep.cli.curve_keys import attach_dashed_keys, is_z85_key
 from memstep.cli.help_format import groups
@@ -59,6 +49,17 @@ from memstep.replay.recorder import add_record_arguments, open_recorder
 from memstep.replay.recording import load
 from memstep.replay.resume import resume_point
 from memstep.router.lifeline import follow_parent
+from memstep.serving.core_config import ServerConfig
+from memstep.serving.core_process import Server
+from memstep.serving.http_front.http_front import (
+    HttpConfig,
+    HttpFront,
+    bind,
+    curve_client_keys,
+    default_front_count,
+    stop_process,
+)
+from memstep.serving.http_front.http_limits import HttpLimits
 
 log = structlog.get_logger("memstep.serve")
 EXIT_ENGINE_DEAD = 3  # the executor was lost more often than the restart budget allows
@@ -104,32 +105,44 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     common.add_argument("--no-http", dest="http", action="store_false", help="serve ZMQ only")
     common.add_argument(
-        "--api-key", default=os.environ.get("MEMSTEP_API_KEY"), metavar="KEY",
+        "--api-key",
+        default=os.environ.get("MEMSTEP_API_KEY"),
+        metavar="KEY",
         help="required as 'Bearer KEY' (default: $MEMSTEP_API_KEY)",
-    )  # fmt: skip
+    )
     common.add_argument("--api-key-file", type=Path, metavar="FILE", help="the API key's file")
     common.add_argument(
         "--served-model-name", metavar="NAME", help="the model's name in the API (default: --model)"
     )
     common.add_argument(
-        "--resume", type=Path, metavar="LOG",
+        "--resume",
+        type=Path,
+        metavar="LOG",
         help="resume a dead server's log (default: a fresh start)",
-    )  # fmt: skip
+    )
     add_record_arguments(p, by_default=True, group=common, more=g["debugging"], durability=True)
     add_engine_arguments(p)
     perf = g["performance"]
     perf.add_argument(
-        "--standby-executor", choices=["auto", "on", "off"], default="auto",
+        "--standby-executor",
+        choices=["auto", "on", "off"],
+        default="auto",
         help="a loaded spare executor (auto: if memory allows)",
-    )  # fmt: skip
+    )
     perf.add_argument(
-        "--api-server-count", type=_front_count, default="auto", metavar="N",
+        "--api-server-count",
+        type=_front_count,
+        default="auto",
+        metavar="N",
         help="HTTP front processes, as vLLM's (auto: 2 on a GPU)",
-    )  # fmt: skip
+    )
     perf.add_argument(
-        "--max-waiting-requests", type=int, default=d.max_waiting_requests, metavar="N",
+        "--max-waiting-requests",
+        type=int,
+        default=d.max_waiting_requests,
+        metavar="N",
         help="past N waiting, refuse: 'overloaded' (HTTP 503); 0: no bound",
-    )  # fmt: skip
+    )
     _add_curve_arguments(g["distributed"])
     serve_replicas.add_replica_arguments(g["distributed"], g["debugging"])
     _add_debugging_arguments(g["debugging"], d)
@@ -139,41 +152,58 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _add_curve_arguments(g: Any) -> None:
     g.add_argument(
-        "--curve-secret-key", metavar="FILE",
+        "--curve-secret-key",
+        metavar="FILE",
         help="a file with the z85 secret key (default: no CURVE)",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--curve-client-keys", metavar="KEYS",
+        "--curve-client-keys",
+        metavar="KEYS",
         help="allowed public keys: a,b, a file or a folder",
-    )  # fmt: skip
+    )
 
 
 def _add_debugging_arguments(g: Any, d: ServerConfig) -> None:
     g.add_argument(
-        "--dead-exit-s", type=float, default=d.dead_exit_s, metavar="S",
+        "--dead-exit-s",
+        type=float,
+        default=d.dead_exit_s,
+        metavar="S",
         help="once no executor starts: answer health (dead) this long, then exit 3",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--max-frame-bytes", type=int, default=d.max_frame_bytes, metavar="N",
+        "--max-frame-bytes",
+        type=int,
+        default=d.max_frame_bytes,
+        metavar="N",
         help="larger client frames get a frame_too_large error",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--executor-timeout", type=float, default=5.0, metavar="S",
+        "--executor-timeout",
+        type=float,
+        default=5.0,
+        metavar="S",
         help="seconds without a heartbeat before an executor counts as dead",
-    )  # fmt: skip
+    )
     g.add_argument("--ready-file", type=Path, help="write {endpoint, pids} here when serving")
     g.add_argument(
-        "--max-new-while-recovering", type=int, default=d.max_new_while_recovering, metavar="N",
+        "--max-new-while-recovering",
+        type=int,
+        default=d.max_new_while_recovering,
+        metavar="N",
         help="new requests queued while an executor restarts, then 'recovering'",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--stats-interval", type=float, default=d.stats_interval_s, metavar="S",
+        "--stats-interval",
+        type=float,
+        default=d.stats_interval_s,
+        metavar="S",
         help="seconds between 'stats' log lines while busy; 0: none",
-    )  # fmt: skip
+    )
 
 
 def add_limit_arguments(h: Any) -> None:
-    """The HTTP front's limits (api/http_limits.py, docs/limits.md)."""
+    """The HTTP front's limits (serving/http_front/http_limits.py, docs/limits.md)."""
     d = HttpLimits()
     helps = {
         "max_request_bytes": "larger request bodies get 413 request_too_large",
@@ -260,8 +290,11 @@ def run(args: argparse.Namespace) -> int:
         server = Server(engine, server_cfg, recorder)
         if point is not None:
             server.resume(point)
-            print(f"memstep serve: resumed {len(point.unfinished)} unfinished requests from "
-                  f"{args.resume}", flush=True)  # fmt: skip
+            print(
+                f"memstep serve: resumed {len(point.unfinished)} unfinished requests from "
+                f"{args.resume}",
+                flush=True,
+            )
         try:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, lambda *_: server.stop())

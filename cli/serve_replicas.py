@@ -22,52 +22,92 @@ from typing import Any
 import attrs
 import zmq
 
-from memstep.api.http_front import HttpConfig, HttpFront, bind
-from memstep.api.http_limits import HttpLimits
-from memstep.api.server import is_loopback
 from memstep.core.config import ConfigError
 from memstep.core.device_limits import cuda_device_bytes
 from memstep.replay.recorder import DEFAULT_KEEP, DEFAULT_RECORD_DIR, prune
 from memstep.router.lifeline import replica_env
 from memstep.router.policy import POLICIES
 from memstep.router.router import Router, RouterConfig
+from memstep.serving.core_config import is_loopback
+from memstep.serving.http_front.http_front import HttpConfig, HttpFront, bind
+from memstep.serving.http_front.http_limits import HttpLimits
 
 READY_TIMEOUT_S = 600.0
 # flags of the router or of the front, never passed on to a local replica
 NOT_FOR_REPLICAS = {
-    "host", "port", "http_host", "http_port", "http", "api_key", "api_key_file", "resume",
-    "record", "ready_file", "api_server_count", "curve_secret_key", "curve_client_keys",
-    "data_parallel_size", "replica", "routing_policy", "replica_timeout", "replica_server_key",
-    "replica_client_key", "served_model_name", "config", "config_file", "help", "help_all",
-    "log_level", "log_format", "run", "command", "max_request_bytes", "max_connections",
-    "header_timeout_s", "body_timeout_s", "keepalive_timeout_s", "request_timeout_s",
+    "host",
+    "port",
+    "http_host",
+    "http_port",
+    "http",
+    "api_key",
+    "api_key_file",
+    "resume",
+    "record",
+    "ready_file",
+    "api_server_count",
+    "curve_secret_key",
+    "curve_client_keys",
+    "data_parallel_size",
+    "replica",
+    "routing_policy",
+    "replica_timeout",
+    "replica_server_key",
+    "replica_client_key",
+    "served_model_name",
+    "config",
+    "config_file",
+    "help",
+    "help_all",
+    "log_level",
+    "log_format",
+    "run",
+    "command",
+    "max_request_bytes",
+    "max_connections",
+    "header_timeout_s",
+    "body_timeout_s",
+    "keepalive_timeout_s",
+    "request_timeout_s",
     "log_lines_per_s",
-}  # fmt: skip
+}
 
 
 def add_replica_arguments(g: Any, more: Any) -> None:
     """`--data-parallel-size` in `g` (shown by --help), the rest in `more` (--help-all)."""
     g.add_argument(
-        "--data-parallel-size", type=int, default=1, metavar="N",
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
         help="N replicas behind one router (docs/replicas.md)",
-    )  # fmt: skip
+    )
     more.add_argument(
-        "--replica", action="append", default=[], metavar="tcp://HOST:PORT",
+        "--replica",
+        action="append",
+        default=[],
+        metavar="tcp://HOST:PORT",
         help="a `memstep serve` engine elsewhere, routed to as a replica (repeatable)",
-    )  # fmt: skip
+    )
     more.add_argument(
-        "--routing-policy", choices=POLICIES, default="prefix",
+        "--routing-policy",
+        choices=POLICIES,
+        default="prefix",
         help="prefix: the longest prefix sent before, else least loaded (default: %(default)s)",
-    )  # fmt: skip
+    )
     more.add_argument(
-        "--replica-timeout", type=float, default=RouterConfig().replica_timeout_s, metavar="S",
+        "--replica-timeout",
+        type=float,
+        default=RouterConfig().replica_timeout_s,
+        metavar="S",
         help="a replica whose connection carries nothing (heartbeats included) this long is lost",
-    )  # fmt: skip
+    )
     more.add_argument("--replica-server-key", metavar="KEY", help="--replica's CURVE public key")
     more.add_argument(
-        "--replica-client-key", metavar="FILE",
+        "--replica-client-key",
+        metavar="FILE",
         help="the router's CURVE secret key (its public key allowed by each --replica)",
-    )  # fmt: skip
+    )
 
 
 def wants_replicas(args: argparse.Namespace) -> bool:
@@ -88,8 +128,12 @@ def run(args: argparse.Namespace, parts: ServeParts) -> int:
     """Start the replicas, the router and the front; serve until SIGINT or SIGTERM."""
     if args.resume is not None:
         raise ConfigError("--resume is for one engine; resume each replica's log on its own")
-    http_cfg = HttpConfig(host=args.http_host, port=args.http_port, api_key=args.api_key,
-                          api_server_count=args.api_server_count)  # fmt: skip
+    http_cfg = HttpConfig(
+        host=args.http_host,
+        port=args.http_port,
+        api_key=args.api_key,
+        api_server_count=args.api_server_count,
+    )
     http_sock = bind(http_cfg) if args.http else None
     router_cfg = _router_config(args, parts.load_key)
     router_log, replica_logs = log_paths(args.record, _num_local(args), args.record_keep)
@@ -103,8 +147,14 @@ def run(args: argparse.Namespace, parts: ServeParts) -> int:
         check_same_model(router.models())
         if http_sock is not None:
             model = args.served_model_name or args.model
-            front = HttpFront(http_sock, router.endpoint, model, count=args.api_server_count,
-                              api_key=args.api_key, limits=parts.limits)  # fmt: skip
+            front = HttpFront(
+                http_sock,
+                router.endpoint,
+                model,
+                count=args.api_server_count,
+                api_key=args.api_key,
+                limits=parts.limits,
+            )
             http_sock.close()
             front.wait_ready()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -226,9 +276,14 @@ def _router_config(args: argparse.Namespace, load_key: Callable[[str], bytes]) -
             raise ConfigError("--replica-server-key needs --replica-client-key")
         secret = load_key(args.replica_client_key)
         curve = (load_key(args.replica_server_key), zmq.curve_public(secret), secret)
-    return RouterConfig(host=args.host, port=args.port, policy=args.routing_policy,
-                        replica_timeout_s=args.replica_timeout, seed=getattr(args, "seed", None),
-                        replica_curve=curve)  # fmt: skip
+    return RouterConfig(
+        host=args.host,
+        port=args.port,
+        policy=args.routing_policy,
+        replica_timeout_s=args.replica_timeout,
+        seed=getattr(args, "seed", None),
+        replica_curve=curve,
+    )
 
 
 def check_replicas_local(endpoints: list[str]) -> None:
@@ -245,13 +300,20 @@ def check_replicas_local(endpoints: list[str]) -> None:
 
 
 def _announce(
-    ready_file: Path | None, router: Router, front: Any, local: list, router_log: Path | None,
+    ready_file: Path | None,
+    router: Router,
+    front: Any,
+    local: list,
+    router_log: Path | None,
     replica_logs: list[Path | None],
-) -> None:  # fmt: skip
+) -> None:
     import json
 
-    print(f"memstep serve: router ready on {router.endpoint} ({len(router.backends)} replicas, "
-          f"policy {router.cfg.policy})", flush=True)  # fmt: skip
+    print(
+        f"memstep serve: router ready on {router.endpoint} ({len(router.replicas)} replicas, "
+        f"policy {router.cfg.policy})",
+        flush=True,
+    )
     if router_log is not None:
         print(f"memstep serve: recording the router's log to {router_log}", flush=True)
     if front is not None:
@@ -272,7 +334,7 @@ def _announce(
                 "executor_pid": p.info["executor_pid"],
             }
             for p in local
-        ],  # fmt: skip
+        ],
     }
     tmp = ready_file.with_suffix(".tmp")
     tmp.write_text(json.dumps(info))

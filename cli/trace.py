@@ -40,8 +40,9 @@ def run(args: argparse.Namespace) -> int:
     trace = chrome_trace(recording.records, Window(first, last, wanted))
     with open(args.output, "w") as f:
         json.dump(trace, f, separators=(",", ":"))
-    num = sum(e["ph"] == "b" and e["args"].get("engine_id") is not None
-              for e in trace["traceEvents"])  # fmt: skip
+    num = sum(
+        e["ph"] == "b" and e["args"].get("engine_id") is not None for e in trace["traceEvents"]
+    )
     print(f"wrote {args.output}: {len(trace['traceEvents'])} events, {num} requests")
     return 0
 
@@ -59,12 +60,17 @@ def _step_range(text: str | None) -> tuple[int, int]:
 def _requests(args: argparse.Namespace, records: list, first: int, last: int) -> frozenset | None:
     if args.requests:
         return frozenset(args.requests.split(","))
-    alive = {rid: life for rid, life in lives(records).items()
-             if life.arrival <= last and (life.finish is None or life.finish >= first)}  # fmt: skip
+    alive = {
+        rid: life
+        for rid, life in lives(records).items()
+        if life.arrival <= last and (life.finish is None or life.finish >= first)
+    }
     if len(alive) <= args.max_requests:
         return None if len(alive) == len(lives(records)) else frozenset(alive)
-    end = {rid: (life.finish if life.finish is not None else last) - life.arrival
-           for rid, life in alive.items()}  # fmt: skip
+    end = {
+        rid: (life.finish if life.finish is not None else last) - life.arrival
+        for rid, life in alive.items()
+    }
     kept = sorted(alive, key=lambda rid: -end[rid])[: args.max_requests]
     print(
         f"memstep: {len(alive)} requests in range; drawing the {len(kept)} longest-lived "

@@ -229,8 +229,9 @@ def text_part(cfg: Json) -> Json:
     wrapped = [WRAPPERS[a] for a in archs if a in WRAPPERS]
     if not wrapped or "text_config" not in cfg:
         return cfg
-    inherited = {k: cfg[k] for k in ("tie_word_embeddings", "bos_token_id", "eos_token_id")
-                 if k in cfg}  # fmt: skip
+    inherited = {
+        k: cfg[k] for k in ("tie_word_embeddings", "bos_token_id", "eos_token_id") if k in cfg
+    }
     return inherited | cfg["text_config"] | {"architectures": wrapped}
 
 

@@ -146,9 +146,12 @@ def hub_snapshot(repo_id: str, revision: str | None = None) -> Path:
     patterns = ["*.json", "*.safetensors", "tokenizer*", "*.jinja"]
     try:
         folder = snapshot_download(
-            repo_id, revision=revision, cache_dir=os.environ.get("HF_HUB_CACHE"),
-            local_files_only=offline, allow_patterns=patterns,
-        )  # fmt: skip
+            repo_id,
+            revision=revision,
+            cache_dir=os.environ.get("HF_HUB_CACHE"),
+            local_files_only=offline,
+            allow_patterns=patterns,
+        )
     except Exception as exc:  # the hub raises many kinds: missing, gated, offline, network
         where = "not in the local cache (HF_HUB_OFFLINE is set)" if offline else "not reachable"
         raise ModelError(f"model {repo_id}: {where}: {type(exc).__name__}: {exc}") from exc

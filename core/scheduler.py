@@ -49,10 +49,10 @@ class Scheduler:
         blocks: BlockManager,
         max_model_len: int,
         decode_lookahead: int = 0,
-        kinds: SpecThreshold | None = None,
+        spec_threshold: SpecThreshold | None = None,
     ):
         self.cfg = cfg
-        self.kinds = kinds or SpecThreshold(cfg)  # picks each batch's step kind
+        self.spec_threshold = spec_threshold or SpecThreshold(cfg)  # picks each step's kind
         self.blocks = blocks
         self.max_model_len = max_model_len
         # slots past each decode that its pages should already cover, when pages are free: the
@@ -112,7 +112,7 @@ class Scheduler:
             budget -= n
             decode = decode and n == 1 and hit + n == req.num_tokens
         decode = decode and bool(seqs)
-        kind = self.kinds.kind_for(len(seqs), decode)
+        kind = self.spec_threshold.kind_for(len(seqs), decode)
         if kind == "spec":
             for s in seqs:
                 s.num_drafts = self._draft_slots(s)

@@ -177,8 +177,9 @@ class Recorder(ClosedOnExit):
             raise exc
         self.failure = _describe(exc)
         self.last_retry = time.monotonic()
-        log.error("event log unwritable", path=str(self.path), error=self.failure,
-                  on_error=self.on_error)  # fmt: skip
+        log.error(
+            "event log unwritable", path=str(self.path), error=self.failure, on_error=self.on_error
+        )
         if self.on_error == "stop":
             self.held = [rec] if rec is not None else []
             return
@@ -239,9 +240,11 @@ def add_record_arguments(
     default = DEFAULT_RECORD_PATH if by_default else None
     where = f" (default: {DEFAULT_RECORD_DIR}/)" if by_default else ""
     g.add_argument(
-        "--record", metavar="PATH", default=default,
+        "--record",
+        metavar="PATH",
+        default=default,
         help=f"the event log ({{time}}: start time){where}",
-    )  # fmt: skip
+    )
     if by_default:
         g.add_argument(
             "--no-record", dest="record", action="store_const", const=None, help="record nothing"
@@ -250,13 +253,19 @@ def add_record_arguments(
     if durability:
         _add_durability_arguments(g)
     g.add_argument(
-        "--record-rotate-bytes", type=parse_size, default=DEFAULT_ROTATE_BYTES, metavar="N",
+        "--record-rotate-bytes",
+        type=parse_size,
+        default=DEFAULT_ROTATE_BYTES,
+        metavar="N",
         help="start a new part (PATH.1, PATH.2, ...) past this size; 0 never rotates",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--record-keep", type=int, default=DEFAULT_KEEP, metavar="N",
+        "--record-keep",
+        type=int,
+        default=DEFAULT_KEEP,
+        metavar="N",
         help=f"logs kept in {DEFAULT_RECORD_DIR}/: older ones are removed",
-    )  # fmt: skip
+    )
 
 
 def prune(directory: Path, keep: int) -> list[Path]:

@@ -218,9 +218,14 @@ def _shade(fig: Figure, axes: tuple[Axes, ...], steps: list[StepFinished]) -> tu
     for ax in axes:
         _bands(ax, steps, shaded)
         ax.vlines(
-            [c - 0.5 for c in changes], 0, 1, transform=ax.get_xaxis_transform(),
-            colors="0.35", linestyles=":", lw=0.8,
-        )  # fmt: skip
+            [c - 0.5 for c in changes],
+            0,
+            1,
+            transform=ax.get_xaxis_transform(),
+            colors="0.35",
+            linestyles=":",
+            lw=0.8,
+        )
     return [(k, shaded.get(k)) for k in counts], changes
 
 
@@ -235,20 +240,31 @@ def _bands(ax: Axes, steps: list[StepFinished], colors: dict[str, str]) -> None:
     for kind, color in colors.items():
         where = [s.kind == kind for s in steps for _ in (0, 1)]
         ax.fill_between(
-            edges, 0, 1, where=where, transform=ax.get_xaxis_transform(),
-            color=color, lw=0, zorder=0,
-        )  # fmt: skip
+            edges,
+            0,
+            1,
+            where=where,
+            transform=ax.get_xaxis_transform(),
+            color=color,
+            lw=0,
+            zorder=0,
+        )
 
 
 def _startup(records: list[object]) -> list:
     """What each start-up kind claimed and released before step 0, as legend lines."""
     ledger = summarize(records).ledger
     return [
-        Line2D([], [], color="none", label=f"before step 0, {kind}: claimed "
-               f"{fmt_bytes(k.claimed)}, released {fmt_bytes(k.released)}")
+        Line2D(
+            [],
+            [],
+            color="none",
+            label=f"before step 0, {kind}: claimed "
+            f"{fmt_bytes(k.claimed)}, released {fmt_bytes(k.released)}",
+        )
         for kind, k in ledger.items()
         if kind in STARTUP_KINDS
-    ]  # fmt: skip
+    ]
 
 
 def _losses(ax: Axes, records: list[object]) -> int:
@@ -261,9 +277,14 @@ def _losses(ax: Axes, records: list[object]) -> int:
         if loss.gave_up or loss.during not in ("idle", "step"):
             label = "gave up" if loss.gave_up else f"restart died in {loss.during}"
         ax.annotate(
-            label, (loss.step - 0.5, 0.95), xycoords=("data", "axes fraction"),
-            xytext=(4, 0), textcoords="offset points", color=LOSS_COLOR, fontsize=8,
-        )  # fmt: skip
+            label,
+            (loss.step - 0.5, 0.95),
+            xycoords=("data", "axes fraction"),
+            xytext=(4, 0),
+            textcoords="offset points",
+            color=LOSS_COLOR,
+            fontsize=8,
+        )
     return len(losses)
 
 

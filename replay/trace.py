@@ -133,11 +133,11 @@ def _step(plan: StepPlanned, done: StepFinished) -> list[dict]:
             live=m.live_bytes / MIB,
             reserved=m.reserved_bytes / MIB,
             arena=m.arena_claimed_bytes / MIB,
-        ),  # fmt: skip
+        ),
         _counter("KV pages", ts, used=m.kv_pages_used, cached=m.kv_pages_cached),
         _counter(
             "host RSS (MiB)", ts, executor=m.executor_rss_bytes / MIB, core=m.core_rss_bytes / MIB
-        ),  # fmt: skip
+        ),
     ]
 
 
@@ -160,8 +160,16 @@ def _instant(rec: object) -> dict | None:
     else:
         return None
     ts = _us(rec.step)  # type: ignore[attr-defined]
-    return {"ph": "i", "s": "p", "name": name, "pid": ENGINE, "tid": STEPS_TID, "ts": ts,
-            "cat": "transition", "args": args}  # fmt: skip
+    return {
+        "ph": "i",
+        "s": "p",
+        "name": name,
+        "pid": ENGINE,
+        "tid": STEPS_TID,
+        "ts": ts,
+        "cat": "transition",
+        "args": args,
+    }
 
 
 def lives(records: list[object]) -> dict[str, _Life]:

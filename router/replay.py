@@ -64,8 +64,10 @@ class Divergence:
     replayed: object
 
     def __str__(self) -> str:
-        return (f"decision {self.seq} ({self.request_id}): {self.field} recorded "
-                f"{self.recorded!r}, replayed {self.replayed!r}")  # fmt: skip
+        return (
+            f"decision {self.seq} ({self.request_id}): {self.field} recorded "
+            f"{self.recorded!r}, replayed {self.replayed!r}"
+        )
 
 
 def replay_router(log: RouterLog) -> tuple[int, Divergence | None]:

@@ -3,7 +3,7 @@
 Clients (the HTTP front among them) speak the client API to it as to one core (`docs/protocol.md`).
 Each generate request goes to one replica by the routing policy (`router/policy.py`), always
 streamed from the replica so the router holds every token its client was sent.  When a replica is
-lost (`router/backend.py`), each of its unfinished requests is resent to a live replica with its
+lost (`router/replica.py`), each of its unfinished requests is resent to a live replica with its
 prompt, params, seed and those tokens (`GenerateRequest.output_token_ids`); seeded sampling keys
 each draw by (seed, position), so the stream goes on with the tokens it would have had, and the
 client sees a pause.  Every routing and migration is a record of the router's own log
@@ -54,9 +54,9 @@ from memstep.events.wire import (
     WireError,
     decode_request,
 )
-from memstep.router.backend import Backend
 from memstep.router.policy import NoReplica, Policy
 from memstep.router.prefix import block_hashes, prompt_key
+from memstep.router.replica import Replica
 from memstep.router.routed import Routed
 from memstep.router.summary import health_of, stats_of
 
@@ -82,7 +82,8 @@ class RouterConfig:
 
 
 class Router:
-    """Owns the client socket, a Backend per replica, the requests in flight and the log."""
+    """Owns the client socket, a `Replica` (socket) for each replica, the requests in flight
+    and the log."""
 
     def __init__(self, replicas: list[str], cfg: RouterConfig, log_path: Path | None = None):
         self.cfg = cfg
@@ -92,8 +93,8 @@ class Router:
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.bind(f"tcp://{cfg.host}:{cfg.port}")
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.backends = [
-            Backend(self.ctx, i, e, cfg.replica_curve, cfg.replica_timeout_s)
+        self.replicas = [
+            Replica(self.ctx, i, e, cfg.replica_curve, cfg.replica_timeout_s)
             for i, e in enumerate(replicas)
         ]
         self.policy = Policy(cfg.policy, len(replicas))
@@ -125,23 +126,23 @@ class Router:
         """Read every socket, answer, check the replicas, flush the log."""
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
-        socks = {b.index: b.sock for b in self.backends}
+        socks = {b.index: b.sock for b in self.replicas}
         for sock in socks.values():
             poller.register(sock, zmq.POLLIN)
         ready = dict(poller.poll(int(timeout * 1000)))
-        for b in self.backends:
+        for b in self.replicas:
             if socks[b.index] in ready and b.sock is socks[b.index]:
-                self._read_backend(b)
+                self._read_replica(b)
         if self.sock in ready:
             self._read_clients()
-        self._check_backends()
+        self._check_replicas()
         if self.writer is not None:
             self.writer.flush()
 
     def wait_live(self, timeout: float) -> bool:
         """Turn until every replica answers health `ok`; False after `timeout` seconds."""
         deadline = time.monotonic() + timeout
-        while not all(b.live for b in self.backends):
+        while not all(b.live for b in self.replicas):
             if time.monotonic() > deadline:
                 return False
             self.run_once(0.05)
@@ -150,10 +151,10 @@ class Router:
     def models(self) -> dict[int, str]:
         """The model each replica that answered health serves (its label, weights seed and all):
         a migration continues a stream exactly only on the same model."""
-        return {b.index: b.health.model for b in self.backends if b.health is not None}
+        return {b.index: b.health.model for b in self.replicas if b.health is not None}
 
     def close(self) -> None:
-        for b in self.backends:
+        for b in self.replicas:
             b.close()
         self.sock.close(0)
         self.ctx.term()
@@ -180,8 +181,8 @@ class Router:
         handlers: dict[type, Callable[[list[bytes], Any], None]] = {
             GenerateRequest: self._generate,
             AbortRequest: self._abort,
-            HealthRequest: lambda env, m: self._send(env, health_of(m, self.backends, self)),
-            StatsRequest: lambda env, m: self._send(env, stats_of(m, self.backends, self)),
+            HealthRequest: lambda env, m: self._send(env, health_of(m, self.replicas, self)),
+            StatsRequest: lambda env, m: self._send(env, stats_of(m, self.replicas, self)),
             AttachRequest: self._no_attach,
             TokenizeRequest: self._tokenize,
         }
@@ -208,13 +209,34 @@ class Router:
             self._error(envelope, msg.request_id, RECOVERING, "no replica serves; retry soon")
             return
         self.seq += 1
-        r = Routed(envelope, msg, self.seq, choice.replica, f"r{self.seq}", time.monotonic(),
-                   hashes, _estimate(msg), _max_tokens(params))  # fmt: skip
+        r = Routed(
+            envelope,
+            msg,
+            self.seq,
+            choice.replica,
+            f"r{self.seq}",
+            time.monotonic(),
+            hashes,
+            _estimate(msg),
+            _max_tokens(params),
+        )
         self._track(r)
         seed = params["seed"] if type(params["seed"]) is int else -1  # not an int: refused there
-        self._record(RequestRouted(self.seq, msg.request_id, r.backend_id, seed, hashes,
-                                   loads, live, choice.replica, choice.reason,
-                                   choice.matched_blocks, time.time()))  # fmt: skip
+        self._record(
+            RequestRouted(
+                self.seq,
+                msg.request_id,
+                r.backend_id,
+                seed,
+                hashes,
+                loads,
+                live,
+                choice.replica,
+                choice.reason,
+                choice.matched_blocks,
+                time.time(),
+            )
+        )
         self._forward(r, [])
 
     def _abort(self, envelope: list[bytes], msg: AbortRequest) -> None:
@@ -222,13 +244,13 @@ class Router:
         if r is None:
             self._error(envelope, msg.request_id, "unknown_request", f"{msg.target_id!r}")
             return
-        self.backends[r.replica].send(AbortRequest(f"x{r.backend_id}", r.backend_id))
+        self.replicas[r.replica].send(AbortRequest(f"x{r.backend_id}", r.backend_id))
         self._end(r, r.done("abort", time.monotonic()))
         self._send(envelope, AbortReply(msg.request_id, msg.target_id))
 
     def _tokenize(self, envelope: list[bytes], msg: TokenizeRequest) -> None:
         """Asked of the first live replica (all serve one model); its answer is relayed."""
-        live = [b for b in self.backends if b.live]
+        live = [b for b in self.replicas if b.live]
         if not live:
             self._error(envelope, msg.request_id, EXECUTOR_DEAD, "every replica is lost")
             return
@@ -246,7 +268,7 @@ class Router:
             self.sock.send_multipart([*envelope, codec.encode(msg)], zmq.NOBLOCK)
         except zmq.ZMQError:  # the client is gone: its requests are aborted at their replicas
             for r in [r for r in self.routed.values() if r.envelope[0] == envelope[0]]:
-                self.backends[r.replica].send(AbortRequest(f"x{r.backend_id}", r.backend_id))
+                self.replicas[r.replica].send(AbortRequest(f"x{r.backend_id}", r.backend_id))
                 self._forget(r)
 
     def _error(self, envelope: list[bytes], request_id: str, code: str, message: str) -> None:
@@ -254,7 +276,7 @@ class Router:
 
     # --- replicas ----------------------------------------------------------------------------
 
-    def _read_backend(self, b: Backend) -> None:
+    def _read_replica(self, b: Replica) -> None:
         sock = b.sock
         for _ in range(1024):
             if b.sock is not sock:  # lost while reading: nothing more from the old socket
@@ -275,7 +297,7 @@ class Router:
                 envelope, request_id = self.tokenizing.pop(key)
                 self._send(envelope, attrs.evolve(msg, request_id=request_id))
 
-    def _reply(self, b: Backend, r: Routed, msg: object, now: float) -> None:
+    def _reply(self, b: Replica, r: Routed, msg: object, now: float) -> None:
         if isinstance(msg, GenerateDelta):
             r.take(msg.token_ids, msg.text, msg.logprobs, now)
             if r.msg.stream:
@@ -288,30 +310,31 @@ class Router:
         elif isinstance(msg, ErrorReply):
             self._end(r, ErrorReply(r.msg.request_id, msg.code, msg.message))
 
-    def _check_backends(self) -> None:
+    def _check_replicas(self) -> None:
         now = time.monotonic()
-        for b in self.backends:
+        for b in self.replicas:
             if b.disconnected() and b.joined and not b.lost:
                 self._lose(b, "its connection closed (or carried nothing for the timeout)")
             elif now - b.last_polled >= self.cfg.poll_interval_s:
                 b.poll(now)
 
-    def _lose(self, b: Backend, reason: str) -> None:
+    def _lose(self, b: Replica, reason: str) -> None:
         """Close a lost replica and move each of its unfinished requests to a live one."""
         b.lose()
         self.policy.lose(b.index)
         for key in [key for key in self.tokenizing if key[0] == b.index]:
             envelope, request_id = self.tokenizing.pop(key)
             self._error(envelope, request_id, EXECUTOR_DEAD, f"the replica was lost: {reason}")
-        victims = sorted((r for r in self.routed.values() if r.replica == b.index),
-                         key=lambda r: r.seq)  # fmt: skip
+        victims = sorted(
+            (r for r in self.routed.values() if r.replica == b.index), key=lambda r: r.seq
+        )
         self.seq += 1
         self._record(ReplicaLost(self.seq, b.index, b.endpoint, reason, len(victims)))
         log.warning("replica lost", replica=b.index, reason=reason, requests=len(victims))
         for r in victims:
             self._migrate(r, b.index)
 
-    def _return(self, b: Backend) -> None:
+    def _return(self, b: Replica) -> None:
         """A lost replica answers `ok` again (it was paused, or its network was): it serves."""
         self.seq += 1
         self._record(ReplicaReturned(self.seq, b.index, b.endpoint))
@@ -333,15 +356,26 @@ class Router:
         r.replica, r.backend_id, r.lost_at = choice.replica, f"r{self.seq}", now
         r.num_migrations += 1
         self.by_backend[(r.replica, r.backend_id)] = r
-        self._record(RequestMigrated(self.seq, r.msg.request_id, r.backend_id, lost, loads, live,
-                                     choice.replica, choice.reason, choice.matched_blocks,
-                                     len(r.token_ids)))  # fmt: skip
+        self._record(
+            RequestMigrated(
+                self.seq,
+                r.msg.request_id,
+                r.backend_id,
+                lost,
+                loads,
+                live,
+                choice.replica,
+                choice.reason,
+                choice.matched_blocks,
+                len(r.token_ids),
+            )
+        )
         self._forward(r, [] if self.cfg.debug_drop_sent_tokens else list(r.token_ids))
 
     def _forward(self, r: Routed, carried: list[int]) -> None:
         msg = attrs.evolve(r.msg, request_id=r.backend_id, stream=True, output_token_ids=carried)
-        if not self.backends[r.replica].send(msg):
-            self._lose(self.backends[r.replica], "it took no request")
+        if not self.replicas[r.replica].send(msg):
+            self._lose(self.replicas[r.replica], "it took no request")
 
     # --- bookkeeping -------------------------------------------------------------------------
 
@@ -357,18 +391,27 @@ class Router:
         self._forget(r)
         reason = last.finish_reason if isinstance(last, GenerateDone) else last.code
         self.seq += 1
-        self._record(RouteEnded(self.seq, r.msg.request_id, r.replica, reason, len(r.token_ids),
-                                r.num_migrations, round(r.pause_s, 6)))  # fmt: skip
+        self._record(
+            RouteEnded(
+                self.seq,
+                r.msg.request_id,
+                r.replica,
+                reason,
+                len(r.token_ids),
+                r.num_migrations,
+                round(r.pause_s, 6),
+            )
+        )
         self._send(r.envelope, last)
 
     def _loads(self) -> list[int]:
-        loads = [0] * len(self.backends)
+        loads = [0] * len(self.replicas)
         for r in self.routed.values():
             loads[r.replica] += r.load
         return loads
 
     def _live(self) -> list[bool]:
-        return [b.live for b in self.backends]
+        return [b.live for b in self.replicas]
 
     def _record(self, rec: object) -> None:
         if self.writer is not None:

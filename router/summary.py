@@ -20,11 +20,22 @@ from memstep.events.wire import (
     StatsReply,
     StatsRequest,
 )
-from memstep.router.backend import Backend
+from memstep.router.replica import Replica
 
-SUMMED = ("num_running", "num_waiting", "num_inflight", "num_clients", "kv_pages_total",
-          "kv_pages_used", "kv_pages_cached", "prompt_tokens", "generation_tokens",
-          "num_preemptions", "num_requeues", "num_leak_reports")  # fmt: skip
+SUMMED = (
+    "num_running",
+    "num_waiting",
+    "num_inflight",
+    "num_clients",
+    "kv_pages_total",
+    "kv_pages_used",
+    "kv_pages_cached",
+    "prompt_tokens",
+    "generation_tokens",
+    "num_preemptions",
+    "num_requeues",
+    "num_leak_reports",
+)
 COUNTED = ("finished", "steps", "transitions", "refused")
 
 
@@ -32,13 +43,13 @@ class RouterView(Protocol):
     started: float  # time.monotonic() at its start
 
 
-def health_of(msg: HealthRequest, backends: list[Backend], router: RouterView) -> HealthReply:
-    live = [b for b in backends if b.live]
-    known = [b.health for b in backends if b.health is not None]
-    status = "ok" if live else "dead" if all(b.lost for b in backends) else "recovering"
+def health_of(msg: HealthRequest, replicas: list[Replica], router: RouterView) -> HealthReply:
+    live = [b for b in replicas if b.live]
+    known = [b.health for b in replicas if b.health is not None]
+    status = "ok" if live else "dead" if all(b.lost for b in replicas) else "recovering"
     first = live[0].health if live else known[0] if known else None
-    lost = [str(b.index) for b in backends if b.lost]
-    detail = f"{len(live)} of {len(backends)} replicas serve"
+    lost = [str(b.index) for b in replicas if b.lost]
+    detail = f"{len(live)} of {len(replicas)} replicas serve"
     detail += f"; lost: {', '.join(lost)}" if lost else ""
     return HealthReply(
         request_id=msg.request_id,
@@ -57,28 +68,32 @@ def health_of(msg: HealthRequest, backends: list[Backend], router: RouterView) -
     )
 
 
-def stats_of(msg: StatsRequest, backends: list[Backend], router: RouterView) -> StatsReply:
-    replies = [b.stats for b in backends if b.stats is not None and not b.lost]
+def stats_of(msg: StatsRequest, replicas: list[Replica], router: RouterView) -> StatsReply:
+    replies = [b.stats for b in replicas if b.stats is not None and not b.lost]
     sums: dict[str, Any] = {name: sum(getattr(s, name) for s in replies) for name in SUMMED}
     for name in COUNTED:
         total: collections.Counter[str] = collections.Counter()
         for s in replies:
             total.update(getattr(s, name))
         sums[name] = dict(total)
-    rss = {f"replica{b.index}:{k}": v for b in backends if b.stats and not b.lost
-           for k, v in b.stats.host_rss_bytes.items()}  # fmt: skip
+    rss = {
+        f"replica{b.index}:{k}": v
+        for b in replicas
+        if b.stats and not b.lost
+        for k, v in b.stats.host_rss_bytes.items()
+    }
     return StatsReply(
         request_id=msg.request_id,
         step=max((s.step for s in replies), default=0),
         step_kind="serve" if replies else "none",
         memory=None,
         host_rss_bytes=rss,
-        replicas={str(b.index): _figures(b) for b in backends},
+        replicas={str(b.index): _figures(b) for b in replicas},
         **sums,
     )
 
 
-def _figures(b: Backend) -> dict[str, int]:
+def _figures(b: Replica) -> dict[str, int]:
     figures = {"live": int(b.live), "lost": int(b.lost)}
     if b.stats is not None and not b.lost:
         figures.update({name: getattr(b.stats, name) for name in SUMMED})

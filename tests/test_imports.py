@@ -8,6 +8,7 @@ late import is still a cycle for a reader.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -17,11 +18,12 @@ FLOORS = {
     "states": 2,
     "executors": 3,
     "replay": 4,
-    "api": 5,
-    "router": 6,  # replicas behind one front: a client of each replica's core
-    "train": 7,
-    "cli": 8,
-    "": 9,  # memstep/__init__.py: the package's front door
+    "api": 5,  # what a user imports: LLM, the ZMQ clients
+    "serving": 6,  # the core process's loop and the HTTP front process
+    "router": 7,  # replicas behind one front: a client of each replica's core
+    "train": 8,
+    "cli": 9,
+    "": 10,  # memstep/__init__.py: the package's front door
 }
 
 
@@ -216,3 +218,31 @@ def test_a_planted_cycle_and_an_upward_import_are_caught(tmp_path):
     ]
     assert upward_imports(graph) == ["memstep.events.codec -> memstep.cli.main"]
     assert graph["memstep.executors.worker"] == {"memstep.executors.kv"}
+
+
+def documented_floors(text: str) -> dict[str, int]:
+    """The room table of docs/architecture.md: `| floor | `room/` | ...` rows, by room."""
+    rows = re.findall(r"^\| (\d+) \| `(\w+)/` \|", text, re.MULTILINE)
+    return {room: int(floor) for floor, room in rows}
+
+
+def floor_mismatches(documented: dict[str, int], floors: dict[str, int]) -> list[str]:
+    rooms = sorted(set(documented) | {room for room in floors if room})
+    return [
+        f"{room}: documented {documented.get(room)}, tested {floors.get(room)}"
+        for room in rooms
+        if documented.get(room) != floors.get(room)
+    ]
+
+
+def test_the_documented_floors_are_the_tested_ones():
+    documented = documented_floors((ROOT / "docs" / "architecture.md").read_text())
+    assert floor_mismatches(documented, FLOORS) == []
+
+
+def test_a_documented_floor_that_differs_is_caught():
+    table = "| 0 | `events/` | records |\n| 6 | `core/` | the engine |\n"
+    assert floor_mismatches(documented_floors(table), {"events": 0, "core": 1, "api": 2}) == [
+        "api: documented None, tested 2",
+        "core: documented 6, tested 1",
+    ]

@@ -8,8 +8,9 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from memstep.api.server import Server, ServerConfig
 from memstep.core.engine import Engine
+from memstep.serving.core_config import ServerConfig
+from memstep.serving.core_process import Server
 
 
 @contextlib.contextmanager

@@ -65,7 +65,13 @@ def test_a_silent_core_ends_requests_with_504_instead_of_hanging():
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        cmd = [sys.executable, "-m", "memstep.api.http_server", "--zmq", server.address]
+        cmd = [
+            sys.executable,
+            "-m",
+            "memstep.serving.http_front.http_server",
+            "--zmq",
+            server.address,
+        ]
         cmd += ["--model-name", "random:tiny", "--port", str(port), "--core-timeout", "1.5"]
         front = subprocess.Popen(cmd)
         url = f"http://127.0.0.1:{port}"
@@ -105,7 +111,13 @@ def test_a_stream_past_its_deadline_ends_with_an_error_event_then_done():
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        cmd = [sys.executable, "-m", "memstep.api.http_server", "--zmq", server.address]
+        cmd = [
+            sys.executable,
+            "-m",
+            "memstep.serving.http_front.http_server",
+            "--zmq",
+            server.address,
+        ]
         cmd += ["--model-name", "random:tiny", "--port", str(port), "--request-timeout", "3"]
         front = subprocess.Popen(cmd)
         url = f"http://127.0.0.1:{port}"

@@ -12,9 +12,9 @@ import sys
 
 import httpx
 
-from memstep.api.http_front import default_front_count
-from memstep.api.metrics import TOKEN_BUCKETS
 from memstep.cli.serve import ServerProcess, front_count
+from memstep.serving.http_front.http_front import default_front_count
+from memstep.serving.http_front.metrics import TOKEN_BUCKETS
 
 TINY = ["--model", "random:tiny", "--num-threads", "1"]
 
@@ -104,7 +104,7 @@ def test_the_latency_histograms_of_two_fronts_are_merged():
 
 HISTOGRAM_IN_A_PROCESS = """
 import sys
-from memstep.api.metrics import Metrics
+from memstep.serving.http_front.metrics import Metrics
 m = Metrics()
 if sys.argv[1] == "observe":
     m.e2e.observe(0.5)
@@ -134,7 +134,7 @@ GAPS_IN_A_PROCESS = """
 import os, random
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
-from memstep.api.metrics import TOKEN_BUCKETS, observe_all
+from memstep.serving.http_front.metrics import TOKEN_BUCKETS, observe_all
 rng = random.Random(0)
 gaps = [rng.expovariate(1 / 0.03) for _ in range(300)] + [0.001, 0.0025, 2.5, 99.0, 0.0]
 shared = os.environ.get("PROMETHEUS_MULTIPROC_DIR")

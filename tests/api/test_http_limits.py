@@ -213,7 +213,7 @@ def test_a_20_mb_header_line_is_a_431_and_the_front_goes_on(server):
 
 def test_a_head_within_the_bound_is_served(server):
     """The bound leaves room for any real client's headers: 60 KB of them are served."""
-    from memstep.api.http_limits import MAX_HEAD_BYTES
+    from memstep.serving.http_front.http_limits import MAX_HEAD_BYTES
 
     headers = {f"x-h{i}": "v" * 1000 for i in range(60)}
     assert sum(len(k) + len(v) + 4 for k, v in headers.items()) < MAX_HEAD_BYTES

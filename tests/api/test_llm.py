@@ -93,7 +93,9 @@ def test_a_refused_prompt_in_a_batch_leaves_nothing_queued(llm):
 
 
 def test_importing_memstep_does_not_import_torch():
-    code = "import memstep, memstep.api.http_server, sys; print('torch' in sys.modules)"
+    code = (
+        "import memstep, memstep.serving.http_front.http_server, sys; print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

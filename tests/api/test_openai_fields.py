@@ -6,7 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from memstep.api.openai_protocol import OpenAIError, format_logprobs, parse_chat, parse_completion
+from memstep.serving.http_front.openai_protocol import (
+    OpenAIError,
+    format_logprobs,
+    parse_chat,
+    parse_completion,
+)
 
 ASK = [{"role": "user", "content": "hi"}]
 

@@ -11,9 +11,9 @@ import httpx
 import pytest
 
 from memstep.api.client import AsyncClient, Overloaded, ServerError
-from memstep.api.server import ServerConfig
 from memstep.cli.serve import ServerProcess
 from memstep.core.config import ConfigError
+from memstep.serving.core_config import ServerConfig
 
 TINY = ["--model", "random:tiny", "--num-threads", "1", "--max-num-seqs", "2"]
 BURST, MAX_TOKENS = 12, 24

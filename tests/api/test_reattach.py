@@ -6,11 +6,11 @@ from __future__ import annotations
 import attrs
 import pytest
 
-from memstep.api.reattach import Detached, Reattach, _finished_text, released_text
 from memstep.core.engine import UnknownRequest
 from memstep.core.sampling_params import InvalidRequest, SamplingParams
 from memstep.events.wire import AttachRequest
 from memstep.replay.resume import Carried
+from memstep.serving.reattach import Detached, Reattach, _finished_text, released_text
 
 WORD = list("hé!".encode())  # [104, 195, 169, 33]: "é" is two tokens
 

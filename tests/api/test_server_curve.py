@@ -10,9 +10,9 @@ import pytest
 import zmq
 
 from memstep.api.client import Client
-from memstep.api.server import ServerConfig
 from memstep.cli.serve import ServerProcess, load_key, load_keys
 from memstep.core.config import ConfigError
+from memstep.serving.core_config import ServerConfig
 
 SERVER_PUBLIC, SERVER_SECRET = zmq.curve_keypair()
 CLIENT_PUBLIC, CLIENT_SECRET = zmq.curve_keypair()

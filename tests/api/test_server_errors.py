@@ -8,14 +8,14 @@ import msgpack
 import pytest
 import zmq
 
-from memstep.api import server as server_module
 from memstep.api.client import Client, ServerError
-from memstep.api.server import Server
 from memstep.cli.serve import ServerProcess
 from memstep.core.config import EngineConfig
 from memstep.events import codec
 from memstep.events.wire import ErrorReply, HealthReply
 from memstep.executors.process.inprocess import local_engine
+from memstep.serving import core_admission
+from memstep.serving.core_process import Server
 
 TIMEOUT_MS = 10_000
 TINY_SERVER = ["--model", "random:tiny", "--num-threads", "1"]
@@ -219,7 +219,7 @@ def test_any_decoder_failure_is_an_internal_error_reply(inprocess, monkeypatch):
     def broken(frame: bytes, max_bytes: int) -> object:
         raise RecursionError("maximum recursion depth exceeded")
 
-    monkeypatch.setattr(server_module, "decode_request", broken)
+    monkeypatch.setattr(core_admission, "decode_request", broken)
     s.send(HEALTH)
     reply = turn_until_reply(server, s)
     assert isinstance(reply, ErrorReply) and reply.code == "internal_error", reply
@@ -238,7 +238,7 @@ def test_frame_whose_reply_cannot_be_sent_is_dropped(inprocess, monkeypatch):
             raise codec.CodecError("ErrorReply: cannot encode")
         return real_encode(msg)
 
-    monkeypatch.setattr(server_module.codec, "encode", encode)
+    monkeypatch.setattr(core_admission.codec, "encode", encode)
     s.send(b"\xc1")
     assert turn_until_reply(server, s, turns=20) is None  # dropped, as docs/protocol.md says
     s.send(HEALTH)

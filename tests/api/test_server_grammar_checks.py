@@ -12,13 +12,13 @@ import time
 import pytest
 import zmq
 
-from memstep.api import server as server_module
 from memstep.core.config import EngineConfig
 from memstep.core.grammar import ConstraintBook
 from memstep.core.grammar_check import GrammarChecker
 from memstep.events import codec
 from memstep.events.wire import AbortRequest, ErrorReply, GenerateDone, GenerateRequest
 from memstep.executors.process.inprocess import local_engine
+from memstep.serving import core_admission
 
 PARAMS = {"max_tokens": 3, "ignore_eos": True, "seed": 1, "temperature": 0.0}
 
@@ -71,7 +71,7 @@ def test_a_plain_request_runs_to_its_end_while_a_constraint_waits_for_its_check(
 
 def test_past_the_waiting_checks_a_request_is_overloaded(served, monkeypatch):
     server, s = served
-    monkeypatch.setattr(server_module, "MAX_CHECKING", 2)
+    monkeypatch.setattr(core_admission, "MAX_CHECKING", 2)
     _stop_the_worker(server)
     for i in range(3):
         params = {**PARAMS, "guided_regex": f"b{{{i + 1}}}"}

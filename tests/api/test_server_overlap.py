@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import zmq
 
-from memstep.api.server import Server
 from memstep.core.config import EngineConfig
 from memstep.core.engine import Engine
 from memstep.core.sampling_params import SamplingParams
@@ -18,6 +17,7 @@ from memstep.events.wire import (
     GenerateRequest,
 )
 from memstep.executors.process.remote import ProcessExecutor
+from memstep.serving.core_process import Server
 
 TIMEOUT_MS = 10_000
 

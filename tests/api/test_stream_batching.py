@@ -10,14 +10,14 @@ import orjson
 import pytest
 import zmq
 
-from memstep.api import openai_protocol as oai
 from memstep.api.client import AsyncClient, Client
-from memstep.api.http_server import _event
-from memstep.api.server import Server
 from memstep.core.config import EngineConfig
 from memstep.events import codec
 from memstep.events.wire import GenerateDelta, GenerateDeltas, GenerateDone, GenerateRequest
 from memstep.executors.process.inprocess import local_engine
+from memstep.serving.core_process import Server
+from memstep.serving.http_front import openai_protocol as oai
+from memstep.serving.http_front.http_server import _event
 
 NUM_STREAMS = 4
 MAX_TOKENS = 5

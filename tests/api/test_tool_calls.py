@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from memstep.api.openai_protocol import OpenAIError, parse_chat
-from memstep.api.tool_call_stream import CallStream, split_reply
-from memstep.api.tool_calls import parse_calls
+from memstep.serving.http_front.openai_protocol import OpenAIError, parse_chat
+from memstep.serving.http_front.tool_call_stream import CallStream, split_reply
+from memstep.serving.http_front.tool_calls import parse_calls
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 ASK = [{"role": "user", "content": "hi"}]

@@ -30,7 +30,8 @@ def gbnf_chain(rules: int) -> str:
 
 
 def forced_call(parameters: dict) -> str:
-    """A forced tool call's grammar as api/tool_calls.py makes it: the parameters embedded."""
+    """A forced tool call's grammar as serving/http_front/tool_calls.py makes it: the parameters
+    embedded."""
     schema = {"type": "object", "properties": {"name": {"const": "f"}, "arguments": parameters}}
     return (
         f'start: call\ncall: "<tool_call>" body "</tool_call>"\nbody: %json {json.dumps(schema)}\n'

@@ -314,7 +314,7 @@ def test_cpu_cuts_on_candidates_equal_the_whole_sort():
 
 
 def test_a_stop_string_is_found_where_it_ends_past_the_step_s_start():
-    from memstep.core.engine import _find_stop
+    from memstep.core.output_book import _find_stop
 
     text = "one two, three."
     assert _find_stop(text, (",", ", three"), 5) == (7, 14)  # the longest at the first start

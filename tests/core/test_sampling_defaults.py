@@ -9,14 +9,14 @@ import warnings
 import pytest
 
 from memstep import SamplingParams as LLMSamplingParams
-from memstep.api.openai_protocol import parse_chat, parse_completion
-from memstep.api.server import _sampling_params
 from memstep.cli.generate import model_defaults, sampling_params
 from memstep.cli.main import build_parser, config_from_args
 from memstep.core.config import ConfigError, EngineConfig, with_vllm_names
 from memstep.core.generation_config import SHIPPED, sampling_defaults
 from memstep.core.model_source import ModelError, ModelSource, resolve
 from memstep.core.sampling_params import SamplingParams
+from memstep.serving.core_admission import _sampling_params
+from memstep.serving.http_front.openai_protocol import parse_chat, parse_completion
 
 VLLM_TEMPERATURE = 1.0
 BARE = ("--generation-config", "vllm")

@@ -85,11 +85,11 @@ def test_a_paused_replica_serves_again_after_sigcont(replicas, tmp_path: Path):
         os.kill(paused, signal.SIGSTOP)
         stopped = time.monotonic()
         try:
-            assert _wait(lambda: router.backends[1].lost, 8.0), "the pause was not noticed"
+            assert _wait(lambda: router.replicas[1].lost, 8.0), "the pause was not noticed"
             time.sleep(max(0.0, 10.0 - (time.monotonic() - stopped)))
         finally:
             os.kill(paused, signal.SIGCONT)
-        assert _wait(lambda: not router.backends[1].lost, 60.0), replicas[1].log()
+        assert _wait(lambda: not router.replicas[1].lost, 60.0), replicas[1].log()
         with Client(router.endpoint) as client:
             for i in range(4):
                 assert client.generate(f"after the pause {i}", max_tokens=4, seed=i).usage

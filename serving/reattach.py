@@ -16,9 +16,11 @@ import attrs
 import structlog
 
 from memstep.core.detokenizer import ByteText
-from memstep.core.engine import Engine, UnknownRequest, stop_end
+from memstep.core.engine import Engine, UnknownRequest
+from memstep.core.output_book import stop_end
 from memstep.core.outputs import RequestOutput
 from memstep.core.sampling_params import InvalidRequest, SamplingParams
+from memstep.core.snapshot import Admitted
 from memstep.events.wire import AttachRequest
 from memstep.replay.resume import Carried, ResumePoint
 
@@ -64,13 +66,22 @@ class Reattach:
     def adopt(self, engine: Engine, point: ResumePoint) -> None:
         """Re-admit the unfinished requests of `point` into `engine`; hold the named ones."""
         for req in point.requests:
-            if not req.is_finished and not self._readmit(engine, req):
-                continue
-            if req.client_id is None:
+            admitted = None if req.is_finished else self._readmit(engine, req)
+            if req.client_id is None or admitted is None and not req.is_finished:
                 continue
             if req.client_id in self.held:
                 self.ambiguous.add(req.client_id)
-            self.held[req.client_id] = self._detach(engine, req)
+            if admitted is None:
+                held = self._finished(engine, req)
+            else:
+                held = self.running[req.request_id] = Detached(
+                    req.request_id,
+                    len(admitted.prompt_token_ids),
+                    admitted.output_token_ids,
+                    admitted.text,
+                    None,
+                )
+            self.held[req.client_id] = held
         log.info("resumed", readmitted=len(self.running), attachable=len(self.held))
 
     def take(self, msg: AttachRequest) -> Detached:
@@ -100,32 +111,25 @@ class Reattach:
             self.running.pop(out.request_id)
         return held if held.waiting is not None and held.can_hand_over else None
 
-    def _readmit(self, engine: Engine, req: Carried) -> bool:
+    def _readmit(self, engine: Engine, req: Carried) -> Admitted | None:
+        """Queue an unfinished request again, named by its client's id if it had one."""
         try:
-            params = SamplingParams.from_dict(req.params)
-            engine.resume_request(
-                req.request_id, req.prompt_token_ids, params, req.output_token_ids,
-                req.arrival_time,
-            )  # fmt: skip
+            return engine.add(
+                req.prompt_token_ids,
+                SamplingParams.from_dict(req.params),
+                client_id=req.client_id,
+                arrival_time=req.arrival_time,
+                request_id=req.request_id,
+                output_token_ids=req.output_token_ids,
+            )
         except InvalidRequest as exc:
             log.warning("not resumed", request_id=req.request_id, reason=str(exc))
-            return False
-        return True
+            return None
 
-    def _detach(self, engine: Engine, req: Carried) -> Detached:
-        if req.is_finished:
-            text = _finished_text(engine.tokenizer.decode, req)
-            ids = list(req.output_token_ids)
-            return Detached(req.request_id, len(req.prompt_token_ids), ids, text, req.finish_reason)
-        assert req.client_id is not None
-        engine.name(req.request_id, req.client_id)
-        running = engine.requests[req.request_id]
-        held = Detached(
-            req.request_id, running.num_prompt_tokens, list(running.output_token_ids),
-            running.detok.text, None,
-        )  # fmt: skip
-        self.running[req.request_id] = held
-        return held
+    def _finished(self, engine: Engine, req: Carried) -> Detached:
+        text = _finished_text(engine.tokenizer.decode, req)
+        ids = list(req.output_token_ids)
+        return Detached(req.request_id, len(req.prompt_token_ids), ids, text, req.finish_reason)
 
 
 def released_text(

@@ -17,10 +17,16 @@ from typing import Any
 import attrs
 import orjson
 
-from memstep.api import vllm_fields
-from memstep.api.tool_call_stream import split_reply
-from memstep.api.tool_calls import ToolError, Tools, calls_message, parse_calls, parse_tools
 from memstep.events.wire import GenerateDone, TokenizeReply, TokenizeRequest
+from memstep.serving.http_front import vllm_fields
+from memstep.serving.http_front.tool_call_stream import split_reply
+from memstep.serving.http_front.tool_calls import (
+    ToolError,
+    Tools,
+    calls_message,
+    parse_calls,
+    parse_tools,
+)
 
 # What each request field of OpenAI (and vLLM's extras) becomes in the engine's SamplingParams.
 SAMPLING_FIELDS = {
@@ -43,9 +49,15 @@ COMMON_FIELDS = {"model", "n", "stream", "stream_options", "stop", "max_tokens",
 IGNORED_FIELDS = {"store", "metadata", "service_tier"}
 # OpenAI's and vLLM's fields the engine does not serve: refused by name
 UNSUPPORTED_FIELDS = {
-    "suffix", "functions", "function_call", "modalities", "audio", "prediction",
-    "reasoning_effort", "web_search_options",
-}  # fmt: skip
+    "suffix",
+    "functions",
+    "function_call",
+    "modalities",
+    "audio",
+    "prediction",
+    "reasoning_effort",
+    "web_search_options",
+}
 COMMON_FIELDS |= IGNORED_FIELDS
 # structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_* fields
 GUIDED_FIELDS = {

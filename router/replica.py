@@ -22,7 +22,7 @@ Key = bytes | None
 HEARTBEAT_IVL_MS = 1000  # a ZMTP PING this often on an otherwise quiet connection
 
 
-class Backend:
+class Replica:
     """The socket to one replica's core; owns it and its monitor."""
 
     def __init__(

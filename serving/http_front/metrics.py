@@ -145,10 +145,12 @@ class CoreStats(Collector):
         yield _gauge("kv_pages_total", "KV pages in the cache", s.kv_pages_total)
         yield _counter("prompt_tokens", "prompt tokens admitted", s.prompt_tokens)
         yield _counter("generation_tokens", "tokens generated", s.generation_tokens)
-        yield _counter("num_preemptions", "requests preempted for room (recomputed)",
-                       s.num_preemptions)  # fmt: skip
-        yield _counter("num_requeues", "requests requeued by an executor loss (recomputed)",
-                       s.num_requeues)  # fmt: skip
+        yield _counter(
+            "num_preemptions", "requests preempted for room (recomputed)", s.num_preemptions
+        )
+        yield _counter(
+            "num_requeues", "requests requeued by an executor loss (recomputed)", s.num_requeues
+        )
         yield _counter("leak_reports", "leak reports (LeakSuspected records)", s.num_leak_reports)
         yield _labelled("request_success", "finished requests", "finished_reason", s.finished)
         yield _labelled("requests_refused", "generate requests refused", "code", s.refused)

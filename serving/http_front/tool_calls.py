@@ -6,7 +6,7 @@ SmolLM2 are tuned on: a `<tools>` list, calls as `<tool_call>{"name", "arguments
 an inline JSON schema per tool), so its arguments always parse against the tool's schema.
 The reply is parsed as Hermes `<tool_call>` blocks or as Llama-3.1's bare JSON call
 (`{"name": ..., "parameters": ...}`, after an optional `<|python_tag|>`), streamed or whole, by
-api/tool_call_stream.py.
+serving/http_front/tool_call_stream.py.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 import attrs
 
-from memstep.api.tool_call_stream import split_reply
+from memstep.serving.http_front.tool_call_stream import split_reply
 
 JSON_COMPACT = {"whitespace_flexible": False}
 # OpenAI's rule for a function's name (and dots, as namespaced tools use): a name is written into
@@ -137,7 +137,7 @@ def check_name(name: object) -> None:
 
 def parse_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
     """(content left over, OpenAI tool_calls) of a whole reply, as its stream would accumulate
-    (api/tool_call_stream.py); no calls where none parse."""
+    (serving/http_front/tool_call_stream.py); no calls where none parse."""
     return split_reply(text)
 
 

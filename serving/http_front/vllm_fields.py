@@ -1,10 +1,10 @@
 """vLLM's request fields that the OpenAI front takes only at the value that changes nothing here.
 
-vLLM's OpenAI server accepts more fields than OpenAI's; a client written for it (lm-eval,
-guidellm, LangChain's vLLM wrappers) may send any of them, often at its default.  Each one is
-either served (`api/openai_protocol.py`), or listed here: taken at the value listed (the one
-that asks for nothing the engine does not do anyway), and refused by name, with the reason,
-at any other value.  None (JSON null) is always taken: it means "the default".
+vLLM's OpenAI server accepts more fields than OpenAI's; a client written for it (lm-eval, guidellm,
+LangChain's vLLM wrappers) may send any of them, often at its default.  Each one is either served
+(`serving/http_front/openai_protocol.py`), or listed here: taken at the value listed (the one that
+asks for nothing the engine does not do anyway), and refused by name, with the reason, at any other
+value.  None (JSON null) is always taken: it means "the default".
 """
 
 from __future__ import annotations

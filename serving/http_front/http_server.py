@@ -1,19 +1,19 @@
 """The OpenAI-compatible HTTP front: its own process, a ZMQ client of the core like any other.
 
-    python -m memstep.api.http_server --zmq tcp://127.0.0.1:5557 --port 8000
+    python -m memstep.serving.http_front.http_server --zmq tcp://127.0.0.1:5557 --port 8000
 
-`memstep serve` starts it (see `api/http_front.py`).  Endpoints: `POST /v1/completions`,
-`POST /v1/chat/completions` (SSE with `stream: true`), `GET /v1/models`, `POST /tokenize` and
-`POST /detokenize` (vLLM's), `GET /health` (200 only while the core says "ok"), `GET /metrics`.
-Every request goes through `AsyncClient`: one codec, one path into the engine, and no torch in
-this process.  A client that disconnects aborts its requests in the core.  With an API key,
-`/v1/*` and the token endpoints need `Authorization: Bearer KEY`.
+`memstep serve` starts it (see `serving/http_front/http_front.py`).  Endpoints:
+`POST /v1/completions`, `POST /v1/chat/completions` (SSE with `stream: true`), `GET /v1/models`,
+`POST /tokenize` and `POST /detokenize` (vLLM's), `GET /health` (200 only while the core says
+"ok"), `GET /metrics`.  Every request goes through `AsyncClient`: one codec, one path into the
+engine, and no torch in this process.  A client that disconnects aborts its requests in the core.
+With an API key, `/v1/*` and the token endpoints need `Authorization: Bearer KEY`.
 
 No request shares fate with another: its size, its connection and its time are bounded
-(`api/http_limits.py`, docs/limits.md); a request the core cannot take (over its frame limit, not
-encodable) fails here with a 4xx; a request whose link to the core is lost (`route_lost`) ends
-with an error (an SSE error event, then `[DONE]`); and the front's own figures (resident memory,
-open connections, requests in flight, its client's entries) are in `/metrics`.
+(`serving/http_front/http_limits.py`, docs/limits.md); a request the core cannot take (over its
+frame limit, not encodable) fails here with a 4xx; a request whose link to the core is lost
+(`route_lost`) ends with an error (an SSE error event, then `[DONE]`); and the front's own figures
+(resident memory, open connections, requests in flight, its client's entries) are in `/metrics`.
 """
 
 from __future__ import annotations
@@ -45,22 +45,22 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from memstep.api import openai_protocol as oai
 from memstep.api.client import ROUTE_LOST, AsyncClient, AsyncStream, ServerError, error_of
-from memstep.api.http_limits import (
+from memstep.core import collector
+from memstep.core.logging import setup_logging
+from memstep.events.wire import ErrorReply, GenerateDone, HealthReply, TokenizeRequest
+from memstep.serving.http_front import openai_protocol as oai
+from memstep.serving.http_front.http_limits import (
     GuardedHttptools,
     HttpLimits,
     guarded_protocol,
     limit_log_rate,
     read_body,
 )
-from memstep.api.metrics import FrontStats, Metrics
-from memstep.api.openai_protocol import Job, OpenAIError
-from memstep.api.tally import host_rss_bytes
-from memstep.api.tool_call_stream import CallStream
-from memstep.core import collector
-from memstep.core.logging import setup_logging
-from memstep.events.wire import ErrorReply, GenerateDone, HealthReply, TokenizeRequest
+from memstep.serving.http_front.metrics import FrontStats, Metrics
+from memstep.serving.http_front.openai_protocol import Job, OpenAIError
+from memstep.serving.http_front.tool_call_stream import CallStream
+from memstep.serving.tally import host_rss_bytes
 
 log = structlog.get_logger("memstep.http")
 
@@ -480,8 +480,8 @@ class Front:
         self, out: _SseState, index: int, deltas: list[dict[str, Any]], logprobs: list[list]
     ) -> bytes:
         """The chunks of a choice that may call tools: its content and tool-call deltas
-        (api/tool_call_stream.py), the tokens' logprobs on the first of them; with no delta to
-        send, the logprobs wait for the next."""
+        (serving/http_front/tool_call_stream.py), the tokens' logprobs on the first of them; with no
+        delta to send, the logprobs wait for the next."""
         if not deltas:
             if logprobs:
                 out.held_logprobs[index] = logprobs
@@ -673,7 +673,9 @@ async def _routing_error(request: Request, exc: HTTPException) -> Response:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m memstep.api.http_server", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="python -m memstep.serving.http_front.http_server", description=__doc__
+    )
     p.add_argument("--zmq", required=True, help="the core's ZMQ API address")
     p.add_argument("--model-name", required=True, help="the model name /v1/models lists")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")

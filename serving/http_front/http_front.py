@@ -1,4 +1,4 @@
-"""Start and stop the HTTP front (`api/http_server.py`) as a child of `memstep serve`.
+"""Start and stop the HTTP front (`http_server.py`, beside this) as a child of `memstep serve`.
 
 The parent binds the HTTP socket itself, before any model loads, so a port in use or a refused
 address fails at once with a one-line error; the child inherits the listening socket.  The API
@@ -23,10 +23,10 @@ import tempfile
 import attrs
 import zmq
 
-from memstep.api.http_limits import HttpLimits
-from memstep.api.metrics import MULTIPROC_ENV
-from memstep.api.server import is_loopback
 from memstep.core.config import ConfigError
+from memstep.serving.core_config import is_loopback
+from memstep.serving.http_front.http_limits import HttpLimits
+from memstep.serving.http_front.metrics import MULTIPROC_ENV
 
 READY_TIMEOUT_S = 60.0
 GPU_HOST_FRONTS = 2  # `--api-server-count auto` on a GPU host with MIN_CPUS_FOR_FRONTS or more
@@ -120,7 +120,13 @@ class _Child:
 
     def __init__(self, sock: socket.socket, zmq_address: str, model: str, options: dict):
         read_fd, write_fd = os.pipe()
-        cmd = [sys.executable, "-m", "memstep.api.http_server", "--zmq", _reachable(zmq_address)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "memstep.serving.http_front.http_server",
+            "--zmq",
+            _reachable(zmq_address),
+        ]
         cmd += ["--model-name", model, "--fd", str(sock.fileno()), "--ready-fd", str(write_fd)]
         cmd += ["--log-level", str(options.get("log_level", "warning"))]
         cmd += ["--log-format", str(options.get("log_format", "console"))]

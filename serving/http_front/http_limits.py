@@ -1,15 +1,15 @@
 """The HTTP front's bounds: request size, connections, read timeouts, deadlines, log volume.
 
-An outsider on the network must not be able to make the front share fate with its other users:
-a body over `max_request_bytes` is refused with 413 before it reaches the core (whose ZeroMQ
-link would drop a frame past its hard limit, and with it every request in flight); a
-connection past `max_connections` is closed as it opens; a connection that has not sent a whole
-request head within `header_timeout_s` (an idle or a slowloris connection) is closed; a body not
-read within `body_timeout_s` is a 408; every request ends by `request_timeout_s`; a request
-head (request line and headers) past `MAX_HEAD_BYTES` is a 431, read no further; and the
-front's warnings are rate-limited, so a flood cannot fill a disk with log lines.  A request
-refused before it is read whole is closed gracefully (`api/lingering.py`), so its client reads
-the refusal instead of a reset.  docs/limits.md lists them with their flags.
+An outsider on the network must not be able to make the front share fate with its other users: a
+body over `max_request_bytes` is refused with 413 before it reaches the core (whose ZeroMQ link
+would drop a frame past its hard limit, and with it every request in flight); a connection past
+`max_connections` is closed as it opens; a connection that has not sent a whole request head within
+`header_timeout_s` (an idle or a slowloris connection) is closed; a body not read within
+`body_timeout_s` is a 408; every request ends by `request_timeout_s`; a request head (request line
+and headers) past `MAX_HEAD_BYTES` is a 431, read no further; and the front's warnings are
+rate-limited, so a flood cannot fill a disk with log lines.  A request refused before it is read
+whole is closed gracefully (`serving/http_front/lingering.py`), so its client reads the refusal
+instead of a reset.  docs/limits.md lists them with their flags.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import attrs
 from starlette.requests import ClientDisconnect, Request
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from memstep.api.lingering import LingeringTransport
-from memstep.api.openai_protocol import OpenAIError
 from memstep.core.config import ConfigError
+from memstep.serving.http_front.lingering import LingeringTransport
+from memstep.serving.http_front.openai_protocol import OpenAIError
 
 log = logging.getLogger("uvicorn.error")
 # a request line and its headers: past this, 431 (read no further than one more network read)
