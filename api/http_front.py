@@ -26,6 +26,7 @@ import zmq
 from memstep.api.http_limits import HttpLimits
 from memstep.api.metrics import MULTIPROC_ENV
 from memstep.api.server import is_loopback
+from memstep.api.tool_parsers import ToolFormat
 from memstep.core.config import ConfigError
 
 READY_TIMEOUT_S = 60.0
@@ -127,6 +128,9 @@ class _Child:
         limits = options.get("limits")
         if isinstance(limits, HttpLimits):
             cmd += limits.as_argv()
+        tool_format = options.get("tool_format")
+        if isinstance(tool_format, ToolFormat):
+            cmd += tool_format.as_flags()
         if options.get("core_max_frame_bytes"):
             cmd += ["--core-max-frame-bytes", str(options["core_max_frame_bytes"])]
         env = dict(os.environ)

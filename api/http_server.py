@@ -46,6 +46,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from memstep.api import openai_protocol as oai
+from memstep.api import tool_parsers
 from memstep.api.client import ROUTE_LOST, AsyncClient, AsyncStream, ServerError, error_of
 from memstep.api.http_limits import (
     GuardedHttptools,
@@ -95,6 +96,7 @@ class Front:
         self.ready_fd: int | None = None  # written to once serving
         self.core_timeout = CORE_TIMEOUT_S
         self.core_frame_bytes: int | None = None  # the core's max_frame_bytes, when told
+        self.tool_format = tool_parsers.DEFAULT_FORMAT  # how the model's tool calls read
         self.created = int(time.time())
         self.prom = Metrics()
         self.num_inflight = 0  # generation requests before their response starts
@@ -141,7 +143,10 @@ class Front:
         return await self._serve(request, oai.parse_completion)
 
     async def chat_completions(self, request: Request) -> Response:
-        return await self._serve(request, oai.parse_chat)
+        return await self._serve(request, self._parse_chat)
+
+    def _parse_chat(self, body: Any, model: str) -> oai.Job:
+        return oai.parse_chat(body, model, self.tool_format)
 
     async def tokenize(self, request: Request) -> Response:
         return await self._tokens(request, oai.parse_tokenize, oai.tokenized)
@@ -523,7 +528,7 @@ class _SseState:
     echoed: set[int] = attrs.Factory(set)  # choices whose prompt went (`echo`)
     ended: bool = False
     calls: collections.defaultdict[int, CallStream] = attrs.Factory(
-        lambda: collections.defaultdict(CallStream)
+        lambda self: collections.defaultdict(self.job.call_stream), takes_self=True
     )  # each choice's text split into content and tool-call deltas
     held_logprobs: dict[int, list[list]] = attrs.Factory(dict)  # of tokens held back
     created: int = 0  # the `created` of the chunks of this write (seconds)
@@ -688,6 +693,8 @@ def main(argv: list[str] | None = None) -> int:
         "(default: %(default)s)",
     )
     p.add_argument("--core-max-frame-bytes", type=int, help="the core's --max-frame-bytes")
+    p.add_argument("--tool-call-parser", default=tool_parsers.DEFAULT.name, help="the format")
+    p.add_argument("--tools-in-template", action="store_true", help="the template writes tools")
     p.add_argument("--log-level", default="warning", help="default: %(default)s")
     p.add_argument("--log-format", choices=["console", "json"], default="console")
     for field in attrs.fields(HttpLimits):  # see docs/limits.md
@@ -702,6 +709,8 @@ def main(argv: list[str] | None = None) -> int:
     front.ready_fd = args.ready_fd
     front.core_timeout = args.core_timeout
     front.core_frame_bytes = args.core_max_frame_bytes
+    parser = tool_parsers.parser_named(args.tool_call_parser)
+    front.tool_format = tool_parsers.ToolFormat(parser, args.tools_in_template)
     sock = socket.socket(fileno=args.fd) if args.fd is not None else None
     config = uvicorn.Config(
         build_app(front),

@@ -37,6 +37,10 @@ TRIAL = [
     {"role": "user", "content": "What is 2 + 2?"},
 ]
 TRIAL_WITH_SYSTEM = [{"role": "system", "content": "Be brief."}, *TRIAL]
+TRIAL_TOOL = {
+    "type": "function",
+    "function": {"name": "probe", "description": "A probe.", "parameters": {"type": "object"}},
+}
 
 
 class _Sandbox(ImmutableSandboxedEnvironment):
@@ -122,6 +126,14 @@ class ChatTemplate:
             raise InvalidRequest(f"the chat template did something unsafe: {exc}") from None
         except Exception as exc:  # the template is foreign code: whatever it raises, refuse
             raise InvalidRequest(f"the chat template refused these messages: {exc}") from None
+
+    def renders_tools(self) -> bool:
+        """Whether the template writes a `tools` variable into the prompt (Qwen's, Llama 3.1's,
+        Mistral's do): a trial conversation renders otherwise with a tool than without."""
+        try:
+            return self._render(TRIAL, {"tools": [TRIAL_TOOL]}) != self._render(TRIAL)
+        except Exception:  # foreign code: a template that fails on tools does not render them
+            return False
 
     def parts(
         self, messages: Messages, extra: dict[str, Any] | None = None
