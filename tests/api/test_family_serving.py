@@ -5,13 +5,13 @@ through the `openai` SDK: a chat, a streamed chat, and a forced tool call, whole
 returned as `tool_calls` in the format the template teaches (a random model calls a tool only
 under the grammar). The server's log then replays identically.
 
-One server a family, in turn; tiny dimensions, a few tokens a request."""
+One server a family, in turn; tiny dimensions, a few tokens a request. Four families run in the
+suite (one a tool-call format, and a template without tools); the other three with `-m slow`."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+import shutil
 from pathlib import Path
 
 import openai
@@ -21,6 +21,9 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 from memstep.cli.serve import ServerProcess
 from memstep.core.model_source import shipped_gguf_path
 from memstep.core.tokenizer import gguf_tokenizer_folder
+from memstep.replay.recording import load
+from memstep.replay.replayer import replay
+from memstep.replay.report import build_report
 from tests.executors.model.tiny_families import make_checkpoint
 
 TEMPLATES = Path(__file__).parent / "chat_templates"
@@ -51,26 +54,43 @@ WEATHER = {
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-def checkpoint(family: str, folder: Path) -> str:
-    """The family's tiny checkpoint in `folder`, SmolLM2's tokenizer beside it with the
-    family's chat template; the template's name."""
+@pytest.fixture(scope="module")
+def smol_tokenizer(tmp_path_factory) -> Path:
+    """SmolLM2's tokenizer as a folder (tokenizer.json, tokenizer_config.json), made once."""
+    folder = tmp_path_factory.mktemp("smol-tokenizer")
+    gguf_tokenizer_folder(shipped_gguf_path(), folder)
+    return folder
+
+
+def checkpoint(family: str, folder: Path, tokenizer: Path) -> None:
+    """The family's tiny checkpoint in `folder`, the `tokenizer` folder's files beside it with
+    the family's chat template."""
     model_type, template, _ = FAMILIES[family]
     make_checkpoint(model_type, folder, vocab_size=SMOL_VOCAB, tie_word_embeddings=True)
-    gguf_tokenizer_folder(shipped_gguf_path(), folder)
-    config = json.loads((folder / "tokenizer_config.json").read_text())
+    shutil.copy(tokenizer / "tokenizer.json", folder)
+    config = json.loads((tokenizer / "tokenizer_config.json").read_text())
     config["chat_template"] = (TEMPLATES / f"{template}.jinja").read_text()
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    return template
 
 
-def _replay(log: Path) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "memstep.cli.main", "--log-level", "warning", "replay", str(log)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+def _replays_identically(log: Path) -> None:
+    """The log replayed here (the in-process executor, as `memstep replay` runs it)."""
+    recording = load(log)
+    report = build_report(recording, replay(recording, {}), {})
+    assert report.exit_code == 0, report.to_text()
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_a_family_serves_chat_streams_and_tool_calls_and_its_log_replays(family, tmp_path):
-    checkpoint(family, tmp_path / "model")
+# one family a format and a template kind in the suite; the rest (each ~15 s of CPU) with -m slow
+SLOW = ("qwen2", "qwen3_moe", "phi3")
+
+
+@pytest.mark.parametrize(
+    "family", [pytest.param(f, marks=pytest.mark.slow) if f in SLOW else f for f in FAMILIES]
+)
+def test_a_family_serves_chat_streams_and_tool_calls_and_its_log_replays(
+    family, tmp_path, smol_tokenizer
+):
+    checkpoint(family, tmp_path / "model", smol_tokenizer)
     args = ["--model", str(tmp_path / "model"), "--max-model-len", "512", "--seed", "1"]
     args += ["--log-level", "info"]
     with ServerProcess(args, http=True) as server:
@@ -81,8 +101,7 @@ def test_a_family_serves_chat_streams_and_tool_calls_and_its_log_replays(family,
         _forced_calls(sdk, model)
         assert f"parser={FAMILIES[family][2]}" in server.log(), server.log()[-2000:]
         server.stop()
-        done = _replay(server.dir / "events.memlog")
-        assert done.returncode == 0, done.stdout + done.stderr
+        _replays_identically(server.dir / "events.memlog")
 
 
 def _chats(sdk: openai.OpenAI, model: str) -> None:
