@@ -165,10 +165,11 @@ def _with_revision(args: argparse.Namespace) -> None:
     it is loaded, and recorded so in the log), served under the plain id."""
     if args.revision is None:
         return
-    if not is_hub_id(args.model):
+    hub_id = args.model.partition("@")[0]  # a replica's argv holds the model with it already
+    if not is_hub_id(hub_id):
         raise ConfigError(f"--revision goes with a hub id (owner/name), not {args.model!r}")
-    args.served_model_name = args.served_model_name or args.model
-    args.model = f"{args.model}@{args.revision}"
+    args.served_model_name = args.served_model_name or hub_id
+    args.model = f"{hub_id}@{args.revision}"
 
 
 def _tool_format(args: argparse.Namespace, engine: Engine) -> tool_parsers.ToolFormat:
