@@ -695,6 +695,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--core-max-frame-bytes", type=int, help="the core's --max-frame-bytes")
     p.add_argument("--tool-call-parser", default=tool_parsers.DEFAULT.name, help="the format")
     p.add_argument("--tools-in-template", action="store_true", help="the template writes tools")
+    p.add_argument("--no-system-turn", action="store_true", help="the template takes none")
     p.add_argument("--log-level", default="warning", help="default: %(default)s")
     p.add_argument("--log-format", choices=["console", "json"], default="console")
     for field in attrs.fields(HttpLimits):  # see docs/limits.md
@@ -710,7 +711,8 @@ def main(argv: list[str] | None = None) -> int:
     front.core_timeout = args.core_timeout
     front.core_frame_bytes = args.core_max_frame_bytes
     parser = tool_parsers.parser_named(args.tool_call_parser)
-    front.tool_format = tool_parsers.ToolFormat(parser, args.tools_in_template)
+    system_turn = not args.no_system_turn
+    front.tool_format = tool_parsers.ToolFormat(parser, args.tools_in_template, system_turn)
     sock = socket.socket(fileno=args.fd) if args.fd is not None else None
     config = uvicorn.Config(
         build_app(front),

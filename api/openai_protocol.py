@@ -175,7 +175,7 @@ def parse_chat(body: Any, model: str, tool_format: ToolFormat = DEFAULT_FORMAT) 
         raise bad(str(exc), "tools") from exc
     extra = body.get("chat_template_kwargs")
     if tools is not None and tools.is_on and not tool_format.in_template:
-        messages = _with_tools(messages, tools)
+        messages = _with_tools(messages, tools, tool_format.system_turn)
     top = _int(body, "top_logprobs", 0, 20)
     if not body.get("logprobs"):
         if top:
@@ -245,11 +245,17 @@ def tokenizer_info(reply: TokenizeReply) -> dict[str, Any]:
     return dict(reply.config)
 
 
-def _with_tools(messages: list[dict[str, str]], tools: Tools) -> list[dict[str, str]]:
-    """The tools' system prompt, before (or joined to) the conversation's own system turn."""
+def _with_tools(
+    messages: list[dict[str, str]], tools: Tools, system_turn: bool = True
+) -> list[dict[str, str]]:
+    """The tools' system prompt, before (or joined to) the conversation's own system turn; where
+    the template takes no system turn, at the head of the first turn."""
     prompt = tools.system_prompt()
     if messages[0]["role"] == "system":
         first = {"role": "system", "content": f"{messages[0]['content']}\n\n{prompt}"}
+        return [first, *messages[1:]]
+    if not system_turn:
+        first = {**messages[0], "content": f"{prompt}\n\n{messages[0]['content']}"}
         return [first, *messages[1:]]
     return [{"role": "system", "content": prompt}, *messages]
 

@@ -175,8 +175,10 @@ def _with_revision(args: argparse.Namespace) -> None:
 def _tool_format(args: argparse.Namespace, engine: Engine) -> tool_parsers.ToolFormat:
     """How the model calls tools: `--tool-call-parser`, else what its chat template teaches."""
     template = engine.tokenizer.hf_config().get("chat_template")
-    renders = isinstance(template, str) and ChatTemplate(template, "").renders_tools()
-    fmt = tool_parsers.choose(args.tool_call_parser, template, renders)
+    compiled = ChatTemplate(template, "") if isinstance(template, str) else None
+    renders = compiled is not None and compiled.renders_tools()
+    system = compiled is None or compiled.takes_system_turn()
+    fmt = tool_parsers.choose(args.tool_call_parser, template, renders, system)
     log.info("tool calls", parser=fmt.parser.name, tools_in_template=fmt.in_template)
     return fmt
 

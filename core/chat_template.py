@@ -138,6 +138,14 @@ class ChatTemplate:
         except Exception:  # foreign code: a template that fails on tools does not render them
             return False
 
+    def takes_system_turn(self) -> bool:
+        """Whether a conversation may open with a system turn (Mixtral's template refuses one)."""
+        try:
+            self._render(TRIAL_WITH_SYSTEM)
+        except Exception:  # foreign code: whatever it raises, it refused
+            return False
+        return True
+
     def parts(
         self, messages: Messages, extra: dict[str, Any] | None = None
     ) -> list[tuple[str, bool]]:

@@ -28,11 +28,14 @@ class ToolFormat:
 
     parser: ToolParser = DEFAULT
     in_template: bool = False
+    system_turn: bool = True  # the template takes a system turn (else the first turn holds
+    # memstep's tools prompt)
 
     def as_flags(self) -> list[str]:
         """This format as the HTTP front's command-line flags."""
         flags = ["--tool-call-parser", self.parser.name]
-        return flags + (["--tools-in-template"] if self.in_template else [])
+        flags += ["--tools-in-template"] if self.in_template else []
+        return flags + ([] if self.system_turn else ["--no-system-turn"])
 
 
 DEFAULT_FORMAT = ToolFormat()
@@ -52,10 +55,13 @@ def from_template(source: str | None) -> ToolParser | None:
     return None
 
 
-def choose(name: str | None, template: str | None, renders_tools: bool) -> ToolFormat:
+def choose(
+    name: str | None, template: str | None, renders_tools: bool, system_turn: bool = True
+) -> ToolFormat:
     """The server's format: `name` (the flag) where given, else the template's. The tools go to
     the template where it renders them, and either the flag chose the format or the template
     teaches one memstep reads (a template that writes calls otherwise keeps memstep's prompt)."""
     taught = from_template(template)
     parser = parser_named(name) if name is not None else taught or DEFAULT
-    return ToolFormat(parser, renders_tools and (name is not None or taught is not None))
+    in_template = renders_tools and (name is not None or taught is not None)
+    return ToolFormat(parser, in_template, system_turn)

@@ -37,6 +37,7 @@ FAMILIES = {
     "mistral": ("mistral", "mistral", "mistral"),
     "gemma3": ("gemma3_text", "gemma3", "hermes"),
     "phi3": ("phi3", "phi3", "hermes"),
+    "mixtral": ("mixtral", "mixtral", "hermes"),
 }
 WEATHER = {
     "type": "function",
@@ -52,7 +53,8 @@ WEATHER = {
     },
 }
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-OWN_PROMPT = ("gemma3", "phi3")  # templates without tools: memstep's own prompt carries them
+# templates without tools: memstep's own prompt carries them
+OWN_PROMPT = ("gemma3", "phi3", "mixtral")
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +84,7 @@ def _replays_identically(log: Path) -> None:
 
 
 # one family a format and a template kind in the suite; the rest (each ~15 s of CPU) with -m slow
-SLOW = ("qwen2", "qwen3_moe", "phi3")
+SLOW = ("qwen2", "qwen3_moe", "phi3", "mixtral")
 
 
 @pytest.mark.parametrize(

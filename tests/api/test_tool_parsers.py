@@ -99,15 +99,18 @@ PICKED = {
     "mistral": ("mistral", True),
     "gemma3": ("hermes", False),
     "phi3": ("hermes", False),
+    "mixtral": ("hermes", False),
 }
 
 
 @pytest.mark.parametrize("template", sorted(PICKED))
 def test_the_format_is_the_templates_and_the_flag_overrides_it(template):
     source = (TEMPLATES / f"{template}.jinja").read_text()
-    renders = ChatTemplate(source, "<s>").renders_tools()
+    compiled = ChatTemplate(source, "<s>", "</s>")
+    renders = compiled.renders_tools()
     fmt = choose(None, source, renders)
     assert (fmt.parser.name, fmt.in_template) == PICKED[template]
+    assert compiled.takes_system_turn() == (template != "mixtral")
     forced = choose("mistral", source, renders)
     assert forced.parser.name == "mistral" and forced.in_template == renders
 
@@ -138,3 +141,6 @@ def test_a_template_that_renders_tools_gets_them_and_the_grammar_writes_its_form
     assert prompt["role"] == "system" and '"parameters": <args-json-object>' in prompt["content"]
     assert "chat_template_kwargs" not in own.prompts[0]
     assert own.params[0]["guided_grammar"].startswith('start: body ("; " body)*')
+    bare = parse_chat(body | {"messages": ASK}, "m", ToolFormat(system_turn=False))
+    (first,) = bare.prompts[0]["messages"]  # a template without a system turn: the user's
+    assert first["role"] == "user" and first["content"].endswith("</tool_call>\n\nhi")
