@@ -14,6 +14,7 @@ from memstep.api.openai_protocol import parse_chat
 from memstep.api.tool_call_stream import CallStream
 from memstep.api.tool_parsers import PARSERS, ToolFormat, UnknownParser, choose
 from memstep.core.chat_template import ChatTemplate
+from tests.api.test_tool_calls import _accumulated
 
 TEMPLATES = Path(__file__).parent / "chat_templates"
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
@@ -55,14 +56,7 @@ def _read(parser_name: str, text: str, step: int) -> tuple[str, list[tuple[str, 
     """The reply fed in pieces of `step` characters, accumulated as the openai SDK merges."""
     stream = CallStream(PARSERS[parser_name].syntax)
     deltas = [d for i in range(0, len(text), step) for d in stream.feed(text[i : i + step])]
-    content, calls = "", {}
-    for delta in [*deltas, *stream.finish()]:
-        content += delta.get("content", "")
-        for part in delta.get("tool_calls", []):
-            name, args = calls.get(part["index"], ("", ""))
-            fn = part["function"]
-            calls[part["index"]] = (name + fn.get("name", ""), args + fn["arguments"])
-    return content, [calls[i] for i in sorted(calls)]
+    return _accumulated([*deltas, *stream.finish()])
 
 
 @pytest.mark.parametrize(("parser", "text", "want"), REPLIES)
