@@ -3,13 +3,10 @@ cache, offline, to its snapshot folder; one not cached is one clear error."""
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
 
-from memstep.cli.serve import _with_revision
-from memstep.core.config import ConfigError
 from memstep.core.model_source import ModelError, model_config, resolve
 
 QWEN3 = {
@@ -69,13 +66,3 @@ def test_a_revision_picks_its_snapshot_from_a_cache_holding_two(offline_cache):
     assert resolve("acme/tiny-qwen3").path == offline_cache
     with pytest.raises(ModelError, match="acme/tiny-qwen3: not in the local cache"):
         resolve("acme/tiny-qwen3@v3")
-
-
-def test_serve_takes_a_revision_for_a_hub_id_only():
-    args = argparse.Namespace(model="acme/tiny-qwen3", revision="v2", served_model_name=None)
-    _with_revision(args)
-    assert (args.model, args.served_model_name) == ("acme/tiny-qwen3@v2", "acme/tiny-qwen3")
-    _with_revision(args)  # again, as a replica's command line holds both: the same
-    assert args.model == "acme/tiny-qwen3@v2"
-    with pytest.raises(ConfigError, match="--revision goes with a hub id"):
-        _with_revision(argparse.Namespace(model="smollm2", revision="v2", served_model_name=None))
