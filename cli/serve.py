@@ -34,13 +34,14 @@ from memstep.cli.curve_keys import attach_dashed_keys, is_z85_key
 from memstep.cli.help_format import groups
 from memstep.cli.main import add_engine_arguments, config_from_args
 from memstep.core import collector
+from memstep.core.chat_template import ChatTemplate
 from memstep.core.config import ConfigError, EngineConfig
 from memstep.core.device_limits import cuda_device_bytes
 from memstep.core.engine import Engine
 from memstep.core.executor import ExecutorFactory
 from memstep.core.logging import setup_logging
 from memstep.core.model_config import ModelConfig
-from memstep.core.model_source import model_config, resolve
+from memstep.core.model_source import is_hub_id, model_config, resolve
 from memstep.core.recovery import ExecutorDown
 from memstep.core.shapes import max_model_len
 from memstep.executors.process.remote import ProcessExecutor
@@ -51,6 +52,7 @@ from memstep.replay.resume import resume_point
 from memstep.router.lifeline import follow_parent
 from memstep.serving.core_config import ServerConfig
 from memstep.serving.core_process import Server
+from memstep.serving.http_front import tool_parsers
 from memstep.serving.http_front.http_front import (
     HttpConfig,
     HttpFront,
@@ -120,6 +122,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="LOG",
         help="resume a dead server's log (default: a fresh start)",
     )
+    _add_model_arguments(common)
     add_record_arguments(p, by_default=True, group=common, more=g["debugging"], durability=True)
     add_engine_arguments(p)
     perf = g["performance"]
@@ -148,6 +151,49 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _add_debugging_arguments(g["debugging"], d)
     add_limit_arguments(g["debugging"])
     vllm_flags.add_arguments(g["debugging"])
+
+
+def _add_model_arguments(g: Any) -> None:
+    g.add_argument(
+        "--revision",
+        metavar="REV",
+        help="a hub id's branch, tag or commit, as vLLM's (default: main)",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        choices=sorted(tool_parsers.PARSERS),
+        metavar="NAME",
+        help=f"tool calls' format, as vLLM's: {', '.join(sorted(tool_parsers.PARSERS))} "
+        "(default: the chat template's, else hermes)",
+    )
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="vLLM's: tool_choice auto reads calls from replies (memstep always does)",
+    )
+
+
+def _with_revision(args: argparse.Namespace) -> None:
+    """`--revision R` of a hub id: the model becomes `ID@R` (resolved at that revision wherever
+    it is loaded, and recorded so in the log), served under the plain id."""
+    if args.revision is None:
+        return
+    hub_id = args.model.partition("@")[0]  # a replica's argv holds the model with it already
+    if not is_hub_id(hub_id):
+        raise ConfigError(f"--revision goes with a hub id (owner/name), not {args.model!r}")
+    args.served_model_name = args.served_model_name or hub_id
+    args.model = f"{hub_id}@{args.revision}"
+
+
+def _tool_format(args: argparse.Namespace, engine: Engine) -> tool_parsers.ToolFormat:
+    """How the model calls tools: `--tool-call-parser`, else what its chat template teaches."""
+    template = engine.tokenizer.hf_config().get("chat_template")
+    compiled = ChatTemplate(template, "") if isinstance(template, str) else None
+    renders = compiled is not None and compiled.renders_tools()
+    system = compiled is None or compiled.takes_system_turn()
+    fmt = tool_parsers.choose(args.tool_call_parser, template, renders, system)
+    log.info("tool calls", parser=fmt.parser.name, tools_in_template=fmt.in_template)
+    return fmt
 
 
 def _add_curve_arguments(g: Any) -> None:
@@ -258,6 +304,7 @@ def front_count(given: int | str, device: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     vllm_flags.apply(args)
+    _with_revision(args)
     args.api_server_count = front_count(args.api_server_count, args.device)
     if serve_replicas.wants_replicas(args):
         return _serve_replicas(args)
@@ -364,6 +411,7 @@ def _start_front(
         log_format=getattr(args, "log_format", "console"),
         limits=_http_limits(args),
         core_max_frame_bytes=server.cfg.max_frame_bytes,
+        tool_format=_tool_format(args, server.engine),
     )
     sock.close()  # the child holds it now
     front.wait_ready()

@@ -37,6 +37,10 @@ TRIAL = [
     {"role": "user", "content": "What is 2 + 2?"},
 ]
 TRIAL_WITH_SYSTEM = [{"role": "system", "content": "Be brief."}, *TRIAL]
+TRIAL_TOOL = {
+    "type": "function",
+    "function": {"name": "probe", "description": "A probe.", "parameters": {"type": "object"}},
+}
 
 
 class _Sandbox(ImmutableSandboxedEnvironment):
@@ -78,10 +82,11 @@ def _environment() -> jinja2.Environment:
 
 
 class ChatTemplate:
-    """One compiled, checked template; `bos` is the text the template knows as `bos_token`."""
+    """One compiled, checked template; `bos` and `eos` are the texts the template knows as
+    `bos_token` and `eos_token` (Mistral's ends an assistant turn with the latter)."""
 
-    def __init__(self, source: str, bos: str):
-        self._bos = bos
+    def __init__(self, source: str, bos: str, eos: str = ""):
+        self._bos, self._eos = bos, eos
         if not isinstance(source, str):  # e.g. a tokenizer_config.json list of named templates
             raise ModelError(f"the model's chat template is a {type(source).__name__}, not text")
         try:
@@ -106,14 +111,16 @@ class ChatTemplate:
             raise ModelError(f"the model's chat template is not usable: {exc}") from None
 
     def _render(self, messages: Messages, extra: dict[str, Any] | None = None) -> str:
-        fixed = {"messages": messages, "add_generation_prompt": True, "bos_token": self._bos}
+        fixed = {"messages": messages, "add_generation_prompt": True}
+        fixed |= {"bos_token": self._bos, "eos_token": self._eos}
         return self._template.render({**(extra or {}), **fixed})
 
     def render(self, messages: Messages, extra: dict[str, Any] | None = None) -> str:
         """The prompt text, with the generation prompt; `extra` are more of the template's
-        variables (vLLM's chat_template_kwargs, e.g. `enable_thinking`), never the three the
+        variables (vLLM's chat_template_kwargs, e.g. `enable_thinking`), never the four the
         engine sets. A template error is the request's fault."""
-        taken = sorted(set(extra or {}) & {"messages", "add_generation_prompt", "bos_token"})
+        fixed = {"messages", "add_generation_prompt", "bos_token", "eos_token"}
+        taken = sorted(set(extra or {}) & fixed)
         if taken:
             raise InvalidRequest(f"chat_template_kwargs may not set {taken[0]}")
         try:
@@ -122,6 +129,22 @@ class ChatTemplate:
             raise InvalidRequest(f"the chat template did something unsafe: {exc}") from None
         except Exception as exc:  # the template is foreign code: whatever it raises, refuse
             raise InvalidRequest(f"the chat template refused these messages: {exc}") from None
+
+    def renders_tools(self) -> bool:
+        """Whether the template writes a `tools` variable into the prompt (Qwen's, Llama 3.1's,
+        Mistral's do): a trial conversation renders otherwise with a tool than without."""
+        try:
+            return self._render(TRIAL, {"tools": [TRIAL_TOOL]}) != self._render(TRIAL)
+        except Exception:  # foreign code: a template that fails on tools does not render them
+            return False
+
+    def takes_system_turn(self) -> bool:
+        """Whether a conversation may open with a system turn (Mixtral's template refuses one)."""
+        try:
+            self._render(TRIAL_WITH_SYSTEM)
+        except Exception:  # foreign code: whatever it raises, it refused
+            return False
+        return True
 
     def parts(
         self, messages: Messages, extra: dict[str, Any] | None = None

@@ -115,8 +115,9 @@ def _resolve_model(spec: str, weights_seed: int) -> ModelSource:
             raise ModelError(f"unknown random preset {preset!r}; choose from {sorted(PRESETS)}")
         return ModelSource("random", None, preset, weights_seed)
     path = Path(spec)
-    if not path.exists() and is_hub_id(spec):
-        return ModelSource("hf", hub_snapshot(spec))
+    hub_id, _, revision = spec.partition("@")  # `owner/name@revision` (serve's --revision)
+    if not path.exists() and is_hub_id(hub_id):
+        return ModelSource("hf", hub_snapshot(hub_id, revision or None))
     if not path.exists():
         raise ModelError(f"model not found: {spec} (give a .gguf file, a model folder or random:)")
     if path.is_file():

@@ -56,9 +56,10 @@ class HFTokenizer:
         self._special_ids = frozenset(
             i for i, added in tok.get_added_tokens_decoder().items() if added.special
         )
-        self._template = ChatTemplate(chat_template, bos) if chat_template else None
         self._added = _added_around(tok)
         self.eos_token_ids = eos
+        eos_text = tok.id_to_token(eos[0]) if eos else None
+        self._template = ChatTemplate(chat_template, bos, eos_text or "") if chat_template else None
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:

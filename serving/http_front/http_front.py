@@ -27,6 +27,7 @@ from memstep.core.config import ConfigError
 from memstep.serving.core_config import is_loopback
 from memstep.serving.http_front.http_limits import HttpLimits
 from memstep.serving.http_front.metrics import MULTIPROC_ENV
+from memstep.serving.http_front.tool_parsers import ToolFormat
 
 READY_TIMEOUT_S = 60.0
 GPU_HOST_FRONTS = 2  # `--api-server-count auto` on a GPU host with MIN_CPUS_FOR_FRONTS or more
@@ -133,6 +134,9 @@ class _Child:
         limits = options.get("limits")
         if isinstance(limits, HttpLimits):
             cmd += limits.as_argv()
+        tool_format = options.get("tool_format")
+        if isinstance(tool_format, ToolFormat):
+            cmd += tool_format.as_flags()
         if options.get("core_max_frame_bytes"):
             cmd += ["--core-max-frame-bytes", str(options["core_max_frame_bytes"])]
         env = dict(os.environ)

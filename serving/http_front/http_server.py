@@ -50,6 +50,7 @@ from memstep.core import collector
 from memstep.core.logging import setup_logging
 from memstep.events.wire import ErrorReply, GenerateDone, HealthReply, TokenizeRequest
 from memstep.serving.http_front import openai_protocol as oai
+from memstep.serving.http_front import tool_parsers
 from memstep.serving.http_front.http_limits import (
     GuardedHttptools,
     HttpLimits,
@@ -95,6 +96,7 @@ class Front:
         self.ready_fd: int | None = None  # written to once serving
         self.core_timeout = CORE_TIMEOUT_S
         self.core_frame_bytes: int | None = None  # the core's max_frame_bytes, when told
+        self.tool_format = tool_parsers.DEFAULT_FORMAT  # how the model's tool calls read
         self.created = int(time.time())
         self.prom = Metrics()
         self.num_inflight = 0  # generation requests before their response starts
@@ -141,7 +143,10 @@ class Front:
         return await self._serve(request, oai.parse_completion)
 
     async def chat_completions(self, request: Request) -> Response:
-        return await self._serve(request, oai.parse_chat)
+        return await self._serve(request, self._parse_chat)
+
+    def _parse_chat(self, body: Any, model: str) -> oai.Job:
+        return oai.parse_chat(body, model, self.tool_format)
 
     async def tokenize(self, request: Request) -> Response:
         return await self._tokens(request, oai.parse_tokenize, oai.tokenized)
@@ -523,7 +528,7 @@ class _SseState:
     echoed: set[int] = attrs.Factory(set)  # choices whose prompt went (`echo`)
     ended: bool = False
     calls: collections.defaultdict[int, CallStream] = attrs.Factory(
-        lambda: collections.defaultdict(CallStream)
+        lambda self: collections.defaultdict(self.job.call_stream), takes_self=True
     )  # each choice's text split into content and tool-call deltas
     held_logprobs: dict[int, list[list]] = attrs.Factory(dict)  # of tokens held back
     created: int = 0  # the `created` of the chunks of this write (seconds)
@@ -690,6 +695,9 @@ def main(argv: list[str] | None = None) -> int:
         "(default: %(default)s)",
     )
     p.add_argument("--core-max-frame-bytes", type=int, help="the core's --max-frame-bytes")
+    p.add_argument("--tool-call-parser", default=tool_parsers.DEFAULT.name, help="the format")
+    p.add_argument("--tools-in-template", action="store_true", help="the template writes tools")
+    p.add_argument("--no-system-turn", action="store_true", help="the template takes none")
     p.add_argument("--log-level", default="warning", help="default: %(default)s")
     p.add_argument("--log-format", choices=["console", "json"], default="console")
     for field in attrs.fields(HttpLimits):  # see docs/limits.md
@@ -704,6 +712,9 @@ def main(argv: list[str] | None = None) -> int:
     front.ready_fd = args.ready_fd
     front.core_timeout = args.core_timeout
     front.core_frame_bytes = args.core_max_frame_bytes
+    parser = tool_parsers.parser_named(args.tool_call_parser)
+    system_turn = not args.no_system_turn
+    front.tool_format = tool_parsers.ToolFormat(parser, args.tools_in_template, system_turn)
     sock = socket.socket(fileno=args.fd) if args.fd is not None else None
     config = uvicorn.Config(
         build_app(front),

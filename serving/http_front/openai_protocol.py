@@ -19,7 +19,7 @@ import orjson
 
 from memstep.events.wire import GenerateDone, TokenizeReply, TokenizeRequest
 from memstep.serving.http_front import vllm_fields
-from memstep.serving.http_front.tool_call_stream import split_reply
+from memstep.serving.http_front.tool_call_stream import CallStream, split_reply
 from memstep.serving.http_front.tool_calls import (
     ToolError,
     Tools,
@@ -27,6 +27,7 @@ from memstep.serving.http_front.tool_calls import (
     parse_calls,
     parse_tools,
 )
+from memstep.serving.http_front.tool_parsers import DEFAULT_FORMAT, ToolFormat
 
 # What each request field of OpenAI (and vLLM's extras) becomes in the engine's SamplingParams.
 SAMPLING_FIELDS = {
@@ -130,6 +131,10 @@ class Job:
         """Whether a grammar forces a tool call (tool_choice required or a named function)."""
         return self.tools is not None and self.tools.is_on and self.tools.grammar() is not None
 
+    def call_stream(self) -> CallStream:
+        """A choice's reply split as it streams, in the format of the calls it may make."""
+        return CallStream((self.tools.format if self.tools else DEFAULT_FORMAT).parser.syntax)
+
     def cut_call(self, finish_reason: str) -> bool:
         """Whether a reply is a forced call that max_tokens cut short: its shape is then the
         calls whose name was complete (arguments as far as written), content null."""
@@ -169,15 +174,17 @@ def parse_completion(body: Any, model: str) -> Job:
     return attrs.evolve(job, params=params, echo=True, echo_only=max_tokens == 0)
 
 
-def parse_chat(body: Any, model: str) -> Job:
+def parse_chat(body: Any, model: str, tool_format: ToolFormat = DEFAULT_FORMAT) -> Job:
+    """A chat completion; tools are called in `tool_format` (the server's)."""
     body = _object(body, CHAT_FIELDS, vllm_fields.CHAT_FIELDS)
-    messages = _messages(body.get("messages"))
+    messages = _messages(body.get("messages"), tool_format)
     try:
-        tools = parse_tools(body)
+        tools = parse_tools(body, tool_format)
     except ToolError as exc:
         raise bad(str(exc), "tools") from exc
-    if tools is not None and tools.is_on:
-        messages = _with_tools(messages, tools)
+    extra = body.get("chat_template_kwargs")
+    if tools is not None and tools.is_on and not tool_format.in_template:
+        messages = _with_tools(messages, tools, tool_format.system_turn)
     top = _int(body, "top_logprobs", 0, 20)
     if not body.get("logprobs"):
         if top:
@@ -187,10 +194,11 @@ def parse_chat(body: Any, model: str) -> Job:
         top = 0
     max_tokens = _max_tokens(body, 1)
     source: dict[str, Any] = {"messages": messages} | _special_tokens(body)
-    extra = body.get("chat_template_kwargs")
+    if extra is not None and not isinstance(extra, dict):
+        raise bad("chat_template_kwargs must be an object", "chat_template_kwargs")
+    if tools is not None and tools.is_on and tool_format.in_template:
+        extra = {**(extra or {}), "tools": tools.listed()}  # the template writes them
     if extra is not None:  # vLLM's: more variables for the template, e.g. enable_thinking
-        if not isinstance(extra, dict):
-            raise bad("chat_template_kwargs must be an object", "chat_template_kwargs")
         source["chat_template_kwargs"] = extra
     return _job(body, model, True, [source], max_tokens, top, tools)
 
@@ -257,11 +265,17 @@ def tokenizer_info(reply: TokenizeReply) -> dict[str, Any]:
     return dict(reply.config)
 
 
-def _with_tools(messages: list[dict[str, str]], tools: Tools) -> list[dict[str, str]]:
-    """The tools' system prompt, before (or joined to) the conversation's own system turn."""
+def _with_tools(
+    messages: list[dict[str, str]], tools: Tools, system_turn: bool = True
+) -> list[dict[str, str]]:
+    """The tools' system prompt, before (or joined to) the conversation's own system turn; where
+    the template takes no system turn, at the head of the first turn."""
     prompt = tools.system_prompt()
     if messages[0]["role"] == "system":
         first = {"role": "system", "content": f"{messages[0]['content']}\n\n{prompt}"}
+        return [first, *messages[1:]]
+    if not system_turn:
+        first = {**messages[0], "content": f"{prompt}\n\n{messages[0]['content']}"}
         return [first, *messages[1:]]
     return [{"role": "system", "content": prompt}, *messages]
 
@@ -455,23 +469,25 @@ def _prompts(prompt: Any) -> list[str | list[int]]:
     raise bad("prompt must be a string, a list of strings, or token ids", "prompt")
 
 
-def _messages(messages: Any) -> list[dict[str, str]]:
+def _messages(messages: Any, fmt: ToolFormat = DEFAULT_FORMAT) -> list[dict[str, str]]:
+    """The conversation as role and content; tool calls and results as the model reads them in
+    `fmt` (a template that renders tools wraps a result itself)."""
     if not isinstance(messages, list) or not messages:
         raise bad("messages must be a non-empty list", "messages")
-    return [_message(m) for m in messages]
+    return [_message(m, fmt) for m in messages]
 
 
-def _message(m: Any) -> dict[str, str]:
+def _message(m: Any, fmt: ToolFormat) -> dict[str, str]:
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise bad("each message needs a role", "messages")
     content = m.get("content")
     if m.get("tool_calls"):  # an assistant turn that called tools: the calls as the model wrote
         try:
-            calls = calls_message(m)
+            calls = calls_message(m, fmt.parser)
         except (ValueError, TypeError, AttributeError) as exc:
             raise bad(f"tool_calls of a message do not parse: {exc}", "messages") from exc
         return {"role": m["role"], "content": "\n".join(filter(None, [content or "", calls]))}
-    if m["role"] == "tool" and isinstance(content, str):
+    if m["role"] == "tool" and isinstance(content, str) and not fmt.in_template:
         return {"role": "tool", "content": f"<tool_response>\n{content}\n</tool_response>"}
     if isinstance(content, list):  # content parts: only text is understood
         if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
@@ -519,11 +535,12 @@ def _choice(job: Job, index: int, done: GenerateDone) -> dict[str, Any]:
     if job.chat:
         message: dict[str, Any] = {"role": "assistant", "content": done.text}
         reason = done.finish_reason
+        parser = (job.tools.format if job.tools else DEFAULT_FORMAT).parser
         if job.cut_call(reason):
-            content, calls = split_reply(done.text, cut=True)
+            content, calls = split_reply(done.text, parser.syntax, cut=True)
             message = {"role": "assistant", "content": content or None, "tool_calls": calls}
         elif job.calls_tools:
-            content, calls = parse_calls(done.text)
+            content, calls = parse_calls(done.text, parser)
             if calls:
                 message = {"role": "assistant", "content": content or None, "tool_calls": calls}
                 reason = "tool_calls" if reason == "stop" else reason

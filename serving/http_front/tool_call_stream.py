@@ -1,10 +1,15 @@
 """A chat reply split, as it streams, into content and tool-call deltas as OpenAI sends them.
 
+The machinery is shared by every tool-call format (tool_parsers/ beside it); a format says only how
+its calls are written (`CallSyntax`): the marker that opens a call or a list of calls, what may
+open one with no marker at the very start of a reply (a bare JSON call), how a call's header
+reads (`{"name": ..., "arguments": ` or Mistral's `name[ARGS]`), and what follows its arguments.
+
 Content that cannot be part of a call leaves at once; only what could still start one is held
-(a partial `<tool_call>` marker, or, at the very start of a reply, a partial `<|python_tag|>` or
-a `{` that may open a Llama-3.1 bare JSON call). A call leaves as OpenAI streams one: a first
-delta with its index, id, type, function name and empty arguments, as soon as the name is
-known, then the arguments' text in fragments, exactly as the model writes them.
+(a partial marker, or, at the very start of a reply, what may open a bare call). A call leaves
+as OpenAI streams one: a first delta with its index, id, type, function name and empty
+arguments, as soon as the name is known, then the arguments' text in fragments, exactly as the
+model writes them.
 
 The non-streamed reply is parsed by the same machine (`split_reply`), so a stream's accumulated
 calls equal the whole reply's. A call whose JSON puts its arguments before its name is held to
@@ -15,25 +20,44 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable
 from typing import Any
 
-TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
-PYTHON_TAG = "<|python_tag|>"
+import attrs
+
 WHITESPACE = " \t\r\n"
 PARTIAL, NO = "partial", "no"  # a header not yet complete, or one that cannot be
 ARGUMENT_KEYS = ('"arguments"', '"parameters"')
+TEXT, HEADER = "text", "header"  # the modes a tail moves on to
 
 Delta = dict[str, Any]  # {"content": str} or {"tool_calls": [one call's delta]}
+Header = tuple[str, int] | str  # (the name, where the arguments' value may begin), PARTIAL, NO
+Tail = tuple[int, str] | None  # (characters dropped, the next mode: TEXT or HEADER), None: wait
+
+
+@attrs.frozen
+class CallSyntax:
+    """How one format writes its calls: what `CallStream` needs to read them."""
+
+    open: str  # the marker before a call (or a list of calls), anywhere in a reply
+    close: str  # the marker after each marked call; "" where there is none
+    header: Callable[[str], Header]  # a call's header at the start of the text
+    tail: Callable[[str], Tail]  # what follows a marked call's arguments
+    # where, in a reply's start (whitespace stripped), a bare call's header begins: an offset,
+    # PARTIAL while it may still, NO where it cannot (then only the marker opens a call)
+    bare_start: Callable[[str], int | str]
+    bare_tail: Callable[[str], Tail]  # what follows a bare call's arguments
 
 
 class CallStream:
-    """One choice's reply, fed as it streams (`feed`), then ended (`finish`); each returns the
-    deltas to send now, in order."""
+    """One choice's reply in the format `syntax`, fed as it streams (`feed`), then ended
+    (`finish`); each returns the deltas to send now, in order."""
 
-    def __init__(self) -> None:
+    def __init__(self, syntax: CallSyntax) -> None:
+        self.syntax = syntax
         self.buf = ""  # text received and not yet given out or dropped
         self.mode = "start"  # start, text, header, arguments, tail
-        self.bare = False  # the call being read is Llama's bare JSON (no <tool_call> block)
+        self.bare = False  # the call being read opened with no marker
         self.num_calls = 0
         self.depth = 0  # the arguments' JSON nesting, while `mode` is "arguments"
         self.in_string = self.escaped = False
@@ -73,19 +97,19 @@ class CallStream:
         return self._step_text()
 
     def _step_text(self) -> bool:
-        buf = self.buf
+        buf, opener = self.buf, self.syntax.open
         body = buf.lstrip(WHITESPACE)
-        if self.mode == "start" and body[:1] in ("{", "<"):
-            after = body.removeprefix(PYTHON_TAG)
-            if after.startswith("{"):
-                return self._open(buf, len(buf) - len(after), bare=True)
-            if PYTHON_TAG.startswith(body):
-                return False  # maybe the tag: wait
-        at = buf.find(TOOL_CALL_OPEN)
+        if self.mode == "start" and body:
+            found = self.syntax.bare_start(body)
+            if found == PARTIAL:
+                return False  # maybe a bare call: wait
+            if isinstance(found, int):
+                return self._open(buf, len(buf) - len(body) + found, bare=True)
+        at = buf.find(opener)
         if at >= 0:
             self._content(buf[:at].rstrip(WHITESPACE))
-            return self._open(buf, at + len(TOOL_CALL_OPEN), bare=False)
-        keep = _held_suffix(buf)
+            return self._open(buf, at + len(opener), bare=False)
+        keep = _held_suffix(buf, opener)
         sent = self._content(buf[: len(buf) - keep])
         self.buf = buf[sent:]
         return False
@@ -104,7 +128,7 @@ class CallStream:
         return True
 
     def _step_header(self) -> bool:
-        head = call_header(self.buf)
+        head = self.syntax.header(self.buf)
         if head == PARTIAL:
             return False
         if isinstance(head, str):  # NO
@@ -116,26 +140,31 @@ class CallStream:
         return True
 
     def _step_unheaded(self) -> bool:
-        """A block or bare JSON that does not open as `{"name": ..., "arguments": ...}`."""
-        if self.bare:  # Llama's call must open so: this is content
+        """A marked call or bare JSON that does not open as its header should."""
+        if self.bare:  # a bare call must open so: this is content
             self.out.append({"content": self.buf})
             self.buf, self.mode = "", "text"
             return False
-        at = self.buf.find(TOOL_CALL_CLOSE)
+        close = self.syntax.close
+        at = self.buf.find(close) if close else -1
         if at < 0:
-            return False  # hold the block to its end
-        block, self.buf = self.buf[:at], self.buf[at + len(TOOL_CALL_CLOSE) :]
+            return False  # hold the block to its end (of the reply, where it has no close)
+        block, self.buf = self.buf[:at], self.buf[at + len(close) :]
         self.out += self._whole_call_or_text(block, closed=True)
         self.mode = "text"
         return True
 
     def _whole_call_or_text(self, block: str, closed: bool) -> list[Delta]:
-        data = _json_object(block)
-        if data is None or not isinstance(data.get("name"), str):
-            text = block if self.bare else TOOL_CALL_OPEN + block
-            return [{"content": text + (TOOL_CALL_CLOSE if closed else "")}]
-        arguments = data.get("arguments", data.get("parameters", {}))
-        return [{"tool_calls": [self._first_delta(data["name"], json.dumps(arguments))]}]
+        """A whole call (or a JSON list of them) read at once; else the text as content."""
+        data = _json_value(block)
+        calls = data if isinstance(data, list) else [data]
+        if not calls or not all(_is_call(c) for c in calls):
+            text = block if self.bare else self.syntax.open + block
+            return [{"content": text + (self.syntax.close if closed else "")}]
+        return [
+            {"tool_calls": [self._first_delta(c["name"], json.dumps(_arguments_of(c)))]}
+            for c in calls
+        ]
 
     def _first_delta(self, name: str, arguments: str) -> dict[str, Any]:
         self.num_calls += 1
@@ -193,24 +222,22 @@ class CallStream:
         return len(buf), False
 
     def _step_tail(self) -> bool:
-        """After the arguments: the call's closing `}` (and `</tool_call>`), dropped."""
-        if self.bare:
-            at = self.buf.find("}")
-            if at < 0:
-                return False
-            self.buf, self.mode = self.buf[at + 1 :], "text"
-            return True
-        at = self.buf.find(TOOL_CALL_CLOSE)
-        if at < 0:
+        """After the arguments: what closes the call (`}`, a close marker), dropped; then
+        text, or the next call's header where the format lists calls."""
+        tail = (self.syntax.bare_tail if self.bare else self.syntax.tail)(self.buf)
+        if tail is None:
             return False
-        self.buf, self.mode = self.buf[at + len(TOOL_CALL_CLOSE) :], "text"
+        dropped, self.mode = tail
+        self.buf = self.buf[dropped:]
         return True
 
 
-def split_reply(text: str, cut: bool = False) -> tuple[str, list[dict[str, Any]]]:
+def split_reply(
+    text: str, syntax: CallSyntax, cut: bool = False
+) -> tuple[str, list[dict[str, Any]]]:
     """A whole reply's content and OpenAI tool_calls, as a stream of it would accumulate
     (`cut`: a forced call cut short, see `CallStream.finish`)."""
-    stream = CallStream()
+    stream = CallStream(syntax)
     content, calls = [], []
     for delta in [*stream.feed(text), *stream.finish(cut)]:
         if "content" in delta:
@@ -225,7 +252,7 @@ def split_reply(text: str, cut: bool = False) -> tuple[str, list[dict[str, Any]]
     return "".join(content), calls
 
 
-def call_header(text: str) -> tuple[str, int] | str:
+def call_header(text: str) -> Header:
     """`{"name": "<name>", "arguments": ` (or "parameters") at the start of `text`, with any
     whitespace between: (the name, where the value may begin), PARTIAL while `text` may still
     become one, or NO."""
@@ -276,20 +303,69 @@ def _skip_space(text: str, at: int) -> int:
     return at
 
 
-def _held_suffix(text: str) -> int:
-    """Characters at the end of `text` that may begin a `<tool_call>` marker."""
-    for n in range(min(len(text), len(TOOL_CALL_OPEN) - 1), 0, -1):
-        if TOOL_CALL_OPEN.startswith(text[-n:]):
+def block_tail(close: str) -> Callable[[str], Tail]:
+    """The tail of a call in a block: through its close marker, then text."""
+
+    def tail(text: str) -> Tail:
+        at = text.find(close)
+        return None if at < 0 else (at + len(close), TEXT)
+
+    return tail
+
+
+def object_tail(text: str, more: str = "", end: str = "") -> Tail:
+    """The tail of a call written as a JSON object: its `}`; then the next call's header after
+    a `more` separator (Llama's `;`, a list's `,`), or text (past an `end`, a list's `]`).
+    Waits where what follows the `}` is not yet known."""
+    at = text.find("}")
+    if at < 0:
+        return None
+    rest = text[at + 1 :]
+    after = _skip_space(rest, 0)
+    if after == len(rest) and (more or end):
+        return None
+    following = rest[after : after + 1]
+    if more and following == more:
+        return at + 2 + after, HEADER
+    if end and following == end:
+        return at + 2 + after, TEXT
+    return at + 1, TEXT
+
+
+def json_bare_start(tag: str) -> Callable[[str], int | str]:
+    """A bare JSON call at a reply's start, after an optional `tag` (Llama's
+    `<|python_tag|>`)."""
+
+    def bare_start(body: str) -> int | str:
+        after = body.removeprefix(tag)
+        if after.startswith("{"):
+            return len(body) - len(after)
+        return PARTIAL if tag.startswith(body) else NO
+
+    return bare_start
+
+
+def _held_suffix(text: str, marker: str) -> int:
+    """Characters at the end of `text` that may begin `marker`."""
+    for n in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-n:]):
             return n
     return 0
 
 
-def _json_object(text: str) -> dict[str, Any] | None:
+def _json_value(text: str) -> Any:
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError:
+        return json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
         return None
-    return data if isinstance(data, dict) else None
+
+
+def _is_call(data: Any) -> bool:
+    return isinstance(data, dict) and isinstance(data.get("name"), str)
+
+
+def _arguments_of(call: dict[str, Any]) -> Any:
+    return call.get("arguments", call.get("parameters", {}))
 
 
 def _merged(deltas: list[Delta]) -> list[Delta]:

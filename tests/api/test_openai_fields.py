@@ -112,7 +112,7 @@ def test_legacy_top_logprobs_hold_the_chosen_token():
 
 def test_add_special_tokens_true_is_taken_on_both_routes_and_reaches_the_core():
     """vLLM's meaning: the tokenizer's own special tokens around the prompt's ids (the core adds
-    them: api/server.py); false or null, nothing; anything else, a 400."""
+    them: serving/core_answers.py); false or null, nothing; anything else, a 400."""
     for parse, plain in ((parse_completion, {"prompt": "x"}), (parse_chat, {"messages": ASK})):
         asked = parse({"model": "m", **plain, "add_special_tokens": True}, "m").prompts
         assert [p.get("add_special_tokens") for p in asked] == [True]

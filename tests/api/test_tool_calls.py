@@ -12,6 +12,9 @@ import pytest
 from memstep.serving.http_front.openai_protocol import OpenAIError, parse_chat
 from memstep.serving.http_front.tool_call_stream import CallStream, split_reply
 from memstep.serving.http_front.tool_calls import parse_calls
+from memstep.serving.http_front.tool_parsers import hermes
+
+HERMES = hermes.PARSER.syntax
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 ASK = [{"role": "user", "content": "hi"}]
@@ -31,7 +34,7 @@ def test_hermes_blocks_and_llama_json_parse_into_tool_calls():
 
 
 def _fed(text: str, step: int) -> list[dict]:
-    stream = CallStream()
+    stream = CallStream(HERMES)
     out = [d for i in range(0, len(text), step) for d in stream.feed(text[i : i + step])]
     return out + stream.finish()
 
@@ -83,7 +86,7 @@ def test_calls_stream_as_openai_sends_them():
 
 
 def test_content_streams_at_once_and_only_a_possible_marker_waits():
-    stream = CallStream()
+    stream = CallStream(HERMES)
     assert stream.feed("Hello") == [{"content": "Hello"}]
     assert stream.feed(" there <tool") == [{"content": " there"}]  # " <tool" may be a marker
     assert stream.feed("box>") == [{"content": " <toolbox>"}]
@@ -91,10 +94,10 @@ def test_content_streams_at_once_and_only_a_possible_marker_waits():
     assert stream.feed("<tool_call>") == []
     assert stream.feed('{"name": "f", ') == []
     assert stream.feed('"arguments": {')[0]["tool_calls"][0]["function"]["name"] == "f"
-    start = CallStream()
+    start = CallStream(HERMES)
     assert start.feed("{") == [] and start.feed('"answer"') == [{"content": '{"answer"'}]
     assert start.finish() == []
-    tag = CallStream()  # a Llama-3.1 call may open with its tag
+    tag = CallStream(HERMES)  # a Llama-3.1 call may open with its tag
     assert tag.feed("<|python") == [] and tag.feed("_tag|>") == []
 
 
@@ -155,8 +158,8 @@ def test_a_forced_call_cut_short_drops_held_markup_and_keeps_a_named_call():
     """`cut` (a forced call that max_tokens ended) gives no content: a marker or header held at
     the cut is dropped, a call whose name was complete keeps its arguments as written; without
     `cut` the same text is content (what a reply that is not forced shows)."""
-    assert split_reply("<tool_", cut=True) == ("", [])
-    assert split_reply('<tool_call>\n{"name": "f', cut=True) == ("", [])
-    assert split_reply('<tool_call>\n{"name": "f', cut=False)[0].startswith("<tool_call>")
-    _, calls = split_reply('<tool_call>\n{"name": "f", "arguments": {"x": ', cut=True)
+    assert split_reply("<tool_", HERMES, cut=True) == ("", [])
+    assert split_reply('<tool_call>\n{"name": "f', HERMES, cut=True) == ("", [])
+    assert split_reply('<tool_call>\n{"name": "f', HERMES, cut=False)[0].startswith("<tool_call>")
+    _, calls = split_reply('<tool_call>\n{"name": "f", "arguments": {"x": ', HERMES, cut=True)
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [("f", '{"x": ')]

@@ -1,5 +1,5 @@
-"""A hub id (`owner/name`) resolves through the Hugging Face cache, offline, to its snapshot
-folder; one not cached is one clear error."""
+"""A hub id (`owner/name`, at a revision: `owner/name@rev`) resolves through the Hugging Face
+cache, offline, to its snapshot folder; one not cached is one clear error."""
 
 from __future__ import annotations
 
@@ -50,3 +50,19 @@ def test_an_unknown_architecture_names_the_ones_memstep_runs(offline_cache):
     )
     with pytest.raises(ModelError, match="FalconForCausalLM.*Qwen3ForCausalLM"):
         model_config(resolve("acme/tiny-qwen3"))
+
+
+def test_a_revision_picks_its_snapshot_from_a_cache_holding_two(offline_cache):
+    """`--revision` (serve turns it into `ID@REV`) by commit or by a ref the cache holds;
+    without one, main's; one the cache lacks is the clear error."""
+    repo = offline_cache.parent.parent
+    other = "fedcba9876543210fedcba9876543210fedcba98"
+    (repo / "snapshots" / other).mkdir()
+    (repo / "snapshots" / other / "config.json").write_text(json.dumps(QWEN3 | {"head_dim": 32}))
+    (repo / "refs" / "v2").write_text(other)
+    for spec in (f"acme/tiny-qwen3@{other}", "acme/tiny-qwen3@v2"):
+        source = resolve(spec)
+        assert source.path == repo / "snapshots" / other and model_config(source).head_dim == 32
+    assert resolve("acme/tiny-qwen3").path == offline_cache
+    with pytest.raises(ModelError, match="acme/tiny-qwen3: not in the local cache"):
+        resolve("acme/tiny-qwen3@v3")

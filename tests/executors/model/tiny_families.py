@@ -73,7 +73,7 @@ def make_checkpoint(
     eval mode, float32."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.for_model(model_type, **DIMS, **(FAMILIES[model_type] | overrides))
+    cfg = AutoConfig.for_model(model_type, **(DIMS | FAMILIES.get(model_type, {}) | overrides))
     gen = torch.Generator().manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg).float().eval()
     with torch.no_grad():
