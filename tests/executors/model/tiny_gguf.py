@@ -1,5 +1,6 @@
 """A tiny transformers checkpoint written as a GGUF file with llama.cpp's names and keys, in one
-quant type, and the checkpoint with the weights that file holds (for the reference logits)."""
+quant type (or llama.cpp's Q4_K_M mix), and the weights that file holds (for the reference
+logits)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from memstep.executors.model.formats import kquant_writer
+
 GGUF_ARCH = {
+    "llama": "llama",
+    "mistral": "llama",  # llama.cpp's converter writes Mistral as llama (no window key)
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "gemma3_text": "gemma3",
@@ -70,17 +75,40 @@ def llama_cpp_names(state: dict[str, torch.Tensor], model_type: str, tied: bool)
     return names
 
 
-def write_gguf(folder: Path, model_type: str, path: Path, qtype: str, out: Path) -> None:
-    """The checkpoint in `folder` as a GGUF at `path` with llama.cpp's names and keys, its
-    matrices in `qtype` (norms and biases F32, as llama.cpp keeps them; Gemma's norms with
-    their 1 added, as its converter writes them); and in `out` the same checkpoint with the
-    weights the GGUF holds (each matrix quantized and back), the reference's."""
-    import gguf
+def matrix_type(name: str, qtype: str, num_layers: int, tied: bool) -> str:
+    """The type the matrix llama.cpp names `name` is written in: `qtype`, or under "Q4_K_M"
+    what llama.cpp's mix gives it; a router stays F32 (llama.cpp never quantizes
+    `ffn_gate_inp`)."""
+    if name.endswith("ffn_gate_inp.weight"):
+        return "F32"
+    if qtype == "Q4_K_M":
+        return kquant_writer.q4_k_m_type(name, num_layers, has_output=not tied)
+    return qtype
+
+
+def _blocks(array: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """`array` in `qtype`'s blocks (the k-quants by memstep's writer, the rest by the `gguf`
+    package) and the float32 values they hold."""
     from gguf import GGMLQuantizationType, quants
-    from safetensors.torch import load_file, save_file
-    from transformers import AutoConfig
 
     kind = GGMLQuantizationType[qtype]
+    if qtype in kquant_writer.BLOCK_BYTES:
+        blocks = kquant_writer.quantize(array, qtype)
+    else:
+        blocks = quants.quantize(array, kind)
+    return blocks, quants.dequantize(blocks, kind).reshape(array.shape)
+
+
+def write_gguf(folder: Path, model_type: str, path: Path, qtype: str) -> dict[str, torch.Tensor]:
+    """The checkpoint in `folder` as a GGUF at `path` with llama.cpp's names and keys, its
+    matrices in `qtype` (norms and biases F32, as llama.cpp keeps them; Gemma's norms with
+    their 1 added, as its converter writes them); returns the checkpoint's matrices with the
+    values the GGUF holds (each quantized and back), by transformers' names."""
+    import gguf
+    from gguf import GGMLQuantizationType
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
     cfg = AutoConfig.from_pretrained(folder)
     state = load_file(str(folder / "model.safetensors"))
     names = llama_cpp_names(state, model_type, cfg.tie_word_embeddings)
@@ -102,17 +130,18 @@ def write_gguf(folder: Path, model_type: str, path: Path, qtype: str, out: Path)
     _write_keys(writer, GGUF_ARCH[model_type], cfg, model_type)
     held: dict[str, np.ndarray] = {}
     for cpp, array in tensors.items():
-        if array.ndim == 1 or kind == GGMLQuantizationType.F32:
+        kind = matrix_type(cpp, qtype, cfg.num_hidden_layers, cfg.tie_word_embeddings)
+        if array.ndim == 1 or kind == "F32":
             writer.add_tensor(cpp, array)
             held[cpp] = array
             continue
-        blocks = quants.quantize(array, kind)
-        writer.add_tensor(cpp, blocks, raw_dtype=kind)
-        held[cpp] = quants.dequantize(blocks, kind).reshape(array.shape)
+        blocks, held[cpp] = _blocks(array, kind)
+        writer.add_tensor(cpp, blocks, raw_dtype=GGMLQuantizationType[kind])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    matrices = {}
     for name, cpp in names.items():
         if state[name].dim() == 1:
             continue
@@ -120,10 +149,8 @@ def write_gguf(folder: Path, model_type: str, path: Path, qtype: str, out: Path)
         if GGUF_ARCH[model_type] == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
             array = _permute(array, heads, back=True)  # rows quantize alone: order commutes
-        state[name] = torch.from_numpy(np.array(array, dtype=np.float32))
-    out.mkdir(exist_ok=True)
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text((folder / "config.json").read_text())
+        matrices[name] = torch.from_numpy(np.array(array, dtype=np.float32))
+    return matrices
 
 
 def _permute(w: np.ndarray, heads: int, back: bool = False) -> np.ndarray:
