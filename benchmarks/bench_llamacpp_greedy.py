@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from bench_llamacpp import find_llama_bench, run_llama_bench
 
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     theirs = [llama_completion(binary, args.model, prompt, args) for prompt in PROMPTS]
     ours = memstep_greedy(args.model, args)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for prompt, (text, their_speed), (prefixes, our_speed) in zip(
         PROMPTS, theirs, ours, strict=True
     ):
