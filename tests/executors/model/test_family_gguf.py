@@ -45,6 +45,14 @@ _WIDE_FAMILY = {
     "mistral": dict(sliding_window=None),
     "gemma3_text": dict(query_pre_attn_scalar=64),  # llama.cpp scales by the head size
     "qwen3_moe": dict(moe_intermediate_size=256),
+    "phi3": dict(  # LongRoPE's factors for a rotary of 48 dims (0.75 of heads of 64)
+        rope_scaling=dict(
+            rope_type="longrope",
+            short_factor=[1.0 + 0.05 * i for i in range(24)],
+            long_factor=[3.0 + 0.05 * i for i in range(24)],
+            original_max_position_embeddings=128,
+        )
+    ),
 }
 _READ_AS = {"mistral": "llama", "gemma3_text": "gemma3"}
 
@@ -121,6 +129,25 @@ def test_a_quantized_gguf_says_once_what_it_is_converted_to(tmp_path, checkpoint
     # 256-value super-blocks of 144 (Q4_K) and 210 (Q6_K) bytes against 1024 in float32
     assert 1024 / 210 < line["bytes_after"] / line["bytes_before"] < 1024 / 144
     assert f"({line['bytes_after'] / line['bytes_before']:.1f}x)" in line["event"]
+
+
+def test_a_phi3_gguf_with_half_its_longrope_factors_is_refused(tmp_path):
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "phi3.gguf"
+    writer = gguf.GGUFWriter(str(path), "phi3")
+    for key in ("block_count", "embedding_length", "feed_forward_length", "context_length"):
+        writer.add_uint32(f"phi3.{key}", 64)
+    writer.add_uint32("phi3.attention.head_count", 4)
+    writer.add_uint32("phi3.vocab_size", 256)
+    writer.add_tensor("rope_factors_long.weight", np.ones(6, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelError, match="LongRoPE without the tensor 'rope_factors_short"):
+        gguf_model_config(read_gguf(path))
 
 
 def test_a_gguf_of_an_architecture_not_read_is_refused(tmp_path):

@@ -18,6 +18,7 @@ GGUF_ARCH = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "gemma3_text": "gemma3",
+    "phi3": "phi3",
     "qwen3_moe": "qwen3moe",
     "mixtral": "llama",  # llama.cpp writes Mixtral as llama with experts
 }
@@ -30,6 +31,8 @@ _LAYER = {  # transformers' name under model.layers.{i}. -> llama.cpp's under bl
     "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.bias": "attn_v.bias",
     "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.qkv_proj.weight": "attn_qkv.weight",  # Phi-3's fused matrices
+    "mlp.gate_up_proj.weight": "ffn_up.weight",
     "self_attn.q_norm.weight": "attn_q_norm.weight",
     "self_attn.k_norm.weight": "attn_k_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -163,6 +166,9 @@ def _permute(w: np.ndarray, heads: int, back: bool = False) -> np.ndarray:
 
 def _write_keys(writer, arch: str, cfg, model_type: str) -> None:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if model_type == "phi3":
+        _write_phi3(writer, cfg)
+        head_dim = 0  # llama.cpp's Phi-3 files name no key length: the head is hidden / heads
     for key, value in {
         "block_count": cfg.num_hidden_layers, "context_length": cfg.max_position_embeddings,
         "embedding_length": cfg.hidden_size, "feed_forward_length": cfg.intermediate_size,
@@ -170,7 +176,8 @@ def _write_keys(writer, arch: str, cfg, model_type: str) -> None:
         "attention.head_count_kv": cfg.num_key_value_heads, "attention.key_length": head_dim,
         "attention.value_length": head_dim, "vocab_size": cfg.vocab_size,
     }.items():  # fmt: skip
-        writer.add_uint32(f"{arch}.{key}", value)
+        if value:
+            writer.add_uint32(f"{arch}.{key}", value)
     rope = cfg.rope_parameters
     writer.add_float32(f"{arch}.rope.freq_base", (rope.get("full_attention") or rope)["rope_theta"])
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
@@ -184,3 +191,26 @@ def _write_keys(writer, arch: str, cfg, model_type: str) -> None:
         writer.add_uint32(f"{arch}.expert_used_count", cfg.num_experts_per_tok)
     if model_type == "qwen3_moe":
         writer.add_uint32(f"{arch}.expert_feed_forward_length", cfg.moe_intermediate_size)
+
+
+def _write_phi3(writer, cfg) -> None:
+    """What llama.cpp's converter adds for Phi-3 (`conversion/phi.py`): the rotary's dims, the
+    window (0 for none), and LongRoPE's factors as tensors with its original context and
+    attention factor as keys."""
+    import math
+
+    rope = cfg.rope_parameters
+    dims = int(rope.get("partial_rotary_factor", 1.0) * cfg.hidden_size) // cfg.num_attention_heads
+    writer.add_rope_dimension_count(dims)
+    writer.add_sliding_window(cfg.sliding_window or 0)
+    if rope.get("rope_type") != "longrope":
+        return
+    original = rope["original_max_position_embeddings"]
+    writer.add_rope_scaling_orig_ctx_len(original)
+    scale = cfg.max_position_embeddings / original
+    writer.add_rope_scaling_attn_factors(
+        math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0
+    )
+    for kind in ("long", "short"):
+        factors = np.array(rope[f"{kind}_factor"], dtype=np.float32)
+        writer.add_tensor(f"rope_factors_{kind}.weight", factors)
