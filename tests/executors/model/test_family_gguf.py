@@ -73,14 +73,18 @@ def checkpoints(tmp_path_factory):
     return checkpoint
 
 
-def held_model(folder: Path, held: dict[str, torch.Tensor], out: Path):
-    """transformers' model of the checkpoint in `folder` with the matrices `held` (saved and
-    loaded, as transformers maps per-expert names onto its fused experts at load)."""
+def held_model(
+    folder: Path, held: dict[str, torch.Tensor], out: Path, dtype: torch.dtype = torch.float32
+):
+    """transformers' float32 model of the checkpoint in `folder` with the matrices `held` (saved
+    and loaded, as transformers maps per-expert names onto its fused experts at load), every
+    tensor first rounded to `dtype`."""
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
     out.mkdir()
     state = load_file(str(folder / "model.safetensors")) | held
+    state = {name: t.to(dtype).float() for name, t in state.items()}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text((folder / "config.json").read_text())
     return AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
@@ -129,6 +133,25 @@ def test_a_quantized_gguf_says_once_what_it_is_converted_to(tmp_path, checkpoint
     # 256-value super-blocks of 144 (Q4_K) and 210 (Q6_K) bytes against 1024 in float32
     assert 1024 / 210 < line["bytes_after"] / line["bytes_before"] < 1024 / 144
     assert f"({line['bytes_after'] / line['bytes_before']:.1f}x)" in line["event"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type", GGUF_ARCH)
+def test_a_q4_k_m_gguf_runs_on_cuda_in_bfloat16(tmp_path, checkpoints, model_type):
+    """On CUDA a GGUF's blocks are dequantized and placed in bfloat16: logits at cosine >= 0.999
+    of transformers' float32 forward of the same weights rounded to bfloat16."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    folder, _ = checkpoints(model_type)
+    path = tmp_path / "tiny-Q4_K_M.gguf"
+    held = write_gguf(folder, model_type, path, "Q4_K_M")
+    reference = held_model(folder, held, tmp_path / "held", torch.bfloat16).cuda()
+    model, kv = memstep_model(path, device="cuda", dtype=torch.bfloat16)
+    assert model.w["embed"].dtype == torch.bfloat16 and model.w["embed"].is_cuda
+    for prompt in prompts():
+        ours, theirs = memstep_logits(model, kv, prompt).float(), hf_logits(reference, prompt)
+        cosine = torch.nn.functional.cosine_similarity(ours.flatten(), theirs.flatten(), dim=0)
+        assert cosine.item() >= 0.999, f"{model_type} {len(prompt)} tokens: {cosine.item():.5f}"
 
 
 def test_a_phi3_gguf_with_half_its_longrope_factors_is_refused(tmp_path):
