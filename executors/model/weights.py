@@ -132,6 +132,8 @@ def _load_gguf_q4(path: Path, cfg: ModelConfig) -> Weights:
         for name, t in tensors.items()
         if t.tensor_type == GGMLQuantizationType.Q4_1 and name.startswith("blk.")
     }
+    others = [t for n, t in tensors.items() if n.startswith("blk.") and n not in q4_1]
+    _log_conversion(others, cfg, then="; the decoder's matrices then to q4 blocks")
     blocks = {name: ql.q4_1_rows(tensors[name].data) for name in q4_1}
     fused = _assemble_gguf(blocks, cfg, path, partial=True)  # takes what it fuses from blocks
     raw = {name: _dequantize(tensors[name], path) for name in tensors.keys() - q4_1 | blocks.keys()}
@@ -146,10 +148,11 @@ def _load_gguf_q4(path: Path, cfg: ModelConfig) -> Weights:
     return weights
 
 
-def _log_conversion(tensors, cfg: ModelConfig) -> None:
-    """One line for a GGUF whose tensors are not float32: their types, converted to float32
-    at load (no C kernel reads their blocks; the engine's dtype, bfloat16 on CUDA, is taken
-    after), and what that costs: their bytes in the file and in float32."""
+def _log_conversion(tensors, cfg: ModelConfig, then: str = "") -> None:
+    """One line for a GGUF whose `tensors` are not all float32: their types, converted to
+    float32 at load (no C kernel reads their blocks; the engine's dtype, bfloat16 on CUDA, is
+    taken after, or `then` says what follows), and what that costs: their bytes in the file
+    and in float32."""
     converted = [t for t in tensors if t.tensor_type.name != "F32"]
     if not converted:
         return
@@ -158,7 +161,7 @@ def _log_conversion(tensors, cfg: ModelConfig) -> None:
     types = ", ".join(sorted({t.tensor_type.name for t in converted}))
     log.info(
         f"GGUF {types} converted to float32 at load: {_mib(before)} in the file, "
-        f"{_mib(after)} as float32 ({after / before:.1f}x)",
+        f"{_mib(after)} as float32 ({after / before:.1f}x){then}",
         family=cfg.architecture,
         tensors=len(converted),
         bytes_before=before,

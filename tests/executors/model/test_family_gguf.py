@@ -154,6 +154,23 @@ def test_a_q4_k_m_gguf_runs_on_cuda_in_bfloat16(tmp_path, checkpoints, model_typ
         assert cosine.item() >= 0.999, f"{model_type} {len(prompt)} tokens: {cosine.item():.5f}"
 
 
+def test_a_k_quant_llama_gguf_under_q4_says_its_matrices_are_quantized_again(tmp_path, checkpoints):
+    from memstep.core.model_source import model_config, resolve
+    from memstep.executors.model.weights import load_weights
+
+    folder, _ = checkpoints("llama")
+    path = tmp_path / "tiny-Q4_K_M.gguf"
+    write_gguf(folder, "llama", path, "Q4_K_M")
+    source = resolve(str(path))
+    with structlog.testing.capture_logs() as logs:
+        cfg, cpu = model_config(source), torch.device("cpu")
+        weights = load_weights(source, cfg, torch.float32, cpu, quantization="q4")
+    [line] = [e["event"] for e in logs if "converted to float32 at load" in e["event"]]
+    assert line.startswith("GGUF Q4_K, Q6_K converted")
+    assert line.endswith("; the decoder's matrices then to q4 blocks")
+    assert "layers.0.wqkv.q4_1" in weights
+
+
 def test_a_phi3_gguf_with_half_its_longrope_factors_is_refused(tmp_path):
     import gguf
     import numpy as np
