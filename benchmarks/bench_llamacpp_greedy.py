@@ -69,9 +69,11 @@ def memstep_greedy(gguf: Path, args) -> list[tuple[list[str], float]]:
     and its decode tokens per second (a warm-up prompt first: first touch of the weights and
     the allocator)."""
     from memstep.core.config import EngineConfig
+    from memstep.core.logging import setup_logging
     from memstep.core.sampling_params import SamplingParams
     from memstep.executors.process.inprocess import local_engine
 
+    setup_logging("console", "warning")  # no line a step inside the timed steps
     cfg = EngineConfig(
         model=str(gguf),
         num_threads=args.threads,
