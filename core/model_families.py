@@ -149,6 +149,17 @@ def _gguf_experts(field: Field) -> Json:
     }
 
 
+def _gguf_phi3(field: Field) -> Json:
+    """llama.cpp's Phi-3: the rotary's dims (`rope.dimension_count`, partial of each head) and
+    a window on every layer where `attention.sliding_window` is set (its LongRoPE factors are
+    tensors: `model_source` reads them)."""
+    layers, window = field("block_count", 0), field("attention.sliding_window", 0)
+    return {
+        "rotary_dim": int(field("rope.dimension_count", 0)) or None,
+        "layer_windows": (int(window),) * layers if window else (),
+    }
+
+
 def _none(field: Field) -> Json:
     return {}
 
@@ -192,7 +203,7 @@ FAMILIES: dict[str, Family] = {
             read_hf=_gemma3,
             read_gguf=_gguf_gemma3,
         ),
-        Family("phi3", ("Phi3ForCausalLM",), "phi3", read_hf=_phi3),
+        Family("phi3", ("Phi3ForCausalLM",), "phi3", read_hf=_phi3, read_gguf=_gguf_phi3),
         Family(
             "qwen3_moe",
             ("Qwen3MoeForCausalLM",),

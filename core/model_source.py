@@ -201,7 +201,9 @@ def gguf_model_config(reader: Any) -> ModelConfig:
         vocab_size=int(vocab),
         head_dim=int(
             gguf_field(reader, p + "attention.key_length", None)
-            or gguf_field(reader, p + "rope.dimension_count", hidden // heads)
+            # the rotary's dims are the head's unless the family reads them apart (Phi-3)
+            or ("rotary_dim" not in facts and gguf_field(reader, p + "rope.dimension_count"))
+            or hidden // heads
         ),
         rope_theta=float(gguf_field(reader, p + "rope.freq_base", 10000.0)),
         rms_eps=float(gguf_field(reader, p + "attention.layer_norm_rms_epsilon", 1e-5)),
@@ -209,7 +211,7 @@ def gguf_model_config(reader: Any) -> ModelConfig:
         tie_embeddings="output.weight" not in names,
         bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=(int(gguf_field(reader, "tokenizer.ggml.eos_token_id", 2)),),
-        rope_scaling=_gguf_rope_scaling(reader, p),
+        rope_scaling=_gguf_rope_scaling(reader, p) or _gguf_longrope(reader, p),
         architecture=family.name,
         **facts,
     )
@@ -227,6 +229,29 @@ def _gguf_rope_scaling(reader: Any, p: str) -> dict[str, Any] | None:
     if kind != "linear":
         raise ModelError(f"GGUF rotary scaling {kind!r}: memstep reads 'linear' from GGUF keys")
     return {"rope_type": "linear", "factor": float(gguf_field(reader, p + "rope.scaling.factor"))}
+
+
+def _gguf_longrope(reader: Any, p: str) -> dict[str, Any] | None:
+    """LongRoPE as llama.cpp's Phi-3 files hold it: the factors as the tensors
+    `rope_factors_short` and `rope_factors_long`, the original context and the attention
+    factor as keys; none without the tensors."""
+    factors = {t.name: t.data for t in reader.tensors if t.name.startswith("rope_factors_")}
+    if not factors:
+        return None
+    try:
+        short, long = factors["rope_factors_short.weight"], factors["rope_factors_long.weight"]
+    except KeyError as exc:
+        raise ModelError(f"GGUF LongRoPE without the tensor {exc}") from exc
+    return {
+        "rope_type": "longrope",
+        "short_factor": tuple(float(f) for f in short),
+        "long_factor": tuple(float(f) for f in long),
+        "original_max_position_embeddings": int(
+            gguf_field(reader, p + "rope.scaling.original_context_length")
+        ),
+        "max_position_embeddings": int(gguf_field(reader, p + "context_length")),
+        "attention_factor": gguf_field(reader, p + "rope.scaling.attn_factor"),
+    }
 
 
 def hf_model_config(folder: Path) -> ModelConfig:

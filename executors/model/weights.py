@@ -95,14 +95,9 @@ def _load_gguf(path: Path, cfg: ModelConfig) -> Weights:
     transformers' order and are read through their table (`formats/gguf_names.py`)."""
     tensors = read_gguf(path).tensors
     raw = {t.name: _dequantize(t, path) for t in tensors}
+    _log_conversion(tensors, cfg)
     if cfg.architecture == "llama":
         return _assemble_gguf(raw, cfg, path)
-    types = sorted({t.tensor_type.name for t in tensors} - {"F32"})
-    if types:
-        log.info(
-            f"GGUF {', '.join(types)} dequantized to float32 at load (4 bytes a weight; the C "
-            f"kernels keep blocks for Llama's layers only)", family=cfg.architecture,
-        )  # fmt: skip
     if cfg.architecture in gguf_names.ROTARY_PERMUTED:
         _unpermute_qk(raw, cfg)
     try:
@@ -137,6 +132,8 @@ def _load_gguf_q4(path: Path, cfg: ModelConfig) -> Weights:
         for name, t in tensors.items()
         if t.tensor_type == GGMLQuantizationType.Q4_1 and name.startswith("blk.")
     }
+    others = [t for n, t in tensors.items() if n.startswith("blk.") and n not in q4_1]
+    _log_conversion(others, cfg, then="; the decoder's matrices then to q4 blocks")
     blocks = {name: ql.q4_1_rows(tensors[name].data) for name in q4_1}
     fused = _assemble_gguf(blocks, cfg, path, partial=True)  # takes what it fuses from blocks
     raw = {name: _dequantize(tensors[name], path) for name in tensors.keys() - q4_1 | blocks.keys()}
@@ -149,6 +146,31 @@ def _load_gguf_q4(path: Path, cfg: ModelConfig) -> Weights:
     if missing or "embed" not in weights or "norm" not in weights:
         raise ModelError(f"missing tensors for {missing[:3] or 'embed/norm'} in {path.name}")
     return weights
+
+
+def _log_conversion(tensors, cfg: ModelConfig, then: str = "") -> None:
+    """One line for a GGUF whose `tensors` are not all float32: their types, converted to
+    float32 at load (no C kernel reads their blocks; the engine's dtype, bfloat16 on CUDA, is
+    taken after, or `then` says what follows), and what that costs: their bytes in the file
+    and in float32."""
+    converted = [t for t in tensors if t.tensor_type.name != "F32"]
+    if not converted:
+        return
+    before = sum(int(t.n_bytes) for t in converted)
+    after = sum(4 * int(t.n_elements) for t in converted)
+    types = ", ".join(sorted({t.tensor_type.name for t in converted}))
+    log.info(
+        f"GGUF {types} converted to float32 at load: {_mib(before)} in the file, "
+        f"{_mib(after)} as float32 ({after / before:.1f}x){then}",
+        family=cfg.architecture,
+        tensors=len(converted),
+        bytes_before=before,
+        bytes_after=after,
+    )
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:.1f} MiB"
 
 
 def _dequantize(t, path: Path) -> torch.Tensor:

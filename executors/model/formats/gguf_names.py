@@ -26,12 +26,14 @@ EXPERTS: Table = {
     "experts_gate_up": ("ffn_gate_exps.weight", "ffn_up_exps.weight"),
     "experts_down": ("ffn_down_exps.weight",),
 }
+PHI3: Table = LLAMA | {"wqkv": ("attn_qkv.weight",), "w_gate_up": ("ffn_up.weight",)}
 _DENSE = {key: names for key, names in LLAMA.items() if key not in ("w_gate_up", "w_down")}
 FAMILY_TABLES: dict[str, Table] = {
     "llama": LLAMA,
     "qwen2": LLAMA,
     "qwen3": LLAMA,
     "gemma3": LLAMA | SANDWICH,
+    "phi3": PHI3,  # fused qkv, and gate and up in one `ffn_up`, as transformers' Phi-3
     "qwen3_moe": _DENSE | EXPERTS,
     "mixtral": _DENSE | EXPERTS,
 }

@@ -68,9 +68,9 @@ def make_checkpoint(
     **overrides,
 ):
     """A tiny `model_type` checkpoint saved in `folder` (safetensors in `dtype`, in shards of
-    `shard_size`; config fields `overrides` changed), every parameter seeded normal noise
-    (norms around 1, so that a dropped norm or offset shows); returns the transformers model,
-    eval mode, float32."""
+    `shard_size`; config fields `overrides` changed; llama: the tiny dimensions alone), every
+    parameter seeded normal noise (norms around 1, so that a dropped norm or offset shows);
+    returns the transformers model, eval mode, float32."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.for_model(model_type, **(DIMS | FAMILIES.get(model_type, {}) | overrides))

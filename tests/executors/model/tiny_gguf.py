@@ -1,5 +1,6 @@
 """A tiny transformers checkpoint written as a GGUF file with llama.cpp's names and keys, in one
-quant type, and the checkpoint with the weights that file holds (for the reference logits)."""
+quant type (or llama.cpp's Q4_K_M mix), and the weights that file holds (for the reference
+logits)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from memstep.executors.model.formats import kquant_writer
+
 GGUF_ARCH = {
+    "llama": "llama",
+    "mistral": "llama",  # llama.cpp's converter writes Mistral as llama (no window key)
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "gemma3_text": "gemma3",
+    "phi3": "phi3",
     "qwen3_moe": "qwen3moe",
     "mixtral": "llama",  # llama.cpp writes Mixtral as llama with experts
 }
@@ -25,6 +31,8 @@ _LAYER = {  # transformers' name under model.layers.{i}. -> llama.cpp's under bl
     "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.bias": "attn_v.bias",
     "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.qkv_proj.weight": "attn_qkv.weight",  # Phi-3's fused matrices
+    "mlp.gate_up_proj.weight": "ffn_up.weight",
     "self_attn.q_norm.weight": "attn_q_norm.weight",
     "self_attn.k_norm.weight": "attn_k_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -70,17 +78,40 @@ def llama_cpp_names(state: dict[str, torch.Tensor], model_type: str, tied: bool)
     return names
 
 
-def write_gguf(folder: Path, model_type: str, path: Path, qtype: str, out: Path) -> None:
-    """The checkpoint in `folder` as a GGUF at `path` with llama.cpp's names and keys, its
-    matrices in `qtype` (norms and biases F32, as llama.cpp keeps them; Gemma's norms with
-    their 1 added, as its converter writes them); and in `out` the same checkpoint with the
-    weights the GGUF holds (each matrix quantized and back), the reference's."""
-    import gguf
+def matrix_type(name: str, qtype: str, num_layers: int, tied: bool) -> str:
+    """The type the matrix llama.cpp names `name` is written in: `qtype`, or under "Q4_K_M"
+    what llama.cpp's mix gives it; a router stays F32 (llama.cpp never quantizes
+    `ffn_gate_inp`)."""
+    if name.endswith("ffn_gate_inp.weight"):
+        return "F32"
+    if qtype == "Q4_K_M":
+        return kquant_writer.q4_k_m_type(name, num_layers, has_output=not tied)
+    return qtype
+
+
+def _blocks(array: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """`array` in `qtype`'s blocks (the k-quants by memstep's writer, the rest by the `gguf`
+    package) and the float32 values they hold."""
     from gguf import GGMLQuantizationType, quants
-    from safetensors.torch import load_file, save_file
-    from transformers import AutoConfig
 
     kind = GGMLQuantizationType[qtype]
+    if qtype in kquant_writer.BLOCK_BYTES:
+        blocks = kquant_writer.quantize(array, qtype)
+    else:
+        blocks = quants.quantize(array, kind)
+    return blocks, quants.dequantize(blocks, kind).reshape(array.shape)
+
+
+def write_gguf(folder: Path, model_type: str, path: Path, qtype: str) -> dict[str, torch.Tensor]:
+    """The checkpoint in `folder` as a GGUF at `path` with llama.cpp's names and keys, its
+    matrices in `qtype` (norms and biases F32, as llama.cpp keeps them; Gemma's norms with
+    their 1 added, as its converter writes them); returns the checkpoint's matrices with the
+    values the GGUF holds (each quantized and back), by transformers' names."""
+    import gguf
+    from gguf import GGMLQuantizationType
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
     cfg = AutoConfig.from_pretrained(folder)
     state = load_file(str(folder / "model.safetensors"))
     names = llama_cpp_names(state, model_type, cfg.tie_word_embeddings)
@@ -102,17 +133,18 @@ def write_gguf(folder: Path, model_type: str, path: Path, qtype: str, out: Path)
     _write_keys(writer, GGUF_ARCH[model_type], cfg, model_type)
     held: dict[str, np.ndarray] = {}
     for cpp, array in tensors.items():
-        if array.ndim == 1 or kind == GGMLQuantizationType.F32:
+        kind = matrix_type(cpp, qtype, cfg.num_hidden_layers, cfg.tie_word_embeddings)
+        if array.ndim == 1 or kind == "F32":
             writer.add_tensor(cpp, array)
             held[cpp] = array
             continue
-        blocks = quants.quantize(array, kind)
-        writer.add_tensor(cpp, blocks, raw_dtype=kind)
-        held[cpp] = quants.dequantize(blocks, kind).reshape(array.shape)
+        blocks, held[cpp] = _blocks(array, kind)
+        writer.add_tensor(cpp, blocks, raw_dtype=GGMLQuantizationType[kind])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    matrices = {}
     for name, cpp in names.items():
         if state[name].dim() == 1:
             continue
@@ -120,10 +152,8 @@ def write_gguf(folder: Path, model_type: str, path: Path, qtype: str, out: Path)
         if GGUF_ARCH[model_type] == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
             array = _permute(array, heads, back=True)  # rows quantize alone: order commutes
-        state[name] = torch.from_numpy(np.array(array, dtype=np.float32))
-    out.mkdir(exist_ok=True)
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text((folder / "config.json").read_text())
+        matrices[name] = torch.from_numpy(np.array(array, dtype=np.float32))
+    return matrices
 
 
 def _permute(w: np.ndarray, heads: int, back: bool = False) -> np.ndarray:
@@ -136,6 +166,9 @@ def _permute(w: np.ndarray, heads: int, back: bool = False) -> np.ndarray:
 
 def _write_keys(writer, arch: str, cfg, model_type: str) -> None:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if model_type == "phi3":
+        _write_phi3(writer, cfg)
+        head_dim = 0  # llama.cpp's Phi-3 files name no key length: the head is hidden / heads
     for key, value in {
         "block_count": cfg.num_hidden_layers, "context_length": cfg.max_position_embeddings,
         "embedding_length": cfg.hidden_size, "feed_forward_length": cfg.intermediate_size,
@@ -143,7 +176,8 @@ def _write_keys(writer, arch: str, cfg, model_type: str) -> None:
         "attention.head_count_kv": cfg.num_key_value_heads, "attention.key_length": head_dim,
         "attention.value_length": head_dim, "vocab_size": cfg.vocab_size,
     }.items():  # fmt: skip
-        writer.add_uint32(f"{arch}.{key}", value)
+        if value:
+            writer.add_uint32(f"{arch}.{key}", value)
     rope = cfg.rope_parameters
     writer.add_float32(f"{arch}.rope.freq_base", (rope.get("full_attention") or rope)["rope_theta"])
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
@@ -157,3 +191,26 @@ def _write_keys(writer, arch: str, cfg, model_type: str) -> None:
         writer.add_uint32(f"{arch}.expert_used_count", cfg.num_experts_per_tok)
     if model_type == "qwen3_moe":
         writer.add_uint32(f"{arch}.expert_feed_forward_length", cfg.moe_intermediate_size)
+
+
+def _write_phi3(writer, cfg) -> None:
+    """What llama.cpp's converter adds for Phi-3 (`conversion/phi.py`): the rotary's dims, the
+    window (0 for none), and LongRoPE's factors as tensors with its original context and
+    attention factor as keys."""
+    import math
+
+    rope = cfg.rope_parameters
+    dims = int(rope.get("partial_rotary_factor", 1.0) * cfg.hidden_size) // cfg.num_attention_heads
+    writer.add_rope_dimension_count(dims)
+    writer.add_sliding_window(cfg.sliding_window or 0)
+    if rope.get("rope_type") != "longrope":
+        return
+    original = rope["original_max_position_embeddings"]
+    writer.add_rope_scaling_orig_ctx_len(original)
+    scale = cfg.max_position_embeddings / original
+    writer.add_rope_scaling_attn_factors(
+        math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0
+    )
+    for kind in ("long", "short"):
+        factors = np.array(rope[f"{kind}_factor"], dtype=np.float32)
+        writer.add_tensor(f"rope_factors_{kind}.weight", factors)
