@@ -18,7 +18,7 @@ import structlog
 from memstep.core.detokenizer import ByteText
 from memstep.core.engine import Engine, UnknownRequest, stop_end
 from memstep.core.outputs import RequestOutput
-from memstep.core.sampling_params import InvalidRequest, SamplingParams
+from memstep.core.sampling_params import InvalidRequest
 from memstep.events.wire import AttachRequest
 from memstep.replay.resume import Carried, ResumePoint
 
@@ -102,7 +102,7 @@ class Reattach:
 
     def _readmit(self, engine: Engine, req: Carried) -> bool:
         try:
-            params = SamplingParams.from_dict(req.params)
+            params = req.params
             engine.resume_request(
                 req.request_id, req.prompt_token_ids, params, req.output_token_ids,
                 req.arrival_time,
@@ -148,7 +148,7 @@ def _finished_text(decode: Callable[[list[int]], str], req: Carried) -> str:
     the tokens' before it)."""
     ids = req.output_token_ids
     text = decode(ids)
-    params = SamplingParams.from_dict(req.params)
+    params = req.params
     if not params.stop or req.finish_reason != "stop":
         return text
     start = len(decode(ids[: params.min_tokens - 1])) if params.min_tokens > 1 else 0

@@ -362,7 +362,7 @@ def main() -> None:
     worker = engine.executor.worker
     report["engine_start_seconds"] = round(time.perf_counter() - start, 1)
     report["memory_plan"] = attrs.asdict(engine.memory_plan)
-    report["peak_after_warmup"] = engine.warmup_info.get("measured_peak_bytes")
+    report["peak_after_warmup"] = engine.warmup_figures.measured_peak_bytes
     report["peak_after_capture"] = peak_figures(worker.device, worker.memory_plan)
 
     ceilings = Ceilings(bandwidth, rate, total_bytes, read_bytes, model_cfg.num_params)

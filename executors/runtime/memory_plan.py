@@ -48,7 +48,17 @@ def worst_case_prefill(
     seqs: list[SeqPlan] = []
     while tokens > 0:
         n = min(tokens, chunk)
-        seqs.append(SeqPlan(f"worst{len(seqs)}", max_len - n, [0] * n, pages, True, 0, max_len, {}))
+        seqs.append(
+            SeqPlan(
+                request_id=f"worst{len(seqs)}",
+                start_pos=max_len - n,
+                token_ids=[0] * n,
+                block_table=pages,
+                samples=True,
+                num_drafts=0,
+                prompt_len=max_len,
+            )
+        )
         tokens -= n
     return seqs
 

@@ -20,7 +20,15 @@ from memstep.core.model_config import ModelConfig
 from memstep.core.model_source import ModelSource, model_config, resolve
 from memstep.core.sampling_params import SamplingParams
 from memstep.core.shapes import rank_model_config
-from memstep.events.plan import MemoryPlan, PhaseReply, SeqPlan, SeqResult, StepPlan, StepResult
+from memstep.events.plan import (
+    MemoryPlan,
+    PhaseFigures,
+    PhaseReply,
+    SeqPlan,
+    SeqResult,
+    StepPlan,
+    StepResult,
+)
 from memstep.events.types import LeakSuspected, MemoryReport
 from memstep.executors.cpu import kernels as cpu_kernels
 from memstep.executors.cpu.features import has_native_bf16
@@ -198,35 +206,41 @@ class Worker:
 
     def enter_phase(self, phase: str, step: int) -> PhaseReply:
         move = self.lifecycle.move(phase, step)
-        info: dict = {}
+        figures = PhaseFigures()
         if phase == "profile":
             self.memory_plan = self._profile()
         elif phase == "warmup":
             warmup = self.lifecycle.kinds["warmup"]
             assert isinstance(warmup, Warmup)
-            info = self._warmup(warmup.dummy_hidden)
+            figures = self._warmup(warmup.dummy_hidden)
         elif phase == "capture":
             # a family with torch layers on CUDA runs eagerly (`executors/cuda/backend.py`)
             fused = not self.model_cfg.unlike_llama
             if self.device.type == "cuda" and fused:  # imports Triton: never on CPU
-                from memstep.executors.cuda.graph_runner import capture_phase, peak_figures
+                from memstep.executors.cuda.graph_runner import capture_phase, with_peaks
 
                 capture = self.lifecycle.kinds["capture"]
                 assert isinstance(capture, Capture)
-                self.graphs, info = capture_phase(
+                self.graphs, figures = capture_phase(
                     self.cfg, self.model, self.kv, self.sampler, self.max_model_len,
                     capture.dummy_hidden,
                 )  # fmt: skip
                 self.runner = self.graphs
-                info |= peak_figures(self.device, self.memory_plan)
-                log.info("memory after capture", **peak_figures(self.device, self.memory_plan))
+                figures = with_peaks(figures, self.device, self.memory_plan)
             self.grammars.wait()  # (`GrammarBook.prepare`): built before serving's first step
             self.meter.freeze()  # start-up objects are done; measure only what serving creates
         elif phase == "shutdown":
             self.requests.clear()
             self.prompts.clear()
         memory_plan = self.memory_plan if phase == "profile" else None
-        return PhaseReply(phase, info, move.exited, move.entered, move.leaks, memory_plan)
+        return PhaseReply(
+            phase=phase,
+            figures=figures,
+            exited=move.exited,
+            entered=move.entered,
+            leaks=move.leaks,
+            memory_plan=memory_plan,
+        )
 
     def _profile(self) -> MemoryPlan:
         cfg, mc = self.cfg, self.model_cfg
@@ -273,7 +287,7 @@ class Worker:
         log.info("memory plan", **attrs.asdict(memory_plan))
         return memory_plan
 
-    def _warmup(self, dummy_hidden: torch.Tensor) -> dict:
+    def _warmup(self, dummy_hidden: torch.Tensor) -> PhaseFigures:
         """Run the head once at the most rows, and the sampler, every filter on, at the batch
         sizes that meet all its allocations (`Sampler.warm_sizes`), from the warm-up kind's
         dummy batch ([max rows, hidden], seeded noise)."""
@@ -283,17 +297,15 @@ class Worker:
         torch.randn(dummy_hidden.shape, generator=noise, out=dummy_hidden)
         most = self.sampler.max_rows
         dummy_logits = self.model.logits(dummy_hidden, self.sampler.logits_out(most))
-        params = SamplingParams(temperature=0.7, top_p=0.9, top_k=50, min_p=0.01, seed=0).to_dict()
         for rows in self.sampler.warm_sizes():
             logits = dummy_logits[:rows]
-            sp = SamplingParams.from_dict(params)
+            sp = SamplingParams(temperature=0.7, top_p=0.9, top_k=50, min_p=0.01, seed=0)
             sample_rows = [Row(sp, 0, [], 0) for _ in range(rows)]
             self.sampler.sample(self.sampler.distribution(logits, sample_rows), sample_rows)
-        info: dict = {}
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            info["measured_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
-        return info
+        if self.device.type != "cuda":
+            return PhaseFigures()
+        torch.cuda.synchronize()
+        return PhaseFigures(measured_peak_bytes=torch.cuda.max_memory_allocated(self.device))
 
     # --- steps -----------------------------------------------------------------------------
 
@@ -305,8 +317,9 @@ class Worker:
             self.prompts.forget(request_id)
             if self.spec is not None:
                 self.spec.forget(request_id)
+        admissions = {a.request_id: a for a in step_plan.admitted}
         for seq in step_plan.seqs:
-            self.requests.update(seq)
+            self.requests.update(seq, admissions.get(seq.request_id))
         if step_plan.kind == "spec" and self.spec is not None:
             results, hidden = self.spec.run(step_plan)
         else:
@@ -316,7 +329,7 @@ class Worker:
         for res in results:
             self.requests.append(res.request_id, res.token_ids)
         self._masks_ahead(results)
-        admitted = sum(1 for seq in step_plan.seqs if seq.params)
+        admitted = len(step_plan.admitted)
         self.lifecycle.kinds[step_plan.kind].after_step(
             StepOutputs(hidden, hidden.shape[0], admitted)
         )

@@ -138,7 +138,7 @@ class SpecDecoder:
         if self.tree is not None:
             return self.tree.run(plan)
         for seq in plan.seqs:
-            if seq.start_pos == 0 or seq.params:
+            if seq.request_id in plan.admitted_ids:
                 # admitted (again): the draft KV holds nothing of it, even where a prefix hit
                 # reuses the target's pages, so the draft catches up from position 0
                 self.forget(seq.request_id)

@@ -55,7 +55,7 @@ class TreeStep:
         """`SpecDecoder.run` with draft trees: propose, verify in one forward, accept, keep the
         accepted path's K/V and hidden states where a chain's would be."""
         for seq in plan.seqs:
-            if seq.start_pos == 0 or seq.params:
+            if seq.request_id in plan.admitted_ids:
                 self.spec.forget(seq.request_id)  # as `SpecDecoder.run`: the head starts afresh
         trees = self._propose(plan.seqs)
         feeds = [(s, _fed(s, trees.get(s.request_id))) for s in plan.seqs]

@@ -15,12 +15,12 @@ PROMPTS = [[5, 17, 200, 3, 9, 11], [7, 8, 9], [100, 101, 102, 103, 104, 105, 106
 
 
 def _plans_as_sent(engine) -> list[tuple[str, int, list[int]]]:
-    """Wrap the executor: each plan's (request, table_from, block_table) before it runs."""
+    """Wrap the executor: each plan's (request, num_pages_held, block_table) before it runs."""
     sent: list[tuple[str, int, list[int]]] = []
     execute = engine.executor.execute
 
     def noted(plan):
-        sent.extend((s.request_id, s.table_from, list(s.block_table)) for s in plan.seqs)
+        sent.extend((s.request_id, s.num_pages_held, list(s.block_table)) for s in plan.seqs)
         return execute(plan)
 
     engine.executor.execute = noted

@@ -22,7 +22,7 @@ CPU = torch.device("cpu")
 
 
 def seq(name: str, start: int, n: int, pages: list[int]) -> SeqPlan:
-    return SeqPlan(name, start, list(range(1, n + 1)), pages, True, 0, start + n, {})
+    return SeqPlan(name, start, list(range(1, n + 1)), pages, True, 0, start + n)
 
 
 def test_chunks_in_a_row_have_their_first_row():

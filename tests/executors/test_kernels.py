@@ -469,11 +469,11 @@ def test_fused_decode_forward_matches_the_eager_model():
     prompts = [torch.randint(0, 512, (n,), generator=generator).tolist() for n in (5, 17, 33)]
     tables = [list(range(10 * i, 10 * i + 3)) for i in range(3)]
     prefill = [
-        SeqPlan(f"r{i}", 0, p, t, True, 0, len(p), {})
+        SeqPlan(f"r{i}", 0, p, t, True, 0, len(p))
         for i, (p, t) in enumerate(zip(prompts, tables, strict=True))
     ]
     decode = [
-        SeqPlan(s.request_id, len(s.token_ids), [7 + i], s.block_table, True, 0, 0, {})
+        SeqPlan(s.request_id, len(s.token_ids), [7 + i], s.block_table, True, 0, 0)
         for i, s in enumerate(prefill)
     ]
     # the runner's layers are CUDA's kernels (Triton's interpreter here) over the same weights

@@ -84,9 +84,9 @@ def test_executor_losses_mid_constrained_requests_change_no_token_and_replay(cle
 def test_a_broken_rebuild_of_the_matcher_changes_the_tokens(clean, monkeypatch):
     update = RequestStates.update
 
-    def broken(self, seq):  # re-admitted: the matcher believes it consumed the output tokens
-        state = update(self, seq)
-        if seq.params and state.guide is not None and len(state.tokens) > seq.prompt_len:
+    def broken(self, seq, admission=None):  # re-admitted: the matcher believes it consumed
+        state = update(self, seq, admission)  # the output tokens
+        if admission is not None and state.guide is not None and len(state.tokens) > seq.prompt_len:
             state.guide.fed = list(state.tokens[seq.prompt_len :])
         return state
 

@@ -42,7 +42,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 def _tokens(cfg: EngineConfig, sinks=()) -> list[list[int]]:
     engine = Engine(cfg, ProcessExecutor, sinks)
     try:
-        assert engine.captured.get("graph_sizes"), "decode graphs were captured"
+        assert engine.captured.graph_sizes, "decode graphs were captured"
         return [c.token_ids for c in engine.generate(PROMPTS, GREEDY)]
     finally:
         engine.shutdown()

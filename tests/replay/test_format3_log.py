@@ -3,10 +3,14 @@ reads and replays identically: the same tokens, transitions, ledger and memory r
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
+import pytest
 from replay_helpers import isolate_heap
 
+from memstep.events.log import read_log
+from memstep.events.sampling_params import SamplingParams
 from memstep.events.types import RequestAdded, RequestPreempted, StepFinished, StepPlanned
 from memstep.replay.compare import replayable_bytes
 from memstep.replay.recording import load
@@ -36,3 +40,19 @@ def test_a_format_3_log_replays_the_same_tokens_and_records():
     assert sum(len(ids) for step in tokens(rec.derived) for _, ids in step) > 30
     assert replayable_bytes(run.derived) == replayable_bytes(rec.derived), report.to_text()
     assert report.exit_code == 0 and not run.skipped
+
+
+def test_params_as_a_plain_map_read_only_in_a_log_before_format_4(tmp_path: Path):
+    """Before format 4 a request's params were a plain map, which the reader makes the record;
+    the same bytes under format 4 are damage (each such record undecodable), not read."""
+    _, records, problems = read_log(FORMAT_3_LOG)
+    added = [r for r in records if isinstance(r, RequestAdded)]
+    assert not problems and all(type(r.params) is SamplingParams for r in added)
+    assert added[5].params.guided_choice == ("red", "green", "blue")
+    data = bytearray(FORMAT_3_LOG.read_bytes())
+    data[8:10] = struct.pack("<H", 4)  # the version after the magic
+    (tmp_path / "as4.memlog").write_bytes(data)
+    with pytest.warns(UserWarning, match="undecodable"):
+        _, records, problems = read_log(tmp_path / "as4.memlog")
+    assert not any(isinstance(r, RequestAdded) for r in records)
+    assert len(problems) == len(added) and all("RequestAdded.params" in p.message for p in problems)

@@ -148,7 +148,7 @@ def memstep_logits(model: LlamaModel, kv, prompt: list[int], decoded: int = 6) -
     steps += [(p, [prompt[p]]) for p in range(cut, len(prompt))]
     with torch.inference_mode():
         for start, tokens in steps:
-            seq = SeqPlan("s", start, tokens, table, True, 0, len(prompt), {})
+            seq = SeqPlan("s", start, tokens, table, True, 0, len(prompt))
             batch, _ = build_batch([(seq, tokens)], 4, kv[0][0].device)
             rows.append(model.logits(model.forward(batch, kv)))
     return torch.cat(rows)
