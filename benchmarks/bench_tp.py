@@ -109,7 +109,7 @@ def probe(args: argparse.Namespace) -> dict:
 
     from memstep.core.config import EngineConfig
     from memstep.events.plan import SeqPlan
-    from memstep.executors.runtime.worker import Worker
+    from memstep.executors.process.assemble import build_worker
 
     cfg = EngineConfig.from_dict(json.loads(args.config))
     ranks = None
@@ -118,7 +118,7 @@ def probe(args: argparse.Namespace) -> dict:
 
         assert cfg.distributed_init_method is not None
         ranks = RankGroup(args.rank, cfg.tensor_parallel_size, cfg.distributed_init_method)
-    worker = Worker(cfg, CONTEXT + PROBE_PROMPT_LEN + 64, ranks)
+    worker = build_worker(cfg, CONTEXT + PROBE_PROMPT_LEN + 64, ranks)
     replies = {phase: worker.enter_phase(phase, 0) for phase in ("profile", "warmup", "capture")}
     memory_plan = replies["profile"].memory_plan
     assert memory_plan is not None
@@ -170,7 +170,7 @@ def sweep(args: argparse.Namespace) -> None:
 
     size, method = args.sweep_size, args.sweep_method
     ranks = RankGroup(args.rank, size, method)
-    device = ranks.device("cuda" if args.device == "cuda" else "cpu")
+    device = ranks.gpu() if args.device == "cuda" else torch.device("cpu")
     dtype = getattr(torch, args.dtype)
     rows = []
     for hidden in (4096, 8192):

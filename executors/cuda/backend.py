@@ -48,8 +48,9 @@ class CudaBackend(TorchBackend):
         out: torch.Tensor | None = None,
         window: int = 0,
     ) -> torch.Tensor:
+        scale, kernel = model.scale, self.decode_kernel
         return attention(
-            q, k_cache, v_cache, batch, model.scale, self.decode_kernel, out, window=window
+            q, k_cache, v_cache, batch, scale, kernel, out, window=window, device_kernels=True
         )
 
     def decoder(

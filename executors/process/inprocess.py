@@ -14,6 +14,7 @@ from memstep.core.engine import Engine
 from memstep.core.executor import ExecutorFactory
 from memstep.core.recovery import ExecutorDown
 from memstep.events.plan import PhaseReply, PhaseRequest, StepPlan, StepResult
+from memstep.executors.process.assemble import build_worker
 from memstep.executors.process.faults import planted_death
 from memstep.executors.process.remote import ProcessExecutor
 from memstep.executors.runtime.worker import Worker
@@ -24,7 +25,7 @@ class InProcessExecutor:
         if cfg.tensor_parallel_size > 1:
             raise ConfigError("tensor-parallel ranks are processes: use the process executor")
         self.cfg = cfg
-        self.worker: Worker | None = Worker(cfg, max_model_len)
+        self.worker: Worker | None = build_worker(cfg, max_model_len)
 
     def enter_phase(self, phase: str, step: int) -> PhaseReply:
         return self._worker(PhaseRequest(phase, step)).enter_phase(phase, step)

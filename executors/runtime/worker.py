@@ -7,8 +7,6 @@ answers with sampled tokens and a real memory report.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import attrs
 import structlog
 import torch
@@ -39,25 +37,21 @@ from memstep.executors.model.sharding import Shard
 from memstep.executors.model.weights import gguf_is_q4_1, load_weights
 from memstep.executors.runtime import memory
 from memstep.executors.runtime.allocator import configure_cuda_allocator
-from memstep.executors.runtime.backends import pick_backend
 from memstep.executors.runtime.guide import GrammarBook
 from memstep.executors.runtime.host_allocator import HostTrim, bound_onednn_caches
 from memstep.executors.runtime.leak_detector import LeakDetector
 from memstep.executors.runtime.memory_plan import plan_memory, with_blocks
+from memstep.executors.runtime.parts import ExecutorParts, StepDecoder
 from memstep.executors.runtime.prompt_scorer import PromptScorer
 from memstep.executors.runtime.request_states import RequestStates
-from memstep.executors.runtime.runner import EagerRunner, Runner
+from memstep.executors.runtime.runner import EagerRunner, Runner, ScoredForward
 from memstep.executors.runtime.sampler import PendingLogprobs, Row, Sampler, to_device
-from memstep.executors.spec.eagle import draft_context
 from memstep.states.arena import Arena
 from memstep.states.catalog import make_kinds
 from memstep.states.kinds import KindEnv, Spec, StepOutputs
 from memstep.states.lifecycle import Lifecycle, growth_of
 from memstep.states.planted import refusal
 from memstep.states.startup import Capture, Warmup
-
-if TYPE_CHECKING:
-    from memstep.executors.cuda.graph_runner import GraphRunner
 
 log = structlog.get_logger("memstep.executor")
 
@@ -129,7 +123,17 @@ class Worker:
     plans on its shard of the model, in lock-step: the same phases, kinds and collectives, and
     each measures and watches its own memory."""
 
-    def __init__(self, cfg: EngineConfig, max_model_len: int, ranks: RankGroup | None = None):
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        max_model_len: int,
+        ranks: RankGroup | None = None,
+        *,
+        parts: ExecutorParts,
+    ):
+        """`parts`: the device's and the speculative method's (executors/process/assemble.py
+        `build_worker` picks them)."""
+        self.parts = parts
         # every rank must decide alike whether a plan matches a replay ahead: off under TP
         self.cfg = cfg if ranks is None else cfg.replace(decode_ahead=False)
         self.ranks = ranks
@@ -140,8 +144,8 @@ class Worker:
         # before the first CUDA allocation: serving's changing sizes must not take new segments
         self.alloc_conf = configure_cuda_allocator() if self.device.type == "cuda" else ""
         self.held_before = held_on(self.device)  # another engine's, before this one's weights
-        if ranks is not None:
-            self.device = ranks.device(self.device.type)  # cuda:<rank's GPU>, its NCCL group
+        if ranks is not None and self.device.type == "cuda":
+            self.device = ranks.gpu()  # cuda:<rank's GPU>, its NCCL group
         self.dtype = pick_dtype(cfg, self.device)
         self.kv_dtype = kv_cache.kv_dtype(cfg.kv_cache_dtype, self.dtype)
         if cfg.num_threads:
@@ -178,16 +182,13 @@ class Worker:
             self.source, whole, self.dtype, self.device, shard, self.quantization
         )
         self.meter.adopt(list(self.weights.values()))
-        backend = pick_backend(
-            self.device, self.model_cfg, self.weights, self.kv_dtype, ranks is None,
-            bf16_products=self.matmul_precision == "bfloat16",
-        )  # fmt: skip
+        bf16_products = self.matmul_precision == "bfloat16"
+        backend = parts.backend(
+            self.device, self.model_cfg, self.weights, self.kv_dtype, ranks is None, bf16_products
+        )
         self.model = LlamaModel(self.model_cfg, self.weights, max_model_len + 16, backend, ranks)
-        self.eagle = None
-        if cfg.speculative_method == "eagle":
-            from memstep.executors.spec.decoder import eagle_head
-
-            self.eagle = eagle_head(cfg, self.model)
+        self.eagle = parts.eagle_head(cfg, self.model)
+        if self.eagle is not None:
             self.meter.adopt(self.eagle.tensors())
         self.lifecycle = Lifecycle()
         eos = self.model_cfg.eos_token_ids
@@ -198,9 +199,9 @@ class Worker:
         self.detector = LeakDetector(device_bytes(self.device), cfg.host_leak_tolerance_mib << 20)
         self._holdings: dict | None = None  # the kinds' holdings at the last leak report
         self.memory_plan: MemoryPlan | None = None
-        self.spec = None
-        self.graphs: GraphRunner | None = None  # CUDA: the decode graphs, built at capture
-        self.runner: Runner  # how steps run: eager from profile on, CUDA's graphs after capture
+        self.spec: StepDecoder | None = None
+        self.graphs: Runner | None = None  # CUDA: the decode graphs, built at capture
+        self.steps: ScoredForward  # how steps run: eager from profile on, graphs after capture
 
     # --- phases ----------------------------------------------------------------------------
 
@@ -214,19 +215,15 @@ class Worker:
             assert isinstance(warmup, Warmup)
             figures = self._warmup(warmup.dummy_hidden)
         elif phase == "capture":
-            # a family with torch layers on CUDA runs eagerly (`executors/cuda/backend.py`)
-            fused = not self.model_cfg.unlike_llama
-            if self.device.type == "cuda" and fused:  # imports Triton: never on CPU
-                from memstep.executors.cuda.graph_runner import capture_phase, with_peaks
-
-                capture = self.lifecycle.kinds["capture"]
-                assert isinstance(capture, Capture)
-                self.graphs, figures = capture_phase(
-                    self.cfg, self.model, self.kv, self.sampler, self.max_model_len,
-                    capture.dummy_hidden,
-                )  # fmt: skip
-                self.runner = self.graphs
-                figures = with_peaks(figures, self.device, self.memory_plan)
+            capture = self.lifecycle.kinds["capture"]
+            assert isinstance(capture, Capture)
+            captured = self.parts.capture(
+                self.cfg, self.model, self.kv, self.sampler, self.max_model_len,
+                capture, self.memory_plan,
+            )  # fmt: skip
+            if captured is not None:
+                self.graphs, figures = captured
+                self.steps.runner = self.graphs
             self.grammars.wait()  # (`GrammarBook.prepare`): built before serving's first step
             self.meter.freeze()  # start-up objects are done; measure only what serving creates
         elif phase == "shutdown":
@@ -247,33 +244,29 @@ class Worker:
         head_bytes = 0 if self.eagle is None else self.eagle.nbytes
         memory_plan = plan_memory(
             cfg, mc, self.max_model_len, self.model, self.dtype, self.kv_dtype, self.device,
-            head_bytes, self.held_before, free_on(self.device, self.held_before),
+            self.parts, head_bytes, self.held_before, free_on(self.device, self.held_before),
         )  # fmt: skip
         if self.ranks is not None:  # every rank holds the same pages: those that fit on each
             fitting = self.ranks.min_int(memory_plan.num_kv_blocks)
             memory_plan = with_blocks(memory_plan, fitting)
-        env = KindEnv(
-            cfg, mc, self.dtype, memory_plan.num_kv_blocks, self.device.type, draft_context(cfg)
-        )
+        slots = self.parts.draft_context(cfg)
+        env = KindEnv(cfg, mc, self.dtype, memory_plan.num_kv_blocks, self.device.type, slots)
         kinds = make_kinds(env)
         self.lifecycle.install(kinds, Arena(memory_plan.arena_bytes, self.device))
         shape = (memory_plan.num_kv_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim)
         self.kv = kv_cache.allocate(mc.num_layers, shape, self.kv_dtype, self.device)
-        self.runner = EagerRunner(self.model, self.kv, cfg.block_size)
+        self.steps = ScoredForward(EagerRunner(self.model, self.kv, cfg.block_size), self.prompts)
         rows = self.cfg.max_num_seqs * (self.cfg.num_lookahead_slots + 1)
         self.sampler = Sampler(
             rows, mc.vocab_size, self.device, self.model.logits_in_place,
             mask_threads=cfg.grammar_mask_threads,
         )  # fmt: skip
         if cfg.is_speculative:
-            from memstep.executors.spec.decoder import SpecDecoder, draft_model
-
             spec = kinds["spec"]
             assert isinstance(spec, Spec)
-            draft = draft_model(cfg, mc, self.weights, self.dtype, self.device, self.max_model_len)
-            self.spec = SpecDecoder(
-                cfg, self.model, self.forward, self.requests, self.sampler, spec, draft, self.eagle,
-                self.kv,
+            self.spec = self.parts.spec_decoder(
+                cfg, self.model, self.steps.forward, self.requests, self.sampler, spec, self.eagle,
+                self.kv, self.weights, self.dtype, self.max_model_len,
             )  # fmt: skip
         total = 0
         if self.device.type == "cuda":
@@ -373,14 +366,8 @@ class Worker:
     def forward(
         self, feeds: list[tuple[SeqPlan, list[int]]], ahead: bool = False
     ) -> tuple[torch.Tensor, list[int]]:
-        """Hidden states of the fed tokens and each feed's last row (`Runner.forward`); the
-        prompt chunks of requests that asked for prompt logprobs are scored from them (their
-        every row needed: nothing replayed ahead is taken for such a step)."""
-        if not self.prompts.wanted(feeds):
-            return self.runner.forward(feeds, ahead)
-        hidden, last_rows = self.runner.forward(feeds, False)
-        self.prompts.score(feeds, hidden, last_rows)
-        return hidden, last_rows
+        """`ScoredForward.forward`: hidden states and each feed's last row."""
+        return self.steps.forward(feeds, ahead)
 
     def sample_rows(self, seqs: list[SeqPlan]) -> list[Row]:
         rows = []
@@ -411,7 +398,7 @@ class Worker:
         figures = PendingLogprobs(raw, pending.device, want_logprobs) if raw is not None else None
         # replay the decode step after this one's sampling sequences while the core records
         if ahead:
-            self.runner.run_ahead([(seq, seq.token_ids) for seq in sampled], pending)
+            self.steps.runner.run_ahead([(seq, seq.token_ids) for seq in sampled], pending)
         device_tokens = pending.host.values()
         tokens = pending.settle(device_tokens)
         logprobs = figures.rows(tokens, device_tokens) if figures is not None else None

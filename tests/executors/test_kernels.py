@@ -460,10 +460,10 @@ def test_fused_decode_forward_matches_the_eager_model():
     from memstep.executors.cuda.backend import CudaBackend
     from memstep.executors.cuda.graph_runner import GraphRunner
     from memstep.executors.model.llama import LlamaModel
-    from memstep.executors.runtime.worker import Worker
+    from memstep.executors.process.assemble import build_worker
 
     cfg = EngineConfig(model="random:tiny", dtype="float32", max_num_seqs=8, num_kv_blocks=40)
-    worker = Worker(cfg, max_model_len=128)
+    worker = build_worker(cfg, max_model_len=128)
     worker.enter_phase("profile", 0)
     generator = torch.Generator().manual_seed(23)
     prompts = [torch.randint(0, 512, (n,), generator=generator).tolist() for n in (5, 17, 33)]

@@ -17,7 +17,7 @@ from memstep.core.model_source import ModelSource
 from memstep.executors.model import kv_cache
 from memstep.executors.model.llama import LlamaModel
 from memstep.executors.model.weights import load_weights
-from memstep.executors.runtime.backends import pick_backend
+from memstep.executors.process.assemble import pick_backend
 from memstep.executors.runtime.worker import family_quantization
 
 CPU = torch.device("cpu")

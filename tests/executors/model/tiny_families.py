@@ -14,7 +14,7 @@ from memstep.events.plan import SeqPlan
 from memstep.executors.model import kv_cache
 from memstep.executors.model.llama import LlamaModel
 from memstep.executors.model.weights import load_weights
-from memstep.executors.runtime.backends import pick_backend
+from memstep.executors.process.assemble import pick_backend
 from memstep.executors.runtime.batch_builder import build_batch
 
 VOCAB = 256
