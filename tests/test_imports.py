@@ -172,7 +172,7 @@ def test_a_room_breach_is_caught(tmp_path):
             "executors/cuda/graphs.py": "from memstep.executors.cpu.kernels import x\n",
             "executors/runtime/worker.py": "import memstep.executors.process.main\n",
             # runtime/ assembling an executor from below: a lazy import still counts
-            "executors/runtime/memory_plan.py": "def f():\n    import memstep.executors.cuda.graphs\n",
+            "executors/runtime/plan.py": "def f():\n    import memstep.executors.cuda.graphs\n",
             "executors/runtime/backends.py": "from memstep.executors.spec.decoder import d\n",
             "executors/spec/decoder.py": "d = 3\n",
             "executors/process/main.py": "from memstep.executors.runtime import worker\n",
@@ -184,7 +184,7 @@ def test_a_room_breach_is_caught(tmp_path):
         "memstep.executors.flat is in no room",
         "memstep.executors.model.llama -> memstep.executors.cpu.kernels",
         "memstep.executors.runtime.backends -> memstep.executors.spec.decoder",
-        "memstep.executors.runtime.memory_plan -> memstep.executors.cuda.graphs",
+        "memstep.executors.runtime.plan -> memstep.executors.cuda.graphs",
         "memstep.executors.runtime.worker -> memstep.executors.process.main",
     ]
 
