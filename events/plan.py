@@ -35,7 +35,7 @@ class SeqPlan:
     token_ids: list[int]  # tokens fed this step
     # the request's pages from entry `num_pages_held` on: the executor holds the entries before
     # it from earlier plans (a table only grows while its request runs) and puts them back in
-    # front when the plan arrives (RequestStates.update), so everything after sees the whole
+    # front when the plan arrives (RunningRequests.update), so everything after sees the whole
     # table
     block_table: list[int]
     samples: bool  # the last fed token's logits are sampled

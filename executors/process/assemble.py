@@ -15,8 +15,8 @@ from memstep.executors.model.llama import Backend, LlamaModel
 from memstep.executors.model.rank_group import RankGroup
 from memstep.executors.model.weights import Weights
 from memstep.executors.runtime.parts import Forward, Head, StepDecoder
-from memstep.executors.runtime.request_states import RequestStates
 from memstep.executors.runtime.runner import Runner
+from memstep.executors.runtime.running_requests import RunningRequests
 from memstep.executors.runtime.sampler import Sampler
 from memstep.executors.runtime.worker import Worker
 from memstep.executors.spec import eagle
@@ -124,7 +124,7 @@ class Assembly:
         cfg: EngineConfig,
         model: LlamaModel,
         forward: Forward,
-        requests: RequestStates,
+        requests: RunningRequests,
         sampler: Sampler,
         spec: Spec,
         head: Head | None,

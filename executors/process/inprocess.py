@@ -2,7 +2,7 @@
 socket and the codec.  Used by tests, replay, `generate` and the offline benchmarks.
 
 Records pass by reference, so neither side may keep and mutate what the other holds: plans are
-built fresh by the core each step, and the worker copies what it keeps (`RequestStates`).
+built fresh by the core each step, and the worker copies what it keeps (`RunningRequests`).
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ from memstep.executors.model.kv_cache import KvCaches
 from memstep.executors.model.llama import Backend, LlamaModel
 from memstep.executors.model.weights import Weights
 from memstep.executors.runtime.batch_builder import Feed
-from memstep.executors.runtime.request_states import RequestStates
 from memstep.executors.runtime.runner import Runner
+from memstep.executors.runtime.running_requests import RunningRequests
 from memstep.executors.runtime.sampler import Sampler
 from memstep.states.kinds import Spec
 from memstep.states.startup import Capture
@@ -98,7 +98,7 @@ class ExecutorParts(Protocol):
         cfg: EngineConfig,
         model: LlamaModel,
         forward: Forward,
-        requests: RequestStates,
+        requests: RunningRequests,
         sampler: Sampler,
         spec: Spec,
         head: Head | None,

@@ -43,8 +43,8 @@ from memstep.executors.runtime.leak_detector import LeakDetector
 from memstep.executors.runtime.memory_plan import plan_memory, with_blocks
 from memstep.executors.runtime.parts import ExecutorParts, StepDecoder
 from memstep.executors.runtime.prompt_scorer import PromptScorer
-from memstep.executors.runtime.request_states import RequestStates
 from memstep.executors.runtime.runner import EagerRunner, Runner, ScoredForward
+from memstep.executors.runtime.running_requests import RunningRequests
 from memstep.executors.runtime.sampler import PendingLogprobs, Row, Sampler, to_device
 from memstep.states.arena import Arena
 from memstep.states.catalog import make_kinds
@@ -194,7 +194,7 @@ class Worker:
         eos = self.model_cfg.eos_token_ids
         self.grammars = GrammarBook(self.source, self.model_cfg.vocab_size, eos)
         self.grammars.prepare()
-        self.requests = RequestStates(self.grammars, eos)
+        self.requests = RunningRequests(self.grammars, eos)
         self.prompts = PromptScorer(self.model, self.requests, cfg.max_num_seqs, self.dtype)
         self.detector = LeakDetector(device_bytes(self.device), cfg.host_leak_tolerance_mib << 20)
         self._holdings: dict | None = None  # the kinds' holdings at the last leak report

@@ -22,7 +22,7 @@ from memstep.executors.model.llama import Backend, LlamaModel
 from memstep.executors.model.weights import Weights
 from memstep.executors.runtime.batch_builder import Feed
 from memstep.executors.runtime.random_stream import ACCEPT, SAMPLE, uniform
-from memstep.executors.runtime.request_states import RequestStates
+from memstep.executors.runtime.running_requests import RunningRequests
 from memstep.executors.runtime.sampler import Row, Sampler, inverse_cdf, top_logprobs
 from memstep.executors.spec.eagle import head_path
 from memstep.executors.spec.eagle_head import EagleHead
@@ -86,14 +86,14 @@ def eagle_head(cfg: EngineConfig, target: LlamaModel) -> EagleHead | None:
 class SpecDecoder:
     """Runs `spec` steps. Owns nothing between steps: the draft state lives in the `spec` kind
     (its buffers, `draft_len` and `hidden_of`), the request states in the worker's
-    `RequestStates`."""
+    `RunningRequests`."""
 
     def __init__(
         self,
         cfg: EngineConfig,
         target: LlamaModel,
         forward: Callable[[list[Feed]], tuple[torch.Tensor, list[int]]],
-        requests: RequestStates,
+        requests: RunningRequests,
         sampler: Sampler,
         spec: Spec,
         draft: LlamaModel | None,

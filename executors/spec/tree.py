@@ -26,7 +26,7 @@ from memstep.executors.model.kv_cache import KvCaches, move_slots, slot_of
 from memstep.executors.model.llama import LlamaModel
 from memstep.executors.runtime.batch_builder import Feed, TreeTokens
 from memstep.executors.runtime.random_stream import ACCEPT, SAMPLE, SIBLING, uniform
-from memstep.executors.runtime.request_states import RequestStates
+from memstep.executors.runtime.running_requests import RunningRequests
 from memstep.executors.runtime.sampler import Row, Sampler, inverse_cdf, top_logprobs
 from memstep.executors.spec.proposers import DraftTree, EagleProposer
 from memstep.states.kinds import Spec
@@ -41,7 +41,7 @@ class TreeStep:
         cfg: EngineConfig,
         target: LlamaModel,
         forward: Callable[[list[Feed]], tuple[torch.Tensor, list[int]]],
-        requests: RequestStates,
+        requests: RunningRequests,
         sampler: Sampler,
         spec: Spec,
         eagle: EagleProposer,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from memstep.core.config import EngineConfig
 from memstep.core.sampling_params import SamplingParams
 from memstep.executors.process.inprocess import local_engine
-from memstep.executors.runtime.request_states import RequestStates
+from memstep.executors.runtime.running_requests import RunningRequests
 
 CFG = EngineConfig(model="random:tiny", num_threads=1, block_size=4, enable_prefix_caching=False)
 PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -61,7 +61,7 @@ def test_an_executor_that_drops_the_pages_held_changes_the_output(monkeypatch):
     def tail_only(seq, state):  # broken on purpose: the tail taken for the whole table
         state.table = seq.block_table
 
-    monkeypatch.setattr(RequestStates, "_whole_table", staticmethod(tail_only))
+    monkeypatch.setattr(RunningRequests, "_whole_table", staticmethod(tail_only))
     broken = local_engine(CFG)
     try:
         bad = [c.token_ids for c in broken.generate(PROMPTS, PARAMS)]

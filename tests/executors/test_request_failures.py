@@ -11,7 +11,7 @@ from memstep.core.model_source import model_config, resolve
 from memstep.core.sampling_params import SamplingParams as CoreParams
 from memstep.events.plan import Admission, SeqPlan
 from memstep.executors.runtime.guide import GrammarBook, Guide
-from memstep.executors.runtime.request_states import RequestStates
+from memstep.executors.runtime.running_requests import RunningRequests
 
 SOURCE = resolve("random:tiny")
 MC = model_config(SOURCE)
@@ -42,7 +42,7 @@ def test_a_compile_that_panics_is_that_requests_failure(monkeypatch):
         raise Panic("assertion failed: grammar.symbols.len() < u16::MAX as usize - 10")
 
     monkeypatch.setattr(GrammarBook, "_compile", panics)
-    states = RequestStates(GrammarBook(SOURCE, MC.vocab_size, MC.eos_token_ids))
+    states = RunningRequests(GrammarBook(SOURCE, MC.vocab_size, MC.eos_token_ids))
     params = CoreParams(guided_choice=["yes", "no"], seed=1)
     seq = SeqPlan("r", 0, [5, 6], [0], True, 0, 2)
     state = states.update(seq, Admission(request_id="r", params=params, prefix_ids=[]))

@@ -6,7 +6,7 @@ import pytest
 
 from memstep.core.sampling_params import SamplingParams
 from memstep.events.plan import Admission, SeqPlan
-from memstep.executors.runtime.request_states import RequestStates
+from memstep.executors.runtime.running_requests import RunningRequests
 
 
 def plan(start: int, tokens: list[int], table: list[int] | None = None, held: int = 0) -> SeqPlan:
@@ -27,7 +27,7 @@ def admission(params: SamplingParams, prefix_ids: list[int] | None = None) -> Ad
 
 
 def test_params_arrive_with_the_admission_and_are_kept():
-    states = RequestStates()
+    states = RunningRequests()
     first = states.update(plan(0, [5, 6, 7]), admission(SamplingParams(temperature=0.5, seed=3)))
     states.append("r", [8])
     later = states.update(plan(3, [8]))
@@ -38,17 +38,17 @@ def test_params_arrive_with_the_admission_and_are_kept():
 
 def test_a_plan_that_continues_an_unknown_request_is_refused():
     with pytest.raises(RuntimeError, match="does not know"):
-        RequestStates().update(plan(3, [8]))
+        RunningRequests().update(plan(3, [8]))
     with pytest.raises(RuntimeError, match="does not know"):  # a first plan without admission
-        RequestStates().update(plan(0, [5, 6, 7]))
-    states = RequestStates()
+        RunningRequests().update(plan(0, [5, 6, 7]))
+    states = RunningRequests()
     states.update(plan(0, [5, 6, 7]), admission(SamplingParams(temperature=0.0)))
     with pytest.raises(RuntimeError, match="plan starts at 9"):
         states.update(plan(9, [1]))
 
 
 def test_a_prefix_hit_teaches_the_executor_the_cached_tokens():
-    states = RequestStates()
+    states = RunningRequests()
     params = SamplingParams(temperature=0.0, seed=4)
     first = states.update(plan(4, [9, 8], [0, 1]), admission(params, [5, 6, 7, 1]))
     assert first.tokens == [5, 6, 7, 1, 9, 8] and first.params.seed == 4
@@ -57,7 +57,7 @@ def test_a_prefix_hit_teaches_the_executor_the_cached_tokens():
 
 
 def test_a_plan_s_table_tail_is_made_whole_from_the_pages_held():
-    states = RequestStates()
+    states = RunningRequests()
     params = SamplingParams(temperature=0.0)
     states.update(plan(0, [5, 6, 7], [4, 9]), admission(params))
     states.append("r", [8])
