@@ -14,8 +14,8 @@ replay a mixed step computes it in one forward beside its chunks: the same value
 dtype's rounding, not bit for bit by construction (GEMMs of other shapes may round otherwise).
 On SmolLM2 every token came out the same either way, in bfloat16 and float32
 (tests/executors/test_gpu.py). Which rows a plan takes depends only on the plans and the tokens,
-so a replay of a recorded run takes the same ones (1,200 ShareGPT requests replayed identical on
-an H200, benchmarks/bench_sharegpt.py).
+so a replay of a recorded run takes the same ones (docs/benchmarks.md, "Figures behind the code's
+constants").
 """
 
 from __future__ import annotations

@@ -24,8 +24,8 @@ from memstep.states.kinds import Spec
 from memstep.states.startup import Capture
 
 # What capture reserves beyond the decode path's own bytes whatever the batch (the capture
-# stream's cuBLAS workspace and the pool's 2 MiB pages are the candidates; measured in
-# docs/benchmarks.md, "Memory plan"); the 2x margin of `static_bytes` covers it at 1,024 seqs
+# stream's cuBLAS workspace and the pool's 2 MiB pages are the candidates; measured:
+# docs/benchmarks.md, "Figures behind the code's constants")
 CAPTURE_MARGIN = 64 << 20
 
 

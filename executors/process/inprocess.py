@@ -60,7 +60,7 @@ def release_device_cache() -> None:
     used): after an engine is closed, what it freed is still reserved by the allocator until
     then. cuBLAS's workspaces too (32 MiB a stream on a Hopper card): torch keeps one for each
     stream that ran a matmul, allocated and never freed, so each engine's streams left theirs
-    behind (an H100 held 32 MiB more after each closed `LLM`)."""
+    behind (measured: docs/benchmarks.md, "Figures behind the code's constants")."""
     import torch
 
     if torch.cuda.is_initialized():
