@@ -413,9 +413,12 @@ def table(results: list[dict[str, Any]]) -> str:
         lines.append(
             f"{r['config']}: leaks {m['leaks'] or 'none'}; KV pages peak {m['kv_pages_peak']} of "
             f"{m['num_kv_blocks']}; allocator {m['allocator_conf'] or 'default'}{total}"
-            + (f"; replay {'identical' if r['replay']['identical'] else 'DIVERGED'}"
-               if "replay" in r else "")
-        )  # fmt: skip
+            + (
+                f"; replay {'identical' if r['replay']['identical'] else 'DIVERGED'}"
+                if "replay" in r
+                else ""
+            )
+        )
         rec = r.get("recoveries") or {}
         if rec.get("kills"):
             lines.append(

@@ -224,9 +224,18 @@ def packed_attention(
     half = q.dtype in (torch.float16, torch.bfloat16)
     if device_kernels and half and has_varlen_flash() and not window:
         return torch.ops.aten._flash_attention_forward(
-            qs, k, v, group.cu_q, group.cu_k, max(group.q_lens), max(group.k_lens),
-            0.0, True, False, scale=scale,
-        )[0]  # fmt: skip
+            qs,
+            k,
+            v,
+            group.cu_q,
+            group.cu_k,
+            max(group.q_lens),
+            max(group.k_lens),
+            0.0,
+            True,
+            False,
+            scale=scale,
+        )[0]
     out = torch.empty_like(qs)
     q_at = k_at = 0
     for n, ctx in zip(group.q_lens, group.k_lens, strict=True):

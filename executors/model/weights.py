@@ -101,8 +101,9 @@ def _load_gguf(path: Path, cfg: ModelConfig) -> Weights:
     if types:
         log.info(
             f"GGUF {', '.join(types)} dequantized to float32 at load (4 bytes a weight; the C "
-            f"kernels keep blocks for Llama's layers only)", family=cfg.architecture,
-        )  # fmt: skip
+            f"kernels keep blocks for Llama's layers only)",
+            family=cfg.architecture,
+        )
     if cfg.architecture in gguf_names.ROTARY_PERMUTED:
         _unpermute_qk(raw, cfg)
     try:

@@ -218,9 +218,14 @@ class Worker:
             capture = self.lifecycle.kinds["capture"]
             assert isinstance(capture, Capture)
             captured = self.parts.capture(
-                self.cfg, self.model, self.kv, self.sampler, self.max_model_len,
-                capture, self.memory_plan,
-            )  # fmt: skip
+                self.cfg,
+                self.model,
+                self.kv,
+                self.sampler,
+                self.max_model_len,
+                capture,
+                self.memory_plan,
+            )
             if captured is not None:
                 self.graphs, figures = captured
                 self.steps.runner = self.graphs
@@ -243,9 +248,18 @@ class Worker:
         cfg, mc = self.cfg, self.model_cfg
         head_bytes = 0 if self.eagle is None else self.eagle.nbytes
         memory_plan = plan_memory(
-            cfg, mc, self.max_model_len, self.model, self.dtype, self.kv_dtype, self.device,
-            self.parts, head_bytes, self.held_before, free_on(self.device, self.held_before),
-        )  # fmt: skip
+            cfg,
+            mc,
+            self.max_model_len,
+            self.model,
+            self.dtype,
+            self.kv_dtype,
+            self.device,
+            self.parts,
+            head_bytes,
+            self.held_before,
+            free_on(self.device, self.held_before),
+        )
         if self.ranks is not None:  # every rank holds the same pages: those that fit on each
             fitting = self.ranks.min_int(memory_plan.num_kv_blocks)
             memory_plan = with_blocks(memory_plan, fitting)
@@ -258,16 +272,28 @@ class Worker:
         self.steps = ScoredForward(EagerRunner(self.model, self.kv, cfg.block_size), self.prompts)
         rows = self.cfg.max_num_seqs * (self.cfg.num_lookahead_slots + 1)
         self.sampler = Sampler(
-            rows, mc.vocab_size, self.device, self.model.logits_in_place,
+            rows,
+            mc.vocab_size,
+            self.device,
+            self.model.logits_in_place,
             mask_threads=cfg.grammar_mask_threads,
-        )  # fmt: skip
+        )
         if cfg.is_speculative:
             spec = kinds["spec"]
             assert isinstance(spec, Spec)
             self.spec = self.parts.spec_decoder(
-                cfg, self.model, self.steps.forward, self.requests, self.sampler, spec, self.eagle,
-                self.kv, self.weights, self.dtype, self.max_model_len,
-            )  # fmt: skip
+                cfg,
+                self.model,
+                self.steps.forward,
+                self.requests,
+                self.sampler,
+                spec,
+                self.eagle,
+                self.kv,
+                self.weights,
+                self.dtype,
+                self.max_model_len,
+            )
         total = 0
         if self.device.type == "cuda":
             total = torch.cuda.get_device_properties(self.device).total_memory
@@ -333,9 +359,16 @@ class Worker:
         found = self.detector.observe(step_plan.step, step_plan.kind, mem, work)
         leaks = move.leaks + self._named(found)
         return StepResult(
-            step_plan.step, step_plan.kind, results, mem, move.exited, move.entered, leaks,
-            prompt_logprobs=self.prompts.take(), failed=failed,
-        )  # fmt: skip
+            step_plan.step,
+            step_plan.kind,
+            results,
+            mem,
+            move.exited,
+            move.entered,
+            leaks,
+            prompt_logprobs=self.prompts.take(),
+            failed=failed,
+        )
 
     def _masks_ahead(self, results: list[SeqResult]) -> None:
         """The next step's masks of the constrained requests that sampled, begun now: computed

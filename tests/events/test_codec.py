@@ -296,10 +296,15 @@ def test_nested_records_encode_as_tagged_maps():
         "kind": "decode",
         "bytes_released": 0,
         "ledger": [
-            {"t": "LedgerEntry", "owner": "decode", "buffer": "kv_pages", "nbytes": 64 << 20,
-             "step_claimed": 0},
+            {
+                "t": "LedgerEntry",
+                "owner": "decode",
+                "buffer": "kv_pages",
+                "nbytes": 64 << 20,
+                "step_claimed": 0,
+            },
         ],
-    }  # fmt: skip
+    }
     assert to_obj(rec) == expected
     assert msgpack.unpackb(encode(rec), raw=False) == expected
 
@@ -338,10 +343,14 @@ VALID = encode(SAMPLES[3])
         (msgpack.packb({"t": 7}), "unknown record type 7"),
         (msgpack.packb({"t": [[[[[[7]]]]]]}), r"unknown record type \[\[\[\[\.\.\.\]\]\]\]$"),
         (msgpack.packb({"t": "__init__"}), "unknown record type"),
-        (msgpack.packb({"t": "PhaseChanged", "step": msgpack.ExtType(5, b"x"), "old": "a",
-                        "new": "b"}), "holds a value of type ExtType"),
+        (
+            msgpack.packb(
+                {"t": "PhaseChanged", "step": msgpack.ExtType(5, b"x"), "old": "a", "new": "b"}
+            ),
+            "holds a value of type ExtType",
+        ),
     ],
-)  # fmt: skip
+)
 def test_malformed_bytes_raise_codec_error(data, match):
     with pytest.raises(CodecError, match=match):
         decode(data)

@@ -24,8 +24,10 @@ SAME_WEIGHTS = {"F32": 1e-4, "Q8_0": 1e-4}
 
 
 def logits_error(model, kv, reference) -> float:
-    return max((hf_logits(reference, p) - memstep_logits(model, kv, p)).abs().max().item()
-               for p in prompts())  # fmt: skip
+    return max(
+        (hf_logits(reference, p) - memstep_logits(model, kv, p)).abs().max().item()
+        for p in prompts()
+    )
 
 
 @pytest.mark.parametrize("qtype", SAME_WEIGHTS)

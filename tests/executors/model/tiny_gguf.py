@@ -137,12 +137,16 @@ def _permute(w: np.ndarray, heads: int, back: bool = False) -> np.ndarray:
 def _write_keys(writer, arch: str, cfg, model_type: str) -> None:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     for key, value in {
-        "block_count": cfg.num_hidden_layers, "context_length": cfg.max_position_embeddings,
-        "embedding_length": cfg.hidden_size, "feed_forward_length": cfg.intermediate_size,
+        "block_count": cfg.num_hidden_layers,
+        "context_length": cfg.max_position_embeddings,
+        "embedding_length": cfg.hidden_size,
+        "feed_forward_length": cfg.intermediate_size,
         "attention.head_count": cfg.num_attention_heads,
-        "attention.head_count_kv": cfg.num_key_value_heads, "attention.key_length": head_dim,
-        "attention.value_length": head_dim, "vocab_size": cfg.vocab_size,
-    }.items():  # fmt: skip
+        "attention.head_count_kv": cfg.num_key_value_heads,
+        "attention.key_length": head_dim,
+        "attention.value_length": head_dim,
+        "vocab_size": cfg.vocab_size,
+    }.items():
         writer.add_uint32(f"{arch}.{key}", value)
     rope = cfg.rope_parameters
     writer.add_float32(f"{arch}.rope.freq_base", (rope.get("full_attention") or rope)["rope_theta"])
