@@ -359,13 +359,13 @@ class Worker:
         found = self.detector.observe(step_plan.step, step_plan.kind, mem, work)
         leaks = move.leaks + self._named(found)
         return StepResult(
-            step_plan.step,
-            step_plan.kind,
-            results,
-            mem,
-            move.exited,
-            move.entered,
-            leaks,
+            step=step_plan.step,
+            kind=step_plan.kind,
+            seqs=results,
+            memory=mem,
+            exited=move.exited,
+            entered=move.entered,
+            leaks=leaks,
             prompt_logprobs=self.prompts.take(),
             failed=failed,
         )
@@ -438,7 +438,15 @@ class Worker:
         results = []
         for i, (seq, tok) in enumerate(zip(sampled, tokens, strict=True)):
             lp = [logprobs[i]] if logprobs is not None and rows[i].params.logprobs else []
-            results.append(SeqResult(seq.request_id, [tok], lp, 0, 0))
+            results.append(
+                SeqResult(
+                    request_id=seq.request_id,
+                    token_ids=[tok],
+                    logprobs=lp,
+                    num_proposed=0,
+                    num_accepted=0,
+                )
+            )
         return results, h
 
     def _measure(self) -> MemoryReport:
