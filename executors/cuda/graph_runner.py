@@ -275,22 +275,25 @@ def capture_phase(
 def with_peaks(
     figures: PhaseFigures, device: torch.device, memory_plan: MemoryPlan | None
 ) -> PhaseFigures:
-    """`figures` with the device's peaks since start-up and the plan's prediction, logged."""
-    figures = attrs.evolve(
+    """`figures` with the device's peaks since start-up and the plan's prediction."""
+    return attrs.evolve(
         figures,
         predicted_peak_bytes=memory_plan.predicted_peak_bytes if memory_plan is not None else 0,
         measured_peak_bytes=torch.cuda.max_memory_allocated(device),
         reserved_peak_bytes=torch.cuda.max_memory_reserved(device),
     )
-    log.info(
-        "memory after capture",
-        predicted_peak_bytes=figures.predicted_peak_bytes,
-        measured_peak_bytes=figures.measured_peak_bytes,
-        peak_error=figures.peak_error,
-        reserved_peak_bytes=figures.reserved_peak_bytes,
-        reserved_within_plan=figures.reserved_within_plan,
-    )
-    return figures
+
+
+def peak_figures(figures: PhaseFigures) -> dict:
+    """The peaks of `figures` as the "memory after capture" log line and the benchmarks give
+    them."""
+    return {
+        "predicted_peak_bytes": figures.predicted_peak_bytes,
+        "measured_peak_bytes": figures.measured_peak_bytes,
+        "peak_error": figures.peak_error,
+        "reserved_peak_bytes": figures.reserved_peak_bytes,
+        "reserved_within_plan": figures.reserved_within_plan,
+    }
 
 
 def warm_eager(

@@ -5,6 +5,7 @@ cuda/ or spec/."""
 
 from __future__ import annotations
 
+import structlog
 import torch
 
 from memstep.core.config import EngineConfig
@@ -22,6 +23,8 @@ from memstep.executors.runtime.worker import Worker
 from memstep.executors.spec import eagle
 from memstep.states.kinds import Spec
 from memstep.states.startup import Capture
+
+log = structlog.get_logger("memstep.executor")
 
 # What capture reserves beyond the decode path's own bytes whatever the batch (the capture
 # stream's cuBLAS workspace and the pool's 2 MiB pages are the candidates; measured:
@@ -105,11 +108,13 @@ class Assembly:
         device = model.w["embed"].device
         if device.type != "cuda" or model.cfg.unlike_llama:
             return None
-        from memstep.executors.cuda.graph_runner import capture_phase, with_peaks
+        from memstep.executors.cuda.graph_runner import capture_phase, peak_figures, with_peaks
 
         hidden = capture.dummy_hidden
         runner, figures = capture_phase(cfg, model, kv, sampler, max_len, hidden)
-        return runner, with_peaks(figures, device, memory_plan)
+        figures = with_peaks(figures, device, memory_plan)
+        log.info("memory after capture", **peak_figures(figures))
+        return runner, figures
 
     def draft_context(self, cfg: EngineConfig) -> int:
         return eagle.draft_context(cfg)
