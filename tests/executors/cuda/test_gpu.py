@@ -1,7 +1,7 @@
 """The CUDA executor on a real GPU: parity with Hugging Face, graphs against eager, memory after
 capture, and the planted leaks. CPU runs skip this module; on a GPU machine:
 
-    python -m pytest -q -m gpu tests/executors/test_gpu.py
+    python -m pytest -q -m gpu tests/executors/cuda/test_gpu.py
 """
 
 from __future__ import annotations

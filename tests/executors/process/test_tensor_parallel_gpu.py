@@ -2,7 +2,7 @@
 tokens of one GPU, every rank's allocator stays flat after capture, and a killed rank is the
 executor's death. CPU runs (and one-GPU machines) skip this module; on two GPUs:
 
-    python -m pytest -q -m gpu tests/executors/test_tensor_parallel_gpu.py
+    python -m pytest -q -m gpu tests/executors/process/test_tensor_parallel_gpu.py
 """
 
 from __future__ import annotations
