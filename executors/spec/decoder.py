@@ -138,8 +138,9 @@ class SpecDecoder:
     def run(self, plan: StepPlan) -> tuple[list[SeqResult], torch.Tensor]:
         if self.tree is not None:
             return self.tree.run(plan)
+        admitted = plan.admitted_ids
         for seq in plan.seqs:
-            if seq.request_id in plan.admitted_ids:
+            if seq.request_id in admitted:
                 # admitted (again): the draft KV holds nothing of it, even where a prefix hit
                 # reuses the target's pages, so the draft catches up from position 0
                 self.forget(seq.request_id)

@@ -54,8 +54,9 @@ class TreeStep:
     def run(self, plan: StepPlan) -> tuple[list[SeqResult], torch.Tensor]:
         """`SpecDecoder.run` with draft trees: propose, verify in one forward, accept, keep the
         accepted path's K/V and hidden states where a chain's would be."""
+        admitted = plan.admitted_ids
         for seq in plan.seqs:
-            if seq.request_id in plan.admitted_ids:
+            if seq.request_id in admitted:
                 self.spec.forget(seq.request_id)  # as `SpecDecoder.run`: the head starts afresh
         trees = self._propose(plan.seqs)
         feeds = [(s, _fed(s, trees.get(s.request_id))) for s in plan.seqs]
