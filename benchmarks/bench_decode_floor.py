@@ -128,8 +128,17 @@ def skinny_kernel():
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     @triton.jit
-    def skinny(x_ptr, w_ptr, o_ptr, M, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               PDL: tl.constexpr):  # fmt: skip
+    def skinny(
+        x_ptr,
+        w_ptr,
+        o_ptr,
+        M,
+        N,
+        K,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        PDL: tl.constexpr,
+    ):
         rm = tl.arange(0, 64)
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
@@ -152,9 +161,19 @@ def skinny_kernel():
         m, k = x.shape
         n = w.shape[0]
         skinny[(n // block_n,)](
-            x, w, out, m, n, k, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl,
-            num_warps=warps, num_stages=stages, launch_pdl=pdl,
-        )  # fmt: skip
+            x,
+            w,
+            out,
+            m,
+            n,
+            k,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            PDL=pdl,
+            num_warps=warps,
+            num_stages=stages,
+            launch_pdl=pdl,
+        )
 
     return matmul
 

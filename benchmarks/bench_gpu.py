@@ -248,7 +248,8 @@ def step_floor(kernels: list[dict], step: dict, kv_bytes: int, bandwidth: float)
 def fp8_kv_section(cfg, ceilings: Ceilings, vocab: int, bf16_blocks: int) -> dict:
     """The same engine with an fp8 KV cache: pages, decode steps and one throughput run per
     size (a different configuration from the issue's bf16 figures above)."""
-    from memstep.executors.cuda.graph_runner import peak_figures
+    from memstep.events.plan import PhaseFigures
+    from memstep.executors.cuda.graph_runner import peak_figures, with_peaks
     from memstep.executors.process.inprocess import local_engine
 
     torch.cuda.reset_peak_memory_stats()  # the bf16 engine's peak is not this one's
@@ -256,7 +257,9 @@ def fp8_kv_section(cfg, ceilings: Ceilings, vocab: int, bf16_blocks: int) -> dic
     worker = engine.executor.worker
     blocks = engine.memory_plan.num_kv_blocks
     result: dict = {"num_kv_blocks": blocks, "blocks_vs_bf16": round(blocks / bf16_blocks, 3)}
-    result["peak_after_capture"] = peak_figures(worker.device, worker.memory_plan)
+    result["peak_after_capture"] = peak_figures(
+        with_peaks(PhaseFigures(), worker.device, worker.memory_plan)
+    )
     result["decode_step"] = step_table(worker, ceilings, cfg.max_num_seqs)
     clock = StepClock(engine)
     run_throughput(engine, clock, 8, vocab)
@@ -318,8 +321,9 @@ def main() -> None:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     from memstep.core.config import EngineConfig
     from memstep.core.model_source import model_config, resolve
+    from memstep.events.plan import PhaseFigures
     from memstep.events.types import is_leak
-    from memstep.executors.cuda.graph_runner import peak_figures
+    from memstep.executors.cuda.graph_runner import peak_figures, with_peaks
     from memstep.executors.model.weights import load_weights
     from memstep.executors.process.inprocess import local_engine
 
@@ -362,8 +366,10 @@ def main() -> None:
     worker = engine.executor.worker
     report["engine_start_seconds"] = round(time.perf_counter() - start, 1)
     report["memory_plan"] = attrs.asdict(engine.memory_plan)
-    report["peak_after_warmup"] = engine.warmup_info.get("measured_peak_bytes")
-    report["peak_after_capture"] = peak_figures(worker.device, worker.memory_plan)
+    report["peak_after_warmup"] = engine.warmup_figures.measured_peak_bytes
+    report["peak_after_capture"] = peak_figures(
+        with_peaks(PhaseFigures(), worker.device, worker.memory_plan)
+    )
 
     ceilings = Ceilings(bandwidth, rate, total_bytes, read_bytes, model_cfg.num_params)
     for batch in (1, 256):

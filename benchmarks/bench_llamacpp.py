@@ -187,8 +187,11 @@ def main(argv: list[str] | None = None) -> int:
     gguf = Path(args.model) if args.model else shipped_gguf_path()
     binary = find_llama_bench(args.llama_bench)
     if binary is None:
-        print(f"llama-bench not found (--llama-bench, $LLAMA_BENCH, PATH): {HOW_TO_GET}; "
-              "llama.cpp skipped", flush=True)  # fmt: skip
+        print(
+            f"llama-bench not found (--llama-bench, $LLAMA_BENCH, PATH): {HOW_TO_GET}; "
+            "llama.cpp skipped",
+            flush=True,
+        )
     variants = [
         (policy, precision)
         for policy in args.policies.split(",")

@@ -59,8 +59,9 @@ async def drive(address: str, texts: list[str], streams: int, max_tokens: int) -
         await client.close()
 
 
-def timed_run(server: Server, args: argparse.Namespace, texts: list[str], level: str,
-              log: Path) -> tuple[float, list[str]]:  # fmt: skip
+def timed_run(
+    server: Server, args: argparse.Namespace, texts: list[str], level: str, log: Path
+) -> tuple[float, list[str]]:
     """One run at `level`, its lines into `log`: (tokens/s, the JSON lines it wrote)."""
     with log.open("w") as sink, contextlib.redirect_stderr(sink):
         setup_logging("json", level)
@@ -78,8 +79,14 @@ def line_cost_s(samples: int = 20000) -> float:
     log = structlog.get_logger("bench")
     start = time.perf_counter()
     for i in range(samples):
-        log.info("request admitted", step=i, request_id="zmq-12", engine_id="req-12",
-                 prefix_hit_tokens=32, kind="no_spec")  # fmt: skip
+        log.info(
+            "request admitted",
+            step=i,
+            request_id="zmq-12",
+            engine_id="req-12",
+            prefix_hit_tokens=32,
+            kind="no_spec",
+        )
     return (time.perf_counter() - start) / samples
 
 

@@ -61,7 +61,7 @@ def mixed_feeds(worker, chunk_start: int):
     feeds = decode_feeds(DECODES, CONTEXT, block)
     first_page = max(page for seq, _ in feeds for page in seq.block_table) + 1
     pages = list(range(first_page, first_page + cdiv(chunk_start + CHUNK, block)))
-    chunk = SeqPlan("chunk", chunk_start, [7] * CHUNK, pages, True, 0, chunk_start + CHUNK, {})
+    chunk = SeqPlan("chunk", chunk_start, [7] * CHUNK, pages, True, 0, chunk_start + CHUNK)
     return [*feeds, (chunk, chunk.token_ids)]
 
 
@@ -112,7 +112,7 @@ def prefill_feeds(worker, lengths: list[int], first_page: int = 0):
     for i, length in enumerate(lengths):
         pages = list(range(first_page, first_page + cdiv(length, worker.cfg.block_size)))
         first_page += len(pages)
-        seq = SeqPlan(f"p{i}", 0, [9] * length, pages, True, 0, length, {})
+        seq = SeqPlan(f"p{i}", 0, [9] * length, pages, True, 0, length)
         feeds.append((seq, seq.token_ids))
     return feeds
 

@@ -80,9 +80,14 @@ class MemorySampler(threading.Thread):
             return {}
         reserved = [f["memory_reserved_bytes"] for f in rows]
         live = [f["memory_live_bytes"] for f in rows]
-        return {"samples": len(rows), "reserved_first": reserved[0], "reserved_max": max(reserved),
-                "reserved_growth": max(reserved) - reserved[0], "live_first": live[0],
-                "live_max": max(live)}  # fmt: skip
+        return {
+            "samples": len(rows),
+            "reserved_first": reserved[0],
+            "reserved_max": max(reserved),
+            "reserved_growth": max(reserved) - reserved[0],
+            "live_first": live[0],
+            "live_max": max(live),
+        }
 
 
 def _figures(stats: Any) -> dict[str, dict[str, int]]:
@@ -114,8 +119,9 @@ def run_one(
             killer = threading.Timer(kill_at, os.kill, (victim, signal.SIGKILL))
             killer.start()
         gaps = arrival_gaps(len(samples), args.request_rate, 1.0, args.seed)
-        load = argparse.Namespace(disable_tqdm=True, max_concurrency=args.max_concurrency,
-                                  backend="zmq", timeout=600.0)  # fmt: skip
+        load = argparse.Namespace(
+            disable_tqdm=True, max_concurrency=args.max_concurrency, backend="zmq", timeout=600.0
+        )
         results, duration = asyncio.run(benchmark(server.address, samples, gaps, True, load))
         sampler.stopped.set()
         sampler.join(timeout=35)
@@ -151,8 +157,9 @@ def samples_of(args: argparse.Namespace) -> list[Sample]:
     tokenizer = load_tokenizer(source, mc.vocab_size, mc.eos_token_ids)
     samples = load_dataset(args.dataset, args.num_prompts, tokenizer, args.seed)
     if args.max_output_len:
-        samples = [Sample(s.prompt, s.prompt_len, min(s.output_len, args.max_output_len))
-                   for s in samples]  # fmt: skip
+        samples = [
+            Sample(s.prompt, s.prompt_len, min(s.output_len, args.max_output_len)) for s in samples
+        ]
     return samples
 
 
@@ -162,19 +169,33 @@ def plan(args: argparse.Namespace) -> list[tuple[str, list[str], float | None, d
     base += ["--tokenizer", args.tokenizer] if args.tokenizer else []
     dp2 = [*base, "--data-parallel-size", "2"]
     if args.cpu_threads:
-        return [("2 replicas x 1 thread", [*dp2, "--num-threads", "1"], None, None),
-                ("1 engine x 2 threads", [*base, "--num-threads", "2"], None, None)]  # fmt: skip
+        return [
+            ("2 replicas x 1 thread", [*dp2, "--num-threads", "1"], None, None),
+            ("1 engine x 2 threads", [*base, "--num-threads", "2"], None, None),
+        ]
     if args.two_gpus:
         one, two = dict(os.environ, CUDA_VISIBLE_DEVICES="0"), dict(os.environ)
         two["CUDA_VISIBLE_DEVICES"] = "0,1"
         return [("1 engine, 1 GPU", base, None, one), ("2 replicas, 2 GPUs", dp2, None, two)]
-    return [("2 replicas, kill", dp2, args.kill_at, None), ("2 replicas", dp2, None, None),
-            ("1 engine", base, None, None)]  # fmt: skip
+    return [
+        ("2 replicas, kill", dp2, args.kill_at, None),
+        ("2 replicas", dp2, None, None),
+        ("1 engine", base, None, None),
+    ]
 
 
 def table(runs: list[dict[str, Any]]) -> str:
-    keys = ["completed", "failed", "output_throughput", "request_goodput", "median_ttft_ms",
-            "median_tpot_ms", "migrations", "pause_mean_s", "pause_max_s"]  # fmt: skip
+    keys = [
+        "completed",
+        "failed",
+        "output_throughput",
+        "request_goodput",
+        "median_ttft_ms",
+        "median_tpot_ms",
+        "migrations",
+        "pause_mean_s",
+        "pause_max_s",
+    ]
     lines = ["run".ljust(24) + "".join(k[:18].rjust(19) for k in keys)]
     for r in runs:
         cells = [r.get(k, "") for k in keys]
@@ -206,14 +227,33 @@ def main(argv: list[str] | None = None) -> int:
 
 
 MODES = {  # what each mode changes of the defaults; a flag given on the command line wins
-    "h200": {"model": "random:llama-3.1-8b", "device": "cuda", "dataset": "sharegpt",
-             "num_prompts": 7200, "request_rate": 60.0, "kill_at": 60.0},
-    "quick": {"model": "random:tiny", "device": "cpu", "dataset": "synthetic", "num_prompts": 40,
-              "request_rate": 20.0, "kill_at": 1.0, "max_output_len": 64},
-    "cpu_threads": {"model": "smollm2", "device": "cpu", "dataset": "synthetic",
-                    "num_prompts": 32, "request_rate": float("inf"), "max_concurrency": 16,
-                    "max_output_len": 64},
-}  # fmt: skip
+    "h200": {
+        "model": "random:llama-3.1-8b",
+        "device": "cuda",
+        "dataset": "sharegpt",
+        "num_prompts": 7200,
+        "request_rate": 60.0,
+        "kill_at": 60.0,
+    },
+    "quick": {
+        "model": "random:tiny",
+        "device": "cpu",
+        "dataset": "synthetic",
+        "num_prompts": 40,
+        "request_rate": 20.0,
+        "kill_at": 1.0,
+        "max_output_len": 64,
+    },
+    "cpu_threads": {
+        "model": "smollm2",
+        "device": "cpu",
+        "dataset": "synthetic",
+        "num_prompts": 32,
+        "request_rate": float("inf"),
+        "max_concurrency": 16,
+        "max_output_len": 64,
+    },
+}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

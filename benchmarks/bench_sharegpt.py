@@ -442,9 +442,12 @@ def table(results: list[dict[str, Any]]) -> str:
         lines.append(
             f"{r['config']}: leaks {m['leaks'] or 'none'}; KV pages peak {m['kv_pages_peak']} of "
             f"{m['num_kv_blocks']}; allocator {m['allocator_conf'] or 'default'}{total}"
-            + (f"; replay {'identical' if r['replay']['identical'] else 'DIVERGED'}"
-               if "replay" in r else "")
-        )  # fmt: skip
+            + (
+                f"; replay {'identical' if r['replay']['identical'] else 'DIVERGED'}"
+                if "replay" in r
+                else ""
+            )
+        )
         if m["first_leak"]:
             lines.append(f"{r['config']}: first leak report {m['first_leak']}")
         if m["high_water_marks"]:

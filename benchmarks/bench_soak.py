@@ -71,13 +71,28 @@ def load_rounds(args: argparse.Namespace, url: str) -> list[dict[str, Any]]:
         n = len(rounds)
         result = args.out / f"round{n}.json"
         cmd = memstep(
-            "bench", "serve", "--backend", "openai-chat", "--base-url", url,
-            "--model", args.model, "--dataset", "sharegpt", "--sample-seed", str(n),
-            "--num-prompts", str(args.prompts_per_round or 4 * args.clients),
-            "--max-concurrency", str(args.clients),
-            "--max-output-len", str(args.max_output_len), "--disable-tqdm",
-            "--json", str(result),
-        )  # fmt: skip
+            "bench",
+            "serve",
+            "--backend",
+            "openai-chat",
+            "--base-url",
+            url,
+            "--model",
+            args.model,
+            "--dataset",
+            "sharegpt",
+            "--sample-seed",
+            str(n),
+            "--num-prompts",
+            str(args.prompts_per_round or 4 * args.clients),
+            "--max-concurrency",
+            str(args.clients),
+            "--max-output-len",
+            str(args.max_output_len),
+            "--disable-tqdm",
+            "--json",
+            str(result),
+        )
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
         if done.returncode != 0:
             raise SystemExit(f"bench serve round {n} failed: {done.stderr.strip()[-400:]}")

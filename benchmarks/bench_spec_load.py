@@ -141,8 +141,10 @@ def main(argv: list[str] | None = None) -> int:
         structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     results = {m: measure(config(options, m), options) for m in options.methods}
     base = results[options.methods[0]][0]
-    print(f"model {options.model}, greedy, {options.tokens} tokens, K = {options.k}, "
-          f"medians of {options.rounds} rounds")  # fmt: skip
+    print(
+        f"model {options.model}, greedy, {options.tokens} tokens, K = {options.k}, "
+        f"medians of {options.rounds} rounds"
+    )
     print(
         f"{'method':<7} {'conc':>5} {'tok/s':>10} {'vs none':>8} {'accept':>7} {'spec steps':>10}"
     )

@@ -47,8 +47,11 @@ def schema(i: int) -> dict:
         },
         "required": ["id", "color", "grid", "note"],
     }
-    return {"type": "object", "properties": {"items": {"type": "array", "items": record}},
-            "required": ["items"]}  # fmt: skip
+    return {
+        "type": "object",
+        "properties": {"items": {"type": "array", "items": record}},
+        "required": ["items"],
+    }
 
 
 def mix(streams: int, tokens: int, schemas: int, constrained: bool) -> list[SamplingParams]:
@@ -56,8 +59,11 @@ def mix(streams: int, tokens: int, schemas: int, constrained: bool) -> list[Samp
     out = []
     for i in range(streams):
         guided = json.dumps(schema((i // 2) % schemas)) if constrained and i % 2 else ""
-        out.append(SamplingParams(max_tokens=tokens, ignore_eos=True, seed=i, temperature=1.0,
-                                  guided_json=guided))  # fmt: skip
+        out.append(
+            SamplingParams(
+                max_tokens=tokens, ignore_eos=True, seed=i, temperature=1.0, guided_json=guided
+            )
+        )
     return out
 
 
@@ -100,8 +106,13 @@ def config(args: argparse.Namespace) -> EngineConfig:
     if tokenizer is None and model.startswith("random:"):
         tokenizer = str(shipped_gguf_path())
     threads = args.threads if args.device == "cpu" else None
-    return EngineConfig(model=model, tokenizer=tokenizer, device=args.device,
-                        max_num_seqs=args.concurrency, num_threads=threads)  # fmt: skip
+    return EngineConfig(
+        model=model,
+        tokenizer=tokenizer,
+        device=args.device,
+        max_num_seqs=args.concurrency,
+        num_threads=threads,
+    )
 
 
 def main() -> None:
@@ -109,15 +120,24 @@ def main() -> None:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--model", default=None, help="smollm2 on the CPU, random:llama-3.1-8b on CUDA")
     ap.add_argument("--tokenizer", default=None, help="a .gguf or tokenizer.json (random: models)")
-    ap.add_argument("--concurrency", "--streams", type=int, default=None,
-                    help="requests at once: 16 on the CPU, 64 on CUDA")  # fmt: skip
+    ap.add_argument(
+        "--concurrency",
+        "--streams",
+        type=int,
+        default=None,
+        help="requests at once: 16 on the CPU, 64 on CUDA",
+    )
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--schemas", type=int, default=4, help="distinct schemas in the mix")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--mask-threads", default="", metavar="N,N",
-                    help="CUDA: each of these grammar_mask_threads in turn (default: the "
-                         "config's), e.g. 0,pool,4 (pool: llguidance's default size)")  # fmt: skip
+    ap.add_argument(
+        "--mask-threads",
+        default="",
+        metavar="N,N",
+        help="CUDA: each of these grammar_mask_threads in turn (default: the "
+        "config's), e.g. 0,pool,4 (pool: llguidance's default size)",
+    )
     quick = "random:tiny, SmolLM2's tokenizer, CPU, 4 requests, 16 tokens"
     ap.add_argument("--quick", action="store_true", help=quick)
     args = ap.parse_args()
@@ -141,8 +161,10 @@ def main() -> None:
             plain.append(timed(engine, prompts, mix(n, args.tokens, args.schemas, False)))
             guided.append(clock.timed(engine, prompts, mix(n, args.tokens, args.schemas, True)))
         report(args, engine, plain, guided)
-        print(f"mask         {clock.seconds / clock.wall:9.3f} of the constrained mix's wall time "
-              f"in Sampler.constrain ({clock.seconds * 1000:.0f} ms)")  # fmt: skip
+        print(
+            f"mask         {clock.seconds / clock.wall:9.3f} of the constrained mix's wall time "
+            f"in Sampler.constrain ({clock.seconds * 1000:.0f} ms)"
+        )
     engine.shutdown()
 
 
@@ -152,16 +174,20 @@ def report(args: argparse.Namespace, engine: Engine, plain: list, guided: list) 
     name = model + (" (random weights)" if model.startswith("random:") else "")
     tok = engine.cfg.tokenizer
     tokenizer = f" with the tokenizer of {Path(tok).name}" if tok else ""
-    print(f"{name}{tokenizer}, {args.device}, {args.concurrency} requests at once, "
-          f"{args.tokens} tokens each, "
-          f"half the requests with one of {args.schemas} JSON schemas")  # fmt: skip
+    print(
+        f"{name}{tokenizer}, {args.device}, {args.concurrency} requests at once, "
+        f"{args.tokens} tokens each, "
+        f"half the requests with one of {args.schemas} JSON schemas"
+    )
     print(f"plain        {statistics.median(plain):9.1f} tok/s")
     print(f"half schemas {statistics.median(guided):9.1f} tok/s")
     print(f"ratio        {statistics.median(ratios):9.3f} (median of {len(ratios)} rounds)")
     stats = engine.executor.worker.requests.grammars.stats  # type: ignore[attr-defined]
     per = stats.compile_seconds / max(stats.compiled, 1)
-    print(f"grammars compiled {stats.compiled}, {per * 1000:.1f} ms each; "
-          f"cache hit rate {stats.hit_rate:.3f} ({stats.hits} hits)")  # fmt: skip
+    print(
+        f"grammars compiled {stats.compiled}, {per * 1000:.1f} ms each; "
+        f"cache hit rate {stats.hit_rate:.3f} ({stats.hits} hits)"
+    )
 
 
 if __name__ == "__main__":

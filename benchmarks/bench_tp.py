@@ -85,7 +85,7 @@ def decode_feeds(batch: int, context: int, block_size: int) -> list:
 
     pages = cdiv(context + 1, block_size)
     table = lambda i: list(range(i * pages, (i + 1) * pages))  # noqa: E731
-    return [(SeqPlan(f"b{i}", context, [5], table(i), True, 0, 0, {}), [5]) for i in range(batch)]
+    return [(SeqPlan(f"b{i}", context, [5], table(i), True, 0, 0), [5]) for i in range(batch)]
 
 
 def probe_prompt(vocab: int) -> list[int]:
@@ -109,7 +109,7 @@ def probe(args: argparse.Namespace) -> dict:
 
     from memstep.core.config import EngineConfig
     from memstep.events.plan import SeqPlan
-    from memstep.executors.runtime.worker import Worker
+    from memstep.executors.process.assemble import build_worker
 
     cfg = EngineConfig.from_dict(json.loads(args.config))
     ranks = None
@@ -118,12 +118,14 @@ def probe(args: argparse.Namespace) -> dict:
 
         assert cfg.distributed_init_method is not None
         ranks = RankGroup(args.rank, cfg.tensor_parallel_size, cfg.distributed_init_method)
-    worker = Worker(cfg, CONTEXT + PROBE_PROMPT_LEN + 64, ranks)
-    info = {phase: worker.enter_phase(phase, 0).info for phase in ("profile", "warmup", "capture")}
+    worker = build_worker(cfg, CONTEXT + PROBE_PROMPT_LEN + 64, ranks)
+    replies = {phase: worker.enter_phase(phase, 0) for phase in ("profile", "warmup", "capture")}
+    memory_plan = replies["profile"].memory_plan
+    assert memory_plan is not None
     model, device, block = worker.model, worker.device, cfg.block_size
     prompt = probe_prompt(worker.model_cfg.vocab_size)
     with torch.inference_mode():
-        seq = SeqPlan("probe", 0, prompt, list(range(4)), True, 0, len(prompt), {})
+        seq = SeqPlan("probe", 0, prompt, list(range(4)), True, 0, len(prompt))
         hidden, last = worker.forward([(seq, prompt)])
         logits = model.logits(hidden[last]).float().cpu().numpy()
         feeds = decode_feeds(1, CONTEXT, block)
@@ -146,9 +148,9 @@ def probe(args: argparse.Namespace) -> dict:
         "weights_bytes": weights,
         "read_bytes": weights - embed.numel() * embed.element_size(),
         "copy_bandwidth": copy_bandwidth(device),
-        "num_kv_blocks": info["profile"]["num_kv_blocks"],
-        "kv_page_bytes": info["profile"]["kv_page_bytes"],
-        "graph_sizes": info["capture"].get("graph_sizes", []),
+        "num_kv_blocks": memory_plan.num_kv_blocks,
+        "kv_page_bytes": memory_plan.kv_page_bytes,
+        "graph_sizes": replies["capture"].figures.graph_sizes,
     }
     out = Path(args.probe)
     if args.rank == 0:
@@ -168,7 +170,7 @@ def sweep(args: argparse.Namespace) -> None:
 
     size, method = args.sweep_size, args.sweep_method
     ranks = RankGroup(args.rank, size, method)
-    device = ranks.device("cuda" if args.device == "cuda" else "cpu")
+    device = ranks.gpu() if args.device == "cuda" else torch.device("cpu")
     dtype = getattr(torch, args.dtype)
     rows = []
     for hidden in (4096, 8192):

@@ -173,7 +173,7 @@ def decode_feeds(batch: int, context: int, block_size: int):
     pages = cdiv(context + 1, block_size)
     return [
         (
-            SeqPlan(f"b{i}", context, [5], list(range(i * pages, (i + 1) * pages)), True, 0, 0, {}),
+            SeqPlan(f"b{i}", context, [5], list(range(i * pages, (i + 1) * pages)), True, 0, 0),
             [5],
         )
         for i in range(batch)

@@ -58,7 +58,7 @@ def _head(life: RequestLife) -> str:
         f"request {life.engine_id} (client id: {names})",
         f"arrived at step {life.arrival_step}; {finish}; {len(life.prompt_token_ids)} prompt "
         f"tokens, {len(life.output_token_ids)} completion tokens, "
-        f"max_tokens {life.params.get('max_tokens')}, seed {life.params.get('seed')}",
+        f"max_tokens {life.params.max_tokens}, seed {life.params.seed}",
     ]
     if life.timed is not None:
         t = life.timed

@@ -95,7 +95,7 @@ def load_recorded(path: Path) -> list[Recorded]:
             a.request_id,
             a.arrival_time - start,
             list(a.prompt_token_ids),
-            dict(a.params),
+            a.params.to_dict(),  # the client sends them as a map
             tokens[a.request_id],
             reasons.get(a.request_id),
             timed.get(a.request_id),

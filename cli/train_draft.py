@@ -25,8 +25,8 @@ from memstep.train.draft_head import train_head
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The defaults made the committed head, on an H200 (on 2 CPU cores they would take hours:
-    pass `--conversations 400 --max-tokens 128` or so to try it there)."""
+    """The defaults made the committed head (docs/benchmarks.md, "The EAGLE head"); on a few
+    CPU cores they would take hours: pass `--conversations 400 --max-tokens 128` or so there."""
     p.add_argument("--model", default="smollm2", help="the target model")
     p.add_argument("--out", type=Path, default=SMOLLM2_HEAD, help="where the .npz goes")
     p.add_argument(

@@ -105,8 +105,9 @@ class EngineConfig:
     # token bucket, attention eager between (executors/cuda/piecewise.py)
     piecewise_graphs: bool = True
     # threads computing a constrained step's token masks on a GPU, between steps (they begin
-    # while the core plans the next one): 0, row by row on one thread (measured best on an
-    # H200); N, llguidance's pool of N; None, its pool at its default size (80% of the cores)
+    # while the core plans the next one): 0, row by row on one thread (measured best:
+    # docs/benchmarks.md); N, llguidance's pool of N; None, its pool at its default size (80%
+    # of the cores)
     grammar_mask_threads: int | None = 0
     num_threads: int | None = None
     # tensor parallelism: the executor is this many ranks in one torch.distributed group

@@ -234,7 +234,14 @@ class Engine(ExecutorLife, StepRecords):
         if params.seed is None:
             params = params.with_seed(self.seeds.draw())
         arrival = time.time() if arrival_time is None else arrival_time
-        self.emit(RequestAdded(self.step_no, request_id, ids, params.to_dict(), arrival))
+        added = RequestAdded(
+            step=self.step_no,
+            request_id=request_id,
+            prompt_token_ids=ids,
+            params=params,
+            arrival_time=arrival,
+        )
+        self.emit(added)
         req = Request(request_id, ids, params, self.tokenizer.decode, self.token_bytes)
         self.requests[request_id] = req
         self.scheduler.add(req)
@@ -270,9 +277,15 @@ class Engine(ExecutorLife, StepRecords):
             raise InvalidRequest(f"output token id {bad!r} is outside the vocabulary [0, {vocab})")
         out = list(output_ids)
         ids = list(prompt_ids)
-        self.emit(
-            RequestResumed(self.step_no, request_id, ids, params.to_dict(), out, arrival_time)
+        resumed = RequestResumed(
+            step=self.step_no,
+            request_id=request_id,
+            prompt_token_ids=ids,
+            params=params,
+            output_token_ids=out,
+            arrival_time=arrival_time,
         )
+        self.emit(resumed)
         req = Request(request_id, ids, params, self.tokenizer.decode, self.token_bytes)
         req.output_token_ids = out
         req.detok.extend(out)

@@ -28,7 +28,7 @@ from memstep.core.recovery import (
 )
 from memstep.core.request import Request
 from memstep.core.scheduler import Scheduler
-from memstep.events.plan import MemoryPlan, MemoryPlanned
+from memstep.events.plan import MemoryPlan, MemoryPlanned, PhaseFigures
 from memstep.events.types import (
     ExecutorLost,
     PhaseChanged,
@@ -57,8 +57,8 @@ class ExecutorLife:
     num_losses: int
     memory_plan: MemoryPlan
     rank_memory_plans: list[MemoryPlan]
-    warmup_info: dict
-    captured: dict
+    warmup_figures: PhaseFigures
+    captured: PhaseFigures
     _aborted_in_recovery: list[str]
 
     def emit(self, rec: object) -> None:
@@ -95,16 +95,16 @@ class ExecutorLife:
             self.rank_memory_plans = reply.rank_memory_plans
             self.emit(MemoryPlanned(self.step_no, reply.memory_plan))
         elif stage == "warmup":
-            self.warmup_info = self._phase("warmup").info
+            self.warmup_figures = self._phase("warmup").figures
         else:
-            self.captured = self._phase(stage).info
+            self.captured = self._phase(stage).figures
 
     def _pages(self) -> BlockManager:
         num_blocks, cfg = self.memory_plan.num_kv_blocks, self.cfg
         return BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
 
     def _lookahead(self) -> int:
-        return 1 if self.captured.get("decode_ahead") else 0  # the executor replays ahead
+        return 1 if self.captured.decode_ahead else 0  # the executor replays ahead
 
     def check_executor(self) -> None:
         """Learn of a death between steps, from an executor that can tell without a call."""

@@ -3,7 +3,7 @@
 A constraint is recorded as the user gave it (a JSON schema, a regex, choices, an EBNF/Lark
 grammar, or "any JSON object"), in `SamplingParams`; `grammar_of` turns it into llguidance's
 grammar text and `compile_error` checks that text compiles.  Before either, the constraint must
-keep the bounds of core/grammar_limits.py (pure Python, no compile).  The core asks
+keep the bounds of events/grammar_limits.py (pure Python, no compile).  The core asks
 `ConstraintBook.error`, which runs `compile_error` in a worker process
 (core/grammar_check.py: a crash or stall of the native engine is that request's 400) and keeps
 each verdict, in a cache with a byte budget, so that a request whose grammar cannot compile is
@@ -22,7 +22,7 @@ from typing import Any, Generic, TypeVar
 import attrs
 
 from memstep.core.grammar_check import Check, GrammarChecker
-from memstep.core.grammar_limits import check_limits, limits_error
+from memstep.events.grammar_limits import check_limits, limits_error
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 ANY_OBJECT = '{"type": "object"}'
@@ -73,7 +73,7 @@ class TextCache(Generic[V]):
 
 def grammar_of(kind: str, text: str) -> str:
     """llguidance's grammar for a constraint; raises ValueError on a malformed one or one past
-    the bounds of core/grammar_limits.py."""
+    the bounds of events/grammar_limits.py."""
     from llguidance import LLMatcher
 
     from memstep.core.gbnf import any_to_lark

@@ -35,9 +35,11 @@ class Request:
         self.prompt_logprobs: list[list] = []
         self.prompt_logprobs_sent = False
         self.num_computed = 0  # tokens whose K/V are in the cache
-        self.table_sent = 0  # entries of its block table the executor holds (SeqPlan.table_from)
+        self.table_sent = (
+            0  # entries of its block table the executor holds (SeqPlan.num_pages_held)
+        )
         # where the latest admission started: its prefix hit (0 without one); the first plan of
-        # an admission starts here and carries the params and the cached prefix to the executor
+        # an admission starts here, its Admission carrying the params and the cached prefix
         self.admitted_at = 0
         self.num_cached_tokens = 0  # prompt tokens reused from the prefix cache at first admission
         self.status = Status.WAITING

@@ -25,7 +25,7 @@ from memstep.core.outputs import RequestOutput
 from memstep.core.request import Request
 from memstep.core.scheduler import Scheduled, StepBatch
 from memstep.core.spec_threshold import SpecThreshold
-from memstep.events.plan import SeqPlan, StepPlan, StepResult
+from memstep.events.plan import Admission, SeqPlan, StepPlan, StepResult
 from memstep.events.types import MemoryReport, StepFinished, StepPlanned
 
 log = structlog.get_logger("memstep.engine")
@@ -69,6 +69,7 @@ class StepRecords:
         passes here every step: a decode's row is made from a few attributes; an admission's
         first plan and a prompt chunk go through `_first_seq_plan`."""
         seqs: list[SeqPlan] = []
+        admitted: list[Admission] = []
         composition: list[list] = []
         cached: list[list] = []  # the record of reused pages: replay reproduces the hits
         table_of = self.blocks.table
@@ -77,34 +78,46 @@ class StepRecords:
             req, n = s.request, s.num_tokens
             start, num_prompt = req.num_computed, len(req.prompt_token_ids)
             if start == req.admitted_at or start < num_prompt:
-                seqs.append(self._first_seq_plan(s, batch.kind, cached))
+                seqs.append(self._first_seq_plan(s, batch.kind, cached, admitted))
             else:  # decoding, or recomputing its output after a preemption
                 out, at = req.output_token_ids, start - num_prompt
                 table, sent = table_of(req.request_id), req.table_sent
                 req.table_sent = len(table)
                 seqs.append(
                     SeqPlan(
-                        req.request_id, start, out[at : at + n], table[sent:], at + n == len(out),
-                        s.num_drafts, num_prompt, {}, [], sent,
+                        request_id=req.request_id,
+                        start_pos=start,
+                        token_ids=out[at : at + n],
+                        block_table=table[sent:],
+                        samples=at + n == len(out),
+                        num_drafts=s.num_drafts,
+                        prompt_len=num_prompt,
+                        num_pages_held=sent,
                     )
-                )  # fmt: skip
+                )
             composition.append([req.request_id, n])
             num_tokens += n + s.num_drafts
         finished, self._finished_ids = self._finished_ids, []
         self.emit(StepPlanned(self.step_no, batch.kind, composition, num_tokens, cached))
-        return StepPlan(self.step_no, batch.kind, seqs, finished)
+        return StepPlan(
+            step=self.step_no, kind=batch.kind, seqs=seqs, finished=finished, admitted=admitted
+        )
 
-    def _first_seq_plan(self, s: Scheduled, kind: str, cached: list[list]) -> SeqPlan:
-        """The plan of an admission's first step (with its params and the tokens its cached
-        pages hold, in `cached` too) or of a prompt chunk."""
+    def _first_seq_plan(
+        self, s: Scheduled, kind: str, cached: list[list], admitted: list[Admission]
+    ) -> SeqPlan:
+        """The plan of an admission's first step (its Admission, with its params and the tokens
+        before it, in `admitted`; the pages a prefix hit reuses in `cached`) or of a prompt
+        chunk."""
         req = s.request
         start, stop = req.num_computed, req.num_computed + s.num_tokens
         table = list(self.blocks.table(req.request_id))
         req.table_sent = len(table)  # the whole table: the executor starts it afresh
-        params: dict = {}
-        prefix_ids: list[int] = []
         if start == req.admitted_at:  # an admission's first plan
-            params, prefix_ids = req.params.to_dict(), req.token_at(0, start)
+            prefix_ids = req.token_at(0, start)
+            admitted.append(
+                Admission(request_id=req.request_id, params=req.params, prefix_ids=prefix_ids)
+            )
             if start:
                 cached.append([req.request_id, start, table[: start // self.cfg.block_size]])
         request_log.planned(self.step_no, kind, s)
@@ -116,8 +129,6 @@ class StepRecords:
             samples=stop == req.num_tokens,  # Scheduled.samples
             num_drafts=s.num_drafts,
             prompt_len=req.num_prompt_tokens,
-            params=params,
-            prefix_ids=prefix_ids,
         )
 
     def _record(self, batch: StepBatch, result: StepResult) -> list[RequestOutput]:

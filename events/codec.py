@@ -6,9 +6,10 @@ record (`row_record`: a step's sequences), whose items are arrays of their value
 order.  Pickle is never used.
 
 Decoding trusts nothing.  Every field is checked against the class annotations (int, float,
-str, bool, bytes, ``X | None``, ``list``, ``list[X]``, ``dict``, ``dict[str, X]`` and registered
-records), and any malformation raises `CodecError` naming the class and field.  Each class's
-field spec is compiled once, on first use, so classes registered later are handled the same way.
+str, bool, bytes, ``X | None``, ``list``, ``list[X]``, ``tuple[X, ...]``, ``tuple[X, Y]``,
+``dict``, ``dict[str, X]`` and registered records; a tuple travels as an array), and any
+malformation raises `CodecError` naming the class and field.  Each class's field spec is
+compiled once, on first use, so classes registered later are handled the same way.
 Unpacking refuses nesting deeper than MAX_DEPTH and msgpack ext types, and error messages show
 an untrusted value only through `describe`, so no input can reach Python's recursion limit.
 """
@@ -440,6 +441,26 @@ def _row_layout(cls: type) -> tuple[Callable[[Any], tuple], tuple[type, ...], li
     return getter, types, [(i, dec) for i, (_, tp, dec) in enumerate(fast) if tp is None]
 
 
+def _tuple_of(inner: Decoder) -> Decoder:
+    """`tuple[X, ...]`: a msgpack array whose items decode as X's, as a tuple."""
+
+    def check(value: Any, where: str | None) -> Any:
+        return tuple(inner(value, where))
+
+    return check
+
+
+def _fixed_tuple(inners: tuple[Decoder, ...]) -> Decoder:
+    """`tuple[X, Y]`: an array of exactly that many items, each decoded as its own type."""
+
+    def check(value: Any, where: str | None) -> Any:
+        if type(value) is not list or len(value) != len(inners):
+            raise _mismatch(where, f"an array of {len(inners)}", value)
+        return tuple(inner(item, where) for inner, item in zip(inners, value, strict=True))
+
+    return check
+
+
 def _nested(cls: type) -> Decoder:
     def check(value: Any, where: str | None) -> Any:
         return _record_from_obj(value, _at(where, ": "), cls)
@@ -467,6 +488,10 @@ def _decoder(tp: Any) -> Decoder:
         return _list_of(_decoder(args[0]))
     if origin is dict and args[0] is str:
         return _dict_of(_decoder(args[1]))
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        return _tuple_of(_decoder(list[args[0]]))  # type: ignore[valid-type]
+    if origin is tuple:
+        return _fixed_tuple(tuple(map(_decoder, args)))
     if _is_record(tp):
         return _nested(tp)
     raise TypeError(f"the record codec cannot handle annotation {tp!r}")
@@ -481,6 +506,8 @@ def _encoder(tp: Any) -> Encoder:
         return to_obj
     if origin is list and args[0] in ROW_RECORDS:
         return _rows_encoder(args[0])
+    if origin is tuple:
+        return _as_lists
     if _is_optional(origin, args):
         return _map_encoder(_encoder(_not_none(args)), lambda f, v: None if v is None else f(v))
     if origin is list:
@@ -488,6 +515,11 @@ def _encoder(tp: Any) -> Encoder:
     if origin is dict:
         return _map_encoder(_encoder(args[1]), lambda f, v: {k: f(x) for k, x in v.items()})
     return None
+
+
+def _as_lists(value: tuple) -> list:
+    """A tuple of plain values (or of tuples of them) as the lists msgpack and `from_obj` take."""
+    return [_as_lists(item) if type(item) is tuple else item for item in value]
 
 
 def _rows_encoder(cls: type) -> Encoder:

@@ -48,8 +48,11 @@ MAGIC = b"MEMSTEP\x00"
 # Raised when a log may hold a record an older reader cannot decode, or lacks one a newer
 # writer always writes: an older memstep refuses the newer log; a newer one reads every older
 # format (a record type's SINCE_FORMAT says which formats hold it).  2: RequestPreempted.  3: an
-# InputMark before each input (`events/input_marks.py`).
-FORMAT_VERSION = 3
+# InputMark before each input (`events/input_marks.py`).  4: a request's sampling params as a
+# SamplingParams record (a plain map before; `_typed_params` reads those).
+FORMAT_VERSION = 4
+TYPED_PARAMS_SINCE = 4
+_UNTYPED_PARAMS = ("RequestAdded", "RequestResumed")  # their `params` before format 4
 _VERSION = struct.Struct("<H")
 _FRAME = struct.Struct("<II")  # payload length, crc32 of payload
 _TYPE_KEY = b"\xa1t"  # msgpack fixstr "t": the first key of every record map (codec.to_obj)
@@ -259,7 +262,8 @@ class LogReader(ClosedOnExit):
         while offset < size:
             try:
                 payload = _read_frame(self._file, size - offset)
-                rec = _decode(payload, offset + _FRAME.size + len(payload))
+                end = offset + _FRAME.size + len(payload)
+                rec = _decode(payload, end, self.format_version)
             except _BadFrame as bad:
                 end = bad.end if bad.end is not None else self._resync(offset, size)
                 self._skip(offset, end, size, bad, num_read)
@@ -324,7 +328,7 @@ class LogReader(ClosedOnExit):
             hit = view.find(_TYPE_KEY, offset + _FRAME.size + 2)
             while hit != -1:
                 for start in (hit - _FRAME.size - 1, hit - _FRAME.size - 3):
-                    if start > offset and _is_frame_at(view, start, size):
+                    if start > offset and _is_frame_at(view, start, size, self.format_version):
                         return start
                 hit = view.find(_TYPE_KEY, hit + 1)
         return size
@@ -374,15 +378,26 @@ def _read_frame(file: BinaryIO, num_left: int) -> bytes:
     return payload
 
 
-def _decode(payload: bytes, end: int) -> object:
-    """The record in `payload`; a well-framed payload the codec refuses ends at `end`."""
+def _decode(payload: bytes, end: int, format_version: int = FORMAT_VERSION) -> object:
+    """The record in `payload` of a log of `format_version`; a well-framed payload the codec
+    refuses ends at `end`."""
     try:
-        return codec.decode(payload)
+        if format_version >= TYPED_PARAMS_SINCE:
+            return codec.decode(payload)
+        return codec.from_obj(_typed_params(codec.unpack(payload)))
     except codec.CodecError as e:
         raise _BadFrame("undecodable", str(e), end) from e
 
 
-def _is_frame_at(view: mmap.mmap, start: int, size: int) -> bool:
+def _typed_params(obj: Any) -> Any:
+    """A record map of a log before format 4, as format 4 writes it: a request's sampling
+    params were a plain map of the same fields (`SamplingParams.to_dict()`), now a record's."""
+    if type(obj) is dict and obj.get("t") in _UNTYPED_PARAMS and type(obj.get("params")) is dict:
+        obj["params"] = {"t": "SamplingParams", **obj["params"]}
+    return obj
+
+
+def _is_frame_at(view: mmap.mmap, start: int, size: int, format_version: int) -> bool:
     length, crc = _FRAME.unpack_from(view, start)
     end = start + _FRAME.size + length
     if not 0 < length <= codec.MAX_RECORD_BYTES or end > size:
@@ -391,8 +406,8 @@ def _is_frame_at(view: mmap.mmap, start: int, size: int) -> bool:
     if zlib.crc32(payload) != crc:
         return False
     try:
-        codec.decode(payload)
-    except codec.CodecError:
+        _decode(payload, end, format_version)
+    except _BadFrame:
         return False
     return True
 

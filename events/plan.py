@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import attrs
 
+from memstep.events.sampling_params import SamplingParams
 from memstep.events.types import (
     LeakSuspected,
     MemoryReport,
@@ -18,29 +19,42 @@ from memstep.events.types import (
 # params may hold min_tokens, logit_bias and include_stop_str_in_output; 6 since a result
 # carries the prompt logprobs its prefill chunks scored (StepResult.prompt_logprobs); 7 since
 # each of those scores carries its token's rank; 8 since a result names the requests that
-# cannot go on (StepResult.failed)
-EXECUTOR_PROTOCOL_VERSION = 8
+# cannot go on (StepResult.failed); 9 since an admission's params and prefix travel as an
+# `Admission` record beside the sequences (not in SeqPlan), and a phase's figures as
+# `PhaseFigures` (not a dict)
+EXECUTOR_PROTOCOL_VERSION = 9
 
 
 @row_record
 class SeqPlan:
+    """One request's work in a step: the same fields whether it was admitted this step (its
+    `Admission` then travels beside it in the StepPlan) or continues."""
+
     request_id: str
     start_pos: int  # position of token_ids[0]
     token_ids: list[int]  # tokens fed this step
-    # the request's pages from entry `table_from` on: the executor holds the entries before it
-    # from earlier plans (a table only grows while its request runs) and puts them back in front
-    # when the plan arrives (RequestStates.update), so everything after sees the whole table
+    # the request's pages from entry `num_pages_held` on: the executor holds the entries before
+    # it from earlier plans (a table only grows while its request runs) and puts them back in
+    # front when the plan arrives (RunningRequests.update), so everything after sees the whole
+    # table
     block_table: list[int]
     samples: bool  # the last fed token's logits are sampled
     num_drafts: int  # speculative lookahead slots reserved for this request
     prompt_len: int
-    # SamplingParams.to_dict() on the first plan of each admission, whose start_pos is 0 or the
-    # prefix-cache hit: the executor starts the request's history afresh and keeps them; else {}
-    params: dict
-    # with params: the tokens before start_pos, whose KV cached pages hold (the executor learns
-    # the whole history from them); else []
-    prefix_ids: list[int] = attrs.Factory(list)
-    table_from: int = 0  # 0: block_table is the whole table (an admission's plans, a chunk's)
+    num_pages_held: int = 0  # 0: block_table is the whole table (an admission's plans, a chunk's)
+
+
+@record
+class Admission:
+    """A request admitted this step (new, or preempted or recovered and readmitted): the
+    executor starts its history afresh from `prefix_ids` and keeps its params until it is
+    finished. Its SeqPlan of the same step starts at len(prefix_ids)."""
+
+    request_id: str
+    params: SamplingParams
+    # the tokens before the plan's start_pos, whose KV the cached pages hold (a prefix hit), or
+    # those a readmitted request recomputes from there
+    prefix_ids: list[int]
 
 
 @record
@@ -49,6 +63,11 @@ class StepPlan:
     kind: str
     seqs: list[SeqPlan]
     finished: list[str]  # requests whose executor-side state must be dropped
+    admitted: list[Admission] = attrs.Factory(list)  # of `seqs`, those admitted this step
+
+    @property
+    def admitted_ids(self) -> frozenset[str]:
+        return frozenset(a.request_id for a in self.admitted)
 
 
 @row_record
@@ -128,11 +147,45 @@ class PhaseRequest:
 
 
 @record
+class PhaseFigures:
+    """What the executor measured in a start-up phase: CUDA's peaks after warm-up, its graphs
+    after capture (zeros and empty lists on the CPU and in the other phases)."""
+
+    predicted_peak_bytes: int = 0  # the memory plan's
+    measured_peak_bytes: int = 0  # torch.cuda.max_memory_allocated
+    reserved_peak_bytes: int = 0  # the allocator's, warm-up and capture included
+    graph_static_bytes: int = 0  # the decode runner's static inputs
+    graph_pool_bytes: int = 0  # what capturing the decode graphs allocated
+    graph_capture_seconds: float = 0.0
+    graph_sizes: list[int] = attrs.Factory(list)  # decode batch sizes captured
+    piecewise_sizes: list[int] = attrs.Factory(list)  # token buckets of the piecewise graphs
+    piecewise_graphs: int = 0
+    piecewise_static_bytes: int = 0
+    piecewise_capture_seconds: float = 0.0
+    # the executor replays the next decode ahead (executors/cuda/decode_ahead.py): the core
+    # reserves one more page slot for each sequence
+    decode_ahead: bool = False
+
+    @property
+    def peak_error(self) -> float | None:
+        """The measured peak against the plan's prediction, or None with no prediction."""
+        if not self.predicted_peak_bytes:
+            return None
+        return round(self.measured_peak_bytes / self.predicted_peak_bytes - 1.0, 4)
+
+    @property
+    def reserved_within_plan(self) -> bool:
+        predicted = self.predicted_peak_bytes
+        return bool(predicted) and self.reserved_peak_bytes <= predicted
+
+
+@record
 class PhaseReply:
     phase: str
-    info: dict  # phase-specific figures (warm-up and capture)
+    figures: PhaseFigures  # rank 0's under tensor parallelism
     exited: list[StateExited]
     entered: list[StateEntered]
     leaks: list[LeakSuspected]  # buffers the exit hook released but something still holds
     memory_plan: MemoryPlan | None = None  # after profile (rank 0's under tensor parallelism)
     rank_memory_plans: list[MemoryPlan] = attrs.Factory(list)  # tensor parallelism: every rank's
+    rank_figures: list[PhaseFigures] = attrs.Factory(list)  # tensor parallelism: every rank's

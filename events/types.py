@@ -11,18 +11,26 @@ derived and is compared field by field on replay, except the fields a record nam
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 import attrs
 
+from memstep.events.sampling_params import SamplingParams
+
+T = TypeVar("T", bound=type)
 REGISTRY: dict[str, type] = {}
 
 
 def record(cls: type) -> type:
     """Freeze `cls` as an attrs class and register it under its class name."""
-    frozen = attrs.frozen(cls)
-    REGISTRY[frozen.__name__] = frozen
-    return frozen
+    return registered(attrs.frozen(cls))
+
+
+def registered(cls: T) -> T:
+    """Register `cls`, an attrs class made elsewhere (one built by keyword only, say), under its
+    class name, so that the codec carries it as it carries a `record`."""
+    REGISTRY[cls.__name__] = cls
+    return cls
 
 
 ROW_RECORDS: set[type] = set()  # records that travel as rows inside a list field (`row_record`)
@@ -38,6 +46,8 @@ def row_record(cls: type) -> type:
 
 
 # --- shared pieces -------------------------------------------------------------------------
+
+registered(SamplingParams)  # built by keyword, in its own module; in requests' inputs and plans
 
 
 @record
@@ -93,7 +103,7 @@ class RequestAdded:
     step: int
     request_id: str
     prompt_token_ids: list[int]
-    params: dict  # SamplingParams.to_dict()
+    params: SamplingParams  # a dict (SamplingParams.to_dict()) in logs before format 4
     arrival_time: float
     INPUT: ClassVar[bool] = True
 
@@ -126,7 +136,7 @@ class RequestResumed:
     step: int
     request_id: str
     prompt_token_ids: list[int]
-    params: dict  # SamplingParams.to_dict(), with the seed the earlier engine recorded
+    params: SamplingParams  # with the seed the earlier engine recorded
     output_token_ids: list[int]  # produced before the crash
     arrival_time: float
     INPUT: ClassVar[bool] = True

@@ -30,7 +30,7 @@ import attrs
 from memstep.core.config import EngineConfig
 from memstep.core.engine import Engine, UnknownRequest
 from memstep.core.recovery import EngineDead, ExecutorDown
-from memstep.core.sampling_params import InvalidRequest, SamplingParams
+from memstep.core.sampling_params import InvalidRequest
 from memstep.events.plan import PhaseReply, StepPlan, StepResult
 from memstep.events.types import (
     EngineStarted,
@@ -170,15 +170,13 @@ class _Feeder:
     def _apply(self, engine: Engine, rec: object) -> None:
         try:
             if isinstance(rec, RequestAdded):
-                params = SamplingParams.from_dict(rec.params)
                 ids = list(rec.prompt_token_ids)
-                engine.add_request(ids, params, rec.request_id, rec.arrival_time)
+                engine.add_request(ids, rec.params, rec.request_id, rec.arrival_time)
             elif isinstance(rec, RequestAborted):
                 engine.abort(rec.request_id)
             elif isinstance(rec, RequestResumed):
-                params = SamplingParams.from_dict(rec.params)
                 ids, out = list(rec.prompt_token_ids), list(rec.output_token_ids)
-                engine.resume_request(rec.request_id, ids, params, out, rec.arrival_time)
+                engine.resume_request(rec.request_id, ids, rec.params, out, rec.arrival_time)
             elif isinstance(rec, RequestNamed):
                 return  # the client's name for a request: nothing for the engine
             elif isinstance(rec, SpecThresholdChanged):

@@ -16,6 +16,7 @@ from collections import defaultdict
 
 import attrs
 
+from memstep.core.sampling_params import SamplingParams
 from memstep.events.types import (
     ExecutorLost,
     RequestAborted,
@@ -51,7 +52,7 @@ class RequestLife:
     client_ids: list[str]
     arrival_step: int
     prompt_token_ids: list[int]
-    params: dict
+    params: SamplingParams
     output_token_ids: list[int] = attrs.Factory(list)
     rows: list[StepRow] = attrs.Factory(list)
     # (step, what, detail): what is named as the server's log lines name it, less "request "

@@ -18,6 +18,7 @@ from typing import Any
 import attrs
 
 from memstep.core.config import EngineConfig
+from memstep.core.sampling_params import SamplingParams
 from memstep.events.types import (
     RequestAborted,
     RequestAdded,
@@ -35,7 +36,7 @@ class Carried:
 
     request_id: str  # the earlier engine's id, kept by the new engine
     prompt_token_ids: list[int]
-    params: dict  # SamplingParams.to_dict(), with its seed
+    params: SamplingParams  # with its seed
     output_token_ids: list[int]
     arrival_time: float
     client_id: str | None = None  # None: no client named it (an in-process engine's request)
@@ -102,8 +103,8 @@ def resume_point(recording: Recording) -> ResumePoint:
 def _take(carried: dict[str, Carried], rec: object) -> None:
     if isinstance(rec, RequestAdded | RequestResumed):
         out = list(getattr(rec, "output_token_ids", []))
-        ids, params = list(rec.prompt_token_ids), dict(rec.params)
-        carried[rec.request_id] = Carried(rec.request_id, ids, params, out, rec.arrival_time)
+        ids = list(rec.prompt_token_ids)
+        carried[rec.request_id] = Carried(rec.request_id, ids, rec.params, out, rec.arrival_time)
     elif isinstance(rec, RequestNamed) and rec.request_id in carried:
         carried[rec.request_id].client_id = rec.client_id
     elif isinstance(rec, StepFinished):

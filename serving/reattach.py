@@ -19,7 +19,7 @@ from memstep.core.detokenizer import ByteText
 from memstep.core.engine import Engine, UnknownRequest
 from memstep.core.output_book import stop_end
 from memstep.core.outputs import RequestOutput
-from memstep.core.sampling_params import InvalidRequest, SamplingParams
+from memstep.core.sampling_params import InvalidRequest
 from memstep.core.snapshot import Admitted
 from memstep.events.wire import AttachRequest
 from memstep.replay.resume import Carried, ResumePoint
@@ -116,7 +116,7 @@ class Reattach:
         try:
             return engine.add(
                 req.prompt_token_ids,
-                SamplingParams.from_dict(req.params),
+                req.params,
                 client_id=req.client_id,
                 arrival_time=req.arrival_time,
                 request_id=req.request_id,
@@ -152,7 +152,7 @@ def _finished_text(decode: Callable[[list[int]], str], req: Carried) -> str:
     the tokens' before it)."""
     ids = req.output_token_ids
     text = decode(ids)
-    params = SamplingParams.from_dict(req.params)
+    params = req.params
     if not params.stop or req.finish_reason != "stop":
         return text
     start = len(decode(ids[: params.min_tokens - 1])) if params.min_tokens > 1 else 0

@@ -125,14 +125,15 @@ def test_no_folder_imports_a_folder_above_it():
 
 
 # executors/ in rooms (docs/architecture.md): the model knows no device, the two backends know
-# nothing of each other, and only the process room (and the floors above executors) may use the
-# process room; every module lives in a room
+# nothing of each other, runtime/ assembles nothing (the process room picks CUDA's parts and the
+# speculative decoder: executors/process/assemble.py), and only the process room (and the floors
+# above executors) may use the process room; every module lives in a room
 ROOMS = ("model", "runtime", "cpu", "cuda", "spec", "process")
 ROOM_MAY_NOT_IMPORT = {
     "model": {"runtime", "cpu", "cuda", "spec", "process"},
     "cpu": {"cuda", "process"},
     "cuda": {"cpu", "process"},
-    "runtime": {"process"},
+    "runtime": {"cuda", "spec", "process"},
     "spec": {"process"},
     "process": set(),
 }
@@ -172,6 +173,10 @@ def test_a_room_breach_is_caught(tmp_path):
             "executors/cpu/kernels.py": "x = 1\n",
             "executors/cuda/graphs.py": "from memstep.executors.cpu.kernels import x\n",
             "executors/runtime/worker.py": "import memstep.executors.process.main\n",
+            # runtime/ assembling an executor from below: a lazy import still counts
+            "executors/runtime/plan.py": "def f():\n    import memstep.executors.cuda.graphs\n",
+            "executors/runtime/backends.py": "from memstep.executors.spec.decoder import d\n",
+            "executors/spec/decoder.py": "d = 3\n",
             "executors/process/main.py": "from memstep.executors.runtime import worker\n",
             "executors/flat.py": "y = 2\n",
         },
@@ -180,6 +185,8 @@ def test_a_room_breach_is_caught(tmp_path):
         "memstep.executors.cuda.graphs -> memstep.executors.cpu.kernels",
         "memstep.executors.flat is in no room",
         "memstep.executors.model.llama -> memstep.executors.cpu.kernels",
+        "memstep.executors.runtime.backends -> memstep.executors.spec.decoder",
+        "memstep.executors.runtime.plan -> memstep.executors.cuda.graphs",
         "memstep.executors.runtime.worker -> memstep.executors.process.main",
     ]
 

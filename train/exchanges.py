@@ -83,7 +83,15 @@ def final_hidden(model: LlamaModel, ids: list[int], block_size: int) -> torch.Te
     device = model.w["embed"].device
     shape = (pages, block_size, cfg.num_kv_heads, cfg.head_dim)
     kv = kv_cache.allocate(cfg.num_layers, shape, model.w["embed"].dtype, device)
-    seq = SeqPlan("train", 0, ids, list(range(pages)), False, 0, len(ids), {})
+    seq = SeqPlan(
+        request_id="train",
+        start_pos=0,
+        token_ids=ids,
+        block_table=list(range(pages)),
+        samples=False,
+        num_drafts=0,
+        prompt_len=len(ids),
+    )
     batch, _ = build_batch([(seq, ids)], block_size, device)
     return model.forward(batch, kv)
 

@@ -99,16 +99,28 @@ class CpuBackend(TorchBackend):
         if not self.c_rotary:
             return super().rotate_and_write(model, qkv, batch, rotary, k_cache, v_cache, block)
         return cpu_kernels.rope_and_write_kv(
-            qkv, model.cos, model.sin, batch.positions, batch.slot_mapping,
-            k_cache, v_cache, model.cfg.num_heads,
-        )  # fmt: skip
+            qkv,
+            model.cos,
+            model.sin,
+            batch.positions,
+            batch.slot_mapping,
+            k_cache,
+            v_cache,
+            model.cfg.num_heads,
+        )
 
     def attend(self, model, q, k_cache, v_cache, batch, window: int = 0) -> torch.Tensor:
         queries_alone = self.step is not None
         return attention(
-            q, k_cache, v_cache, batch, model.scale, self.decode_kernel,
-            queries_alone=queries_alone, window=window,
-        )  # fmt: skip
+            q,
+            k_cache,
+            v_cache,
+            batch,
+            model.scale,
+            self.decode_kernel,
+            queries_alone=queries_alone,
+            window=window,
+        )
 
     def act(self, gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
         if self.step is not None and activation == "silu":

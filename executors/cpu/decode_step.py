@@ -164,10 +164,22 @@ class DecodeStep:
         widest = max(e, cfg.num_heads * d, inter)  # of a matmul's inputs
         xb = torch.empty(m, widest, dtype=torch.bfloat16) if self.bf16 else None
         cpu_kernels.decode_step(
-            h.data_ptr(), out.data_ptr(),
+            h.data_ptr(),
+            out.data_ptr(),
             *[ctypes.addressof(a) for a in addresses],
-            *[t.data_ptr() for t in rest], 0 if xb is None else xb.data_ptr(),
-            m, e, cfg.num_heads, cfg.num_kv_heads, d, inter, cfg.num_layers,
-            block_size, tables.shape[1], cfg.rms_eps, scale, *cpu_kernels.tree_args(bases, remap),
-        )  # fmt: skip
+            *[t.data_ptr() for t in rest],
+            0 if xb is None else xb.data_ptr(),
+            m,
+            e,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            d,
+            inter,
+            cfg.num_layers,
+            block_size,
+            tables.shape[1],
+            cfg.rms_eps,
+            scale,
+            *cpu_kernels.tree_args(bases, remap),
+        )
         return out

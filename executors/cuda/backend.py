@@ -56,7 +56,7 @@ class CudaBackend(TorchBackend):
     ) -> torch.Tensor:
         kernel = self.decode_kernel  # CUDA's takes a window: windowed decode rows stay in it
         return attention(
-            q, k_cache, v_cache, batch, model.scale, kernel, out, window=window, kernel_windows=True
+            q, k_cache, v_cache, batch, model.scale, kernel, out, window=window, device_kernels=True
         )
 
     def decoder(
@@ -174,8 +174,8 @@ class CudaBackend(TorchBackend):
         self, model: LlamaModel, hidden: torch.Tensor, out: torch.Tensor | None
     ) -> torch.Tensor:
         """In half precision the matmul writes float32 itself: no rounding of the logits to the
-        weights' dtype, no second pass to widen them (at 256 rows of Llama-3.1-8B on an H200:
-        0.40 ms instead of 0.48)."""
+        weights' dtype, no second pass to widen them (docs/benchmarks.md, "Figures behind the
+        code's constants")."""
         if out is not None and self.logits_in_place:
             if hidden.dtype == torch.float32:
                 return torch.mm(hidden, model.lm_head.t(), out=out)

@@ -27,8 +27,8 @@ from memstep.executors.model.llama import LlamaModel
 from memstep.executors.runtime.batch_builder import Feed, TreeTokens
 from memstep.states.arena import tensor_bytes
 
-# split-K partition of the decode attention: on an H200, one sequence at 193 tokens of
-# context took 10.4 us with 64-token partitions, 12.0 with 128 and 14.7 with 256
+# split-K partition of the decode attention: the smallest of 64, 128 and 256 was fastest
+# (docs/benchmarks.md, "Figures behind the code's constants")
 DECODE_PARTITION = 64
 
 

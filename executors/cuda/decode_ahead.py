@@ -13,9 +13,9 @@ A row taken was computed by the decode graph at the replay's batch size, where w
 replay a mixed step computes it in one forward beside its chunks: the same values within the
 dtype's rounding, not bit for bit by construction (GEMMs of other shapes may round otherwise).
 On SmolLM2 every token came out the same either way, in bfloat16 and float32
-(tests/executors/test_gpu.py). Which rows a plan takes depends only on the plans and the tokens,
-so a replay of a recorded run takes the same ones (1,200 ShareGPT requests replayed identical on
-an H200, benchmarks/bench_sharegpt.py).
+(tests/executors/cuda/test_gpu.py). Which rows a plan takes depends only on the plans and the
+tokens, so a replay of a recorded run takes the same ones (docs/benchmarks.md, "Figures behind
+the code's constants").
 """
 
 from __future__ import annotations

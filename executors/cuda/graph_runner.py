@@ -28,7 +28,7 @@ import torch
 from memstep.core.config import EngineConfig
 from memstep.core.sampling_params import SamplingParams
 from memstep.core.shapes import cdiv, max_blocks_per_seq
-from memstep.events.plan import SeqPlan
+from memstep.events.plan import PhaseFigures, SeqPlan
 from memstep.executors.cuda.decode import DecodeForward, DecodeInputs
 from memstep.executors.cuda.decode_ahead import Ahead
 from memstep.executors.cuda.kernels import paged_decode_attention
@@ -249,7 +249,7 @@ def capture_phase(
     sampler: Sampler,
     max_len: int,
     dummy_hidden: torch.Tensor,
-) -> tuple[GraphRunner, dict]:
+) -> tuple[GraphRunner, PhaseFigures]:
     """Build the decode runner and capture its graphs (`cuda_graphs=False` keeps the fused
     decode but runs it eagerly) and, with `piecewise_graphs` on one rank, the eager steps'
     piecewise graphs; point the model's eager decode attention at the runner's
@@ -269,19 +269,30 @@ def capture_phase(
         warm_sampler(model, sampler, runner.sizes, dummy_hidden)
     torch.cuda.synchronize()
     log.info("capture", **info)
-    return runner, info
+    return runner, PhaseFigures(**info)
 
 
-def peak_figures(device: torch.device, memory_plan: MemoryPlan | None) -> dict:
-    measured = torch.cuda.max_memory_allocated(device)
-    reserved = torch.cuda.max_memory_reserved(device)
-    predicted = memory_plan.predicted_peak_bytes if memory_plan is not None else 0
+def with_peaks(
+    figures: PhaseFigures, device: torch.device, memory_plan: MemoryPlan | None
+) -> PhaseFigures:
+    """`figures` with the device's peaks since start-up and the plan's prediction."""
+    return attrs.evolve(
+        figures,
+        predicted_peak_bytes=memory_plan.predicted_peak_bytes if memory_plan is not None else 0,
+        measured_peak_bytes=torch.cuda.max_memory_allocated(device),
+        reserved_peak_bytes=torch.cuda.max_memory_reserved(device),
+    )
+
+
+def peak_figures(figures: PhaseFigures) -> dict:
+    """The peaks of `figures` as the "memory after capture" log line and the benchmarks give
+    them."""
     return {
-        "predicted_peak_bytes": predicted,
-        "measured_peak_bytes": measured,
-        "peak_error": round(measured / predicted - 1.0, 4) if predicted else None,
-        "reserved_peak_bytes": reserved,  # the allocator's, warm-up and capture included
-        "reserved_within_plan": bool(predicted) and reserved <= predicted,
+        "predicted_peak_bytes": figures.predicted_peak_bytes,
+        "measured_peak_bytes": figures.measured_peak_bytes,
+        "peak_error": figures.peak_error,
+        "reserved_peak_bytes": figures.reserved_peak_bytes,
+        "reserved_within_plan": figures.reserved_within_plan,
     }
 
 
@@ -330,7 +341,18 @@ def decodes_beside_prefill(
             continue
         for ctx in contexts:
             table = pages[: cdiv(ctx, block)]
-            decodes = [SeqPlan(f"d{i}", ctx - 1, [0], table, True, 0, ctx, {}) for i in range(k)]
+            decodes = [
+                SeqPlan(
+                    request_id=f"d{i}",
+                    start_pos=ctx - 1,
+                    token_ids=[0],
+                    block_table=table,
+                    samples=True,
+                    num_drafts=0,
+                    prompt_len=ctx,
+                )
+                for i in range(k)
+            ]
             shapes.append(decodes + worst_case_prefill(cfg, max_len, min(128, budget - k)))
         if k == cfg.max_num_seqs - 1:
             shapes.append(decodes + worst_case_prefill(cfg, max_len, budget - k))

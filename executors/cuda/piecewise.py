@@ -173,8 +173,8 @@ def piecewise_bytes(max_tokens: int, model: ModelConfig, dtype_bytes: int) -> in
     """Bytes the piecewise graphs hold, over-estimated: the static buffers at the largest
     bucket, the pool's intermediates of one piece there (each counted once, 2x margin), and
     the same intermediates once more, cached by the eager warm-up on the capture stream (blocks
-    of that stream, which serving on the main stream does not reuse). On an H200 (SmolLM2,
-    512 tokens) the pieces took reserved memory 22 MB up; the pool's term alone was 17.6 MB."""
+    of that stream, which serving on the main stream does not reuse). Measured against it:
+    docs/benchmarks.md, "Figures behind the code's constants"."""
     rows = bucket_sizes(max_tokens)[-1]
     q_width = model.num_heads * model.head_dim
     static = rows * (3 * 8 + dtype_bytes * (2 * model.hidden_size + 2 * q_width))

@@ -205,14 +205,16 @@ def packed_attention(
     group: PackedGroup,
     scale: float,
     window: int = 0,
+    device_kernels: bool = False,
 ) -> torch.Tensor:
     """q: [T, H, D] for the whole batch; returns [Nq, H, D] for the group's queries, in order.
 
-    In half precision on CUDA: flash attention over the packed queries and keys, one call
-    (grouped-query heads read in place; causal with fewer queries than keys is aligned to the
-    end, as each chunk's queries are). Elsewhere (float32 on CUDA, the CPU): each sequence
-    alone, with its mask, the same arithmetic as the masked group path; so is a windowed
-    layer's (`window`: each query sees itself and the window - 1 keys before it)."""
+    In half precision with `device_kernels` (CUDA's backend): flash attention over the packed
+    queries and keys, one call (grouped-query heads read in place; causal with fewer queries
+    than keys is aligned to the end, as each chunk's queries are). Elsewhere (float32 on CUDA,
+    the CPU): each sequence alone, with its mask, the same arithmetic as the masked group path;
+    so is a windowed layer's (`window`: each query sees itself and the window - 1 keys before
+    it)."""
     if group.first_row >= 0:
         qs = q[group.first_row : group.first_row + len(group.rows)]
     else:
@@ -220,7 +222,7 @@ def packed_attention(
     k = gather_slots(k_cache, group.kv_slots, q.dtype)  # [Nk, KVH, D]
     v = gather_slots(v_cache, group.kv_slots, q.dtype)
     half = q.dtype in (torch.float16, torch.bfloat16)
-    if q.is_cuda and half and has_varlen_flash():
+    if device_kernels and half and has_varlen_flash():
         # a windowed layer: each query sees itself and the window - 1 keys before it
         sides = {"window_size_left": window - 1, "window_size_right": 0} if window else {}
         lens = (group.cu_q, group.cu_k, max(group.q_lens), max(group.k_lens))
@@ -267,13 +269,15 @@ def torch_group_attention(
     group: AttnGroup,
     scale: float,
     window: int = 0,
+    device_kernels: bool = False,
 ) -> torch.Tensor:
-    """q: [T, H, D] for the whole batch; returns [B, Q, H, D] for this group's queries."""
+    """q: [T, H, D] for the whole batch; returns [B, Q, H, D] for this group's queries; with
+    `device_kernels` (CUDA's backend) in one call of torch's memory-efficient kernel."""
     k = gather_kv(k_cache, group.block_tables, q.dtype)
     v = gather_kv(v_cache, group.block_tables, q.dtype)
     qg = q[group.token_index].transpose(1, 2)  # [B, H, Q, D]
     mask = group_mask(group, k.shape[2], window)
-    if q.is_cuda:
+    if device_kernels:
         # torch's first choice on Hopper, cuDNN, builds an execution plan for every new shape
         # (found costing a second in the middle of serving); memory-efficient attention builds
         # nothing. It has no grouped-query mode, so the query heads sharing a KV head become
@@ -314,7 +318,7 @@ def attention(
     out: torch.Tensor | None = None,
     queries_alone: bool = False,
     window: int = 0,
-    kernel_windows: bool = False,
+    device_kernels: bool = False,
 ) -> torch.Tensor:
     """Attention for every token of the batch; q: [T, H, D] -> [T, H, D], into `out` if given
     (a static buffer of the piecewise graphs). On the CPU with a decode kernel, short queries
@@ -322,14 +326,16 @@ def attention(
     prefill chunks too, so that a token's attention is the same computation whether it was
     read in a prompt or decoded (a model whose every other operation is also row by row: q4's
     kernels). A windowed layer (`window` > 0) is masked to its window: by the decode kernel
-    where it takes one (`kernel_windows`: CUDA's), else in torch."""
+    where the device's kernels take one, else in torch. `device_kernels`: the backend's device
+    has its own attention kernels (CUDA's: a decode kernel with a window, torch's fused
+    attention for `packed_attention` and `torch_group_attention`)."""
     out = torch.empty_like(q) if out is None else out
-    if window and not kernel_windows:
+    if window and not device_kernels:
         decode_kernel = None
     windowed = {"window": window} if window else {}
     for group in batch.groups:
         if isinstance(group, PackedGroup):
-            res = packed_attention(q, k_cache, v_cache, group, scale, window)
+            res = packed_attention(q, k_cache, v_cache, group, scale, window, device_kernels)
             if group.first_row >= 0:
                 out[group.first_row : group.first_row + res.shape[0]] = res
             else:
@@ -357,7 +363,8 @@ def attention(
                 q[index], k_cache, v_cache, group.query_tables, group.query_lens, scale, **tree
             )
             continue
-        res = torch_group_attention(q, k_cache, v_cache, group, scale, window).flatten(0, 1)
+        res = torch_group_attention(q, k_cache, v_cache, group, scale, window, device_kernels)
+        res = res.flatten(0, 1)
         if group.first_row >= 0:
             out[group.first_row : group.first_row + res.shape[0]] = res
         else:

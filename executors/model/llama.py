@@ -7,7 +7,7 @@ from its config's facts. A draft model is the same class running only the first 
 The model holds the weights, the rotary tables and the layer structure; its `Backend` does the
 arithmetic: the torch reference (`torch_backend.py`), the CPU's C kernels (`executors/cpu/`) or
 CUDA's Triton kernels and cuBLAS (`executors/cuda/`), chosen once where the model is built
-(`executors/runtime/backends.py`). The model never asks which device it runs on.
+(`executors/process/assemble.py`). The model never asks which device it runs on.
 """
 
 from __future__ import annotations

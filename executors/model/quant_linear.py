@@ -8,7 +8,7 @@ Two forms:
   34]: w = q * d, as the file holds it) for the head, the GGUF's Q8_0 embedding (4 bits would
   throw half of it away). The products are those of the float32 model on gguf's dequantized
   values up to float32 rounding, so greedy text stays with float32's
-  (tests/executors/test_quant_quality.py); with matmul_precision "bfloat16" the decoder's
+  (tests/executors/model/test_quant_quality.py); with matmul_precision "bfloat16" the decoder's
   products are of x and the weights rounded to bfloat16, summed in float32 (the head keeps
   float32's). A model without blocks (a Hugging Face folder, random:) is quantized into them
   here (`quantize_q4`, `quantize_q8_0`).

@@ -64,11 +64,9 @@ class RankGroup:
     def is_first(self) -> bool:
         return self.rank == 0
 
-    def device(self, device_type: str) -> torch.device:
-        """This rank's device: one GPU per rank of a machine (rank modulo its GPU count), and
-        the NCCL group for the model's collectives on it."""
-        if device_type != "cuda":
-            return torch.device(device_type)
+    def gpu(self) -> torch.device:
+        """This rank's GPU, one per rank of a machine (rank modulo its GPU count), and the NCCL
+        group for the model's collectives on it (on the CPU the ranks keep their gloo group)."""
         device = torch.device("cuda", self.rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
         # without it every tensor an all-reduce touches is held for the NCCL stream until its

@@ -2,7 +2,7 @@
 socket and the codec.  Used by tests, replay, `generate` and the offline benchmarks.
 
 Records pass by reference, so neither side may keep and mutate what the other holds: plans are
-built fresh by the core each step, and the worker copies what it keeps (`RequestStates`).
+built fresh by the core each step, and the worker copies what it keeps (`RunningRequests`).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from memstep.core.engine import Engine
 from memstep.core.executor import ExecutorFactory
 from memstep.core.recovery import ExecutorDown
 from memstep.events.plan import PhaseReply, PhaseRequest, StepPlan, StepResult
+from memstep.executors.process.assemble import build_worker
 from memstep.executors.process.faults import planted_death
 from memstep.executors.process.remote import ProcessExecutor
 from memstep.executors.runtime.worker import Worker
@@ -24,7 +25,7 @@ class InProcessExecutor:
         if cfg.tensor_parallel_size > 1:
             raise ConfigError("tensor-parallel ranks are processes: use the process executor")
         self.cfg = cfg
-        self.worker: Worker | None = Worker(cfg, max_model_len)
+        self.worker: Worker | None = build_worker(cfg, max_model_len)
 
     def enter_phase(self, phase: str, step: int) -> PhaseReply:
         return self._worker(PhaseRequest(phase, step)).enter_phase(phase, step)
@@ -59,7 +60,7 @@ def release_device_cache() -> None:
     used): after an engine is closed, what it freed is still reserved by the allocator until
     then. cuBLAS's workspaces too (32 MiB a stream on a Hopper card): torch keeps one for each
     stream that ran a matmul, allocated and never freed, so each engine's streams left theirs
-    behind (an H100 held 32 MiB more after each closed `LLM`)."""
+    behind (measured: docs/benchmarks.md, "Figures behind the code's constants")."""
     import torch
 
     if torch.cuda.is_initialized():

@@ -29,9 +29,11 @@ def rank_arguments(cfg: EngineConfig, init_method: str) -> list[str]:
     if cfg.tensor_parallel_size == 1:
         return []
     return [
-        "--tensor-parallel-size", str(cfg.tensor_parallel_size),
-        "--distributed-init-method", init_method,
-    ]  # fmt: skip
+        "--tensor-parallel-size",
+        str(cfg.tensor_parallel_size),
+        "--distributed-init-method",
+        init_method,
+    ]
 
 
 def how_it_ended(code: int) -> str:

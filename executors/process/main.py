@@ -218,11 +218,11 @@ class ExecutorProcess:
         take the planted deaths of its new config: nothing else may differ."""
         from memstep.core.config import EngineConfig
         from memstep.core.recovery import without_faults
-        from memstep.executors.runtime.worker import Worker
+        from memstep.executors.process.assemble import build_worker
 
         cfg = EngineConfig.from_dict(msg.config)
         if self.worker is None:
-            self.worker = Worker(cfg, msg.max_model_len, self.ranks)
+            self.worker = build_worker(cfg, msg.max_model_len, self.ranks)
         elif (without_faults(cfg), msg.max_model_len) != (
             without_faults(self.worker.cfg),
             self.worker.max_model_len,

@@ -48,9 +48,11 @@ def _merge(first: object, replies: list) -> object:
         return attrs.evolve(first, rank_memory=memory, leaks=_leaks(replies))
     if isinstance(first, PhaseReply):
         _same(replies, "phase and kinds", lambda r: (r.phase, _moves(r)))
-        info = first.info | {"per_rank": [r.info for r in replies]}
+        figures = [r.figures for r in replies]
         plans = [r.memory_plan for r in replies if r.memory_plan is not None]
-        return attrs.evolve(first, info=info, leaks=_leaks(replies), rank_memory_plans=plans)
+        return attrs.evolve(
+            first, rank_figures=figures, leaks=_leaks(replies), rank_memory_plans=plans
+        )
     if isinstance(first, ExecutorReady):
         pids = ",".join(str(r.pid) for r in replies)
         return attrs.evolve(first, device=f"{first.device} x{len(replies)} ranks (pids {pids})")

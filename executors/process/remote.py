@@ -127,14 +127,22 @@ class ProcessExecutor:
 
     def _command(self, core_timeout: float, log_level: str, log_format: str) -> list[str]:
         return [
-            sys.executable, "-m", "memstep.executors.process",
-            "--endpoint", self.endpoint,
-            "--heartbeat-endpoint", f"ipc://{self._dir}/heartbeat.sock",
-            "--heartbeat-interval", str(self.heartbeat_interval),
-            "--core-timeout", str(max(core_timeout, 10.0)),
-            "--log-level", log_level,
-            "--log-format", log_format,
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "memstep.executors.process",
+            "--endpoint",
+            self.endpoint,
+            "--heartbeat-endpoint",
+            f"ipc://{self._dir}/heartbeat.sock",
+            "--heartbeat-interval",
+            str(self.heartbeat_interval),
+            "--core-timeout",
+            str(max(core_timeout, 10.0)),
+            "--log-level",
+            log_level,
+            "--log-format",
+            log_format,
+        ]
 
     def _handshake(self, cfg: EngineConfig, max_model_len: int) -> None:
         hello = self._wait_for(ExecutorHello)

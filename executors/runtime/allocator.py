@@ -9,10 +9,10 @@ again in issue 15), while expandable segments kept it flat.  The memory plan cou
 bytes; with expandable segments reserved stays within a page (2 MiB) rounding of that per
 segment, so the plan's predicted peak is also the reserved bytes it allows.
 
-With expandable segments torch counts no segments (`segment.all.current` stays 0, seen on an
-H200 with torch 2.11), so reserved bytes are the figure that shows growth; the leak detector
-and the benchmarks' memory verdict watch both.  A user's own PYTORCH_CUDA_ALLOC_CONF (or
-PYTORCH_ALLOC_CONF) wins and is left as it is.
+With expandable segments torch counts no segments (`segment.all.current` stays 0:
+docs/benchmarks.md, "Figures behind the code's constants"), so reserved bytes are the figure
+that shows growth; the leak detector and the benchmarks' memory verdict watch both.  A user's
+own PYTORCH_CUDA_ALLOC_CONF (or PYTORCH_ALLOC_CONF) wins and is left as it is.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ class Guide:
         self.stand_in = stand_in  # the grammar's end where the model's is not in its vocabulary
         self.ahead: tuple[int, Any] | None = None  # (output length, its mask): `masks_ahead`
         # why the grammar engine cannot enforce the constraint (its parser's error), or "":
-        # the request ends with an error (`RequestState.failure`), never with text outside it
+        # the request ends with an error (`RunningRequest.failure`), never with text outside it
         self.failure = ""
 
     def sync(self, output: list[int]) -> bool:

@@ -16,9 +16,9 @@ from memstep.events.plan import MemoryPlan, SeqPlan
 from memstep.executors.model import kv_cache
 from memstep.executors.model.attention import SHORT_QUERY
 from memstep.executors.runtime.batch_builder import build_batch
+from memstep.executors.runtime.parts import ExecutorParts
 from memstep.executors.runtime.prompt_scorer import rows_nbytes
 from memstep.executors.runtime.sampler import filter_scratch_bytes, sampler_nbytes
-from memstep.executors.spec.eagle import draft_context
 from memstep.states.arena import nbytes_of, tensor_bytes
 from memstep.states.catalog import KINDS
 from memstep.states.kinds import KindEnv
@@ -48,7 +48,17 @@ def worst_case_prefill(
     seqs: list[SeqPlan] = []
     while tokens > 0:
         n = min(tokens, chunk)
-        seqs.append(SeqPlan(f"worst{len(seqs)}", max_len - n, [0] * n, pages, True, 0, max_len, {}))
+        seqs.append(
+            SeqPlan(
+                request_id=f"worst{len(seqs)}",
+                start_pos=max_len - n,
+                token_ids=[0] * n,
+                block_table=pages,
+                samples=True,
+                num_drafts=0,
+                prompt_len=max_len,
+            )
+        )
         tokens -= n
     return seqs
 
@@ -109,16 +119,18 @@ def plan_memory(
     dtype: torch.dtype,
     kv_dtype: torch.dtype,
     device: torch.device,
+    parts: ExecutorParts,
     head_bytes: int = 0,
     held_bytes: int = 0,
     free_bytes: int | None = None,
 ) -> MemoryPlan:
-    """`head_bytes`: an EAGLE head's, held beside the weights; `held_bytes`: what the process
-    held on the device before this executor (another engine's), which is not the plan's to use;
-    `free_bytes`: what the device had free then (CUDA). The plan takes the utilisation's share
-    of the device, or what was free less `FREE_HEADROOM` where that is less: a second engine
-    beside a first gets what the first left (free binds only then, so a lone engine's plan is the
-    same from run to run, as replay needs)."""
+    """`parts`: what the graphs take and an EAGLE head's context; `head_bytes`: an EAGLE
+    head's, held beside the weights; `held_bytes`: what the process held on the device before
+    this executor (another engine's), which is not the plan's to use; `free_bytes`: what the
+    device had free then (CUDA). The plan takes the utilisation's share of the device, or what
+    was free less `FREE_HEADROOM` where that is less: a second engine beside a first gets what
+    the first left (free binds only then, so a lone engine's plan is the same from run to run,
+    as replay needs)."""
     weights = tensor_bytes(model.w.values()) + head_bytes
     rows = cfg.max_num_seqs * (cfg.num_lookahead_slots + 1)
     sampler = sampler_nbytes(rows, model_cfg.vocab_size, in_place_logits=device.type == "cuda")
@@ -135,13 +147,14 @@ def plan_memory(
         )
     per_seq = max_blocks_per_seq(max_len, cfg.num_lookahead_slots, cfg.block_size)
     wanted = cfg.max_num_seqs * per_seq
-    graphs = _graph_bytes(cfg, model_cfg, per_seq, dtype) if device.type == "cuda" else 0
+    graphs = parts.graph_bytes(cfg, model_cfg, per_seq, dtype, device)
+    slots = parts.draft_context(cfg)
     if cfg.num_kv_blocks is not None:
         blocks = cfg.num_kv_blocks
     elif device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         fixed = weights + activation + sampler + graphs
-        fixed += _kind_bytes(cfg, model_cfg, dtype, 1, device.type, exclude_draft_kv=True)
+        fixed += _kind_bytes(KindEnv(cfg, model_cfg, dtype, 1, device.type, slots))
         # what the process already holds (another engine) is not this one's to plan with
         budget = min(total * cfg.gpu_memory_utilization, total - held_bytes)
         if free_bytes is not None:
@@ -151,7 +164,7 @@ def plan_memory(
         blocks = min(cfg.cpu_kv_cache_bytes // (page + draft_page), wanted)
     if blocks < 1:
         raise MemoryError("no memory left for the KV cache; lower max_num_batched_tokens")
-    kinds = _kind_table(KindEnv(cfg, model_cfg, dtype, blocks, device.type, draft_context(cfg)))
+    kinds = _kind_table(KindEnv(cfg, model_cfg, dtype, blocks, device.type, slots))
     arena = max(kinds.values(), default=0) + 256 * max(1, len(kinds))
     kv = blocks * page
     predicted = held_bytes + weights + activation + sampler + arena + kv + graphs
@@ -174,28 +187,8 @@ def _kind_table(env: KindEnv) -> dict:
     return {name: sum(b.nbytes for b in cls(env).buffers()) for name, cls in KINDS.items()}
 
 
-def _kind_bytes(cfg, model_cfg, dtype, blocks: int, device_type: str, exclude_draft_kv: bool):
-    env = KindEnv(cfg, model_cfg, dtype, blocks, device_type, draft_context(cfg))
+def _kind_bytes(env: KindEnv) -> int:
+    """The largest kind's buffers besides the draft model's KV (planned with the pages)."""
     return max(
-        sum(b.nbytes for b in cls(env).buffers() if not (exclude_draft_kv and b.name == "draft_kv"))
-        for cls in KINDS.values()
+        sum(b.nbytes for b in cls(env).buffers() if b.name != "draft_kv") for cls in KINDS.values()
     )
-
-
-def _graph_bytes(cfg: EngineConfig, model_cfg: ModelConfig, blocks: int, dtype: torch.dtype) -> int:
-    from memstep.executors.cuda.decode import static_bytes
-
-    dtype_bytes = torch.empty((), dtype=dtype).element_size()
-    graphs = static_bytes(cfg.max_num_seqs, blocks, cfg.block_size, model_cfg, dtype_bytes)
-    if cfg.cuda_graphs and cfg.piecewise_graphs and cfg.tensor_parallel_size == 1:
-        from memstep.executors.cuda.piecewise import piecewise_bytes
-
-        graphs += piecewise_bytes(cfg.max_num_batched_tokens, model_cfg, dtype_bytes)
-    return graphs + CAPTURE_MARGIN
-
-
-# What capture reserves beyond the decode path's own bytes whatever the batch: on an H200 at
-# 256 seqs, reserved after capture passed the plan's sum of the parts by 4.4 MB (0.003%); the
-# 2x margin of `static_bytes` hides it at 1,024 seqs. Not isolated: the capture stream's cuBLAS
-# workspace and the pool's 2 MiB pages are the candidates, and this covers both.
-CAPTURE_MARGIN = 64 << 20

@@ -26,7 +26,7 @@ import torch
 
 from memstep.events.plan import PromptLogprobs, SeqPlan
 from memstep.executors.model.llama import LlamaModel
-from memstep.executors.runtime.request_states import RequestStates
+from memstep.executors.runtime.running_requests import RunningRequests
 from memstep.executors.runtime.sampler import top_logprobs
 from memstep.states.lifecycle import held_by
 
@@ -35,7 +35,7 @@ SLICE = 256  # states through the head at once
 
 class PromptScorer:
     def __init__(
-        self, model: LlamaModel, requests: RequestStates, max_rows: int, dtype: torch.dtype
+        self, model: LlamaModel, requests: RunningRequests, max_rows: int, dtype: torch.dtype
     ):
         self.model, self.requests = model, requests
         width, device = model.cfg.hidden_size, model.w["embed"].device

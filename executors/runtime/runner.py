@@ -12,6 +12,7 @@ import torch
 from memstep.executors.model.kv_cache import KvCaches
 from memstep.executors.model.llama import LlamaModel
 from memstep.executors.runtime.batch_builder import Feed, build_batch
+from memstep.executors.runtime.prompt_scorer import PromptScorer
 from memstep.executors.runtime.sampler import PendingTokens
 
 
@@ -42,3 +43,21 @@ class EagerRunner:
 
     def run_ahead(self, feeds: Sequence[Feed], tokens: PendingTokens) -> None:
         return None
+
+
+class ScoredForward:
+    """The worker's forward, which the spec decoder feeds through too: `runner`'s (eager, then
+    the captured graphs from capture on), with the prompt chunks of requests that asked for
+    prompt logprobs scored from its hidden states."""
+
+    def __init__(self, runner: Runner, prompts: PromptScorer):
+        self.runner, self.prompts = runner, prompts
+
+    def forward(self, feeds: list[Feed], ahead: bool = False) -> tuple[torch.Tensor, list[int]]:
+        """Hidden states of the fed tokens and each feed's last row (`Runner.forward`); a step
+        that scores prompt tokens needs their every row, so it takes nothing replayed ahead."""
+        if not self.prompts.wanted(feeds):
+            return self.runner.forward(feeds, ahead)
+        hidden, last_rows = self.runner.forward(feeds, False)
+        self.prompts.score(feeds, hidden, last_rows)
+        return hidden, last_rows

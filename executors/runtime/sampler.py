@@ -447,7 +447,8 @@ def filter_rows(max_rows: int, vocab_size: int, filter_elements: int = FILTER_EL
 
 
 # A filter pass's scratch per element of its rows: the stable sort's keys and values, each
-# double-buffered, and the index it sorts (36.2 bytes measured on an H200, torch 2.x)
+# double-buffered, and the index it sorts (measured: docs/benchmarks.md, "Figures behind the
+# code's constants")
 FILTER_SCRATCH_PER_ELEMENT = 40
 ALLOCATOR_SEGMENT = 20 << 20  # CUDA's caching allocator reserves large blocks in these steps
 

@@ -7,8 +7,6 @@ answers with sampled tokens and a real memory report.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import attrs
 import structlog
 import torch
@@ -20,7 +18,15 @@ from memstep.core.model_config import ModelConfig
 from memstep.core.model_source import ModelSource, model_config, resolve
 from memstep.core.sampling_params import SamplingParams
 from memstep.core.shapes import rank_model_config
-from memstep.events.plan import MemoryPlan, PhaseReply, SeqPlan, SeqResult, StepPlan, StepResult
+from memstep.events.plan import (
+    MemoryPlan,
+    PhaseFigures,
+    PhaseReply,
+    SeqPlan,
+    SeqResult,
+    StepPlan,
+    StepResult,
+)
 from memstep.events.types import LeakSuspected, MemoryReport
 from memstep.executors.cpu import kernels as cpu_kernels
 from memstep.executors.cpu.features import has_native_bf16
@@ -31,25 +37,21 @@ from memstep.executors.model.sharding import Shard
 from memstep.executors.model.weights import gguf_is_q4_1, load_weights
 from memstep.executors.runtime import memory
 from memstep.executors.runtime.allocator import configure_cuda_allocator
-from memstep.executors.runtime.backends import pick_backend
 from memstep.executors.runtime.guide import GrammarBook
 from memstep.executors.runtime.host_allocator import HostTrim, bound_onednn_caches
 from memstep.executors.runtime.leak_detector import LeakDetector
 from memstep.executors.runtime.memory_plan import plan_memory, with_blocks
+from memstep.executors.runtime.parts import ExecutorParts, StepDecoder
 from memstep.executors.runtime.prompt_scorer import PromptScorer
-from memstep.executors.runtime.request_states import RequestStates
-from memstep.executors.runtime.runner import EagerRunner, Runner
+from memstep.executors.runtime.runner import EagerRunner, Runner, ScoredForward
+from memstep.executors.runtime.running_requests import RunningRequests
 from memstep.executors.runtime.sampler import PendingLogprobs, Row, Sampler, to_device
-from memstep.executors.spec.eagle import draft_context
 from memstep.states.arena import Arena
 from memstep.states.catalog import make_kinds
 from memstep.states.kinds import KindEnv, Spec, StepOutputs
 from memstep.states.lifecycle import Lifecycle, growth_of
 from memstep.states.planted import refusal
 from memstep.states.startup import Capture, Warmup
-
-if TYPE_CHECKING:
-    from memstep.executors.cuda.graph_runner import GraphRunner
 
 log = structlog.get_logger("memstep.executor")
 
@@ -121,7 +123,17 @@ class Worker:
     plans on its shard of the model, in lock-step: the same phases, kinds and collectives, and
     each measures and watches its own memory."""
 
-    def __init__(self, cfg: EngineConfig, max_model_len: int, ranks: RankGroup | None = None):
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        max_model_len: int,
+        ranks: RankGroup | None = None,
+        *,
+        parts: ExecutorParts,
+    ):
+        """`parts`: the device's and the speculative method's (executors/process/assemble.py
+        `build_worker` picks them)."""
+        self.parts = parts
         # every rank must decide alike whether a plan matches a replay ahead: off under TP
         self.cfg = cfg if ranks is None else cfg.replace(decode_ahead=False)
         self.ranks = ranks
@@ -132,8 +144,8 @@ class Worker:
         # before the first CUDA allocation: serving's changing sizes must not take new segments
         self.alloc_conf = configure_cuda_allocator() if self.device.type == "cuda" else ""
         self.held_before = held_on(self.device)  # another engine's, before this one's weights
-        if ranks is not None:
-            self.device = ranks.device(self.device.type)  # cuda:<rank's GPU>, its NCCL group
+        if ranks is not None and self.device.type == "cuda":
+            self.device = ranks.gpu()  # cuda:<rank's GPU>, its NCCL group
         self.dtype = pick_dtype(cfg, self.device)
         self.kv_dtype = kv_cache.kv_dtype(cfg.kv_cache_dtype, self.dtype)
         if cfg.num_threads:
@@ -170,95 +182,118 @@ class Worker:
             self.source, whole, self.dtype, self.device, shard, self.quantization
         )
         self.meter.adopt(list(self.weights.values()))
-        backend = pick_backend(
-            self.device, self.model_cfg, self.weights, self.kv_dtype, ranks is None,
-            bf16_products=self.matmul_precision == "bfloat16",
-        )  # fmt: skip
+        bf16_products = self.matmul_precision == "bfloat16"
+        backend = parts.backend(
+            self.device, self.model_cfg, self.weights, self.kv_dtype, ranks is None, bf16_products
+        )
         self.model = LlamaModel(self.model_cfg, self.weights, max_model_len + 16, backend, ranks)
-        self.eagle = None
-        if cfg.speculative_method == "eagle":
-            from memstep.executors.spec.decoder import eagle_head
-
-            self.eagle = eagle_head(cfg, self.model)
+        self.eagle = parts.eagle_head(cfg, self.model)
+        if self.eagle is not None:
             self.meter.adopt(self.eagle.tensors())
         self.lifecycle = Lifecycle()
         eos = self.model_cfg.eos_token_ids
         self.grammars = GrammarBook(self.source, self.model_cfg.vocab_size, eos)
         self.grammars.prepare()
-        self.requests = RequestStates(self.grammars, eos)
+        self.requests = RunningRequests(self.grammars, eos)
         self.prompts = PromptScorer(self.model, self.requests, cfg.max_num_seqs, self.dtype)
         self.detector = LeakDetector(device_bytes(self.device), cfg.host_leak_tolerance_mib << 20)
         self._holdings: dict | None = None  # the kinds' holdings at the last leak report
         self.memory_plan: MemoryPlan | None = None
-        self.spec = None
-        self.graphs: GraphRunner | None = None  # CUDA: the decode graphs, built at capture
-        self.runner: Runner  # how steps run: eager from profile on, CUDA's graphs after capture
+        self.spec: StepDecoder | None = None
+        self.graphs: Runner | None = None  # CUDA: the decode graphs, built at capture
+        self.steps: ScoredForward  # how steps run: eager from profile on, graphs after capture
 
     # --- phases ----------------------------------------------------------------------------
 
     def enter_phase(self, phase: str, step: int) -> PhaseReply:
         move = self.lifecycle.move(phase, step)
-        info: dict = {}
+        figures = PhaseFigures()
         if phase == "profile":
             self.memory_plan = self._profile()
         elif phase == "warmup":
             warmup = self.lifecycle.kinds["warmup"]
             assert isinstance(warmup, Warmup)
-            info = self._warmup(warmup.dummy_hidden)
+            figures = self._warmup(warmup.dummy_hidden)
         elif phase == "capture":
-            if self.device.type == "cuda":  # imports Triton: never on CPU
-                from memstep.executors.cuda.graph_runner import capture_phase, peak_figures
-
-                capture = self.lifecycle.kinds["capture"]
-                assert isinstance(capture, Capture)
-                self.graphs, info = capture_phase(
-                    self.cfg, self.model, self.kv, self.sampler, self.max_model_len,
-                    capture.dummy_hidden,
-                )  # fmt: skip
-                self.runner = self.graphs
-                info |= peak_figures(self.device, self.memory_plan)
-                log.info("memory after capture", **peak_figures(self.device, self.memory_plan))
+            capture = self.lifecycle.kinds["capture"]
+            assert isinstance(capture, Capture)
+            captured = self.parts.capture(
+                self.cfg,
+                self.model,
+                self.kv,
+                self.sampler,
+                self.max_model_len,
+                capture,
+                self.memory_plan,
+            )
+            if captured is not None:
+                self.graphs, figures = captured
+                self.steps.runner = self.graphs
             self.grammars.wait()  # (`GrammarBook.prepare`): built before serving's first step
             self.meter.freeze()  # start-up objects are done; measure only what serving creates
         elif phase == "shutdown":
             self.requests.clear()
             self.prompts.clear()
         memory_plan = self.memory_plan if phase == "profile" else None
-        return PhaseReply(phase, info, move.exited, move.entered, move.leaks, memory_plan)
+        return PhaseReply(
+            phase=phase,
+            figures=figures,
+            exited=move.exited,
+            entered=move.entered,
+            leaks=move.leaks,
+            memory_plan=memory_plan,
+        )
 
     def _profile(self) -> MemoryPlan:
         cfg, mc = self.cfg, self.model_cfg
         head_bytes = 0 if self.eagle is None else self.eagle.nbytes
         memory_plan = plan_memory(
-            cfg, mc, self.max_model_len, self.model, self.dtype, self.kv_dtype, self.device,
-            head_bytes, self.held_before, free_on(self.device, self.held_before),
-        )  # fmt: skip
+            cfg,
+            mc,
+            self.max_model_len,
+            self.model,
+            self.dtype,
+            self.kv_dtype,
+            self.device,
+            self.parts,
+            head_bytes,
+            self.held_before,
+            free_on(self.device, self.held_before),
+        )
         if self.ranks is not None:  # every rank holds the same pages: those that fit on each
             fitting = self.ranks.min_int(memory_plan.num_kv_blocks)
             memory_plan = with_blocks(memory_plan, fitting)
-        env = KindEnv(
-            cfg, mc, self.dtype, memory_plan.num_kv_blocks, self.device.type, draft_context(cfg)
-        )
+        slots = self.parts.draft_context(cfg)
+        env = KindEnv(cfg, mc, self.dtype, memory_plan.num_kv_blocks, self.device.type, slots)
         kinds = make_kinds(env)
         self.lifecycle.install(kinds, Arena(memory_plan.arena_bytes, self.device))
         shape = (memory_plan.num_kv_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim)
         self.kv = kv_cache.allocate(mc.num_layers, shape, self.kv_dtype, self.device)
-        self.runner = EagerRunner(self.model, self.kv, cfg.block_size)
+        self.steps = ScoredForward(EagerRunner(self.model, self.kv, cfg.block_size), self.prompts)
         rows = self.cfg.max_num_seqs * (self.cfg.num_lookahead_slots + 1)
         self.sampler = Sampler(
-            rows, mc.vocab_size, self.device, self.model.logits_in_place,
+            rows,
+            mc.vocab_size,
+            self.device,
+            self.model.logits_in_place,
             mask_threads=cfg.grammar_mask_threads,
-        )  # fmt: skip
+        )
         if cfg.is_speculative:
-            from memstep.executors.spec.decoder import SpecDecoder, draft_model
-
             spec = kinds["spec"]
             assert isinstance(spec, Spec)
-            draft = draft_model(cfg, mc, self.weights, self.dtype, self.device, self.max_model_len)
-            self.spec = SpecDecoder(
-                cfg, self.model, self.forward, self.requests, self.sampler, spec, draft, self.eagle,
+            self.spec = self.parts.spec_decoder(
+                cfg,
+                self.model,
+                self.steps.forward,
+                self.requests,
+                self.sampler,
+                spec,
+                self.eagle,
                 self.kv,
-            )  # fmt: skip
+                self.weights,
+                self.dtype,
+                self.max_model_len,
+            )
         total = 0
         if self.device.type == "cuda":
             total = torch.cuda.get_device_properties(self.device).total_memory
@@ -271,7 +306,7 @@ class Worker:
         log.info("memory plan", **attrs.asdict(memory_plan))
         return memory_plan
 
-    def _warmup(self, dummy_hidden: torch.Tensor) -> dict:
+    def _warmup(self, dummy_hidden: torch.Tensor) -> PhaseFigures:
         """Run the head once at the most rows, and the sampler, every filter on, at the batch
         sizes that meet all its allocations (`Sampler.warm_sizes`), from the warm-up kind's
         dummy batch ([max rows, hidden], seeded noise)."""
@@ -281,17 +316,15 @@ class Worker:
         torch.randn(dummy_hidden.shape, generator=noise, out=dummy_hidden)
         most = self.sampler.max_rows
         dummy_logits = self.model.logits(dummy_hidden, self.sampler.logits_out(most))
-        params = SamplingParams(temperature=0.7, top_p=0.9, top_k=50, min_p=0.01, seed=0).to_dict()
         for rows in self.sampler.warm_sizes():
             logits = dummy_logits[:rows]
-            sp = SamplingParams.from_dict(params)
+            sp = SamplingParams(temperature=0.7, top_p=0.9, top_k=50, min_p=0.01, seed=0)
             sample_rows = [Row(sp, 0, [], 0) for _ in range(rows)]
             self.sampler.sample(self.sampler.distribution(logits, sample_rows), sample_rows)
-        info: dict = {}
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            info["measured_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
-        return info
+        if self.device.type != "cuda":
+            return PhaseFigures()
+        torch.cuda.synchronize()
+        return PhaseFigures(measured_peak_bytes=torch.cuda.max_memory_allocated(self.device))
 
     # --- steps -----------------------------------------------------------------------------
 
@@ -303,8 +336,9 @@ class Worker:
             self.prompts.forget(request_id)
             if self.spec is not None:
                 self.spec.forget(request_id)
+        admissions = {a.request_id: a for a in step_plan.admitted}
         for seq in step_plan.seqs:
-            self.requests.update(seq)
+            self.requests.update(seq, admissions.get(seq.request_id))
         if step_plan.kind == "spec" and self.spec is not None:
             results, hidden = self.spec.run(step_plan)
         else:
@@ -314,7 +348,7 @@ class Worker:
         for res in results:
             self.requests.append(res.request_id, res.token_ids)
         self._masks_ahead(results)
-        admitted = sum(1 for seq in step_plan.seqs if seq.params)
+        admitted = len(step_plan.admitted)
         self.lifecycle.kinds[step_plan.kind].after_step(
             StepOutputs(hidden, hidden.shape[0], admitted)
         )
@@ -325,9 +359,16 @@ class Worker:
         found = self.detector.observe(step_plan.step, step_plan.kind, mem, work)
         leaks = move.leaks + self._named(found)
         return StepResult(
-            step_plan.step, step_plan.kind, results, mem, move.exited, move.entered, leaks,
-            prompt_logprobs=self.prompts.take(), failed=failed,
-        )  # fmt: skip
+            step=step_plan.step,
+            kind=step_plan.kind,
+            seqs=results,
+            memory=mem,
+            exited=move.exited,
+            entered=move.entered,
+            leaks=leaks,
+            prompt_logprobs=self.prompts.take(),
+            failed=failed,
+        )
 
     def _masks_ahead(self, results: list[SeqResult]) -> None:
         """The next step's masks of the constrained requests that sampled, begun now: computed
@@ -358,14 +399,8 @@ class Worker:
     def forward(
         self, feeds: list[tuple[SeqPlan, list[int]]], ahead: bool = False
     ) -> tuple[torch.Tensor, list[int]]:
-        """Hidden states of the fed tokens and each feed's last row (`Runner.forward`); the
-        prompt chunks of requests that asked for prompt logprobs are scored from them (their
-        every row needed: nothing replayed ahead is taken for such a step)."""
-        if not self.prompts.wanted(feeds):
-            return self.runner.forward(feeds, ahead)
-        hidden, last_rows = self.runner.forward(feeds, False)
-        self.prompts.score(feeds, hidden, last_rows)
-        return hidden, last_rows
+        """`ScoredForward.forward`: hidden states and each feed's last row."""
+        return self.steps.forward(feeds, ahead)
 
     def sample_rows(self, seqs: list[SeqPlan]) -> list[Row]:
         rows = []
@@ -396,14 +431,22 @@ class Worker:
         figures = PendingLogprobs(raw, pending.device, want_logprobs) if raw is not None else None
         # replay the decode step after this one's sampling sequences while the core records
         if ahead:
-            self.runner.run_ahead([(seq, seq.token_ids) for seq in sampled], pending)
+            self.steps.runner.run_ahead([(seq, seq.token_ids) for seq in sampled], pending)
         device_tokens = pending.host.values()
         tokens = pending.settle(device_tokens)
         logprobs = figures.rows(tokens, device_tokens) if figures is not None else None
         results = []
         for i, (seq, tok) in enumerate(zip(sampled, tokens, strict=True)):
             lp = [logprobs[i]] if logprobs is not None and rows[i].params.logprobs else []
-            results.append(SeqResult(seq.request_id, [tok], lp, 0, 0))
+            results.append(
+                SeqResult(
+                    request_id=seq.request_id,
+                    token_ids=[tok],
+                    logprobs=lp,
+                    num_proposed=0,
+                    num_accepted=0,
+                )
+            )
         return results, h
 
     def _measure(self) -> MemoryReport:

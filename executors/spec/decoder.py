@@ -18,12 +18,11 @@ from memstep.core.model_config import ModelConfig
 from memstep.events.plan import SeqPlan, SeqResult, StepPlan
 from memstep.executors.cpu.threads import small_work
 from memstep.executors.model.kv_cache import KvCaches
-from memstep.executors.model.llama import LlamaModel
+from memstep.executors.model.llama import Backend, LlamaModel
 from memstep.executors.model.weights import Weights
-from memstep.executors.runtime.backends import pick_backend
 from memstep.executors.runtime.batch_builder import Feed
 from memstep.executors.runtime.random_stream import ACCEPT, SAMPLE, uniform
-from memstep.executors.runtime.request_states import RequestStates
+from memstep.executors.runtime.running_requests import RunningRequests
 from memstep.executors.runtime.sampler import Row, Sampler, inverse_cdf, top_logprobs
 from memstep.executors.spec.eagle import head_path
 from memstep.executors.spec.eagle_head import EagleHead
@@ -39,9 +38,11 @@ def draft_model(
     dtype: torch.dtype,
     device: torch.device,
     max_len: int,
+    backend_of: Callable[..., Backend],
 ) -> LlamaModel | None:
     """The draft model of `speculative_method="draft"`: a model folder of its own, or the
-    target's first layers over the target's own weights; None for other methods."""
+    target's first layers over the target's own weights; None for other methods. `backend_of`:
+    how a backend is picked (executors/process/assemble.py `pick_backend`)."""
     if cfg.speculative_method != "draft":
         return None
     dcfg = draft_config(cfg, target)
@@ -53,7 +54,7 @@ def draft_model(
             resolve(cfg.draft_model, cfg.random_weights_seed), dcfg, dtype, device
         )
     # its cache is the spec kind's `draft_kv`, in the model's dtype; torch attends its rows
-    backend = pick_backend(device, dcfg, weights, dtype, decode_attention=False)
+    backend = backend_of(device, dcfg, weights, dtype, decode_attention=False)
     return LlamaModel(dcfg, weights, max_len + cfg.num_speculative_tokens + 16, backend)
 
 
@@ -85,14 +86,14 @@ def eagle_head(cfg: EngineConfig, target: LlamaModel) -> EagleHead | None:
 class SpecDecoder:
     """Runs `spec` steps. Owns nothing between steps: the draft state lives in the `spec` kind
     (its buffers, `draft_len` and `hidden_of`), the request states in the worker's
-    `RequestStates`."""
+    `RunningRequests`."""
 
     def __init__(
         self,
         cfg: EngineConfig,
         target: LlamaModel,
         forward: Callable[[list[Feed]], tuple[torch.Tensor, list[int]]],
-        requests: RequestStates,
+        requests: RunningRequests,
         sampler: Sampler,
         spec: Spec,
         draft: LlamaModel | None,
@@ -137,8 +138,9 @@ class SpecDecoder:
     def run(self, plan: StepPlan) -> tuple[list[SeqResult], torch.Tensor]:
         if self.tree is not None:
             return self.tree.run(plan)
+        admitted = plan.admitted_ids
         for seq in plan.seqs:
-            if seq.start_pos == 0 or seq.params:
+            if seq.request_id in admitted:
                 # admitted (again): the draft KV holds nothing of it, even where a prefix hit
                 # reuses the target's pages, so the draft catches up from position 0
                 self.forget(seq.request_id)

@@ -124,9 +124,15 @@ class CpuHead:
         keys, values = self._pages(context)
         flat = (2 * rows * width + slots).to(torch.int64)
         cpu_kernels.rope_and_write_kv(
-            qkv, self.cos, self.sin, positions.to(torch.int64), flat, keys, values,
+            qkv,
+            self.cos,
+            self.sin,
+            positions.to(torch.int64),
+            flat,
+            keys,
+            values,
             self.cfg.num_heads,
-        )  # fmt: skip
+        )
 
     def draft_rows(
         self,

@@ -15,7 +15,7 @@ from memstep.events.plan import SeqPlan
 from memstep.executors.model.llama import LlamaModel
 from memstep.executors.runtime.batch_builder import build_batch
 from memstep.executors.runtime.random_stream import DRAFT
-from memstep.executors.runtime.request_states import RequestStates
+from memstep.executors.runtime.running_requests import RunningRequests
 from memstep.executors.runtime.sampler import Sampler
 from memstep.executors.spec.eagle_head import EagleHead
 from memstep.states.kinds import Spec
@@ -45,7 +45,7 @@ class DraftModelProposer:
         self,
         model: LlamaModel,
         spec: Spec,
-        requests: RequestStates,
+        requests: RunningRequests,
         sampler: Sampler,
         block_size: int,
     ):
@@ -139,7 +139,7 @@ class EagleProposer:
     re-entered) drafts nothing this step: its verify forward gives the state for the next, and
     its context starts again from there."""
 
-    def __init__(self, head: EagleHead, spec: Spec, requests: RequestStates):
+    def __init__(self, head: EagleHead, spec: Spec, requests: RunningRequests):
         self.head = head
         self.spec = spec
         self.requests = requests

@@ -26,7 +26,7 @@ from memstep.executors.model.kv_cache import KvCaches, move_slots, slot_of
 from memstep.executors.model.llama import LlamaModel
 from memstep.executors.runtime.batch_builder import Feed, TreeTokens
 from memstep.executors.runtime.random_stream import ACCEPT, SAMPLE, SIBLING, uniform
-from memstep.executors.runtime.request_states import RequestStates
+from memstep.executors.runtime.running_requests import RunningRequests
 from memstep.executors.runtime.sampler import Row, Sampler, inverse_cdf, top_logprobs
 from memstep.executors.spec.proposers import DraftTree, EagleProposer
 from memstep.states.kinds import Spec
@@ -41,7 +41,7 @@ class TreeStep:
         cfg: EngineConfig,
         target: LlamaModel,
         forward: Callable[[list[Feed]], tuple[torch.Tensor, list[int]]],
-        requests: RequestStates,
+        requests: RunningRequests,
         sampler: Sampler,
         spec: Spec,
         eagle: EagleProposer,
@@ -54,8 +54,9 @@ class TreeStep:
     def run(self, plan: StepPlan) -> tuple[list[SeqResult], torch.Tensor]:
         """`SpecDecoder.run` with draft trees: propose, verify in one forward, accept, keep the
         accepted path's K/V and hidden states where a chain's would be."""
+        admitted = plan.admitted_ids
         for seq in plan.seqs:
-            if seq.start_pos == 0 or seq.params:
+            if seq.request_id in admitted:
                 self.spec.forget(seq.request_id)  # as `SpecDecoder.run`: the head starts afresh
         trees = self._propose(plan.seqs)
         feeds = [(s, _fed(s, trees.get(s.request_id))) for s in plan.seqs]

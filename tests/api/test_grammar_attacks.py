@@ -1,7 +1,7 @@
 """Issue 55's attacks on structured outputs, each against a real `memstep serve` (SmolLM2) with
 4 plain streams running beside it: the attack gets a 4xx with the reason, no stream pauses more
 than a second, /health stays 200 and the server serves on.  The constraints are refused by
-their bounds before any compile (core/grammar_limits.py) or by a check in a worker process
+their bounds before any compile (events/grammar_limits.py) or by a check in a worker process
 (core/grammar_check.py); ids from the socket are range-checked at the door."""
 
 from __future__ import annotations

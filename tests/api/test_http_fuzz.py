@@ -30,8 +30,22 @@ NUM_CONNECTIONS = 16
 REAL_EVERY = 400  # one real request among this many
 OUTSIZED_EVERY = 1_999  # a 5 MiB body or a 20 MB header line among this many
 RSS_SLACK = 12 << 20  # the front's growth allowed over 20,000 requests (a leak was 72 MB)
-FIELDS = ["prompt", "max_tokens", "top_k", "seed", "temperature", "top_p", "n", "stop",
-          "stream", "logprobs", "messages", "min_p", "stream_options", "ignore_eos"]  # fmt: skip
+FIELDS = [
+    "prompt",
+    "max_tokens",
+    "top_k",
+    "seed",
+    "temperature",
+    "top_p",
+    "n",
+    "stop",
+    "stream",
+    "logprobs",
+    "messages",
+    "min_p",
+    "stream_options",
+    "ignore_eos",
+]
 HUGE = [2**64, 2**64 + 1, 10**30, -(2**64), 2**63, -(10**40)]
 ODD = [None, True, -1, 0.5, "x", [], {}, [[]], {"a": [1]}, "\ud800", "\udfff x", 1e308, -0.0]
 

@@ -307,20 +307,29 @@ def test_logit_bias_min_tokens_and_stop_token_ids_over_http(server, sdk):
         )
     assert pushed.token_ids == [forced] * 4
     biased = sdk.completions.create(
-        model="smollm2", prompt=PROMPT, temperature=0, max_tokens=4,
+        model="smollm2",
+        prompt=PROMPT,
+        temperature=0,
+        max_tokens=4,
         logit_bias={str(forced): 100},
-    )  # fmt: skip
+    )
     assert biased.choices[0].text == pushed.text
     stop_id = free.token_ids[2]
     cut = sdk.completions.create(
-        model="smollm2", prompt=PROMPT, temperature=0, max_tokens=12,
+        model="smollm2",
+        prompt=PROMPT,
+        temperature=0,
+        max_tokens=12,
         extra_body={"stop_token_ids": [stop_id]},
-    )  # fmt: skip
+    )
     assert cut.choices[0].finish_reason == "stop" and cut.usage.completion_tokens == 3
     held = sdk.completions.create(
-        model="smollm2", prompt=PROMPT, temperature=0, max_tokens=12,
+        model="smollm2",
+        prompt=PROMPT,
+        temperature=0,
+        max_tokens=12,
         extra_body={"stop_token_ids": [stop_id], "min_tokens": 4},
-    )  # fmt: skip
+    )
     assert held.usage.completion_tokens > 3
     for bad, says in (({"x": 1}, "not a token id"), ({str(forced): 500}, "in [-100, 100]")):
         with pytest.raises(openai.BadRequestError, match=re.escape(says)):

@@ -53,7 +53,7 @@ def test_a_finished_carried_request_s_text_is_cut_where_the_engine_cut_it():
 
     def carried(**params) -> Carried:
         sp = SamplingParams(stop=(".",), max_tokens=16, seed=1, **params)
-        return Carried("req-1", [1], sp.to_dict(), ids, 0.0, "c1", "stop")
+        return Carried("req-1", [1], sp, ids, 0.0, "c1", "stop")
 
     assert _finished_text(decode, carried()) == "ab"
     assert _finished_text(decode, carried(include_stop_str_in_output=True)) == "ab."

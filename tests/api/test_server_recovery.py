@@ -34,11 +34,14 @@ KILL_STEPS = (5, 14, 24)
 
 
 def _requests(n_seeded: int, n_greedy: int, max_tokens: int, **extra) -> list:
-    seeded = [SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=100 + i, **extra)
-              for i in range(n_seeded)]  # fmt: skip
+    seeded = [
+        SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=100 + i, **extra)
+        for i in range(n_seeded)
+    ]
     greedy = [SamplingParams(max_tokens=max_tokens, temperature=0.0, **extra)] * n_greedy
-    return [(f"Write one sentence about the number {i}.", sp)
-            for i, sp in enumerate(seeded + greedy)]  # fmt: skip
+    return [
+        (f"Write one sentence about the number {i}.", sp) for i, sp in enumerate(seeded + greedy)
+    ]
 
 
 def _clean_run(model: str, requests: list) -> list[Completion]:
@@ -52,8 +55,12 @@ def _clean_run(model: str, requests: list) -> list[Completion]:
 
 
 def _wire(sp: SamplingParams) -> dict:
-    return {"max_tokens": sp.max_tokens, "temperature": sp.temperature, "seed": sp.seed,
-            "ignore_eos": sp.ignore_eos}  # fmt: skip
+    return {
+        "max_tokens": sp.max_tokens,
+        "temperature": sp.temperature,
+        "seed": sp.seed,
+        "ignore_eos": sp.ignore_eos,
+    }
 
 
 async def _stream_all(address: str, requests: list, started: asyncio.Event | None = None) -> list:
@@ -124,8 +131,11 @@ def test_three_executor_kills_on_smollm2_lose_no_token_and_the_log_replays():
     assert stats.num_requeues == evicted.count("recovery") > 0  # the losses' requeues, apart
     assert stats.num_preemptions == evicted.count("preemption")
     for r in done:
-        print(f"\nrecovery at step {r.step}: {r.seconds:.2f} s ({r.num_readmitted} requests, "
-              f"{r.tokens_to_recompute} tokens recomputed)", end="")  # fmt: skip
+        print(
+            f"\nrecovery at step {r.step}: {r.seconds:.2f} s ({r.num_readmitted} requests, "
+            f"{r.tokens_to_recompute} tokens recomputed)",
+            end="",
+        )
     assert replayed.returncode == 0, replayed.stdout + replayed.stderr
 
 

@@ -35,11 +35,14 @@ SMOL = ["--model", "smollm2", "--dtype", "float32", "--num-threads", "1"]
 
 
 def _requests(n_seeded: int, n_greedy: int, max_tokens: int, **extra) -> list:
-    seeded = [SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=200 + i, **extra)
-              for i in range(n_seeded)]  # fmt: skip
+    seeded = [
+        SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=200 + i, **extra)
+        for i in range(n_seeded)
+    ]
     greedy = [SamplingParams(max_tokens=max_tokens, temperature=0.0, **extra)] * n_greedy
-    return [(f"Write one sentence about the number {i}.", sp)
-            for i, sp in enumerate(seeded + greedy)]  # fmt: skip
+    return [
+        (f"Write one sentence about the number {i}.", sp) for i, sp in enumerate(seeded + greedy)
+    ]
 
 
 def _clean_run(model: str, requests: list) -> list[Completion]:
@@ -53,8 +56,12 @@ def _clean_run(model: str, requests: list) -> list[Completion]:
 
 
 def _wire(sp: SamplingParams) -> dict:
-    return {"max_tokens": sp.max_tokens, "temperature": sp.temperature, "seed": sp.seed,
-            "ignore_eos": sp.ignore_eos}  # fmt: skip
+    return {
+        "max_tokens": sp.max_tokens,
+        "temperature": sp.temperature,
+        "seed": sp.seed,
+        "ignore_eos": sp.ignore_eos,
+    }
 
 
 async def _stream_until_killed(server: ServerProcess, requests: list, kill_at: int) -> list:

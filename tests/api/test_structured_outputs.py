@@ -68,9 +68,13 @@ def sdk(server):
 def _schema_reply(sdk, seed: int):
     fmt = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}}
     return sdk.chat.completions.create(
-        model="smollm2", messages=ASK, temperature=1.0, seed=seed, max_tokens=60,
+        model="smollm2",
+        messages=ASK,
+        temperature=1.0,
+        seed=seed,
+        max_tokens=60,
         response_format=fmt,
-    )  # fmt: skip
+    )
 
 
 def test_json_schema_validates_in_20_of_20_samples(sdk):
@@ -85,26 +89,38 @@ def test_json_schema_validates_in_20_of_20_samples(sdk):
 
 def test_regex_choice_grammar_and_json_object(sdk):
     date = sdk.completions.create(
-        model="smollm2", prompt="The date today is", max_tokens=16, temperature=0,
+        model="smollm2",
+        prompt="The date today is",
+        max_tokens=16,
+        temperature=0,
         extra_body={"guided_regex": DATE},
-    )  # fmt: skip
+    )
     assert re.fullmatch(DATE, date.choices[0].text), date.choices[0].text
     choice = sdk.chat.completions.create(
-        model="smollm2", messages=[{"role": "user", "content": "Is the sky blue?"}],
-        max_tokens=8, temperature=0, extra_body={"guided_choice": ["yes", "no", "maybe"]},
-    )  # fmt: skip
+        model="smollm2",
+        messages=[{"role": "user", "content": "Is the sky blue?"}],
+        max_tokens=8,
+        temperature=0,
+        extra_body={"guided_choice": ["yes", "no", "maybe"]},
+    )
     assert choice.choices[0].message.content in ("yes", "no", "maybe")
     gbnf = 'root ::= "The answer is " digit digit "."\ndigit ::= [0-9]'
     grammar = sdk.completions.create(
-        model="smollm2", prompt="Q: 6 times 7? A:", max_tokens=12, temperature=0,
+        model="smollm2",
+        prompt="Q: 6 times 7? A:",
+        max_tokens=12,
+        temperature=0,
         extra_body={"structured_outputs": {"grammar": gbnf}},
-    )  # fmt: skip
+    )
     assert re.fullmatch(r"The answer is \d\d\.", grammar.choices[0].text)
     short = [{"role": "user", "content": "What is the capital of France? Answer in JSON."}]
     obj = sdk.chat.completions.create(
-        model="smollm2", messages=short, max_tokens=48, temperature=0,
+        model="smollm2",
+        messages=short,
+        max_tokens=48,
+        temperature=0,
         response_format={"type": "json_object"},
-    )  # fmt: skip
+    )
     text = obj.choices[0].message.content
     assert obj.choices[0].finish_reason == "stop", text
     assert isinstance(json.loads(text), dict)
@@ -142,8 +158,15 @@ def test_required_tool_call_validates_whole_and_streamed(sdk):
 
 def test_tool_streams_send_content_as_it_comes_with_its_logprobs(sdk):
     ask = [{"role": "user", "content": "Say hello to Ada in one sentence."}]
-    kw = dict(model="smollm2", messages=ask, tools=[WEATHER], max_tokens=12, temperature=0,
-              logprobs=True, top_logprobs=2)  # fmt: skip
+    kw = dict(
+        model="smollm2",
+        messages=ask,
+        tools=[WEATHER],
+        max_tokens=12,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     whole = sdk.chat.completions.create(**kw).choices[0]
     assert not whole.message.tool_calls and whole.message.content
     chunks = list(sdk.chat.completions.create(**kw, stream=True))
@@ -160,9 +183,14 @@ def test_named_tool_choice_and_none(sdk):
     ask = [{"role": "user", "content": "Weather in Rome, in fahrenheit?"}]
     named = {"type": "function", "function": {"name": "get_weather"}}
     reply = sdk.chat.completions.create(
-        model="smollm2", messages=ask, tools=[WEATHER], tool_choice=named,
-        parallel_tool_calls=False, max_tokens=100, temperature=0,
-    )  # fmt: skip
+        model="smollm2",
+        messages=ask,
+        tools=[WEATHER],
+        tool_choice=named,
+        parallel_tool_calls=False,
+        max_tokens=100,
+        temperature=0,
+    )
     assert len(reply.choices[0].message.tool_calls) == 1
     _check_call(reply.choices[0].message.tool_calls[0])
     plain = sdk.chat.completions.create(
@@ -174,12 +202,19 @@ def test_named_tool_choice_and_none(sdk):
 @pytest.mark.parametrize(
     "extra, reason",
     [
-        ({"response_format": {"type": "json_schema", "json_schema": {
-            "name": "x", "schema": {"type": "objectx"}}}}, "objectx"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "objectx"}},
+                }
+            },
+            "objectx",
+        ),
         ({"extra_body": {"guided_grammar": "start: missing_rule"}}, "missing_rule"),
         ({"extra_body": {"guided_regex": "(unclosed"}}, "unclosed"),
     ],
-)  # fmt: skip
+)
 def test_uncompilable_constraint_is_a_400_and_serving_goes_on(sdk, extra, reason):
     with pytest.raises(openai.BadRequestError) as err:
         sdk.chat.completions.create(model="smollm2", messages=ASK, max_tokens=4, **extra)

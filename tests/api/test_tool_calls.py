@@ -21,8 +21,10 @@ ASK = [{"role": "user", "content": "hi"}]
 
 
 def test_hermes_blocks_and_llama_json_parse_into_tool_calls():
-    text = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>\n<tool_call>\n' \
-        '{"name": "g", "arguments": {}}\n</tool_call>'  # fmt: skip
+    text = (
+        '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>\n<tool_call>\n'
+        '{"name": "g", "arguments": {}}\n</tool_call>'
+    )
     content, calls = parse_calls(text)
     assert content == "" and [c["function"]["name"] for c in calls] == ["f", "g"]
     assert json.loads(calls[0]["function"]["arguments"]) == {"x": 1}
@@ -102,8 +104,9 @@ def test_content_streams_at_once_and_only_a_possible_marker_waits():
 
 
 def test_required_and_named_choices_force_a_grammar_and_bad_ones_are_400s():
-    job = parse_chat({"model": "m", "messages": ASK, "tools": [TOOL],
-                      "tool_choice": "required"}, "m")  # fmt: skip
+    job = parse_chat(
+        {"model": "m", "messages": ASK, "tools": [TOOL], "tool_choice": "required"}, "m"
+    )
     grammar = job.params[0]["guided_grammar"]
     assert '"const": "f"' in grammar and '("\\n" call)*' in grammar and job.calls_tools
     assert "<tools>" in job.prompts[0]["messages"][0]["content"]
@@ -111,8 +114,10 @@ def test_required_and_named_choices_force_a_grammar_and_bad_ones_are_400s():
     assert "guided_grammar" not in auto.params[0] and auto.calls_tools
     none = parse_chat({"model": "m", "messages": ASK, "tools": [TOOL], "tool_choice": "none"}, "m")
     assert not none.calls_tools and none.prompts[0]["messages"] == ASK
-    for bad in ({"tool_choice": {"type": "function", "function": {"name": "nope"}}},
-                {"tool_choice": "required", "guided_regex": "a"}):  # fmt: skip
+    for bad in (
+        {"tool_choice": {"type": "function", "function": {"name": "nope"}}},
+        {"tool_choice": "required", "guided_regex": "a"},
+    ):
         with pytest.raises(OpenAIError) as err:
             parse_chat({"model": "m", "messages": ASK, "tools": [TOOL], **bad}, "m")
         assert err.value.status == 400

@@ -20,9 +20,14 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 # 1 layer: attention 4*2*(2*2 + 2*1) = 48, MLP 3*4*8 = 96, head 10*4 = 40 -> 184 parameters
 MC = ModelConfig(
-    num_layers=1, hidden_size=4, intermediate_size=8, num_heads=2, num_kv_heads=1,
-    vocab_size=10, head_dim=2,
-)  # fmt: skip
+    num_layers=1,
+    hidden_size=4,
+    intermediate_size=8,
+    num_heads=2,
+    num_kv_heads=1,
+    vocab_size=10,
+    head_dim=2,
+)
 FLOPS = 2 * 184  # a token's FLOPs; also the weights' bytes in bf16
 LOAD = {"prompt": 10.0, "output": 5.0, "context": 20.0}  # KV: 1 layer * 2 * 1 head * 2 * 2 = 8 B
 
@@ -175,8 +180,10 @@ def test_quick_runs_on_the_cpu_over_zmq_and_http_then_at_twice_capacity(tmp_path
     argv = ["--quick", "--rate-start", "16", "--overload-prompts", "12", "--engine-flags", flags]
     done = subprocess.run(
         [sys.executable, str(BENCHMARKS / "bench_capacity.py"), *argv, "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "bench_capacity.json").read_text())
     assert report["workload"]["num_prompts"] == 12 and report["slo_ms"]["p99_ttft"] == 2000
@@ -198,8 +205,11 @@ def test_quick_runs_on_the_cpu_over_zmq_and_http_then_at_twice_capacity(tmp_path
 def test_ideal_only_serves_nothing_and_prints_the_floor_beside_the_ideal(tmp_path):
     done = subprocess.run(
         [sys.executable, str(BENCHMARKS / "bench_capacity.py"), "--quick", "--ideal-only"],
-        capture_output=True, text=True, timeout=120, cwd=tmp_path,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "ideal engine on cpu" in done.stdout and "kernel floor" in done.stdout
     assert "zmq:" not in done.stdout and not (tmp_path / "bench_capacity_out").exists()

@@ -25,7 +25,11 @@ def test_the_kill_run_migrates_and_fails_no_request():
     bench = _bench()
     args = bench.parse(["--quick", "--num-prompts", "16", "--kill-at", "0.5"])
     assert (args.model, args.num_prompts, args.kill_at, args.request_rate) == (
-        "random:tiny", 16, 0.5, 20.0)  # fmt: skip
+        "random:tiny",
+        16,
+        0.5,
+        20.0,
+    )
     label, flags, kill, env = bench.plan(args)[0]
     out = bench.run_one(label, flags, bench.samples_of(args), args, kill, env)
     assert (out["completed"], out["failed"]) == (16, 0)

@@ -13,8 +13,9 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_structured.
 
 
 def test_quick_run_prints_both_mixes_and_the_compile_cache():
-    res = subprocess.run([sys.executable, str(SCRIPT), "--quick"], capture_output=True,
-                         text=True, timeout=300)  # fmt: skip
+    res = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick"], capture_output=True, text=True, timeout=300
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     out = res.stdout
     # the H200 command's path: a random model with SmolLM2's tokenizer (not random:tiny's bytes)

@@ -68,8 +68,12 @@ def test_requests_finish_as_without_the_losses(clean, killed):
     assert started[0].tokens_to_recompute == sum(len(t) for t in _prompt_ids(records)) + 10 * 3
     assert [r.num_starts for r in _of(records, RecoveryDone)] == [1, 1, 1]
     phases = [(r.old, r.new) for r in _of(records, PhaseChanged) if r.step == 3]
-    assert phases == [("no_spec", "recover"), ("recover", "profile"), ("profile", "warmup"),
-                      ("warmup", "capture")]  # fmt: skip
+    assert phases == [
+        ("no_spec", "recover"),
+        ("recover", "profile"),
+        ("profile", "warmup"),
+        ("warmup", "capture"),
+    ]
 
 
 def _prompt_ids(records: list) -> list[list[int]]:

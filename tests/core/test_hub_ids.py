@@ -10,11 +10,18 @@ import pytest
 from memstep.core.model_source import ModelError, model_config, resolve
 
 QWEN3 = {
-    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 64,
-    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256, "rms_norm_eps": 1e-6,
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 256,
+    "rms_norm_eps": 1e-6,
     "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
-}  # fmt: skip
+}
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ from __future__ import annotations
 from memstep.core.config import EngineConfig
 from memstep.core.sampling_params import SamplingParams
 from memstep.executors.process.inprocess import local_engine
-from memstep.executors.runtime.request_states import RequestStates
+from memstep.executors.runtime.running_requests import RunningRequests
 
 CFG = EngineConfig(model="random:tiny", num_threads=1, block_size=4, enable_prefix_caching=False)
 PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -15,12 +15,12 @@ PROMPTS = [[5, 17, 200, 3, 9, 11], [7, 8, 9], [100, 101, 102, 103, 104, 105, 106
 
 
 def _plans_as_sent(engine) -> list[tuple[str, int, list[int]]]:
-    """Wrap the executor: each plan's (request, table_from, block_table) before it runs."""
+    """Wrap the executor: each plan's (request, num_pages_held, block_table) before it runs."""
     sent: list[tuple[str, int, list[int]]] = []
     execute = engine.executor.execute
 
     def noted(plan):
-        sent.extend((s.request_id, s.table_from, list(s.block_table)) for s in plan.seqs)
+        sent.extend((s.request_id, s.num_pages_held, list(s.block_table)) for s in plan.seqs)
         return execute(plan)
 
     engine.executor.execute = noted
@@ -61,7 +61,7 @@ def test_an_executor_that_drops_the_pages_held_changes_the_output(monkeypatch):
     def tail_only(seq, state):  # broken on purpose: the tail taken for the whole table
         state.table = seq.block_table
 
-    monkeypatch.setattr(RequestStates, "_whole_table", staticmethod(tail_only))
+    monkeypatch.setattr(RunningRequests, "_whole_table", staticmethod(tail_only))
     broken = local_engine(CFG)
     try:
         bad = [c.token_ids for c in broken.generate(PROMPTS, PARAMS)]

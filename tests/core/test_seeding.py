@@ -25,7 +25,7 @@ def tiny_engine(seed: int | None):
 
 
 def added_seeds(records: list[object]) -> list[int]:
-    return [r.params["seed"] for r in records if isinstance(r, RequestAdded)]
+    return [r.params.seed for r in records if isinstance(r, RequestAdded)]
 
 
 def test_unseeded_requests_draw_from_the_engine_seed_in_arrival_order():

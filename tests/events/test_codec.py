@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from memstep.events import codec, plan
 from memstep.events.codec import CodecError, decode, encode, from_obj, to_obj
+from memstep.events.sampling_params import SamplingParams
 from memstep.events.types import (
     REGISTRY,
     DraftLengthChanged,
@@ -64,7 +65,7 @@ SAMPLES: list[object] = [
         step=3,
         request_id="req-0007",
         prompt_token_ids=[1, 15043, 29892, 920, 526, 366, 29973],
-        params={"temperature": 0.7, "top_p": 0.95, "max_tokens": 64, "seed": 1234},
+        params=SamplingParams(temperature=0.7, top_p=0.95, max_tokens=64, seed=1234),
         arrival_time=1717171717.25,
     ),
     RequestAborted(step=9, request_id="req-0007"),
@@ -102,7 +103,7 @@ SAMPLES: list[object] = [
         step=0,
         request_id="req-0007",
         prompt_token_ids=[1, 15043, 29892, 920],
-        params={"temperature": 0.8, "max_tokens": 64, "seed": 1234},
+        params=SamplingParams(temperature=0.8, max_tokens=64, seed=1234),
         output_token_ids=[319, 4086, 13],
         arrival_time=1717171717.25,
     ),
@@ -113,6 +114,16 @@ SAMPLES: list[object] = [
     DraftLengthChanged(step=40, request_id="req-12", old=3, new=2),
     RequestTimed(
         step=31, request_id="req-7", reason="length", ttft_s=0.041, e2e_s=1.93, queue_s=None
+    ),
+    SamplingParams(
+        max_tokens=32,
+        temperature=0.6,
+        seed=9,
+        stop_token_ids=[2, 13],
+        logit_bias={"7": 3.0, "11": -50},
+        stop=[".", "\n\n"],
+        guided_choice=["yes", "no"],
+        prompt_logprobs=1,
     ),
 ]
 
@@ -155,7 +166,23 @@ def values_for(tp: Any) -> st.SearchStrategy[Any]:
     return records_of(tp)
 
 
+# SamplingParams refuses most values of its fields' types: valid ones, by field
+SAMPLING_FIELDS: dict[str, st.SearchStrategy[Any]] = {
+    "max_tokens": st.integers(8, 100),
+    "temperature": st.floats(0, 2),
+    "top_k": st.integers(0, 50),
+    "seed": st.none() | st.integers(0, 2**63 - 1),
+    "stop_token_ids": st.lists(st.integers(0, 2**31), max_size=3),
+    "min_tokens": st.integers(0, 8),
+    "logit_bias": st.dictionaries(st.integers(0, 2**31), st.floats(-100, 100), max_size=3),
+    "stop": st.lists(TEXT.filter(bool), max_size=3),
+    "prompt_logprobs": st.none() | st.integers(0, 20),
+}
+
+
 def records_of(cls: type) -> st.SearchStrategy[Any]:
+    if cls is SamplingParams:
+        return st.builds(cls, **SAMPLING_FIELDS)
     hints = typing.get_type_hints(cls)
     # deferred, so that building the strategy of a self-nesting record does not recurse forever
     fields = {
@@ -217,7 +244,7 @@ def plan_rows(*seqs: plan.SeqPlan) -> dict:
 
 
 def test_a_bad_row_value_is_named_with_its_row_and_field():
-    seq = plan.SeqPlan("r", 0, [1, 2], [0], True, 0, 2, {})
+    seq = plan.SeqPlan("r", 0, [1, 2], [0], True, 0, 2)
     obj = plan_rows(seq, seq)
     obj["seqs"][1][2] = [1, "2"]  # token_ids
     match = r"StepPlan\.seqs\[1\]: SeqPlan\.token_ids\[1\]: expected int, got str"
@@ -239,7 +266,7 @@ def test_a_bad_row_value_is_named_with_its_row_and_field():
 def test_a_long_plan_is_checked_by_column_and_a_bad_item_in_its_last_row_is_named():
     """A plan's rows are checked a column at a time (events/codec.py `_rows_by_column`): every
     item of every list still counts, and what is wrong is then named row by row."""
-    seqs = [plan.SeqPlan(f"r{i}", i, [i], list(range(i % 40)), True, 0, i, {}) for i in range(1000)]
+    seqs = [plan.SeqPlan(f"r{i}", i, [i], list(range(i % 40)), True, 0, i) for i in range(1000)]
     obj = plan_rows(*seqs)
     assert from_obj(obj) == plan.StepPlan(0, "no_spec", seqs, [])
     obj["seqs"][999][3][-1] = True  # a bool in block_table, which msgpack keeps apart from int
@@ -248,9 +275,9 @@ def test_a_long_plan_is_checked_by_column_and_a_bad_item_in_its_last_row_is_name
 
 
 def test_an_all_empty_column_skips_its_decoder_but_not_its_type_check():
-    """A column whose values are all empty (the logprobs of a step without them, the params of
-    admitted requests) is taken without calling its decoder per row; an empty value of the
-    wrong container type is still refused, and named."""
+    """A column whose values are all empty (the logprobs of a step without them) is taken
+    without calling its decoder per row; an empty value of the wrong container type is still
+    refused, and named."""
     seqs = [plan.SeqResult(f"r{i}", [i], [], 0, 0) for i in range(100)]
     mem = MemoryReport(*range(9))
     rec = plan.StepResult(0, "no_spec", seqs, mem, [], [], [])
@@ -259,10 +286,6 @@ def test_an_all_empty_column_skips_its_decoder_but_not_its_type_check():
     obj["seqs"][57][2] = {}  # logprobs: an empty map where a list is typed
     with pytest.raises(CodecError, match=r"seqs\[57\]: SeqResult\.logprobs: expected list"):
         from_obj(obj)
-    step = plan_rows(*[plan.SeqPlan(f"r{i}", i, [i], [0], True, 0, 1, {}) for i in range(50)])
-    step["seqs"][49][7] = []  # params: an empty list where a map is typed
-    with pytest.raises(CodecError, match=r"seqs\[49\]: SeqPlan\.params: expected dict"):
-        from_obj(step)
 
 
 def test_nested_records_encode_as_tagged_maps():
@@ -273,10 +296,15 @@ def test_nested_records_encode_as_tagged_maps():
         "kind": "decode",
         "bytes_released": 0,
         "ledger": [
-            {"t": "LedgerEntry", "owner": "decode", "buffer": "kv_pages", "nbytes": 64 << 20,
-             "step_claimed": 0},
+            {
+                "t": "LedgerEntry",
+                "owner": "decode",
+                "buffer": "kv_pages",
+                "nbytes": 64 << 20,
+                "step_claimed": 0,
+            },
         ],
-    }  # fmt: skip
+    }
     assert to_obj(rec) == expected
     assert msgpack.unpackb(encode(rec), raw=False) == expected
 
@@ -315,10 +343,14 @@ VALID = encode(SAMPLES[3])
         (msgpack.packb({"t": 7}), "unknown record type 7"),
         (msgpack.packb({"t": [[[[[[7]]]]]]}), r"unknown record type \[\[\[\[\.\.\.\]\]\]\]$"),
         (msgpack.packb({"t": "__init__"}), "unknown record type"),
-        (msgpack.packb({"t": "PhaseChanged", "step": msgpack.ExtType(5, b"x"), "old": "a",
-                        "new": "b"}), "holds a value of type ExtType"),
+        (
+            msgpack.packb(
+                {"t": "PhaseChanged", "step": msgpack.ExtType(5, b"x"), "old": "a", "new": "b"}
+            ),
+            "holds a value of type ExtType",
+        ),
     ],
-)  # fmt: skip
+)
 def test_malformed_bytes_raise_codec_error(data, match):
     with pytest.raises(CodecError, match=match):
         decode(data)
@@ -459,14 +491,14 @@ def test_decode_walks_untyped_fields_as_unpack_walks_frames(value):
     """`decode` walks only untyped list and dict fields (the rest is typed): a value there
     nested too deeply or holding an ext type is refused as a whole frame is, and named; the
     same value typed elsewhere fails that field's check."""
-    obj = plan_rows(plan.SeqPlan("r", 0, [1], [0], True, 0, 1, {}))
-    obj["seqs"][0][7] = {"stop": value}  # params
+    obj = to_obj(SAMPLES[2]) | {"config": {"stop": value}}  # EngineStarted.config: untyped
     with pytest.raises(CodecError, match="value of type|nested deeper") as err:
         decode(msgpack.packb(obj))
-    assert "ExtType" in str(err.value) or "StepPlan.seqs[0]: SeqPlan.params" in str(err.value)
-    obj["seqs"][0][7] = {}
-    obj["seqs"][0][8] = [value]  # prefix_ids
-    with pytest.raises(CodecError, match=r"SeqPlan.prefix_ids\[0\]: expected int|ExtType"):
+    assert "ExtType" in str(err.value) or "EngineStarted.config" in str(err.value)
+    obj = to_obj(SAMPLES[3])
+    obj["params"]["stop_token_ids"] = [value]
+    match = r"RequestAdded.params: SamplingParams.stop_token_ids\[0\]: expected int|ExtType"
+    with pytest.raises(CodecError, match=match):
         decode(msgpack.packb(obj))
 
 
@@ -482,6 +514,8 @@ def schema_depths(tp: Any, seen: tuple = ()) -> list[None]:
         assert tp not in seen, f"{tp.__name__} nests itself"
         hints = typing.get_type_hints(tp).values()
         return [None, *max((schema_depths(h, (*seen, tp)) for h in hints), key=len, default=[])]
+    if origin is tuple:
+        return [None, *max((schema_depths(a, seen) for a in args if a is not ...), key=len)]
     if tp in (list, dict) or origin in (list, dict):
         return [None, *(schema_depths(args[-1], seen) if args else [])]
     return max((schema_depths(a, seen) for a in args), key=len, default=[])

@@ -26,6 +26,7 @@ from memstep.events.log import (
     log_parts,
     read_log,
 )
+from memstep.events.sampling_params import SamplingParams
 from memstep.events.types import (
     EngineStarted,
     InputMark,
@@ -55,7 +56,7 @@ def step_records(num_steps: int, prompt_len: int = 5) -> list[object]:
             step=0,
             request_id="r0",
             prompt_token_ids=list(range(prompt_len)),
-            params={"max_tokens": num_steps},
+            params=SamplingParams(max_tokens=num_steps),
             arrival_time=0.0,
         ),
     ]
@@ -121,7 +122,7 @@ def test_file_layout_is_magic_version_header_then_crc_frames(tmp_path):
     write_log(path, RECORDS[:1])
     data = path.read_bytes()
     assert data[:8] == MAGIC == b"MEMSTEP\x00"
-    assert struct.unpack_from("<H", data, 8) == (3,)
+    assert struct.unpack_from("<H", data, 8) == (FORMAT_VERSION,)
     header_len, header_crc = struct.unpack_from("<II", data, 10)
     header_payload = data[18 : 18 + header_len]
     assert zlib.crc32(header_payload) == header_crc
@@ -343,7 +344,7 @@ def test_wrong_magic_is_a_format_error(tmp_path):
 @pytest.mark.parametrize(
     ("version", "match"),
     [
-        (4, r"^log format version 4 is newer than this memstep supports \(3\); upgrade memstep$"),
+        (5, r"^log format version 5 is newer than this memstep supports \(4\); upgrade memstep$"),
         (0, "version 0 does not exist"),
     ],
 )

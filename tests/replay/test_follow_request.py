@@ -168,8 +168,11 @@ LINE_OF_VIEW = set(VIEW_OF_LINE.values())
 
 
 def life_logged(lines: list[dict], rid: str) -> list[tuple[int, str]]:
-    return [(x["step"], VIEW_OF_LINE[x["event"]]) for x in life_of(lines, rid)
-            if x["event"] in VIEW_OF_LINE]  # fmt: skip
+    return [
+        (x["step"], VIEW_OF_LINE[x["event"]])
+        for x in life_of(lines, rid)
+        if x["event"] in VIEW_OF_LINE
+    ]
 
 
 def test_inspect_request_shows_the_life_the_log_lines_tell(served_run):
@@ -209,10 +212,16 @@ def not_preempted(rec: object) -> bool:
 
 def test_the_log_records_each_preemption_and_requeue_the_lines_tell(served_run):
     recorded = [r for r in load(served_run.log).records if isinstance(r, RequestPreempted)]
-    names = {r.request_id: r.client_id for r in load(served_run.log).records
-             if isinstance(r, RequestNamed)}  # fmt: skip
-    told = [(x["step"], x["request_id"], x["event"], x["tokens"]) for x in served_run.lines
-            if x["event"] in ("request preempted", "request requeued")]  # fmt: skip
+    names = {
+        r.request_id: r.client_id
+        for r in load(served_run.log).records
+        if isinstance(r, RequestNamed)
+    }
+    told = [
+        (x["step"], x["request_id"], x["event"], x["tokens"])
+        for x in served_run.lines
+        if x["event"] in ("request preempted", "request requeued")
+    ]
     words = {"preemption": "request preempted", "recovery": "request requeued"}
     as_lines = [(r.step, names[r.request_id], words[r.cause], r.num_tokens) for r in recorded]
     assert {"preemption", "recovery"} <= {r.cause for r in recorded}
@@ -252,8 +261,11 @@ def test_a_format_1_log_still_reads_and_replays(served_run, tmp_path):
     code, out, err = memstep("replay", str(old))
     assert code == 0, out + err
     rid = next(r for r in evicted_ids(served_run.lines))
-    again = [step for step, what in life_logged(served_run.lines, rid)
-             if what in ("resumed", "re-admitted")]  # fmt: skip
+    again = [
+        step
+        for step, what in life_logged(served_run.lines, rid)
+        if what in ("resumed", "re-admitted")
+    ]
     view = life_shown(old, rid)[0]
     assert [step for step, what, _ in view["events"] if what == "recomputed"] == again
 
@@ -354,8 +366,9 @@ def test_the_trace_check_catches_each_fault(trace):
 
 def test_trace_filters_requests_and_steps(served_run, tmp_path):
     out = tmp_path / "part.json"
-    code, _, _ = memstep("trace", str(served_run.log), "-o", str(out), "--steps", "10:20",
-                         "--requests", "zmq-5")  # fmt: skip
+    code, _, _ = memstep(
+        "trace", str(served_run.log), "-o", str(out), "--steps", "10:20", "--requests", "zmq-5"
+    )
     part = json.loads(out.read_text())
     events = part["traceEvents"]
     assert code == 0 and trace_problems(part) == []

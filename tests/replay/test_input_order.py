@@ -69,7 +69,7 @@ def test_a_log_marks_each_input_and_replays_identically(tiny: Path):
     assert [records[i].seq for i in marks] == list(range(len(marks))) and marks
     assert all(is_input(records[i + 1]) for i in marks)
     assert all(records[i].crc == zlib.crc32(frames[i + 1][_FRAME.size :]) for i in marks)
-    assert load(tiny).format_version == FORMAT_VERSION == 3
+    assert load(tiny).format_version == FORMAT_VERSION >= 3
     assert not any(isinstance(r, InputMark) for r in load(tiny).records)  # the log's own
     assert memstep("replay", str(tiny))[0] == 0
 

@@ -30,9 +30,12 @@ def test_inspect_json_adds_up_the_log(smol_log):
     assert s["num_proposed"] == sum(st.num_proposed for st in steps) > 0
     assert len(s["transitions"]) == sum(isinstance(r, StateEntered) for r in records)
     assert {(t["source"], t["target"]) for t in s["transitions"]} == {
-        ("profile", "warmup"), ("warmup", "capture"), ("capture", "no_spec"),
-        ("no_spec", "spec"), ("spec", "no_spec"),
-    }  # fmt: skip
+        ("profile", "warmup"),
+        ("warmup", "capture"),
+        ("capture", "no_spec"),
+        ("no_spec", "spec"),
+        ("spec", "no_spec"),
+    }
     assert set(s["ledger"]) == {"warmup", "capture", "no_spec", "spec"}
     assert all(k["claimed"] == k["released"] for k in s["ledger"].values()), s["ledger"]
     assert s["ledger"]["warmup"]["claimed"] > 0 and s["ledger"]["warmup"]["num_exits"] == 1

@@ -119,8 +119,9 @@ def test_kinds_are_shaded_only_where_they_change(served_fig, tiny_log):
     assert min(kinds.values()) > 0 and shaded == {KIND_COLORS[other]}
 
 
-@pytest.mark.parametrize(("suffix", "magic"), [("png", b"\x89PNG"), ("svg", b"<?xml"),
-                                               ("pdf", b"%PDF")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("suffix", "magic"), [("png", b"\x89PNG"), ("svg", b"<?xml"), ("pdf", b"%PDF")]
+)
 def test_the_format_follows_the_file_s_extension(served_run, tmp_path, suffix, magic):
     out = tmp_path / f"mem.{suffix}"
     code, said, err = memstep("plot", str(served_run.log), "-o", str(out))

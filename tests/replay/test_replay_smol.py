@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from replay_helpers import isolate_heap
 
-from memstep.core.sampling_params import SamplingParams
 from memstep.events.types import (
     LeakSuspected,
     RequestAborted,
@@ -25,7 +24,7 @@ def test_the_recorded_run_has_what_it_claims(smol_log):
     assert rec.is_complete
     added = [r for r in rec.records if isinstance(r, RequestAdded)]
     assert len(added) == smol_log.workload.num_requests >= 200
-    params = [SamplingParams.from_dict(r.params) for r in added]
+    params = [r.params for r in added]
     assert any(p.is_greedy for p in params)
     assert any(p.top_p < 1 for p in params) and any(p.top_k for p in params)
     assert any(p.min_p for p in params) and any(p.has_penalties for p in params)

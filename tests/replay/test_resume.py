@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import attrs
 import pytest
 
 from memstep.core.config import EngineConfig
@@ -51,7 +52,7 @@ def _resume(old: Path, new: Path) -> dict[str, list[int]]:
     engine = local_engine(point.config(TINY), [recorder])
     outputs = {r.request_id: list(r.output_token_ids) for r in point.requests}
     for r in point.unfinished:
-        params = SamplingParams.from_dict(r.params)
+        params = r.params
         engine.resume_request(
             r.request_id, r.prompt_token_ids, params, r.output_token_ids, r.arrival_time
         )
@@ -102,7 +103,7 @@ def test_new_requests_of_a_resumed_engine_do_not_reuse_carried_ids(tmp_path):
     point = resume_point(load(tmp_path / "old.memlog"))
     engine = local_engine(point.config(TINY))
     first = point.unfinished[0]
-    params = SamplingParams.from_dict(first.params)
+    params = first.params
     args = (first.prompt_token_ids, params, first.output_token_ids, first.arrival_time)
     engine.resume_request(first.request_id, *args)
     new_ids = {
@@ -111,7 +112,7 @@ def test_new_requests_of_a_resumed_engine_do_not_reuse_carried_ids(tmp_path):
     assert first.request_id not in new_ids
     with pytest.raises(InvalidRequest, match="already in use"):
         engine.resume_request(first.request_id, *args)
-    unseeded = SamplingParams.from_dict({**first.params, "seed": None})
+    unseeded = attrs.evolve(first.params, seed=None)
     with pytest.raises(InvalidRequest, match="no seed"):
         engine.resume_request("other", first.prompt_token_ids, unseeded, [], 0.0)
     engine.shutdown()

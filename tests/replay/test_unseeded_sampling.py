@@ -73,7 +73,7 @@ def test_the_log_records_the_drawn_seeds_and_the_engine_seed(unseeded_run):
     rec = load(unseeded_run.path)
     engine_seed = rec.config["seed"]
     assert isinstance(engine_seed, int) and 0 <= engine_seed < 2**63
-    seeds = [r.params["seed"] for r in rec.records if isinstance(r, RequestAdded)]
+    seeds = [r.params.seed for r in rec.records if isinstance(r, RequestAdded)]
     drawn, given = seeds[:NUM_PROMPTS], seeds[NUM_PROMPTS:]
     assert all(isinstance(s, int) for s in drawn) and len(set(drawn)) == NUM_PROMPTS
     assert given == [5] * NUM_PROMPTS
@@ -91,7 +91,7 @@ def test_a_changed_recorded_seed_is_reported_as_a_divergence(unseeded_run, tmp_p
     """What replay would see had the drawn seed not been recorded: another seed in its place."""
     rec = load(unseeded_run.path)
     index, added = next((i, r) for i, r in enumerate(rec.records) if isinstance(r, RequestAdded))
-    params = {**added.params, "seed": (added.params["seed"] + 1) % 2**63}
+    params = attrs.evolve(added.params, seed=(added.params.seed + 1) % 2**63)
     edited = tmp_path / "edited.memlog"
     rewrite(unseeded_run.path, edited, index, attrs.evolve(added, params=params))
     code, out, _ = memstep("replay", str(edited), "--json")

@@ -37,8 +37,14 @@ def prompt_of(i: int) -> str:
 
 
 async def _stream(client: AsyncClient, i: int, max_tokens: int, on_token: Callable) -> tuple:
-    stream = await client.generate(prompt_of(i), stream=True, max_tokens=max_tokens, seed=1000 + i,
-                                   temperature=0.9, ignore_eos=True)  # fmt: skip
+    stream = await client.generate(
+        prompt_of(i),
+        stream=True,
+        max_tokens=max_tokens,
+        seed=1000 + i,
+        temperature=0.9,
+        ignore_eos=True,
+    )
     streamed: list[int] = []
     async for delta in stream:
         streamed += delta.token_ids

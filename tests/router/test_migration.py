@@ -50,8 +50,9 @@ def test_a_killed_replica_costs_no_request_and_no_token(front):
     assert [r.replica for r in log.records if isinstance(r, ReplicaLost)] == [0]
     assert moved and any(0 < r.tokens_carried < 48 for r in moved)  # moved mid-stream
     body = json.dumps({"prompt": "over HTTP", "max_tokens": 4, "seed": 3}).encode()
-    post = urllib.request.Request(front.http_url + "/v1/completions", body,
-                                  {"Content-Type": "application/json"})  # fmt: skip
+    post = urllib.request.Request(
+        front.http_url + "/v1/completions", body, {"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(post, timeout=30) as reply:
         assert json.loads(reply.read())["usage"]["completion_tokens"] == 4
     status, body = _get(front.http_url + "/health")
@@ -90,8 +91,11 @@ def test_a_migration_without_the_tokens_sent_fails_the_check(replicas, tmp_path:
         reference = run_batch(router.endpoint)
         victim = replicas[0].info["core_pid"]
         got = run_batch(router.endpoint, kill_pid=victim, kill_after=KILL_AFTER)
-    moved = [r for r in load_router_log(tmp_path / "r.memlog").records
-             if isinstance(r, RequestMigrated) and r.tokens_carried > 0]  # fmt: skip
+    moved = [
+        r
+        for r in load_router_log(tmp_path / "r.memlog").records
+        if isinstance(r, RequestMigrated) and r.tokens_carried > 0
+    ]
     assert len(differences(reference, got)) == len(moved) > 0  # those that had tokens
 
 

@@ -57,8 +57,10 @@ def test_prefix_routing_keeps_a_system_prompt_on_one_replica_and_beats_round_rob
 def test_load_routing_sends_each_request_to_the_least_loaded(replicas, tmp_path: Path):
     async def burst(endpoint: str) -> None:
         async with AsyncClient(endpoint) as client:
-            jobs = [client.generate(f"load {i} " * (1 + 10 * (i % 3)), max_tokens=8, seed=i)
-                    for i in range(12)]  # fmt: skip
+            jobs = [
+                client.generate(f"load {i} " * (1 + 10 * (i % 3)), max_tokens=8, seed=i)
+                for i in range(12)
+            ]
             await asyncio.gather(*jobs)
 
     endpoints = [p.address for p in replicas]
@@ -112,8 +114,14 @@ def test_a_replica_elsewhere_is_reached_over_curve_and_a_stranger_is_not(tmp_pat
     router_public, router_secret = zmq.curve_keypair()
     stranger_public, stranger_secret = zmq.curve_keypair()
     (tmp_path / "server.key").write_bytes(server_secret)
-    flags = ["--model", "random:tiny", "--curve-secret-key", str(tmp_path / "server.key"),
-             "--curve-client-keys", router_public.decode()]  # fmt: skip
+    flags = [
+        "--model",
+        "random:tiny",
+        "--curve-secret-key",
+        str(tmp_path / "server.key"),
+        "--curve-client-keys",
+        router_public.decode(),
+    ]
     with ServerProcess(flags) as replica:
         replica.wait_ready()
         curve = (server_public, router_public, router_secret)
@@ -215,6 +223,7 @@ def test_the_logs_of_a_run_lie_together_and_old_runs_are_pruned(tmp_path: Path, 
         router.with_name(router.name.replace(".memlog", f".replica{i}.memlog")) for i in (0, 1)
     ]
     left = sorted(p.name for p in old.iterdir())
-    assert left == [f"memstep-20260102-000000{s}" for s in (".memlog", ".replica0.memlog",
-                                                              ".replica1.memlog")]  # fmt: skip
+    assert left == [
+        f"memstep-20260102-000000{s}" for s in (".memlog", ".replica0.memlog", ".replica1.memlog")
+    ]
     assert log_paths(None, 2) == (None, [None, None])

@@ -25,15 +25,13 @@ from memstep.executors.model.kv_cache import KV_FP8
 DEFAULT_PARTITION_SIZE = 256
 _LOG2E = 1.4426950408889634
 _BLOCK_N = 64  # tokens per tile; several pages when block_size is small
-# An fp8 cache's tiles are converted in registers. H200, Llama-3.1-8B shapes, 8 layers in a
-# graph, fp8 cache: fp16 dots on 128-token tiles take 22-38% less time than bf16 dots on
-# 64-token tiles at 1-2k tokens of context (equal at 192). Against a bf16 cache (bf16 dots,
-# 64-token tiles): 12-13% less at 1-2k tokens, 13% more at 192 tokens (batch 256), where
-# neither kernel reads at the copy bandwidth.
+# An fp8 cache's tiles are converted in registers, and fp16 dots on 128-token tiles beat bf16
+# dots on 64-token ones at long contexts (docs/benchmarks.md, "Figures behind the code's
+# constants").
 _FP8_BLOCK_N = 128
 _FP16_MAX = tl.constexpr(65504.0)
 _MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows on the GPU
-_NUM_WARPS = 4  # tile shape and pipelining: best overall in an H200 sweep of 32/64/128 x 4/8
+_NUM_WARPS = 4  # tile shape and pipelining: best overall in a sweep (docs/benchmarks.md)
 _NUM_STAGES = 2
 
 
@@ -270,7 +268,7 @@ def use_split_k(
 ) -> bool:
     """Split when one program per (sequence, KV head) gives under two waves of programs and a
     sequence can span more than one partition. Decided from shapes only, so a captured graph
-    replays one path. (H200, bf16, 4096 tokens: split wins at 32 seqs x 8 KV heads.)"""
+    replays one path (measured: docs/benchmarks.md, "Figures behind the code's constants")."""
     return num_seqs * num_kv_heads < 2 * num_sms and max_context_len > partition_size
 
 

@@ -53,9 +53,12 @@ def build_block(cfg: ModelConfig, w: dict[str, torch.Tensor], i: int, linear) ->
     mlp: DenseMlp | Experts
     if cfg.is_moe:
         mlp = Experts(
-            w[p + "router"], w[p + "experts_gate_up"], w[p + "experts_down"],
-            cfg.experts_per_token, cfg.norm_topk_prob,
-        )  # fmt: skip
+            w[p + "router"],
+            w[p + "experts_gate_up"],
+            w[p + "experts_down"],
+            cfg.experts_per_token,
+            cfg.norm_topk_prob,
+        )
     else:
         mlp = DenseMlp(linear(p + "w_gate_up", True), linear(p + "w_down", False))
     window = cfg.window(i)

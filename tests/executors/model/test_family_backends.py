@@ -17,7 +17,7 @@ from memstep.core.model_source import ModelSource
 from memstep.executors.model import kv_cache
 from memstep.executors.model.llama import LlamaModel
 from memstep.executors.model.weights import load_weights
-from memstep.executors.runtime.backends import pick_backend
+from memstep.executors.process.assemble import pick_backend
 from memstep.executors.runtime.worker import family_quantization
 
 CPU = torch.device("cpu")
@@ -70,12 +70,21 @@ def test_each_family_preset_runs_at_tiny_dimensions(preset):
         scaling = scaling | {"short_factor": (1.0,) * (rotary // 2)}
         scaling["long_factor"] = scaling["short_factor"]
     cfg = attrs.evolve(
-        real, num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2,
-        vocab_size=512, head_dim=16, layer_windows=real.layer_windows[4:6], rope_scaling=scaling,
-        rotary_dim=real.rotary_dim and rotary, num_experts=min(real.num_experts, 4),
+        real,
+        num_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_heads=4,
+        num_kv_heads=2,
+        vocab_size=512,
+        head_dim=16,
+        layer_windows=real.layer_windows[4:6],
+        rope_scaling=scaling,
+        rotary_dim=real.rotary_dim and rotary,
+        num_experts=min(real.num_experts, 4),
         experts_per_token=min(real.experts_per_token, 2),
         moe_intermediate_size=min(real.moe_intermediate_size, 32),
-    )  # fmt: skip
+    )
     assert cfg.unlike_llama == real.unlike_llama
     weights = load_weights(ModelSource("random", None, preset), cfg, torch.float32, CPU)
     model = LlamaModel(cfg, weights, 512, pick_backend(CPU, cfg, weights, torch.float32))

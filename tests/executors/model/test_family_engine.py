@@ -22,9 +22,14 @@ def test_greedy_through_the_engine_matches_transformers(tmp_path, model_type):
     base = [(37 * i) % (VOCAB - 8) + 5 for i in range(30)]  # longer than the windows
     prompts = [base[:c] + [VOCAB - 1 - i, VOCAB - 2] for i, c in enumerate((12, 20, 26))]
     cfg = EngineConfig(
-        model=str(tmp_path), dtype="float32", num_threads=1, block_size=4, max_num_seqs=3,
-        max_num_batched_tokens=16, num_kv_blocks=40,
-    )  # fmt: skip
+        model=str(tmp_path),
+        dtype="float32",
+        num_threads=1,
+        block_size=4,
+        max_num_seqs=3,
+        max_num_batched_tokens=16,
+        num_kv_blocks=40,
+    )
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     engine = local_engine(cfg)
     try:

@@ -92,12 +92,23 @@ def test_a_multimodal_gemma3_checkpoint_serves_its_text_model(tmp_path):
     from transformers import AutoConfig, Gemma3ForConditionalGeneration
 
     text = {k: v for k, v in DIMS.items() if not k.endswith("token_id")}
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                  num_attention_heads=2, image_size=28, patch_size=14)  # fmt: skip
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
     cfg = AutoConfig.for_model(
-        "gemma3", text_config=text | FAMILIES["gemma3_text"], vision_config=vision,
-        mm_tokens_per_image=4, image_token_index=255, boi_token_index=253, eoi_token_index=254,
-    )  # fmt: skip
+        "gemma3",
+        text_config=text | FAMILIES["gemma3_text"],
+        vision_config=vision,
+        mm_tokens_per_image=4,
+        image_token_index=255,
+        boi_token_index=253,
+        eoi_token_index=254,
+    )
     torch.manual_seed(0)
     hf = Gemma3ForConditionalGeneration(cfg).eval()
     hf.save_pretrained(tmp_path)

@@ -14,7 +14,7 @@ from memstep.events.plan import SeqPlan
 from memstep.executors.model import kv_cache
 from memstep.executors.model.llama import LlamaModel
 from memstep.executors.model.weights import load_weights
-from memstep.executors.runtime.backends import pick_backend
+from memstep.executors.process.assemble import pick_backend
 from memstep.executors.runtime.batch_builder import build_batch
 
 VOCAB = 256
@@ -53,11 +53,14 @@ FAMILIES = {
         partial_rotary_factor=0.75, rope_scaling=_SCALING, original_max_position_embeddings=128
     ),
     "qwen3_moe": dict(
-        head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
         norm_topk_prob=True,
     ),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
-}  # fmt: skip
+}
 
 
 def make_checkpoint(
@@ -109,9 +112,13 @@ def hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
     with torch.no_grad():
         ids = torch.tensor([prompt], device=model.device)
         out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-            do_sample=False, eos_token_id=None, pad_token_id=0,
-        )  # fmt: skip
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
     return out[0, len(prompt) :].tolist()
 
 
@@ -148,7 +155,7 @@ def memstep_logits(model: LlamaModel, kv, prompt: list[int], decoded: int = 6) -
     steps += [(p, [prompt[p]]) for p in range(cut, len(prompt))]
     with torch.inference_mode():
         for start, tokens in steps:
-            seq = SeqPlan("s", start, tokens, table, True, 0, len(prompt), {})
+            seq = SeqPlan("s", start, tokens, table, True, 0, len(prompt))
             batch, _ = build_batch([(seq, tokens)], 4, kv[0][0].device)
             rows.append(model.logits(model.forward(batch, kv)))
     return torch.cat(rows)

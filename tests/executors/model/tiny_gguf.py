@@ -170,12 +170,16 @@ def _write_keys(writer, arch: str, cfg, model_type: str) -> None:
         _write_phi3(writer, cfg)
         head_dim = 0  # llama.cpp's Phi-3 files name no key length: the head is hidden / heads
     for key, value in {
-        "block_count": cfg.num_hidden_layers, "context_length": cfg.max_position_embeddings,
-        "embedding_length": cfg.hidden_size, "feed_forward_length": cfg.intermediate_size,
+        "block_count": cfg.num_hidden_layers,
+        "context_length": cfg.max_position_embeddings,
+        "embedding_length": cfg.hidden_size,
+        "feed_forward_length": cfg.intermediate_size,
         "attention.head_count": cfg.num_attention_heads,
-        "attention.head_count_kv": cfg.num_key_value_heads, "attention.key_length": head_dim,
-        "attention.value_length": head_dim, "vocab_size": cfg.vocab_size,
-    }.items():  # fmt: skip
+        "attention.head_count_kv": cfg.num_key_value_heads,
+        "attention.key_length": head_dim,
+        "attention.value_length": head_dim,
+        "vocab_size": cfg.vocab_size,
+    }.items():
         if value:
             writer.add_uint32(f"{arch}.{key}", value)
     rope = cfg.rope_parameters

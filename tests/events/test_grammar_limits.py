@@ -1,4 +1,4 @@
-"""The bounds a constraint must keep before anything compiles it (core/grammar_limits.py), and
+"""The bounds a constraint must keep before anything compiles it (events/grammar_limits.py), and
 the GBNF converter that is linear in its rules (core/gbnf.py): each attack of issue 55 is
 refused in milliseconds with the bound it broke, and what a real schema or grammar uses passes."""
 
@@ -12,7 +12,7 @@ from llguidance.gbnf_to_lark import gbnf_to_lark as llguidance_gbnf_to_lark
 
 from memstep.core import gbnf
 from memstep.core.grammar import compile_error, limits_error
-from memstep.core.grammar_limits import MAX_SCHEMA_DEPTH, ConstraintTooLarge, check_limits
+from memstep.events.grammar_limits import MAX_SCHEMA_DEPTH, ConstraintTooLarge, check_limits
 
 
 def ref_chain(depth: int, pointer: str = "#/$defs/") -> dict:

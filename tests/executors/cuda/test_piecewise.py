@@ -56,7 +56,7 @@ def caches(model: LlamaModel) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def plan(name: str, start: int, tokens: list[int], pages: list[int]) -> tuple[SeqPlan, list[int]]:
-    return SeqPlan(name, start, tokens, pages, True, 0, start + len(tokens), {}), tokens
+    return SeqPlan(name, start, tokens, pages, True, 0, start + len(tokens)), tokens
 
 
 def steps() -> list[list[tuple[SeqPlan, list[int]]]]:

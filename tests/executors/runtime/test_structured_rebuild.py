@@ -17,7 +17,7 @@ from memstep.core.config import EngineConfig
 from memstep.core.sampling_params import SamplingParams
 from memstep.events.types import ExecutorLost, StepFinished
 from memstep.executors.process.inprocess import local_engine
-from memstep.executors.runtime.request_states import RequestStates
+from memstep.executors.runtime.running_requests import RunningRequests
 from memstep.replay.compare import compare
 from memstep.replay.recording import Recording
 from memstep.replay.replayer import replay
@@ -82,15 +82,15 @@ def test_executor_losses_mid_constrained_requests_change_no_token_and_replay(cle
 
 
 def test_a_broken_rebuild_of_the_matcher_changes_the_tokens(clean, monkeypatch):
-    update = RequestStates.update
+    update = RunningRequests.update
 
-    def broken(self, seq):  # re-admitted: the matcher believes it consumed the output tokens
-        state = update(self, seq)
-        if seq.params and state.guide is not None and len(state.tokens) > seq.prompt_len:
+    def broken(self, seq, admission=None):  # re-admitted: the matcher believes it consumed
+        state = update(self, seq, admission)  # the output tokens
+        if admission is not None and state.guide is not None and len(state.tokens) > seq.prompt_len:
             state.guide.fed = list(state.tokens[seq.prompt_len :])
         return state
 
-    monkeypatch.setattr(RequestStates, "update", broken)
+    monkeypatch.setattr(RunningRequests, "update", broken)
     done, _ = _run(SMOL.replace(debug_kill_executor_at=KILLS))
     assert [c.token_ids for c in done] != [c.token_ids for c in clean]
 

@@ -15,11 +15,11 @@ BLOCK = 4
 
 
 def feed(rid: str, start: int, token: int, table: list[int]) -> tuple[SeqPlan, list[int]]:
-    return SeqPlan(rid, start, [token], table, True, 0, 3, {}), [token]
+    return SeqPlan(rid, start, [token], table, True, 0, 3), [token]
 
 
 def chunk(rid: str, start: int, tokens: list[int], table: list[int]) -> tuple[SeqPlan, list[int]]:
-    return SeqPlan(rid, start, tokens, table, True, 0, start + len(tokens), {}), tokens
+    return SeqPlan(rid, start, tokens, table, True, 0, start + len(tokens)), tokens
 
 
 def ahead(tokens: list[int]) -> Ahead:

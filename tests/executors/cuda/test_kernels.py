@@ -526,20 +526,20 @@ def test_fused_decode_forward_matches_the_eager_model():
     from memstep.executors.cuda.backend import CudaBackend
     from memstep.executors.cuda.graph_runner import GraphRunner
     from memstep.executors.model.llama import LlamaModel
-    from memstep.executors.runtime.worker import Worker
+    from memstep.executors.process.assemble import build_worker
 
     cfg = EngineConfig(model="random:tiny", dtype="float32", max_num_seqs=8, num_kv_blocks=40)
-    worker = Worker(cfg, max_model_len=128)
+    worker = build_worker(cfg, max_model_len=128)
     worker.enter_phase("profile", 0)
     generator = torch.Generator().manual_seed(23)
     prompts = [torch.randint(0, 512, (n,), generator=generator).tolist() for n in (5, 17, 33)]
     tables = [list(range(10 * i, 10 * i + 3)) for i in range(3)]
     prefill = [
-        SeqPlan(f"r{i}", 0, p, t, True, 0, len(p), {})
+        SeqPlan(f"r{i}", 0, p, t, True, 0, len(p))
         for i, (p, t) in enumerate(zip(prompts, tables, strict=True))
     ]
     decode = [
-        SeqPlan(s.request_id, len(s.token_ids), [7 + i], s.block_table, True, 0, 0, {})
+        SeqPlan(s.request_id, len(s.token_ids), [7 + i], s.block_table, True, 0, 0)
         for i, s in enumerate(prefill)
     ]
     # the runner's layers are CUDA's kernels (Triton's interpreter here) over the same weights

@@ -13,7 +13,7 @@ BLOCK = 4
 
 
 def feed(rid: str, start: int, tokens: list[int], table: list[int]):
-    return SeqPlan(rid, start, tokens, table, True, 0, start + len(tokens), {}), tokens
+    return SeqPlan(rid, start, tokens, table, True, 0, start + len(tokens)), tokens
 
 
 def inputs() -> DecodeInputs:

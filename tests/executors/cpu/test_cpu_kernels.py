@@ -191,8 +191,12 @@ def test_bf16_products_without_avx512_bf16_are_the_same_sums(gguf_tensors, tmp_p
     if compiler is None or not {"avx2", "fma", "f16c"} <= cpu_flags():
         pytest.skip("needs a C compiler and an AVX2 CPU")
     flags = [f for f in cpu_kernels.CFLAGS if f != "-march=native"] + ["-march=x86-64-v3"]
-    subprocess.run([compiler, *flags, str(cpu_kernels.SOURCE), "-o", str(tmp_path / "k.so")],
-                   check=True, capture_output=True, timeout=300)  # fmt: skip
+    subprocess.run(
+        [compiler, *flags, str(cpu_kernels.SOURCE), "-o", str(tmp_path / "k.so")],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     lib = ctypes.CDLL(str(tmp_path / "k.so"))
     assert lib.native_bf16() == 0
     blocks, values = blocks_and_values(gguf_tensors["blk.3.ffn_up.weight"])
@@ -200,9 +204,13 @@ def test_bf16_products_without_avx512_bf16_are_the_same_sums(gguf_tensors, tmp_p
     xb, y = x.bfloat16(), torch.empty(5, values.shape[0])
     i64 = ctypes.c_int64
     lib.q4_1_mm_bf16(
-        ctypes.c_void_p(xb.data_ptr()), ctypes.c_void_p(blocks.data_ptr()),
-        ctypes.c_void_p(y.data_ptr()), i64(5), i64(values.shape[0]), i64(values.shape[1]),
-    )  # fmt: skip
+        ctypes.c_void_p(xb.data_ptr()),
+        ctypes.c_void_p(blocks.data_ptr()),
+        ctypes.c_void_p(y.data_ptr()),
+        i64(5),
+        i64(values.shape[0]),
+        i64(values.shape[1]),
+    )
     rounded = x.bfloat16().double() @ values.bfloat16().double().t()
     scale = x.abs().double() @ values.abs().double().t()
     assert ((y.double() - rounded).abs() / scale).max() < 2**-20

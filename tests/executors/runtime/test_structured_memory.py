@@ -32,8 +32,13 @@ GRID = {
 
 def _serve(num: int = 8) -> tuple[list, list]:
     """(completions, records) of `num` requests, the odd ones with the schema."""
-    cfg = EngineConfig(model="random:tiny", tokenizer=str(shipped_gguf_path()), max_num_seqs=8,
-                       max_model_len=256, num_kv_blocks=64)  # fmt: skip
+    cfg = EngineConfig(
+        model="random:tiny",
+        tokenizer=str(shipped_gguf_path()),
+        max_num_seqs=8,
+        max_model_len=256,
+        num_kv_blocks=64,
+    )
     records: list = []
     engine = local_engine(cfg, sinks=[records.append])
     try:

@@ -135,8 +135,8 @@ def test_the_batch_check_fires_when_attention_depends_on_the_group(chat_prompts,
 
     plain = attention.torch_group_attention
 
-    def by_group_size(q, k_cache, v_cache, group, scale, window=0):
-        out = plain(q, k_cache, v_cache, group, scale, window)
+    def by_group_size(q, k_cache, v_cache, group, scale, window=0, device_kernels=False):
+        out = plain(q, k_cache, v_cache, group, scale, window, device_kernels)
         return out * (1 + 0.2 * group.token_index.shape[0])
 
     monkeypatch.setattr(attention, "torch_group_attention", by_group_size)

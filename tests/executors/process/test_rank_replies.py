@@ -14,7 +14,7 @@ from memstep.core.model_config import PRESETS
 from memstep.core.model_source import resolve
 from memstep.core.shapes import rank_model_config, vocab_shard_size
 from memstep.events import codec
-from memstep.events.plan import PhaseReply, SeqResult, StepResult
+from memstep.events.plan import PhaseFigures, PhaseReply, SeqResult, StepResult
 from memstep.events.types import LeakSuspected, MemoryReport, StateEntered
 from memstep.events.wire import ExecutorError
 from memstep.executors.model.sharding import Shard
@@ -61,11 +61,20 @@ def test_a_rank_s_error_is_the_reply_and_names_the_rank():
 
 
 def test_phase_replies_carry_every_rank_s_figures():
-    replies = [PhaseReply("profile", {"num_kv_blocks": 10 + r}, [], [], []) for r in range(2)]
+    replies = [
+        PhaseReply(
+            phase="capture",
+            figures=PhaseFigures(graph_pool_bytes=10 + r),
+            exited=[],
+            entered=[],
+            leaks=[],
+        )
+        for r in range(2)
+    ]
     merged = merge_replies(replies)
     assert isinstance(merged, PhaseReply)
-    assert merged.info["num_kv_blocks"] == 10
-    assert [i["num_kv_blocks"] for i in merged.info["per_rank"]] == [10, 11]
+    assert merged.figures.graph_pool_bytes == 10
+    assert [f.graph_pool_bytes for f in merged.rank_figures] == [10, 11]
     other = attrs.evolve(replies[1], phase="warmup")
     assert isinstance(merge_replies([replies[0], other]), ExecutorError)
 

@@ -129,9 +129,14 @@ def tiny_tree_run(tiny, monkeypatch) -> tuple[list[list[int]], int]:
         oracle(dict(zip(map(tuple, prompts), replies, strict=True)), 512),
     )
     cfg = EngineConfig(
-        model="random:tiny", dtype="float32", max_num_seqs=4, speculative_method="eagle",
-        draft_model=head, speculative_tree=TREE, **FIXED,
-    )  # fmt: skip
+        model="random:tiny",
+        dtype="float32",
+        max_num_seqs=4,
+        speculative_method="eagle",
+        draft_model=head,
+        speculative_tree=TREE,
+        **FIXED,
+    )
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     done = local_engine(cfg).generate(prompts, params)
     return [c.token_ids for c in done], sum(c.num_accepted for c in done)
@@ -284,9 +289,12 @@ def test_spec_disable_with_trees_is_clean_and_the_seed_shape_is_still_named():
     assert not [r for r in records if is_leak(r)]
     assert all(r.verdict == "ok" for r in rows)
     records, rows = run_scenario(
-        "spec-disable", 60, "smollm2", plant="spec_holder_hidden_states",
+        "spec-disable",
+        60,
+        "smollm2",
+        plant="spec_holder_hidden_states",
         overrides={"speculative_tree": TREE},
-    )  # fmt: skip
+    )
     leaks = [r for r in records if isinstance(r, LeakSuspected)]
     assert leaks and leaks[0].kind == "no_spec" and leaks[0].what == "live_growth"
     assert "grew: spec.previous_hidden_states +" in leaks[0].detail, leaks[0].detail

@@ -1,7 +1,7 @@
 """The CUDA executor on a real GPU: parity with Hugging Face, graphs against eager, memory after
 capture, and the planted leaks. CPU runs skip this module; on a GPU machine:
 
-    python -m pytest -q -m gpu tests/executors/test_gpu.py
+    python -m pytest -q -m gpu tests/executors/cuda/test_gpu.py
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def _feeds(prompts, conts, step: int, block_size: int, pages_per_seq: int):
         table = list(range(i * pages_per_seq, (i + 1) * pages_per_seq))
         tokens = prompt if step == 0 else [cont[step - 1]]
         start = 0 if step == 0 else len(prompt) + step - 1
-        seq = SeqPlan(f"s{i}", start, tokens, table, True, 0, len(prompt), {})
+        seq = SeqPlan(f"s{i}", start, tokens, table, True, 0, len(prompt))
         feeds.append((seq, tokens))
     return feeds
 
@@ -224,7 +224,7 @@ def test_packed_queries_by_varlen_flash_match_each_sequence_alone(heads, kv_head
     for name, start, n in lens:
         pages = list(range(page, page + (start + n + block - 1) // block))
         page += len(pages)
-        feeds.append((SeqPlan(name, start, [1] * n, pages, True, 0, start + n, {}), [1] * n))
+        feeds.append((SeqPlan(name, start, [1] * n, pages, True, 0, start + n), [1] * n))
     batch, _ = build_batch(feeds, block, torch.device("cuda"))
     assert isinstance(batch.groups[-1], PackedGroup) and batch.groups[-1].first_row == -1
     torch.manual_seed(0)
@@ -233,7 +233,7 @@ def test_packed_queries_by_varlen_flash_match_each_sequence_alone(heads, kv_head
     v_cache = torch.randn(cache, device="cuda", dtype=torch.bfloat16)
     q = torch.randn(batch.num_tokens, heads, dim, device="cuda", dtype=torch.bfloat16)
 
-    flash = attention(q, k_cache, v_cache, batch, dim**-0.5)
+    flash = attention(q, k_cache, v_cache, batch, dim**-0.5, device_kernels=True)
     alone = attention(q.float(), k_cache.float(), v_cache.float(), batch, dim**-0.5)
 
     packed = batch.groups[-1].rows
@@ -296,7 +296,7 @@ def test_piecewise_graphs_equal_the_eager_forward_of_a_mixed_step(dtype):
         feeds = []  # two decodes and a 20-token chunk, at the end of each prompt
         for i, (prompt, cont) in enumerate(zip(prompts, conts, strict=True)):
             table = list(range(4 * i, 4 * i + 4))
-            seq = SeqPlan(f"s{i}", len(prompt), cont, table, True, 0, len(prompt), {})
+            seq = SeqPlan(f"s{i}", len(prompt), cont, table, True, 0, len(prompt))
             feeds.append((seq, cont))
         with torch.inference_mode():
             worker.forward(_feeds(prompts, conts, 0, block, 4))

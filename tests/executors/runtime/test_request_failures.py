@@ -9,9 +9,9 @@ import re
 from memstep import LLM
 from memstep.core.model_source import model_config, resolve
 from memstep.core.sampling_params import SamplingParams as CoreParams
-from memstep.events.plan import SeqPlan
+from memstep.events.plan import Admission, SeqPlan
 from memstep.executors.runtime.guide import GrammarBook, Guide
-from memstep.executors.runtime.request_states import RequestStates
+from memstep.executors.runtime.running_requests import RunningRequests
 
 SOURCE = resolve("random:tiny")
 MC = model_config(SOURCE)
@@ -42,9 +42,10 @@ def test_a_compile_that_panics_is_that_requests_failure(monkeypatch):
         raise Panic("assertion failed: grammar.symbols.len() < u16::MAX as usize - 10")
 
     monkeypatch.setattr(GrammarBook, "_compile", panics)
-    states = RequestStates(GrammarBook(SOURCE, MC.vocab_size, MC.eos_token_ids))
+    states = RunningRequests(GrammarBook(SOURCE, MC.vocab_size, MC.eos_token_ids))
     params = CoreParams(guided_choice=["yes", "no"], seed=1)
-    state = states.update(SeqPlan("r", 0, [5, 6], [0], True, 0, 2, params.to_dict()))
+    seq = SeqPlan("r", 0, [5, 6], [0], True, 0, 2)
+    state = states.update(seq, Admission(request_id="r", params=params, prefix_ids=[]))
     assert state.guide is None and "symbols.len() < u16::MAX" in state.failure
     assert list(states.failures(["r"])) == ["r"]
 

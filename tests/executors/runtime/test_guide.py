@@ -63,8 +63,11 @@ def test_the_sampler_masks_constrained_rows_and_leaves_the_others_alone():
     before = logits.clone()
     plain = SamplingParams(temperature=1.0, seed=1)
     guided = SamplingParams(temperature=1.0, seed=1, guided_regex="a(b|c)+d")
-    rows = [Row(plain, 0, [], 0), Row(guided, 1, _ids("a"), 0, BOOK.guide(REGEX)),
-            Row(plain, 0, [], 0)]  # fmt: skip
+    rows = [
+        Row(plain, 0, [], 0),
+        Row(guided, 1, _ids("a"), 0, BOOK.guide(REGEX)),
+        Row(plain, 0, [], 0),
+    ]
     sampler.constrain(logits, rows)
     assert torch.equal(logits[0], before[0]) and torch.equal(logits[2], before[2])
     assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == _any_of("bc")

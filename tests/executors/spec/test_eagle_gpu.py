@@ -5,7 +5,7 @@ with the automatic threshold on, so that `no_spec` probes run with decode-ahead 
 re-entered after each). CUDA accepted 0.07 of the drafts where the CPU accepted a third
 (issue 60). CPU runs skip this module; on a GPU machine:
 
-    python -m pytest -q -m gpu tests/executors/test_eagle_gpu.py
+    python -m pytest -q -m gpu tests/executors/spec/test_eagle_gpu.py
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ CPU = torch.device("cpu")
 
 
 def seq(name: str, start: int, n: int, pages: list[int]) -> SeqPlan:
-    return SeqPlan(name, start, list(range(1, n + 1)), pages, True, 0, start + n, {})
+    return SeqPlan(name, start, list(range(1, n + 1)), pages, True, 0, start + n)
 
 
 def test_chunks_in_a_row_have_their_first_row():
@@ -156,8 +156,10 @@ def test_packed_calls_gather_at_most_the_key_budget_or_one_context(monkeypatch):
     from memstep.executors.runtime import batch_builder
 
     monkeypatch.setattr(batch_builder, "PACKED_KEYS", 20)
-    feeds = [(seq(f"v{i}", ctx - 2, 2, list(range(i * 8, i * 8 + 8))), [1, 2]) for i, ctx in
-             enumerate([10, 10, 30, 5, 6])]  # fmt: skip
+    feeds = [
+        (seq(f"v{i}", ctx - 2, 2, list(range(i * 8, i * 8 + 8))), [1, 2])
+        for i, ctx in enumerate([10, 10, 30, 5, 6])
+    ]
     batch, _ = build_batch(feeds, BLOCK, CPU, packed=True)
     assert [g.k_lens for g in batch.groups] == [(10, 10), (30,), (5, 6)]
     assert [g.first_row for g in batch.groups] == [0, 4, 6]

@@ -2,7 +2,7 @@
 tokens of one GPU, every rank's allocator stays flat after capture, and a killed rank is the
 executor's death. CPU runs (and one-GPU machines) skip this module; on two GPUs:
 
-    python -m pytest -q -m gpu tests/executors/test_tensor_parallel_gpu.py
+    python -m pytest -q -m gpu tests/executors/process/test_tensor_parallel_gpu.py
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 def _tokens(cfg: EngineConfig, sinks=()) -> list[list[int]]:
     engine = Engine(cfg, ProcessExecutor, sinks)
     try:
-        assert engine.captured.get("graph_sizes"), "decode graphs were captured"
+        assert engine.captured.graph_sizes, "decode graphs were captured"
         return [c.token_ids for c in engine.generate(PROMPTS, GREEDY)]
     finally:
         engine.shutdown()
