@@ -19,9 +19,9 @@ from collections.abc import Callable, Iterable
 
 import structlog
 
-from memstep.core import request_log
 from memstep.core.block_manager import BlockManager
 from memstep.core.config import EngineConfig
+from memstep.core.engine_inputs import Inputs
 from memstep.core.executor import ExecutorFactory, Submits
 from memstep.core.executor_life import ExecutorLife
 from memstep.core.generation_config import sampling_defaults
@@ -31,10 +31,9 @@ from memstep.core.model_source import model_config, resolve
 from memstep.core.offline import run_until_idle
 from memstep.core.output_book import OutputBook
 from memstep.core.outputs import Completion, RequestOutput
-from memstep.core.prompt_checks import check_constraint, check_prompt, outside_vocabulary
 from memstep.core.recovery import START_STAGES, EngineDead, ExecutorDown, RestartBudget
 from memstep.core.request import Request, Status
-from memstep.core.sampling_params import InvalidRequest, SamplingParams
+from memstep.core.sampling_params import SamplingParams
 from memstep.core.scheduler import Scheduler, StepBatch
 from memstep.core.seeding import RequestSeeds, engine_seed
 from memstep.core.shapes import check_tensor_parallel, max_model_len
@@ -47,10 +46,7 @@ from memstep.events.types import (
     EngineStarted,
     MemoryReport,
     RequestAborted,
-    RequestAdded,
     RequestFinished,
-    RequestNamed,
-    RequestResumed,
     SpecThresholdChanged,
 )
 from memstep.events.version import VERSION
@@ -68,7 +64,7 @@ class UnknownRequest(KeyError):
     code = "unknown_request"
 
 
-class Engine(ExecutorLife, StepRecords):
+class Engine(Inputs, ExecutorLife, StepRecords):
     """The engine core. `executor_factory(cfg, max_model_len)` starts the executor that runs
     its plans (in this process or behind ZeroMQ): the caller picks it, the core imports none.
     `decides_spec_threshold=False` (a replay): the automatic speculation threshold changes only
@@ -209,99 +205,6 @@ class Engine(ExecutorLife, StepRecords):
             executor_pid=getattr(self.executor, "pid", 0),
             standby_pid=getattr(self.executor_factory, "standby_pid", 0),  # a loaded spare
         )
-
-    # --- inputs ----------------------------------------------------------------------------
-
-    def add_request(
-        self,
-        prompt: str | list[int],
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        arrival_time: float | None = None,
-        client_id: str | None = None,
-    ) -> str:
-        """Validate and queue a request; raises InvalidRequest with a clear message.
-
-        A request without a seed gets one drawn here, recorded in RequestAdded's params; one with
-        a `client_id` (the id its client gave) is named by it (`name`)."""
-        self._between_steps()
-        params = params or SamplingParams()
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self.validate_prompt(ids, params)
-        request_id = request_id or self._new_id()
-        if request_id in self.requests:
-            raise InvalidRequest(f"request id {request_id!r} is already in use")
-        if params.seed is None:
-            params = params.with_seed(self.seeds.draw())
-        arrival = time.time() if arrival_time is None else arrival_time
-        added = RequestAdded(
-            step=self.step_no,
-            request_id=request_id,
-            prompt_token_ids=ids,
-            params=params,
-            arrival_time=arrival,
-        )
-        self.emit(added)
-        req = Request(request_id, ids, params, self.tokenizer.decode, self.token_bytes)
-        self.requests[request_id] = req
-        self.scheduler.add(req)
-        if client_id is not None:
-            self.name(request_id, client_id)
-        request_log.queued(self.step_no, req, len(self.scheduler.waiting))
-        return request_id
-
-    def name(self, request_id: str, client_id: str) -> None:
-        """Record the id a client gave the request; its log lines carry it from now on."""
-        self.emit(RequestNamed(self.step_no, request_id, client_id))
-        self.requests[request_id].client_id = client_id
-
-    def resume_request(
-        self,
-        request_id: str,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        output_ids: list[int],
-        arrival_time: float,
-    ) -> None:
-        """Queue a request an earlier engine's log left unfinished, with the tokens it produced:
-        recomputed and sampled on from there, as after an executor loss (`serve --resume`)."""
-        self._between_steps()
-        self.validate_prompt(prompt_ids, params)
-        if request_id in self.requests:
-            raise InvalidRequest(f"request id {request_id!r} is already in use")
-        if params.seed is None or len(output_ids) >= params.max_tokens:
-            raise InvalidRequest(f"request {request_id!r} has no seed or is already complete")
-        bad = outside_vocabulary(list(output_ids), self.model_cfg.vocab_size)
-        if bad is not None:
-            vocab = self.model_cfg.vocab_size
-            raise InvalidRequest(f"output token id {bad!r} is outside the vocabulary [0, {vocab})")
-        out = list(output_ids)
-        ids = list(prompt_ids)
-        resumed = RequestResumed(
-            step=self.step_no,
-            request_id=request_id,
-            prompt_token_ids=ids,
-            params=params,
-            output_token_ids=out,
-            arrival_time=arrival_time,
-        )
-        self.emit(resumed)
-        req = Request(request_id, ids, params, self.tokenizer.decode, self.token_bytes)
-        req.output_token_ids = out
-        req.detok.extend(out)
-        self.requests[request_id] = req
-        self._resumed_ids.add(request_id)
-        self.scheduler.add(req)
-
-    def _new_id(self) -> str:
-        """The next `req-N` that no request of this engine, resumed ones included, has had."""
-        while (request_id := f"req-{next(self._ids)}") in self._resumed_ids:
-            pass
-        return request_id
-
-    def validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
-        check_prompt(ids, params, self.model_cfg.vocab_size, self.max_model_len)
-        check_constraint(params)
 
     def abort(self, request_id: str) -> None:
         """Finish a request now, or, while recovering, when the recovery is done: a replay

@@ -22,33 +22,45 @@ ASK = [{"role": "user", "content": "hi"}]
 # format -> [(reply, (content, [(name, arguments)]))]
 CASES = {
     "hermes": [
-        ('<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>',
-         ("", [("f", '{"x": 1}')])),
+        (
+            '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>',
+            ("", [("f", '{"x": 1}')]),
+        ),
     ],
     "llama3_json": [
         ('{"name": "f", "parameters": {"x": 1}}', ("", [("f", '{"x": 1}')])),
-        ('<|python_tag|>{"name": "f", "parameters": {"y": [1, {"z": "}"}]}}',
-         ("", [("f", '{"y": [1, {"z": "}"}]}')])),
-        ('{"name": "f", "parameters": {"x": 1}}; {"name": "g", "parameters": {}}',
-         ("", [("f", '{"x": 1}'), ("g", "{}")])),
+        (
+            '<|python_tag|>{"name": "f", "parameters": {"y": [1, {"z": "}"}]}}',
+            ("", [("f", '{"y": [1, {"z": "}"}]}')]),
+        ),
+        (
+            '{"name": "f", "parameters": {"x": 1}}; {"name": "g", "parameters": {}}',
+            ("", [("f", '{"x": 1}'), ("g", "{}")]),
+        ),
         ('Sure. <|python_tag|>{"name": "f", "parameters": {}}', ("Sure.", [("f", "{}")])),
         ('{"answer": 42}', ('{"answer": 42}', [])),
         ("plain words", ("plain words", [])),
     ],
     "mistral": [
-        ('[TOOL_CALLS][{"name": "f", "arguments": {"x": 1}}, {"name": "g", "arguments": {}}]',
-         ("", [("f", '{"x": 1}'), ("g", "{}")])),
+        (
+            '[TOOL_CALLS][{"name": "f", "arguments": {"x": 1}}, {"name": "g", "arguments": {}}]',
+            ("", [("f", '{"x": 1}'), ("g", "{}")]),
+        ),
         ('[{"name": "f", "arguments": {"a": "]"}}]', ("", [("f", '{"a": "]"}')])),
-        ('[TOOL_CALLS]f[ARGS]{"x": 1}[TOOL_CALLS]g[ARGS]{}',
-         ("", [("f", '{"x": 1}'), ("g", "{}")])),
-        ('Let me check.[TOOL_CALLS][{"name": "f", "arguments": {}}]',
-         ("Let me check.", [("f", "{}")])),
+        (
+            '[TOOL_CALLS]f[ARGS]{"x": 1}[TOOL_CALLS]g[ARGS]{}',
+            ("", [("f", '{"x": 1}'), ("g", "{}")]),
+        ),
+        (
+            'Let me check.[TOOL_CALLS][{"name": "f", "arguments": {}}]',
+            ("Let me check.", [("f", "{}")]),
+        ),
         ('[TOOL_CALLS][{"arguments": {"a": 1}, "name": "h"}]', ("", [("h", '{"a": 1}')])),
         ("[1, 2, 3]", ("[1, 2, 3]", [])),
         ("[TOOL_CALLS] not json", ("[TOOL_CALLS] not json", [])),
         ("[INST] words", ("[INST] words", [])),
     ],
-}  # fmt: skip
+}
 REPLIES = [(name, text, want) for name, cases in CASES.items() for text, want in cases]
 
 
@@ -120,8 +132,12 @@ def test_a_template_that_names_a_format_but_ignores_tools_keeps_memsteps_prompt(
 def test_a_template_that_renders_tools_gets_them_and_the_grammar_writes_its_format():
     fmt = ToolFormat(PARSERS["mistral"], in_template=True)
     call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
-    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
-               {"role": "tool", "content": "sunny"}, *ASK]  # fmt: skip
+    history = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "sunny"},
+        *ASK,
+    ]
     body = {"model": "m", "messages": history, "tools": [TOOL], "tool_choice": "required"}
     job = parse_chat(body, "m", fmt)
     source = job.prompts[0]
