@@ -7,7 +7,7 @@ times; prints the median tok/s, the median of each round's ratio to no speculati
 before, so that a shared machine's load moves both), the acceptance rate, the mean accepted
 drafts per spec step, how many of its requests gave the very tokens of no speculation, and the
 median time a step, and what the automatic threshold and adaptive K cost the core a step (the
-time in `Engine._observe_cost` and `Engine._adapt_k`, in microseconds). `--forced` makes every
+time in `Engine._observe_cost` and `OutputBook._adapt_k`, in microseconds). `--forced` makes every
 step a spec step (no automatic threshold, no adaptive K): what a spec step costs against a
 plain one.
 
@@ -62,13 +62,14 @@ FREE = [
 
 
 class Overhead:
-    """Seconds the engine spends in its speculation choices (`_observe_cost`: the automatic
-    threshold; `_adapt_k`: adaptive K), wrapped around the engine's own methods."""
+    """Seconds the engine spends in its speculation choices (the engine's `_observe_cost`: the
+    automatic threshold; its output book's `_adapt_k`: adaptive K), wrapped around their own
+    methods."""
 
     def __init__(self, engine: Engine):
         self.seconds = 0.0
-        for name in ("_observe_cost", "_adapt_k"):
-            setattr(engine, name, self.timed(getattr(engine, name)))
+        for owner, name in ((engine, "_observe_cost"), (engine.book, "_adapt_k")):
+            setattr(owner, name, self.timed(getattr(owner, name)))
 
     def timed(self, method):
         def wrapper(*args):

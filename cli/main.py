@@ -105,7 +105,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "--max-model-len",
         type=int,
         metavar="N",
-        help="prompt + output tokens at most (default: the model's context, capped at 2048)",
+        help="prompt + output tokens (default: the model's context, at most 2048)",
     )
     common.add_argument(
         "--seed",
@@ -312,7 +312,7 @@ def add_speculation_arguments(g, d: EngineConfig | None, more=None) -> None:
         "--speculative-disable-by-batch-size",
         type=int,
         metavar="N",
-        help="no speculation at N requests or more (default: chosen from measured step costs)",
+        help="no speculation at N requests or more (default: from step costs)",
     )
     auto, adaptive = (
         (None, None) if d is None else (d.speculative_auto_disable, d.speculative_adaptive_k)

@@ -151,6 +151,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _add_debugging_arguments(g["debugging"], d)
     add_limit_arguments(g["debugging"])
     vllm_flags.add_arguments(g["debugging"])
+    _add_vllm_tool_arguments(g["debugging"])
 
 
 def _add_model_arguments(g: Any) -> None:
@@ -163,9 +164,11 @@ def _add_model_arguments(g: Any) -> None:
         "--tool-call-parser",
         choices=sorted(tool_parsers.PARSERS),
         metavar="NAME",
-        help=f"tool calls' format, as vLLM's: {', '.join(sorted(tool_parsers.PARSERS))} "
-        "(default: the chat template's, else hermes)",
+        help=f"format: {', '.join(sorted(tool_parsers.PARSERS))} (default: the chat template's)",
     )
+
+
+def _add_vllm_tool_arguments(g: Any) -> None:
     g.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",

@@ -58,7 +58,7 @@ def test_without_params_it_samples_with_the_models_defaults(llm):
         llm.generate("Hi", SamplingParams(max_tokens=2), use_tqdm=False)
     finally:
         llm.engine.sinks.pop()
-    assert [(a.params["temperature"], a.params["top_p"]) for a in added] == [(0.2, 0.9), (1.0, 1.0)]
+    assert [(a.params.temperature, a.params.top_p) for a in added] == [(0.2, 0.9), (1.0, 1.0)]
 
 
 def test_a_progress_bar_counts_the_requests(llm, capsys):
