@@ -26,7 +26,7 @@ from memstep.core.request import Request
 from memstep.core.scheduler import Scheduled, StepBatch
 from memstep.core.spec_threshold import SpecThreshold
 from memstep.events.plan import Admission, SeqPlan, StepPlan, StepResult
-from memstep.events.types import MemoryReport, StepFinished, StepPlanned
+from memstep.events.types import LeakSuspected, MemoryReport, StepFinished, StepPlanned
 
 log = structlog.get_logger("memstep.engine")
 
@@ -173,7 +173,7 @@ class StepRecords:
         if proposed:
             log.debug("spec step", step=self.step_no, proposed=proposed, accepted=accepted)
         for leak in [*result.leaks, *self._watch_core(batch.kind, memory.core_rss_bytes, work)]:
-            log.warning("leak suspected", **attrs.asdict(leak))
+            log_leak(leak)
             self.emit(leak)
         self.last_memory = memory
         return outputs
@@ -197,6 +197,15 @@ class StepRecords:
             threshold = spec.decide()
             if threshold != spec.threshold:
                 self.set_spec_threshold(threshold, spec.figures())
+
+
+def log_leak(leak: LeakSuspected) -> None:
+    """A leak as a warning; a high-water mark (a figure rose once and stayed) as information,
+    which a clean session has and no one should be alarmed by."""
+    if leak.is_leak:
+        log.warning("leak suspected", **attrs.asdict(leak))
+    else:
+        log.info("memory high-water mark", **attrs.asdict(leak))
 
 
 def _work(batch: StepBatch) -> StepWork:

@@ -65,3 +65,21 @@ def test_a_line_and_its_newline_go_out_in_one_write(monkeypatch):
         memstep_logging, "_stderr_logger", lambda *_: structlog.PrintLogger(sys.stderr)
     )
     assert len(_writes_of_one_line(monkeypatch)) == 2  # the text, then its newline
+
+
+def test_a_high_water_mark_is_information_and_a_leak_a_warning():
+    """A clean session's high-water marks (a figure rose once with a new shape of work and
+    stayed) are logged at info, not as "leak suspected" warnings, which a user reads as an
+    alarm; a leak stays a warning."""
+    from memstep.core.step_records import log_leak
+    from memstep.events.types import LeakSuspected
+
+    mark = LeakSuspected(399, "no_spec", "high_water", 3 << 20, "rose once and stayed")
+    leak = LeakSuspected(31, "no_spec", "live_growth", 9 << 20, "grows 1 MiB a step")
+    with structlog.testing.capture_logs() as lines:
+        log_leak(mark)
+        log_leak(leak)
+    assert [(x["log_level"], x["event"], x["what"]) for x in lines] == [
+        ("info", "memory high-water mark", "high_water"),
+        ("warning", "leak suspected", "live_growth"),
+    ]
