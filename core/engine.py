@@ -38,7 +38,7 @@ from memstep.core.scheduler import Scheduler, StepBatch
 from memstep.core.seeding import RequestSeeds, engine_seed
 from memstep.core.shapes import check_tensor_parallel, max_model_len
 from memstep.core.snapshot import Admitted, EngineFacts, EngineSnapshot
-from memstep.core.spec_threshold import SpecThreshold
+from memstep.core.spec_threshold import SpecThreshold, probe_gaps
 from memstep.core.step_records import StepRecords
 from memstep.core.tokenizer import load_tokenizer, with_chat_template
 from memstep.events.plan import StepPlan, StepResult
@@ -313,13 +313,18 @@ class Engine(Inputs, ExecutorLife, StepRecords):
         self._observe_cost(batch, decode, result, seconds)
         return outputs
 
-    def set_spec_threshold(self, threshold: int | None, rates: list[list]) -> None:
+    def set_spec_threshold(
+        self, threshold: int | None, rates: list[list], gaps: list[list] | None = None
+    ) -> None:
         """Speculation from now on only below `threshold` requests (None: at every size), as
-        the automatic threshold; recorded, so that a replay applies it here."""
+        the automatic threshold, its probes' first gaps made from `rates` (`probe_gaps`) or
+        given (a replay's recorded ones); recorded, so that a replay applies it here."""
         self._between_steps()
-        self.emit(SpecThresholdChanged(self.step_no, threshold, rates))
+        if gaps is None:
+            gaps = probe_gaps(threshold, rates)
+        self.emit(SpecThresholdChanged(self.step_no, threshold, rates, gaps))
         log.info("speculation threshold", step=self.step_no, threshold=threshold, rates=rates)
-        self.spec_threshold.set(threshold)
+        self.spec_threshold.set(threshold, gaps)
 
     def _cache_blocks(self, req: Request) -> None:
         """Offer the request's full blocks of computed KV to the prefix cache."""

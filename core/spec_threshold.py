@@ -9,18 +9,24 @@ bucket where `spec` makes fewer tokens per second than `no_spec` (each kind's me
 Both kinds stay measured at every bucket by probes: a decode step runs the kind the threshold
 does not pick while that kind has fewer than `MIN_SAMPLES` steps in the bucket, then once after
 `PROBE_PERIOD` decode steps of the bucket, the gap doubling after each probe up to
-`MAX_PROBE_PERIOD` and back to `PROBE_PERIOD` whenever the threshold changes (a `spec` step
+`MAX_PROBE_PERIOD` and back to its first gap whenever the threshold changes (a `spec` step
 right after a `no_spec` one re-enters the kind, where an EAGLE head has no fresh state to draft
 from and a draft model catches up, so it is neither counted nor measured; a spec probe then runs
 `PAIRED` counted steps, since the first of them drafts from a context of one pair: a probe of a
 single such step read EAGLE's acceptance low, and spec switched off stayed off).
-A probe of the losing kind costs its loss, hence the doubling gap. Probes depend only on
-counts of steps and on the threshold's changes, so a replay makes the same ones. The threshold
-depends on wall time, which no replay can measure again: the engine records each change
+A probe of the losing kind costs its loss, hence the doubling gap, and a first gap after a
+change (PROBE_PERIOD or more) sized so that probes lose at most `PROBE_BUDGET` of the bucket's
+time at the rates the change was decided on (`probe_gaps`: at 16 streams on 2 cores an EAGLE
+step took three plain steps' time, and probes every 32 steps cost 10%). Probes depend only on
+counts of steps and on the threshold's changes with their gaps, both recorded, so a replay makes
+the same ones. The threshold depends on wall time, which no replay can measure again: the
+engine records each change
 (`SpecThresholdChanged`, an input) and a replay applies the recorded one (`set`) instead of
 deciding (`decide`). A new threshold is held `HOLD_STEPS` decode steps before the rates are
 judged again, unless a bucket's verdict is decisive (`DECISIVE`): spec losing by 20% where it
-is on (or winning by 25% where it is off) is no noise, and waiting costs every step.
+is on (or winning by 25% where it is off) is no noise, and waiting costs every step; past one
+stream, windows apart by `DECISIVE_WINDOWS` are acted on before any pair is made (a 16-stream
+batch ran 11 spec steps at a third of no_spec's rate before the hold ended).
 
 On a shared machine a kind's window of rates is made at other times than the other's (the
 probed kind's samples lie far apart), so load that comes and goes reads as one kind's loss (a
@@ -31,8 +37,10 @@ it, moments apart; and spec goes off only below `DISABLE_RATIO`, a margin as on 
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
+from collections.abc import Sequence
 
 import attrs
 
@@ -49,12 +57,33 @@ REENABLE_RATIO = 1.03
 DISABLE_RATIO = 0.97  # and goes off only below this: a tie is noise
 PAIRED = 3  # the other kind's latest steps that a step after a switch is compared with
 DECISIVE = 0.8  # a bucket's spec/no_spec ratio below this (above its inverse, spec off) is judged
+# past one stream, the windows' ratio (no pairs yet) below this, or above its inverse, is judged
+DECISIVE_WINDOWS = 0.5
+PROBE_BUDGET = 0.02  # the share of a bucket's time its periodic probes may lose, at most
+PROBE_STEPS = PAIRED + 1  # a spec probe's steps: a re-entry, then PAIRED counted ones
 
 
-def _probe_after(done: int) -> tuple[int, int]:
-    """A bucket's probe schedule started at `done` counted steps: (the counted steps at its next
-    probe, the gap after it)."""
-    return done + PROBE_PERIOD - 1, PROBE_PERIOD
+def _probe_after(done: int, gap: int = PROBE_PERIOD) -> tuple[int, int]:
+    """A bucket's probe schedule started at `done` counted steps with a first `gap`: (the
+    counted steps at its next probe, the gap after it)."""
+    return done + gap - 1, gap
+
+
+def probe_gaps(threshold: int | None, rates: list[list]) -> list[list[int]]:
+    """[[bucket, first gap], ...] past PROBE_PERIOD where the kind a new `threshold` does not
+    pick measured slower (`rates`: [bucket, spec tok/s, no_spec tok/s] as `figures` gives):
+    a probe step loses about the slower kind's extra time over the faster's (spec/no_spec - 1,
+    or its inverse, in steps), and the gap holds PROBE_STEPS of them under PROBE_BUDGET."""
+    gaps = []
+    for bucket, spec, plain in rates:
+        if spec <= 0 or plain <= 0:
+            continue
+        on = threshold is None or bucket < threshold
+        loss = spec / plain - 1 if on else plain / spec - 1
+        gap = min(math.ceil(PROBE_STEPS * loss / PROBE_BUDGET), MAX_PROBE_PERIOD)
+        if gap > PROBE_PERIOD:
+            gaps.append([int(bucket), gap])
+    return gaps
 
 
 def bucket_of(batch_size: int) -> int:
@@ -122,6 +151,7 @@ class SpecThreshold:
         self.runs: dict[int, Run] = {}  # bucket -> its latest run of measured steps of a kind
         # bucket -> spec/no_spec ratios of a run's first steps to the run before it (`_pair`)
         self.pairs: dict[int, deque[float]] = {}
+        self.first_gaps: dict[int, int] = {}  # bucket -> its probes' first gap since the change
 
     def kind_for(self, batch_size: int, is_decode: bool) -> str:
         """`spec` or `no_spec` for a batch; a pure decode batch (`is_decode`) may be a probe."""
@@ -140,14 +170,18 @@ class SpecThreshold:
         if other == "spec" and kind == "spec" and length < PAIRED:
             return True  # a spec probe goes on: its first drafts came from a context of one pair
         # a spec probe's first step re-enters the kind, is not counted, and so is probed again
-        return self._done(bucket) == self.probes.get(bucket, _probe_after(0))[0]
+        return self._done(bucket) == self._probes(bucket)[0]
 
     def _done(self, bucket: int) -> int:
         return self.num_steps.get(("spec", bucket), 0) + self.num_steps.get(("no_spec", bucket), 0)
 
+    def _probes(self, bucket: int) -> tuple[int, int]:
+        """The bucket's next periodic probe and the gap after it (`_probe_after`)."""
+        return self.probes.get(bucket) or _probe_after(0, self.first_gaps.get(bucket, PROBE_PERIOD))
+
     def _next_probe(self, bucket: int) -> None:
         """Past the bucket's periodic probe: the next twice as far (at most MAX_PROBE_PERIOD)."""
-        at, gap = self.probes.get(bucket, _probe_after(0))
+        at, gap = self._probes(bucket)
         while self._done(bucket) > at:
             gap = min(2 * gap, MAX_PROBE_PERIOD)
             at += gap
@@ -203,11 +237,14 @@ class SpecThreshold:
 
     def _decisive(self) -> bool:
         for bucket in {b for _, b in self.rates}:
-            if len(self.pairs.get(bucket, ())) < MIN_SAMPLES:
+            paired = len(self.pairs.get(bucket, ())) >= MIN_SAMPLES
+            if not paired and bucket == 1:
                 continue  # windows made at other times: no verdict to act on at once
+            # windows alone only when far apart: a loaded machine moved them by up to 0.6x
+            limit = DECISIVE if paired else DECISIVE_WINDOWS
             ratio = self.ratio(bucket)
             on = self._spec_on(bucket)
-            if ratio is not None and (ratio < DECISIVE if on else ratio > 1 / DECISIVE):
+            if ratio is not None and (ratio < limit if on else ratio > 1 / limit):
                 return True
         return False
 
@@ -253,13 +290,17 @@ class SpecThreshold:
                 rows.append([bucket, round(spec.per_second, 2), round(plain.per_second, 2)])
         return rows
 
-    def set(self, threshold: int | None) -> None:
+    def set(self, threshold: int | None, gaps: Sequence[Sequence[int]] = ()) -> None:
         """A new threshold (decided, or a recorded one in a replay); every bucket's probes start
-        again at PROBE_PERIOD, to measure what the change moved."""
+        again, to measure what the change moved: at PROBE_PERIOD, or the first gap `gaps` gives
+        the bucket ([[bucket, gap], ...], `probe_gaps`; none in a log written before them)."""
         self.threshold = threshold
         self.steps_since_change = 0
+        self.first_gaps = {int(b): int(g) for b, g in gaps}
         buckets = {b for _, b in self.num_steps}
-        self.probes = {b: _probe_after(self._done(b)) for b in buckets}
+        self.probes = {
+            b: _probe_after(self._done(b), self.first_gaps.get(b, PROBE_PERIOD)) for b in buckets
+        }
 
     def _spec_on(self, batch_size: int) -> bool:
         """Whether the threshold has speculation on at `batch_size` (or a bucket's size)."""

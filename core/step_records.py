@@ -61,7 +61,9 @@ class StepRecords:
     def _cache_blocks(self, req: Request) -> None:
         raise NotImplementedError  # the engine's
 
-    def set_spec_threshold(self, threshold: int | None, rates: list[list]) -> None:
+    def set_spec_threshold(
+        self, threshold: int | None, rates: list[list], gaps: list[list] | None = None
+    ) -> None:
         raise NotImplementedError  # the engine's
 
     def _plan(self, batch: StepBatch) -> StepPlan:

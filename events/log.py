@@ -49,8 +49,9 @@ MAGIC = b"MEMSTEP\x00"
 # writer always writes: an older memstep refuses the newer log; a newer one reads every older
 # format (a record type's SINCE_FORMAT says which formats hold it).  2: RequestPreempted.  3: an
 # InputMark before each input (`events/input_marks.py`).  4: a request's sampling params as a
-# SamplingParams record (a plain map before; `_typed_params` reads those).
-FORMAT_VERSION = 4
+# SamplingParams record (a plain map before; `_typed_params` reads those).  5: the automatic
+# speculation threshold's probe gaps in SpecThresholdChanged (`probe_gaps`).
+FORMAT_VERSION = 5
 TYPED_PARAMS_SINCE = 4
 _UNTYPED_PARAMS = ("RequestAdded", "RequestResumed")  # their `params` before format 4
 _VERSION = struct.Struct("<H")

@@ -164,6 +164,9 @@ class SpecThresholdChanged:
     step: int
     threshold: int | None
     rates: list[list]  # [[bucket, spec tok/s, no_spec tok/s], ...] of the buckets judged
+    # [[bucket, gap], ...]: the first probe gaps made from `rates`, where past the period
+    # (core/spec_threshold.py `probe_gaps`); a log before format 5 has none: the period
+    probe_gaps: list[list] = attrs.Factory(list)
     INPUT: ClassVar[bool] = True
 
 

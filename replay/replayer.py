@@ -180,7 +180,8 @@ class _Feeder:
             elif isinstance(rec, RequestNamed):
                 return  # the client's name for a request: nothing for the engine
             elif isinstance(rec, SpecThresholdChanged):
-                engine.set_spec_threshold(rec.threshold, list(rec.rates))
+                gaps = [list(g) for g in rec.probe_gaps]
+                engine.set_spec_threshold(rec.threshold, list(rec.rates), gaps)
             else:
                 raise TypeError(f"not an input record: {type(rec).__name__}")
         except (InvalidRequest, UnknownRequest) as exc:

@@ -15,10 +15,13 @@ from memstep.core.spec_threshold import (
     MAX_PROBE_PERIOD,
     MIN_SAMPLES,
     PAIRED,
+    PROBE_BUDGET,
     PROBE_PERIOD,
+    PROBE_STEPS,
     WINDOW,
     SpecThreshold,
     bucket_of,
+    probe_gaps,
 )
 
 SPEC = EngineConfig(model="random:tiny", speculative_method="ngram", num_speculative_tokens=3)
@@ -267,3 +270,45 @@ def test_at_one_stream_spec_goes_off_only_on_a_decisive_loss():
     kinds = SpecThreshold(SPEC)
     feed(kinds, 1, (10, 0.0160), (8, 0.008))  # 0.62x: nothing accepted, say
     assert kinds.ratio(1) < DECISIVE and kinds.decide() == 1
+
+
+def test_probe_gaps_hold_a_losing_kinds_probes_under_the_budget():
+    """spec at a third of no_spec's rate where it is off: PROBE_STEPS probe steps each losing
+    two steps' time fit PROBE_BUDGET once in 400 steps; spec on at 1.2x: 40; a kind that wins
+    (its verdict about to flip) or loses little keeps the period; MAX_PROBE_PERIOD caps it."""
+    assert PROBE_STEPS * 2 / PROBE_BUDGET == 400
+    rates = [[1, 36.0, 30.0], [4, 100.0, 99.0], [16, 100.0, 300.0], [32, 10.0, 1000.0]]
+    assert probe_gaps(16, rates) == [[1, 40], [16, 400], [32, MAX_PROBE_PERIOD]]
+    assert probe_gaps(None, [[16, 100.0, 300.0]]) == [], "no_spec probed where it wins"
+
+
+def run_at(batch: int, steps: int, use_gaps: bool) -> tuple[list[str], float]:
+    """`steps` decode steps at `batch` as the engine runs them, where a spec step takes three
+    no_spec steps' time for 1.3 times the tokens (2 cores at 16 streams): the kinds chosen, and
+    the share of the time lost against no_spec from the eighth step on (the probes')."""
+    kinds, chosen = SpecThreshold(SPEC), []
+    for _ in range(steps):
+        kind = kinds.kind_for(batch, is_decode=True)
+        tokens, seconds = (int(1.3 * batch), 0.03) if kind == "spec" else (batch, 0.01)
+        kinds.observe(kind, batch, True, tokens, seconds)
+        chosen.append(kind)
+        if kinds.may_change and kinds.decide() != kinds.threshold:
+            threshold = kinds.decide()
+            kinds.set(threshold, probe_gaps(threshold, kinds.figures()) if use_gaps else ())
+    later = chosen[8:]
+    made = sum(int(1.3 * batch) if k == "spec" else batch for k in later)
+    spent = sum(0.03 if k == "spec" else 0.01 for k in later)
+    return chosen, 1 - made / batch * 0.01 / spent
+
+
+def test_at_a_third_of_the_rate_spec_goes_off_at_once_and_its_probes_cost_little():
+    """Past one stream the windows' 0.43x acts before any pair or the hold (four spec steps,
+    the first and a re-entry among them), and the probes that follow cost under PROBE_BUDGET;
+    with the period's gaps (`probe_gaps` left out: the break) over the budget, twice as much."""
+    chosen, lost = run_at(16, 1000, use_gaps=True)
+    assert chosen[:8].count("spec") == 4 and "spec" not in chosen[8:250], chosen[:40]
+    assert lost < PROBE_BUDGET, lost
+    _, lost_without = run_at(16, 1000, use_gaps=False)
+    assert lost_without > PROBE_BUDGET and lost_without > 1.9 * lost, (lost, lost_without)
+    one, _ = run_at(1, 40, use_gaps=True)
+    assert one[:16].count("spec") > 8, "at one stream the windows alone never act: pairs do"

@@ -344,7 +344,11 @@ def test_wrong_magic_is_a_format_error(tmp_path):
 @pytest.mark.parametrize(
     ("version", "match"),
     [
-        (5, r"^log format version 5 is newer than this memstep supports \(4\); upgrade memstep$"),
+        (
+            FORMAT_VERSION + 1,
+            rf"^log format version {FORMAT_VERSION + 1} is newer than this memstep supports "
+            rf"\({FORMAT_VERSION}\); upgrade memstep$",
+        ),
         (0, "version 0 does not exist"),
     ],
 )

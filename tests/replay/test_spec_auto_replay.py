@@ -16,6 +16,7 @@ from replay_helpers import isolate_heap, mixed_params
 from memstep.core.config import EngineConfig
 from memstep.core.engine import Engine
 from memstep.core.sampling_params import SamplingParams
+from memstep.core.spec_threshold import PROBE_PERIOD
 from memstep.events.plan import StepPlan, StepResult
 from memstep.events.types import DraftLengthChanged, SpecThresholdChanged, StepFinished
 from memstep.executors.process.inprocess import InProcessExecutor
@@ -146,3 +147,21 @@ def test_inspect_shows_the_threshold_and_draft_length_changes(auto_log, capsys):
     dropped = sum(c.new < c.old for c in changes)
     raised = len(changes) - dropped
     assert f"draft length changes: {dropped} dropped, {raised} raised" in text
+
+
+def test_a_replay_that_ignores_the_recorded_probe_gaps_diverges(auto_log):
+    """The probes' first gaps after a change come from the rates it was decided on (wall
+    time): the log carries them, and a replay that takes the period instead probes elsewhere."""
+    rec = load(auto_log)
+    changes = [r for r in rec.records if isinstance(r, SpecThresholdChanged)]
+    assert any(gap > PROBE_PERIOD for r in changes for _, gap in r.probe_gaps), changes
+    records = [
+        attrs.evolve(r, probe_gaps=[]) if isinstance(r, SpecThresholdChanged) else r
+        for r in rec.records
+    ]
+    isolate_heap()
+    run = replay(Recording(rec.path, rec.header, records, rec.problems))
+    result = compare(rec.derived, run.derived)
+    assert not result.is_identical
+    first = result.first
+    assert first is not None and first.event in ("StepPlanned", "StateExited", "StateEntered")
