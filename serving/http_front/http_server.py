@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
 import contextlib
 import hmac
 import json
@@ -35,7 +34,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import attrs
-import orjson
 import structlog
 import uvicorn
 from starlette.applications import Starlette
@@ -45,12 +43,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from memstep.api.client import ROUTE_LOST, AsyncClient, AsyncStream, ServerError, error_of
+from memstep.api.client import AsyncClient, AsyncStream, ServerError
+from memstep.api.client import error_of as reply_error
 from memstep.core import collector
 from memstep.core.logging import setup_logging
 from memstep.events.wire import ErrorReply, GenerateDone, HealthReply, TokenizeRequest
 from memstep.serving.http_front import openai_protocol as oai
 from memstep.serving.http_front import tool_parsers
+from memstep.serving.http_front.http_errors import as_server_error, error_of, error_response
 from memstep.serving.http_front.http_limits import (
     GuardedHttptools,
     HttpLimits,
@@ -60,20 +60,13 @@ from memstep.serving.http_front.http_limits import (
 )
 from memstep.serving.http_front.metrics import FrontStats, Metrics
 from memstep.serving.http_front.openai_protocol import Job, OpenAIError
-from memstep.serving.http_front.tool_call_stream import CallStream
+from memstep.serving.http_front.sse import SseResponse
 from memstep.serving.tally import host_rss_bytes
 
 log = structlog.get_logger("memstep.http")
 
 HEALTH_TIMEOUT_S = 2.0
 CORE_TIMEOUT_S = 600.0  # a request's silence before it fails: one step may be long on a busy CPU
-CLIENT_ERRORS = {"invalid_request", "invalid_field", "missing_field", "unknown_field"}
-CLIENT_ERRORS |= {"constraint_unenforceable"}  # a schema the grammar engine cannot enforce
-UNAVAILABLE = {"executor_dead", "executor_error", "recovering", "overloaded", "log_unwritable"}
-UNAVAILABLE |= {ROUTE_LOST}
-RETRY_AFTER_S = 1  # a refused request's Retry-After: a queue drains in about a TTFT budget
-TOO_LARGE = {"frame_too_large"}
-DONE = b"data: [DONE]\n\n"
 
 
 class Front:
@@ -173,10 +166,10 @@ class Front:
             try:
                 reply = await self._within(deadline, self.core.tokenize(msg))
             except (ServerError, TimeoutError, ConnectionError) as exc:
-                raise _error_of(_as_server_error(exc)) from None
+                raise error_of(as_server_error(exc)) from None
             return JSONResponse(answer(reply))
         except OpenAIError as exc:
-            return _error_response(exc)
+            return error_response(exc)
 
     async def models(self, request: Request) -> Response:
         self._check_key(request)
@@ -188,7 +181,7 @@ class Front:
         name = request.path_params["name"]
         if name != self.model:
             message = f"The model `{name}` does not exist."
-            return _error_response(OpenAIError(404, message, param="model", code="model_not_found"))
+            return error_response(OpenAIError(404, message, param="model", code="model_not_found"))
         return JSONResponse(self._card())
 
     def _card(self) -> dict[str, Any]:
@@ -251,7 +244,7 @@ class Front:
                 counted = await self._within(deadline, self._prompt_tokens(job))
                 streams, firsts = await self._within(deadline, self._start(job, cid))
                 self.streaming.add(cid)
-                out = _SseState(job, rid, len(streams), prompt_tokens=counted)
+                out = SseResponse(job, rid, len(streams), prompt_tokens=counted)
                 events = self._sse(out, cid, streams, firsts, deadline)
                 # the background task ends the streams also when the body never started
                 end = BackgroundTask(self._end_streams, cid, streams)
@@ -263,7 +256,7 @@ class Front:
             return JSONResponse(oai.response(job, rid, dones), headers=header)
         except OpenAIError as exc:
             log.info("request rejected", x_request_id=given, status=exc.status, reason=str(exc))
-            return _error_response(exc, header)
+            return error_response(exc, header)
         finally:
             self.num_inflight -= 1
 
@@ -280,7 +273,7 @@ class Front:
             try:
                 reply = await self.core.tokenize(TokenizeRequest("", **source))
             except (ServerError, TimeoutError, ConnectionError) as exc:
-                raise _error_of(_as_server_error(exc)) from None
+                raise error_of(as_server_error(exc)) from None
             counts.append(len(reply.token_ids))
         return counts
 
@@ -344,7 +337,7 @@ class Front:
         try:
             return task.result()
         except (ServerError, TimeoutError, ConnectionError) as exc:
-            raise _error_of(_as_server_error(exc)) from exc
+            raise error_of(as_server_error(exc)) from exc
 
     async def _start(self, job: Job, cid: str) -> tuple[list[AsyncStream], list[Any]]:
         """Send every choice as a streaming request and await each one's first reply, so that a
@@ -363,13 +356,13 @@ class Front:
             for stream in streams:
                 self.core.forget(stream.request_id)
             if isinstance(exc, ServerError | TimeoutError | ConnectionError):
-                raise _error_of(_as_server_error(exc)) from exc
+                raise error_of(as_server_error(exc)) from exc
             raise
         return streams, firsts
 
     async def _sse(
         self,
-        out: _SseState,
+        out: SseResponse,
         cid: str,  # the core's id
         streams: list[AsyncStream],
         firsts: list[Any],
@@ -387,120 +380,27 @@ class Front:
         alarm = asyncio.create_task(_alarm(deadline, queue, self.core))
         try:
             if out.job.chat:  # each choice's role first, before any token
-                yield b"".join(self._role_events(out))
+                yield b"".join(out.role_events())
             while not out.ended:
                 items = [await self.core.take(queue)]
                 while not queue.empty():  # all that came meanwhile, in one write
                     items.append(queue.get_nowait())
                 out.created = int(time.time())
-                data = b"".join(
-                    [self._events(out, i, self._ended(streams[i], r)) for i, r in items]
-                )
+                data = b"".join([out.events(i, self._ended(streams[i], r)) for i, r in items])
                 if data:
                     yield data
         finally:
             alarm.cancel()
             self._end_streams_now(cid, streams)
 
-    def _role_events(self, out: _SseState) -> list[bytes]:
-        out.started.update(range(out.num_choices))
-        return [
-            _event(oai.role_chunk(out.job, out.rid, i, out.usage_of(i, 0)))
-            for i in range(out.num_choices)
-        ]
-
     def _ended(self, stream: AsyncStream, reply: Any) -> Any:
-        """A reply, its request forgotten once it ends the request; an ErrorReply as the error
-        it raises."""
+        """A reply, its request forgotten (and its figures observed) once it ends the request;
+        an ErrorReply as the error it raises."""
         if isinstance(reply, GenerateDone | ErrorReply):
             self.core.forget(stream.request_id)
-        return error_of(reply) if isinstance(reply, ErrorReply) else reply
-
-    def _events(self, out: _SseState, index: int, item: Any) -> bytes:
-        """The SSE text for one reply of choice `index`: its chunk; after the last choice's
-        GenerateDone the usage chunk if asked for and [DONE]; an error event ends the stream.
-
-        A delta with tokens gets its chunk even when it adds no text (a token that ends inside
-        a character, one the tokenizer has no text for, text held back by a stop string), as
-        vLLM's server sends one: a client times each token as it comes, and the first chunk is
-        the first token, as over ZMQ.  Held back, a random model's reply whose tokens have no
-        text would show its first chunk, and its TTFT, only at its end."""
-        job, rid = out.job, out.rid
-        if out.ended:
-            return b""
-        if isinstance(item, ServerError):
-            out.ended = True
-            return _event(_error_of(item).body()) + DONE
-        if isinstance(item, GenerateDone):
-            out.dones[index] = item
-            self.prom.observe(item)
-            held, called, left = b"", False, []
-            if job.calls_tools:
-                calls, waiting = out.calls[index], out.held_logprobs.pop(index, [])
-                cut = job.cut_call(item.finish_reason)
-                held = self._tool_chunks(out, index, calls.finish(cut), waiting)
-                called, left = calls.num_calls > 0, out.held_logprobs.pop(index, [])
-            echo, left = self._echo(out, index, item, "", left)
-            used = out.usage_of(index, item.usage.completion_tokens)
-            end = oai.chunk(
-                job, rid, index, echo, left, out.offsets[index], usage=used, **_end(item, called)
-            )
-            data = held + _event(end)
-            if len(out.dones) == out.num_choices:
-                out.ended = True
-                if job.include_usage:
-                    ordered = [out.dones[i] for i in range(out.num_choices)]
-                    data += _event(oai.usage_chunk(job, rid, ordered))
-                data += DONE
-            return data
-        out.num_tokens[index] += len(item.token_ids)
-        if job.calls_tools:
-            waiting = out.held_logprobs.pop(index, []) + list(item.logprobs)
-            return self._tool_chunks(out, index, out.calls[index].feed(item.text), waiting)
-        if job.echo_only and index in out.started:  # the prompt went; no reply to show
-            return b""
-        text, logprobs = self._echo(out, index, item, item.text, item.logprobs)
-        if not (text or item.token_ids or logprobs):
-            return b""
-        role = index not in out.started
-        out.started.add(index)
-        offset = out.offsets[index]
-        out.offsets[index] += len(text)
-        used = out.usage_of(index, out.num_tokens[index])
-        if not (role or logprobs or used) and (plain := out.text_chunks(index)) is not None:
-            return plain.event(text, out.created)
-        return _event(oai.chunk(job, rid, index, text, logprobs, offset, role=role, usage=used))
-
-    def _echo(
-        self, out: _SseState, index: int, item: Any, text: str, logprobs: list[list]
-    ) -> tuple[str, list[list]]:
-        """A choice's first chunk with `echo`: the prompt (and its logprobs) before the reply's;
-        a later one as it is."""
-        if not out.job.echo or index in out.echoed:
-            return text, logprobs
-        out.echoed.add(index)
-        return oai.echoed(out.job, index, item.prompt_logprobs, text, logprobs)
-
-    def _tool_chunks(
-        self, out: _SseState, index: int, deltas: list[dict[str, Any]], logprobs: list[list]
-    ) -> bytes:
-        """The chunks of a choice that may call tools: its content and tool-call deltas
-        (serving/http_front/tool_call_stream.py), the tokens' logprobs on the first of them; with no
-        delta to send, the logprobs wait for the next."""
-        if not deltas:
-            if logprobs:
-                out.held_logprobs[index] = logprobs
-            return b""
-        chunks, job, rid = [], out.job, out.rid
-        used = out.usage_of(index, out.num_tokens[index])
-        for delta in deltas:
-            if "content" in delta:
-                chunk = oai.chunk(job, rid, index, delta["content"], logprobs, 0, usage=used)
-            else:
-                chunk = oai.calls_chunk(job, rid, index, delta["tool_calls"], logprobs, used)
-            chunks.append(_event(chunk))
-            logprobs = []
-        return b"".join(chunks)
+        if isinstance(reply, GenerateDone):
+            self.prom.observe(reply)
+        return reply_error(reply) if isinstance(reply, ErrorReply) else reply
 
     def _abort(self, request_ids: list[str]) -> None:
         """Abort requests in the core from a task of their own: the caller may be cancelled."""
@@ -513,41 +413,6 @@ class Front:
         with contextlib.suppress(ServerError, TimeoutError, ConnectionError):  # it may have ended
             await self.core.abort(request_id)
             log.info("client gone; request aborted", request_id=request_id)
-
-
-@attrs.define
-class _SseState:
-    """What one SSE response has sent: each choice's GenerateDone, text offset, first chunk."""
-
-    job: Job
-    rid: str
-    num_choices: int
-    dones: dict[int, GenerateDone] = attrs.Factory(dict)
-    offsets: collections.defaultdict[int, int] = attrs.Factory(lambda: collections.defaultdict(int))
-    started: set[int] = attrs.Factory(set)  # choices whose first chunk (with the chat role) went
-    echoed: set[int] = attrs.Factory(set)  # choices whose prompt went (`echo`)
-    ended: bool = False
-    calls: collections.defaultdict[int, CallStream] = attrs.Factory(
-        lambda self: collections.defaultdict(self.job.call_stream), takes_self=True
-    )  # each choice's text split into content and tool-call deltas
-    held_logprobs: dict[int, list[list]] = attrs.Factory(dict)  # of tokens held back
-    created: int = 0  # the `created` of the chunks of this write (seconds)
-    plain: dict[int, oai.TextChunks | None] = attrs.Factory(dict)  # each choice's, once made
-    prompt_tokens: list[int] = attrs.Factory(list)  # each prompt's, with continuous usage
-    num_tokens: collections.Counter[int] = attrs.Factory(collections.Counter)  # each choice's
-
-    def usage_of(self, index: int, completion_tokens: int) -> dict[str, int] | None:
-        """Choice `index`'s usage so far, for its chunk; None unless every chunk carries it."""
-        if not self.job.continuous_usage:
-            return None
-        prompt_tokens = self.prompt_tokens[index // self.job.n]
-        return oai.running_usage(prompt_tokens, completion_tokens)
-
-    def text_chunks(self, index: int) -> oai.TextChunks | None:
-        """Choice `index`'s plain text chunks, made on its first."""
-        if index not in self.plain:
-            self.plain[index] = oai.TextChunks.of(self.job, self.rid, index)
-        return self.plain[index]
 
 
 async def _first(stream: AsyncStream) -> Any:
@@ -588,16 +453,6 @@ async def _alarm(deadline: float, queue: asyncio.Queue, core: AsyncClient) -> No
     queue.put_nowait((0, error))
 
 
-def _end(done: GenerateDone, called: bool = False) -> dict[str, Any]:
-    if called and done.finish_reason == "stop":
-        return {"finish_reason": "tool_calls"}
-    return {"finish_reason": done.finish_reason}
-
-
-def _event(obj: dict[str, Any]) -> bytes:
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
-
-
 def _json(body: bytes) -> Any:
     """The parsed body; 400 for anything that is not JSON a request can hold (nested past
     Python's recursion limit, or an integer past its 4,300 digits, included)."""
@@ -612,26 +467,6 @@ def _json(body: bytes) -> Any:
 async def _disconnected(request: Request) -> None:
     while not await request.is_disconnected():
         await asyncio.sleep(0.1)
-
-
-def _as_server_error(exc: ServerError | TimeoutError | ConnectionError) -> ServerError:
-    if isinstance(exc, ConnectionError):
-        return ServerError(ROUTE_LOST, str(exc))
-    return exc if isinstance(exc, ServerError) else ServerError("core_timeout", str(exc))
-
-
-def _error_of(exc: ServerError) -> OpenAIError:
-    """The OpenAI error for an ErrorReply of the core: 400 for bad input, 503 when it cannot
-    serve now, 500 otherwise."""
-    if exc.code in CLIENT_ERRORS:
-        return OpenAIError(400, exc.message, code=exc.code)
-    if exc.code in TOO_LARGE:
-        return OpenAIError(413, exc.message, code="request_too_large")
-    if exc.code in UNAVAILABLE:
-        return OpenAIError(503, exc.message, "service_unavailable", code=exc.code)
-    if exc.code == "core_timeout":
-        return OpenAIError(504, exc.message, "timeout", code=exc.code)
-    return OpenAIError(500, exc.message, "internal_error", code=exc.code)
 
 
 def build_app(front: Front) -> Starlette:
@@ -653,17 +488,7 @@ def build_app(front: Front) -> Starlette:
 
 
 async def _openai_error(request: Request, exc: OpenAIError) -> Response:
-    return _error_response(exc)
-
-
-def _error_response(exc: OpenAIError, headers: dict[str, str] | None = None) -> Response:
-    """OpenAI's error object; a 503 (the core cannot serve now) says when to retry."""
-    headers = dict(headers or {})
-    if exc.status == 503:
-        headers["Retry-After"] = str(RETRY_AFTER_S)
-    if exc.status in (408, 413):  # its body may be coming still: closed gracefully (lingering)
-        headers["Connection"] = "close"
-    return JSONResponse(exc.body(), exc.status, headers=headers or None)
+    return error_response(exc)
 
 
 async def _routing_error(request: Request, exc: HTTPException) -> Response:

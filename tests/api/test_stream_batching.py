@@ -17,7 +17,7 @@ from memstep.events.wire import GenerateDelta, GenerateDeltas, GenerateDone, Gen
 from memstep.executors.process.inprocess import local_engine
 from memstep.serving.core_process import Server
 from memstep.serving.http_front import openai_protocol as oai
-from memstep.serving.http_front.http_server import _event
+from memstep.serving.http_front.sse import event
 
 NUM_STREAMS = 4
 MAX_TOKENS = 5
@@ -150,7 +150,7 @@ def test_the_async_client_streams_batched_what_the_blocking_client_streams(serve
 @pytest.mark.parametrize("chat", [False, True])
 @pytest.mark.parametrize("include_usage", [False, True])
 def test_a_plain_text_chunk_from_bytes_is_the_chunk_json(chat, include_usage):
-    """TextChunks' event is byte for byte `_event(chunk(...))` for texts JSON must escape, and
+    """TextChunks' event is byte for byte `event(chunk(...))` for texts JSON must escape, and
     a model name holding its marker gets none (the slow path) rather than a broken chunk."""
     job = oai.Job(chat, 'mo"del', [{"prompt": "x"}], [{}], 1, True, include_usage, None)
     plain = oai.TextChunks.of(job, 'cmpl-"created":1', 0)
@@ -158,7 +158,7 @@ def test_a_plain_text_chunk_from_bytes_is_the_chunk_json(chat, include_usage):
     for text in ["a", 'q"uo\\te', "\n\t\x01", "é漢字🙂", "\ue000memstep-text\ue000"]:
         want = oai.chunk(job, 'cmpl-"created":1', 0, text, [], 0)
         got = plain.event(text, want["created"])
-        assert got == _event(want)
+        assert got == event(want)
         assert orjson.loads(got[len(b"data: ") :]) == want
     odd = oai.Job(chat, oai.TextChunks.MARK, [{"prompt": "x"}], [{}], 1, True, include_usage, None)
     assert oai.TextChunks.of(odd, "cmpl-1", 0) is None
