@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 # test processes (pytest-xdist; each file's tests stay in one, its fixtures built once there)
 TEST_WORKERS ?= 2
 STAMP := $(VENV)/.installed-$(shell echo '$(TORCH_SPEC)' | tr -c 'a-zA-Z0-9.\n' '_')
-# aiperf, which tests/api/test_third_party_clients.py drives as a command, in a venv of its own:
+# aiperf, which tests/serving/http_front/test_third_party_clients.py drives as a command, in a venv of its own:
 # it pins pyzmq and transformers below .venv's
 AIPERF_VENV := .venv-aiperf
 AIPERF_SPEC := aiperf==0.13.0

@@ -53,7 +53,7 @@ def test_the_client_times_every_token_also_one_without_text(server):
     so TTFT is the first token's; only a closing chunk with no text is not one.  The check fires:
     counting chunks with text only, random:tiny's bytes of unfinished characters go untimed."""
     body = bench_openai.request_body(False, "random:tiny", "abc", 24, True)
-    body |= {"temperature": 1.0, "seed": 3}  # some tokens without text (see tests/api)
+    body |= {"temperature": 1.0, "seed": 3}  # some tokens without text (see tests/serving)
 
     async def run() -> bench_openai.Streamed:
         async with bench_openai.session(60) as http:

@@ -1,7 +1,7 @@
 """Every family served: a tiny random checkpoint of each (tests/executors/model/tiny_families.py)
-with SmolLM2's real tokenizer and the family's real chat template (tests/api/chat_templates/,
-from the models' tokenizer_config.json), served by `memstep serve --model DIR` and answered
-through the `openai` SDK: a chat, a streamed chat, and a forced tool call, whole and streamed,
+with SmolLM2's real tokenizer and the family's real chat template (chat_templates/ here, from
+the models' tokenizer_config.json), served by `memstep serve --model DIR` and answered through
+the `openai` SDK: a chat, a streamed chat, and a forced tool call, whole and streamed,
 returned as `tool_calls` in the format the template teaches (a random model calls a tool only
 under the grammar). The server's log then replays identically.
 

@@ -1,6 +1,6 @@
 """Each tool-call format (serving/http_front/tool_parsers/) read whole and streamed, written
 back into a history, and forced by its grammar; and the choice of one from the real chat templates
-(tests/api/chat_templates/) or `--tool-call-parser`. A reply read with another family's parser
+(chat_templates/ here) or `--tool-call-parser`. A reply read with another family's parser
 is content: the choice is what makes a call a call."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from memstep.core.chat_template import ChatTemplate
 from memstep.serving.http_front.openai_protocol import parse_chat
 from memstep.serving.http_front.tool_call_stream import CallStream
 from memstep.serving.http_front.tool_parsers import PARSERS, ToolFormat, UnknownParser, choose
-from tests.api.test_tool_calls import _accumulated
+from tests.serving.http_front.test_tool_calls import _accumulated
 
 TEMPLATES = Path(__file__).parent / "chat_templates"
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}

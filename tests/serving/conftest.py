@@ -1,4 +1,4 @@
-"""Shared fixtures of the API tests."""
+"""Shared fixtures of the core process's tests (and its HTTP front's, below)."""
 
 from __future__ import annotations
 

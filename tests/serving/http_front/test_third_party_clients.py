@@ -46,7 +46,7 @@ MC = [
     },
     {"question": "Two plus two is", "choices": [" four", " five"], "answer": 0},
 ]
-AIPERF = Path(__file__).parents[2] / ".venv-aiperf" / "bin" / "aiperf"
+AIPERF = Path(__file__).parents[3] / ".venv-aiperf" / "bin" / "aiperf"
 ROLLING = {"text": "The quick brown fox jumps over the lazy dog. It was a sunny day in May."}
 
 
