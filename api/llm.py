@@ -127,11 +127,14 @@ class LLM:
         sampling_params: SamplingParams | core_params.SamplingParams | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Complete each prompt (text or token ids); results in prompt order."""
+        """Complete each prompt (text or token ids); results in prompt order. A text's ids get
+        the tokenizer's own special tokens (a Llama or Gemma tokenizer's BOS; SmolLM2's adds
+        none), as vLLM's `LLM.generate` encodes it; token ids are taken as given."""
         batch = _prompt_list(prompts)
-        return self._run(
-            batch, [p if isinstance(p, str) else None for p in batch], sampling_params, use_tqdm
-        )
+        tok = self.engine.tokenizer
+        ids = [tok.with_special_tokens(tok.encode(p)) if isinstance(p, str) else p for p in batch]
+        texts = [p if isinstance(p, str) else None for p in batch]
+        return self._run(ids, texts, sampling_params, use_tqdm)
 
     def chat(
         self,

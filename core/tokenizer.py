@@ -289,7 +289,29 @@ def _gguf_tokenizer(path: Path) -> HFTokenizer:
     eos = (int(gguf_field(reader, "tokenizer.ggml.eos_token_id", 2)),)
     bos_id = gguf_field(reader, "tokenizer.ggml.bos_token_id")
     bos = tokens[bos_id] if bos_id is not None else ""
+    _add_bos_eos(tok, reader, tokens, bos_id, eos[0])
     return HFTokenizer(tok, gguf_field(reader, "tokenizer.chat_template"), eos, bos)
+
+
+def _add_bos_eos(tok: Any, reader: Any, tokens: list[str], bos_id: int | None, eos_id: int):
+    """The BOS (and EOS) llama.cpp adds around a text where the file says so
+    (`tokenizer.ggml.add_bos_token`, `add_eos_token`: a Llama 3 or Gemma GGUF; SmolLM2's adds
+    none), as a post-processor: `with_special_tokens`, vLLM's add_special_tokens=True."""
+    from tokenizers import processors
+
+    before = bos_id if gguf_field(reader, "tokenizer.ggml.add_bos_token", False) else None
+    after = eos_id if gguf_field(reader, "tokenizer.ggml.add_eos_token", False) else None
+    if before is None and after is None:
+        return
+    parts = ["$A"]
+    if before is not None:
+        parts.insert(0, tokens[before])
+    if after is not None:
+        parts.append(tokens[after])
+    special = {tokens[i]: i for i in (before, after) if i is not None}
+    tok.post_processor = processors.TemplateProcessing(
+        single=" ".join(parts), special_tokens=list(special.items())
+    )
 
 
 def _hf_tokenizer(folder: Path, eos: tuple[int, ...]) -> HFTokenizer:

@@ -156,7 +156,7 @@ def parse_completion(body: Any, model: str) -> Job:
     if body.get("best_of") not in (None, 1):
         raise bad("best_of other than 1 is not supported", "best_of")
     top = _int(body, "logprobs", 0, 5)
-    prompts = [{"prompt": p} | _special_tokens(body) for p in _prompts(body.get("prompt"))]
+    prompts = [{"prompt": p} | _special_tokens(body, True) for p in _prompts(body.get("prompt"))]
     max_tokens, echo = _max_tokens(body, 0), _bool(body, "echo")
     if max_tokens == 0 and not echo:
         raise bad("max_tokens 0 needs echo: true (the prompt alone)", "max_tokens")
@@ -193,7 +193,7 @@ def parse_chat(body: Any, model: str, tool_format: ToolFormat = DEFAULT_FORMAT) 
     elif top is None:
         top = 0
     max_tokens = _max_tokens(body, 1)
-    source: dict[str, Any] = {"messages": messages} | _special_tokens(body)
+    source: dict[str, Any] = {"messages": messages} | _special_tokens(body, False)
     if extra is not None and not isinstance(extra, dict):
         raise bad("chat_template_kwargs must be an object", "chat_template_kwargs")
     if tools is not None and tools.is_on and tool_format.in_template:
@@ -203,11 +203,13 @@ def parse_chat(body: Any, model: str, tool_format: ToolFormat = DEFAULT_FORMAT) 
     return _job(body, model, True, [source], max_tokens, top, tools)
 
 
-def _special_tokens(body: dict) -> dict[str, bool]:
+def _special_tokens(body: dict, default: bool) -> dict[str, bool]:
     """vLLM's add_special_tokens: true adds the tokenizer's own special tokens (a BOS, say;
-    SmolLM2's adds none) around the prompt's ids, on top of a chat template's; false or absent,
-    none (vLLM's default for a chat; for a completion vLLM's is true)."""
-    if body.get("add_special_tokens") is None or not _bool(body, "add_special_tokens"):
+    SmolLM2's adds none) around the prompt's ids, on top of a chat template's; false, none.
+    Absent, vLLM's `default`: true for a completion's text (Llama's and Gemma's BOS, as their
+    tokenizers add it), false for a chat (its template writes them)."""
+    given = body.get("add_special_tokens")
+    if not (default if given is None else _bool(body, "add_special_tokens")):
         return {}
     return {"add_special_tokens": True}
 
@@ -231,7 +233,7 @@ def parse_tokenize(body: Any, model: str) -> TokenizeRequest:
         raise bad("chat_template_kwargs must be an object, with messages", "chat_template_kwargs")
     if ("prompt" in body) == ("messages" in body):
         raise bad("give exactly one of prompt, messages")
-    added = bool(_special_tokens(body))
+    added = bool(_special_tokens(body, "prompt" in body))  # vLLM's defaults, as above
     if "messages" in body:
         messages = _messages(body["messages"])
         return TokenizeRequest(

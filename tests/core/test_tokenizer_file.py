@@ -89,3 +89,47 @@ def test_the_exported_folder_is_the_tokenizer_whole_for_transformers(tmp_path):
     text = hf.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     assert text == ours.apply_chat_template(chat)
     assert hf.eos_token_id == ours.encode("<|im_end|>")[0]
+
+
+def _gguf_tokenizer_file(path, add_bos: bool):
+    """SmolLM2's tokenizer fields in a GGUF of their own, `tokenizer.ggml.add_bos_token` set as
+    asked (a Llama 3 or Gemma GGUF sets it; SmolLM2's does not)."""
+    from gguf import GGUFReader, GGUFWriter
+
+    from memstep.core.model_source import gguf_field
+
+    reader = GGUFReader(shipped_gguf_path())
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(list(gguf_field(reader, "tokenizer.ggml.tokens")))
+    writer.add_token_merges(list(gguf_field(reader, "tokenizer.ggml.merges")))
+    writer.add_token_types(list(gguf_field(reader, "tokenizer.ggml.token_type")))
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(add_bos)
+    writer.add_chat_template(gguf_field(reader, "tokenizer.chat_template"))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("add_bos", [True, False])
+def test_a_gguf_that_adds_a_bos_has_it_on_generated_texts_and_not_on_chats(tmp_path, add_bos):
+    """llama.cpp adds the BOS where the file says `add_bos_token`: memstep's `LLM.generate` of a
+    text does (vLLM's add_special_tokens=True), a chat gets only its template's, token ids are
+    taken as given; without the flag, no BOS (SmolLM2 as shipped)."""
+    from memstep import LLM
+
+    path = _gguf_tokenizer_file(tmp_path / "tok.gguf", add_bos)
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    with LLM("random:tiny", tokenizer=str(path), num_threads=1) as llm:
+        tok = llm.engine.tokenizer
+        (text,) = llm.generate(TEXT, params, use_tqdm=False)
+        assert text.prompt_token_ids == [1] * add_bos + tok.encode(TEXT)
+        (ids,) = llm.generate([[5, 6, 7]], params, use_tqdm=False)
+        assert ids.prompt_token_ids == [5, 6, 7]
+        chat = [{"role": "user", "content": "Hi"}]
+        (answer,) = llm.chat(chat, params, use_tqdm=False)
+        assert answer.prompt_token_ids == tok.encode_chat(chat)

@@ -11,6 +11,7 @@ from memstep.serving.http_front.openai_protocol import (
     format_logprobs,
     parse_chat,
     parse_completion,
+    parse_tokenize,
 )
 
 ASK = [{"role": "user", "content": "hi"}]
@@ -110,14 +111,20 @@ def test_legacy_top_logprobs_hold_the_chosen_token():
     assert top == [{"a": -0.5, "b": -1.0}, {"a": -0.4, "b": -0.9, "c": -3.0}]
 
 
-def test_add_special_tokens_true_is_taken_on_both_routes_and_reaches_the_core():
+def test_add_special_tokens_is_taken_on_both_routes_with_vllms_defaults():
     """vLLM's meaning: the tokenizer's own special tokens around the prompt's ids (the core adds
-    them: serving/core_answers.py); false or null, nothing; anything else, a 400."""
-    for parse, plain in ((parse_completion, {"prompt": "x"}), (parse_chat, {"messages": ASK})):
-        asked = parse({"model": "m", **plain, "add_special_tokens": True}, "m").prompts
-        assert [p.get("add_special_tokens") for p in asked] == [True]
-        for value in (False, None):
+    them: serving/core_answers.py); absent or null, vLLM's default: on for a completion's text
+    (a Llama or Gemma tokenizer's BOS), off for a chat and its template; anything else, a 400.
+    /tokenize follows the same defaults for a prompt and for messages."""
+    routes = ((parse_completion, {"prompt": "x"}, True), (parse_chat, {"messages": ASK}, False))
+    for parse, plain, default in routes:
+        for value, added in ((True, True), (False, False), (None, default)):
             body = {"model": "m", **plain, "add_special_tokens": value}
-            assert parse(body, "m") == parse({"model": "m", **plain}, "m")
+            prompts = parse(body, "m").prompts
+            assert [p.get("add_special_tokens", False) for p in prompts] == [added], (parse, value)
+        assert parse({"model": "m", **plain}, "m").prompts == prompts
         with pytest.raises(OpenAIError, match="must be a boolean"):
             parse({"model": "m", **plain, "add_special_tokens": "yes"}, "m")
+    assert parse_tokenize({"prompt": "x"}, "m").add_special_tokens
+    assert not parse_tokenize({"messages": ASK}, "m").add_special_tokens
+    assert not parse_tokenize({"prompt": "x", "add_special_tokens": False}, "m").add_special_tokens
