@@ -274,9 +274,7 @@ def cpu_seconds(pids: dict[str, list[int]]) -> dict[str, float]:
     out = {}
     for name, group in pids.items():
         out[name] = 0.0
-        for pid in group:
-            if pid <= 0:  # a role the server does not run (no HTTP front: pid 0)
-                continue
+        for pid in group:  # server_pids left out the roles a server does not run (pid 0)
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             out[name] += (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime
     me = resource.getrusage(resource.RUSAGE_SELF)

@@ -491,7 +491,7 @@ def _announce(
     info = {
         "endpoint": server.endpoint,
         "core_pid": os.getpid(),
-        "executor_pid": getattr(server.engine.executor, "pid", 0),
+        "executor_pid": server.engine.snapshot().executor_pid,
         "http_url": front.url if front is not None else None,
         "http_pid": front.proc.pid if front is not None else 0,
         "http_pids": front.pids if front is not None else [],
