@@ -1,5 +1,5 @@
-"""The CPU's matmuls: Q4_1 / Q8_0 block rows through the C kernels, and float32 matrices with
-more outputs than inputs through oneDNN."""
+"""The CPU's matmuls: Q4_1 / Q8_0 / Q8_16 block rows through the C kernels, and float32 matrices
+with more outputs than inputs through oneDNN."""
 
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ def wide_dense(dtype: torch.dtype) -> Callable:
 def cpu_linear(
     weights: dict[str, torch.Tensor], name: str, dense: Callable, bf16: bool = False
 ) -> Linear:
-    """Matrix `name` as `make_linear` makes it, but Q4_1 and Q8_0 block rows multiplied by the C
-    kernels (`bf16`: x's rows and the weights rounded to bfloat16, the sums float32).
+    """Matrix `name` as `make_linear` makes it, but Q4_1, Q8_0 and Q8_16 block rows multiplied by
+    the C kernels (`bf16`: x's rows and the weights rounded to bfloat16, the sums float32).
 
     Q4_1 runs through the kernel for every batch, prefills included: a row's bits are the same
     whatever it is computed with (a prompt's token as it decoded), so a request preempted and
@@ -38,6 +38,9 @@ def cpu_linear(
     if name + ".q8_0" in weights:
         blocks = weights[name + ".q8_0"]
         return _in_float32(lambda x: cpu_kernels.q8_0_mm(x, blocks, bf16))
+    if name + ".q8_16" in weights:
+        blocks = weights[name + ".q8_16"]
+        return _in_float32(lambda x: cpu_kernels.q8_16_mm(x, blocks, bf16))
     return make_linear(weights, name, dense)
 
 
