@@ -127,7 +127,7 @@ def _block_forms(tensors: dict, num_layers: int) -> dict[str, tuple[str, list[st
 @functools.lru_cache(maxsize=4)
 def gguf_converts_exactly(path: Path) -> bool:
     """Whether every decoder matrix of the GGUF at `path` (a Llama layout's) converts exactly
-    into the kernels' blocks: Q4_1, Q4_K, Q5_0, Q8_0 or Q6_K (`gguf_blocks.NATIVE`)."""
+    into the kernels' blocks: Q4_1, Q4_K, Q5_0, Q8_0 or Q6_K (`gguf_blocks.HELD_BY`)."""
     tensors = {t.name: t for t in read_gguf(path).tensors}
     layers = {int(name.split(".")[1]) for name in tensors if name.startswith("blk.")}
     if not layers or layers != set(range(len(layers))):

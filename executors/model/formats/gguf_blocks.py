@@ -4,12 +4,16 @@ the float32 value `gguf.quants.dequantize` gives (one rounding, as ggml's own ar
 Every type read here is, per group of 32 inputs, int8 codes q with a float32 scale s and offset
 o for each half of 16: w = q * s + o, where q * s is exact in float32 (s is an fp16 times a
 small integer, q at most 8 bits) and the kernels' fused multiply-add rounds once, as gguf's
-`d * q - dm` (or `d * q`) does. The three forms the kernels take (`cpu/kernels.c`):
+`d * q - dm` (or `d * q`) does. The four forms the kernels take (`cpu/kernels.c`), each type
+in the smallest that holds it and a fused matrix's parts in the smallest that holds them all:
 
 * `q4_1` (24 bytes): float32 d and m, 16 bytes of codes 0..15 (input j low nibble, 16 + j
   high): w = q * d + m. Q4_1 as shipped; Q4_K's sub-blocks of 32, with d = d * sc and
   m = -(dmin * min), each an exact float32 product (fp16 times a 6-bit integer).
-* `q8_0` (34 bytes): fp16 d, 32 int8: w = q * d. Q8_0 as shipped; Q5_0's 5-bit codes - 16.
+* `q5_0` (28 bytes): float32 d and m = -16 d, the codes' fifth bits (bit j: input j), then
+  their low four as `q4_1`'s: w = q * d + m, exact. Q5_0, its fp16 d widened.
+* `q8_0` (34 bytes): fp16 d, 32 int8: w = q * d. Q8_0 as shipped; Q5_0's codes - 16 where a
+  fused matrix has Q8_0 parts too.
 * `q8_16` (48 bytes): float32 (s, o) of inputs 0..15, then of 16..31, then 32 int8: Q6_K
   (scale d * sc per 16, exact: fp16 times int8, offset 0), and any of the above where a fused
   matrix (qkv, gate_up) has parts of two forms.
@@ -25,9 +29,14 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 GROUP = 32
-# each type read here: its block's bytes and the kernels' form it converts to by itself
-NATIVE = {T.Q4_1: "q4_1", T.Q4_K: "q4_1", T.Q5_0: "q8_0", T.Q8_0: "q8_0", T.Q6_K: "q8_16"}
-FORMS = ("q4_1", "q8_0", "q8_16")
+# each type read here: the kernels' forms that hold it exactly, smallest first
+HELD_BY = {
+    T.Q4_1: ("q4_1", "q8_16"),
+    T.Q4_K: ("q4_1", "q8_16"),
+    T.Q5_0: ("q5_0", "q8_0", "q8_16"),
+    T.Q8_0: ("q8_0", "q8_16"),
+    T.Q6_K: ("q8_16",),
+}
 
 
 @attrs.frozen
@@ -41,17 +50,18 @@ class Groups:
 
 
 def form_of(qtype: T) -> str | None:
-    """The kernels' form a matrix of `qtype` converts to exactly, or None (dequantized)."""
-    return NATIVE.get(qtype)
+    """The smallest of the kernels' forms a matrix of `qtype` converts to exactly, or None
+    (dequantized)."""
+    forms = HELD_BY.get(qtype)
+    return forms[0] if forms else None
 
 
 def common_form(qtypes: list[T]) -> str | None:
-    """The one form for a fused matrix of parts in `qtypes`: theirs when they agree, else
-    q8_16 (which holds every type read here); None when any part has no form."""
-    forms = {form_of(t) for t in qtypes}
-    if None in forms or not forms:
+    """The smallest form that holds every part (in `qtypes`) of a fused matrix exactly (q8_16
+    holds every type read here); None when any part has no form."""
+    if not qtypes or any(t not in HELD_BY for t in qtypes):
         return None
-    return forms.pop() if len(forms) == 1 else "q8_16"
+    return next(f for f in HELD_BY[qtypes[0]] if all(f in HELD_BY[t] for t in qtypes))
 
 
 def block_rows(data: np.ndarray, qtype: T, form: str) -> torch.Tensor:
@@ -66,7 +76,7 @@ def unpack(raw: np.ndarray, qtype: T) -> Groups:
     """[N, bytes a row] of `qtype`'s blocks as `Groups`, in the order gguf dequantizes them."""
     from gguf.constants import GGML_QUANT_SIZES
 
-    if qtype not in NATIVE:
+    if qtype not in HELD_BY:
         raise ValueError(f"{qtype.name} blocks have no form for the CPU kernels")
     _, size = GGML_QUANT_SIZES[qtype]
     blocks = raw.reshape(-1, size)
@@ -148,6 +158,16 @@ def _pack_q4_1(g: Groups) -> np.ndarray:
     return np.concatenate([dm.view(np.uint8), nibbles], axis=-1)
 
 
+def _pack_q5_0(g: Groups) -> np.ndarray:
+    codes = (g.codes.astype(np.int16) + 16).astype(np.uint8)  # 0..31
+    nibbles = (codes[..., :16] & 0x0F) | (codes[..., 16:] & 0x0F) << 4
+    fifth = ((codes >> 4).astype(np.uint32) << np.arange(32, dtype=np.uint32)).sum(-1)
+    d = g.scales[..., 0]
+    dm = np.stack([d, -16 * d], axis=-1)  # -16 d: exact
+    bits = fifth.astype("<u4")[..., None].view(np.uint8)
+    return np.concatenate([dm.view(np.uint8), bits, nibbles], axis=-1)
+
+
 def _pack_q8_0(g: Groups) -> np.ndarray:
     d = g.scales[..., :1].astype(np.float16)  # the file's fp16, exactly
     return np.concatenate([d.view(np.uint8), g.codes.view(np.uint8)], axis=-1)
@@ -158,4 +178,4 @@ def _pack_q8_16(g: Groups) -> np.ndarray:
     return np.concatenate([so.view(np.uint8), g.codes.view(np.uint8)], axis=-1)
 
 
-_PACK = {"q4_1": _pack_q4_1, "q8_0": _pack_q8_0, "q8_16": _pack_q8_16}
+_PACK = {"q4_1": _pack_q4_1, "q5_0": _pack_q5_0, "q8_0": _pack_q8_0, "q8_16": _pack_q8_16}

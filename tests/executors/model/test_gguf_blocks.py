@@ -16,7 +16,12 @@ from memstep.executors.model.formats import gguf_blocks, kquant_writer
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler")
 
-MM = {"q4_1": cpu_kernels.q4_1_mm, "q8_0": cpu_kernels.q8_0_mm, "q8_16": cpu_kernels.q8_16_mm}
+MM = {
+    "q4_1": cpu_kernels.q4_1_mm,
+    "q5_0": cpu_kernels.q5_0_mm,
+    "q8_0": cpu_kernels.q8_0_mm,
+    "q8_16": cpu_kernels.q8_16_mm,
+}
 # each type's bytes the test fills at random after quantizing (every pattern is a valid block):
 # the codes, and the 6- or 8-bit sub-block scales (the fp16 ones stay the quantizer's)
 RANDOM_BYTES = {T.Q4_K: (4, 144), T.Q6_K: (0, 208), T.Q5_0: (2, 22), T.Q8_0: (2, 34)}
@@ -60,12 +65,16 @@ def test_each_type_s_own_form_holds_gguf_s_values(qtype):
     assert_exact(gguf_matrix(qtype), qtype, gguf_blocks.form_of(qtype))
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_0, T.Q8_0, T.Q4_1])
-def test_q8_16_holds_every_type_for_a_fused_matrix_of_mixed_parts(qtype):
-    assert_exact(gguf_matrix(qtype), qtype, "q8_16")
+@pytest.mark.parametrize(
+    ("qtype", "form"),
+    [(T.Q4_K, "q8_16"), (T.Q5_0, "q8_16"), (T.Q8_0, "q8_16"), (T.Q4_1, "q8_16"), (T.Q5_0, "q8_0")],
+)
+def test_the_larger_forms_hold_a_type_for_a_fused_matrix_of_mixed_parts(qtype, form):
+    assert_exact(gguf_matrix(qtype), qtype, form)
 
 
 def test_a_fused_matrix_s_form():
+    assert gguf_blocks.common_form([T.Q5_0, T.Q5_0]) == "q5_0"
     assert gguf_blocks.common_form([T.Q5_0, T.Q8_0, T.Q5_0]) == "q8_0"
     assert gguf_blocks.common_form([T.Q4_K, T.Q4_K]) == "q4_1"
     assert gguf_blocks.common_form([T.Q4_K, T.Q6_K]) == "q8_16"
@@ -85,6 +94,16 @@ def _q4_1_interleaved(g):
     return np.concatenate([dm.view(np.uint8), nibbles], axis=-1)
 
 
+def _q5_0_fifth_bits_reversed(g):
+    packed = PLANTS["original_q5_0"](g)
+    bits = np.ascontiguousarray(packed[..., 8:12]).view("<u4")
+    reversed_bits = np.zeros_like(bits)
+    for j in range(32):
+        reversed_bits |= ((bits >> j) & 1) << (31 - j)
+    packed[..., 8:12] = reversed_bits.view(np.uint8)
+    return packed
+
+
 def _q4_k_min_added(b):
     codes, scales, offsets = PLANTS["original_q4_k"](b)
     return codes, scales, -offsets
@@ -96,13 +115,18 @@ def _q8_16_halves_swapped(g):
     )
 
 
-PLANTS = {"original_q4_k": gguf_blocks._q4_k, "original_pack": gguf_blocks._pack_q8_16}
+PLANTS = {
+    "original_q4_k": gguf_blocks._q4_k,
+    "original_pack": gguf_blocks._pack_q8_16,
+    "original_q5_0": gguf_blocks._pack_q5_0,
+}
 
 
 @pytest.mark.parametrize(
     ("qtype", "form", "where", "name", "wrong"),
     [
         (T.Q5_0, "q8_0", gguf_blocks, "_nibbles", _swapped_nibbles),
+        (T.Q5_0, "q5_0", gguf_blocks._PACK, "q5_0", _q5_0_fifth_bits_reversed),
         (T.Q4_K, "q4_1", gguf_blocks._PACK, "q4_1", _q4_1_interleaved),
         (T.Q4_K, "q4_1", gguf_blocks._UNPACK, T.Q4_K, _q4_k_min_added),
         (T.Q6_K, "q8_16", gguf_blocks._PACK, "q8_16", _q8_16_halves_swapped),

@@ -84,7 +84,7 @@ CPU_MIX = {
     "attn_q": ("Q5_0", "Q4_K"),
     "attn_k": ("Q8_0", "Q4_K"),
     "attn_v": ("Q5_0", "Q6_K"),
-    "attn_output": ("Q4_K", "Q6_K"),
+    "attn_output": ("Q5_0", "Q6_K"),
     "ffn_gate": ("Q5_0", "Q4_K"),
     "ffn_up": ("Q8_0", "Q4_K"),
     "ffn_down": ("Q6_K", "Q4_K"),
