@@ -141,15 +141,16 @@ def test_a_block_packed_wrongly_is_caught(monkeypatch, qtype, form, where, name,
         assert_exact(gguf_matrix(qtype), qtype, form)
 
 
-def test_q8_16_s_bf16_products_are_float32_sums_of_rounded_rows_and_weights():
-    # matmul_precision "bfloat16" on a Q6_K matrix: x's rows and gguf's weights rounded to
-    # bfloat16, each product exact, the sums float32, as the other forms' (test_cpu_kernels.py)
-    data = gguf_matrix(T.Q6_K)
-    blocks = gguf_blocks.block_rows(data, T.Q6_K, "q8_16")
-    values = torch.from_numpy(np.array(quants.dequantize(data, T.Q6_K), dtype=np.float32))
+@pytest.mark.parametrize(("qtype", "form"), [(T.Q6_K, "q8_16"), (T.Q5_0, "q5_0")])
+def test_bf16_products_are_float32_sums_of_rounded_rows_and_weights(qtype, form):
+    # matmul_precision "bfloat16" on the new forms: x's rows and gguf's weights rounded to
+    # bfloat16, each product exact, the sums float32, as the others' (test_cpu_kernels.py)
+    data = gguf_matrix(qtype)
+    blocks = gguf_blocks.block_rows(data, qtype, form)
+    values = torch.from_numpy(np.array(quants.dequantize(data, qtype), dtype=np.float32))
     x = torch.randn(19, values.shape[1], generator=torch.Generator().manual_seed(1))
     rounded = x.bfloat16().double() @ values.bfloat16().double().t()
-    got = cpu_kernels.q8_16_mm(x, blocks, bf16=True)
+    got = MM[form](x, blocks, bf16=True)
     scale = x.abs().double() @ values.abs().double().t()
     assert ((got.double() - rounded).abs() <= PRODUCT_TOLERANCE * scale).all()
     assert ((got.double() - x.double() @ values.double().t()).abs() / scale).max() > 2**-14
