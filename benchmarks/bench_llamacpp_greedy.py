@@ -4,11 +4,13 @@ prompts, and one stream's decode speed, on the CPU with the same threads.
 llama.cpp runs `llama-completion -m GGUF -p PROMPT -n N --temp 0 --ignore-eos -t THREADS`
 (no conversation, the prompt not echoed) once a prompt: its text, and its own `eval time` line's
 tokens per second. memstep runs the same prompts in process, greedy, N tokens each: its tokens,
-and N - 1 over its decode steps' time. `--quantization auto` (a k-quant file: none) runs the
-file's weights dequantized, the same numbers as llama.cpp's; `q4` quantizes them again into
-memstep's 4-bit blocks, for speed (the tokens then part sooner). Agreement: memstep's tokens
-whose text starts llama.cpp's output, counted from the first (two runs that part at a near tie
-say where). With `--llama-bench`, llama-bench's tg64 too (`bench_llamacpp.py`'s run).
+and N - 1 over its decode steps' time. `--quantization auto` runs the file's own numbers: a
+Q4_K_M file's blocks through memstep's C kernels (each weight gguf's float32 value), or, for
+types they do not read exactly (Q5_K, Q3_K, ...: then none), dequantized to float32; `q4`
+quantizes those again into memstep's 4-bit blocks, for speed (the tokens then part sooner).
+Agreement: memstep's tokens whose text starts llama.cpp's output, counted from the first (two
+runs that part at a near tie say where). With `--llama-bench`, llama-bench's tg64 too
+(`bench_llamacpp.py`'s run).
 
     python benchmarks/bench_llamacpp_greedy.py --model FILE.gguf [--tokens 32] [--threads 2]
         [--quantization auto|q4|none] [--llama-completion PATH] [--llama-bench PATH]

@@ -6,10 +6,10 @@ What it replaces is decided once, when it is made (`CpuBackend.choose`):
   in C reading the pages in place;
 * for a family whose layers differ from Llama's (`ModelConfig.unlike_llama`), none of the
   above but decode attention of its global layers: torch runs its layers, logged once;
-* for a model whose every layer matrix is Q4_1 / Q8_0 blocks (`DecodeStep.of`): the norms and
-  silu * up in C for every batch, every query attended as a decode row of its own, and batches
-  of decode rows run as one C call (`DecodeStep`), so that a row's bits do not depend on the
-  step's kind.
+* for a model whose every layer matrix is blocks (`DecodeStep.of`): the
+  norms and silu * up in C for every batch, every query attended as a decode row of its own,
+  and batches of decode rows run as one C call (`DecodeStep`), so that a row's bits do not
+  depend on the step's kind.
 """
 
 from __future__ import annotations

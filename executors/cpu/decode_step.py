@@ -11,8 +11,8 @@ takes the C norm and silu * up there too, for every batch of such a model).
 
 Taken for batches of fewer than ONE_CALL_ROWS rows that are all attended as decode rows (decode
 steps, speculative verify steps, and prefill chunks: on the CPU every query of such a model is
-attended as a decode row of its own, in order) of a model whose
-every layer matrix is Q4_1 or Q8_0 blocks, float32, on one rank, with a float32 KV cache.
+attended as a decode row of its own, in order) of a model whose every layer matrix is blocks
+(Q4_1, Q5_0, Q8_0 or Q8_16), float32, on one rank, with a float32 KV cache.
 """
 
 from __future__ import annotations
@@ -29,7 +29,12 @@ MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")  # each layer's, in decode_step
 # rows up to which a step runs in one call: its matmuls pass each weight tile over every row at
 # once (more rows go kernel by kernel, whose matmuls take rows 128 at a time; the same bits)
 ONE_CALL_ROWS = 32
-BLOCK_BYTES = {".q4_1": cpu_kernels.Q4_1_BLOCK, ".q8_0": cpu_kernels.Q8_0_BLOCK}
+BLOCK_BYTES = {
+    ".q4_1": cpu_kernels.Q4_1_BLOCK,
+    ".q5_0": cpu_kernels.Q5_0_BLOCK,
+    ".q8_0": cpu_kernels.Q8_0_BLOCK,
+    ".q8_16": cpu_kernels.Q8_16_BLOCK,
+}
 
 
 def _blocks(weights: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, int] | None:
@@ -70,8 +75,8 @@ class DecodeStep:
     def of(
         cls, cfg: ModelConfig, weights: dict[str, torch.Tensor], bf16: bool = False
     ) -> DecodeStep | None:
-        """The model's decode step, if every layer matrix is Q4_1 or Q8_0 blocks and its norms
-        float32; else None."""
+        """The model's decode step, if every layer matrix is blocks (BLOCK_BYTES) and its
+        norms float32; else None."""
         layers = range(cfg.num_layers)
         found = [_blocks(weights, f"layers.{i}.{m}") for i in layers for m in MATRICES]
         matrices = [m for m in found if m is not None]

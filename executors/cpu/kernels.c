@@ -1,9 +1,10 @@
 /* The C source of the CPU's compiled kernels (kernels.py builds and loads it).
    
-   Q4_1 / Q8_0 matmuls, paged decode attention, rotary + KV write, RMSNorm and silu * up, each an
-   entry point of its own, and `decode_step`: every decoder layer of a decode step in one OpenMP
-   parallel region, built from the same per-output helpers (`mm_tile`, `attend_group`, `rope_row`,
-   `rms_norm_rows`, `silu_mul_rows`), so that a row gets the same bits either way. */
+   Q4_1 / Q5_0 / Q8_0 / Q8_16 matmuls, paged decode attention, rotary + KV write, RMSNorm and
+   silu * up, each an entry point of its own, and `decode_step`: every decoder layer of a decode
+   step in one OpenMP parallel region, built from the same per-output helpers (`mm_tile`,
+   `attend_group`, `rope_row`, `rms_norm_rows`, `silu_mul_rows`), so that a row gets the same
+   bits either way. */
 #define _GNU_SOURCE
 #include <sched.h>
 #include <stdatomic.h>
@@ -35,6 +36,17 @@ static inline float single(const uint8_t *p) {
    ms in bfloat16 products, 2.0-2.8 with the 20% more bytes of these blocks */
 #define Q4_BYTES 24
 #define Q4_CODES 8  /* where the codes start */
+#define Q8_0_BYTES 34  /* fp16 d, 32 int8 codes: w = q * d */
+/* a Q5_0 block (formats/gguf_blocks.py): gguf's fp16 d widened to float32 and m = -16 d, the
+   codes' fifth bits (bit j: input j), then 16 bytes of their low four as Q4_1's: w = q * d + m,
+   exact (q * d has 16 bits) */
+#define Q5_BYTES 28
+#define Q5_BITS 8  /* where the fifth bits start */
+/* a Q8_16 block (formats/gguf_blocks.py): float32 scale and offset of inputs 0..15, then of
+   16..31, then 32 int8 codes: w = q * s + o, one rounding (a GGUF's Q6_K, or a fused matrix
+   whose parts' blocks differ) */
+#define Q8_16_BYTES 48
+#define Q8_16_CODES 16
 
 /* ROWS: rows of x per pass over a tile of weight rows, as two halves of HALF_NW weight rows at
    a time; TAILS: the weight rows at a time for fewer rows. A row's bits do not depend on them:
@@ -72,6 +84,13 @@ static inline void unpack_q4(const uint8_t *q, vec *c) {
     __m128i b = _mm_loadu_si128((const __m128i *)q), mask = _mm_set1_epi8(0x0F);
     c[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, mask)));
     c[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), mask)));
+}
+static inline void unpack_q5(const uint8_t *q, vec *c) {  /* q: the fifth bits, the nibbles */
+    uint32_t bits;
+    memcpy(&bits, q, 4);
+    unpack_q4(q + 4, c);
+    c[0] = _mm512_mask_add_ps(c[0], (__mmask16)(bits & 0xFFFF), c[0], _mm512_set1_ps(16.0f));
+    c[1] = _mm512_mask_add_ps(c[1], (__mmask16)(bits >> 16), c[1], _mm512_set1_ps(16.0f));
 }
 static inline void unpack_q8(const uint8_t *q, vec *c) {
     c[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
@@ -132,6 +151,20 @@ static inline void unpack_q4(const uint8_t *q, vec *c) {
     c[0] = widen_u8(_mm_and_si128(b, mask));
     c[1] = widen_u8(_mm_and_si128(_mm_srli_epi16(b, 4), mask));
 }
+static inline __m256 fifth8(uint32_t bits) {  /* 16.0f in lane i where bit i is set (of 8) */
+    const __m256i lane = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256i set = _mm256_and_si256(_mm256_set1_epi32((int)(bits & 0xFF)), lane);
+    return _mm256_and_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(set, lane)), _mm256_set1_ps(16.0f));
+}
+static inline void unpack_q5(const uint8_t *q, vec *c) {  /* q: the fifth bits, the nibbles */
+    uint32_t bits;
+    memcpy(&bits, q, 4);
+    unpack_q4(q + 4, c);
+    c[0].lo = _mm256_add_ps(c[0].lo, fifth8(bits));
+    c[0].hi = _mm256_add_ps(c[0].hi, fifth8(bits >> 8));
+    c[1].lo = _mm256_add_ps(c[1].lo, fifth8(bits >> 16));
+    c[1].hi = _mm256_add_ps(c[1].hi, fifth8(bits >> 24));
+}
 static inline void unpack_q8(const uint8_t *q, vec *c) {
     c[0] = widen_i8(_mm_loadu_si128((const __m128i *)q));
     c[1] = widen_i8(_mm_loadu_si128((const __m128i *)(q + 16)));
@@ -155,6 +188,15 @@ static inline vec VFMA(vec a, vec b, vec c) {
 }
 static inline void unpack_q4(const uint8_t *q, vec *c) {
     for (int i = 0; i < 16; i++) { c[0].v[i] = q[i] & 15; c[1].v[i] = q[i] >> 4; }
+}
+static inline void unpack_q5(const uint8_t *q, vec *c) {  /* q: the fifth bits, the nibbles */
+    uint32_t bits;
+    memcpy(&bits, q, 4);
+    unpack_q4(q + 4, c);
+    for (int i = 0; i < 16; i++) {
+        c[0].v[i] += (bits >> i & 1) * 16;
+        c[1].v[i] += (bits >> (16 + i) & 1) * 16;
+    }
 }
 static inline void unpack_q8(const uint8_t *q, vec *c) {
     for (int i = 0; i < 16; i++) { c[0].v[i] = (int8_t)q[i]; c[1].v[i] = (int8_t)q[16 + i]; }
@@ -278,6 +320,29 @@ static inline void weights_q8_0(const uint8_t *b, vec *w) {
     w[1] = VMUL(c[1], d);
 }
 
+static inline void weights_q5_0(const uint8_t *b, vec *w) {
+    vec c[2];
+    unpack_q5(b + Q5_BITS, c);
+    vec d = VSET1(single(b)), m = VSET1(single(b + 4));
+    w[0] = VFMA(c[0], d, m);
+    w[1] = VFMA(c[1], d, m);
+}
+
+static inline void weights_q8_16(const uint8_t *b, vec *w) {
+    vec c[2];
+    unpack_q8(b + Q8_16_CODES, c);
+    w[0] = VFMA(c[0], VSET1(single(b)), VSET1(single(b + 4)));
+    w[1] = VFMA(c[1], VSET1(single(b + 8)), VSET1(single(b + 12)));
+}
+
+/* the 32 weights of a block of `bs` bytes (Q4_BYTES, Q5_BYTES, Q8_0_BYTES or Q8_16_BYTES) */
+static inline __attribute__((always_inline)) void weights_of(const uint8_t *b, int bs, vec *w) {
+    if (bs == Q4_BYTES) weights_q4_1(b, w);
+    else if (bs == Q5_BYTES) weights_q5_0(b, w);
+    else if (bs == Q8_16_BYTES) weights_q8_16(b, w);
+    else weights_q8_0(b, w);
+}
+
 /* one block's 32 weights rounded to bfloat16: with AVX512-BF16, a Q4_1 block's 16 values
    d * k + m (k = 0..15, the same float32 operation as weights_q4_1) rounded once and looked
    up by code, the same bits as rounding each weight */
@@ -295,7 +360,7 @@ static inline bvec bweights(const uint8_t *b, int bs) {
         return (bvec)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(codes), table);
     }
 #endif
-    if (bs == Q4_BYTES) weights_q4_1(b, wv); else weights_q8_0(b, wv);
+    weights_of(b, bs, wv);
     return bround(wv);
 }
 
@@ -333,7 +398,7 @@ static inline __attribute__((always_inline)) void tile_dot(
             vec wv[2];
             const uint8_t *b = w + ((n + j) * G + g) * bs;
             __builtin_prefetch(b + AHEAD * bs);
-            if (bs == Q4_BYTES) weights_q4_1(b, wv); else weights_q8_0(b, wv);
+            weights_of(b, bs, wv);
             for (int r = 0; r < nr; r++) {
                 const float *xr = x + (r0 + r) * K + g * GROUP;
                 acc[j][r] = VFMA(wv[0], vload(xr), acc[j][r]);
@@ -419,7 +484,17 @@ void q4_1_mm(const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, i
 
 void q8_0_mm(const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K)
 {
-    blocks_mm(x, NULL, w, y, M, N, K, 34);
+    blocks_mm(x, NULL, w, y, M, N, K, Q8_0_BYTES);
+}
+
+void q5_0_mm(const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K)
+{
+    blocks_mm(x, NULL, w, y, M, N, K, Q5_BYTES);
+}
+
+void q8_16_mm(const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K)
+{
+    blocks_mm(x, NULL, w, y, M, N, K, Q8_16_BYTES);
 }
 
 /* the same in bfloat16 products: xb, x's rows in bfloat16 (to_bf16) */
@@ -432,7 +507,19 @@ void q4_1_mm_bf16(const uint16_t *xb, const uint8_t *w, float *y, int64_t M, int
 void q8_0_mm_bf16(const uint16_t *xb, const uint8_t *w, float *y, int64_t M, int64_t N,
                   int64_t K)
 {
-    blocks_mm(NULL, xb, w, y, M, N, K, 34);
+    blocks_mm(NULL, xb, w, y, M, N, K, Q8_0_BYTES);
+}
+
+void q5_0_mm_bf16(const uint16_t *xb, const uint8_t *w, float *y, int64_t M, int64_t N,
+                  int64_t K)
+{
+    blocks_mm(NULL, xb, w, y, M, N, K, Q5_BYTES);
+}
+
+void q8_16_mm_bf16(const uint16_t *xb, const uint8_t *w, float *y, int64_t M, int64_t N,
+                   int64_t K)
+{
+    blocks_mm(NULL, xb, w, y, M, N, K, Q8_16_BYTES);
 }
 
 /* the float32 matrix [N, K] of Q4_1 rows (Q4_BYTES blocks), as gguf computes it: d * code + m */
@@ -739,14 +826,15 @@ static void add_norm_stage(float *h, const float *d, const float *w, float *x, u
 }
 
 /* every decoder layer for M decode rows, as the single kernels compute each output (so a row
-   gets the same bits here as through rms_norm, q4_1_mm / q8_0_mm, rope_write_kv,
+   gets the same bits here as through rms_norm, the block matmuls (q4_1_mm, ...), rope_write_kv,
    decode_attention and silu_mul, one call each), in one parallel region: a sleeping pool is
    woken once a step instead of once a kernel.  h [M, E]: the embeddings, then the residual
    stream (in place); out [M, E]: the final norm's output.  Layer l: blocks w[4l..4l+3] (qkv,
-   wo, gate_up, down) of bs[...] bytes (Q4_BYTES Q4_1, 34 Q8_0); norms[2l], norms[2l+1] (attention,
-   MLP) and norms[2L] (final) float32 [E]; caches kc[l], vc[l].  Scratch: qkv [M, (H+2KVH) D],
-   att [M, H D], gu [M, 2 I], act [M, I], tmp [M, E]; xb [M, max(E, H D, I)] for bfloat16
-   products, NULL for float32. bases, remap, RA: draft tree rows as decode_attention's, or NULL */
+   wo, gate_up, down) of bs[...] bytes (Q4_BYTES, Q5_BYTES, Q8_0_BYTES, Q8_16_BYTES); norms[2l],
+   norms[2l+1] (attention, MLP) and norms[2L] (final) float32 [E]; caches kc[l], vc[l].
+   Scratch: qkv [M, (H+2KVH) D], att [M, H D], gu [M, 2 I], act [M, I], tmp [M, E]; xb [M,
+   max(E, H D, I)] for bfloat16 products, NULL for float32. bases, remap, RA: draft tree rows
+   as decode_attention's, or NULL */
 void decode_step(float *h, float *out, const int64_t *w, const int32_t *bs, const int64_t *norms,
                  const int64_t *kc, const int64_t *vc, const float *cos, const float *sin,
                  const int64_t *pos, const int64_t *slots, const int32_t *tables,

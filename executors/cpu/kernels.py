@@ -1,11 +1,14 @@
-"""The CPU's compiled kernels: float32 matmuls straight from a GGUF's Q4_1 and Q8_0 blocks, and
-paged decode attention.
+"""The CPU's compiled kernels: float32 matmuls straight from a GGUF's blocks, and paged decode
+attention.
 
-x [M, K] float32 @ W^T, W's rows the file's blocks: Q4_1 (d and m, the file's fp16 values
-widened to float32 at load, 16 bytes of nibbles: w = code * d + m) or Q8_0 as shipped (fp16 d,
-32 int8: w = q * d). Each weight is exactly gguf's dequantized float32 value, read at 6 or 8.5
-bits, and every product and sum is float32, so a q4 model's greedy text stays with the float32
-model's (torch's bfloat16 int4 kernel parted from it within 20 tokens).
+x [M, K] float32 @ W^T, W's rows the file's blocks (formats/gguf_blocks.py converts the types it
+reads): Q4_1 (d and m, the file's fp16 values widened to float32 at load, 16 bytes of nibbles:
+w = code * d + m; Q4_K's sub-blocks too), Q5_0 (the same with a fifth bit a code), Q8_0 as
+shipped (fp16 d, 32 int8: w = q * d) or Q8_16 (a float32 scale and offset per 16 inputs, 32
+int8: w = q * s + o; Q6_K's). Each weight is exactly gguf's dequantized float32 value, read at
+6, 7, 8.5 or 12 bits, and every
+product and sum is float32, so a q4 model's greedy text stays with the float32 model's (torch's
+bfloat16 int4 kernel parted from it within 20 tokens).
 
 With bfloat16 products (`bf16=True`) x's rows and each group's weights are rounded to bfloat16
 (`to_bf16`, as torch rounds) and AVX512-BF16's dot product sums them in float32; a CPU without
@@ -45,7 +48,9 @@ GROUP = 32
 # float32 d, float32 m (gguf's fp16 values, widened at load: quant_linear.q4_1_rows), 16 bytes:
 # inputs j (low nibble) and 16 + j (high)
 Q4_1_BLOCK = 24
+Q5_0_BLOCK = 28  # float32 d, float32 -16 d, 32 fifth bits, 16 bytes of nibbles as Q4_1's
 Q8_0_BLOCK = 34  # fp16 d, 32 int8
+Q8_16_BLOCK = 48  # float32 (scale, offset) of inputs 0..15, then 16..31; 32 int8
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-lm")
 # The work (the C source's units, ~30 ps of one core each) below which a kernel runs on the
 # calling thread when the pool's threads sleep between regions: waking them took ~0.1-0.3 ms
@@ -75,8 +80,9 @@ def _library() -> ctypes.CDLL | None:
             return None
     lib = ctypes.CDLL(str(path))
     p, i, f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-    for name in ("q4_1_mm", "q8_0_mm", "q4_1_mm_bf16", "q8_0_mm_bf16"):
-        getattr(lib, name).argtypes = [p, p, p, i, i, i]
+    for form in ("q4_1", "q5_0", "q8_0", "q8_16"):
+        getattr(lib, f"{form}_mm").argtypes = [p, p, p, i, i, i]
+        getattr(lib, f"{form}_mm_bf16").argtypes = [p, p, p, i, i, i]
     lib.to_bf16.argtypes = [p, p, i, i]
     lib.q4_1_dequant.argtypes = [p, p, i, i]
     lib.decode_attention.argtypes = [p, i, p, p, p, p, p, i, i, i, i, i, i, i, f, p, p, i]
@@ -147,6 +153,20 @@ def q8_0_mm(x: torch.Tensor, blocks: torch.Tensor, bf16: bool = False) -> torch.
     """x [M, K] float32 @ W^T -> [M, N] float32; blocks: [N, K / 32 * 34] uint8 (Q8_0 rows)."""
     lib = _kernels()
     return _block_mm(lib.q8_0_mm_bf16 if bf16 else lib.q8_0_mm, x, blocks, bf16)
+
+
+def q5_0_mm(x: torch.Tensor, blocks: torch.Tensor, bf16: bool = False) -> torch.Tensor:
+    """x [M, K] float32 @ W^T -> [M, N] float32; blocks: [N, K / 32 * 28] uint8 (Q5_0 rows,
+    `gguf_blocks.block_rows`)."""
+    lib = _kernels()
+    return _block_mm(lib.q5_0_mm_bf16 if bf16 else lib.q5_0_mm, x, blocks, bf16)
+
+
+def q8_16_mm(x: torch.Tensor, blocks: torch.Tensor, bf16: bool = False) -> torch.Tensor:
+    """x [M, K] float32 @ W^T -> [M, N] float32; blocks: [N, K / 32 * 48] uint8 (Q8_16 rows,
+    `gguf_blocks.block_rows`)."""
+    lib = _kernels()
+    return _block_mm(lib.q8_16_mm_bf16 if bf16 else lib.q8_16_mm, x, blocks, bf16)
 
 
 def _block_mm(entry, x: torch.Tensor, blocks: torch.Tensor, bf16: bool) -> torch.Tensor:

@@ -32,6 +32,9 @@ import torch
 import torch.nn.functional as F
 
 GROUP = 32  # inputs per q4 group, as in GGUF's Q4_1
+# the C kernels' block rows, `NAME.<form>` (cpu/kernels.py; a GGUF's other types converted to
+# them by formats/gguf_blocks.py)
+BLOCK_FORMS = ("q4_1", "q5_0", "q8_0", "q8_16")
 GGUF_Q4_1_BLOCK = 20  # bytes of a Q4_1 block as the file holds it: fp16 d, fp16 m, 16 of codes
 # |error| allowed per probe output, as a fraction of its bound (see `verify`): bfloat16 rounds
 # scales, zeros and outputs to 2^-9 each
@@ -97,19 +100,19 @@ def quantize_int8(name: str, w: torch.Tensor) -> dict:
 
 def is_quantized_part(name: str) -> bool:
     """Whether weight `name` is a quantized matrix's codes or scales (kept in their dtype)."""
-    return name.rsplit(".", 1)[-1] in ("q4_1", "q8_0", "int8", "int8_scales")
+    return name.rsplit(".", 1)[-1] in (*BLOCK_FORMS, "int8", "int8_scales")
 
 
 def is_quantized(weights: dict[str, torch.Tensor], name: str) -> bool:
-    return any(name + suffix in weights for suffix in (".q4_1", ".q8_0", ".int8"))
+    return any(f"{name}.{suffix}" in weights for suffix in (*BLOCK_FORMS, "int8"))
 
 
 def make_linear(weights: dict[str, torch.Tensor], name: str, dense: Callable = F.linear) -> Linear:
     """x [T, K] -> x @ W^T [T, N] for matrix `name`: its int8 form if it has one, else
-    `dense(x, weights[name])`. Q4_1 and Q8_0 block rows are the CPU backend's
+    `dense(x, weights[name])`. Block rows (BLOCK_FORMS) are the CPU backend's
     (`executors/cpu/linear.py`)."""
-    if name + ".q4_1" in weights or name + ".q8_0" in weights:
-        raise ValueError(f"{name}: Q4_1 / Q8_0 blocks are multiplied by the CPU backend only")
+    if any(f"{name}.{form}" in weights for form in BLOCK_FORMS):
+        raise ValueError(f"{name}: quantized blocks are multiplied by the CPU backend only")
     if name + ".int8" in weights:
         codes, scales = weights[name + ".int8"], weights[name + ".int8_scales"]
         int8_mm = torch.ops.aten._weight_int8pack_mm

@@ -18,7 +18,7 @@ import torch
 from memstep.core.model_config import ModelConfig
 from memstep.core.model_source import ModelError, ModelSource, read_gguf
 from memstep.executors.model import quant_linear as ql
-from memstep.executors.model.formats import gguf_names
+from memstep.executors.model.formats import gguf_blocks, gguf_names
 from memstep.executors.model.formats.hf_names import Table, layer_table
 from memstep.executors.model.sharding import Shard
 
@@ -108,40 +108,62 @@ def _load_gguf(path: Path, cfg: ModelConfig) -> Weights:
     return weights | _assemble(raw, cfg, ("", {}), gguf_names.GLOBAL_NAMES, what, fuse=False)
 
 
-@functools.lru_cache(maxsize=4)
-def gguf_is_q4_1(path: Path) -> bool:
-    """Whether every decoder matrix of the GGUF at `path` is stored in Q4_1 blocks."""
-    from gguf import GGMLQuantizationType
+def _block_forms(tensors: dict, num_layers: int) -> dict[str, tuple[str, list[str]]]:
+    """Each fused decoder matrix (`layers.{i}.wqkv`, ...) whose parts are all in `tensors` (a
+    GGUF's, by name) in types that convert exactly into one of the kernels' block forms
+    (formats/gguf_blocks.py): that form and its parts' names."""
+    forms = {}
+    for i in range(num_layers):
+        for fused, keys in _FUSED.items():
+            parts = [f"blk.{i}.{_GGUF_LAYER[key]}" for key in keys]
+            if fused.endswith("_norm") or not all(p in tensors for p in parts):
+                continue
+            form = gguf_blocks.common_form([tensors[p].tensor_type for p in parts])
+            if form is not None:
+                forms[f"layers.{i}.{fused}"] = (form, parts)
+    return forms
 
-    matrices = set(_GGUF_LAYER.values()) - {_GGUF_LAYER["attn_norm"], _GGUF_LAYER["mlp_norm"]}
-    types = [t.tensor_type for t in read_gguf(path).tensors if t.name.split(".", 2)[-1] in matrices]
-    return bool(types) and all(t == GGMLQuantizationType.Q4_1 for t in types)
+
+@functools.lru_cache(maxsize=4)
+def gguf_converts_exactly(path: Path) -> bool:
+    """Whether every decoder matrix of the GGUF at `path` (a Llama layout's) converts exactly
+    into the kernels' blocks: Q4_1, Q4_K, Q5_0, Q8_0 or Q6_K (`gguf_blocks.HELD_BY`)."""
+    tensors = {t.name: t for t in read_gguf(path).tensors}
+    layers = {int(name.split(".")[1]) for name in tensors if name.startswith("blk.")}
+    if not layers or layers != set(range(len(layers))):
+        return False
+    matrices = sum(1 for key in _FUSED if not key.endswith("_norm")) * len(layers)
+    return len(_block_forms(tensors, len(layers))) == matrices
 
 
 @functools.lru_cache(maxsize=1)
-def _load_gguf_q4(path: Path, cfg: ModelConfig) -> Weights:
-    """The decoder's Q4_1 matrices and a tied Q8_0 embedding's head kept in the file's blocks
-    (`quant_linear`'s q4 form), every tensor dequantized to float32 beside them (the embedding
-    for its lookup) or instead (the norms, and matrices of other types, quantized later);
-    cached as above. A fused matrix with a part of another type is dequantized whole."""
-    from gguf import GGMLQuantizationType
-
+def _load_gguf_blocks(path: Path, cfg: ModelConfig) -> Weights:
+    """The decoder's matrices whose types convert exactly kept in the kernels' block forms
+    (`formats/gguf_blocks.py`: each weight gguf's own float32 value, a fused matrix's parts in
+    one form), and the head too where its type converts (the tied embedding's or the file's
+    output); every other tensor dequantized to float32 (the embedding for its lookup, the norms,
+    and matrices of other types, quantized later by `quantize_weights`); cached as above."""
     tensors = {t.name: t for t in read_gguf(path).tensors}
-    q4_1 = {
-        name
-        for name, t in tensors.items()
-        if t.tensor_type == GGMLQuantizationType.Q4_1 and name.startswith("blk.")
-    }
-    others = [t for n, t in tensors.items() if n.startswith("blk.") and n not in q4_1]
+    forms = _block_forms(tensors, cfg.num_layers)
+    parts = {part for _, names in forms.values() for part in names}
+    others = [t for n, t in tensors.items() if n.startswith("blk.") and n not in parts]
     _log_conversion(others, cfg, then="; the decoder's matrices then to q4 blocks")
-    blocks = {name: ql.q4_1_rows(tensors[name].data) for name in q4_1}
+    blocks = {
+        part: gguf_blocks.block_rows(tensors[part].data, tensors[part].tensor_type, form)
+        for form, names in forms.values()
+        for part in names
+    }
     fused = _assemble_gguf(blocks, cfg, path, partial=True)  # takes what it fuses from blocks
-    raw = {name: _dequantize(tensors[name], path) for name in tensors.keys() - q4_1 | blocks.keys()}
+    raw = {name: _dequantize(tensors[name], path) for name in tensors.keys() - parts}
     weights = _assemble_gguf(raw, cfg, path, partial=True)
-    weights |= {name + ".q4_1": rows for name, rows in fused.items()}
-    embed = tensors.get("token_embd.weight")
-    if cfg.tie_embeddings and embed is not None and embed.tensor_type == GGMLQuantizationType.Q8_0:
-        weights["lm_head.q8_0"] = ql.block_rows(embed.data)
+    weights |= {f"{name}.{forms[name][0]}": rows for name, rows in fused.items()}
+    head = tensors.get("token_embd.weight" if cfg.tie_embeddings else "output.weight")
+    head_form = None if head is None else gguf_blocks.form_of(head.tensor_type)
+    if head is not None and head_form is not None:
+        weights.pop("lm_head", None)
+        weights[f"lm_head.{head_form}"] = gguf_blocks.block_rows(
+            head.data, head.tensor_type, head_form
+        )
     missing = [n for n in ql.layer_matrices(cfg.num_layers) if n not in weights and n not in fused]
     if missing or "embed" not in weights or "norm" not in weights:
         raise ModelError(f"missing tensors for {missing[:3] or 'embed/norm'} in {path.name}")
@@ -366,8 +388,9 @@ def load_weights(
 ) -> Weights:
     """Every tensor of the model on `device`, or this rank's piece of it (`shard`, tensor
     parallelism): floats in `dtype`, and with `quantization` ("int8" or "q4", CPU only, one
-    rank) the decoder's matrices and the head in `quant_linear`'s forms; a GGUF's Q4_1 matrices
-    keep their own codes under q4. random: weights are made there."""
+    rank) the decoder's matrices and the head in `quant_linear`'s forms; under q4 a GGUF's
+    matrices of the types `formats/gguf_blocks.py` reads keep their own codes and values.
+    random: weights are made there."""
     shard = shard or Shard(cfg)
     if source.kind == "random":
         weights = _random(cfg, source.weights_seed, dtype, device, shard)
@@ -376,7 +399,7 @@ def load_weights(
         if source.kind == "hf":
             loaded = _load_hf(source.path, cfg)
         elif quantization == "q4":
-            loaded = _load_gguf_q4(source.path, cfg)
+            loaded = _load_gguf_blocks(source.path, attrs.evolve(cfg, rope_scaling=None))
         else:  # rotary scaling is no weight's business (and a dict is no cache key)
             loaded = _load_gguf(source.path, attrs.evolve(cfg, rope_scaling=None))
         weights = {k: _placed(k, v, device, dtype, shard) for k, v in loaded.items()}

@@ -34,7 +34,7 @@ from memstep.executors.model import kv_cache
 from memstep.executors.model.llama import LlamaModel
 from memstep.executors.model.rank_group import RankGroup
 from memstep.executors.model.sharding import Shard
-from memstep.executors.model.weights import gguf_is_q4_1, load_weights
+from memstep.executors.model.weights import gguf_converts_exactly, load_weights
 from memstep.executors.runtime import memory
 from memstep.executors.runtime.allocator import configure_cuda_allocator
 from memstep.executors.runtime.guide import GrammarBook
@@ -72,15 +72,19 @@ def pick_dtype(cfg: EngineConfig, device: torch.device) -> torch.dtype:
 
 
 def pick_quantization(cfg: EngineConfig, source: ModelSource, device: torch.device) -> str:
-    """With "auto": q4 for a GGUF whose decoder matrices are all Q4_1 (the shipped SmolLM2), on
-    a CPU where `cpu_kernels` built: the file's own blocks, whose greedy text equals float32's
-    on the parity test's 8 prompts over 64 tokens in float32 products (first-token log-prob
-    error 2e-5 nats; 7 of 8 in bfloat16 products, `pick_matmul_precision`) at 2.4-4x float32's
-    decode speed (benchmarks/bench_llamacpp.py), on one rank; else none."""
+    """With "auto": q4 for a GGUF whose decoder matrices all convert exactly into the C kernels'
+    blocks (Q4_1 as the shipped SmolLM2, Q4_K, Q5_0, Q8_0, Q6_K: a Q4_K_M file's mix;
+    `gguf_converts_exactly`), on a CPU where `cpu_kernels` built, on one rank: the file's own
+    codes, each weight gguf's float32 value, so the products are float32's up to rounding (the
+    shipped file's greedy text equals float32's on the parity test's 8 prompts over 64 tokens,
+    first-token log-prob error 2e-5 nats; 7 of 8 in bfloat16 products,
+    `pick_matmul_precision`) at 2.4-4x float32's decode speed (benchmarks/bench_llamacpp.py);
+    else none (float32 weights, a file's blocks dequantized)."""
     if cfg.quantization == "auto":
-        is_q4_1 = source.kind == "gguf" and source.path is not None and gguf_is_q4_1(source.path)
+        path = source.path if source.kind == "gguf" else None
+        exact = path is not None and gguf_converts_exactly(path)
         one_cpu = device.type == "cpu" and cfg.tensor_parallel_size == 1
-        return "q4" if one_cpu and is_q4_1 and cpu_kernels.available() else "none"
+        return "q4" if one_cpu and exact and cpu_kernels.available() else "none"
     if cfg.quantization != "none" and device.type != "cpu":
         raise ConfigError(f"quantization {cfg.quantization!r} runs on the CPU only, not {device}")
     if cfg.quantization == "q4" and not cpu_kernels.available():

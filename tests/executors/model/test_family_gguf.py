@@ -21,7 +21,12 @@ import torch
 from tiny_families import hf_logits, make_checkpoint, memstep_logits, memstep_model, prompts
 from tiny_gguf import GGUF_ARCH, write_gguf
 
+from memstep.core.config import EngineConfig
 from memstep.core.model_source import ModelError, gguf_model_config, read_gguf
+from memstep.events.plan import SeqPlan
+from memstep.executors.model import kv_cache
+from memstep.executors.runtime.batch_builder import build_batch
+from memstep.executors.runtime.worker import pick_quantization
 
 pytest.importorskip("transformers")
 
@@ -154,21 +159,79 @@ def test_a_q4_k_m_gguf_runs_on_cuda_in_bfloat16(tmp_path, checkpoints, model_typ
         assert cosine.item() >= 0.999, f"{model_type} {len(prompt)} tokens: {cosine.item():.5f}"
 
 
-def test_a_k_quant_llama_gguf_under_q4_says_its_matrices_are_quantized_again(tmp_path, checkpoints):
+def test_a_q5_k_llama_gguf_under_q4_says_its_matrices_are_quantized_again(tmp_path, checkpoints):
     from memstep.core.model_source import model_config, resolve
     from memstep.executors.model.weights import load_weights
 
     folder, _ = checkpoints("llama")
-    path = tmp_path / "tiny-Q4_K_M.gguf"
-    write_gguf(folder, "llama", path, "Q4_K_M")
+    path = tmp_path / "tiny-Q5_K.gguf"  # Q5_K has no exact block form: dequantized, then q4
+    write_gguf(folder, "llama", path, "Q5_K")
     source = resolve(str(path))
     with structlog.testing.capture_logs() as logs:
         cfg, cpu = model_config(source), torch.device("cpu")
         weights = load_weights(source, cfg, torch.float32, cpu, quantization="q4")
     [line] = [e["event"] for e in logs if "converted to float32 at load" in e["event"]]
-    assert line.startswith("GGUF Q4_K, Q6_K converted")
+    assert line.startswith("GGUF Q5_K converted")
     assert line.endswith("; the decoder's matrices then to q4 blocks")
     assert "layers.0.wqkv.q4_1" in weights
+    assert pick_quantization(EngineConfig(), source, cpu) == "none"
+
+
+def greedy(model, kv, prompt: list[int], new_tokens: int) -> list[int]:
+    """`new_tokens` greedy tokens after `prompt`: the prompt in one step, then one a step."""
+    tokens, feed, start = list(prompt), list(prompt), 0
+    with torch.inference_mode():
+        for _ in range(new_tokens):
+            seq = SeqPlan("s", start, feed, list(range(64)), True, 0, len(prompt))
+            batch, _ = build_batch([(seq, feed)], 4, torch.device("cpu"))
+            tokens.append(int(model.logits(model.forward(batch, kv))[-1].argmax()))
+            start, feed = start + len(feed), tokens[-1:]
+    return tokens[len(prompt) :]
+
+
+def test_a_gguf_of_exact_types_runs_on_the_kernels_blocks_as_its_float32_model(
+    tmp_path, checkpoints
+):
+    # Q4_K, Q5_0, Q6_K and Q8_0 matrices (tiny_gguf.CPU_MIX) under "auto": each layer's
+    # matrices in the form its parts share, the whole decode step one C call; the logits those
+    # of the same file's float32 weights ("none") up to float32 rounding (SAME_WEIGHTS: the
+    # sums' order differs; 1.0e-4 seen), the greedy tokens equal
+    from memstep.core.model_source import model_config, resolve
+    from memstep.executors.model.llama import LlamaModel
+    from memstep.executors.model.weights import load_weights
+    from memstep.executors.process.assemble import pick_backend
+
+    folder, _ = checkpoints("llama")
+    path = tmp_path / "tiny-mix.gguf"
+    write_gguf(folder, "llama", path, "CPU_MIX")
+    source, cpu = resolve(str(path)), torch.device("cpu")
+    cfg = model_config(source)
+    assert pick_quantization(EngineConfig(), source, cpu) == "q4"
+    with structlog.testing.capture_logs() as logs:
+        weights = load_weights(source, cfg, torch.float32, cpu, quantization="q4")
+    assert not [e for e in logs if "converted to float32 at load" in e["event"]]
+    blocks = {name for name in weights if name.startswith(("layers.", "lm_head"))}
+    assert blocks >= {
+        "layers.0.wqkv.q8_0",  # Q5_0, Q8_0, Q5_0
+        "layers.0.wo.q5_0",  # Q5_0
+        "layers.0.w_gate_up.q8_0",  # Q5_0, Q8_0
+        "layers.0.w_down.q8_16",  # Q6_K
+        "layers.1.wqkv.q8_16",  # Q4_K, Q4_K, Q6_K
+        "layers.1.w_gate_up.q4_1",  # Q4_K, Q4_K
+        "lm_head.q8_16",  # Q6_K
+    }
+    assert "lm_head" not in weights
+    model = LlamaModel(cfg, weights, 512, pick_backend(cpu, cfg, weights, torch.float32))
+    assert model.backend.one_call is not None
+    reference, reference_kv = memstep_model(path)  # quantization "none": float32 weights
+    kv = kv_cache.allocate(cfg.num_layers, reference_kv[0][0].shape, torch.float32, cpu)
+    for prompt in prompts():
+        ours, theirs = (
+            memstep_logits(model, kv, prompt),
+            memstep_logits(reference, reference_kv, prompt),
+        )
+        assert (ours - theirs).abs().max() < SAME_WEIGHTS  # float32 rounding only
+        assert greedy(model, kv, prompt, 12) == greedy(reference, reference_kv, prompt, 12)
 
 
 def test_a_phi3_gguf_with_half_its_longrope_factors_is_refused(tmp_path):

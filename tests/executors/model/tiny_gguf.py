@@ -78,14 +78,33 @@ def llama_cpp_names(state: dict[str, torch.Tensor], model_type: str, tied: bool)
     return names
 
 
+# "CPU_MIX": every type the CPU kernels read exactly (formats/gguf_blocks.py), by layer parity,
+# so that fused matrices have parts of one type, of two types of one form, and of two forms
+CPU_MIX = {
+    "attn_q": ("Q5_0", "Q4_K"),
+    "attn_k": ("Q8_0", "Q4_K"),
+    "attn_v": ("Q5_0", "Q6_K"),
+    "attn_output": ("Q5_0", "Q6_K"),
+    "ffn_gate": ("Q5_0", "Q4_K"),
+    "ffn_up": ("Q8_0", "Q4_K"),
+    "ffn_down": ("Q6_K", "Q4_K"),
+}
+CPU_MIX_GLOBAL = {"token_embd.weight": "Q8_0", "output.weight": "Q6_K"}
+
+
 def matrix_type(name: str, qtype: str, num_layers: int, tied: bool) -> str:
     """The type the matrix llama.cpp names `name` is written in: `qtype`, or under "Q4_K_M"
-    what llama.cpp's mix gives it; a router stays F32 (llama.cpp never quantizes
-    `ffn_gate_inp`)."""
+    what llama.cpp's mix gives it, under "CPU_MIX" what CPU_MIX says; a router stays F32
+    (llama.cpp never quantizes `ffn_gate_inp`)."""
     if name.endswith("ffn_gate_inp.weight"):
         return "F32"
     if qtype == "Q4_K_M":
         return kquant_writer.q4_k_m_type(name, num_layers, has_output=not tied)
+    if qtype == "CPU_MIX":
+        parts = name.split(".")
+        if parts[0] != "blk" or parts[2] not in CPU_MIX:  # norms F32
+            return CPU_MIX_GLOBAL.get(name, "F32")
+        return CPU_MIX[parts[2]][int(parts[1]) % 2]
     return qtype
 
 
