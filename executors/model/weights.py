@@ -16,7 +16,7 @@ import structlog
 import torch
 
 from memstep.core.model_config import ModelConfig
-from memstep.core.model_source import ModelError, ModelSource, read_gguf
+from memstep.core.model_source import ModelError, ModelSource, gguf_model_config, read_gguf
 from memstep.executors.model import quant_linear as ql
 from memstep.executors.model.formats import gguf_blocks, gguf_names
 from memstep.executors.model.formats.hf_names import Table, layer_table
@@ -108,55 +108,73 @@ def _load_gguf(path: Path, cfg: ModelConfig) -> Weights:
     return weights | _assemble(raw, cfg, ("", {}), gguf_names.GLOBAL_NAMES, what, fuse=False)
 
 
-def _block_forms(tensors: dict, num_layers: int) -> dict[str, tuple[str, list[str]]]:
-    """Each fused decoder matrix (`layers.{i}.wqkv`, ...) whose parts are all in `tensors` (a
-    GGUF's, by name) in types that convert exactly into one of the kernels' block forms
-    (formats/gguf_blocks.py): that form and its parts' names."""
+def _block_forms(tensors: dict, table: Table, num_layers: int) -> dict[str, tuple[str, list[str]]]:
+    """Each decoder matrix (`layers.{i}.wqkv`, ...; its parts' names under `blk.{i}.` in the
+    family's `table`, Phi-3's qkv and gate_up one part each) whose parts are all in `tensors`
+    (a GGUF's, by name) in types that convert exactly into one of the kernels' block forms
+    (formats/gguf_blocks.py): the smallest form holding every part, and the parts' names."""
     forms = {}
     for i in range(num_layers):
-        for fused, keys in _FUSED.items():
-            parts = [f"blk.{i}.{_GGUF_LAYER[key]}" for key in keys]
-            if fused.endswith("_norm") or not all(p in tensors for p in parts):
+        for key in _MATRICES:
+            parts = [f"blk.{i}.{name}" for name in table.get(key, ())]
+            if not parts or not all(p in tensors for p in parts):
                 continue
             form = gguf_blocks.common_form([tensors[p].tensor_type for p in parts])
             if form is not None:
-                forms[f"layers.{i}.{fused}"] = (form, parts)
+                forms[f"layers.{i}.{key}"] = (form, parts)
     return forms
+
+
+_MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")  # a dense layer's, as `ql.layer_matrices`
 
 
 @functools.lru_cache(maxsize=4)
 def gguf_converts_exactly(path: Path) -> bool:
-    """Whether every decoder matrix of the GGUF at `path` (a Llama layout's) converts exactly
-    into the kernels' blocks: Q4_1, Q4_K, Q5_0, Q8_0 or Q6_K (`gguf_blocks.HELD_BY`)."""
-    tensors = {t.name: t for t in read_gguf(path).tensors}
+    """Whether every decoder matrix of the GGUF at `path` (any dense family's, through its
+    table in `formats/gguf_names.py`) converts exactly into the kernels' blocks: Q4_1, Q4_K,
+    Q5_0, Q8_0 or Q6_K (`gguf_blocks.HELD_BY`). A mixture of experts' never does: its experts
+    are [E, rows, columns] tensors, which no block kernel multiplies."""
+    reader = read_gguf(path)
+    table = gguf_names.FAMILY_TABLES.get(gguf_model_config(reader).architecture, {})
+    if not all(key in table for key in _MATRICES):
+        return False
+    tensors = {t.name: t for t in reader.tensors}
     layers = {int(name.split(".")[1]) for name in tensors if name.startswith("blk.")}
     if not layers or layers != set(range(len(layers))):
         return False
-    matrices = sum(1 for key in _FUSED if not key.endswith("_norm")) * len(layers)
-    return len(_block_forms(tensors, len(layers))) == matrices
+    return len(_block_forms(tensors, table, len(layers))) == len(_MATRICES) * len(layers)
 
 
 @functools.lru_cache(maxsize=1)
 def _load_gguf_blocks(path: Path, cfg: ModelConfig) -> Weights:
     """The decoder's matrices whose types convert exactly kept in the kernels' block forms
     (`formats/gguf_blocks.py`: each weight gguf's own float32 value, a fused matrix's parts in
-    one form), and the head too where its type converts (the tied embedding's or the file's
-    output); every other tensor dequantized to float32 (the embedding for its lookup, the norms,
-    and matrices of other types, quantized later by `quantize_weights`); cached as above."""
+    one form, its rows in the family table's order), and the head too where its type converts
+    (the tied embedding's or the file's output); every other tensor dequantized to float32 (the
+    embedding for its lookup, norms and biases, and matrices of other types, quantized later
+    by `quantize_weights`); cached as above. Any dense family: its table
+    (`formats/gguf_names.py`) names the parts, as `_load_gguf` reads them."""
     tensors = {t.name: t for t in read_gguf(path).tensors}
-    forms = _block_forms(tensors, cfg.num_layers)
-    parts = {part for _, names in forms.values() for part in names}
-    others = [t for n, t in tensors.items() if n.startswith("blk.") and n not in parts]
+    table = gguf_names.layer_table(cfg)
+    forms = _block_forms(tensors, table, cfg.num_layers)
+    part_form = {part: form for form, names in forms.values() for part in names}
+    others = [t for n, t in tensors.items() if n.startswith("blk.") and n not in part_form]
     _log_conversion(others, cfg, then="; the decoder's matrices then to q4 blocks")
-    blocks = {
-        part: gguf_blocks.block_rows(tensors[part].data, tensors[part].tensor_type, form)
-        for form, names in forms.values()
-        for part in names
+    raw = {  # block rows and float32 tensors alike: fusing concatenates either by rows
+        name: gguf_blocks.block_rows(t.data, t.tensor_type, part_form[name])
+        if name in part_form
+        else _dequantize(t, path)
+        for name, t in tensors.items()
     }
-    fused = _assemble_gguf(blocks, cfg, path, partial=True)  # takes what it fuses from blocks
-    raw = {name: _dequantize(tensors[name], path) for name in tensors.keys() - parts}
-    weights = _assemble_gguf(raw, cfg, path, partial=True)
-    weights |= {f"{name}.{forms[name][0]}": rows for name, rows in fused.items()}
+    if cfg.architecture in gguf_names.ROTARY_PERMUTED:
+        _unpermute_qk(raw, cfg)  # a row order: block rows are permuted as float rows are
+    try:
+        fused = _fuse_table(raw, cfg, table, "blk.{i}.")
+    except KeyError as exc:
+        raise ModelError(f"missing tensor {exc} in {path.name} ({cfg.architecture})") from exc
+    weights = {f"{n}.{forms[n][0]}" if n in forms else n: t for n, t in fused.items()}
+    what = f"{path.name} (a {cfg.architecture} GGUF)"
+    weights |= _assemble(raw, cfg, ("", {}), gguf_names.GLOBAL_NAMES, what, fuse=False)
     head = tensors.get("token_embd.weight" if cfg.tie_embeddings else "output.weight")
     head_form = None if head is None else gguf_blocks.form_of(head.tensor_type)
     if head is not None and head_form is not None:
@@ -164,9 +182,6 @@ def _load_gguf_blocks(path: Path, cfg: ModelConfig) -> Weights:
         weights[f"lm_head.{head_form}"] = gguf_blocks.block_rows(
             head.data, head.tensor_type, head_form
         )
-    missing = [n for n in ql.layer_matrices(cfg.num_layers) if n not in weights and n not in fused]
-    if missing or "embed" not in weights or "norm" not in weights:
-        raise ModelError(f"missing tensors for {missing[:3] or 'embed/norm'} in {path.name}")
     return weights
 
 

@@ -93,9 +93,13 @@ def pick_quantization(cfg: EngineConfig, source: ModelSource, device: torch.devi
 
 
 def family_quantization(cfg: EngineConfig, model: ModelConfig, picked: str, ranks: int) -> str:
-    """`picked` for Llama's layers; for a family whose layers differ (`unlike_llama`), which
-    quantization and tensor parallelism do not cover yet: "none" where it was "auto" (a GGUF's
-    blocks are then dequantized at load), a ConfigError where the user asked for either."""
+    """`picked` for Llama's layers, and under "auto" for any dense family's too: a GGUF whose
+    matrices all convert exactly runs them through the CPU backend's block linears, the rest
+    of its layers (bias, q/k norms, offset norms, GeGLU, windows) in torch as before. A
+    mixture of experts gets "none" under "auto", said once (its experts are [E, rows, columns]
+    tensors, which no block kernel multiplies: a GGUF's blocks are dequantized at load). For a
+    family whose layers differ (`unlike_llama`), tensor parallelism and an asked int8 or q4
+    (which quantize float matrices again) are a ConfigError."""
     if not model.unlike_llama:
         return picked
     if ranks > 1:
@@ -105,7 +109,14 @@ def family_quantization(cfg: EngineConfig, model: ModelConfig, picked: str, rank
         )
     if picked != "none" and cfg.quantization != "auto":
         raise ConfigError(f"{cfg.quantization} runs Llama's layers, not {model.architecture}'s")
-    return "none"
+    if model.is_moe and cfg.quantization == "auto":
+        log.info(
+            f"quantization auto: none for {model.architecture}, whose experts are 3-D tensors "
+            "that no block kernel multiplies (a GGUF's blocks dequantized to float32)",
+            family=model.architecture,
+        )
+        return "none"
+    return picked
 
 
 def pick_matmul_precision(cfg: EngineConfig, quantization: str) -> str:

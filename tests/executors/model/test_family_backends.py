@@ -45,7 +45,8 @@ def test_the_cpu_says_once_which_pieces_torch_runs():
     [
         ("int8", "int8", 1, "int8 runs Llama's layers, not qwen3's"),
         ("none", "none", 2, "qwen3 runs on one rank: its q/k norm have no tensor-parallel"),
-        ("auto", "q4", 1, None),  # a Q4_1 GGUF of another family: dequantized instead
+        ("q4", "q4", 1, "q4 runs Llama's layers, not qwen3's"),  # float matrices quantized
+        ("auto", "q4", 1, None),  # a GGUF of exact types of another family: its blocks kept
     ],
 )
 def test_llama_only_paths_refuse_another_family(asked, picked, ranks, error):
@@ -53,7 +54,7 @@ def test_llama_only_paths_refuse_another_family(asked, picked, ranks, error):
     cfg = EngineConfig(model="random:tiny", quantization=asked)
     assert family_quantization(cfg, PRESETS["tiny"], picked, 1) == picked  # Llama: as picked
     if error is None:
-        assert family_quantization(cfg, qwen3, picked, ranks) == "none"
+        assert family_quantization(cfg, qwen3, picked, ranks) == picked
         return
     with pytest.raises(ConfigError, match=error):
         family_quantization(cfg, qwen3, picked, ranks)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import attrs
 import pytest
 import structlog
 import torch
@@ -25,6 +26,7 @@ from memstep.core.config import EngineConfig
 from memstep.core.model_source import ModelError, gguf_model_config, read_gguf
 from memstep.events.plan import SeqPlan
 from memstep.executors.model import kv_cache
+from memstep.executors.model import quant_linear as ql
 from memstep.executors.runtime.batch_builder import build_batch
 from memstep.executors.runtime.worker import pick_quantization
 
@@ -189,49 +191,114 @@ def greedy(model, kv, prompt: list[int], new_tokens: int) -> list[int]:
     return tokens[len(prompt) :]
 
 
-def test_a_gguf_of_exact_types_runs_on_the_kernels_blocks_as_its_float32_model(
-    tmp_path, checkpoints
-):
-    # Q4_K, Q5_0, Q6_K and Q8_0 matrices (tiny_gguf.CPU_MIX) under "auto": each layer's
-    # matrices in the form its parts share, the whole decode step one C call; the logits those
-    # of the same file's float32 weights ("none") up to float32 rounding (SAME_WEIGHTS: the
-    # sums' order differs; 1.0e-4 seen), the greedy tokens equal
+# each dense family's CPU_MIX file: the block form of each matrix (tiny_gguf.CPU_MIX's types)
+EXACT_FORMS = {
+    "layers.0.wqkv": "q8_0",  # Q5_0, Q8_0, Q5_0
+    "layers.0.wo": "q5_0",  # Q5_0
+    "layers.0.w_gate_up": "q8_0",  # Q5_0, Q8_0
+    "layers.0.w_down": "q8_16",  # Q6_K
+    "layers.1.wqkv": "q8_16",  # Q4_K, Q4_K, Q6_K
+    "layers.1.w_gate_up": "q4_1",  # Q4_K, Q4_K
+}
+PHI3_FORMS = {  # its qkv and gate_up fused in the file, one type each
+    "layers.0.wqkv": "q5_0",  # Q5_0
+    "layers.0.w_gate_up": "q8_0",  # Q8_0
+    "layers.1.wqkv": "q8_16",  # Q6_K
+}
+DENSE = [family for family in GGUF_ARCH if family not in ("qwen3_moe", "mixtral")]
+
+
+def block_model(path: Path):
+    """The GGUF at `path` as "auto" loads it on the CPU (asserted: q4, the file's blocks), its
+    config and weights, and the model over them."""
     from memstep.core.model_source import model_config, resolve
     from memstep.executors.model.llama import LlamaModel
     from memstep.executors.model.weights import load_weights
     from memstep.executors.process.assemble import pick_backend
+    from memstep.executors.runtime.worker import family_quantization
 
-    folder, _ = checkpoints("llama")
-    path = tmp_path / "tiny-mix.gguf"
-    write_gguf(folder, "llama", path, "CPU_MIX")
     source, cpu = resolve(str(path)), torch.device("cpu")
     cfg = model_config(source)
-    assert pick_quantization(EngineConfig(), source, cpu) == "q4"
+    auto = EngineConfig()
+    assert family_quantization(auto, cfg, pick_quantization(auto, source, cpu), 1) == "q4"
     with structlog.testing.capture_logs() as logs:
         weights = load_weights(source, cfg, torch.float32, cpu, quantization="q4")
     assert not [e for e in logs if "converted to float32 at load" in e["event"]]
-    blocks = {name for name in weights if name.startswith(("layers.", "lm_head"))}
-    assert blocks >= {
-        "layers.0.wqkv.q8_0",  # Q5_0, Q8_0, Q5_0
-        "layers.0.wo.q5_0",  # Q5_0
-        "layers.0.w_gate_up.q8_0",  # Q5_0, Q8_0
-        "layers.0.w_down.q8_16",  # Q6_K
-        "layers.1.wqkv.q8_16",  # Q4_K, Q4_K, Q6_K
-        "layers.1.w_gate_up.q4_1",  # Q4_K, Q4_K
-        "lm_head.q8_16",  # Q6_K
-    }
-    assert "lm_head" not in weights
     model = LlamaModel(cfg, weights, 512, pick_backend(cpu, cfg, weights, torch.float32))
-    assert model.backend.one_call is not None
-    reference, reference_kv = memstep_model(path)  # quantization "none": float32 weights
-    kv = kv_cache.allocate(cfg.num_layers, reference_kv[0][0].shape, torch.float32, cpu)
-    for prompt in prompts():
-        ours, theirs = (
-            memstep_logits(model, kv, prompt),
-            memstep_logits(reference, reference_kv, prompt),
-        )
-        assert (ours - theirs).abs().max() < SAME_WEIGHTS  # float32 rounding only
-        assert greedy(model, kv, prompt, 12) == greedy(reference, reference_kv, prompt, 12)
+    return cfg, weights, model
+
+
+def against_float32(model, path: Path) -> tuple[float, list, list]:
+    """The largest |logit| difference of `model` from the same file's float32 model ("none")
+    over the prompts, and each one's greedy tokens for each prompt."""
+    reference, reference_kv = memstep_model(path)
+    kv = kv_cache.allocate(model.cfg.num_layers, reference_kv[0][0].shape, torch.float32, "cpu")
+    ours = [memstep_logits(model, kv, p) for p in prompts()]
+    error = max_error(ours, [memstep_logits(reference, reference_kv, p) for p in prompts()])
+    tokens = [greedy(model, kv, p, 12) for p in prompts()]
+    return error, tokens, [greedy(reference, reference_kv, p, 12) for p in prompts()]
+
+
+@pytest.mark.parametrize("model_type", DENSE)
+def test_a_gguf_of_exact_types_runs_on_the_kernels_blocks_as_its_float32_model(
+    tmp_path, checkpoints, model_type
+):
+    # Q4_K, Q5_0, Q6_K and Q8_0 matrices (tiny_gguf.CPU_MIX) under "auto", for every dense
+    # family: each layer's matrices in the form its parts share (none left float32), the whole
+    # decode step one C call for Llama's layers, kernel by kernel in torch for a family's; the
+    # logits those of the same file's float32 weights ("none") up to float32 rounding
+    # (SAME_WEIGHTS: the sums' order differs; 1.0e-4 seen), the greedy tokens equal
+    folder, _ = checkpoints(model_type)
+    path = tmp_path / "tiny-mix.gguf"
+    write_gguf(folder, model_type, path, "CPU_MIX")
+    cfg, weights, model = block_model(path)
+    forms = EXACT_FORMS | (PHI3_FORMS if model_type == "phi3" else {})
+    forms["lm_head"] = "q8_0" if cfg.tie_embeddings else "q8_16"  # Q8_0 embedding, Q6_K output
+    assert {f"{name}.{form}" for name, form in forms.items()} <= set(weights)
+    for name in ql.layer_matrices(cfg.num_layers) + ["lm_head"]:
+        assert name not in weights  # no float32 matrix: every one in blocks
+        assert sum(f"{name}.{form}" in weights for form in ql.BLOCK_FORMS) == 1
+    assert (model.backend.one_call is None) == bool(cfg.unlike_llama)
+    error, tokens, float32_tokens = against_float32(model, path)
+    assert error < SAME_WEIGHTS  # float32 rounding only
+    assert tokens == float32_tokens
+
+
+@pytest.mark.parametrize("plant", ["first part's form", "bias left off"])
+def test_a_qwen2_gguf_on_the_blocks_with_a_planted_mistake_leaves_its_float32_logits(
+    tmp_path, checkpoints, monkeypatch, plant
+):
+    # the same-weights check sees a fused matrix whose parts are read in the first part's form
+    # (layer 0's qkv: Q8_0's codes packed as Q5_0's), or the QKV bias dropped
+    from memstep.executors.model.formats import gguf_blocks
+
+    folder, _ = checkpoints("qwen2")
+    path = tmp_path / "tiny-mix.gguf"
+    write_gguf(folder, "qwen2", path, "CPU_MIX")
+    if plant == "first part's form":
+        monkeypatch.setattr(gguf_blocks, "common_form", lambda types: gguf_blocks.form_of(types[0]))
+    _, _, model = block_model(path)
+    if plant == "bias left off":
+        model.layers[0] = attrs.evolve(model.layers[0], bqkv=None)
+    assert against_float32(model, path)[0] > 100 * SAME_WEIGHTS
+
+
+def test_a_moe_gguf_under_auto_says_its_experts_keep_float32(tmp_path, checkpoints):
+    from memstep.core.model_source import model_config, resolve
+    from memstep.executors.runtime.worker import family_quantization
+
+    folder, _ = checkpoints("qwen3_moe")
+    path = tmp_path / "tiny-Q8_0.gguf"  # every matrix of an exact type, the experts' too
+    write_gguf(folder, "qwen3_moe", path, "Q8_0")
+    source, auto = resolve(str(path)), EngineConfig()
+    cfg = model_config(source)
+    with structlog.testing.capture_logs() as logs:
+        picked = pick_quantization(auto, source, torch.device("cpu"))
+        assert family_quantization(auto, cfg, picked, 1) == "none"
+    [line] = [e["event"] for e in logs if e["event"].startswith("quantization auto: none")]
+    assert line.startswith("quantization auto: none for qwen3_moe, whose experts are 3-D")
+    model, kv = memstep_model(path)  # and it runs, on float32 weights
+    assert torch.isfinite(memstep_logits(model, kv, prompts()[0])).all()
 
 
 def test_a_phi3_gguf_with_half_its_longrope_factors_is_refused(tmp_path):

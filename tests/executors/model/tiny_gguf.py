@@ -80,7 +80,9 @@ def llama_cpp_names(state: dict[str, torch.Tensor], model_type: str, tied: bool)
 
 # "CPU_MIX": every type the CPU kernels read exactly (formats/gguf_blocks.py), by layer parity,
 # so that fused matrices have parts of one type, of two types of one form, and of two forms
+# (Phi-3's qkv and gate_up come fused: one type each)
 CPU_MIX = {
+    "attn_qkv": ("Q5_0", "Q6_K"),
     "attn_q": ("Q5_0", "Q4_K"),
     "attn_k": ("Q8_0", "Q4_K"),
     "attn_v": ("Q5_0", "Q6_K"),
