@@ -5,7 +5,8 @@ What it replaces is decided once, when it is made (`CpuBackend.choose`):
 * with a C decode-attention kernel (a float32 cache): decode rows, and short queries, attended
   in C reading the pages in place;
 * for a family whose layers differ from Llama's (`ModelConfig.unlike_llama`), none of the
-  above but decode attention of its global layers: torch runs its layers, logged once;
+  above but decode attention of its global layers: torch runs its layers, logged once, their
+  matrices through `linear` (the block kernels where a GGUF's blocks were kept);
 * for a model whose every layer matrix is blocks (`DecodeStep.of`): the
   norms and silu * up in C for every batch, every query attended as a decode row of its own,
   and batches of decode rows run as one C call (`DecodeStep`), so that a row's bits do not
