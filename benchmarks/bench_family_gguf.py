@@ -74,6 +74,19 @@ def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
     return rows.reshape(heads, half, 2, -1).swapaxes(1, 2).reshape(rows.shape)
 
 
+def quantization(path: Path, asked: str) -> str:
+    """What the engine's worker picks for the GGUF at `path` on the CPU (its log says it too)."""
+    import torch
+
+    from memstep.core.config import EngineConfig
+    from memstep.core.model_source import model_config, resolve
+    from memstep.executors.runtime.worker import family_quantization, pick_quantization
+
+    cfg, source = EngineConfig(model=str(path), quantization=asked), resolve(str(path))
+    picked = pick_quantization(cfg, source, torch.device("cpu"))
+    return family_quantization(cfg, model_config(source), picked, 1)
+
+
 def main(argv: list[str] | None = None) -> int:
     from bench_llamacpp_greedy import memstep_greedy
 
@@ -86,11 +99,15 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not args.out.is_file():
         write_as_qwen2(args.model, args.out)
-    runs = {path.name: memstep_greedy(path, args) for path in (args.model, args.out)}
+    paths = (args.model, args.out)
+    runs = {path.name: memstep_greedy(path, args) for path in paths}
     tokens = [[prefixes[-1] for prefixes, _ in run] for run in runs.values()]
-    for name, run in runs.items():
-        speeds = [speed for _, speed in run]
-        print(f"{name}: decode median {statistics.median(speeds):.1f} tok/s ({speeds})")
+    for path, run in zip(paths, runs.values(), strict=True):
+        speeds = [round(speed, 1) for _, speed in run]
+        print(
+            f"{path.name}: quantization {quantization(path, args.quantization)}, decode median "
+            f"{statistics.median(speeds):.1f} tok/s ({speeds})"
+        )
     print(f"greedy texts equal: {tokens[0] == tokens[1]}")
     return 0
 
