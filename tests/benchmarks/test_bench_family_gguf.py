@@ -50,6 +50,7 @@ def run(model: LlamaModel, new_tokens: int) -> tuple[torch.Tensor, list[int]]:
             first = logits if first is None else first
             tokens.append(int(logits.argmax()))
             start, feed = start + len(feed), tokens[-1:]
+    assert first is not None
     return first, tokens[len(PROMPT) :]
 
 
