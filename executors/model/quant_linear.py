@@ -165,10 +165,12 @@ def verify(name: str, linear: Linear, sums: torch.Tensor) -> None:
         )
 
 
+LAYER_MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")  # a dense layer's, by weights key
+
+
 def layer_matrices(num_layers: int) -> list[str]:
     """The names of the decoder's matrices, as the weights dict holds them."""
-    names = ("wqkv", "wo", "w_gate_up", "w_down")
-    return [f"layers.{i}.{name}" for i in range(num_layers) for name in names]
+    return [f"layers.{i}.{name}" for i in range(num_layers) for name in LAYER_MATRICES]
 
 
 def quantize_weights(

@@ -115,7 +115,7 @@ def _block_forms(tensors: dict, table: Table, num_layers: int) -> dict[str, tupl
     (formats/gguf_blocks.py): the smallest form holding every part, and the parts' names."""
     forms = {}
     for i in range(num_layers):
-        for key in _MATRICES:
+        for key in ql.LAYER_MATRICES:
             parts = [f"blk.{i}.{name}" for name in table.get(key, ())]
             if not parts or not all(p in tensors for p in parts):
                 continue
@@ -123,9 +123,6 @@ def _block_forms(tensors: dict, table: Table, num_layers: int) -> dict[str, tupl
             if form is not None:
                 forms[f"layers.{i}.{key}"] = (form, parts)
     return forms
-
-
-_MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")  # a dense layer's, as `ql.layer_matrices`
 
 
 @functools.lru_cache(maxsize=4)
@@ -136,13 +133,13 @@ def gguf_converts_exactly(path: Path) -> bool:
     are [E, rows, columns] tensors, which no block kernel multiplies."""
     reader = read_gguf(path)
     table = gguf_names.FAMILY_TABLES.get(gguf_model_config(reader).architecture, {})
-    if not all(key in table for key in _MATRICES):
+    if not all(key in table for key in ql.LAYER_MATRICES):
         return False
     tensors = {t.name: t for t in reader.tensors}
     layers = {int(name.split(".")[1]) for name in tensors if name.startswith("blk.")}
     if not layers or layers != set(range(len(layers))):
         return False
-    return len(_block_forms(tensors, table, len(layers))) == len(_MATRICES) * len(layers)
+    return len(_block_forms(tensors, table, len(layers))) == len(ql.LAYER_MATRICES) * len(layers)
 
 
 @functools.lru_cache(maxsize=1)
