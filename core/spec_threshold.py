@@ -1,38 +1,28 @@
 """Which step kind a batch runs: `spec` only at the batch sizes where speculation pays.
 
 A user's `speculative_disable_by_batch_size` rules when given. Otherwise, with speculation on and
-`speculative_auto_disable` (the default), the core chooses the threshold itself from the steps it
-runs: per batch-size bucket (powers of two: 1, 2-3, 4-7, 8-15, ...) it keeps the tokens per
-second of the latest pure decode steps of each kind, and disables speculation from the smallest
-bucket where `spec` makes fewer tokens per second than `no_spec` (each kind's median step).
+`speculative_auto_disable` (the default), the core chooses the threshold itself: per batch-size
+bucket (powers of two: 1, 2-3, 4-7, 8-15, ...) it keeps the tokens per second of the latest pure
+decode steps of each kind, and disables speculation from the smallest bucket where `spec` makes
+fewer tokens per second than `no_spec`.
 
-Both kinds stay measured at every bucket by probes: a decode step runs the kind the threshold
-does not pick while that kind has fewer than `MIN_SAMPLES` steps in the bucket, then once after
-`PROBE_PERIOD` decode steps of the bucket, the gap doubling after each probe up to
-`MAX_PROBE_PERIOD` and back to its first gap whenever the threshold changes (a `spec` step
-right after a `no_spec` one re-enters the kind, where an EAGLE head has no fresh state to draft
-from and a draft model catches up, so it is neither counted nor measured; a spec probe then runs
-`PAIRED` counted steps, since the first of them drafts from a context of one pair: a probe of a
-single such step read EAGLE's acceptance low, and spec switched off stayed off).
-A probe of the losing kind costs its loss, hence the doubling gap, and a first gap after a
-change (PROBE_PERIOD or more) sized so that probes lose at most `PROBE_BUDGET` of the bucket's
-time at the rates the change was decided on (`probe_gaps`: at 16 streams on 2 cores an EAGLE
-step took three plain steps' time, and probes every 32 steps cost 10%). Probes depend only on
-counts of steps and on the threshold's changes with their gaps, both recorded, so a replay makes
-the same ones. The threshold depends on wall time, which no replay can measure again: the
-engine records each change
-(`SpecThresholdChanged`, an input) and a replay applies the recorded one (`set`) instead of
-deciding (`decide`). A new threshold is held `HOLD_STEPS` decode steps before the rates are
-judged again, unless a bucket's verdict is decisive (`DECISIVE`): spec losing by 20% where it
-is on (or winning by 25% where it is off) is no noise, and waiting costs every step; past one
-stream, windows apart by `DECISIVE_WINDOWS` are acted on before any pair is made (a 16-stream
-batch ran 11 spec steps at a third of no_spec's rate before the hold ended).
+Both kinds stay measured by probes: a decode step runs the kind the threshold does not pick
+while that kind has fewer than `MIN_SAMPLES` steps in the bucket, then once after a gap that
+doubles after each probe up to `MAX_PROBE_PERIOD`. After a change the first gap is
+`PROBE_PERIOD`, or more where the change's rates make a probe dear (`probe_gaps`: probes lose at
+most `PROBE_BUDGET` of the bucket's time). A `spec` step right after a `no_spec` one re-enters
+the kind (an EAGLE head has no fresh state) and is neither counted nor measured, so a spec probe
+runs `PAIRED` counted steps after it. Probes depend only on counts of steps and on the recorded
+changes and gaps, so a replay makes the same ones.
 
-On a shared machine a kind's window of rates is made at other times than the other's (the
-probed kind's samples lie far apart), so load that comes and goes reads as one kind's loss (a
-tie once turned EAGLE off for most of a run it speeds up). So the ratio is the median of paired
-ratios (once there are `MIN_SAMPLES`): each probe's steps against the last `PAIRED` steps before
-it, moments apart; and spec goes off only below `DISABLE_RATIO`, a margin as on the way back.
+The threshold depends on wall time, which no replay can measure again: the engine records each
+change (`SpecThresholdChanged`, an input) and a replay applies it (`set`) instead of deciding
+(`decide`). A new threshold is held `HOLD_STEPS` decode steps unless a bucket's verdict is
+decisive (`DECISIVE`; past one stream also windows apart by `DECISIVE_WINDOWS`, before any pair).
+Load that comes and goes on a shared machine reads as one kind's loss when the windows are made
+at other times, so the ratio is the median of paired ratios once there are `MIN_SAMPLES`: each
+probe's steps against the last `PAIRED` steps before it; spec goes off only below
+`DISABLE_RATIO`, a margin as on the way back (docs/speculation.md has the measurements).
 """
 
 from __future__ import annotations
