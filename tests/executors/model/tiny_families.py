@@ -122,6 +122,12 @@ def hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
+def one_minus_cosine(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    """1 - the cosine of two logits tensors, flattened (ours in float32 first)."""
+    cosine = torch.nn.functional.cosine_similarity(ours.flatten().float(), theirs.flatten(), dim=0)
+    return 1.0 - cosine.item()
+
+
 def hf_logits(model, prompt: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return model(torch.tensor([prompt], device=model.device)).logits[0].float()
