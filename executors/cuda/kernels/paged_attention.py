@@ -76,12 +76,15 @@ def _decode_kernel(
     DOT_PRECISION: tl.constexpr,
     FP16_DOT: tl.constexpr,
     HAS_TREE: tl.constexpr,
+    WINDOWED: tl.constexpr,
 ):
     """Grid (num_seqs, num_kv_heads, num_partitions). Unsplit: writes out. Split: writes the
     partition's normalised output and its log2-sum-exp, for `_merge_partitions_kernel`. With
     HAS_TREE a row's positions from bases[seq] on are read at remap[seq, p - base] (a draft
-    tree node's ancestors, then itself). `window` > 0: only the last `window` positions are
-    read (a sliding-window layer); a partition wholly before them is live but empty."""
+    tree node's ancestors, then itself). WINDOWED: only the last `window` positions are read (a
+    sliding-window layer); a partition wholly before them is live but empty. Without it the
+    tiles start at the partition's start, a multiple of BLOCK_N the compiler can see (a start
+    chosen at run time would hide it from the loads' vectorization)."""
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
@@ -92,9 +95,10 @@ def _decode_kernel(
     else:
         start = 0
         end = seq_len
-    first = start
-    if window > 0:
+    if WINDOWED:  # noqa: SIM108 (a statement Triton compiles as the IS_SPLIT branch above)
         first = tl.maximum(start, seq_len - window)
+    else:
+        first = start
 
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -343,6 +347,7 @@ def paged_decode_attention(
 
     meta = _kernel_meta(q, k_cache, num_heads // num_kv_heads, partition_size)
     meta["HAS_TREE"] = remap is not None
+    meta["WINDOWED"] = window > 0
     tree = (seq_lens, seq_lens) if bases is None or remap is None else (bases, remap)
     inputs = (q, k_cache, v_cache, block_tables, seq_lens)
     input_strides = (
