@@ -23,7 +23,7 @@ class DenseMlp:
 
 @attrs.frozen
 class Experts:
-    router: torch.Tensor  # [E, hidden]
+    router: torch.Tensor  # [E, hidden], float32 whatever the model's dtype (`route`)
     gate_up: torch.Tensor  # [E, 2 * expert width, hidden]
     down: torch.Tensor  # [E, hidden, expert width]
     top_k: int
@@ -53,7 +53,7 @@ def build_block(cfg: ModelConfig, w: dict[str, torch.Tensor], i: int, linear) ->
     mlp: DenseMlp | Experts
     if cfg.is_moe:
         mlp = Experts(
-            w[p + "router"],
+            w[p + "router"].float(),  # once here, not a copy a step
             w[p + "experts_gate_up"],
             w[p + "experts_down"],
             cfg.experts_per_token,
