@@ -131,6 +131,9 @@ seed-bisect)
             "$OLDPWD/.dev/seed/tokenizer.json" --dataset "$OLDPWD/.dev/seed/prompts.jsonl" \
             --num-prompts "$n" --configs default --engine-flags "--dtype bfloat16" 2>&1 \
             | grep -E "^default |CPU seconds" | sed "s/^/$c: /" | tee -a "$out/bisect.txt")
+        python3 -c "import json, sys; m = json.load(open(sys.argv[1]))['memory']; \
+print(sys.argv[2] + ': steps', m['num_steps'], 'KV pages peak', m['kv_pages_peak'])" \
+            "/tmp/bisect_out/$c/default.result.json" "$c" | tee -a "$out/bisect.txt" || true
     done
     ;;
 floor)
