@@ -74,9 +74,9 @@ def pick_dtype(cfg: EngineConfig, device: torch.device) -> torch.dtype:
 def pick_quantization(cfg: EngineConfig, source: ModelSource, device: torch.device) -> str:
     """With "auto": q4 for a GGUF (of any dense family: `family_quantization` keeps it) whose
     decoder matrices all convert exactly into the C kernels' blocks (Q4_1 as the shipped
-    SmolLM2, Q4_K, Q5_0, Q8_0, Q6_K: a Q4_K_M file's mix; `gguf_converts_exactly`), on a CPU
-    where `cpu_kernels` built, on one rank: the file's own codes, each weight gguf's float32
-    value, so the products are float32's up to rounding (the
+    SmolLM2, Q4_0, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0: Q4_K_M's and Q5_K_M's mixes;
+    `gguf_converts_exactly`), on a CPU where `cpu_kernels` built, on one rank: the file's own
+    codes, each weight gguf's float32 value, so the products are float32's up to rounding (the
     shipped file's greedy text equals float32's on the parity test's 8 prompts over 64 tokens,
     first-token log-prob error 2e-5 nats; 7 of 8 in bfloat16 products,
     `pick_matmul_precision`) at 2.4-4x float32's decode speed (benchmarks/bench_llamacpp.py);

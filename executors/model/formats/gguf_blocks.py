@@ -12,13 +12,14 @@ in the smallest that holds it and a fused matrix's parts in the smallest that ho
   m = -(dmin * min), each an exact float32 product (fp16 times a 6-bit integer).
 * `q5_0` (28 bytes): float32 d and m = -16 d, the codes' fifth bits (bit j: input j), then
   their low four as `q4_1`'s: w = q * d + m, exact. Q5_0, its fp16 d widened.
-* `q8_0` (34 bytes): fp16 d, 32 int8: w = q * d. Q8_0 as shipped; Q5_0's codes - 16 where a
-  fused matrix has Q8_0 parts too.
+* `q8_0` (34 bytes): fp16 d, 32 int8: w = q * d. Q8_0 as shipped; Q4_0's codes - 8; Q5_0's
+  codes - 16 where a fused matrix has Q8_0 parts too.
 * `q8_16` (48 bytes): float32 (s, o) of inputs 0..15, then of 16..31, then 32 int8: Q6_K
-  (scale d * sc per 16, exact: fp16 times int8, offset 0), and any of the above where a fused
-  matrix (qkv, gate_up) has parts of two forms.
+  (scale d * sc per 16, exact: fp16 times int8, offset 0), Q5_1 (d and m), Q5_K (Q4_K's
+  scales and offsets over five-bit codes), and any of the above where a fused matrix (qkv,
+  gate_up) has parts of two forms.
 
-Other types (Q2_K, Q3_K, Q5_K, IQ*, ...) have no form here: they are dequantized to float32.
+Other types (Q2_K, Q3_K, IQ*, ...) have no form here: they are dequantized to float32.
 """
 
 from __future__ import annotations
@@ -31,9 +32,12 @@ from gguf import GGMLQuantizationType as T
 GROUP = 32
 # each type read here: the kernels' forms that hold it exactly, smallest first
 HELD_BY = {
+    T.Q4_0: ("q8_0", "q8_16"),
     T.Q4_1: ("q4_1", "q8_16"),
     T.Q4_K: ("q4_1", "q8_16"),
     T.Q5_0: ("q5_0", "q8_0", "q8_16"),
+    T.Q5_1: ("q8_16",),
+    T.Q5_K: ("q8_16",),
     T.Q8_0: ("q8_0", "q8_16"),
     T.Q6_K: ("q8_16",),
 }
@@ -114,12 +118,29 @@ def _q8_0(b: np.ndarray):
     return b[:, 2:].view(np.int8), _halves(d), np.zeros((len(b), 1, 2), np.float32)
 
 
+def _q4_0(b: np.ndarray):
+    d = _half(b[:, 0:2])
+    codes = _nibbles(b[:, 2:]).astype(np.int8) - 8
+    return codes, _halves(d), np.zeros((len(b), 1, 2), np.float32)
+
+
+def _five_bits(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    """Q5_0's and Q5_1's codes 0..31: 4 bytes of fifth bits (bit j: input j), then 16 of
+    nibbles."""
+    bits = np.ascontiguousarray(qh).view(np.uint32)
+    high = ((bits >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+    return _nibbles(qs) | high << 4
+
+
 def _q5_0(b: np.ndarray):
     d = _half(b[:, 0:2])
-    qh = np.ascontiguousarray(b[:, 2:6]).view(np.uint32)  # bit j: input j's fifth bit
-    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
-    codes = (_nibbles(b[:, 6:22]) | high << 4).astype(np.int8) - 16
+    codes = _five_bits(b[:, 2:6], b[:, 6:22]).astype(np.int8) - 16
     return codes, _halves(d), np.zeros((len(b), 1, 2), np.float32)
+
+
+def _q5_1(b: np.ndarray):
+    d, m = _half(b[:, 0:2]), _half(b[:, 2:4])
+    return _five_bits(b[:, 4:8], b[:, 8:24]), _halves(d), _halves(m)
 
 
 def _q4_k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -140,6 +161,16 @@ def _q4_k(b: np.ndarray):
     return codes, _halves(d * sc), _halves(-(dmin * mins))
 
 
+def _q5_k(b: np.ndarray):
+    """Q4_K's layout with a fifth bit: sub-block s's codes take bit s of the 32 bytes qh."""
+    d, dmin = _half(b[:, 0:2]), _half(b[:, 2:4])
+    sc, mins = _q4_k_scales(b[:, 4:16])
+    qs = b[:, 48:].reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+    high = (b[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+    codes = (qs & 0x0F).reshape(-1, 8, 32) | high << 4
+    return codes, _halves(d * sc), _halves(-(dmin * mins))
+
+
 def _q6_k(b: np.ndarray):
     ql, qh, sc, d = b[:, :128], b[:, 128:192], b[:, 192:208].view(np.int8), _half(b[:, 208:])
     low = ql.reshape(-1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
@@ -148,7 +179,16 @@ def _q6_k(b: np.ndarray):
     return six_bits.astype(np.int8) - 32, d * sc, np.zeros((len(b), 16), np.float32)
 
 
-_UNPACK = {T.Q4_1: _q4_1, T.Q4_K: _q4_k, T.Q5_0: _q5_0, T.Q8_0: _q8_0, T.Q6_K: _q6_k}
+_UNPACK = {
+    T.Q4_0: _q4_0,
+    T.Q4_1: _q4_1,
+    T.Q4_K: _q4_k,
+    T.Q5_0: _q5_0,
+    T.Q5_1: _q5_1,
+    T.Q5_K: _q5_k,
+    T.Q8_0: _q8_0,
+    T.Q6_K: _q6_k,
+}
 
 
 def _pack_q4_1(g: Groups) -> np.ndarray:

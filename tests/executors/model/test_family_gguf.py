@@ -182,19 +182,19 @@ def test_a_q4_k_m_gguf_runs_on_cuda_in_bfloat16(tmp_path, checkpoints, model_typ
         assert cosine.item() >= 0.999, f"{model_type} {len(prompt)} tokens: {cosine.item():.5f}"
 
 
-def test_a_q5_k_llama_gguf_under_q4_says_its_matrices_are_quantized_again(tmp_path, checkpoints):
+def test_an_f16_llama_gguf_under_q4_says_its_matrices_are_quantized_again(tmp_path, checkpoints):
     from memstep.core.model_source import model_config, resolve
     from memstep.executors.model.weights import load_weights
 
     folder, _ = checkpoints("llama")
-    path = tmp_path / "tiny-Q5_K.gguf"  # Q5_K has no exact block form: dequantized, then q4
-    write_gguf(folder, "llama", path, "Q5_K")
+    path = tmp_path / "tiny-F16.gguf"  # F16 has no block form: widened, then q4
+    write_gguf(folder, "llama", path, "F16")
     source = resolve(str(path))
     with structlog.testing.capture_logs() as logs:
         cfg, cpu = model_config(source), torch.device("cpu")
         weights = load_weights(source, cfg, torch.float32, cpu, quantization="q4")
     [line] = [e["event"] for e in logs if "converted to float32 at load" in e["event"]]
-    assert line.startswith("GGUF Q5_K converted")
+    assert line.startswith("GGUF F16 converted")
     assert line.endswith("; the decoder's matrices then to q4 blocks")
     assert "layers.0.wqkv.q4_1" in weights
     assert pick_quantization(EngineConfig(), source, cpu) == "none"
@@ -282,6 +282,25 @@ def test_a_gguf_of_exact_types_runs_on_the_kernels_blocks_as_its_float32_model(
     assert (model.backend.one_call is None) == bool(cfg.unlike_llama)
     error, tokens, float32_tokens = against_float32(model, path)
     assert error < SAME_WEIGHTS  # float32 rounding only
+    assert tokens == float32_tokens
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q5_1", "Q5_K"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_a_q4_0_q5_1_or_q5_k_gguf_runs_on_the_blocks_as_its_float32_model(
+    tmp_path, checkpoints, model_type, qtype
+):
+    # the other types that convert exactly (Q4_0's codes - 8 in q8_0, Q5_1's and Q5_K's in
+    # q8_16): a file all of one (Q5_K as most of a Q5_K_M file) runs under "auto" on the
+    # blocks, with its float32 model's logits and greedy tokens
+    folder, _ = checkpoints(model_type)
+    path = tmp_path / f"tiny-{qtype}.gguf"
+    write_gguf(folder, model_type, path, qtype)
+    _, weights, model = block_model(path)
+    form = "q8_0" if qtype == "Q4_0" else "q8_16"
+    assert f"layers.0.w_down.{form}" in weights and "layers.0.w_down" not in weights
+    error, tokens, float32_tokens = against_float32(model, path)
+    assert error < SAME_WEIGHTS
     assert tokens == float32_tokens
 
 

@@ -24,7 +24,15 @@ MM = {
 }
 # each type's bytes the test fills at random after quantizing (every pattern is a valid block):
 # the codes, and the 6- or 8-bit sub-block scales (the fp16 ones stay the quantizer's)
-RANDOM_BYTES = {T.Q4_K: (4, 144), T.Q6_K: (0, 208), T.Q5_0: (2, 22), T.Q8_0: (2, 34)}
+RANDOM_BYTES = {
+    T.Q4_K: (4, 144),
+    T.Q5_K: (4, 176),
+    T.Q6_K: (0, 208),
+    T.Q4_0: (2, 18),
+    T.Q5_0: (2, 22),
+    T.Q5_1: (4, 24),
+    T.Q8_0: (2, 34),
+}
 # |kernel - float64 product of gguf's values| at most this share of sum |x| |w| (float32 sums of
 # 512 products; a wrong weight in a row moves its output by far more)
 PRODUCT_TOLERANCE = 2**-17
@@ -60,14 +68,21 @@ def assert_exact(data: np.ndarray, qtype: T, form: str) -> None:
     assert ((mm(x, blocks).double() - exact).abs() <= PRODUCT_TOLERANCE * bound).all()
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_0, T.Q6_K, T.Q8_0, T.Q4_1])
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q5_0, T.Q6_K, T.Q8_0, T.Q4_1, T.Q4_0, T.Q5_1])
 def test_each_type_s_own_form_holds_gguf_s_values(qtype):
     assert_exact(gguf_matrix(qtype), qtype, gguf_blocks.form_of(qtype))
 
 
 @pytest.mark.parametrize(
     ("qtype", "form"),
-    [(T.Q4_K, "q8_16"), (T.Q5_0, "q8_16"), (T.Q8_0, "q8_16"), (T.Q4_1, "q8_16"), (T.Q5_0, "q8_0")],
+    [
+        (T.Q4_K, "q8_16"),
+        (T.Q5_0, "q8_16"),
+        (T.Q8_0, "q8_16"),
+        (T.Q4_1, "q8_16"),
+        (T.Q5_0, "q8_0"),
+        (T.Q4_0, "q8_16"),
+    ],
 )
 def test_the_larger_forms_hold_a_type_for_a_fused_matrix_of_mixed_parts(qtype, form):
     assert_exact(gguf_matrix(qtype), qtype, form)
@@ -78,9 +93,11 @@ def test_a_fused_matrix_s_form():
     assert gguf_blocks.common_form([T.Q5_0, T.Q8_0, T.Q5_0]) == "q8_0"
     assert gguf_blocks.common_form([T.Q4_K, T.Q4_K]) == "q4_1"
     assert gguf_blocks.common_form([T.Q4_K, T.Q6_K]) == "q8_16"
-    assert gguf_blocks.common_form([T.Q4_K, T.Q5_K]) is None  # Q5_K is dequantized
-    with pytest.raises(ValueError, match="Q5_K blocks have no form"):
-        gguf_blocks.unpack(gguf_matrix(T.Q5_K), T.Q5_K)
+    assert gguf_blocks.common_form([T.Q4_K, T.Q5_K]) == "q8_16"
+    assert gguf_blocks.common_form([T.Q4_0, T.Q8_0]) == "q8_0"
+    assert gguf_blocks.common_form([T.Q4_K, T.Q3_K]) is None  # Q3_K is dequantized
+    with pytest.raises(ValueError, match="Q3_K blocks have no form"):
+        gguf_blocks.unpack(np.zeros((2, 220), np.uint8), T.Q3_K)
 
 
 def _swapped_nibbles(qs):  # ggml's order taken for interleaved codes
@@ -109,6 +126,13 @@ def _q4_k_min_added(b):
     return codes, scales, -offsets
 
 
+def _q5_k_fifth_bits_reversed(b):  # sub-block s reading bit 7 - s of qh
+    codes, scales, offsets = PLANTS["original_q5_k"](b)
+    qh = b[:, 16:48].reshape(-1, 1, 32)
+    wrong = (qh >> np.arange(7, -1, -1, dtype=np.uint8).reshape(1, 8, 1)) & 1
+    return (codes & 0x0F) | wrong << 4, scales, offsets
+
+
 def _q8_16_halves_swapped(g):
     return PLANTS["original_pack"](
         gguf_blocks.Groups(g.codes, g.scales[..., ::-1], g.offsets[..., ::-1])
@@ -119,6 +143,7 @@ PLANTS = {
     "original_q4_k": gguf_blocks._q4_k,
     "original_pack": gguf_blocks._pack_q8_16,
     "original_q5_0": gguf_blocks._pack_q5_0,
+    "original_q5_k": gguf_blocks._q5_k,
 }
 
 
@@ -130,6 +155,7 @@ PLANTS = {
         (T.Q4_K, "q4_1", gguf_blocks._PACK, "q4_1", _q4_1_interleaved),
         (T.Q4_K, "q4_1", gguf_blocks._UNPACK, T.Q4_K, _q4_k_min_added),
         (T.Q6_K, "q8_16", gguf_blocks._PACK, "q8_16", _q8_16_halves_swapped),
+        (T.Q5_K, "q8_16", gguf_blocks._UNPACK, T.Q5_K, _q5_k_fifth_bits_reversed),
     ],
 )
 def test_a_block_packed_wrongly_is_caught(monkeypatch, qtype, form, where, name, wrong):
