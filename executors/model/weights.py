@@ -128,9 +128,10 @@ def _block_forms(tensors: dict, table: Table, num_layers: int) -> dict[str, tupl
 @functools.lru_cache(maxsize=4)
 def gguf_converts_exactly(path: Path) -> bool:
     """Whether every decoder matrix of the GGUF at `path` (any dense family's, through its
-    table in `formats/gguf_names.py`) converts exactly into the kernels' blocks: Q4_0, Q4_1,
-    Q4_K, Q5_0, Q5_1, Q5_K, Q6_K or Q8_0 (`gguf_blocks.HELD_BY`). A mixture of experts' never
-    does: its experts are [E, rows, columns] tensors, which no block kernel multiplies."""
+    table in `formats/gguf_names.py`) converts exactly into the kernels' blocks: Q2_K, Q3_K,
+    Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K or Q8_0 (`gguf_blocks.HELD_BY`). A mixture of
+    experts' never does: its experts are [E, rows, columns] tensors, which no block kernel
+    multiplies."""
     reader = read_gguf(path)
     table = gguf_names.FAMILY_TABLES.get(gguf_model_config(reader).architecture, {})
     if not all(key in table for key in ql.LAYER_MATRICES):

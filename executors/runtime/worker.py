@@ -74,7 +74,7 @@ def pick_dtype(cfg: EngineConfig, device: torch.device) -> torch.dtype:
 def pick_quantization(cfg: EngineConfig, source: ModelSource, device: torch.device) -> str:
     """With "auto": q4 for a GGUF (of any dense family: `family_quantization` keeps it) whose
     decoder matrices all convert exactly into the C kernels' blocks (Q4_1 as the shipped
-    SmolLM2, Q4_0, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0: Q4_K_M's and Q5_K_M's mixes;
+    SmolLM2, Q2_K to Q6_K, Q4_0, Q5_0, Q5_1, Q8_0: the K-quant mixes, Q4_0 and Q8_0 files;
     `gguf_converts_exactly`), on a CPU where `cpu_kernels` built, on one rank: the file's own
     codes, each weight gguf's float32 value, so the products are float32's up to rounding (the
     shipped file's greedy text equals float32's on the parity test's 8 prompts over 64 tokens,

@@ -16,10 +16,11 @@ in the smallest that holds it and a fused matrix's parts in the smallest that ho
   codes - 16 where a fused matrix has Q8_0 parts too.
 * `q8_16` (48 bytes): float32 (s, o) of inputs 0..15, then of 16..31, then 32 int8: Q6_K
   (scale d * sc per 16, exact: fp16 times int8, offset 0), Q5_1 (d and m), Q5_K (Q4_K's
-  scales and offsets over five-bit codes), and any of the above where a fused matrix (qkv,
-  gate_up) has parts of two forms.
+  scales and offsets over five-bit codes), Q3_K (d * (sc - 32) per 16 over codes -4..3), Q2_K
+  (d * sc and -(dmin * m) per 16 over codes 0..3), and any of the above where a fused matrix
+  (qkv, gate_up) has parts of two forms.
 
-Other types (Q2_K, Q3_K, IQ*, ...) have no form here: they are dequantized to float32.
+Other types (IQ*, TQ*, ...) have no form here: they are dequantized to float32.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from gguf import GGMLQuantizationType as T
 GROUP = 32
 # each type read here: the kernels' forms that hold it exactly, smallest first
 HELD_BY = {
+    T.Q2_K: ("q8_16",),
+    T.Q3_K: ("q8_16",),
     T.Q4_0: ("q8_0", "q8_16"),
     T.Q4_1: ("q4_1", "q8_16"),
     T.Q4_K: ("q4_1", "q8_16"),
@@ -171,6 +174,32 @@ def _q5_k(b: np.ndarray):
     return codes, _halves(d * sc), _halves(-(dmin * mins))
 
 
+def _two_bits(qs: np.ndarray) -> np.ndarray:
+    """Q2_K's and Q3_K's 64 bytes of 2-bit codes -> [n, 16, 16], sub-block s = 8 h + 2 j + p:
+    bits 2 j of bytes 32 h + 16 p + l."""
+    shifted = qs.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+    return (shifted & 0x03).reshape(-1, 16, 16)
+
+
+def _q2_k(b: np.ndarray):
+    """Sub-blocks of 16: a byte each of 4-bit scale (low) and min (high), d and dmin fp16."""
+    sc, d, dmin = b[:, :16], _half(b[:, 80:82]), _half(b[:, 82:84])
+    scales, mins = d * (sc & 0x0F), dmin * (sc >> 4)
+    return _two_bits(b[:, 16:80]), scales, -mins
+
+
+def _q3_k(b: np.ndarray):
+    """Sub-blocks of 16: 2-bit codes less 4 where their bit of the 32 hmask bytes is clear,
+    sixteen 6-bit scales (low nibbles in bytes 0..7, their top two bits in 8..11) less 32."""
+    hmask, sc, d = b[:, :32], b[:, 96:108], _half(b[:, 108:110])
+    high = (hmask.reshape(-1, 1, 2, 16) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1, 1)) & 1
+    codes = _two_bits(b[:, 32:96]).astype(np.int8) - ((1 - high) << 2).reshape(-1, 16, 16)
+    low = np.concatenate([sc[:, :8] & 0x0F, sc[:, :8] >> 4], axis=-1)
+    top = sc[:, 8:12].reshape(-1, 1, 4) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 4, 1)
+    six = (low | (top.reshape(-1, 16) & 0x03) << 4).astype(np.int16) - 32
+    return codes, d * six, np.zeros((len(b), 16), np.float32)
+
+
 def _q6_k(b: np.ndarray):
     ql, qh, sc, d = b[:, :128], b[:, 128:192], b[:, 192:208].view(np.int8), _half(b[:, 208:])
     low = ql.reshape(-1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
@@ -180,6 +209,8 @@ def _q6_k(b: np.ndarray):
 
 
 _UNPACK = {
+    T.Q2_K: _q2_k,
+    T.Q3_K: _q3_k,
     T.Q4_0: _q4_0,
     T.Q4_1: _q4_1,
     T.Q4_K: _q4_k,

@@ -38,10 +38,24 @@ RANDOM_BYTES = {
 PRODUCT_TOLERANCE = 2**-17
 
 
+# types no writer here quantizes: their blocks made of random bytes but these fp16 scales
+# (offsets in bytes), set to finite values of a row's magnitude
+RANDOM_BLOCKS = {T.Q2_K: (84, (80, 82)), T.Q3_K: (110, (108,))}
+
+
 def gguf_matrix(qtype: T, rows: int = 8, columns: int = 512) -> np.ndarray:
     """[rows, bytes a row] of `qtype`'s blocks: a normal matrix (rows of scales 1e-3 to 1e2)
     quantized, then its codes and sub-block scales replaced by random bytes."""
     gen = np.random.default_rng(int(qtype))
+    if qtype in RANDOM_BLOCKS:
+        size, halves = RANDOM_BLOCKS[qtype]
+        per_row = columns // 256
+        data = gen.integers(0, 256, (rows, per_row, size), dtype=np.uint8)
+        magnitude = np.logspace(-3, 2, rows)[:, None, None] / 16
+        for at in halves:
+            scale = (gen.uniform(0.5, 1.5, (rows, per_row, 1)) * magnitude).astype(np.float16)
+            data[..., at : at + 2] = scale.view(np.uint8)
+        return data.reshape(rows, -1)
     x = gen.standard_normal((rows, columns)) * np.logspace(-3, 2, rows)[:, None]
     x = x.astype(np.float32)
     if qtype.name in kquant_writer.BLOCK_BYTES:
@@ -68,7 +82,9 @@ def assert_exact(data: np.ndarray, qtype: T, form: str) -> None:
     assert ((mm(x, blocks).double() - exact).abs() <= PRODUCT_TOLERANCE * bound).all()
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q5_0, T.Q6_K, T.Q8_0, T.Q4_1, T.Q4_0, T.Q5_1])
+@pytest.mark.parametrize(
+    "qtype", [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q5_0, T.Q6_K, T.Q8_0, T.Q4_1, T.Q4_0, T.Q5_1]
+)
 def test_each_type_s_own_form_holds_gguf_s_values(qtype):
     assert_exact(gguf_matrix(qtype), qtype, gguf_blocks.form_of(qtype))
 
@@ -95,9 +111,10 @@ def test_a_fused_matrix_s_form():
     assert gguf_blocks.common_form([T.Q4_K, T.Q6_K]) == "q8_16"
     assert gguf_blocks.common_form([T.Q4_K, T.Q5_K]) == "q8_16"
     assert gguf_blocks.common_form([T.Q4_0, T.Q8_0]) == "q8_0"
-    assert gguf_blocks.common_form([T.Q4_K, T.Q3_K]) is None  # Q3_K is dequantized
-    with pytest.raises(ValueError, match="Q3_K blocks have no form"):
-        gguf_blocks.unpack(np.zeros((2, 220), np.uint8), T.Q3_K)
+    assert gguf_blocks.common_form([T.Q4_K, T.Q3_K]) == "q8_16"
+    assert gguf_blocks.common_form([T.Q4_K, T.IQ4_NL]) is None  # IQ4_NL is dequantized
+    with pytest.raises(ValueError, match="IQ4_NL blocks have no form"):
+        gguf_blocks.unpack(np.zeros((2, 36), np.uint8), T.IQ4_NL)
 
 
 def _swapped_nibbles(qs):  # ggml's order taken for interleaved codes
@@ -133,6 +150,11 @@ def _q5_k_fifth_bits_reversed(b):  # sub-block s reading bit 7 - s of qh
     return (codes & 0x0F) | wrong << 4, scales, offsets
 
 
+def _q3_k_high_bits_set(b):  # the hmask bit read as "subtract 4", not as "keep"
+    codes, scales, offsets = PLANTS["original_q3_k"](b)
+    return np.where(codes >= 0, codes - 4, codes + 4), scales, offsets
+
+
 def _q8_16_halves_swapped(g):
     return PLANTS["original_pack"](
         gguf_blocks.Groups(g.codes, g.scales[..., ::-1], g.offsets[..., ::-1])
@@ -144,6 +166,7 @@ PLANTS = {
     "original_pack": gguf_blocks._pack_q8_16,
     "original_q5_0": gguf_blocks._pack_q5_0,
     "original_q5_k": gguf_blocks._q5_k,
+    "original_q3_k": gguf_blocks._q3_k,
 }
 
 
@@ -156,6 +179,7 @@ PLANTS = {
         (T.Q4_K, "q4_1", gguf_blocks._UNPACK, T.Q4_K, _q4_k_min_added),
         (T.Q6_K, "q8_16", gguf_blocks._PACK, "q8_16", _q8_16_halves_swapped),
         (T.Q5_K, "q8_16", gguf_blocks._UNPACK, T.Q5_K, _q5_k_fifth_bits_reversed),
+        (T.Q3_K, "q8_16", gguf_blocks._UNPACK, T.Q3_K, _q3_k_high_bits_set),
     ],
 )
 def test_a_block_packed_wrongly_is_caught(monkeypatch, qtype, form, where, name, wrong):
