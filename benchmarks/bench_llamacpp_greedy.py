@@ -6,7 +6,7 @@ llama.cpp runs `llama-completion -m GGUF -p PROMPT -n N --temp 0 --ignore-eos -t
 tokens per second. memstep runs the same prompts in process, greedy, N tokens each: its tokens,
 and N - 1 over its decode steps' time. `--quantization auto` runs the file's own numbers: a
 Q4_K_M file's blocks through memstep's C kernels (each weight gguf's float32 value), or, for
-types they do not read exactly (Q5_K, Q3_K, ...: then none), dequantized to float32; `q4`
+types they do not read exactly (IQ*, ...: then none), dequantized to float32; `q4`
 quantizes those again into memstep's 4-bit blocks, for speed (the tokens then part sooner).
 Agreement: memstep's tokens whose text starts llama.cpp's output, counted from the first (two
 runs that part at a near tie say where). With `--llama-bench`, llama-bench's tg64 too
