@@ -98,9 +98,10 @@ def family_quantization(cfg: EngineConfig, model: ModelConfig, picked: str, rank
     matrices all convert exactly runs them through the CPU backend's block linears, the rest
     of its layers (bias, q/k norms, offset norms, GeGLU, windows) in torch as before. A
     mixture of experts gets "none" under "auto", said once (its experts are [E, rows, columns]
-    tensors, which no block kernel multiplies: a GGUF's blocks are dequantized at load). For a
-    family whose layers differ (`unlike_llama`), tensor parallelism and an asked int8 or q4
-    (which quantize float matrices again) are a ConfigError."""
+    tensors, which no block kernel multiplies: a GGUF's blocks are dequantized at load), and
+    an int8 or q4 asked by name is a ConfigError there; a dense family's matrices take either
+    as Llama's do. Tensor parallelism of a family whose layers differ (`unlike_llama`) is a
+    ConfigError."""
     if not model.unlike_llama:
         return picked
     if ranks > 1:
@@ -108,8 +109,11 @@ def family_quantization(cfg: EngineConfig, model: ModelConfig, picked: str, rank
             f"{model.architecture} runs on one rank: its {', '.join(model.unlike_llama)} "
             "have no tensor-parallel shards yet (--tensor-parallel-size 1)"
         )
-    if picked != "none" and cfg.quantization != "auto":
-        raise ConfigError(f"{cfg.quantization} runs Llama's layers, not {model.architecture}'s")
+    if picked != "none" and cfg.quantization != "auto" and model.is_moe:
+        raise ConfigError(
+            f"{cfg.quantization} quantizes 2-D matrices; {model.architecture}'s experts are "
+            "3-D tensors that no block kernel multiplies (--quantization none)"
+        )
     if model.is_moe and cfg.quantization == "auto":
         log.info(
             f"quantization auto: none for {model.architecture}, whose experts are 3-D tensors "

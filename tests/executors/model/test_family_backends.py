@@ -1,7 +1,7 @@
 """What each backend runs for a family whose layers differ from Llama's: the CPU says once at
-load that torch runs them; quantization and tensor parallelism (Llama's layers only) are
-refused with a clear error (a GGUF's "auto" q4 falls back to float); every family preset runs
-at tiny dimensions."""
+load that torch runs them; q4 and int8 asked by name quantize a dense family's matrices as
+Llama's (the rest of its layers in torch), a mixture of experts' and tensor parallelism are
+refused with a clear error; every family preset runs at tiny dimensions."""
 
 from __future__ import annotations
 
@@ -9,11 +9,12 @@ import attrs
 import pytest
 import structlog
 import torch
-from tiny_families import memstep_logits
+from tiny_families import FAMILIES, make_checkpoint, memstep_logits, memstep_model, prompts
 
 from memstep.core.config import ConfigError, EngineConfig
 from memstep.core.model_config import PRESETS
-from memstep.core.model_source import ModelSource
+from memstep.core.model_source import ModelSource, model_config, resolve
+from memstep.executors.cpu import kernels as cpu_kernels
 from memstep.executors.model import kv_cache
 from memstep.executors.model.llama import LlamaModel
 from memstep.executors.model.weights import load_weights
@@ -43,13 +44,13 @@ def test_the_cpu_says_once_which_pieces_torch_runs():
 @pytest.mark.parametrize(
     ("asked", "picked", "ranks", "error"),
     [
-        ("int8", "int8", 1, "int8 runs Llama's layers, not qwen3's"),
+        ("int8", "int8", 1, None),  # float matrices quantized, as Llama's
         ("none", "none", 2, "qwen3 runs on one rank: its q/k norm have no tensor-parallel"),
-        ("q4", "q4", 1, "q4 runs Llama's layers, not qwen3's"),  # float matrices quantized
+        ("q4", "q4", 1, None),
         ("auto", "q4", 1, None),  # a GGUF of exact types of another family: its blocks kept
     ],
 )
-def test_llama_only_paths_refuse_another_family(asked, picked, ranks, error):
+def test_what_another_family_may_ask(asked, picked, ranks, error):
     qwen3 = attrs.evolve(PRESETS["tiny"], architecture="qwen3", qk_norm=True)
     cfg = EngineConfig(model="random:tiny", quantization=asked)
     assert family_quantization(cfg, PRESETS["tiny"], picked, 1) == picked  # Llama: as picked
@@ -58,6 +59,48 @@ def test_llama_only_paths_refuse_another_family(asked, picked, ranks, error):
         return
     with pytest.raises(ConfigError, match=error):
         family_quantization(cfg, qwen3, picked, ranks)
+
+
+@pytest.mark.parametrize("asked", ["q4", "int8"])
+def test_a_mixture_of_experts_refuses_q4_and_int8_by_name(asked):
+    moe = attrs.evolve(PRESETS["tiny"], architecture="qwen3_moe", num_experts=4)
+    cfg = EngineConfig(model="random:tiny", quantization=asked)
+    with pytest.raises(ConfigError, match="experts are 3-D tensors"):
+        family_quantization(cfg, moe, asked, 1)
+
+
+DENSE = [family for family in FAMILIES if family not in ("qwen3_moe", "mixtral")]
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler")
+@pytest.mark.parametrize("model_type", DENSE)
+def test_q4_asked_for_a_dense_family_runs_its_matrices_in_blocks(tmp_path, model_type):
+    """--quantization q4 on a family's HF checkpoint: every decoder matrix in q4 blocks, the head
+    in q8_0, and the logits those of the float model over the very numbers the blocks hold
+    (each matrix read back through its kernel), up to float32 rounding; int8 runs too."""
+    make_checkpoint(model_type, tmp_path)
+    source = resolve(str(tmp_path))
+    cfg = model_config(source)
+    asked = EngineConfig(model=str(tmp_path), quantization="q4")
+    assert family_quantization(asked, cfg, "q4", 1) == "q4"
+    weights = load_weights(source, cfg, torch.float32, CPU, quantization="q4")
+    assert "lm_head.q8_0" in weights
+    held = {k: v for k, v in weights.items() if not k.endswith((".q4_1", ".q8_0"))}
+    for name in [k for k in weights if k.endswith(".q4_1")]:
+        inputs = weights[name].shape[1] // 24 * 32  # 24 bytes a block of 32 inputs
+        held[name.removesuffix(".q4_1")] = cpu_kernels.q4_1_mm(torch.eye(inputs), weights[name]).t()
+    assert len(held) == len(weights) - 1  # every q4 matrix read back; the q8_0 head below
+    blocks = LlamaModel(cfg, weights, 512, pick_backend(CPU, cfg, weights, torch.float32))
+    held["lm_head"] = blocks.head(torch.eye(cfg.hidden_size)).t().contiguous()
+    reference = LlamaModel(cfg, held, 512, pick_backend(CPU, cfg, held, torch.float32))
+    _, kv = memstep_model(tmp_path)
+    reference_kv = [tuple(t.clone() for t in layer) for layer in kv]
+    for prompt in prompts():
+        ours = memstep_logits(blocks, kv, prompt)
+        theirs = memstep_logits(reference, reference_kv, prompt)
+        assert (ours - theirs).abs().max().item() < 2e-4, model_type
+    int8 = load_weights(source, cfg, torch.float32, CPU, quantization="int8")
+    assert "layers.0.wqkv.int8" in int8
 
 
 @pytest.mark.parametrize("preset", NEW_PRESETS)
