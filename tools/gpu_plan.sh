@@ -214,8 +214,9 @@ train-smol)
 gpu-all)
     setup
     smol
+    # the files by name: collecting all of tests/ imports modules that need `openai`, absent there
     PYTHONPATH=$PYTHONPATH:/tmp/s2 timeout 560 python3 -m pytest -q -p no:cacheprovider -m gpu \
-        --durations 15 tests 2>&1 | tail -80 | tee "$out/gpu_all.txt"
+        --durations 15 "${GPU_FREE[@]}" "${GPU_SMOL[@]}" 2>&1 | tail -80 | tee "$out/gpu_all.txt"
     ;;
 gpu-free)
     setup
