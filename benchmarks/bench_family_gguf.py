@@ -4,10 +4,10 @@ Q4_1 file) written again as a Qwen2 file, and both decoded greedily, one stream.
 The Qwen2 file holds the same blocks (Q4_1 matrices, the Q8_0 embedding: copied, not
 quantized again), its q and k rows back from llama.cpp's rotary order (Qwen2's files keep
 transformers'), zero QKV biases and the keys under `qwen2.`: the same model, so its greedy
-tokens must be the Llama file's, and what differs is the path. Under auto the Llama file runs
-its whole decode step as one C call; the Qwen2 file's layers are a family's (a QKV bias) and
-run kernel by kernel in torch, its matrices in the C block kernels where `auto` keeps its
-blocks, as float32 matrices where it dequantizes them. Prints each file's decode tok/s (the
+tokens must be the Llama file's, and what differs is the path. Under auto both run their
+decode step as one C call (Qwen2's adds its QKV bias there), their matrices in the C block
+kernels; a family whose other pieces the C step lacks (q/k norms, ...) runs kernel by kernel in
+torch over the same block kernels. Prints each file's decode tok/s (the
 median of `bench_llamacpp_greedy.py`'s four prompts, a warm-up first) and whether the tokens
 agree.
 

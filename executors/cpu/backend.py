@@ -4,9 +4,10 @@ What it replaces is decided once, when it is made (`CpuBackend.choose`):
 * with a float32 model on one rank and a float32 KV cache: rotary + KV write in C;
 * with a C decode-attention kernel (a float32 cache): decode rows, and short queries, attended
   in C reading the pages in place;
-* for a family whose layers differ from Llama's (`ModelConfig.unlike_llama`), none of the
-  above but decode attention of its global layers: torch runs its layers, logged once, their
-  matrices through `linear` (the block kernels where a GGUF's blocks were kept);
+* for a family whose layers differ from Llama's (`ModelConfig.unlike_llama`) by more than a
+  QKV bias (C_PIECES: Qwen2's, which the C step adds), none of the above but decode attention
+  of its global layers: torch runs its layers, logged once, their matrices through `linear`
+  (the block kernels where a GGUF's blocks were kept);
 * for a model whose every layer matrix is blocks (`DecodeStep.of`): the
   norms and silu * up in C for every batch, every query attended as a decode row of its own,
   and batches of decode rows run as one C call (`DecodeStep`), so that a row's bits do not
@@ -129,10 +130,14 @@ class CpuBackend(TorchBackend):
         return super().act(gate_up, activation)
 
 
+# of a family's pieces (`ModelConfig.unlike_llama`), those the C kernels run too
+C_PIECES = ("QKV bias",)
+
+
 def _torch_pieces(cfg: ModelConfig) -> bool:
-    """Whether the model has layer pieces the C kernels lack (they run Llama's layers): then
-    torch runs its layers, said once at load, never silently."""
-    lacks = cfg.unlike_llama
+    """Whether the model has layer pieces the C kernels lack (they run Llama's layers, and a
+    qkv bias): then torch runs its layers, said once at load, never silently."""
+    lacks = [piece for piece in cfg.unlike_llama if piece not in C_PIECES]
     if lacks:
         log.warning(
             f"backend cpu lacks {', '.join(lacks)} for family {cfg.architecture}; torch runs its "

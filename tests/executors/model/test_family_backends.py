@@ -9,16 +9,26 @@ import attrs
 import pytest
 import structlog
 import torch
-from tiny_families import FAMILIES, make_checkpoint, memstep_logits, memstep_model, prompts
+from tiny_families import (
+    FAMILIES,
+    make_checkpoint,
+    memstep_logits,
+    memstep_model,
+    prompts,
+    write_tokenizer,
+)
 
 from memstep.core.config import ConfigError, EngineConfig
 from memstep.core.model_config import PRESETS
 from memstep.core.model_source import ModelSource, model_config, resolve
+from memstep.core.sampling_params import SamplingParams
 from memstep.executors.cpu import kernels as cpu_kernels
+from memstep.executors.cpu.decode_step import DecodeStep
 from memstep.executors.model import kv_cache
 from memstep.executors.model.llama import LlamaModel
 from memstep.executors.model.weights import load_weights
 from memstep.executors.process.assemble import pick_backend
+from memstep.executors.process.inprocess import local_engine
 from memstep.executors.runtime.worker import family_quantization
 
 CPU = torch.device("cpu")
@@ -35,7 +45,7 @@ def lacks_lines(cfg) -> list[str]:
 def test_the_cpu_says_once_which_pieces_torch_runs():
     qwen3 = attrs.evolve(PRESETS["tiny"], architecture="qwen3", qk_norm=True, qkv_bias=True)
     assert lacks_lines(qwen3) == [
-        "backend cpu lacks QKV bias, q/k norm for family qwen3; torch runs its layers "
+        "backend cpu lacks q/k norm for family qwen3; torch runs its layers "  # a bias: C too
         "(C decode attention kept for global layers)"
     ]
     assert lacks_lines(PRESETS["tiny"]) == []  # Llama's layers: the C kernels, nothing said
@@ -134,3 +144,34 @@ def test_each_family_preset_runs_at_tiny_dimensions(preset):
     model = LlamaModel(cfg, weights, 512, pick_backend(CPU, cfg, weights, torch.float32))
     kv = kv_cache.allocate(2, (64, 4, 2, 16), torch.float32, CPU)
     assert torch.isfinite(memstep_logits(model, kv, list(range(3, 40)))).all()
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler")
+def test_a_qwen2_q4_decode_step_runs_in_one_c_call_with_its_bias(tmp_path, monkeypatch):
+    """Qwen2's layers are Llama's with a qkv bias, which the C decode step adds as torch adds
+    it: a q4 Qwen2 takes the one-call step, and its tokens and log-probs are the kernel-by-kernel
+    forward's bit for bit; the step planted without its bias parts from them."""
+    make_checkpoint("qwen2", tmp_path)
+    write_tokenizer(tmp_path)
+    cfg = EngineConfig(model=str(tmp_path), quantization="q4", max_num_seqs=4)
+    engine = local_engine(cfg.replace(enable_prefix_caching=False, matmul_precision="float32"))
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5)
+
+    def outputs() -> list:
+        return [(c.token_ids, c.logprobs) for c in engine.generate(prompts(), params)]
+
+    try:
+        one_call = engine.executor.worker.model.backend.one_call
+        assert one_call is not None and one_call.biases is not None
+        calls: list[int] = []
+        step = DecodeStep.__call__
+        monkeypatch.setattr(DecodeStep, "__call__", lambda *a: calls.append(1) or step(*a))
+        in_c = outputs()
+        assert len(calls) >= params.max_tokens - 1
+        monkeypatch.setattr(DecodeStep, "rows", staticmethod(lambda batch, caches: None))
+        assert outputs() == in_c  # kernel by kernel: torch adds the bias
+        monkeypatch.undo()
+        one_call.biases = None  # planted: the C step without its bias
+        assert outputs() != in_c
+    finally:
+        engine.shutdown()

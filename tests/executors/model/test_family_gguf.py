@@ -32,6 +32,7 @@ from tiny_gguf import GGUF_ARCH, write_gguf
 from memstep.core.config import EngineConfig
 from memstep.core.model_source import ModelError, gguf_model_config, read_gguf
 from memstep.events.plan import SeqPlan
+from memstep.executors.cpu import backend as cpu_backend
 from memstep.executors.model import kv_cache
 from memstep.executors.model import quant_linear as ql
 from memstep.executors.runtime.batch_builder import build_batch
@@ -266,7 +267,7 @@ def test_a_gguf_of_exact_types_runs_on_the_kernels_blocks_as_its_float32_model(
 ):
     # Q4_K, Q5_0, Q6_K and Q8_0 matrices (tiny_gguf.CPU_MIX) under "auto", for every dense
     # family: each layer's matrices in the form its parts share (none left float32), the whole
-    # decode step one C call for Llama's layers, kernel by kernel in torch for a family's; the
+    # decode step one C call for Llama's and Qwen2's layers, kernel by kernel for the others'; the
     # logits those of the same file's float32 weights ("none") up to float32 rounding
     # (SAME_WEIGHTS: the sums' order differs; 1.0e-4 seen), the greedy tokens equal
     folder, _ = checkpoints(model_type)
@@ -279,7 +280,8 @@ def test_a_gguf_of_exact_types_runs_on_the_kernels_blocks_as_its_float32_model(
     for name in ql.layer_matrices(cfg.num_layers) + ["lm_head"]:
         assert name not in weights  # no float32 matrix: every one in blocks
         assert sum(f"{name}.{form}" in weights for form in ql.BLOCK_FORMS) == 1
-    assert (model.backend.one_call is None) == bool(cfg.unlike_llama)
+    torch_pieces = [p for p in cfg.unlike_llama if p not in cpu_backend.C_PIECES]
+    assert (model.backend.one_call is None) == bool(torch_pieces)  # Llama's, Qwen2's: one call
     error, tokens, float32_tokens = against_float32(model, path)
     assert error < SAME_WEIGHTS  # float32 rounding only
     assert tokens == float32_tokens
@@ -318,8 +320,10 @@ def test_a_qwen2_gguf_on_the_blocks_with_a_planted_mistake_leaves_its_float32_lo
     if plant == "first part's form":
         monkeypatch.setattr(gguf_blocks, "common_form", lambda types: gguf_blocks.form_of(types[0]))
     _, _, model = block_model(path)
-    if plant == "bias left off":
+    if plant == "bias left off":  # by torch's layers, and by the one-call C step
         model.layers[0] = attrs.evolve(model.layers[0], bqkv=None)
+        assert model.backend.one_call is not None
+        model.backend.one_call.biases = None
     assert against_float32(model, path)[0] > 100 * SAME_WEIGHTS
 
 
