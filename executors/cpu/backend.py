@@ -5,7 +5,8 @@ What it replaces is decided once, when it is made (`CpuBackend.choose`):
 * with a C decode-attention kernel (a float32 cache): decode rows, and short queries, attended
   in C reading the pages in place;
 * for a family whose layers differ from Llama's (`ModelConfig.unlike_llama`) by more than a
-  QKV bias (C_PIECES: Qwen2's, which the C step adds), none of the above but decode attention
+  QKV bias and q/k norms (C_PIECES: Qwen2's and Qwen3's, which C runs), none of the above but
+  decode attention
   of its global layers: torch runs its layers, logged once, their matrices through `linear`
   (the block kernels where a GGUF's blocks were kept);
 * for a model whose every layer matrix is blocks (`DecodeStep.of`): the
@@ -100,6 +101,8 @@ class CpuBackend(TorchBackend):
     ) -> torch.Tensor:
         if not self.c_rotary:
             return super().rotate_and_write(model, qkv, batch, rotary, k_cache, v_cache, block)
+        if block is not None and block.q_norm is not None and block.k_norm is not None:
+            self._qk_norms(model, qkv, block.q_norm, block.k_norm)
         return cpu_kernels.rope_and_write_kv(
             qkv,
             model.cos,
@@ -110,6 +113,15 @@ class CpuBackend(TorchBackend):
             v_cache,
             model.cfg.num_heads,
         )
+
+    def _qk_norms(self, model, qkv: torch.Tensor, q_norm, k_norm) -> None:
+        """Each q and k head of `qkv` RMS-normed in place by the C norm, as the one-call step
+        norms them (Qwen3's)."""
+        cfg, t = model.cfg, qkv.shape[0]
+        nq, nk = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        for lo, hi, weight in ((0, nq, q_norm), (nq, nq + nk, k_norm)):
+            heads = qkv[:, lo:hi].reshape(-1, cfg.head_dim)
+            qkv[:, lo:hi] = cpu_kernels.rms_norm(heads, weight, cfg.rms_eps).view(t, hi - lo)
 
     def attend(self, model, q, k_cache, v_cache, batch, window: int = 0) -> torch.Tensor:
         queries_alone = self.step is not None
@@ -131,7 +143,7 @@ class CpuBackend(TorchBackend):
 
 
 # of a family's pieces (`ModelConfig.unlike_llama`), those the C kernels run too
-C_PIECES = ("QKV bias",)
+C_PIECES = ("QKV bias", "q/k norm")
 
 
 def _torch_pieces(cfg: ModelConfig) -> bool:

@@ -12,8 +12,9 @@ takes the C norm and silu * up there too, for every batch of such a model).
 Taken for batches of fewer than ONE_CALL_ROWS rows that are all attended as decode rows (decode
 steps, speculative verify steps, and prefill chunks: on the CPU every query of such a model is
 attended as a decode row of its own, in order) of a model whose every layer matrix is blocks
-(Q4_1, Q5_0, Q8_0 or Q8_16), float32, on one rank, with a float32 KV cache: Llama's layers, or
-Qwen2's (Llama's with a qkv bias, added in C as torch adds it).
+(Q4_1, Q5_0, Q8_0 or Q8_16), float32, on one rank, with a float32 KV cache: Llama's layers,
+Qwen2's (a qkv bias, added in C as torch adds it) or Qwen3's (q and k heads RMS-normed before
+rotary, by the C norm the kernel-by-kernel path takes too).
 """
 
 from __future__ import annotations
@@ -61,20 +62,23 @@ class DecodeStep:
         norms: list[torch.Tensor],
         bf16: bool = False,
         biases: list[torch.Tensor] | None = None,
+        qk_norms: list[torch.Tensor] | None = None,
     ):
         """`matrices`: every layer's (blocks, block bytes) in MATRICES order; `norms`: every
         layer's attention and MLP norm weights, then the final norm's; `bf16`: the matmuls'
         products in bfloat16 (matmul_precision "bfloat16"); `biases`: every layer's qkv bias
-        (Qwen2's), or None."""
+        (Qwen2's), or None; `qk_norms`: every layer's q and k head norm weights (Qwen3's), or
+        None."""
         self.cfg = cfg
         self.bf16 = bf16
-        biases = biases or []
+        biases, qk_norms = biases or [], qk_norms or []
         blocks = [b for b, _ in matrices]
-        self.tensors = [*blocks, *norms, *biases]  # what the pointers address
+        self.tensors = [*blocks, *norms, *biases, *qk_norms]  # what the pointers address
         self.w = _pointers(blocks)
         self.bs = (ctypes.c_int32 * len(matrices))(*(size for _, size in matrices))
         self.norms = _pointers(norms)
         self.biases = _pointers(biases) if biases else None
+        self.qk_norms = _pointers(qk_norms) if qk_norms else None
         self._caches: tuple[tuple[int, ...], ctypes.Array, ctypes.Array] | None = None
 
     @classmethod
@@ -82,18 +86,23 @@ class DecodeStep:
         cls, cfg: ModelConfig, weights: dict[str, torch.Tensor], bf16: bool = False
     ) -> DecodeStep | None:
         """The model's decode step, if every layer matrix is blocks (BLOCK_BYTES) and its
-        norms (and qkv biases, where every layer has one) float32; else None."""
+        norms (and qkv biases, q/k norms, where every layer has them) float32; else None."""
         layers = range(cfg.num_layers)
         found = [_blocks(weights, f"layers.{i}.{m}") for i in layers for m in MATRICES]
         matrices = [m for m in found if m is not None]
         norms = [weights[f"layers.{i}.{n}"] for i in layers for n in ("attn_norm", "mlp_norm")]
         norms.append(weights["norm"])
         biases = [weights[f"layers.{i}.bqkv"] for i in layers if f"layers.{i}.bqkv" in weights]
+        names = [f"layers.{i}.{n}" for i in layers for n in ("q_norm", "k_norm")]
+        qk_norms = [weights[n] for n in names if n in weights]
         usable = cpu_kernels.attends(cfg.head_dim) and len(matrices) == len(found)
         usable = usable and len(biases) in (0, cfg.num_layers)
-        if not usable or any(t.dtype != torch.float32 or t.is_cuda for t in norms + biases):
+        usable = usable and len(qk_norms) in (0, 2 * cfg.num_layers)
+        extra = biases + qk_norms
+        if not usable or any(t.dtype != torch.float32 or t.is_cuda for t in norms + extra):
             return None
-        return cls(cfg, matrices, norms, bf16, [b.contiguous() for b in biases])
+        contiguous = [[t.contiguous() for t in ts] for ts in (biases, qk_norms)]
+        return cls(cfg, matrices, norms, bf16, *contiguous)
 
     @staticmethod
     def rows(
@@ -173,6 +182,7 @@ class DecodeStep:
         qkv = scratch((cfg.num_heads + 2 * cfg.num_kv_heads) * d)
         att, gu, act = scratch(cfg.num_heads * d), scratch(2 * inter), scratch(inter)
         biases = 0 if self.biases is None else ctypes.addressof(self.biases)
+        qk_norms = 0 if self.qk_norms is None else ctypes.addressof(self.qk_norms)
         rest = (cos, sin, pos, slots, tables, lens, qkv, att, gu, act, tmp)
         widest = max(e, cfg.num_heads * d, inter)  # of a matmul's inputs
         xb = torch.empty(m, widest, dtype=torch.bfloat16) if self.bf16 else None
@@ -181,6 +191,7 @@ class DecodeStep:
             out.data_ptr(),
             *[ctypes.addressof(a) for a in (self.w, self.bs, self.norms)],
             biases,
+            qk_norms,
             *[ctypes.addressof(a) for a in (keys, values)],
             *[t.data_ptr() for t in rest],
             0 if xb is None else xb.data_ptr(),

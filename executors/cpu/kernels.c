@@ -833,12 +833,14 @@ static void add_norm_stage(float *h, const float *d, const float *w, float *x, u
    wo, gate_up, down) of bs[...] bytes (Q4_BYTES, Q5_BYTES, Q8_0_BYTES, Q8_16_BYTES); norms[2l],
    norms[2l+1] (attention, MLP) and norms[2L] (final) float32 [E]; bias[l]: the qkv matmul's
    bias float32 [(H+2KVH) D] (Qwen2's), added to each row before rotary (bias NULL: none);
+   qkn[2l], qkn[2l+1]: the q and k heads' RMSNorm weights float32 [D] (Qwen3's), each q and k
+   head normed after the bias, before rotary, as rms_norm norms a row (qkn NULL: none);
    caches kc[l], vc[l].
    Scratch: qkv [M, (H+2KVH) D], att [M, H D], gu [M, 2 I], act [M, I], tmp [M, E]; xb [M,
    max(E, H D, I)] for bfloat16 products, NULL for float32. bases, remap, RA: draft tree rows
    as decode_attention's, or NULL */
 void decode_step(float *h, float *out, const int64_t *w, const int32_t *bs, const int64_t *norms,
-                 const int64_t *bias, const int64_t *kc, const int64_t *vc, const float *cos, const float *sin,
+                 const int64_t *bias, const int64_t *qkn, const int64_t *kc, const int64_t *vc, const float *cos, const float *sin,
                  const int64_t *pos, const int64_t *slots, const int32_t *tables,
                  const int32_t *lens, float *qkv, float *att, float *gu, float *act, float *tmp,
                  uint16_t *xb, int64_t M, int64_t E, int64_t H, int64_t KVH, int64_t D,
@@ -862,8 +864,14 @@ void decode_step(float *h, float *out, const int64_t *w, const int32_t *bs, cons
                 SHARE(M, r0, r1);
                 const float *b = bias ? PTR(const float *, bias, l) : NULL;
                 for (int64_t t = r0; t < r1; t++) {
+                    float *row = qkv + t * QKV;
                     if (b)  /* as torch's qkv + bias: one float32 add an element */
-                        for (int64_t i = 0; i < QKV; i++) qkv[t * QKV + i] += b[i];
+                        for (int64_t i = 0; i < QKV; i++) row[i] += b[i];
+                    if (qkn) {  /* each head a row of D, normed in place */
+                        rms_norm_rows(row, PTR(const float *, qkn, 2 * l), row, 0, H, D, eps);
+                        rms_norm_rows(row + HD, PTR(const float *, qkn, 2 * l + 1), row + HD, 0,
+                                      KVH, D, eps);
+                    }
                     rope_row(qkv, QKV, cos, sin, pos, slots, k, v, t, H, KVH, D);
                 }
             }

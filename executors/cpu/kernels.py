@@ -89,7 +89,7 @@ def _library() -> ctypes.CDLL | None:
     lib.rope_write_kv.argtypes = [p, i, p, p, p, p, p, p, i, i, i, i]
     lib.rms_norm.argtypes = [p, p, p, i, i, f]
     lib.silu_mul.argtypes = [p, p, i, i]
-    lib.decode_step.argtypes = [p] * 20 + [i] * 9 + [f, f, p, p, i]
+    lib.decode_step.argtypes = [p] * 21 + [i] * 9 + [f, f, p, p, i]
     lib.set_parallel_min.argtypes = [i]
     lib.vector_bits.restype = ctypes.c_int
     lib.native_bf16.restype = ctypes.c_int

@@ -43,12 +43,14 @@ def lacks_lines(cfg) -> list[str]:
 
 
 def test_the_cpu_says_once_which_pieces_torch_runs():
-    qwen3 = attrs.evolve(PRESETS["tiny"], architecture="qwen3", qk_norm=True, qkv_bias=True)
-    assert lacks_lines(qwen3) == [
-        "backend cpu lacks q/k norm for family qwen3; torch runs its layers "  # a bias: C too
+    gemma = attrs.evolve(PRESETS["tiny"], architecture="gemma3", qk_norm=True, norm_offset=1.0)
+    assert lacks_lines(gemma) == [
+        "backend cpu lacks (1 + w) norm for family gemma3; torch runs its layers "
         "(C decode attention kept for global layers)"
     ]
     assert lacks_lines(PRESETS["tiny"]) == []  # Llama's layers: the C kernels, nothing said
+    qwen = attrs.evolve(PRESETS["tiny"], architecture="qwen3", qk_norm=True, qkv_bias=True)
+    assert lacks_lines(qwen) == []  # a QKV bias and q/k norms: the C kernels run them too
 
 
 @pytest.mark.parametrize(
@@ -147,11 +149,15 @@ def test_each_family_preset_runs_at_tiny_dimensions(preset):
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler")
-def test_a_qwen2_q4_decode_step_runs_in_one_c_call_with_its_bias(tmp_path, monkeypatch):
-    """Qwen2's layers are Llama's with a qkv bias, which the C decode step adds as torch adds
-    it: a q4 Qwen2 takes the one-call step, and its tokens and log-probs are the kernel-by-kernel
-    forward's bit for bit; the step planted without its bias parts from them."""
-    make_checkpoint("qwen2", tmp_path)
+@pytest.mark.parametrize(("model_type", "piece"), [("qwen2", "biases"), ("qwen3", "qk_norms")])
+def test_a_qwen_q4_decode_step_runs_in_one_c_call_with_its_pieces(
+    tmp_path, monkeypatch, model_type, piece
+):
+    """Qwen2's layers are Llama's with a qkv bias, Qwen3's with q and k head norms, which the C
+    decode step runs as the kernel-by-kernel path does: a q4 model of either takes the one-call
+    step, and its tokens and log-probs are the kernel-by-kernel forward's bit for bit; the step
+    planted without its piece parts from them."""
+    make_checkpoint(model_type, tmp_path)
     write_tokenizer(tmp_path)
     cfg = EngineConfig(model=str(tmp_path), quantization="q4", max_num_seqs=4)
     engine = local_engine(cfg.replace(enable_prefix_caching=False, matmul_precision="float32"))
@@ -162,16 +168,16 @@ def test_a_qwen2_q4_decode_step_runs_in_one_c_call_with_its_bias(tmp_path, monke
 
     try:
         one_call = engine.executor.worker.model.backend.one_call
-        assert one_call is not None and one_call.biases is not None
+        assert one_call is not None and getattr(one_call, piece) is not None
         calls: list[int] = []
         step = DecodeStep.__call__
         monkeypatch.setattr(DecodeStep, "__call__", lambda *a: calls.append(1) or step(*a))
         in_c = outputs()
         assert len(calls) >= params.max_tokens - 1
         monkeypatch.setattr(DecodeStep, "rows", staticmethod(lambda batch, caches: None))
-        assert outputs() == in_c  # kernel by kernel: torch adds the bias
+        assert outputs() == in_c  # kernel by kernel
         monkeypatch.undo()
-        one_call.biases = None  # planted: the C step without its bias
+        setattr(one_call, piece, None)  # planted: the C step without its piece
         assert outputs() != in_c
     finally:
         engine.shutdown()
