@@ -6,9 +6,8 @@ What it replaces is decided once, when it is made (`CpuBackend.choose`):
   in C reading the pages in place;
 * for a family whose layers differ from Llama's (`ModelConfig.unlike_llama`) by more than a
   QKV bias and q/k norms (C_PIECES: Qwen2's and Qwen3's, which C runs), none of the above but
-  decode attention
-  of its global layers: torch runs its layers, logged once, their matrices through `linear`
-  (the block kernels where a GGUF's blocks were kept);
+  decode attention of its global layers: torch runs its layers, logged once, their matrices
+  through `linear` (the block kernels where a GGUF's blocks were kept);
 * for a model whose every layer matrix is blocks (`DecodeStep.of`): the
   norms and silu * up in C for every batch, every query attended as a decode row of its own,
   and batches of decode rows run as one C call (`DecodeStep`), so that a row's bits do not
@@ -147,8 +146,8 @@ C_PIECES = ("QKV bias", "q/k norm")
 
 
 def _torch_pieces(cfg: ModelConfig) -> bool:
-    """Whether the model has layer pieces the C kernels lack (they run Llama's layers, and a
-    qkv bias): then torch runs its layers, said once at load, never silently."""
+    """Whether the model has layer pieces the C kernels lack (they run Llama's layers and
+    C_PIECES): then torch runs its layers, said once at load, never silently."""
     lacks = [piece for piece in cfg.unlike_llama if piece not in C_PIECES]
     if lacks:
         log.warning(

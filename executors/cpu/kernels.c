@@ -840,7 +840,8 @@ static void add_norm_stage(float *h, const float *d, const float *w, float *x, u
    max(E, H D, I)] for bfloat16 products, NULL for float32. bases, remap, RA: draft tree rows
    as decode_attention's, or NULL */
 void decode_step(float *h, float *out, const int64_t *w, const int32_t *bs, const int64_t *norms,
-                 const int64_t *bias, const int64_t *qkn, const int64_t *kc, const int64_t *vc, const float *cos, const float *sin,
+                 const int64_t *bias, const int64_t *qkn, const int64_t *kc, const int64_t *vc,
+                 const float *cos, const float *sin,
                  const int64_t *pos, const int64_t *slots, const int32_t *tables,
                  const int32_t *lens, float *qkv, float *att, float *gu, float *act, float *tmp,
                  uint16_t *xb, int64_t M, int64_t E, int64_t H, int64_t KVH, int64_t D,

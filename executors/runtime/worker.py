@@ -96,7 +96,8 @@ def pick_quantization(cfg: EngineConfig, source: ModelSource, device: torch.devi
 def family_quantization(cfg: EngineConfig, model: ModelConfig, picked: str, ranks: int) -> str:
     """`picked` for Llama's layers, and under "auto" for any dense family's too: a GGUF whose
     matrices all convert exactly runs them through the CPU backend's block linears, the rest
-    of its layers (bias, q/k norms, offset norms, GeGLU, windows) in torch as before. A
+    of its layers as its backend runs them (the C step for Qwen2's and Qwen3's, torch for
+    offset norms, GeGLU, windows). A
     mixture of experts gets "none" under "auto", said once (its experts are [E, rows, columns]
     tensors, which no block kernel multiplies: a GGUF's blocks are dequantized at load), and
     an int8 or q4 asked by name is a ConfigError there; a dense family's matrices take either
